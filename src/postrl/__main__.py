@@ -1,0 +1,4 @@
+from postrl.cli import main
+import sys
+
+sys.exit(main())

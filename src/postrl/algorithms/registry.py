@@ -1,0 +1,36 @@
+"""Name -> function registries. The registry is the only way the training loop finds an algorithm."""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(Generic[F]):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        def decorator(fn: F) -> F:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} '{name}' is already registered (by {self._entries[name].__module__})")
+            self._entries[name] = fn
+            return fn
+
+        return decorator
+
+    def check(self, name: str) -> str:
+        if name not in self._entries:
+            raise ValueError(f"unknown {self.kind} '{name}'; registered: {', '.join(sorted(self._entries))}")
+        return name
+
+    def get(self, name: str) -> F:
+        return self._entries[self.check(name)]
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries

@@ -1,0 +1,87 @@
+"""The ``postrl`` command line: train, demo, eval."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from postrl.config import ConfigError
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from postrl.config import load_config
+    from postrl.runner import resume_config, train
+
+    if args.resume:
+        if args.config and "=" not in args.config:
+            raise ConfigError("give either CONFIG or --resume RUN_DIR, not both")
+        overrides = ([args.config] if args.config else []) + args.overrides
+        config = resume_config(args.resume, overrides)
+    else:
+        if not args.config:
+            raise ConfigError("postrl train needs a CONFIG.yaml (or --resume runs/NAME)")
+        config = load_config(args.config, args.overrides)
+    controller = train(config, resume=bool(args.resume))
+    print(f"finished {controller.step_count} steps; run directory: {config.run_dir}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from postrl.demo import run_demo
+
+    result = run_demo(args.overrides)
+    print(
+        f"demo done in {result.wall_s:.0f}s: held-out accuracy {result.acc_before:.3f} -> {result.acc_after:.3f} "
+        f"after {result.steps} GRPO steps ({result.run_dir})"
+    )
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from postrl.evaluate import evaluate_model
+    from postrl.models import load_causal_lm, load_tokenizer
+
+    result = evaluate_model(load_causal_lm(args.model), load_tokenizer(args.model), args.task, max_tokens=args.max_tokens)
+    print(f"{result.task}: held-out accuracy {result.accuracy:.3f} ({result.correct}/{result.total})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="postrl", description="RL post-training of language models.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run GRPO/PPO from a YAML config")
+    p.add_argument("config", nargs="?", help="CONFIG.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-5")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("demo", help="GRPO on the built-in arithmetic task with the shipped model")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("eval", help="held-out accuracy of a model on a built-in task")
+    p.add_argument("--model", required=True, help="a Hugging Face model folder, or 'demo'")
+    p.add_argument("--task", default="arithmetic")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from postrl.data import DatasetError
+    from postrl.train.worker import NonFiniteLossError
+
+    try:
+        return args.func(args)
+    except (ConfigError, DatasetError, FileNotFoundError, NonFiniteLossError) as exc:
+        print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""One validated config model per component, loaded from YAML plus dotted ``key=value`` overrides.
+
+Unknown keys and bad values fail before any work starts, with a message naming the field, the
+value given and what is allowed (:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names every offending field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("demo", description="A local Hugging Face folder, a hub id, or 'demo' for the shipped model.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for training and rollout.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+
+class DataConfig(_Section):
+    task: str | None = Field(None, description="A built-in task name (see postrl.tasks); replaces train_files.")
+    train_files: list[str] = Field(default_factory=list, description="JSONL or Parquet prompt files.")
+    prompt_column: str = Field("prompt", description="Column holding a prompt string.")
+    messages_column: str = Field("messages", description="Column holding a chat message list.")
+    apply_chat_template: bool = Field(False, description="Also wrap string prompts as one user message.")
+    max_prompt_tokens: int = Field(512, ge=1, description="Longer prompts are an error (or skipped).")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip+count.")
+    shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded).")
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str | None) -> str | None:
+        from postrl.tasks import get_task
+
+        return None if v is None else get_task(v).name
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.task is None and not self.train_files:
+            raise ValueError("set data.task or data.train_files")
+        if self.task is not None and self.train_files:
+            raise ValueError("set only one of data.task and data.train_files")
+        return self
+
+
+class RolloutConfig(_Section):
+    backend: Literal["torch"] = Field("torch", description="Rollout engine.")
+    n: int = Field(8, ge=1, description="Responses per prompt (the GRPO group size G).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_tokens: int = Field(64, ge=1, description="Maximum new tokens per response.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (kept in the response).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides EOS.")
+    max_batch_size: int = Field(256, ge=1, description="Sequences decoded together.")
+    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="Engine dtype; defaults to model.dtype.")
+    weight_sync: Literal["memory", "safetensors"] = Field("memory", description="How new weights reach the engine.")
+
+
+class VerifiableRewardConfig(_Section):
+    type: Literal["math", "exact_match", "custom", "none"] = Field("exact_match")
+    function: str | None = Field(None, description="'package.module:function' for type=custom.")
+    answer_column: str = Field("answer", description="Dataset column holding the reference answer.")
+
+    @model_validator(mode="after")
+    def _custom_needs_function(self) -> VerifiableRewardConfig:
+        if self.type == "custom" and not self.function:
+            raise ValueError("reward.verifiable.type=custom needs reward.verifiable.function='module:function'")
+        if self.function and ":" not in self.function:
+            raise ValueError(f"reward.verifiable.function={self.function!r} must look like 'package.module:function'")
+        return self
+
+
+class RewardWeights(_Section):
+    verifiable: float = Field(1.0, description="alpha")
+    model: float = Field(0.0, description="beta (needs reward.model_path)")
+    format: float = Field(0.0, description="gamma")
+    length: float = Field(0.0, description="delta")
+
+
+class RewardConfig(_Section):
+    verifiable: VerifiableRewardConfig = Field(default_factory=VerifiableRewardConfig)
+    format_pattern: str = Field(r"^\s*<answer>.*?</answer>\s*$", description="Regex the whole response must match.")
+    length_target_tokens: int = Field(0, ge=0, description="Length reward is -max(0, len-target)/target; 0 = off.")
+    model_path: str | None = Field(None, description="A sequence-classification reward model folder.")
+    weights: RewardWeights = Field(default_factory=RewardWeights)
+    timeout_s: float = Field(5.0, gt=0.0, description="Per-sample scoring timeout; the worker is killed past it.")
+    num_workers: int = Field(2, ge=1, description="Scoring worker processes.")
+
+    @model_validator(mode="after")
+    def _model_weight_needs_model(self) -> RewardConfig:
+        if self.weights.model != 0.0 and not self.model_path:
+            raise ValueError("reward.weights.model is non-zero but reward.model_path is not set")
+        return self
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = Field("grpo", description="Advantage estimator (registry name).")
+    policy_loss: str = Field("ppo_clip", description="Policy loss (registry name).")
+    loss_agg: str = Field("token_mean", description="Loss aggregation (registry name).")
+    clip_eps_low: float = Field(0.2, ge=0.0)
+    clip_eps_high: float = Field(0.2, ge=0.0)
+    kl_beta: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient; 0 loads no reference model.")
+    norm_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, v: str) -> str:
+        from postrl.algorithms import ADVANTAGES
+
+        return ADVANTAGES.check(v)
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        from postrl.algorithms import POLICY_LOSSES
+
+        return POLICY_LOSSES.check(v)
+
+    @field_validator("loss_agg")
+    @classmethod
+    def _known_agg(cls, v: str) -> str:
+        from postrl.algorithms import LOSS_AGGREGATIONS
+
+        return LOSS_AGGREGATIONS.check(v)
+
+
+class TrainConfig(_Section):
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup, in optimizer steps.")
+    grad_clip: float = Field(1.0, gt=0.0)
+    mini_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
+    epochs: int = Field(1, ge=1, description="Passes over each step's experiences.")
+    max_consecutive_nan: int = Field(3, ge=1, description="Stop the run after this many skipped updates in a row.")
+
+    @model_validator(mode="after")
+    def _micro_fits_mini(self) -> TrainConfig:
+        if self.micro_batch_size > self.mini_batch_size:
+            raise ValueError(
+                f"train.micro_batch_size={self.micro_batch_size} must be <= train.mini_batch_size={self.mini_batch_size}"
+            )
+        return self
+
+
+class BufferConfig(_Section):
+    type: Literal["on_policy"] = "on_policy"
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(10, ge=0, description="Write a checkpoint every k steps; 0 = only at the end.")
+    keep_last: int = Field(2, ge=1)
+
+
+class LoggingConfig(_Section):
+    console: bool = True
+    progress_bar: bool = True
+    jsonl: bool = True
+    tensorboard: bool = True
+
+
+class RunConfig(_Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = Field(100, ge=1)
+    prompts_per_step: int = Field(16, ge=1)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=lambda: DataConfig(task="arithmetic"))
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def _describe(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """The allowed field names at ``loc``, for an 'unknown field' message."""
+    current: Any = model
+    for part in loc[:-1]:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        current = field.annotation
+    names = sorted(getattr(current, "model_fields", {}))
+    return f" (allowed: {', '.join(names)})" if names else ""
+
+
+def format_validation_error(err: ValidationError, model: type[BaseModel] = RunConfig) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        where = ".".join(str(p) for p in loc) or "<config>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config field '{where}'{_describe(model, loc)}")
+        else:
+            lines.append(f"config field '{where}': got {e.get('input')!r}: {e['msg']}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.sub=value")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from exc
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def build_config(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    data = apply_overrides(copy.deepcopy(data), overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = loaded or {}
+    return build_config(data, overrides)
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,190 @@
+"""The Controller: one RL step as data flowing forward once.
+
+sample_prompts -> RolloutWorker.generate -> RewardService.score_batch -> compute_advantage ->
+ExperienceBuffer.put/get -> TrainWorker.update -> sync_weights -> metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from postrl.algorithms import ADVANTAGES, AdvantageInputs
+from postrl.buffer import OnPolicyBuffer
+from postrl.config import RunConfig
+from postrl.data import PromptDataset, PromptSampler
+from postrl.reward import RewardService, ScoreRequest
+from postrl.rollout import RolloutWorker
+from postrl.train.worker import TrainWorker
+from postrl.types import Experience, ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepMetrics
+from postrl.weights import write_sync_file
+
+
+@dataclass
+class Components:
+    """Everything a Controller drives; built by :func:`postrl.runner.build_components`."""
+
+    config: RunConfig
+    tokenizer: Any
+    dataset: PromptDataset
+    rollout: RolloutWorker
+    reward: RewardService
+    trainer: TrainWorker
+    buffer: OnPolicyBuffer
+
+
+class Controller:
+    def __init__(self, parts: Components, sync_dir: Any = None) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.sampler = PromptSampler(len(parts.dataset), seed=self.config.seed, shuffle=self.config.data.shuffle)
+        self.step_count = 0
+        self.weight_version = 0
+        self.sync_dir = sync_dir
+        r = self.config.rollout
+        self.sampling = SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_tokens,
+            stop=tuple(r.stop),
+            stop_token_ids=tuple(r.stop_token_ids),
+        )
+        self.sync_weights(bump=False)
+
+    # -- the step ----------------------------------------------------------------------------
+    def sample_prompts(self) -> list[Prompt]:
+        return [self.parts.dataset[i] for i in self.sampler.next_indices(self.config.prompts_per_step)]
+
+    def step(self) -> StepMetrics:
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        prompts = self.sample_prompts()
+        rollouts = self.parts.rollout.generate(prompts, self.sampling, self.weight_version)
+        timings["generate"] = time.perf_counter() - t0
+
+        t = time.perf_counter()
+        rewards = self.parts.reward.score_batch(
+            [ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids)) for r in rollouts]
+        )
+        timings["reward"] = time.perf_counter() - t
+
+        advantages = self.compute_advantage(rollouts, rewards)
+        self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
+        experiences = self.parts.buffer.get(None, self.weight_version)
+
+        t = time.perf_counter()
+        batch = ExperienceBatch.from_experiences(experiences, self.parts.tokenizer.pad_token_id)
+        train_metrics = self.parts.trainer.update(batch)
+        timings["train"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.sync_weights()
+        timings["sync"] = time.perf_counter() - t
+        timings["step"] = time.perf_counter() - t0
+
+        self.step_count += 1
+        values = self._metrics(rollouts, rewards, train_metrics, timings)
+        return StepMetrics(step=self.step_count, weight_version=self.weight_version, values=values)
+
+    def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult]) -> torch.Tensor:
+        reward_tensor = torch.tensor([math.nan if r.reward is None else r.reward for r in rewards], dtype=torch.float32)
+        groups = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
+        estimator = ADVANTAGES.get(self.config.algorithm.advantage)
+        return estimator(AdvantageInputs(reward_tensor, groups, norm_by_std=self.config.algorithm.norm_by_std))
+
+    def sync_weights(self, bump: bool = True) -> None:
+        """Push the trainer's policy into the rollout worker under a new ``weight_version``."""
+        if bump:
+            self.weight_version += 1
+        state = self.parts.trainer.policy_state()
+        if self.config.rollout.weight_sync == "safetensors":
+            path = write_sync_file(state, self.sync_dir / "policy.safetensors")
+            self.parts.rollout.update_weights(path, self.weight_version)
+        else:
+            self.parts.rollout.update_weights(state, self.weight_version)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _experiences(
+        self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult], advantages: torch.Tensor
+    ) -> list[Experience]:
+        out = []
+        for r, res, adv in zip(rollouts, rewards, advantages.tolist()):
+            prompt = prompts[r.prompt_index]
+            metadata = {
+                "task_type": prompt.columns.get("task_type"),
+                "source": prompt.source,
+                "finish_reason": r.finish_reason,
+                "components": res.components,
+                "unscorable": res.unscorable,
+                "error": res.error,
+            }
+            out.append(
+                Experience(
+                    prompt_ids=r.prompt_ids,
+                    response_ids=r.response_ids,
+                    logprobs=r.logprobs,
+                    reward=0.0 if res.reward is None else res.reward,
+                    advantage=adv,
+                    weight_version=r.weight_version,
+                    metadata=metadata,
+                )
+            )
+        return out
+
+    def _metrics(self, rollouts, rewards, train, timings) -> dict[str, float]:
+        scored = torch.tensor([r.reward for r in rewards if r.reward is not None], dtype=torch.float64)
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
+        nan = float("nan")
+        v: dict[str, float] = {
+            "reward/mean": float(scored.mean()) if scored.numel() else nan,
+            "reward/std": float(scored.std(unbiased=False)) if scored.numel() else nan,
+            "reward/min": float(scored.min()) if scored.numel() else nan,
+            "reward/max": float(scored.max()) if scored.numel() else nan,
+            "reward/unscorable": float(sum(r.unscorable for r in rewards)),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+            "actor/loss": train.loss,
+            "actor/kl": train.kl,
+            "actor/entropy": train.entropy,
+            "actor/clip_fraction": train.clip_fraction,
+            "actor/grad_norm": train.grad_norm,
+            "actor/lr": train.learning_rate,
+            "actor/skipped_updates": float(train.skipped_steps),
+            "perf/gen_tokens_per_s": float(lengths.sum()) / max(timings["generate"], 1e-9),
+            "data/epoch": float(self.sampler.epoch),
+            "data/skipped_rows": float(len(self.parts.dataset.skipped)),
+        }
+        for name in sorted({k for r in rewards for k in r.components}):
+            vals = [r.components[name] for r in rewards if name in r.components]
+            v[f"reward/{name}/mean"] = sum(vals) / len(vals)
+        verified = [r.components["verifiable"] for r in rewards if "verifiable" in r.components]
+        if verified and self.config.reward.verifiable.type in ("exact_match", "math"):
+            v["accuracy"] = sum(x >= 1.0 for x in verified) / len(rewards)
+        for name, seconds in timings.items():
+            v[f"time/{name}_s"] = seconds
+        return v
+
+    # -- run state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step_count,
+            "weight_version": self.weight_version,
+            "sampler": self.sampler.state_dict(),
+            "rollout": self.parts.rollout.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step"])
+        self.weight_version = int(state["weight_version"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.parts.rollout.load_state_dict(state["rollout"])
+        torch.set_rng_state(state["torch_rng"])
+        self.sync_weights(bump=False)

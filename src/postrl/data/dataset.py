@@ -1,0 +1,133 @@
+"""Prompt datasets from JSONL and Parquet files (or a built-in task).
+
+A row has a ``prompt`` string or a ``messages`` chat list; every other column is kept and reaches
+the reward function untouched. A malformed row or a too-long prompt is an error naming the file
+and line, or, with ``on_bad_row: skip``, skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from postrl.types import Prompt
+
+
+class DatasetError(ValueError):
+    """A dataset row or file that cannot be used; the message names the file and line."""
+
+
+@dataclass
+class PromptDataset:
+    prompts: list[Prompt]
+    skipped: list[str] = field(default_factory=list)  # one "file:line: reason" per skipped row
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> Prompt:
+        return self.prompts[index]
+
+
+@dataclass(frozen=True)
+class MalformedRow:
+    """A row that could not even be parsed; handled like any other bad row."""
+
+    reason: str
+
+
+def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(source, row) pairs, source being "file:line"; unparsable lines come as MalformedRow."""
+    if not path.is_file():
+        raise DatasetError(f"dataset file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}:{lineno}", json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield f"{path}:{lineno}", MalformedRow(f"invalid JSON: {exc.msg} at column {exc.colno}")
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield f"{path}:row {i}", row
+    else:
+        raise DatasetError(f"dataset file {path}: unsupported extension '{suffix}' (use .jsonl or .parquet)")
+
+
+def _validate_messages(messages: Any) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of {role, content} objects"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"'messages'[{i}] must be an object with string 'role' and 'content'"
+    return None
+
+
+def tokenize_row(row: Any, tokenizer: Any, prompt_column: str, messages_column: str, chat: bool) -> tuple[str, list[int]]:
+    """The prompt text and ids of one row; raises ValueError with the reason when malformed."""
+    if not isinstance(row, dict):
+        raise ValueError(f"row must be an object, got {type(row).__name__}")
+    if prompt_column in row and row[prompt_column] is not None:
+        text = row[prompt_column]
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"'{prompt_column}' must be a non-empty string, got {text!r}")
+        if not chat:
+            return text, tokenizer(text)["input_ids"]
+        messages = [{"role": "user", "content": text}]
+    elif messages_column in row:
+        messages = row[messages_column]
+        problem = _validate_messages(messages)
+        if problem:
+            raise ValueError(problem)
+    else:
+        raise ValueError(f"row has neither '{prompt_column}' nor '{messages_column}' (columns: {sorted(row)})")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def build_prompts(
+    rows: Iterator[tuple[str, Any]],
+    tokenizer: Any,
+    *,
+    prompt_column: str = "prompt",
+    messages_column: str = "messages",
+    apply_chat_template: bool = False,
+    max_prompt_tokens: int = 512,
+    on_bad_row: str = "error",
+) -> PromptDataset:
+    dataset = PromptDataset(prompts=[])
+    for source, row in rows:
+        try:
+            if isinstance(row, MalformedRow):
+                raise ValueError(row.reason)
+            text, ids = tokenize_row(row, tokenizer, prompt_column, messages_column, apply_chat_template)
+            if len(ids) > max_prompt_tokens:
+                raise ValueError(f"prompt has {len(ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
+        except ValueError as exc:
+            message = f"{source}: {exc}"
+            if on_bad_row == "error":
+                raise DatasetError(message) from None
+            dataset.skipped.append(message)
+            continue
+        columns = {k: v for k, v in row.items() if k not in (prompt_column, messages_column)}
+        dataset.prompts.append(Prompt(text=text, prompt_ids=ids, columns=columns, source=source))
+    return dataset
+
+
+def load_prompt_dataset(files: list[str], tokenizer: Any, **options: Any) -> PromptDataset:
+    def all_rows() -> Iterator[tuple[str, Any]]:
+        for f in files:
+            yield from iter_rows(Path(f))
+
+    dataset = build_prompts(all_rows(), tokenizer, **options)
+    if not dataset.prompts:
+        raise DatasetError(f"no usable prompts in {', '.join(files)} ({len(dataset.skipped)} rows skipped)")
+    return dataset

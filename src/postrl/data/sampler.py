@@ -1,0 +1,46 @@
+"""A seeded, shuffled, epoch-aware prompt sampler whose position is part of the run state."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PromptSampler:
+    """Yields dataset indices epoch after epoch; each epoch's order is derived from (seed, epoch).
+
+    Its whole state is ``(epoch, position)``, so saving and restoring it resumes exactly.
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
+        if size <= 0:
+            raise ValueError("cannot sample from an empty dataset")
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._order_for(0)
+
+    def _order_for(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.size))
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.size, generator=gen).tolist()
+
+    def next_indices(self, count: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < count:
+            if self.position == self.size:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._order_for(self.epoch)
+            take = min(count - len(out), self.size - self.position)
+            out.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["size"] != self.size:
+            raise ValueError(f"sampler state is for a dataset of {state['size']} prompts, this one has {self.size}")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._order_for(self.epoch)

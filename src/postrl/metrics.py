@@ -1,0 +1,88 @@
+"""Metric sinks: a compact console line per step, a JSONL file and TensorBoard event files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+from postrl.types import StepMetrics
+
+CONSOLE_KEYS = [
+    ("reward/mean", "reward", "{:.3f}"),
+    ("accuracy", "acc", "{:.3f}"),
+    ("response/length_mean", "len", "{:.1f}"),
+    ("actor/kl", "kl", "{:.4f}"),
+    ("actor/entropy", "ent", "{:.3f}"),
+    ("actor/grad_norm", "gnorm", "{:.3f}"),
+    ("perf/gen_tokens_per_s", "tok/s", "{:.0f}"),
+    ("time/step_s", "s", "{:.1f}"),
+]
+
+
+class MetricSink(Protocol):
+    def write(self, metrics: StepMetrics) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def console_line(metrics: StepMetrics) -> str:
+    parts = [f"step {metrics.step}"]
+    for key, label, fmt in CONSOLE_KEYS:
+        value = metrics.values.get(key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            parts.append(f"{label} {fmt.format(value)}")
+    if metrics.values.get("reward/unscorable", 0):
+        parts.append(f"unscorable {int(metrics.values['reward/unscorable'])}")
+    return " | ".join(parts)
+
+
+class ConsoleSink:
+    def __init__(self, echo=print) -> None:
+        self.echo = echo
+
+    def write(self, metrics: StepMetrics) -> None:
+        self.echo(console_line(metrics))
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends one JSON object per step. On resume, lines past the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, resume_step: int | None = None) -> None:
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.fh = path.open("a")
+
+    def write(self, metrics: StepMetrics) -> None:
+        row = {"step": metrics.step, "weight_version": metrics.weight_version, **metrics.values}
+        self.fh.write(json.dumps(row, allow_nan=True) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path, resume_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+
+    def write(self, metrics: StepMetrics) -> None:
+        for key, value in metrics.values.items():
+            self.writer.add_scalar(key, value, metrics.step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,17 @@
+"""Cheap rule rewards computed in the driver: format (regex) and length penalty."""
+
+from __future__ import annotations
+
+import re
+
+
+def format_reward(pattern: re.Pattern[str], response: str) -> float:
+    """1.0 when the whole response matches the configured pattern."""
+    return 1.0 if pattern.fullmatch(response) else 0.0
+
+
+def length_penalty(num_tokens: int, target_tokens: int) -> float:
+    """0 up to ``target_tokens``, then -(excess / target): -1 at twice the target."""
+    if target_tokens <= 0:
+        return 0.0
+    return -max(0, num_tokens - target_tokens) / target_tokens

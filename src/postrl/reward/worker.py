@@ -1,0 +1,65 @@
+"""A scoring worker process: reads JSON jobs from stdin, writes one JSON result per job to stdout.
+
+Run as ``python -m postrl.reward.worker [module:function ...]`` (the functions are imported
+before the worker reports ready, so their import time does not count against a job's timeout). Each job names a function by import path; the
+function's exceptions become error results. Nothing is unpickled: the pipe speaks JSON lines.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+import traceback
+from typing import Any, Callable
+
+_cache: dict[str, Callable[..., Any]] = {}
+
+
+def resolve(path: str) -> Callable[..., Any]:
+    if path not in _cache:
+        module_name, _, attr = path.partition(":")
+        fn = getattr(importlib.import_module(module_name), attr, None)
+        if not callable(fn):
+            raise ImportError(f"'{path}': module '{module_name}' has no callable '{attr}'")
+        _cache[path] = fn
+    return _cache[path]
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    try:
+        fn = resolve(job["fn"])
+        columns = dict(job.get("columns") or {})
+        columns.update(job.get("options") or {})
+        value = fn(job["prompt"], job["response"], **columns)
+        if value is None:
+            return {"id": job["id"], "value": None, "error": "reward function returned None (cannot score)"}
+        value = float(value)
+        if not math.isfinite(value):
+            return {"id": job["id"], "value": None, "error": f"reward function returned {value}"}
+        return {"id": job["id"], "value": value, "error": None}
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded, unscorable result
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+        return {"id": job["id"], "value": None, "error": f"{type(exc).__name__}: {exc}{where}"}
+
+
+def main() -> None:
+    out = sys.stdout
+    sys.stdout = sys.stderr  # a reward function's prints must not corrupt the result stream
+    for path in sys.argv[1:]:
+        try:
+            resolve(path)
+        except Exception:  # noqa: BLE001 - reported again, per job, when the function is used
+            pass
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        if line.strip():
+            out.write(json.dumps(run_job(json.loads(line))) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    main()

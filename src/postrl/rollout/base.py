@@ -1,0 +1,23 @@
+"""The Rollout Worker interface every backend implements."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from postrl.types import Prompt, Rollout, SamplingParams
+
+
+@runtime_checkable
+class RolloutWorker(Protocol):
+    weight_version: int
+
+    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+        """``sampling_params.n`` responses per prompt, grouped by prompt, in prompt order."""
+        ...
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int) -> None: ...
+
+    def health_check(self) -> bool: ...

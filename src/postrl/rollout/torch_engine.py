@@ -1,0 +1,147 @@
+"""The built-in Rollout Worker: any Hugging Face causal LM, batched decoding with a KV cache.
+
+Prompts are left-padded into batches of at most ``max_batch_size`` sequences (the G samples of
+a prompt are rows of the same batch); every step samples all running rows in one call. The
+engine owns its random generator, so rollouts are reproducible and resumable.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from postrl.rollout.sampling import sample_tokens
+from postrl.rollout.stops import StopChecker
+from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.weights import load_state_checked
+
+log = logging.getLogger(__name__)
+
+
+def cache_argument(model: Any) -> str:
+    """transformers >= 5.2x names the KV cache ``cache``; older releases ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    cfg = getattr(model, "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class TorchRolloutWorker:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_size: int = 256, seed: int = 0) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weight_version = 0
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._eos = eos_ids(model, tokenizer)
+        self._cache_arg = cache_argument(model)
+
+    # -- RolloutWorker interface -------------------------------------------------------------
+    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+        if weight_version != self.weight_version:
+            raise RuntimeError(
+                f"asked to generate with weight_version {weight_version}, engine holds {self.weight_version}"
+            )
+        if sampling_params.seed is not None:
+            self.generator.manual_seed(sampling_params.seed)
+        rows = [(i, p.prompt_ids) for i, p in enumerate(prompts) for _ in range(sampling_params.n)]
+        out: list[Rollout] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            out.extend(self._generate_batch(rows[start : start + self.max_batch_size], sampling_params))
+        return out
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int) -> None:
+        source = str(weights) if isinstance(weights, (str, Path)) else "an in-memory state dict"
+        state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
+        load_state_checked(self.model, state, source)
+        self.weight_version = version
+
+    def health_check(self) -> bool:
+        return self.model is not None and not self.model.training
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "weight_version": self.weight_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.weight_version = int(state["weight_version"])
+
+    # -- internals -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _generate_batch(self, rows: list[tuple[int, list[int]]], sp: SamplingParams) -> list[Rollout]:
+        device = next(self.model.parameters()).device
+        n = len(rows)
+        width = max(len(ids) for _, ids in rows)
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        for r, (_, ids) in enumerate(rows):
+            input_ids[r, width - len(ids) :] = torch.tensor(ids)
+            attention[r, width - len(ids) :] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+
+        stop_ids = self._eos | set(sp.stop_token_ids)
+        stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        checker = StopChecker(self.tokenizer, sp.stop)
+        responses: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str] = ["length"] * n
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        cache, next_logits = output_cache(out), out.logits[:, -1, :]
+        next_pos = positions[:, -1:] + 1
+        for _ in range(sp.max_tokens):
+            tokens, token_lp = sample_tokens(next_logits, sp.temperature, sp.top_k, sp.top_p, self.generator)
+            tokens = torch.where(done, torch.full_like(tokens, self.pad_id), tokens)
+            hit_stop_id = torch.isin(tokens, stop_tensor) & ~done
+            tok_list, lp_list, active = tokens.tolist(), token_lp.tolist(), (~done).nonzero().flatten().tolist()
+            for r in active:
+                responses[r].append(tok_list[r])
+                logprobs[r].append(lp_list[r])
+                if hit_stop_id[r] or checker.hit(responses[r]):
+                    finish[r] = "stop"
+                    done[r] = True
+            if bool(done.all()):
+                break
+            attention = torch.cat([attention, attention.new_ones((n, 1))], dim=-1)
+            out = self.model(
+                input_ids=tokens.unsqueeze(-1),
+                attention_mask=attention,
+                position_ids=next_pos,
+                use_cache=True,
+                **{self._cache_arg: cache},
+            )
+            cache, next_logits = output_cache(out), out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        return [
+            Rollout(
+                prompt_index=idx,
+                prompt_ids=list(ids),
+                response_ids=responses[r],
+                logprobs=logprobs[r],
+                text=self.tokenizer.decode(responses[r], skip_special_tokens=True),
+                finish_reason=finish[r],  # type: ignore[arg-type]
+                weight_version=self.weight_version,
+            )
+            for r, (idx, ids) in enumerate(rows)
+        ]

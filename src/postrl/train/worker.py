@@ -1,0 +1,167 @@
+"""The Train Worker: policy-gradient updates over mini-batches, micro-batches and epochs.
+
+The loss of a micro-batch is aggregated with the *mini-batch's* token count, and gradients
+accumulate across micro-batches, so the update does not depend on the micro-batch split.
+A non-finite gradient norm skips the optimizer step and is counted; too many in a row raise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, kl_k3
+from postrl.config import AlgorithmConfig, TrainConfig
+from postrl.train.logprobs import token_logprobs
+from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.weights import load_weights_into, save_weights
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised after ``train.max_consecutive_nan`` skipped updates in a row."""
+
+
+class TrainWorker:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float = 1.0,
+        ref_model: torch.nn.Module | None = None,
+        seed: int = 0,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        self.model, self.cfg, self.algo = model, train, algorithm
+        self.temperature = temperature
+        self.ref_model = ref_model.eval() if ref_model is not None else None
+        if self.algo.kl_beta > 0 and self.ref_model is None:
+            raise ValueError("algorithm.kl_beta > 0 needs a reference model")
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.policy_loss = POLICY_LOSSES.get(algorithm.policy_loss)
+        self.aggregate = LOSS_AGGREGATIONS.get(algorithm.loss_agg)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
+        )
+        warmup = train.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self.generator = torch.Generator().manual_seed(seed)
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+
+    def update(self, batch: ExperienceBatch) -> TrainMetrics:
+        self.model.train()
+        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "tokens": 0.0}
+        grad_norms: list[float] = []
+        for _ in range(self.cfg.epochs):
+            order = torch.randperm(batch.size, generator=self.generator)
+            for start in range(0, batch.size, self.cfg.mini_batch_size):
+                mini = batch.select(order[start : start + self.cfg.mini_batch_size])
+                norm = self._mini_batch_step(mini, sums)
+                if norm is not None:
+                    grad_norms.append(norm)
+        self.model.eval()
+        tokens = max(sums["tokens"], 1.0)
+        return TrainMetrics(
+            loss=sums["loss"] / tokens,
+            kl=sums["kl"] / tokens,
+            entropy=sums["entropy"] / tokens,
+            clip_fraction=sums["clip"] / tokens,
+            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            learning_rate=self.scheduler.get_last_lr()[0],
+            optimizer_steps=self.optimizer_steps,
+            skipped_steps=self.skipped_steps,
+        )
+
+    def accumulate_gradients(self, mini: ExperienceBatch, sums: dict[str, float]) -> None:
+        """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count."""
+        global_tokens = mini.response_mask.sum()
+        for start in range(0, mini.size, self.cfg.micro_batch_size):
+            micro = mini.select(slice(start, start + self.cfg.micro_batch_size))
+            self._micro_batch_backward(micro, global_tokens, sums)
+
+    def _mini_batch_step(self, mini: ExperienceBatch, sums: dict[str, float]) -> float | None:
+        if mini.num_tokens == 0:
+            return None
+        self.accumulate_gradients(mini, sums)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.cfg.max_consecutive_nan:
+                raise NonFiniteLossError(
+                    f"{self.consecutive_skips} updates in a row had a non-finite gradient norm; stopping "
+                    "(lower train.lr, check rewards for inf/NaN, or raise train.max_consecutive_nan)"
+                )
+            return None
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self.consecutive_skips = 0
+        return float(norm)
+
+    def _micro_batch_backward(self, micro: ExperienceBatch, global_tokens: torch.Tensor, sums: dict[str, float]) -> None:
+        mask = micro.response_mask
+        logp, entropy = token_logprobs(
+            self.model, micro.input_ids, micro.attention_mask, self.temperature, with_entropy=True
+        )
+        out = self.policy_loss(
+            LossInputs(
+                logprobs=logp,
+                old_logprobs=micro.old_logprobs,
+                advantages=micro.advantages,
+                mask=mask,
+                clip_eps_low=self.algo.clip_eps_low,
+                clip_eps_high=self.algo.clip_eps_high,
+            )
+        )
+        per_token = out.per_token
+        kl = torch.zeros_like(logp)
+        if self.algo.kl_beta > 0:
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature)
+            kl = kl_k3(logp, ref_logp) * mask
+            per_token = per_token + self.algo.kl_beta * kl
+        loss = self.aggregate(per_token, mask, global_tokens)
+        loss.backward()
+        with torch.no_grad():
+            sums["loss"] += float((per_token * mask).sum())
+            sums["kl"] += float(kl.sum())
+            sums["entropy"] += float((entropy * mask).sum())
+            sums["clip"] += float(out.clipped.sum())
+            sums["tokens"] += float(mask.sum())
+
+    # -- state ---------------------------------------------------------------------------------
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Weights (safetensors, Hugging Face layout) and optimizer/scheduler/generator state."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_weights(self.model, path / "model")
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "generator": self.generator.get_state(),
+                "counters": [self.optimizer_steps, self.skipped_steps, self.consecutive_skips],
+            },
+            path / "optimizer.pt",
+        )
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        path = Path(path)
+        load_weights_into(self.model, path / "model")
+        state = torch.load(path / "optimizer.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        self.optimizer_steps, self.skipped_steps, self.consecutive_skips = state["counters"]

@@ -1,0 +1,63 @@
+"""Moving weights: saving/loading safetensors folders and syncing the trainer's policy into rollout workers.
+
+Two sync transports, chosen by ``rollout.weight_sync``: ``memory`` hands the state dict to an
+in-process worker (the engine copies it into its own parameters); ``safetensors`` writes one
+file that the worker loads by path (the transport for a worker in another process).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def tied_keys(model: torch.nn.Module) -> set[str]:
+    config = getattr(model, "config", None)
+    return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+
+
+def save_weights(model: torch.nn.Module, folder: Path) -> None:
+    """A Hugging Face folder (config + safetensors) that ``from_pretrained`` can load."""
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def load_weights_into(model: torch.nn.Module, folder: Path) -> None:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    load_state_checked(model, state, source=str(folder))
+
+
+def load_state_checked(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` into ``model`` only after every name and shape was checked: never half-load."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and k not in tied_keys(model)]
+    unexpected = [k for k in state if k not in own]
+    wrong_shape = [f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state if k in own and state[k].shape != own[k].shape]
+    if missing or unexpected or wrong_shape:
+        raise RuntimeError(
+            f"weights from {source} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"wrong shape {wrong_shape[:5]}"
+        )
+    model.load_state_dict(state, strict=False)
+
+
+def write_sync_file(state: dict[str, torch.Tensor], path: Path) -> Path:
+    """Write a state dict as one safetensors file (tied tensors de-duplicated), atomically."""
+    seen: dict[int, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        ptr = tensor.data_ptr()
+        if ptr in seen:
+            continue
+        seen[ptr] = name
+        unique[name] = tensor.detach().contiguous()
+    tmp = path.with_suffix(".tmp")
+    save_file(unique, str(tmp))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random models built from configs, a char tokenizer, small datasets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from postrl.tasks.char_tokenizer import build_char_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    return build_char_tokenizer()
+
+
+def make_tiny_model(kind: str, tokenizer, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, char_tokenizer) -> Path:
+    """A tiny random Llama saved as a Hugging Face folder (safetensors + tokenizer)."""
+    out = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_model("llama", char_tokenizer).save_pretrained(out, safe_serialization=True)
+    char_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def arithmetic_jsonl(tmp_path) -> Path:
+    path = tmp_path / "train.jsonl"
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "task_type": "add"} for a in range(10, 14) for b in range(20, 24)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -1,0 +1,99 @@
+"""Advantage estimators and policy losses against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from postrl.algorithms import ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES, AdvantageInputs, LossInputs, kl_k3
+from postrl.algorithms.registry import Registry
+
+NAN = float("nan")
+
+
+def grpo(rewards, groups, **kw):
+    return ADVANTAGES.get("grpo")(AdvantageInputs(torch.tensor(rewards), torch.tensor(groups), **kw))
+
+
+def test_grpo_advantage_by_hand():
+    adv = grpo([1.0, 0.0, 0.0, 1.0], [0, 0, 0, 0])
+    # mean 0.5, unbiased std sqrt(1/3): +-0.5 / 0.57735 = +-0.8660
+    expected = 0.5 / math.sqrt(1 / 3)
+    assert torch.allclose(adv, torch.tensor([expected, -expected, -expected, expected]), atol=1e-5)
+
+
+def test_grpo_equal_rewards_single_sample_and_unscorable():
+    adv = grpo([1.0, 1.0, 0.3, 1.0, NAN, 0.0], [0, 0, 1, 2, 2, 2])
+    assert adv[0] == 0 and adv[1] == 0  # all equal -> no signal
+    assert adv[2] == 0  # a single-sample group has no baseline
+    # group 2: NaN left out, scorable [1, 0] -> mean 0.5, std sqrt(0.5)
+    assert adv[3].item() == pytest.approx(0.5 / math.sqrt(0.5), abs=1e-5)
+    assert adv[4].item() == 0.0
+    assert adv[5].item() == pytest.approx(-0.5 / math.sqrt(0.5), abs=1e-5)
+    assert not torch.isnan(adv).any()
+
+
+def test_grpo_without_std_normalisation():
+    adv = grpo([2.0, 0.0, 1.0], [0, 0, 0], norm_by_std=False)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0]))
+
+
+def ppo_inputs(ratios, advantages, mask=None):
+    ratios = torch.tensor(ratios, dtype=torch.float64)
+    old = torch.zeros_like(ratios)
+    logp = torch.log(ratios).requires_grad_(True)
+    mask = torch.ones_like(ratios) if mask is None else torch.tensor(mask, dtype=torch.float64)
+    return logp, LossInputs(logp, old, torch.tensor(advantages, dtype=torch.float64), mask, 0.2, 0.2)
+
+
+def test_ppo_clip_by_hand_both_sides():
+    logp, inputs = ppo_inputs([[1.5, 0.5, 1.0, 1.1], [1.5, 0.5, 1.0, 1.1]], [1.0, -1.0])
+    out = POLICY_LOSSES.get("ppo_clip")(inputs)
+    expected = torch.tensor([[-1.2, -0.5, -1.0, -1.1], [1.5, 0.8, 1.0, 1.1]], dtype=torch.float64)
+    assert torch.allclose(out.per_token, expected)
+    # A>0 clips above 1+eps; A<0 clips below 1-eps
+    assert out.clipped.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0]]
+    out.per_token.sum().backward()
+    grad = logp.grad
+    assert grad[0, 0] == 0 and grad[1, 1] == 0  # no gradient through the clipped branch
+    assert grad[0, 1].item() == pytest.approx(-0.5)  # d(-r*A)/dlogp = -r*A
+    assert grad[1, 0].item() == pytest.approx(1.5)
+
+
+def test_ppo_empty_response_gives_zero_loss_without_nan():
+    logp, inputs = ppo_inputs([[1.0, 1.0]], [2.0], mask=[[0.0, 0.0]])
+    out = POLICY_LOSSES.get("ppo_clip")(inputs)
+    loss = LOSS_AGGREGATIONS.get("token_mean")(out.per_token, inputs.mask, torch.tensor(1.0))
+    assert loss.item() == 0.0
+
+
+def test_kl_k3_by_hand():
+    logp = torch.tensor([math.log(0.5), math.log(0.2)])
+    ref = torch.tensor([math.log(0.25), math.log(0.2)])
+    # ratio ref/pi = 0.5 -> 0.5 - log(0.5) - 1
+    expected = torch.tensor([0.5 - math.log(0.5) - 1.0, 0.0])
+    assert torch.allclose(kl_k3(logp, ref), expected, atol=1e-6)
+
+
+def test_token_mean_uses_global_count_so_split_does_not_matter():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    agg = LOSS_AGGREGATIONS.get("token_mean")
+    whole = agg(per_token, mask, mask.sum())
+    split = agg(per_token[:2], mask[:2], mask.sum()) + agg(per_token[2:], mask[2:], mask.sum())
+    assert whole.item() == pytest.approx(21 / 6) and split.item() == pytest.approx(whole.item())
+    naive = (agg(per_token[:2], mask[:2], mask[:2].sum()) + agg(per_token[2:], mask[2:], mask[2:].sum())) / 2
+    assert naive.item() == pytest.approx(4.0)  # (10/4 + 11/2) / 2, not 3.5
+
+
+def test_registry_rejects_duplicates_and_names_known_entries():
+    reg = Registry("thing")
+    reg.register("a")(lambda: 1)
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("a")(lambda: 2)
+    with pytest.raises(ValueError, match="unknown thing 'b'; registered: a"):
+        reg.get("b")
+    with pytest.raises(ValueError, match="already registered"):
+        ADVANTAGES.register("grpo")(lambda inputs: inputs)

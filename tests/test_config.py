@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import pytest
+
+from postrl.cli import main
+from postrl.config import ConfigError, build_config, load_config
+
+
+def test_defaults_and_dotted_overrides():
+    config = build_config({"data": {"task": "arithmetic"}}, ["train.lr=3e-4", "rollout.stop=['</answer>']", "steps=7"])
+    assert config.train.lr == 3e-4 and config.rollout.stop == ["</answer>"] and config.steps == 7
+    assert config.train.grad_clip == 1.0
+
+
+def test_unknown_key_names_field_and_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["train.lrr=1e-4"])
+    msg = str(err.value)
+    assert "unknown config field 'train.lrr'" in msg and "allowed:" in msg and "lr," in msg
+
+
+def test_bad_value_names_field_value_and_bound():
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["train.lr=-1"])
+    assert "'train.lr': got -1: Input should be greater than 0" in str(err.value)
+
+
+def test_bad_literal_lists_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["reward.verifiable.type=regex"])
+    msg = str(err.value)
+    assert "reward.verifiable.type" in msg and "'regex'" in msg and "'math'" in msg
+
+
+def test_unknown_algorithm_lists_registered_names():
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["algorithm.advantage=gae2"])
+    assert "unknown advantage estimator 'gae2'; registered: grpo" in str(err.value)
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="micro_batch_size=32 must be <= train.mini_batch_size=16"):
+        build_config({}, ["train.mini_batch_size=16", "train.micro_batch_size=32"])
+    with pytest.raises(ConfigError, match="reward.model_path is not set"):
+        build_config({}, ["reward.weights.model=0.5"])
+    with pytest.raises(ConfigError, match="unknown task 'poetry'"):
+        build_config({}, ["data.task=poetry"])
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="must look like key.sub=value"):
+        build_config({}, ["train.lr"])
+
+
+def test_yaml_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(bad)
+
+
+def test_cli_reports_config_error_before_any_work(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  epochs: 0\n")
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "'train.epochs': got 0" in err and "greater than or equal to 1" in err
+    assert not (tmp_path / "runs").exists()
