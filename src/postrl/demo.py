@@ -20,14 +20,14 @@ from postrl.runner import train
 DEMO_SETTINGS: dict = {
     "name": "demo",
     "seed": 0,
-    "steps": 40,
+    "steps": 100,
     "prompts_per_step": 32,
     "model": {"path": "demo"},
     "data": {"task": "arithmetic"},
     "rollout": {"n": 8, "temperature": 1.0, "max_tokens": 16},
     "reward": {"verifiable": {"type": "exact_match"}, "num_workers": 1},
     "algorithm": {"advantage": "grpo", "policy_loss": "ppo_clip", "kl_beta": 0.0},
-    "train": {"lr": 3e-4, "mini_batch_size": 128, "micro_batch_size": 128, "epochs": 1, "warmup_steps": 2},
+    "train": {"lr": 1e-4, "mini_batch_size": 128, "micro_batch_size": 128, "epochs": 1, "warmup_steps": 2},
     "checkpoint": {"every_steps": 0, "keep_last": 1},
 }
 

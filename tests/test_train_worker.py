@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from postrl.buffer import OnPolicyBuffer
+from postrl.config import AlgorithmConfig, TrainConfig
+from postrl.train.worker import NonFiniteLossError, TrainWorker
+from postrl.types import Experience, ExperienceBatch
+from tests.conftest import make_tiny_model
+
+
+def batch_of(tokenizer, advantages):
+    exps = [Experience([1, 20, 21], [30, 31, 2], [-1.0, -1.2, -0.5], 1.0, a, 0) for a in advantages]
+    return ExperienceBatch.from_experiences(exps, tokenizer.pad_token_id)
+
+
+def test_experience_batch_alignment(char_tokenizer):
+    exps = [Experience([1, 20], [30, 31, 2], [-1.0, -2.0, -3.0], 1.0, 0.5, 3), Experience([1, 20, 21, 22], [40], [-4.0], 0.0, -0.5, 3)]
+    b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    assert b.input_ids.tolist()[0] == [1, 20, 30, 31, 2]
+    # the logprob of response token t sits at the position that predicts it
+    assert b.response_mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+    assert b.old_logprobs.tolist() == [[0, -1, -2, -3], [0, 0, 0, -4]]
+    assert b.num_tokens == 4 and b.weight_versions.tolist() == [3, 3]
+    with pytest.raises(ValueError, match="2 logprobs for 1 response tokens"):
+        ExperienceBatch.from_experiences([Experience([1], [2], [0.0, 0.0], 0.0, 0.0, 0)], 0)
+
+
+def test_update_changes_weights_and_reports_metrics(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=1, epochs=2), AlgorithmConfig())
+    metrics = worker.update(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
+    assert metrics.optimizer_steps == 4 and metrics.skipped_steps == 0
+    assert metrics.grad_norm > 0 and metrics.entropy > 0 and 0 <= metrics.clip_fraction <= 1
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_non_finite_gradient_skips_step_then_stops_the_run(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4, max_consecutive_nan=2), AlgorithmConfig())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = batch_of(char_tokenizer, [float("nan")] * 4)
+    metrics = worker.update(bad)
+    assert metrics.skipped_steps == 1 and metrics.optimizer_steps == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(NonFiniteLossError, match="2 updates in a row had a non-finite gradient norm"):
+        worker.update(bad)
+
+
+def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenizer, tmp_path):
+    model = make_tiny_model("llama", char_tokenizer)
+    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4), AlgorithmConfig())
+    worker.update(batch_of(char_tokenizer, [1.0, -1.0, 1.0, -1.0]))
+    worker.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "model" / "model.safetensors").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+    state = torch.load(tmp_path / "ckpt" / "optimizer.pt", weights_only=True)
+    assert state["optimizer"]["state"] and state["counters"][0] == 1
+
+
+def test_kl_needs_reference_model(char_tokenizer):
+    with pytest.raises(ValueError, match="needs a reference model"):
+        TrainWorker(make_tiny_model("llama", char_tokenizer), TrainConfig(), AlgorithmConfig(kl_beta=0.1))
+
+
+def test_on_policy_buffer_hands_out_once_and_refuses_stale():
+    buf = OnPolicyBuffer()
+    exps = [Experience([1], [2], [0.0], 1.0, 0.0, 3) for _ in range(3)]
+    buf.put(exps)
+    assert buf.get(None, current_version=3) == exps and len(buf) == 0
+    assert buf.get(None, current_version=3) == []
+    buf.put([Experience([1], [2], [0.0], 1.0, 0.0, 2)])
+    with pytest.raises(RuntimeError, match="from weight_version \\[2\\], current is 3"):
+        buf.get(None, current_version=3)
