@@ -68,3 +68,12 @@ def test_cli_reports_config_error_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'train.epochs': got 0" in err and "greater than or equal to 1" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_example_configs_are_valid():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        load_config(path)
