@@ -105,3 +105,16 @@ def test_weight_update_changes_outputs_and_version(char_tokenizer, tmp_path):
     with pytest.raises(RuntimeError, match="do not fit the model"):
         engine.update_weights({"model.embed_tokens.weight": torch.zeros(3, 3)}, version=3)
     assert engine.health_check()
+
+
+def test_bfloat16_engine_takes_fp32_weights_and_stays_close(char_tokenizer):
+    fp32 = make_tiny_model("llama", char_tokenizer)
+    engine = TorchRolloutWorker(make_tiny_model("llama", char_tokenizer, seed=9).to(torch.bfloat16), char_tokenizer, seed=1)
+    engine.update_weights(fp32.state_dict(), version=1)
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    rollouts = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(n=2, max_tokens=6), 1)
+    exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 1) for r in rollouts]
+    batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(fp32, batch.input_ids, batch.attention_mask)
+    assert ((logp - batch.old_logprobs) * batch.response_mask).abs().max().item() < 0.1

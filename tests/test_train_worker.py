@@ -76,3 +76,20 @@ def test_on_policy_buffer_hands_out_once_and_refuses_stale():
     buf.put([Experience([1], [2], [0.0], 1.0, 0.0, 2)])
     with pytest.raises(RuntimeError, match="from weight_version \\[2\\], current is 3"):
         buf.get(None, current_version=3)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
+    import copy
+
+    base = make_tiny_model("llama", char_tokenizer).double()
+    batch = batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5])
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        worker = TrainWorker(model, TrainConfig(mini_batch_size=4, micro_batch_size=2), AlgorithmConfig(),
+                             gradient_checkpointing=checkpointing)
+        model.train()
+        worker.accumulate_gradients(batch, {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "tokens": 0.0})
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(*grads))

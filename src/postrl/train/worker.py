@@ -39,7 +39,8 @@ class TrainWorker:
         if self.algo.kl_beta > 0 and self.ref_model is None:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         self.policy_loss = POLICY_LOSSES.get(algorithm.policy_loss)
         self.aggregate = LOSS_AGGREGATIONS.get(algorithm.loss_agg)
         self.optimizer = torch.optim.AdamW(
