@@ -88,7 +88,7 @@ def plot_metrics(run_dir: Path, acc_before: float, acc_after: float) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["reward/mean"] for r in rows], label="reward (train batch mean)")
     if all("accuracy" in r for r in rows):
-        ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (train batch)")
+        ax.plot(steps, [r["accuracy"] for r in rows], "--", label="accuracy (train batch)")
     ax.scatter([0, steps[-1]], [acc_before, acc_after], color="black", zorder=3, label="held-out accuracy (greedy)")
     ax.set_xlabel("GRPO step")
     ax.set_ylim(0, 1.02)
