@@ -16,7 +16,8 @@ from postrl.cli import main
 from postrl.metrics import read_metrics
 from tests.test_train_e2e import write_config
 
-COMPARED = ["reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean", "accuracy"]
+SIGNAL = ["reward.verifiable.type=custom", "reward.verifiable.function=tests.reward_fns:length_score"]
+COMPARED = ["reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean"]
 
 
 def final_weights(run_dir):
@@ -26,11 +27,11 @@ def final_weights(run_dir):
 def test_resumed_run_is_bit_identical(tmp_path, tiny_model_dir, arithmetic_jsonl):
     (tmp_path / "a").mkdir()
     straight = write_config(tmp_path / "a", tiny_model_dir, arithmetic_jsonl)
-    assert main(["train", straight, "steps=4", "checkpoint.every_steps=2", "rollout.temperature=1.2"]) == 0
+    assert main(["train", straight, "steps=4", "checkpoint.every_steps=2", "rollout.temperature=1.2", *SIGNAL]) == 0
 
     (tmp_path / "b").mkdir()
     interrupted = write_config(tmp_path / "b", tiny_model_dir, arithmetic_jsonl)
-    assert main(["train", interrupted, "steps=2", "checkpoint.every_steps=2", "rollout.temperature=1.2"]) == 0
+    assert main(["train", interrupted, "steps=2", "checkpoint.every_steps=2", "rollout.temperature=1.2", *SIGNAL]) == 0
     run_b = tmp_path / "b" / "runs" / "tiny"
     assert main(["train", "--resume", str(run_b), "steps=4"]) == 0
 
@@ -45,8 +46,9 @@ def test_resumed_run_is_bit_identical(tmp_path, tiny_model_dir, arithmetic_jsonl
     # an uninterrupted run with another seed differs, so the comparison above is meaningful
     (tmp_path / "c").mkdir()
     other = write_config(tmp_path / "c", tiny_model_dir, arithmetic_jsonl)
-    assert main(["train", other, "steps=2", "seed=2", "rollout.temperature=1.2"]) == 0
+    assert main(["train", other, "steps=2", "seed=2", "rollout.temperature=1.2", *SIGNAL]) == 0
     rows_c = read_metrics(tmp_path / "c" / "runs" / "tiny" / "metrics.jsonl")
+    assert rows_a[0]["actor/grad_norm"] > 0
     assert any(rows_c[i]["actor/loss"] != rows_a[i]["actor/loss"] for i in range(2))
 
 

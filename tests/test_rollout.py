@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from postrl.rollout import TorchRolloutWorker
+from postrl.rollout import HFRolloutWorker
 from postrl.train.logprobs import token_logprobs
 from postrl.types import ExperienceBatch, Experience, Prompt, SamplingParams
 from tests.conftest import make_tiny_model
@@ -21,7 +21,7 @@ TEXTS = ["12+34=", "7+5=", "123+456=", "hello"]
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_greedy_matches_transformers_generate(char_tokenizer, kind):
     model = make_tiny_model(kind, char_tokenizer)
-    engine = TorchRolloutWorker(model, char_tokenizer)
+    engine = HFRolloutWorker(model, char_tokenizer)
     params = SamplingParams(n=1, temperature=0.0, max_tokens=12)
     rollouts = engine.generate(prompts_for(char_tokenizer, TEXTS), params, 0)
     for text, r in zip(TEXTS, rollouts):
@@ -35,7 +35,7 @@ def test_greedy_matches_transformers_generate(char_tokenizer, kind):
 
 def test_sampled_logprobs_match_trainer_recompute(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
-    engine = TorchRolloutWorker(model, char_tokenizer, seed=5)
+    engine = HFRolloutWorker(model, char_tokenizer, seed=5)
     rollouts = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(n=3, temperature=0.8, max_tokens=10), 0)
     assert len(rollouts) == 12 and [r.prompt_index for r in rollouts] == [i for i in range(4) for _ in range(3)]
     exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 0) for r in rollouts]
@@ -49,18 +49,18 @@ def test_sampled_logprobs_match_trainer_recompute(char_tokenizer):
 def test_seeded_sampling_is_reproducible_and_batching_invariant(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=8)
-    together = TorchRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), params, 0)
-    one_by_one = TorchRolloutWorker(model, char_tokenizer, max_batch_size=1).generate(prompts_for(char_tokenizer, TEXTS), params, 0)
+    together = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), params, 0)
+    one_by_one = HFRolloutWorker(model, char_tokenizer, max_batch_size=1).generate(prompts_for(char_tokenizer, TEXTS), params, 0)
     assert [r.response_ids for r in together] == [r.response_ids for r in one_by_one]
     sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11)
-    a = TorchRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), sp, 0)
-    b = TorchRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), sp, 0)
+    a = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), sp, 0)
+    b = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), sp, 0)
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
 
 
 def test_top_k_one_is_greedy(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
-    engine = TorchRolloutWorker(model, char_tokenizer)
+    engine = HFRolloutWorker(model, char_tokenizer)
     greedy = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(temperature=0.0, max_tokens=6), 0)
     topk = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(temperature=1.5, top_k=1, max_tokens=6), 0)
     tiny_p = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=6), 0)
@@ -69,7 +69,7 @@ def test_top_k_one_is_greedy(char_tokenizer):
 
 def test_stop_strings_stop_tokens_and_max_tokens(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
-    engine = TorchRolloutWorker(model, char_tokenizer)
+    engine = HFRolloutWorker(model, char_tokenizer)
     prompts = prompts_for(char_tokenizer, TEXTS)
     free = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20), 0)
     target = free[0].text[3:5]  # two characters the model will produce
@@ -89,7 +89,7 @@ def test_weight_update_changes_outputs_and_version(char_tokenizer, tmp_path):
 
     model = make_tiny_model("llama", char_tokenizer)
     other = make_tiny_model("llama", char_tokenizer, seed=42)
-    engine = TorchRolloutWorker(model, char_tokenizer)
+    engine = HFRolloutWorker(model, char_tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=10)
     before = [r.logprobs for r in engine.generate(prompts_for(char_tokenizer, TEXTS), params, 0)]
     engine.update_weights(other.state_dict(), version=1)
@@ -109,7 +109,7 @@ def test_weight_update_changes_outputs_and_version(char_tokenizer, tmp_path):
 
 def test_bfloat16_engine_takes_fp32_weights_and_stays_close(char_tokenizer):
     fp32 = make_tiny_model("llama", char_tokenizer)
-    engine = TorchRolloutWorker(make_tiny_model("llama", char_tokenizer, seed=9).to(torch.bfloat16), char_tokenizer, seed=1)
+    engine = HFRolloutWorker(make_tiny_model("llama", char_tokenizer, seed=9).to(torch.bfloat16), char_tokenizer, seed=1)
     engine.update_weights(fp32.state_dict(), version=1)
     assert next(engine.model.parameters()).dtype == torch.bfloat16
     rollouts = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(n=2, max_tokens=6), 1)

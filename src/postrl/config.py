@@ -55,7 +55,9 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Literal["torch"] = Field("torch", description="Rollout engine.")
+    backend: Literal["auto", "native", "hf"] = Field(
+        "auto", description="native: postrl's engine (Llama/Qwen2/Mistral); hf: the transformers model; auto: native if supported."
+    )
     n: int = Field(8, ge=1, description="Responses per prompt (the GRPO group size G).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -64,7 +66,10 @@ class RolloutConfig(_Section):
     stop: list[str] = Field(default_factory=list, description="Stop strings (kept in the response).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides EOS.")
     max_batch_size: int = Field(256, ge=1, description="Sequences decoded together.")
-    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="Engine dtype; defaults to model.dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
+        None, description="Engine dtype; None = model.dtype; auto = bfloat16 where the hardware has fast bf16."
+    )
+    verify_sync: bool = Field(True, description="Checksum every weight sync and compare what arrived with what was sent.")
     weight_sync: Literal["memory", "safetensors"] = Field("memory", description="How new weights reach the engine.")
 
 

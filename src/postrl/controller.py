@@ -21,7 +21,7 @@ from postrl.reward import RewardService, ScoreRequest
 from postrl.rollout import RolloutWorker
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepMetrics
-from postrl.weights import write_sync_file
+from postrl.weights import dedupe_tied, weight_manifest, write_sync_file
 
 
 @dataclass
@@ -103,11 +103,12 @@ class Controller:
         if bump:
             self.weight_version += 1
         state = self.parts.trainer.policy_state()
+        manifest = weight_manifest(dedupe_tied(state)) if self.config.rollout.verify_sync else None
         if self.config.rollout.weight_sync == "safetensors":
             path = write_sync_file(state, self.sync_dir / "policy.safetensors")
-            self.parts.rollout.update_weights(path, self.weight_version)
+            self.parts.rollout.update_weights(path, self.weight_version, manifest)
         else:
-            self.parts.rollout.update_weights(state, self.weight_version)
+            self.parts.rollout.update_weights(dedupe_tied(state), self.weight_version, manifest)
 
     # -- helpers -------------------------------------------------------------------------------
     def _experiences(
@@ -157,6 +158,8 @@ class Controller:
             "actor/grad_norm": train.grad_norm,
             "actor/lr": train.learning_rate,
             "actor/skipped_updates": float(train.skipped_steps),
+            "rollout/mismatch_kl": train.mismatch_kl,
+            "rollout/logprob_diff_max": train.logprob_diff_max,
             "perf/gen_tokens_per_s": float(lengths.sum()) / max(timings["generate"], 1e-9),
             "data/epoch": float(self.sampler.epoch),
             "data/skipped_rows": float(len(self.parts.dataset.skipped)),

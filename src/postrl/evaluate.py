@@ -10,7 +10,7 @@ import torch
 from postrl.data.dataset import build_prompts
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
-from postrl.rollout import TorchRolloutWorker
+from postrl.rollout import HFRolloutWorker
 from postrl.tasks import get_task, task_rows
 from postrl.types import SamplingParams
 
@@ -26,7 +26,7 @@ class EvalResult:
 def evaluate_model(model: torch.nn.Module, tokenizer: Any, task: str, max_tokens: int = 16, batch_size: int = 256) -> EvalResult:
     dataset = build_prompts(iter(task_rows(task, "test")), tokenizer)
     verifier = resolve(VERIFIERS[get_task(task).verifier])
-    engine = TorchRolloutWorker(model, tokenizer, max_batch_size=batch_size)
+    engine = HFRolloutWorker(model, tokenizer, max_batch_size=batch_size)
     was_training = model.training
     rollouts = engine.generate(dataset.prompts, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), 0)
     model.train(was_training)

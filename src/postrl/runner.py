@@ -22,7 +22,7 @@ from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_datase
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.models import load_causal_lm, load_tokenizer
 from postrl.reward import RewardService
-from postrl.rollout import TorchRolloutWorker
+from postrl.rollout.factory import make_rollout_worker
 from postrl.tasks import task_rows
 from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
@@ -49,9 +49,9 @@ def build_components(config: RunConfig) -> Components:
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
     policy = load_causal_lm(config.model.path, config.model.dtype)
-    engine_model = load_causal_lm(config.model.path, config.rollout.dtype or config.model.dtype)
+    engine_model = load_causal_lm(config.model.path, "float32")
     ref_model = load_causal_lm(config.model.path, config.model.dtype) if config.algorithm.kl_beta > 0 else None
-    rollout = TorchRolloutWorker(engine_model, tokenizer, config.rollout.max_batch_size, seed=config.seed)
+    rollout = make_rollout_worker(config.rollout, engine_model, tokenizer, config.model.dtype, config.seed)
     trainer = TrainWorker(
         policy,
         config.train,

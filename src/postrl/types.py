@@ -131,6 +131,8 @@ class ExperienceBatch:
 
 @dataclass
 class TrainMetrics:
+    mismatch_kl: float  # KL(pi_rollout || pi_trainer) on the rollout's tokens, before any update
+    logprob_diff_max: float
     loss: float
     kl: float
     entropy: float

@@ -7,6 +7,7 @@ file that the worker loads by path (the transport for a worker in another proces
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
@@ -47,17 +48,49 @@ def load_state_checked(model: torch.nn.Module, state: dict[str, torch.Tensor], s
     model.load_state_dict(state, strict=False)
 
 
-def write_sync_file(state: dict[str, torch.Tensor], path: Path) -> Path:
-    """Write a state dict as one safetensors file (tied tensors de-duplicated), atomically."""
-    seen: dict[int, str] = {}
+def dedupe_tied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the first name of tensors that share storage (tied embeddings are sent once)."""
+    seen: set[int] = set()
     unique: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        ptr = tensor.data_ptr()
-        if ptr in seen:
-            continue
-        seen[ptr] = name
-        unique[name] = tensor.detach().contiguous()
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            unique[name] = tensor.detach()
+    return unique
+
+
+def write_sync_file(state: dict[str, torch.Tensor], path: Path) -> Path:
+    """Write a state dict as one safetensors file (tied tensors de-duplicated), atomically."""
+    unique = {name: t.contiguous() for name, t in dedupe_tied(state).items()}
     tmp = path.with_suffix(".tmp")
     save_file(unique, str(tmp))
     tmp.replace(path)
     return path
+
+
+class WeightSyncError(RuntimeError):
+    """The weights that reached a rollout worker are not the weights that were sent."""
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """CRC32 of a tensor's bytes, with its dtype and shape: cheap corruption detection, not security."""
+    t = tensor.detach().contiguous().cpu()
+    raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+    crc = zlib.crc32(raw.numpy().data) if raw.numel() else 0
+    return f"{str(t.dtype).removeprefix('torch.')}:{'x'.join(map(str, t.shape))}:{crc:08x}"
+
+
+def weight_manifest(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {name: tensor_checksum(t) for name, t in state.items()}
+
+
+def verify_manifest(state: dict[str, torch.Tensor], manifest: dict[str, str]) -> None:
+    """Raise WeightSyncError naming every tensor that is missing, extra or altered."""
+    missing = sorted(set(manifest) - set(state))
+    extra = sorted(set(state) - set(manifest))
+    altered = [n for n in manifest if n in state and tensor_checksum(state[n]) != manifest[n]]
+    if missing or extra or altered:
+        raise WeightSyncError(
+            f"weight sync check failed: {len(altered)} tensors altered {altered[:3]}, "
+            f"{len(missing)} missing {missing[:3]}, {len(extra)} unexpected {extra[:3]}"
+        )

@@ -1,4 +1,4 @@
 from postrl.rollout.base import RolloutWorker
-from postrl.rollout.torch_engine import TorchRolloutWorker
+from postrl.rollout.hf_engine import HFRolloutWorker
 
-__all__ = ["RolloutWorker", "TorchRolloutWorker"]
+__all__ = ["RolloutWorker", "HFRolloutWorker"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -18,6 +18,14 @@ class RolloutWorker(Protocol):
         """``sampling_params.n`` responses per prompt, grouped by prompt, in prompt order."""
         ...
 
-    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int) -> None: ...
+    def update_weights(
+        self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
+    ) -> None:
+        """Load new weights in place; with a manifest (see postrl.weights), verify what arrived."""
+        ...
 
     def health_check(self) -> bool: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

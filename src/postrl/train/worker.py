@@ -54,10 +54,14 @@ class TrainWorker:
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self._mismatch = {"kl": 0.0, "diff_max": 0.0, "tokens": 0.0}
+        self._measuring = False
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
         self.model.train()
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "tokens": 0.0}
+        self._mismatch = {"kl": 0.0, "diff_max": 0.0, "tokens": 0.0}
+        self._measuring = True  # until the first optimizer step the policy is still pi_old
         grad_norms: list[float] = []
         for _ in range(self.cfg.epochs):
             order = torch.randperm(batch.size, generator=self.generator)
@@ -68,7 +72,10 @@ class TrainWorker:
                     grad_norms.append(norm)
         self.model.eval()
         tokens = max(sums["tokens"], 1.0)
+        mm = self._mismatch
         return TrainMetrics(
+            mismatch_kl=mm["kl"] / mm["tokens"] if mm["tokens"] else float("nan"),
+            logprob_diff_max=mm["diff_max"] if mm["tokens"] else float("nan"),
             loss=sums["loss"] / tokens,
             kl=sums["kl"] / tokens,
             entropy=sums["entropy"] / tokens,
@@ -101,6 +108,7 @@ class TrainWorker:
                     "(lower train.lr, check rewards for inf/NaN, or raise train.max_consecutive_nan)"
                 )
             return None
+        self._measuring = False
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -133,11 +141,20 @@ class TrainWorker:
         loss = self.aggregate(per_token, mask, global_tokens)
         loss.backward()
         with torch.no_grad():
+            if self._measuring:
+                self._record_mismatch(logp, micro.old_logprobs, mask)
             sums["loss"] += float((per_token * mask).sum())
             sums["kl"] += float(kl.sum())
             sums["entropy"] += float((entropy * mask).sum())
             sums["clip"] += float(out.clipped.sum())
             sums["tokens"] += float(mask.sum())
+
+    def _record_mismatch(self, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
+        """Rollout-vs-trainer logprob mismatch on pi_old's own samples: k3 KL and the max |diff|."""
+        diff = (logp.detach().float() - old) * mask
+        self._mismatch["kl"] += float((kl_k3(old, logp.detach().float()) * mask).sum())
+        self._mismatch["diff_max"] = max(self._mismatch["diff_max"], float(diff.abs().max()) if diff.numel() else 0.0)
+        self._mismatch["tokens"] += float(mask.sum())
 
     # -- state ---------------------------------------------------------------------------------
     def policy_state(self) -> dict[str, torch.Tensor]:

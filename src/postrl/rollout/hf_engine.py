@@ -1,4 +1,6 @@
-"""The built-in Rollout Worker: any Hugging Face causal LM, batched decoding with a KV cache.
+"""The fallback Rollout Worker: any Hugging Face causal LM, batched decoding with its KV cache.
+
+Used for architectures the native engine (:mod:`postrl.rollout.native`) does not implement.
 
 Prompts are left-padded into batches of at most ``max_batch_size`` sequences (the G samples of
 a prompt are rows of the same batch); every step samples all running rows in one call. The
@@ -18,7 +20,7 @@ from safetensors.torch import load_file
 from postrl.rollout.sampling import sample_tokens
 from postrl.rollout.stops import StopChecker
 from postrl.types import Prompt, Rollout, SamplingParams
-from postrl.weights import load_state_checked
+from postrl.weights import load_state_checked, verify_manifest
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-class TorchRolloutWorker:
+class HFRolloutWorker:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_size: int = 256, seed: int = 0) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -68,9 +70,12 @@ class TorchRolloutWorker:
             out.extend(self._generate_batch(rows[start : start + self.max_batch_size], sampling_params))
         return out
 
-    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int) -> None:
+    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
+                       manifest: dict[str, str] | None = None) -> None:
         source = str(weights) if isinstance(weights, (str, Path)) else "an in-memory state dict"
         state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
+        if manifest is not None:
+            verify_manifest(state, manifest)
         load_state_checked(self.model, state, source)
         self.weight_version = version
 

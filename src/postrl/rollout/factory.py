@@ -1,0 +1,51 @@
+"""Choosing the rollout backend from the config."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from postrl.config import RolloutConfig
+from postrl.rollout.base import RolloutWorker
+from postrl.rollout.hf_engine import HFRolloutWorker
+from postrl.rollout.native import SUPPORTED_MODEL_TYPES, NativeRolloutWorker
+
+log = logging.getLogger(__name__)
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """bf16 matrix products are native on CUDA (compute capability >= 8) and on CPUs with AMX or AVX512-BF16."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def engine_dtype(config: RolloutConfig, model_dtype: str, device: torch.device) -> torch.dtype:
+    name = config.dtype or model_dtype
+    if name == "auto":
+        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def make_rollout_worker(config: RolloutConfig, model: torch.nn.Module, tokenizer: Any, model_dtype: str, seed: int) -> RolloutWorker:
+    """``auto`` uses the native engine for Llama/Qwen2/Mistral and falls back, with a warning,
+    to the transformers model for any other architecture."""
+    device = next(model.parameters()).device
+    dtype = engine_dtype(config, model_dtype, device)
+    model_type = getattr(model.config, "model_type", "?")
+    backend = config.backend
+    if backend == "auto":
+        backend = "native" if model_type in SUPPORTED_MODEL_TYPES else "hf"
+        if backend == "hf":
+            log.warning("model_type '%s' has no native engine; rollouts use the slower transformers model", model_type)
+    if backend == "native":
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"rollout.backend=native supports {SUPPORTED_MODEL_TYPES}, not '{model_type}'")
+        return NativeRolloutWorker.from_hf(model, tokenizer, dtype, max_batch_size=config.max_batch_size, seed=seed)
+    return HFRolloutWorker(model.to(dtype), tokenizer, config.max_batch_size, seed=seed)

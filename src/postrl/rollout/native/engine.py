@@ -1,0 +1,259 @@
+"""postrl's native Rollout Worker: continuous batching over a static KV cache.
+
+- A fixed set of decode slots. A finished sequence frees its slot at once and the next waiting
+  prompt is admitted into it in the same iteration.
+- Prefix sharing: a prompt is prefilled once; its K/V are copied into the slots of its other
+  G-1 samples, which then sample independently.
+- Prefill packs several prompts into one flat token list (no padding) with a block-diagonal
+  causal mask.
+- Every iteration samples all rows (decode and newly prefilled) in one call.
+- bf16 on CPUs with AMX (or any dtype asked for), the same code on CUDA.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from postrl.rollout.native.kv_cache import KVCache
+from postrl.rollout.native.model import NativeCausalLM
+from postrl.rollout.sampling import sample_tokens
+from postrl.rollout.stops import StopChecker
+from postrl.rollout.hf_engine import eos_ids
+from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.weights import WeightSyncError, verify_manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seq:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class NativeRolloutWorker:
+    def __init__(self, model: NativeCausalLM, tokenizer: Any, eos: set[int], max_batch_size: int = 256,
+                 seed: int = 0, max_prefill_tokens: int = 2048) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.weight_version = 0
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._eos = eos
+        self.cache: KVCache | None = None
+
+    @staticmethod
+    def from_hf(model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype = torch.float32, **kw: Any) -> NativeRolloutWorker:
+        device = next(model.parameters()).device
+        return NativeRolloutWorker(NativeCausalLM.from_hf(model, dtype, device), tokenizer, eos_ids(model, tokenizer), **kw)
+
+    # -- RolloutWorker interface -----------------------------------------------------------------
+    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+        if weight_version != self.weight_version:
+            raise RuntimeError(f"asked to generate with weight_version {weight_version}, engine holds {self.weight_version}")
+        if not prompts:
+            return []
+        if sampling_params.seed is not None:
+            self.generator.manual_seed(sampling_params.seed)
+        slots = min(self.max_batch_size, len(prompts) * sampling_params.n)
+        max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
+        self._ensure_cache(slots, max_len)
+        seqs = _Scheduler(self, prompts, sampling_params, slots).run()
+        return [
+            Rollout(
+                prompt_index=s.prompt_index,
+                prompt_ids=list(s.prompt_ids),
+                response_ids=s.tokens,
+                logprobs=s.logprobs,
+                text=self.tokenizer.decode(s.tokens, skip_special_tokens=True),
+                finish_reason=finish,  # type: ignore[arg-type]
+                weight_version=self.weight_version,
+            )
+            for s, finish in seqs
+        ]
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
+                       manifest: dict[str, str] | None = None) -> None:
+        """Copy new weights into the running engine in place; with a manifest, verify what arrived."""
+        state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
+        if manifest is not None:
+            verify_manifest(state, manifest)
+        written = self.model.load(state, strict=True)
+        if manifest is not None:
+            bad = [n for n in written if not torch.equal(self.model.params[n], state[n].to(self.model.dtype))]
+            if bad:
+                raise WeightSyncError(f"engine weights differ from the sent weights after the copy: {bad[:5]}")
+        self.weight_version = version
+
+    def health_check(self) -> bool:
+        probe = torch.tensor([self.pad_id], device=self.model.device)
+        return bool(torch.isfinite(F.embedding(probe, self.model.embed)).all())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "weight_version": self.weight_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.weight_version = int(state["weight_version"])
+
+    # -- internals -------------------------------------------------------------------------------
+    def _ensure_cache(self, slots: int, max_len: int) -> None:
+        """Reuse the cache across calls when it fits without being more than twice too long
+        (decode attends over the cache's whole length); otherwise allocate it once for this call."""
+        old = self.cache
+        if old is not None and old.fits(slots, max_len) and old.max_len <= 2 * max_len:
+            return
+        slots = max(slots, old.slots if old else 0)
+        cfg = self.model.cfg
+        self.cache = None
+        self.cache = KVCache(cfg.layers, slots, cfg.kv_heads, max_len, cfg.head_dim, self.model.dtype, self.model.device)
+
+
+class _Scheduler:
+    """One ``generate`` call: admits prompts into free slots and decodes until all are done."""
+
+    def __init__(self, engine: NativeRolloutWorker, prompts: list[Prompt], sp: SamplingParams, slots: int) -> None:
+        self.e, self.sp, self.n_slots = engine, sp, slots
+        self.cache = engine.cache
+        self.device = engine.model.device
+        self.waiting = deque((i, p.prompt_ids) for i, p in enumerate(prompts))
+        self.remaining = {i: sp.n for i in range(len(prompts))}
+        self.free = list(range(slots))
+        heapq.heapify(self.free)
+        self.active: dict[int, _Seq] = {}
+        self.pos = torch.zeros(slots, dtype=torch.long, device=self.device)  # next write position
+        self.is_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        self.last = torch.zeros(slots, dtype=torch.long, device=self.device)  # last sampled token
+        self.stop_ids = torch.tensor(sorted(engine._eos | set(sp.stop_token_ids)), dtype=torch.long, device=self.device)
+        self.checker = StopChecker(engine.tokenizer, sp.stop)
+        self.finished: list[tuple[_Seq, str]] = []
+
+    def run(self) -> list[tuple[_Seq, str]]:
+        while self.waiting or self.active:
+            row_slots, logits = [], []
+            if self.active:
+                slots, lg = self._decode()
+                row_slots.append(slots)
+                logits.append(lg)
+            admitted = self._admit()
+            if admitted is not None:
+                row_slots.append(admitted[0])
+                logits.append(admitted[1])
+            slots = torch.cat(row_slots)
+            tokens, lps = sample_tokens(torch.cat(logits), self.sp.temperature, self.sp.top_k, self.sp.top_p, self.e.generator)
+            self._record(slots, tokens, lps)
+        self.finished.sort(key=lambda t: (t[0].prompt_index, t[0].sample_index))
+        return self.finished
+
+    # decode: one token for every active slot, over the dense range [0, hi)
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        active = sorted(self.active)
+        hi = active[-1] + 1
+        rows = torch.arange(hi, device=self.device)
+        live = self.is_active[:hi]
+        positions = torch.where(live, self.pos[:hi], 0)  # free slots in range write a dummy at 0
+        cfg = self.e.model.cfg
+        # attend over the whole (contiguous) cache length with an additive mask: a fixed shape is
+        # much faster for small bf16 matmuls on CPU than a growing, strided slice
+        span = torch.arange(self.cache.max_len, device=self.device)
+        bias = torch.zeros((hi, 1, 1, self.cache.max_len), dtype=torch.float32, device=self.device)
+        bias.masked_fill_((span.unsqueeze(0) > positions.unsqueeze(1)).view(hi, 1, 1, -1), float("-inf"))
+        groups, scale = cfg.heads // cfg.kv_heads, cfg.head_dim**-0.5
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qg = q.view(hi, cfg.kv_heads, groups, cfg.head_dim)
+            scores = torch.add(bias, torch.matmul(qg, self.cache.k[layer][:hi].transpose(-1, -2)), alpha=scale)
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            return torch.matmul(probs, self.cache.v[layer][:hi]).reshape(hi, cfg.heads * cfg.head_dim)
+
+        logits = self.e.model.forward(self.last[:hi], positions, self.cache, rows, attend)
+        self.pos[:hi] += live.long()
+        active_t = torch.tensor(active, dtype=torch.long, device=self.device)
+        return active_t, logits[active_t] if len(active) != hi else logits
+
+    # admit waiting prompts into free slots: packed prefill, then prefix copy to the group's slots
+    def _admit(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        groups: list[tuple[int, list[int], list[int]]] = []  # (prompt index, prompt ids, slots)
+        budget = self.e.max_prefill_tokens
+        while self.waiting and self.free:
+            i, ids = self.waiting[0]
+            if groups and len(ids) > budget:
+                break
+            take = min(self.remaining[i], len(self.free))
+            slots = [heapq.heappop(self.free) for _ in range(take)]
+            self.remaining[i] -= take
+            if self.remaining[i] == 0:
+                self.waiting.popleft()
+            groups.append((i, ids, slots))
+            budget -= len(ids)
+        if not groups:
+            return None
+        tokens = torch.tensor([t for _, ids, _ in groups for t in ids], dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(len(ids), device=self.device) for _, ids, _ in groups])
+        write_slots = torch.tensor([slots[0] for _, ids, slots in groups for _ in ids], dtype=torch.long, device=self.device)
+        lengths = [len(ids) for _, ids, _ in groups]
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        # attention runs on a right-padded [prompts, longest, ...] view of the packed tokens
+        # (causal masking then needs no per-token mask); the linear layers never see padding
+        longest = max(lengths)
+        row = torch.cat([torch.full((n,), g, dtype=torch.long, device=self.device) for g, n in enumerate(lengths)])
+        cfg = self.e.model.cfg
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            def padded(x: torch.Tensor) -> torch.Tensor:
+                out = x.new_zeros((len(lengths), longest, x.shape[1], x.shape[2]))
+                out[row, positions] = x
+                return out.transpose(1, 2)
+
+            out = F.scaled_dot_product_attention(
+                padded(q), padded(k), padded(v), is_causal=True, enable_gqa=cfg.kv_heads != cfg.heads
+            )
+            return out.transpose(1, 2)[row, positions].reshape(-1, cfg.heads * cfg.head_dim)
+
+        logits = self.e.model.forward(tokens, positions, self.cache, write_slots, attend, logits_rows=ends)
+        row_slots, repeat = [], []
+        for g, (i, ids, slots) in enumerate(groups):
+            if len(slots) > 1:
+                self.cache.copy_prefix(slots[0], torch.tensor(slots[1:], device=self.device), len(ids))
+            first = self._first_sample_index(i, len(slots))
+            for k, s in enumerate(slots):
+                self.active[s] = _Seq(i, first + k, ids)
+                self.pos[s] = len(ids)
+                self.is_active[s] = True
+            row_slots.extend(slots)
+            repeat.append(len(slots))
+        logits = logits.repeat_interleave(torch.tensor(repeat, device=self.device), dim=0)
+        return torch.tensor(row_slots, dtype=torch.long, device=self.device), logits
+
+    def _first_sample_index(self, prompt_index: int, now: int) -> int:
+        """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""
+        return self.sp.n - self.remaining[prompt_index] - now
+
+    def _record(self, slots: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor) -> None:
+        self.last[slots] = tokens
+        is_stop = torch.isin(tokens, self.stop_ids).tolist()
+        for s, tok, lp, stop in zip(slots.tolist(), tokens.tolist(), lps.tolist(), is_stop):
+            seq = self.active[s]
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            if stop or self.checker.hit(seq.tokens):
+                self._finish(s, "stop")
+            elif len(seq.tokens) >= self.sp.max_tokens:
+                self._finish(s, "length")
+
+    def _finish(self, slot: int, reason: str) -> None:
+        self.finished.append((self.active.pop(slot), reason))
+        self.is_active[slot] = False
+        heapq.heappush(self.free, slot)

@@ -1,0 +1,180 @@
+"""A lean inference-only forward for the Llama / Qwen2 / Mistral family.
+
+Weights are held fused (q|k|v in one matrix, gate|up in another) so that a decode step is a
+handful of large matrix products per layer. Every Hugging Face parameter name maps to a *view*
+into those fused buffers, so a weight update copies in place: no rebuild, no reallocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    model_type: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    qkv_bias: bool
+    tied: bool
+
+    @staticmethod
+    def from_hf(config: Any) -> NativeConfig:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type '{config.model_type}' is not one of {SUPPORTED_MODEL_TYPES}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act '{config.hidden_act}' is not supported (silu only)")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        return NativeConfig(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden=config.hidden_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate=config.intermediate_size,
+            eps=config.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+class NativeCausalLM:
+    """Fused weights + forward passes over a :class:`~postrl.rollout.native.kv_cache.KVCache`."""
+
+    def __init__(self, cfg: NativeConfig, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        h, d, L = cfg.hidden, cfg.head_dim, cfg.layers
+        q_out, kv_out = cfg.heads * d, cfg.kv_heads * d
+        new = lambda *shape: torch.empty(*shape, dtype=dtype, device=self.device)  # noqa: E731
+        self.embed = new(cfg.vocab_size, h)
+        self.lm_head = self.embed if cfg.tied else new(cfg.vocab_size, h)
+        # the output projection as [hidden, vocab]: a plain matmul on it is ~1.7x faster on CPU
+        # than F.linear on [vocab, hidden]; refreshed from lm_head/embed by load()
+        self.lm_head_t = new(h, cfg.vocab_size)
+        self.final_norm = new(h)
+        self.wqkv = [new(q_out + 2 * kv_out, h) for _ in range(L)]
+        self.bqkv = [new(q_out + 2 * kv_out) for _ in range(L)] if cfg.qkv_bias else None
+        self.wo = [new(h, q_out) for _ in range(L)]
+        self.w_gate_up = [new(2 * cfg.intermediate, h) for _ in range(L)]
+        self.w_down = [new(h, cfg.intermediate) for _ in range(L)]
+        self.ln1 = [new(h) for _ in range(L)]
+        self.ln2 = [new(h) for _ in range(L)]
+        self.inv_freq = inv_freq.float().to(self.device)
+        self.attention_scaling = attention_scaling
+        self.params = self._name_map(q_out, kv_out)
+
+    # -- weights -------------------------------------------------------------------------------
+    def _name_map(self, q_out: int, kv_out: int) -> dict[str, torch.Tensor]:
+        """Hugging Face parameter name -> the view of our buffers it lives in."""
+        I = self.cfg.intermediate
+        names: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
+        if not self.cfg.tied:
+            names["lm_head.weight"] = self.lm_head
+        for i in range(self.cfg.layers):
+            p = f"model.layers.{i}."
+            names[p + "self_attn.q_proj.weight"] = self.wqkv[i][:q_out]
+            names[p + "self_attn.k_proj.weight"] = self.wqkv[i][q_out : q_out + kv_out]
+            names[p + "self_attn.v_proj.weight"] = self.wqkv[i][q_out + kv_out :]
+            if self.bqkv is not None:
+                names[p + "self_attn.q_proj.bias"] = self.bqkv[i][:q_out]
+                names[p + "self_attn.k_proj.bias"] = self.bqkv[i][q_out : q_out + kv_out]
+                names[p + "self_attn.v_proj.bias"] = self.bqkv[i][q_out + kv_out :]
+            names[p + "self_attn.o_proj.weight"] = self.wo[i]
+            names[p + "mlp.gate_proj.weight"] = self.w_gate_up[i][:I]
+            names[p + "mlp.up_proj.weight"] = self.w_gate_up[i][I:]
+            names[p + "mlp.down_proj.weight"] = self.w_down[i]
+            names[p + "input_layernorm.weight"] = self.ln1[i]
+            names[p + "post_attention_layernorm.weight"] = self.ln2[i]
+        return names
+
+    @torch.no_grad()
+    def load(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
+        """Copy Hugging Face-named tensors into place; returns the names written."""
+        unknown = [k for k in state if k not in self.params and not (k == "lm_head.weight" and self.cfg.tied)]
+        wrong = [f"{k} {tuple(v.shape)} != {tuple(self.params[k].shape)}" for k, v in state.items()
+                 if k in self.params and tuple(v.shape) != tuple(self.params[k].shape)]
+        missing = [k for k in self.params if k not in state] if strict else []
+        if unknown or wrong or missing:
+            raise RuntimeError(f"weights do not fit the engine: unknown {unknown[:5]}, wrong shape {wrong[:5]}, missing {missing[:5]}")
+        written = []
+        for name, tensor in state.items():
+            if name in self.params:
+                self.params[name].copy_(tensor)
+                written.append(name)
+        head = "model.embed_tokens.weight" if self.cfg.tied else "lm_head.weight"
+        if head in written:
+            self.lm_head_t.copy_(self.lm_head.t())
+        return written
+
+    @staticmethod
+    def from_hf(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> NativeCausalLM:
+        cfg = NativeConfig.from_hf(model.config)
+        rotary = model.model.rotary_emb
+        engine = NativeCausalLM(cfg, rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), dtype, device)
+        engine.load(dict(model.state_dict()))
+        return engine
+
+    # -- forward -------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as one fused op (it accumulates in float32 for bf16 inputs)."""
+        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.eps)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype)
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, write_slots: torch.Tensor,
+                attend: Any, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over a flat list of ``T`` tokens (packed prompts, or one token per decoding slot).
+
+        ``write_slots[t]`` is the cache slot token ``t`` belongs to; its K/V go to
+        ``cache[slot, :, positions[t]]``. ``attend(layer, q, k, v)`` computes attention for this
+        layout (see the engine). Returns float32 logits for ``logits_rows`` (default: all rows).
+        """
+        cfg = self.cfg
+        d, nh, nkv = cfg.head_dim, cfg.heads, cfg.kv_heads
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self._rope(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for i in range(cfg.layers):
+            h = self._rms(x, self.ln1[i])
+            qkv = F.linear(h, self.wqkv[i], self.bqkv[i] if self.bqkv is not None else None)
+            qk = self._apply_rope(qkv[:, : (nh + nkv) * d].view(-1, nh + nkv, d), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
+            cache.write(i, write_slots, positions, k, v)
+            attn = attend(i, q, k, v)  # [T, nh * d]
+            x = x + F.linear(attn, self.wo[i])
+            h = self._rms(x, self.ln2[i])
+            gate, up = F.linear(h, self.w_gate_up[i]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, self.w_down[i])
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return torch.matmul(self._rms(x, self.final_norm), self.lm_head_t).float()
