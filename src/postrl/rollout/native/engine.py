@@ -45,7 +45,7 @@ class _Seq:
 
 class NativeRolloutWorker:
     def __init__(self, model: NativeCausalLM, tokenizer: Any, eos: set[int], max_batch_size: int = 256,
-                 seed: int = 0, max_prefill_tokens: int = 2048) -> None:
+                 seed: int = 0, max_prefill_tokens: int = 2048, compile: bool = False) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -53,6 +53,9 @@ class NativeRolloutWorker:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._eos = eos
         self.cache: KVCache | None = None
+        self.compiled = compile
+        if compile:
+            model.compile()
 
     @staticmethod
     def from_hf(model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype = torch.float32, **kw: Any) -> NativeRolloutWorker:
@@ -69,6 +72,8 @@ class NativeRolloutWorker:
             self.generator.manual_seed(sampling_params.seed)
         slots = min(self.max_batch_size, len(prompts) * sampling_params.n)
         max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
+        if self.compiled:  # few distinct shapes -> few compilations
+            slots, max_len = min(self.max_batch_size, 1 << (slots - 1).bit_length()), -(-max_len // 128) * 128
         self._ensure_cache(slots, max_len)
         seqs = _Scheduler(self, prompts, sampling_params, slots).run()
         return [
@@ -160,25 +165,16 @@ class _Scheduler:
     # decode: one token for every active slot, over the dense range [0, hi)
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         active = sorted(self.active)
-        hi = active[-1] + 1
-        rows = torch.arange(hi, device=self.device)
+        # compiled decode keeps one static shape (all slots); eager decode trims to the live range
+        hi = self.n_slots if self.e.compiled else active[-1] + 1
         live = self.is_active[:hi]
         positions = torch.where(live, self.pos[:hi], 0)  # free slots in range write a dummy at 0
-        cfg = self.e.model.cfg
         # attend over the whole (contiguous) cache length with an additive mask: a fixed shape is
         # much faster for small bf16 matmuls on CPU than a growing, strided slice
         span = torch.arange(self.cache.max_len, device=self.device)
         bias = torch.zeros((hi, 1, 1, self.cache.max_len), dtype=torch.float32, device=self.device)
         bias.masked_fill_((span.unsqueeze(0) > positions.unsqueeze(1)).view(hi, 1, 1, -1), float("-inf"))
-        groups, scale = cfg.heads // cfg.kv_heads, cfg.head_dim**-0.5
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            qg = q.view(hi, cfg.kv_heads, groups, cfg.head_dim)
-            scores = torch.add(bias, torch.matmul(qg, self.cache.k[layer][:hi].transpose(-1, -2)), alpha=scale)
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            return torch.matmul(probs, self.cache.v[layer][:hi]).reshape(hi, cfg.heads * cfg.head_dim)
-
-        logits = self.e.model.forward(self.last[:hi], positions, self.cache, rows, attend)
+        logits = self.e.model.decode(self.last[:hi], positions, self.cache, hi, bias)
         self.pos[:hi] += live.long()
         active_t = torch.tensor(active, dtype=torch.long, device=self.device)
         return active_t, logits[active_t] if len(active) != hi else logits

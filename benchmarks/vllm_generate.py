@@ -1,0 +1,32 @@
+"""Run inside .venv-vllm: time vLLM's offline generate on given prompt token ids; print JSON.
+
+Invoked by benchmarks/rollout_throughput.py as
+``.venv-vllm/bin/python benchmarks/vllm_generate.py MODEL_DIR REQUEST.json``.
+"""
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model_dir, request_file = sys.argv[1], sys.argv[2]
+    req = json.load(open(request_file))
+    llm = LLM(model=model_dir, dtype=req.get("dtype", "bfloat16"), max_model_len=req["max_model_len"], seed=0,
+              enforce_eager=False, gpu_memory_utilization=req.get("memory_fraction", 0.25))
+    params = SamplingParams(n=req["n"], temperature=req["temperature"], top_p=1.0, top_k=-1,
+                            max_tokens=req["max_tokens"], logprobs=0, seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompt_ids"]]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    print(json.dumps({"tokens": tokens, "seconds": elapsed}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The native engine against transformers and the Train Worker; continuous batching; verified sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from postrl.rollout import HFRolloutWorker
+from postrl.rollout.native import NativeRolloutWorker
+from postrl.train.logprobs import token_logprobs
+from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
+from postrl.weights import WeightSyncError, weight_manifest
+from tests.conftest import make_tiny_model
+
+TEXTS = ["12+34=", "7+5=", "123+456=", "hello", "a much longer prompt than the others"]
+
+
+def prompts_for(tokenizer, texts=TEXTS):
+    return [Prompt(text=t, prompt_ids=tokenizer(t)["input_ids"]) for t in texts]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_equals_transformers_token_for_token(char_tokenizer, kind):
+    model = make_tiny_model(kind, char_tokenizer)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer)
+    for text, r in zip(TEXTS, engine.generate(prompts_for(char_tokenizer), SamplingParams(temperature=0.0, max_tokens=16), 0)):
+        ids = torch.tensor([char_tokenizer(text)["input_ids"]])
+        ref = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=char_tokenizer.pad_token_id)
+        assert r.response_ids == ref[0, ids.shape[1]:].tolist()[: len(r.response_ids)]
+        assert r.finish_reason == "stop" or len(r.response_ids) == 16
+
+
+def test_continuous_batching_equals_one_at_a_time(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=10, stop=("9",))
+    wide = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=64).generate(prompts_for(char_tokenizer), params, 0)
+    narrow = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=2).generate(prompts_for(char_tokenizer), params, 0)
+    single = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=1).generate(prompts_for(char_tokenizer), params, 0)
+    assert [r.response_ids for r in wide] == [r.response_ids for r in narrow] == [r.response_ids for r in single]
+    assert [(r.prompt_index) for r in wide] == [i for i in range(len(TEXTS)) for _ in range(3)]
+    hf = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer), params, 0)
+    assert [r.response_ids for r in wide] == [r.response_ids for r in hf]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_sampled_logprobs_match_trainer_within_1e4(char_tokenizer, kind):
+    model = make_tiny_model(kind, char_tokenizer)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=4, seed=3)
+    rollouts = engine.generate(prompts_for(char_tokenizer), SamplingParams(n=4, temperature=0.7, max_tokens=12), 0)
+    exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 0) for r in rollouts]
+    batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7)
+    assert ((logp - batch.old_logprobs) * batch.response_mask).abs().max().item() <= 1e-4
+
+
+def test_prefix_sharing_samples_differ_but_start_from_one_prefill(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, seed=0)
+    rollouts = engine.generate(prompts_for(char_tokenizer, ["12+34="]), SamplingParams(n=8, temperature=1.5, max_tokens=8), 0)
+    assert len({tuple(r.response_ids) for r in rollouts}) > 1
+    # every sample's first-token logprob comes from the same prefill distribution
+    first = {r.response_ids[0]: r.logprobs[0] for r in rollouts}
+    again = engine.generate(prompts_for(char_tokenizer, ["12+34="]), SamplingParams(n=8, temperature=1.5, max_tokens=1), 0)
+    for r in again:
+        if r.response_ids[0] in first:
+            assert abs(first[r.response_ids[0]] - r.logprobs[0]) < 1e-6
+
+
+def test_weight_sync_in_place_changes_outputs_and_corruption_is_caught(char_tokenizer, tmp_path):
+    from safetensors.torch import save_file
+
+    model = make_tiny_model("qwen2", char_tokenizer)
+    other = make_tiny_model("qwen2", char_tokenizer, seed=7)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer)
+    buffers = [t.data_ptr() for t in engine.model.wqkv]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    before = [r.logprobs for r in engine.generate(prompts_for(char_tokenizer), params, 0)]
+    state = dict(other.state_dict())
+    engine.update_weights(state, 1, manifest=weight_manifest(state))
+    assert [t.data_ptr() for t in engine.model.wqkv] == buffers  # in place, no rebuild
+    assert [r.logprobs for r in engine.generate(prompts_for(char_tokenizer), params, 1)] != before
+
+    manifest = weight_manifest(state)
+    path = tmp_path / "w.safetensors"
+    corrupted = {k: v.clone() for k, v in state.items()}
+    corrupted["model.layers.0.mlp.up_proj.weight"][0, 0] += 1e-3
+    save_file(corrupted, str(path))
+    with pytest.raises(WeightSyncError, match="1 tensors altered \\['model.layers.0.mlp.up_proj.weight'\\]"):
+        engine.update_weights(path, 2, manifest=manifest)
+    missing = {k: v for k, v in state.items() if "lm_head" not in k}
+    with pytest.raises(WeightSyncError, match="1 missing"):
+        engine.update_weights(missing, 2, manifest=manifest)
+    assert engine.weight_version == 1
+
+
+def test_bf16_engine_logprobs_close_to_fp32_trainer(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, dtype=torch.bfloat16, seed=1)
+    rollouts = engine.generate(prompts_for(char_tokenizer), SamplingParams(n=2, max_tokens=8), 0)
+    exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 0) for r in rollouts]
+    batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    assert ((logp - batch.old_logprobs) * batch.response_mask).abs().max().item() < 0.1
+
+
+def test_backend_choice_and_fallback_warning(char_tokenizer, caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from postrl.config import RolloutConfig
+    from postrl.rollout.factory import make_rollout_worker
+
+    llama = make_tiny_model("llama", char_tokenizer)
+    assert isinstance(make_rollout_worker(RolloutConfig(), llama, char_tokenizer, "float32", 0), NativeRolloutWorker)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(char_tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with caplog.at_level("WARNING"):
+        worker = make_rollout_worker(RolloutConfig(), gpt2, char_tokenizer, "float32", 0)
+    assert isinstance(worker, HFRolloutWorker) and "no native engine" in caplog.text
+    with pytest.raises(ValueError, match="supports .* not 'gpt2'"):
+        make_rollout_worker(RolloutConfig(backend="native"), gpt2, char_tokenizer, "float32", 0)
+    out = worker.generate(prompts_for(char_tokenizer, ["1+1="]), SamplingParams(temperature=0.0, max_tokens=4), 0)
+    assert len(out[0].response_ids) == len(out[0].logprobs) >= 1
