@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import heapq
+import time
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class NativeRolloutWorker:
         self._eos = eos
         self.cache: KVCache | None = None
         self.compiled = compile
+        self.stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
         if compile:
             model.compile()
 
@@ -149,10 +151,15 @@ class _Scheduler:
         while self.waiting or self.active:
             row_slots, logits = [], []
             if self.active:
+                start = time.perf_counter()
                 slots, lg = self._decode()
+                self.e.stats["decode_s"] += time.perf_counter() - start
+                self.e.stats["decode_tokens"] += len(slots)
                 row_slots.append(slots)
                 logits.append(lg)
+            start = time.perf_counter()
             admitted = self._admit()
+            self.e.stats["prefill_s"] += time.perf_counter() - start
             if admitted is not None:
                 row_slots.append(admitted[0])
                 logits.append(admitted[1])
@@ -219,6 +226,7 @@ class _Scheduler:
             return out.transpose(1, 2)[row, positions].reshape(-1, cfg.heads * cfg.head_dim)
 
         logits = self.e.model.forward(tokens, positions, self.cache, write_slots, attend, logits_rows=ends)
+        self.e.stats["prefill_tokens"] += len(tokens)
         row_slots, repeat = [], []
         for g, (i, ids, slots) in enumerate(groups):
             if len(slots) > 1:
