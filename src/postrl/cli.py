@@ -47,6 +47,43 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve_rollout(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from postrl.config import RolloutConfig
+    from postrl.models import load_causal_lm, load_tokenizer
+    from postrl.rollout.factory import make_rollout_worker
+    from postrl.serve.batcher import EngineBatcher
+    from postrl.serve.openai_server import build_app
+
+    tokenizer = load_tokenizer(args.model)
+    model = load_causal_lm(args.model)
+    rollout = RolloutConfig(backend=args.backend, dtype=args.dtype, max_batch_size=args.max_batch_size)
+    worker = make_rollout_worker(rollout, model, tokenizer, "float32", seed=args.seed)
+    batcher = EngineBatcher(worker)
+    name = args.served_model_name or args.model
+    max_context = getattr(model.config, "max_position_embeddings", None)
+    uvicorn.run(build_app(batcher, tokenizer, name, max_context=max_context), host=args.host, port=args.port, log_level="warning")
+    batcher.close()
+    return 0
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from postrl.serve.router import LeastOutstandingRouter, build_router_app
+
+    uvicorn.run(build_router_app(LeastOutstandingRouter(args.backend)), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from postrl.gguf import convert_gguf
+
+    print(f"wrote {convert_gguf(args.file, args.out_dir)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="postrl", description="RL post-training of language models.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -67,6 +104,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="arithmetic")
     p.add_argument("--max-tokens", type=int, default=16)
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("serve-rollout", help="OpenAI-compatible server over postrl's rollout engine")
+    p.add_argument("--model", required=True, help="a Hugging Face model folder, or 'demo'")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--served-model-name")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_serve_rollout)
+
+    p = sub.add_parser("route", help="spread requests over rollout servers (least outstanding requests)")
+    p.add_argument("--backend", action="append", required=True, help="a rollout server URL; repeat for more")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.set_defaults(func=_cmd_route)
+
+    p = sub.add_parser("convert-gguf", help="write a Hugging Face folder (safetensors, tokenizer) from a GGUF file")
+    p.add_argument("file")
+    p.add_argument("out_dir")
+    p.set_defaults(func=_cmd_convert_gguf)
     return parser
 
 
