@@ -57,11 +57,10 @@ def count_tokens(rows: list[list[int]], eos: set[int]) -> int:
     return total
 
 
-def run_postrl(model, tokenizer, prompts, n, max_tokens, compile_decode) -> dict:
-    engine = NativeRolloutWorker.from_hf(model, tokenizer, dtype=torch.bfloat16, max_batch_size=len(prompts) * n,
-                                         compile=compile_decode)
+def run_postrl(model, tokenizer, prompts, n, max_tokens) -> dict:
+    engine = NativeRolloutWorker.from_hf(model, tokenizer, dtype=torch.bfloat16, max_batch_size=len(prompts) * n)
     warm = time.perf_counter()
-    engine.generate(prompts, SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=1), 0)  # compile / warm up
+    engine.generate(prompts, SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=1), 0)  # warm up
     warm = time.perf_counter() - warm
     engine.stats = dict.fromkeys(engine.stats, 0)
     start = time.perf_counter()
@@ -145,7 +144,7 @@ def bench_model(name, model_dir, chat, args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = make_prompts(tokenizer, args.prompts, chat)
     eos = {tokenizer.eos_token_id} | set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
-    postrl = run_postrl(model, tokenizer, prompts, args.n, args.max_tokens, not args.no_compile)
+    postrl = run_postrl(model, tokenizer, prompts, args.n, args.max_tokens)
     hf = run_hf(model_dir, tokenizer, prompts, args.n, args.max_tokens, eos)
     hf32 = run_hf(model_dir, tokenizer, prompts, args.n, args.max_tokens, eos, dtype=torch.float32)
     vllm = None if args.skip_vllm else run_vllm(model_dir, prompts, args.n, args.max_tokens)
@@ -178,7 +177,6 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--skip-vllm", action="store_true")
-    parser.add_argument("--no-compile", action="store_true", help="eager decode (no torch.compile)")
     parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)

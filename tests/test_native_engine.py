@@ -121,3 +121,17 @@ def test_backend_choice_and_fallback_warning(char_tokenizer, caplog):
         make_rollout_worker(RolloutConfig(backend="native"), gpt2, char_tokenizer, "float32", 0)
     out = worker.generate(prompts_for(char_tokenizer, ["1+1="]), SamplingParams(temperature=0.0, max_tokens=4), 0)
     assert len(out[0].response_ids) == len(out[0].logprobs) >= 1
+
+
+def test_shared_system_prompt_prefilled_once_gives_same_tokens_and_logprobs(char_tokenizer):
+    model = make_tiny_model("qwen2", char_tokenizer)
+    system = "You are a careful calculator. Answer briefly.\n"
+    texts = [system + q for q in ["12+34=", "7+5=", "123+456=", "9*9="]]
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=16)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=8)
+    shared = engine.generate(prompts_for(char_tokenizer, texts), params, 0)
+    assert engine.stats["prefill_tokens"] < sum(len(char_tokenizer(t)["input_ids"]) for t in texts)
+    hf = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, texts), params, 0)
+    assert [r.response_ids for r in shared] == [r.response_ids for r in hf]
+    diff = max(abs(a - b) for r, h in zip(shared, hf) for a, b in zip(r.logprobs, h.logprobs))
+    assert diff < 1e-5

@@ -69,7 +69,6 @@ class RolloutConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
         None, description="Engine dtype; None = model.dtype; auto = bfloat16 where the hardware has fast bf16."
     )
-    compile: bool = Field(False, description="torch.compile the native engine's decode step (slow first call per shape).")
     verify_sync: bool = Field(True, description="Checksum every weight sync and compare what arrived with what was sent.")
     weight_sync: Literal["memory", "safetensors"] = Field("memory", description="How new weights reach the engine.")
 

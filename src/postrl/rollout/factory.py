@@ -48,6 +48,6 @@ def make_rollout_worker(config: RolloutConfig, model: torch.nn.Module, tokenizer
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"rollout.backend=native supports {SUPPORTED_MODEL_TYPES}, not '{model_type}'")
         return NativeRolloutWorker.from_hf(
-            model, tokenizer, dtype, max_batch_size=config.max_batch_size, seed=seed, compile=config.compile
+            model, tokenizer, dtype, max_batch_size=config.max_batch_size, seed=seed
         )
     return HFRolloutWorker(model.to(dtype), tokenizer, config.max_batch_size, seed=seed)

@@ -34,6 +34,19 @@ from postrl.weights import WeightSyncError, verify_manifest
 
 log = logging.getLogger(__name__)
 
+MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a separate prefill pass
+
+
+def _shared_prefix_length(prompts: list[list[int]]) -> int:
+    """Longest common prefix of the prompts, leaving at least one token of each to prefill."""
+    if len(prompts) < 2:
+        return 0
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
 
 @dataclass
 class _Seq:
@@ -46,7 +59,7 @@ class _Seq:
 
 class NativeRolloutWorker:
     def __init__(self, model: NativeCausalLM, tokenizer: Any, eos: set[int], max_batch_size: int = 256,
-                 seed: int = 0, max_prefill_tokens: int = 2048, compile: bool = False) -> None:
+                 seed: int = 0, max_prefill_tokens: int = 2048) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -54,10 +67,7 @@ class NativeRolloutWorker:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._eos = eos
         self.cache: KVCache | None = None
-        self.compiled = compile
         self.stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
-        if compile:
-            model.compile()
 
     @staticmethod
     def from_hf(model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype = torch.float32, **kw: Any) -> NativeRolloutWorker:
@@ -74,8 +84,6 @@ class NativeRolloutWorker:
             self.generator.manual_seed(sampling_params.seed)
         slots = min(self.max_batch_size, len(prompts) * sampling_params.n)
         max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
-        if self.compiled:  # few distinct shapes -> few compilations
-            slots, max_len = min(self.max_batch_size, 1 << (slots - 1).bit_length()), -(-max_len // 128) * 128
         self._ensure_cache(slots, max_len)
         seqs = _Scheduler(self, prompts, sampling_params, slots).run()
         return [
@@ -117,8 +125,8 @@ class NativeRolloutWorker:
 
     # -- internals -------------------------------------------------------------------------------
     def _ensure_cache(self, slots: int, max_len: int) -> None:
-        """Reuse the cache across calls when it fits without being more than twice too long
-        (decode attends over the cache's whole length); otherwise allocate it once for this call."""
+        """Reuse the cache across calls when it fits and is not more than twice too long (decode
+        attends over its whole length); otherwise allocate it once for this call."""
         old = self.cache
         if old is not None and old.fits(slots, max_len) and old.max_len <= 2 * max_len:
             return
@@ -172,21 +180,29 @@ class _Scheduler:
     # decode: one token for every active slot, over the dense range [0, hi)
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         active = sorted(self.active)
-        # compiled decode keeps one static shape (all slots); eager decode trims to the live range
-        hi = self.n_slots if self.e.compiled else active[-1] + 1
+        hi = active[-1] + 1
         live = self.is_active[:hi]
         positions = torch.where(live, self.pos[:hi], 0)  # free slots in range write a dummy at 0
-        # attend over the whole (contiguous) cache length with an additive mask: a fixed shape is
-        # much faster for small bf16 matmuls on CPU than a growing, strided slice
+        cfg = self.e.model.cfg
+        # attend over the cache's whole (contiguous) length with an additive mask: on CPU, bf16
+        # batched matmuls on contiguous blocks beat both SDPA and strided slices of the live part
         span = torch.arange(self.cache.max_len, device=self.device)
         bias = torch.zeros((hi, 1, 1, self.cache.max_len), dtype=torch.float32, device=self.device)
         bias.masked_fill_((span.unsqueeze(0) > positions.unsqueeze(1)).view(hi, 1, 1, -1), float("-inf"))
-        logits = self.e.model.decode(self.last[:hi], positions, self.cache, hi, bias)
+        groups, scale = cfg.heads // cfg.kv_heads, cfg.head_dim**-0.5
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qg = q.view(hi, cfg.kv_heads, groups, cfg.head_dim)
+            scores = torch.add(bias, torch.matmul(qg, self.cache.k[layer][:hi].transpose(-1, -2)), alpha=scale)
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            return torch.matmul(probs, self.cache.v[layer][:hi]).reshape(hi, cfg.heads * cfg.head_dim)
+
+        logits = self.e.model.forward(self.last[:hi], positions, self.cache, torch.arange(hi, device=self.device), attend)
         self.pos[:hi] += live.long()
         active_t = torch.tensor(active, dtype=torch.long, device=self.device)
         return active_t, logits[active_t] if len(active) != hi else logits
 
-    # admit waiting prompts into free slots: packed prefill, then prefix copy to the group's slots
+    # admit waiting prompts into free slots: prefill, then prefix copy to each group's slots
     def _admit(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         groups: list[tuple[int, list[int], list[int]]] = []  # (prompt index, prompt ids, slots)
         budget = self.e.max_prefill_tokens
@@ -203,33 +219,18 @@ class _Scheduler:
             budget -= len(ids)
         if not groups:
             return None
-        tokens = torch.tensor([t for _, ids, _ in groups for t in ids], dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(len(ids), device=self.device) for _, ids, _ in groups])
-        write_slots = torch.tensor([slots[0] for _, ids, slots in groups for _ in ids], dtype=torch.long, device=self.device)
-        lengths = [len(ids) for _, ids, _ in groups]
-        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-        # attention runs on a right-padded [prompts, longest, ...] view of the packed tokens
-        # (causal masking then needs no per-token mask); the linear layers never see padding
-        longest = max(lengths)
-        row = torch.cat([torch.full((n,), g, dtype=torch.long, device=self.device) for g, n in enumerate(lengths)])
-        cfg = self.e.model.cfg
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            def padded(x: torch.Tensor) -> torch.Tensor:
-                out = x.new_zeros((len(lengths), longest, x.shape[1], x.shape[2]))
-                out[row, positions] = x
-                return out.transpose(1, 2)
-
-            out = F.scaled_dot_product_attention(
-                padded(q), padded(k), padded(v), is_causal=True, enable_gqa=cfg.kv_heads != cfg.heads
-            )
-            return out.transpose(1, 2)[row, positions].reshape(-1, cfg.heads * cfg.head_dim)
-
-        logits = self.e.model.forward(tokens, positions, self.cache, write_slots, attend, logits_rows=ends)
-        self.e.stats["prefill_tokens"] += len(tokens)
+        shared = _shared_prefix_length([ids for _, ids, _ in groups])
+        if shared >= MIN_SHARED_PREFIX:  # e.g. a common system prompt: compute its K/V once
+            first = groups[0][2][0]
+            self._prefill([(first, groups[0][1][:shared])], start=0)
+            others = torch.tensor([slots[0] for _, _, slots in groups[1:]], device=self.device)
+            self.cache.copy_prefix(first, others, shared)
+        else:
+            shared = 0
+        logits = self._prefill([(slots[0], ids) for _, ids, slots in groups], start=shared)
         row_slots, repeat = [], []
-        for g, (i, ids, slots) in enumerate(groups):
-            if len(slots) > 1:
+        for i, ids, slots in groups:
+            if len(slots) > 1:  # the G samples of a prompt share its K/V
                 self.cache.copy_prefix(slots[0], torch.tensor(slots[1:], device=self.device), len(ids))
             first = self._first_sample_index(i, len(slots))
             for k, s in enumerate(slots):
@@ -240,6 +241,38 @@ class _Scheduler:
             repeat.append(len(slots))
         logits = logits.repeat_interleave(torch.tensor(repeat, device=self.device), dim=0)
         return torch.tensor(row_slots, dtype=torch.long, device=self.device), logits
+
+    def _prefill(self, items: list[tuple[int, list[int]]], start: int) -> torch.Tensor:
+        """Run tokens ``ids[start:]`` of each (slot, ids) through the model, packed without padding;
+        positions before ``start`` are already in the slot's cache. Returns each item's last logits.
+
+        Attention runs on a padded [items, longest, ...] view and reads keys from the cache, so a
+        suffix attends to its cached prefix and, causally, to itself."""
+        lengths = [len(ids) - start for _, ids in items]
+        tokens = torch.tensor([t for _, ids in items for t in ids[start:]], dtype=torch.long, device=self.device)
+        col = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        row = torch.cat([torch.full((n,), g, dtype=torch.long, device=self.device) for g, n in enumerate(lengths)])
+        slots = torch.tensor([s for s, _ in items], dtype=torch.long, device=self.device)
+        total = torch.tensor([len(ids) for _, ids in items], device=self.device)
+        longest_q, longest_k = max(lengths), int(total.max())
+        key_pos = torch.arange(longest_k, device=self.device).view(1, 1, 1, -1)
+        query_pos = (start + torch.arange(longest_q, device=self.device)).view(1, 1, -1, 1)
+        mask = (key_pos <= query_pos) & (key_pos < total.view(-1, 1, 1, 1))
+        cfg = self.e.model.cfg
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qp = q.new_zeros((len(items), longest_q, cfg.heads, cfg.head_dim))
+            qp[row, col] = q
+            keys = self.cache.k[layer][slots, :, :longest_k]
+            values = self.cache.v[layer][slots, :, :longest_k]
+            out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask,
+                                                 enable_gqa=cfg.kv_heads != cfg.heads)
+            return out.transpose(1, 2)[row, col].reshape(-1, cfg.heads * cfg.head_dim)
+
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        logits = self.e.model.forward(tokens, start + col, self.cache, slots[row], attend, logits_rows=ends)
+        self.e.stats["prefill_tokens"] += len(tokens)
+        return logits
 
     def _first_sample_index(self, prompt_index: int, now: int) -> int:
         """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""

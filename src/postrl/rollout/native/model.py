@@ -56,29 +56,6 @@ class NativeConfig:
         )
 
 
-def _qkv_rope(x, ln, eps, wqkv, bqkv, cos, sin, nh: int, nkv: int, d: int):
-    """Pre-attention half of a layer: RMSNorm, fused QKV projection, rotary embedding."""
-    h = F.rms_norm(x, (x.shape[-1],), ln, eps)
-    qkv = F.linear(h, wqkv, bqkv)
-    qk = qkv[:, : (nh + nkv) * d].view(-1, nh + nkv, d)
-    half = d // 2
-    qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
-    return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
-
-
-def _decode_attention_mlp(x, q, kc, vc, bias, wo, ln, eps, wgu, wd, nh: int, nkv: int, d: int):
-    """Post-cache-write half of a decode layer: attention over the slot's cache, o-proj, SwiGLU MLP."""
-    rows = x.shape[0]
-    qg = q.reshape(rows, nkv, nh // nkv, d)
-    scores = torch.add(bias, torch.matmul(qg, kc.transpose(-1, -2)), alpha=d**-0.5)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    attn = torch.matmul(probs, vc).reshape(rows, nh * d)
-    x = x + F.linear(attn, wo)
-    h = F.rms_norm(x, (x.shape[-1],), ln, eps)
-    gate, up = F.linear(h, wgu).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, wd)
-
-
 class NativeCausalLM:
     """Fused weights + forward passes over a :class:`~postrl.rollout.native.kv_cache.KVCache`."""
 
@@ -104,15 +81,6 @@ class NativeCausalLM:
         self.inv_freq = inv_freq.float().to(self.device)
         self.attention_scaling = attention_scaling
         self.params = self._name_map(q_out, kv_out)
-        self._qkv_rope, self._decode_rest = _qkv_rope, _decode_attention_mlp
-
-    def compile(self) -> None:
-        """torch.compile the two halves of a decode layer (one graph shared by all layers).
-
-        Fuses the many small elementwise ops that dominate a CPU decode step; the first call per
-        shape compiles (tens of seconds), so the engine keeps decode shapes static."""
-        self._qkv_rope = torch.compile(_qkv_rope, dynamic=False)
-        self._decode_rest = torch.compile(_decode_attention_mlp, dynamic=False)
 
     # -- weights -------------------------------------------------------------------------------
     def _name_map(self, q_out: int, kv_out: int) -> dict[str, torch.Tensor]:
@@ -180,23 +148,6 @@ class NativeCausalLM:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
-
-    @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, rows: int, bias: torch.Tensor) -> torch.Tensor:
-        """One token for each of the slots ``0..rows-1``; ``bias`` is the additive attention mask
-        ``[rows, 1, 1, cache_len]``. Returns float32 logits ``[rows, vocab]``."""
-        cfg = self.cfg
-        x = F.embedding(tokens, self.embed)
-        cos, sin = self._rope(positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        slots = torch.arange(rows, device=tokens.device)
-        for i in range(cfg.layers):
-            bias_i = self.bqkv[i] if self.bqkv is not None else None
-            q, k, v = self._qkv_rope(x, self.ln1[i], cfg.eps, self.wqkv[i], bias_i, cos, sin, cfg.heads, cfg.kv_heads, cfg.head_dim)
-            cache.write(i, slots, positions, k, v)
-            x = self._decode_rest(x, q, cache.k[i][:rows], cache.v[i][:rows], bias, self.wo[i], self.ln2[i], cfg.eps,
-                                  self.w_gate_up[i], self.w_down[i], cfg.heads, cfg.kv_heads, cfg.head_dim)
-        return torch.matmul(self._rms(x, self.final_norm), self.lm_head_t).float()
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, write_slots: torch.Tensor,
