@@ -109,16 +109,16 @@ def test_backend_choice_and_fallback_warning(char_tokenizer, caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from postrl.config import RolloutConfig
-    from postrl.rollout.factory import make_rollout_worker
+    from postrl.rollout.factory import rollout_worker_for_model
 
     llama = make_tiny_model("llama", char_tokenizer)
-    assert isinstance(make_rollout_worker(RolloutConfig(), llama, char_tokenizer, "float32", 0), NativeRolloutWorker)
+    assert isinstance(rollout_worker_for_model(RolloutConfig(), llama, char_tokenizer, "float32", 0), NativeRolloutWorker)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(char_tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64))
     with caplog.at_level("WARNING"):
-        worker = make_rollout_worker(RolloutConfig(), gpt2, char_tokenizer, "float32", 0)
+        worker = rollout_worker_for_model(RolloutConfig(), gpt2, char_tokenizer, "float32", 0)
     assert isinstance(worker, HFRolloutWorker) and "no native engine" in caplog.text
     with pytest.raises(ValueError, match="supports .* not 'gpt2'"):
-        make_rollout_worker(RolloutConfig(backend="native"), gpt2, char_tokenizer, "float32", 0)
+        rollout_worker_for_model(RolloutConfig(backend="native"), gpt2, char_tokenizer, "float32", 0)
     out = worker.generate(prompts_for(char_tokenizer, ["1+1="]), SamplingParams(temperature=0.0, max_tokens=4), 0)
     assert len(out[0].response_ids) == len(out[0].logprobs) >= 1
 

@@ -52,14 +52,14 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
 
     from postrl.config import RolloutConfig
     from postrl.models import load_causal_lm, load_tokenizer
-    from postrl.rollout.factory import make_rollout_worker
+    from postrl.rollout.factory import rollout_worker_for_model
     from postrl.serve.batcher import EngineBatcher
     from postrl.serve.openai_server import build_app
 
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model)
     rollout = RolloutConfig(backend=args.backend, dtype=args.dtype, max_batch_size=args.max_batch_size)
-    worker = make_rollout_worker(rollout, model, tokenizer, "float32", seed=args.seed)
+    worker = rollout_worker_for_model(rollout, model, tokenizer, "float32", seed=args.seed)
     batcher = EngineBatcher(worker)
     name = args.served_model_name or args.model
     max_context = getattr(model.config, "max_position_embeddings", None)

@@ -55,8 +55,10 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Literal["auto", "native", "hf"] = Field(
-        "auto", description="native: postrl's engine (Llama/Qwen2/Mistral); hf: the transformers model; auto: native if supported."
+    backend: Literal["auto", "native", "hf", "vllm"] = Field(
+        "auto",
+        description="native: postrl's engine (Llama/Qwen2/Mistral); hf: the transformers model; auto: native if "
+        "supported; vllm: a vLLM server in .venv-vllm (scripts/setup_vllm.sh).",
     )
     n: int = Field(8, ge=1, description="Responses per prompt (the GRPO group size G).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")

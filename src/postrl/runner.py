@@ -49,9 +49,8 @@ def build_components(config: RunConfig) -> Components:
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
     policy = load_causal_lm(config.model.path, config.model.dtype)
-    engine_model = load_causal_lm(config.model.path, "float32")
     ref_model = load_causal_lm(config.model.path, config.model.dtype) if config.algorithm.kl_beta > 0 else None
-    rollout = make_rollout_worker(config.rollout, engine_model, tokenizer, config.model.dtype, config.seed)
+    rollout = make_rollout_worker(config.rollout, config.model.path, tokenizer, config.model.dtype, config.seed)
     trainer = TrainWorker(
         policy,
         config.train,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from postrl.config import RolloutConfig
+from postrl.models import load_causal_lm, resolve_model_path
 from postrl.rollout.base import RolloutWorker
 from postrl.rollout.hf_engine import HFRolloutWorker
 from postrl.rollout.native import SUPPORTED_MODEL_TYPES, NativeRolloutWorker
@@ -33,9 +34,20 @@ def engine_dtype(config: RolloutConfig, model_dtype: str, device: torch.device) 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def make_rollout_worker(config: RolloutConfig, model: torch.nn.Module, tokenizer: Any, model_dtype: str, seed: int) -> RolloutWorker:
+def make_rollout_worker(config: RolloutConfig, model_path: str, tokenizer: Any, model_dtype: str, seed: int) -> RolloutWorker:
     """``auto`` uses the native engine for Llama/Qwen2/Mistral and falls back, with a warning,
-    to the transformers model for any other architecture."""
+    to the transformers model for any other architecture; ``vllm`` starts a vLLM server."""
+    if config.backend == "vllm":
+        from postrl.rollout.vllm_backend import VLLMRolloutWorker
+
+        dtype = "float32" if engine_dtype(config, model_dtype, torch.device("cpu")) == torch.float32 else "bfloat16"
+        return VLLMRolloutWorker(resolve_model_path(model_path), tokenizer, dtype=dtype, seed=seed)
+    return rollout_worker_for_model(config, load_causal_lm(model_path, "float32"), tokenizer, model_dtype, seed)
+
+
+def rollout_worker_for_model(config: RolloutConfig, model: torch.nn.Module, tokenizer: Any, model_dtype: str,
+                             seed: int) -> RolloutWorker:
+    """A native or transformers Rollout Worker around an already loaded model."""
     device = next(model.parameters()).device
     dtype = engine_dtype(config, model_dtype, device)
     model_type = getattr(model.config, "model_type", "?")

@@ -56,6 +56,11 @@ class NativeConfig:
         )
 
 
+def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    return (dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 class NativeCausalLM:
     """Fused weights + forward passes over a :class:`~postrl.rollout.native.kv_cache.KVCache`."""
 
@@ -81,6 +86,10 @@ class NativeCausalLM:
         self.inv_freq = inv_freq.float().to(self.device)
         self.attention_scaling = attention_scaling
         self.params = self._name_map(q_out, kv_out)
+        # On CPUs, bf16 projections run ~1.5x faster with weights reordered once into oneDNN's
+        # blocked layout (what torch.compile's freezing does) than with F.linear re-packing them
+        # on every call. The packed copies are refreshed by load().
+        self.prepacked = _can_prepack(dtype, self.device)
 
     # -- weights -------------------------------------------------------------------------------
     def _name_map(self, q_out: int, kv_out: int) -> dict[str, torch.Tensor]:
@@ -123,7 +132,21 @@ class NativeCausalLM:
         head = "model.embed_tokens.weight" if self.cfg.tied else "lm_head.weight"
         if head in written:
             self.lm_head_t.copy_(self.lm_head.t())
+        self._pack()
         return written
+
+    def _pack(self) -> None:
+        pack = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)) if self.prepacked else (lambda w: w)
+        self.p_wqkv = [pack(w) for w in self.wqkv]
+        self.p_wo = [pack(w) for w in self.wo]
+        self.p_gate_up = [pack(w) for w in self.w_gate_up]
+        self.p_down = [pack(w) for w in self.w_down]
+        self.p_head = pack(self.lm_head) if self.prepacked else None
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.prepacked:
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        return F.linear(x, w, bias)
 
     @staticmethod
     def from_hf(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> NativeCausalLM:
@@ -165,16 +188,18 @@ class NativeCausalLM:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i in range(cfg.layers):
             h = self._rms(x, self.ln1[i])
-            qkv = F.linear(h, self.wqkv[i], self.bqkv[i] if self.bqkv is not None else None)
+            qkv = self._linear(h, self.p_wqkv[i], self.bqkv[i] if self.bqkv is not None else None)
             qk = self._apply_rope(qkv[:, : (nh + nkv) * d].view(-1, nh + nkv, d), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
             cache.write(i, write_slots, positions, k, v)
             attn = attend(i, q, k, v)  # [T, nh * d]
-            x = x + F.linear(attn, self.wo[i])
+            x = x + self._linear(attn, self.p_wo[i])
             h = self._rms(x, self.ln2[i])
-            gate, up = F.linear(h, self.w_gate_up[i]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, self.w_down[i])
+            gate, up = self._linear(h, self.p_gate_up[i]).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, self.p_down[i])
         if logits_rows is not None:
             x = x[logits_rows]
-        return torch.matmul(self._rms(x, self.final_norm), self.lm_head_t).float()
+        h = self._rms(x, self.final_norm)
+        logits = self._linear(h, self.p_head) if self.prepacked else torch.matmul(h, self.lm_head_t)
+        return logits.float()

@@ -1,0 +1,138 @@
+"""``rollout.backend: vllm``: a Rollout Worker that drives a vLLM server (server-based rollout).
+
+postrl starts :mod:`postrl.rollout.vllm_server` in the vLLM virtual environment (vLLM pins its
+own torch and transformers, so it cannot live in postrl's), waits for ``/health``, sends each
+``generate`` as one token-id batch and syncs weights through a safetensors file that the server
+reloads in place. The server's logprobs are pi_old.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.weights import verify_manifest, write_sync_file
+
+SERVER_FILE = Path(__file__).with_name("vllm_server.py")
+DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_python() -> Path | None:
+    """The vLLM environment's interpreter: $POSTRL_VLLM_PYTHON, else the repo's .venv-vllm."""
+    path = Path(os.environ.get("POSTRL_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
+    return path if path.is_file() else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMRolloutWorker:
+    def __init__(self, model_dir: str | Path, tokenizer: Any, *, max_model_len: int = 2048, dtype: str = "bfloat16",
+                 seed: int = 0, startup_timeout_s: float = 600.0, request_timeout_s: float = 3600.0) -> None:
+        python = vllm_python()
+        if python is None:
+            raise FileNotFoundError("no vLLM environment: run scripts/setup_vllm.sh or set POSTRL_VLLM_PYTHON")
+        self.tokenizer, self.weight_version, self.seed = tokenizer, 0, seed
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="postrl-vllm-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [str(python), str(SERVER_FILE), "--model", str(model_dir), "--port", str(self.port), "--dtype", dtype,
+             "--max-model-len", str(max_model_len), "--seed", str(seed)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.client = httpx.Client(timeout=request_timeout_s)
+        self.sync_dir = Path(tempfile.mkdtemp(prefix="postrl-vllm-sync-"))
+        self._wait_ready(startup_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode}; log: {self.log.name}\n{self._log_tail()}")
+            try:
+                if self.client.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.close()
+        raise TimeoutError(f"vLLM server not ready after {timeout_s:.0f}s; log: {self.log.name}")
+
+    def _log_tail(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
+
+    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+        if weight_version != self.weight_version:
+            raise RuntimeError(f"asked to generate with weight_version {weight_version}, engine holds {self.weight_version}")
+        sp = sampling_params
+        body = {"prompt": [p.prompt_ids for p in prompts], "n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p,
+                "top_k": sp.top_k, "max_tokens": sp.max_tokens, "stop": list(sp.stop),
+                "stop_token_ids": list(sp.stop_token_ids), "seed": sp.seed}
+        response = self.client.post(self.url + "/v1/completions", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(f"vLLM server {self.url} answered {response.status_code}: {response.text[:500]}")
+        out = []
+        for c in response.json()["choices"]:
+            i = c["prompt_index"]
+            out.append(Rollout(prompt_index=i, prompt_ids=list(prompts[i].prompt_ids), response_ids=c["token_ids"],
+                               logprobs=c["logprobs"]["token_logprobs"], text=c["text"],
+                               finish_reason=c["finish_reason"], weight_version=self.weight_version))
+        return out
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
+                       manifest: dict[str, str] | None = None) -> None:
+        if isinstance(weights, (str, Path)):
+            path = Path(weights)
+            if manifest is not None:
+                from safetensors.torch import load_file
+
+                verify_manifest(load_file(str(path)), manifest)
+        else:
+            if manifest is not None:
+                verify_manifest(weights, manifest)
+            path = write_sync_file(weights, self.sync_dir / "policy.safetensors")
+        response = self.client.post(self.url + "/update_weights", json={"path": str(path), "version": version})
+        if response.status_code != 200:
+            raise RuntimeError(f"vLLM weight update failed ({response.status_code}): {response.text[:500]}")
+        self.weight_version = version
+
+    def health_check(self) -> bool:
+        try:
+            return self.proc.poll() is None and self.client.get(self.url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.weight_version = int(state["weight_version"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.client.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+            self.close()
+

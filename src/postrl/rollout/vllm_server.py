@@ -1,0 +1,119 @@
+"""A small vLLM rollout server: needs only vLLM, FastAPI, uvicorn and safetensors (no postrl).
+
+Runs inside the vLLM virtual environment (``scripts/setup_vllm.sh``), started by
+:class:`postrl.rollout.vllm_backend.VLLMRolloutWorker`::
+
+    .venv-vllm/bin/python src/postrl/rollout/vllm_server.py --model DIR --port N
+
+- ``POST /v1/completions``: OpenAI-style, prompts as token-id lists, with sampled-token logprobs
+  and the generated token ids (``token_ids``) in every choice.
+- ``POST /update_weights`` ``{path, version}``: reloads a safetensors file into the running
+  engine and resets the prefix cache. On vLLM's CPU backend a direct ``load_weights`` fails;
+  ``collective_rpc`` into each worker's ``reload_weights(..., is_checkpoint_format=True)`` works.
+- ``GET /health``: ``{status, weight_version}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from typing import Any
+
+
+def _reload_from_file(worker: Any, path: str) -> None:
+    """Runs inside each vLLM worker process: stream the file's tensors into the loaded model."""
+    from safetensors import safe_open
+
+    def tensors():
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+    worker.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+
+
+def build_app(llm: Any, model_name: str):
+    from fastapi import FastAPI, HTTPException
+    from pydantic import BaseModel, Field
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    app = FastAPI(title="postrl vLLM rollout server")
+    lock = threading.Lock()  # the offline LLM is not re-entrant; each request is a whole batch
+    state = {"weight_version": 0}
+
+    class CompletionRequest(BaseModel):
+        prompt: list[list[int]] = Field(min_length=1)
+        n: int = Field(1, ge=1)
+        temperature: float = Field(1.0, ge=0.0)
+        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        top_k: int = Field(0, ge=0)
+        max_tokens: int = Field(64, ge=1)
+        stop: list[str] = Field(default_factory=list)
+        stop_token_ids: list[int] = Field(default_factory=list)
+        seed: int | None = None
+        logprobs: int | None = 0
+
+    class UpdateRequest(BaseModel):
+        path: str
+        version: int = Field(ge=0)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "weight_version": state["weight_version"]}
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest) -> dict:
+        params = SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k if req.top_k > 0 else -1,
+            max_tokens=req.max_tokens, stop=req.stop or None, stop_token_ids=req.stop_token_ids or None,
+            seed=req.seed, logprobs=0, include_stop_str_in_output=True,
+        )
+        with lock:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req.prompt], params, use_tqdm=False)
+        choices = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                logprobs = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs or [])]
+                choices.append({"index": len(choices), "prompt_index": i, "text": c.text, "token_ids": list(c.token_ids),
+                                "logprobs": {"token_logprobs": logprobs},
+                                "finish_reason": "stop" if c.finish_reason == "stop" else "length"})
+        return {"object": "text_completion", "model": model_name, "choices": choices,
+                "weight_version": state["weight_version"]}
+
+    @app.post("/update_weights")
+    def update_weights(req: UpdateRequest) -> dict:
+        import os
+
+        if not os.path.isfile(req.path):
+            raise HTTPException(400, f"no weights file at {req.path}")
+        with lock:
+            llm.collective_rpc(_reload_from_file, args=(req.path,))
+            llm.reset_prefix_cache()
+            state["weight_version"] = req.version
+        return {"status": "ok", "weight_version": req.version}
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="postrl vLLM rollout server")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8200)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--memory-fraction", type=float, default=0.25, help="CPU memory vLLM reserves for its KV cache")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import uvicorn
+    from vllm import LLM
+
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+              gpu_memory_utilization=args.memory_fraction)
+    uvicorn.run(build_app(llm, args.model), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
