@@ -21,11 +21,15 @@ def main() -> None:
                             max_tokens=req["max_tokens"], logprobs=0, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompt_ids"]]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    print(json.dumps({"tokens": tokens, "seconds": elapsed}))
+    best = None
+    for _ in range(req.get("repeats", 1)):  # the fastest run counts, as for the other engines
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        if best is None or tokens / elapsed > best["tokens"] / best["seconds"]:
+            best = {"tokens": tokens, "seconds": elapsed}
+    print(json.dumps(best))
 
 
 if __name__ == "__main__":

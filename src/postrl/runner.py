@@ -103,6 +103,9 @@ def train(
             for sink in sinks:
                 sink.close()
             parts.reward.close()
+            close_rollout = getattr(parts.rollout, "close", None)
+            if close_rollout is not None:
+                close_rollout()
     return controller
 
 
