@@ -9,27 +9,30 @@ Runs inside the vLLM virtual environment (``scripts/setup_vllm.sh``), started by
   and the generated token ids (``token_ids``) in every choice.
 - ``POST /update_weights`` ``{path, version}``: reloads a safetensors file into the running
   engine and resets the prefix cache. On vLLM's CPU backend a direct ``load_weights`` fails;
-  ``collective_rpc`` into each worker's ``reload_weights(..., is_checkpoint_format=True)`` works.
+  ``collective_rpc`` into each worker's ``reload_weights(weights_path=..., is_checkpoint_format=True)``
+  works.
 - ``GET /health``: ``{status, weight_version}``.
 """
 
-from __future__ import annotations
 
 import argparse
 import threading
 from typing import Any
 
 
-def _reload_from_file(worker: Any, path: str) -> None:
-    """Runs inside each vLLM worker process: stream the file's tensors into the loaded model."""
-    from safetensors import safe_open
+def _reload(llm: Any, path: str) -> None:
+    """Reload one safetensors file into the running engine, in place.
 
-    def tensors():
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    vLLM's worker ``reload_weights`` takes a model folder (``weights_path``); the file is linked
+    into a fresh folder of its own so nothing else next to it is picked up. Only strings cross
+    vLLM's process boundary (callables would need its insecure pickle fallback)."""
+    import os
+    import tempfile
 
-    worker.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+    with tempfile.TemporaryDirectory(prefix="postrl-reload-") as folder:
+        os.symlink(os.path.abspath(path), os.path.join(folder, "model.safetensors"))
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": folder, "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
 
 
 def build_app(llm: Any, model_name: str):
@@ -88,8 +91,7 @@ def build_app(llm: Any, model_name: str):
         if not os.path.isfile(req.path):
             raise HTTPException(400, f"no weights file at {req.path}")
         with lock:
-            llm.collective_rpc(_reload_from_file, args=(req.path,))
-            llm.reset_prefix_cache()
+            _reload(llm, req.path)
             state["weight_version"] = req.version
         return {"status": "ok", "weight_version": req.version}
 
