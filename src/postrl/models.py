@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ def resolve_model_path(path: str) -> str:
                 f"the demo model is missing from {DEMO_MODEL_DIR}; rebuild it with scripts/build_demo_model.py"
             )
         return str(DEMO_MODEL_DIR)
-    return path
+    expanded = os.path.expanduser(path)
+    return expanded if os.path.exists(expanded) else path
 
 
 def load_tokenizer(path: str) -> Any:

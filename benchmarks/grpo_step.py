@@ -1,0 +1,130 @@
+"""One full GRPO step (generate, score, train) with postrl and with TRL's GRPOTrainer, same workload.
+
+SmolLM2-135M-Instruct, 16 prompts x G=8, 64 new tokens, temperature 1, beta=0, one epoch, one
+optimizer step per GRPO step over all 128 completions in micro-batches of 16, the same reward
+function (last integer == answer). postrl: native bf16 rollout, fp32 training. TRL: `bf16=True`
+on the CPU (its fastest setting that works here). The first step of each is a warm-up and is not
+timed. `--curve` runs 30 steps of each and prints both reward curves.
+
+    python benchmarks/grpo_step.py [--json] [--steps 3] [--curve]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from postrl.tasks import chat_addition
+
+PROMPTS, G, NEW_TOKENS, MICRO, LR = 16, 8, 64, 16, 1e-6
+
+
+def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
+    from postrl.config import build_config
+    from postrl.runner import train
+
+    config = build_config({
+        "name": "grpo-step", "output_dir": str(out), "seed": 0, "steps": steps, "prompts_per_step": PROMPTS,
+        "model": {"path": str(model_dir)},
+        "data": {"train_files": [str(data)], "max_prompt_tokens": 256},
+        "rollout": {"n": G, "max_tokens": NEW_TOKENS, "temperature": 1.0, "dtype": "auto"},
+        "reward": {"verifiable": {"type": "custom", "function": "postrl.tasks.chat_addition:score"}, "num_workers": 1},
+        "algorithm": {"kl_beta": 0.0},
+        "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "epochs": 1},
+        "checkpoint": {"every_steps": 0},
+        "logging": {"progress_bar": False, "tensorboard": False, "console": False},
+    })
+    times, rewards = [], []
+    last = [time.perf_counter()]
+
+    def on_step(metrics) -> None:
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+        rewards.append(metrics.values["reward/mean"])
+
+    train(config, on_step=on_step)
+    return {"step_s": times, "reward": rewards}
+
+
+def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward(completions, answer, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [chat_addition.score("", t, a) for t, a in zip(texts, answer)]
+
+    class Timer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times, self.last = [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if self.last is None:
+                self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            now = time.perf_counter()
+            self.times.append(now - self.last)
+            self.last = now
+
+    dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in data_rows])
+    args = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=MICRO, gradient_accumulation_steps=PROMPTS * G // MICRO,
+        num_generations=G, max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
+        num_iterations=1, learning_rate=LR, bf16=True, use_cpu=True, max_steps=steps, logging_steps=1,
+        report_to="none", save_strategy="no", seed=0, shuffle_dataset=True,
+    )
+    timer = Timer()
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                          reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[timer])
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"step_s": timer.times, "reward": rewards}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--steps", type=int, default=3, help="steps per framework; the first is a warm-up")
+    parser.add_argument("--curve", action="store_true", help="30 steps each, and print the reward curves")
+    args = parser.parse_args()
+    steps = 30 if args.curve else max(2, args.steps)
+
+    from postrl.gguf import smollm2_dir
+
+    model_dir = smollm2_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = chat_addition.write_jsonl(Path(tmp) / "addition.jsonl", 2000)
+        postrl = run_postrl(model_dir, data, Path(tmp) / "postrl", steps)
+        trl = run_trl(model_dir, chat_addition.rows(2000), Path(tmp) / "trl", steps)
+    p_s = sum(postrl["step_s"][1:]) / len(postrl["step_s"][1:])
+    t_s = sum(trl["step_s"][1:]) / len(trl["step_s"][1:])
+    print(f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS} prompts x G={G}, {NEW_TOKENS} new tokens, beta=0, "
+          f"micro-batch {MICRO}, {torch.get_num_threads()} threads")
+    print(f"{'framework':<10}{'s/step':>10}  per-step seconds")
+    print(f"{'postrl':<10}{p_s:>10.1f}  {[round(x, 1) for x in postrl['step_s']]}")
+    print(f"{'TRL':<10}{t_s:>10.1f}  {[round(x, 1) for x in trl['step_s']]}")
+    print(f"speedup: {t_s / p_s:.2f}x")
+    if args.curve:
+        print(f"{'step':>4}{'postrl reward':>15}{'TRL reward':>12}")
+        for i, (a, b) in enumerate(zip(postrl["reward"], trl["reward"]), start=1):
+            print(f"{i:>4}{a:>15.3f}{b:>12.3f}")
+    if args.json:
+        row = {"postrl_s_per_step": round(p_s, 2), "trl_s_per_step": round(t_s, 2), "speedup": round(t_s / p_s, 3)}
+        if args.curve:
+            row.update(postrl_reward=postrl["reward"], trl_reward=trl["reward"])
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
