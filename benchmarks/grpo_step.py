@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct, 16 prompts x G=8, 64 new tokens, temperature 1, beta=0, one epoch, one
 optimizer step per GRPO step over all 128 completions in micro-batches of 16, the same reward
-function (last integer == answer). postrl: native bf16 rollout, fp32 training. TRL: `bf16=True`
+function (last integer == answer). postrl: native bf16 rollout, bf16-autocast training with fp32
+weights and optimizer. TRL: `bf16=True`
 on the CPU (its fastest setting that works here). The first step of each is a warm-up and is not
 timed. `--curve` runs 30 steps of each and prints both reward curves.
 
@@ -36,11 +37,12 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
         "rollout": {"n": G, "max_tokens": NEW_TOKENS, "temperature": 1.0, "dtype": "auto"},
         "reward": {"verifiable": {"type": "custom", "function": "postrl.tasks.chat_addition:score"}, "num_workers": 1},
         "algorithm": {"kl_beta": 0.0},
-        "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "epochs": 1},
+        "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "epochs": 1,
+                  "precision": "bf16_autocast"},
         "checkpoint": {"every_steps": 0},
         "logging": {"progress_bar": False, "tensorboard": False, "console": False},
     })
-    times, rewards = [], []
+    times, rewards, phases = [], [], []
     last = [time.perf_counter()]
 
     def on_step(metrics) -> None:
@@ -48,9 +50,10 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
         times.append(now - last[0])
         last[0] = now
         rewards.append(metrics.values["reward/mean"])
+        phases.append({k: round(metrics.values[f"time/{k}_s"], 1) for k in ("generate", "reward", "train", "sync")})
 
     train(config, on_step=on_step)
-    return {"step_s": times, "reward": rewards}
+    return {"step_s": times, "reward": rewards, "phases": phases}
 
 
 def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> dict:
@@ -113,7 +116,7 @@ def main() -> int:
     print(f"{'framework':<10}{'s/step':>10}  per-step seconds")
     print(f"{'postrl':<10}{p_s:>10.1f}  {[round(x, 1) for x in postrl['step_s']]}")
     print(f"{'TRL':<10}{t_s:>10.1f}  {[round(x, 1) for x in trl['step_s']]}")
-    print(f"speedup: {t_s / p_s:.2f}x")
+    print(f"speedup: {t_s / p_s:.2f}x; postrl phases per step: {postrl['phases']}")
     if args.curve:
         print(f"{'step':>4}{'postrl reward':>15}{'TRL reward':>12}")
         for i, (a, b) in enumerate(zip(postrl["reward"], trl["reward"]), start=1):

@@ -93,3 +93,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
         grads.append([p.grad.clone() for p in model.parameters()])
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(*grads))
+
+
+def test_bf16_autocast_training_keeps_fp32_weights_and_learns(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, precision="bf16_autocast"),
+                         AlgorithmConfig())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = worker.update(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
+    assert metrics.optimizer_steps == 1 and metrics.grad_norm > 0
+    assert all(v.dtype == torch.float32 for v in model.state_dict().values())
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

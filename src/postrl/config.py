@@ -153,6 +153,9 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
     epochs: int = Field(1, ge=1, description="Passes over each step's experiences.")
     max_consecutive_nan: int = Field(3, ge=1, description="Stop the run after this many skipped updates in a row.")
+    precision: Literal["float32", "bf16_autocast"] = Field(
+        "float32", description="bf16_autocast: forward/backward matmuls in bf16, fp32 weights and optimizer state."
+    )
 
     @model_validator(mode="after")
     def _micro_fits_mini(self) -> TrainConfig:

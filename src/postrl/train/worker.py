@@ -7,6 +7,7 @@ A non-finite gradient norm skips the optimizer step and is counted; too many in 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -118,9 +119,10 @@ class TrainWorker:
 
     def _micro_batch_backward(self, micro: ExperienceBatch, global_tokens: torch.Tensor, sums: dict[str, float]) -> None:
         mask = micro.response_mask
-        logp, entropy = token_logprobs(
-            self.model, micro.input_ids, micro.attention_mask, self.temperature, with_entropy=True
-        )
+        with self._autocast():
+            logp, entropy = token_logprobs(
+                self.model, micro.input_ids, micro.attention_mask, self.temperature, with_entropy=True
+            )
         out = self.policy_loss(
             LossInputs(
                 logprobs=logp,
@@ -134,7 +136,7 @@ class TrainWorker:
         per_token = out.per_token
         kl = torch.zeros_like(logp)
         if self.algo.kl_beta > 0:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 ref_logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature)
             kl = kl_k3(logp, ref_logp) * mask
             per_token = per_token + self.algo.kl_beta * kl
@@ -148,6 +150,12 @@ class TrainWorker:
             sums["entropy"] += float((entropy * mask).sum())
             sums["clip"] += float(out.clipped.sum())
             sums["tokens"] += float(mask.sum())
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.precision != "bf16_autocast":
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
     def _record_mismatch(self, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
         """Rollout-vs-trainer logprob mismatch on pi_old's own samples: k3 KL and the max |diff|."""
