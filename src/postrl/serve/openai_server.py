@@ -88,10 +88,13 @@ def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_m
     def tokens_text(r: Rollout) -> list[str]:
         return [tokenizer.decode([t]) for t in r.response_ids]
 
-    def usage(prompts: list[Prompt], rollouts: list[Rollout]) -> dict[str, int]:
+    def envelope(prefix: str, kind: str, choices: list[dict], prompts: list[Prompt], rollouts: list[Rollout]) -> dict[str, Any]:
         prompt_tokens = sum(len(p.prompt_ids) for p in prompts)
         completion = sum(len(r.response_ids) for r in rollouts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_name,
+                "choices": choices, "weight_version": batcher.worker.weight_version,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -117,9 +120,7 @@ def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_m
                 choice["logprobs"] = {"tokens": tokens_text(r), "token_logprobs": r.logprobs, "top_logprobs": None,
                                       "text_offset": None}
             choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "usage": usage(prompts, rollouts),
-                "weight_version": batcher.worker.weight_version}
+        return envelope("cmpl", "text_completion", choices, prompts, rollouts)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> dict[str, Any]:
@@ -137,9 +138,7 @@ def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_m
                     for tok, lp in zip(tokens_text(r), r.logprobs)
                 ]}
             choices.append(choice)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "usage": usage(prompts, rollouts),
-                "weight_version": batcher.worker.weight_version}
+        return envelope("chatcmpl", "chat.completion", choices, prompts, rollouts)
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
