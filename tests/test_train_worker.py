@@ -104,3 +104,17 @@ def test_bf16_autocast_training_keeps_fp32_weights_and_learns(char_tokenizer):
     assert metrics.optimizer_steps == 1 and metrics.grad_norm > 0
     assert all(v.dtype == torch.float32 for v in model.state_dict().values())
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_masked_logprobs_equal_full_logprobs_on_the_mask(char_tokenizer):
+    from postrl.train.logprobs import token_logprobs
+
+    model = make_tiny_model("qwen2", char_tokenizer).double()
+    exps = [Experience([1, 20, 21, 22], [30, 31, 2], [-1.0, -1.0, -1.0], 1.0, 1.0, 0),
+            Experience([1, 20], [40, 41, 42, 2], [-1.0] * 4, 1.0, -1.0, 0)]
+    b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    full, full_ent = token_logprobs(model, b.input_ids, b.attention_mask, 0.9, with_entropy=True)
+    part, part_ent = token_logprobs(model, b.input_ids, b.attention_mask, 0.9, with_entropy=True, target_mask=b.response_mask)
+    m = b.response_mask.bool()
+    assert torch.allclose(full[m], part[m], atol=1e-12) and torch.allclose(full_ent[m], part_ent[m], atol=1e-12)
+    assert (part[~m] == 0).all()

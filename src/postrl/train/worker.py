@@ -121,7 +121,7 @@ class TrainWorker:
         mask = micro.response_mask
         with self._autocast():
             logp, entropy = token_logprobs(
-                self.model, micro.input_ids, micro.attention_mask, self.temperature, with_entropy=True
+                self.model, micro.input_ids, micro.attention_mask, self.temperature, with_entropy=True, target_mask=mask
             )
         out = self.policy_loss(
             LossInputs(
@@ -137,7 +137,9 @@ class TrainWorker:
         kl = torch.zeros_like(logp)
         if self.algo.kl_beta > 0:
             with torch.no_grad(), self._autocast():
-                ref_logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature)
+                ref_logp, _ = token_logprobs(
+                    self.ref_model, micro.input_ids, micro.attention_mask, self.temperature, target_mask=mask
+                )
             kl = kl_k3(logp, ref_logp) * mask
             per_token = per_token + self.algo.kl_beta * kl
         loss = self.aggregate(per_token, mask, global_tokens)
