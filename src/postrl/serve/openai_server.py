@@ -69,6 +69,19 @@ def _params(req: _Request, max_tokens: int | None, default_max_tokens: int) -> S
     )
 
 
+def _completion_choice(index: int, r: Rollout, tokens: list[str], with_logprobs: bool) -> dict[str, Any]:
+    logprobs = {"tokens": tokens, "token_logprobs": r.logprobs, "top_logprobs": None, "text_offset": None}
+    return {"index": index, "text": r.text, "finish_reason": r.finish_reason, "token_ids": r.response_ids,
+            "logprobs": logprobs if with_logprobs else None}
+
+
+def _chat_choice(index: int, r: Rollout, tokens: list[str], with_logprobs: bool) -> dict[str, Any]:
+    content = [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+               for tok, lp in zip(tokens, r.logprobs)]
+    return {"index": index, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
+            "token_ids": r.response_ids, "logprobs": {"content": content} if with_logprobs else None}
+
+
 def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_max_tokens: int = 256,
               max_context: int | None = None) -> FastAPI:
     app = FastAPI(title="postrl rollout server")
@@ -112,14 +125,7 @@ def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_m
         items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
         prompts = to_prompts(items)  # type: ignore[arg-type]
         rollouts = await batcher.generate(prompts, _params(req, req.max_tokens, default_max_tokens))
-        choices = []
-        for i, r in enumerate(rollouts):
-            choice: dict[str, Any] = {"index": i, "text": r.text, "finish_reason": r.finish_reason,
-                                      "token_ids": r.response_ids, "logprobs": None}
-            if req.logprobs is not None:
-                choice["logprobs"] = {"tokens": tokens_text(r), "token_logprobs": r.logprobs, "top_logprobs": None,
-                                      "text_offset": None}
-            choices.append(choice)
+        choices = [_completion_choice(i, r, tokens_text(r), req.logprobs is not None) for i, r in enumerate(rollouts)]
         return envelope("cmpl", "text_completion", choices, prompts, rollouts)
 
     @app.post("/v1/chat/completions")
@@ -128,16 +134,7 @@ def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_m
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts = to_prompts([ids])
         rollouts = await batcher.generate(prompts, _params(req, req.max_completion_tokens or req.max_tokens, default_max_tokens))
-        choices = []
-        for i, r in enumerate(rollouts):
-            choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": r.text},
-                                      "finish_reason": r.finish_reason, "token_ids": r.response_ids, "logprobs": None}
-            if req.logprobs:
-                choice["logprobs"] = {"content": [
-                    {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                    for tok, lp in zip(tokens_text(r), r.logprobs)
-                ]}
-            choices.append(choice)
+        choices = [_chat_choice(i, r, tokens_text(r), req.logprobs) for i, r in enumerate(rollouts)]
         return envelope("chatcmpl", "chat.completion", choices, prompts, rollouts)
 
     @app.post("/update_weights")
