@@ -102,13 +102,13 @@ class Controller:
         """Push the trainer's policy into the rollout worker under a new ``weight_version``."""
         if bump:
             self.weight_version += 1
-        state = self.parts.trainer.policy_state()
-        manifest = weight_manifest(dedupe_tied(state)) if self.config.rollout.verify_sync else None
+        state = dedupe_tied(self.parts.trainer.policy_state())
+        manifest = weight_manifest(state) if self.config.rollout.verify_sync else None
         if self.config.rollout.weight_sync == "safetensors":
             path = write_sync_file(state, self.sync_dir / "policy.safetensors")
             self.parts.rollout.update_weights(path, self.weight_version, manifest)
         else:
-            self.parts.rollout.update_weights(dedupe_tied(state), self.weight_version, manifest)
+            self.parts.rollout.update_weights(state, self.weight_version, manifest)
 
     # -- helpers -------------------------------------------------------------------------------
     def _experiences(
