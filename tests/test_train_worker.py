@@ -118,3 +118,15 @@ def test_masked_logprobs_equal_full_logprobs_on_the_mask(char_tokenizer):
     m = b.response_mask.bool()
     assert torch.allclose(full[m], part[m], atol=1e-12) and torch.allclose(full_ent[m], part_ent[m], atol=1e-12)
     assert (part[~m] == 0).all()
+
+
+def test_training_attention_kernel_choice_gives_the_same_gradients(char_tokenizer):
+    """auto picks eager on CPU; eager and sdpa must agree on the loss gradient."""
+    grads = {}
+    for choice in ("sdpa", "auto"):
+        model = make_tiny_model("llama", char_tokenizer)
+        worker = TrainWorker(model, TrainConfig(attention=choice, mini_batch_size=4, micro_batch_size=2), AlgorithmConfig())
+        assert model.config._attn_implementation == ("eager" if choice == "auto" else "sdpa")
+        worker.accumulate_gradients(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]), {k: 0.0 for k in ("loss", "kl", "entropy", "clip", "tokens")})
+        grads[choice] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    torch.testing.assert_close(grads["auto"], grads["sdpa"], atol=1e-6, rtol=1e-5)

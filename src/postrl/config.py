@@ -156,6 +156,11 @@ class TrainConfig(_Section):
     precision: Literal["float32", "bf16_autocast"] = Field(
         "float32", description="bf16_autocast: forward/backward matmuls in bf16, fp32 weights and optimizer state."
     )
+    attention: Literal["auto", "eager", "sdpa"] = Field(
+        "auto",
+        description="Attention kernel of the trained model. auto: eager on CPU (PyTorch's CPU SDPA backward is "
+        "~20x slower than its forward), sdpa elsewhere.",
+    )
 
     @model_validator(mode="after")
     def _micro_fits_mini(self) -> TrainConfig:

@@ -43,7 +43,9 @@ def token_logprobs(
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:

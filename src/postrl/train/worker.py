@@ -23,6 +23,22 @@ class NonFiniteLossError(RuntimeError):
     """Raised after ``train.max_consecutive_nan`` skipped updates in a row."""
 
 
+def set_training_attention(model: torch.nn.Module, choice: str) -> str:
+    """Pick the attention kernel used for training; returns the one in effect.
+
+    On CPU, PyTorch's fused SDPA backward costs ~50 ms per layer on a 16 x 112 micro-batch against
+    ~3 ms for its forward, while the plain matmul/softmax (eager) path differentiates at matmul speed.
+    """
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        return "unchanged"
+    if choice == "auto":
+        device = next(model.parameters()).device.type
+        choice = "eager" if device == "cpu" else "sdpa"
+    setter(choice)
+    return choice
+
+
 class TrainWorker:
     def __init__(
         self,
@@ -39,6 +55,7 @@ class TrainWorker:
         self.ref_model = ref_model.eval() if ref_model is not None else None
         if self.algo.kl_beta > 0 and self.ref_model is None:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
+        set_training_attention(model, train.attention)
         if gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
