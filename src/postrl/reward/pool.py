@@ -1,9 +1,12 @@
-"""A pool of killable scoring processes with a per-sample timeout.
+"""A pool of killable scoring processes with a per-sample timeout, safe to share between threads.
 
-Jobs are spread over ``num_workers`` subprocesses (``python -m postrl.reward.worker``) that each
-answer their jobs in order. When a worker spends longer than ``timeout_s`` on one job it is
-killed (its whole process group) and replaced; that job is reported as timed out and the
-worker's remaining jobs go to the replacement. Results come back in job order.
+Jobs are queued and handed to ``num_workers`` subprocesses (``python -m postrl.reward.worker``),
+at most ``pipeline_depth`` at a time per worker, each worker answering its jobs in order. A job's
+clock starts when it reaches the head of its worker's line; when it runs past its timeout the
+worker is killed (its whole process group) and replaced, that job is reported as timed out and
+the worker's other jobs go back to the front of the queue. Callers get futures, or ``map``'s
+results in job order. One I/O thread owns the processes, so any number of threads (an HTTP
+server's request handlers) may submit concurrently.
 
 Why processes and not threads: a Python function cannot be stopped from another thread, and
 math-verify's own timeouts rely on signals, which only work in a process's main thread.
@@ -17,8 +20,10 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,25 +36,111 @@ class JobResult:
 
 
 @dataclass
+class PoolStats:
+    restarts: int = 0
+    timeouts: int = 0
+    deaths: int = 0
+    completed: int = 0
+
+
+@dataclass
+class _Job:
+    id: int
+    payload: dict[str, Any]
+    timeout_s: float
+    future: Future
+
+
+@dataclass
 class _Worker:
     proc: subprocess.Popen
-    pending: deque = field(default_factory=deque)  # job ids sent and not yet answered, in order
+    pending: deque = field(default_factory=deque)  # _Jobs sent and not yet answered, in order
     started: float = 0.0  # when the head-of-line job started (the previous answer's arrival)
     buffer: bytes = b""
-    ready: bool = False  # the process has started and imported its code; only then does the timeout run
+    outgoing: bytearray = field(default_factory=bytearray)  # job lines not yet taken by the pipe
+    ready: bool = False  # the process has imported its code; only then do job timeouts run
+
+
+class PoolClosedError(RuntimeError):
+    """Raised for jobs submitted to, or still queued in, a closed pool."""
 
 
 class ScoringPool:
     def __init__(
-        self, num_workers: int = 2, timeout_s: float = 5.0, startup_timeout_s: float = 60.0, preload: tuple[str, ...] = ()
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        startup_timeout_s: float = 60.0,
+        preload: tuple[str, ...] = (),
+        pipeline_depth: int = 4,
     ) -> None:
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
+        if pipeline_depth < 1:
+            raise ValueError("pipeline_depth must be >= 1")
         self.num_workers, self.timeout_s, self.startup_timeout_s = num_workers, timeout_s, startup_timeout_s
-        self.restarts = 0
+        self.pipeline_depth = pipeline_depth
         self.preload = preload  # functions imported before a worker reports ready
+        self.stats = PoolStats()
+        self._queue: deque[_Job] = deque()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._workers: list[_Worker] = [self._spawn() for _ in range(num_workers)]
+        self._thread = threading.Thread(target=self._loop, name="postrl-scoring-pool", daemon=True)
+        self._thread.start()
 
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def restarts(self) -> int:
+        return self.stats.restarts
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._queue) + sum(len(w.pending) for w in self._workers)
+
+    def submit(self, jobs: list[dict[str, Any]]) -> list[Future]:
+        """Queue jobs (dicts with fn, prompt, response, columns, options and optionally timeout_s)."""
+        futures: list[Future] = []
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the scoring pool is closed")
+            for payload in jobs:
+                future: Future = Future()
+                timeout = float(payload.get("timeout_s") or self.timeout_s)
+                self._queue.append(_Job(self._next_id, payload, timeout, future))
+                self._next_id += 1
+                futures.append(future)
+        self._wake()
+        return futures
+
+    def map(self, jobs: list[dict[str, Any]]) -> list[JobResult]:
+        """Score jobs and wait; results in job order."""
+        return [f.result() for f in self.submit(jobs)]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        self._thread.join(timeout=30)
+        for worker in self._workers:
+            self._kill(worker)
+        self._workers = []
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> ScoringPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- processes ------------------------------------------------------------------------------
     def _spawn(self) -> _Worker:
         # the worker sees the same import path as the driver, so 'my_pkg.rewards:score' resolves alike
         path = os.pathsep.join(p or os.getcwd() for p in sys.path)
@@ -62,104 +153,152 @@ class ScoringPool:
             start_new_session=True,
             env=env,
         )
-        return _Worker(proc=proc)
+        os.set_blocking(proc.stdout.fileno(), False)
+        os.set_blocking(proc.stdin.fileno(), False)
+        return _Worker(proc=proc, started=time.monotonic())
 
-    def _kill(self, worker: _Worker) -> None:
+    @staticmethod
+    def _kill(worker: _Worker) -> None:
         try:
             os.killpg(worker.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
         worker.proc.wait()
         for stream in (worker.proc.stdin, worker.proc.stdout):
             if stream:
-                stream.close()
+                try:
+                    stream.close()
+                except OSError:
+                    pass
 
-    def _send(self, worker: _Worker, jobs: list[dict[str, Any]]) -> None:
-        if not jobs:
-            return
-        if not worker.pending:
-            worker.started = time.monotonic()
-        worker.pending.extend(job["id"] for job in jobs)
-        payload = "".join(json.dumps(job) + "\n" for job in jobs).encode()
-        assert worker.proc.stdin is not None
-        worker.proc.stdin.write(payload)
-        worker.proc.stdin.flush()
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending (or the pool is closing)
 
-    def map(self, jobs: list[dict[str, Any]]) -> list[JobResult]:
-        """Score jobs (dicts with fn, prompt, response, columns, options); results in job order."""
-        jobs = [{**job, "id": i} for i, job in enumerate(jobs)]
-        results: dict[int, JobResult] = {}
-        by_id = {job["id"]: job for job in jobs}
-        self._workers = [w if w.proc.poll() is None else self._restart(w) for w in self._workers]
-        for w, worker in enumerate(self._workers):
-            self._send(worker, jobs[w :: self.num_workers])
+    # -- the I/O thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
         selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
         for worker in self._workers:
             selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
         try:
-            while len(results) < len(jobs):
-                now = time.monotonic()
-                busy = [w for w in self._workers if w.pending]
-                wait = min(max(0.0, w.started + self._limit(w) - now) for w in busy)
+            while True:
+                with self._lock:
+                    if self._closed:
+                        break
+                    self._dispatch()
+                    wait = self._next_deadline()
+                    if any(w.outgoing for w in self._workers):
+                        wait = 0.005 if wait is None else min(wait, 0.005)
                 for key, _ in selector.select(timeout=wait):
-                    self._read(key.data, results)
-                now = time.monotonic()
-                for i, worker in enumerate(self._workers):
-                    dead = worker.proc.poll() is not None and worker.pending
-                    if worker.pending and (dead or now - worker.started > self._limit(worker)):
-                        selector.unregister(worker.proc.stdout)
-                        self._workers[i] = self._replace(worker, results, by_id, died=bool(dead))
-                        selector.register(self._workers[i].proc.stdout, selectors.EVENT_READ, self._workers[i])
+                    if key.data is None:
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                    else:
+                        self._read(key.data)
+                with self._lock:
+                    self._reap(selector)
         finally:
             selector.close()
-        return [results[i] for i in range(len(jobs))]
+            with self._lock:
+                leftovers = list(self._queue) + [job for w in self._workers for job in w.pending]
+                self._queue.clear()
+            for job in leftovers:
+                if not job.future.done():
+                    job.future.set_exception(PoolClosedError("the scoring pool was closed before this job ran"))
 
-    def _read(self, worker: _Worker, results: dict[int, JobResult]) -> None:
-        chunk = os.read(worker.proc.stdout.fileno(), 1 << 16)
+    def _dispatch(self) -> None:
+        while self._queue:
+            worker = min(self._workers, key=lambda w: len(w.pending))
+            if len(worker.pending) >= self.pipeline_depth:
+                return
+            job = self._queue.popleft()
+            if not worker.pending:
+                worker.started = time.monotonic()
+            worker.pending.append(job)
+            worker.outgoing += (json.dumps({**job.payload, "id": job.id}) + "\n").encode()
+        for worker in self._workers:
+            self._flush(worker)
+
+    @staticmethod
+    def _flush(worker: _Worker) -> None:
+        """Write what the pipe takes without blocking (a stuck worker must not stall this thread)."""
+        while worker.outgoing:
+            try:
+                n = os.write(worker.proc.stdin.fileno(), worker.outgoing)
+            except BlockingIOError:
+                return
+            except (BrokenPipeError, OSError, ValueError):
+                worker.outgoing.clear()  # the worker died; _reap replaces it and re-queues its jobs
+                return
+            del worker.outgoing[:n]
+
+    def _limit(self, worker: _Worker) -> float:
+        if not worker.ready:
+            return self.startup_timeout_s
+        return worker.pending[0].timeout_s
+
+    def _next_deadline(self) -> float | None:
+        busy = [w for w in self._workers if w.pending]
+        if not busy:
+            return None
+        now = time.monotonic()
+        return min(max(0.0, w.started + self._limit(w) - now) for w in busy)
+
+    def _read(self, worker: _Worker) -> None:
+        try:
+            chunk = os.read(worker.proc.stdout.fileno(), 1 << 16)
+        except (BlockingIOError, ValueError, OSError):
+            return
         if not chunk:
             return
         worker.buffer += chunk
         *lines, worker.buffer = worker.buffer.split(b"\n")
-        for line in lines:
-            msg = json.loads(line)
-            if "ready" in msg:
-                worker.ready = True
+        done: list[tuple[_Job, JobResult]] = []
+        with self._lock:
+            for line in lines:
+                msg = json.loads(line)
+                if "ready" in msg:
+                    worker.ready = True
+                    worker.started = time.monotonic()
+                    continue
+                while worker.pending and worker.pending[0].id != msg["id"]:
+                    worker.pending.popleft()  # cannot happen with an in-order worker; never wait on it
+                if worker.pending:
+                    job = worker.pending.popleft()
+                    done.append((job, JobResult(value=msg["value"], error=msg["error"])))
                 worker.started = time.monotonic()
+            self.stats.completed += len(done)
+        for job, result in done:
+            job.future.set_result(result)
+
+    def _reap(self, selector: selectors.BaseSelector) -> None:
+        """Replace workers that died or ran past a job's timeout (called with the lock held)."""
+        now = time.monotonic()
+        for i, worker in enumerate(self._workers):
+            dead = worker.proc.poll() is not None
+            overdue = bool(worker.pending) and now - worker.started > self._limit(worker)
+            if not (dead or overdue):
                 continue
-            if worker.pending and worker.pending[0] == msg["id"]:
-                worker.pending.popleft()
-            results[msg["id"]] = JobResult(value=msg["value"], error=msg["error"])
-            worker.started = time.monotonic()
-
-    def _limit(self, worker: _Worker) -> float:
-        return self.timeout_s if worker.ready else self.startup_timeout_s
-
-    def _replace(self, worker: _Worker, results: dict[int, JobResult], by_id: dict, died: bool) -> _Worker:
-        culprit = worker.pending.popleft()
-        if not worker.ready and not died:
-            results[culprit] = JobResult(None, f"scoring process did not start within {self.startup_timeout_s:g}s")
-        elif died:
-            results[culprit] = JobResult(None, f"scoring process died (exit code {worker.proc.returncode})")
-        else:
-            results[culprit] = JobResult(None, f"timed out after {self.timeout_s:g}s", timed_out=True)
-        self._kill(worker)
-        self.restarts += 1
-        fresh = self._spawn()
-        self._send(fresh, [by_id[j] for j in worker.pending if j not in results])
-        return fresh
-
-    def _restart(self, worker: _Worker) -> _Worker:
-        self._kill(worker)
-        self.restarts += 1
-        return self._spawn()
-
-    def close(self) -> None:
-        for worker in self._workers:
+            selector.unregister(worker.proc.stdout)
+            if worker.pending:
+                culprit = worker.pending.popleft()
+                if dead:
+                    self.stats.deaths += 1
+                    result = JobResult(None, f"scoring process died (exit code {worker.proc.returncode})")
+                elif not worker.ready:
+                    result = JobResult(None, f"scoring process did not start within {self.startup_timeout_s:g}s")
+                else:
+                    self.stats.timeouts += 1
+                    result = JobResult(None, f"timed out after {culprit.timeout_s:g}s", timed_out=True)
+                culprit.future.set_result(result)
+                self._queue.extendleft(reversed(worker.pending))
+                worker.pending.clear()
             self._kill(worker)
-        self._workers = []
-
-    def __enter__(self) -> ScoringPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            self.stats.restarts += 1
+            self._workers[i] = self._spawn()
+            selector.register(self._workers[i].proc.stdout, selectors.EVENT_READ, self._workers[i])

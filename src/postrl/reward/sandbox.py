@@ -1,0 +1,232 @@
+"""The code sandbox: runs a model-written Python program against tests in a jailed subprocess.
+
+Each run is a fresh process (``sandbox_harness.py``) in its own session and process group, with
+a wall-clock timeout that kills the whole group, limits on CPU time, address space, processes,
+file size and open files, a scrubbed environment, stdin closed, output capped, and a fresh
+working directory that is removed afterwards. Where the kernel allows, it also gets new network
+(no network at all), PID (everything it forks dies with it) and mount (a private /tmp) namespaces
+via ``unshare``, and it drops to an unprivileged user when the service runs as root.
+``probe_protections`` says which of these are active on this machine; the service logs them at
+start and warns, by name, about each one that is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+HARNESS = Path(__file__).with_name("sandbox_harness.py")
+SCRUBBED_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    wall_s: float = 10.0
+    cpu_s: int = 10
+    memory_mb: int = 1024
+    processes: int = 64
+    file_size_mb: int = 16
+    open_files: int = 64
+    output_bytes: int = 1 << 20
+    tmp_size_mb: int = 64
+    python_site: bool = False  # False: the program sees the standard library only (faster start)
+
+
+@dataclass
+class SandboxResult:
+    passed: list[bool]
+    errors: list[str | None]
+    error: str | None = None  # a failure of the whole run (timeout, output cap, crash before tests)
+    timed_out: bool = False
+    output: str = ""  # the first bytes of stdout + stderr, for debugging
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.passed) / len(self.passed) if self.passed else 0.0
+
+
+@dataclass(frozen=True)
+class Protections:
+    namespaces: tuple[str, ...]  # the unshare flags that work here
+    unprivileged_user: tuple[int, int] | None  # (uid, gid) to drop to, when running as root
+    active: dict[str, bool] = field(default_factory=dict)
+
+    def missing(self) -> list[str]:
+        return [name for name, on in self.active.items() if not on]
+
+
+_NAMESPACE_FLAGS = {"network_namespace": "--net", "pid_namespace": "--pid", "mount_namespace": "--mount"}
+
+
+@lru_cache(maxsize=1)
+def probe_protections() -> Protections:
+    """Find which namespaces ``unshare`` can create here and whether to drop privileges."""
+    is_root = os.geteuid() == 0
+    base = ["unshare"] if is_root else ["unshare", "--user", "--map-root-user"]
+    working: list[str] = []
+    if shutil.which("unshare"):
+        for flag in _NAMESPACE_FLAGS.values():
+            extra = ["--fork", "--kill-child"] if flag == "--pid" else []
+            probe = [*base, *working, flag, *extra, "true"]
+            try:
+                ok = subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+            if ok:
+                working.append(flag)
+    user = None
+    if is_root:
+        try:
+            nobody = pwd.getpwnam("nobody")
+            user = (nobody.pw_uid, nobody.pw_gid)
+        except KeyError:
+            user = (65534, 65534)
+    active = {
+        "process_group_kill": True,
+        "resource_limits": True,
+        "scrubbed_environment": True,
+        "closed_stdin": True,
+        "output_cap": True,
+        "fresh_working_directory": True,
+        **{name: flag in working for name, flag in _NAMESPACE_FLAGS.items()},
+        "unprivileged_user": is_root,  # not running as root already is unprivileged
+    }
+    if not is_root:
+        active["unprivileged_user"] = True
+    return Protections(tuple(working), user, active)
+
+
+def warn_missing_protections(protections: Protections | None = None) -> list[str]:
+    protections = protections or probe_protections()
+    missing = protections.missing()
+    for name in missing:
+        warnings.warn(f"code sandbox: protection '{name}' is not available on this machine", RuntimeWarning, stacklevel=2)
+    return missing
+
+
+class Sandbox:
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), protections: Protections | None = None) -> None:
+        self.limits = limits
+        self.protections = protections or probe_protections()
+
+    def _command(self, result_fd: int) -> list[str]:
+        python = [sys.executable, "-I"] + ([] if self.limits.python_site else ["-S"]) + [str(HARNESS), str(result_fd)]
+        flags = list(self.protections.namespaces)
+        if not flags:
+            return python
+        prefix = ["unshare"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user"]
+        if "--pid" in flags:
+            flags += ["--fork", "--kill-child"]
+        return [*prefix, *flags, *python]
+
+    def run(self, program: str, tests: list, mode: str) -> SandboxResult:
+        """Run ``program`` against ``tests``: assert statements (mode 'assert') or
+        ``{"input", "output"}`` cases (mode 'io'). Never raises for anything the program does."""
+        if mode not in ("assert", "io"):
+            raise ValueError(f"sandbox mode must be 'assert' or 'io', got {mode!r}")
+        if not tests:
+            raise ValueError("the program has no tests to run")
+        private_tmp = "--mount" in self.protections.namespaces
+        workdir = None if private_tmp else tempfile.mkdtemp(prefix="postrl-sandbox-")
+        uid, gid = self.protections.unprivileged_user or (None, None)
+        if workdir is not None and uid is not None:
+            os.chown(workdir, uid, gid)
+        limits = self.limits
+        spec = {
+            "program": program, "tests": tests, "mode": mode, "private_tmp": private_tmp, "workdir": workdir,
+            "tmp_size_mb": limits.tmp_size_mb, "uid": uid, "gid": gid,
+            "case_timeout_s": max(0.1, limits.wall_s / max(1, len(tests))) if mode == "io" else limits.wall_s,
+            "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "processes": limits.processes,
+                       "file_size_mb": limits.file_size_mb, "open_files": limits.open_files},
+        }
+        try:
+            return self._execute(spec, len(tests))
+        finally:
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    def _execute(self, spec: dict, n_tests: int) -> SandboxResult:
+        result_r, result_w = os.pipe()
+        with tempfile.TemporaryFile() as spec_file:
+            spec_file.write(json.dumps(spec).encode())
+            spec_file.seek(0)
+            try:
+                proc = subprocess.Popen(
+                    self._command(result_w), stdin=spec_file, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    pass_fds=(result_w,), start_new_session=True, env=SCRUBBED_ENV, close_fds=True,
+                )
+            finally:
+                os.close(result_w)
+        verdicts: dict[int, tuple[bool, str | None]] = {}
+        output = bytearray()
+        error, timed_out = None, False
+        results_buffer = b""
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stdout, selectors.EVENT_READ, "out")
+        selector.register(result_r, selectors.EVENT_READ, "result")
+        deadline = time.monotonic() + self.limits.wall_s + 1.0  # +1 s: interpreter start and jail set-up
+        open_streams = 2
+        try:
+            while open_streams:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    error, timed_out = f"timed out after {self.limits.wall_s:g}s (wall clock)", True
+                    break
+                for key, _ in selector.select(timeout=left):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        open_streams -= 1
+                    elif key.data == "out":
+                        output += chunk
+                        if len(output) > self.limits.output_bytes:
+                            error = f"output over {self.limits.output_bytes} bytes"
+                    else:
+                        results_buffer += chunk
+                        *lines, results_buffer = results_buffer.split(b"\n")
+                        for line in lines:
+                            msg = json.loads(line)
+                            verdicts[int(msg["test"])] = (bool(msg["passed"]), msg.get("error"))
+                if error:
+                    break
+        finally:
+            selector.close()
+            _kill_group(proc)
+            proc.stdout.close()
+            os.close(result_r)
+        code = proc.returncode
+        if error is None and len(verdicts) < n_tests:
+            error = _exit_reason(code)
+        passed = [verdicts.get(i, (False, None))[0] for i in range(n_tests)]
+        errors = [verdicts[i][1] if i in verdicts else (error or "not run") for i in range(n_tests)]
+        return SandboxResult(passed, errors, error, timed_out, bytes(output[:2000]).decode("utf-8", "replace"))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "did not finish"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        hint = {"SIGXCPU": " (CPU time limit)", "SIGXFSZ": " (file size limit)", "SIGKILL": ""}.get(name, "")
+        return f"killed by {name}{hint} before all tests ran"
+    return f"exited with status {code} before all tests ran"
