@@ -29,3 +29,18 @@ def exits(prompt, response, **columns):
     import os
 
     os._exit(3)
+
+
+def flaky(prompt, response, i=0, **columns):
+    if i % 5 == 0:
+        raise ValueError(f"sample {i} fails")
+    return 1.0
+
+
+def slow_or_raising(prompt, response, kind="ok", **columns):
+    """For the soak: 'sleep' runs past any timeout, 'raise' raises, anything else scores 1."""
+    if kind == "sleep":
+        time.sleep(3600)
+    if kind == "raise":
+        raise RuntimeError("asked to raise")
+    return 1.0

@@ -1,4 +1,4 @@
-"""The ``postrl`` command line: train, demo, eval."""
+"""The ``postrl`` command line: train, demo, eval, servers and conversion."""
 
 from __future__ import annotations
 
@@ -77,6 +77,40 @@ def _cmd_route(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve_reward(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from postrl.config import RewardServiceFile, load_config
+    from postrl.reward.server import build_reward_app
+    from postrl.reward.service import RewardService
+
+    if not args.config:
+        raise ConfigError("postrl serve-reward needs --config reward.yaml (sections: reward, server)")
+    cfg = load_config(args.config, args.overrides, model=RewardServiceFile)
+    server = cfg.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+    token = None
+    if server.token_env:
+        token = os.environ.get(server.token_env)
+        if not token:
+            raise ConfigError(f"server.token_env={server.token_env}: that environment variable is not set")
+    if server.host not in ("127.0.0.1", "localhost", "::1") and token is None:
+        print(f"warning: serving rewards on {server.host} without a token (set server.token_env)", file=sys.stderr)
+    service = RewardService(cfg.reward)
+    if service.sandbox_protections is not None:
+        on = [k for k, v in service.sandbox_protections.items() if v]
+        off = [k for k, v in service.sandbox_protections.items() if not v]
+        print(f"code sandbox protections active: {', '.join(on)}" + (f"; MISSING: {', '.join(off)}" if off else ""))
+    names = ", ".join(f"{c.name} ({c.type}, weight {c.weight:g})" for c in service.components)
+    print(f"reward service on http://{server.host}:{server.port} with {names}", flush=True)
+    try:
+        uvicorn.run(build_reward_app(service, server, token), host=server.host, port=server.port, log_level="warning")
+    finally:
+        service.close()
+    return 0
+
+
 def _cmd_convert_gguf(args: argparse.Namespace) -> int:
     from postrl.gguf import convert_gguf
 
@@ -122,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8100)
     p.set_defaults(func=_cmd_route)
 
+    p = sub.add_parser("serve-reward", help="the Reward Service over HTTP (POST /score, /health, /metrics)")
+    p.add_argument("--config", required=True, help="YAML with a 'reward' section and an optional 'server' section")
+    p.add_argument("--host", default=None, help="bind address (default server.host, loopback)")
+    p.add_argument("--port", type=int, default=None, help="port (default server.port)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. reward.num_workers=4")
+    p.set_defaults(func=_cmd_serve_reward)
+
     p = sub.add_parser("convert-gguf", help="write a Hugging Face folder (safetensors, tokenizer) from a GGUF file")
     p.add_argument("file")
     p.add_argument("out_dir")
@@ -141,11 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from postrl.data import DatasetError
+    from postrl.controller import RewardFailureError
+    from postrl.reward.client import RewardServiceError
     from postrl.train.worker import NonFiniteLossError
 
     try:
         return args.func(args)
-    except (ConfigError, DatasetError, FileNotFoundError, NonFiniteLossError) as exc:
+    except (ConfigError, DatasetError, FileNotFoundError, NonFiniteLossError, RewardFailureError, RewardServiceError) as exc:
         print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

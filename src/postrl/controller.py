@@ -6,8 +6,10 @@ ExperienceBuffer.put/get -> TrainWorker.update -> sync_weights -> metrics.
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +20,15 @@ from postrl.buffer import OnPolicyBuffer
 from postrl.config import RunConfig
 from postrl.data import PromptDataset, PromptSampler
 from postrl.reward import RewardService, ScoreRequest
+from postrl.reward.client import RemoteRewardService, RewardServiceError
 from postrl.rollout import RolloutWorker
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepMetrics
 from postrl.weights import dedupe_tied, weight_manifest, write_sync_file
+
+
+class RewardFailureError(RuntimeError):
+    """Too many samples of a step could not be scored (reward.max_failure_rate)."""
 
 
 @dataclass
@@ -32,7 +39,7 @@ class Components:
     tokenizer: Any
     dataset: PromptDataset
     rollout: RolloutWorker
-    reward: RewardService
+    reward: RewardService | RemoteRewardService
     trainer: TrainWorker
     buffer: OnPolicyBuffer
 
@@ -69,10 +76,16 @@ class Controller:
         timings["generate"] = time.perf_counter() - t0
 
         t = time.perf_counter()
-        rewards = self.parts.reward.score_batch(
-            [ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids)) for r in rollouts]
-        )
+        requests = [
+            ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids))
+            for r in rollouts
+        ]
+        try:
+            rewards = self.parts.reward.score_batch(requests)
+        except RewardServiceError as exc:
+            rewards = [RewardResult(reward=None, error=str(exc)) for _ in rollouts]
         timings["reward"] = time.perf_counter() - t
+        self.check_failure_rate(prompts, rollouts, rewards)
 
         advantages = self.compute_advantage(rollouts, rewards)
         self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
@@ -91,6 +104,27 @@ class Controller:
         self.step_count += 1
         values = self._metrics(rollouts, rewards, train_metrics, timings)
         return StepMetrics(step=self.step_count, weight_version=self.weight_version, values=values)
+
+    def check_failure_rate(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]) -> None:
+        """Stop the run when too many samples could not be scored, keeping the step's samples on disk."""
+        failed = [res for res in rewards if res.unscorable]
+        limit = self.config.reward.max_failure_rate
+        if not rewards or len(failed) / len(rewards) <= limit:
+            return
+        path = self.config.run_dir / f"unscored_step_{self.step_count + 1}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for r, res in zip(rollouts, rewards):
+                row = {"prompt": prompts[r.prompt_index].text, "response": r.text, "error": res.error,
+                       "reward": res.reward, "components": res.components, "reasons": res.reasons}
+                f.write(json.dumps(row) + "\n")
+        reasons = Counter(res.error for res in failed).most_common(3)
+        listed = "; ".join(f"{n}x {err}" for err, n in reasons)
+        raise RewardFailureError(
+            f"step {self.step_count + 1}: {len(failed)}/{len(rewards)} samples could not be scored "
+            f"({len(failed) / len(rewards):.0%} > reward.max_failure_rate={limit}); most common: {listed}. "
+            f"The step's samples are saved in {path}"
+        )
 
     def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult]) -> torch.Tensor:
         reward_tensor = torch.tensor([math.nan if r.reward is None else r.reward for r in rewards], dtype=torch.float32)
@@ -122,6 +156,7 @@ class Controller:
                 "source": prompt.source,
                 "finish_reason": r.finish_reason,
                 "components": res.components,
+                "reasons": res.reasons,
                 "unscorable": res.unscorable,
                 "error": res.error,
             }
@@ -167,8 +202,9 @@ class Controller:
         for name in sorted({k for r in rewards for k in r.components}):
             vals = [r.components[name] for r in rewards if name in r.components]
             v[f"reward/{name}/mean"] = sum(vals) / len(vals)
-        verified = [r.components["verifiable"] for r in rewards if "verifiable" in r.components]
-        if verified and self.config.reward.verifiable.type in ("exact_match", "math"):
+        name = getattr(self.parts.reward, "accuracy_component", None)
+        verified = [r.components[name] for r in rewards if name in r.components]
+        if verified:
             v["accuracy"] = sum(x >= 1.0 for x in verified) / len(rewards)
         for name, seconds in timings.items():
             v[f"time/{name}_s"] = seconds

@@ -16,12 +16,13 @@ from tqdm import tqdm
 
 from postrl.buffer import OnPolicyBuffer
 from postrl.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
-from postrl.config import RunConfig, load_config, save_config
+from postrl.config import RewardConfig, RunConfig, load_config, save_config
 from postrl.controller import Components, Controller
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.models import load_causal_lm, load_tokenizer
 from postrl.reward import RewardService
+from postrl.reward.client import RemoteRewardService
 from postrl.rollout.factory import make_rollout_worker
 from postrl.tasks import task_rows
 from postrl.train.worker import TrainWorker
@@ -60,7 +61,14 @@ def build_components(config: RunConfig) -> Components:
         seed=config.seed,
         gradient_checkpointing=config.model.gradient_checkpointing,
     )
-    return Components(config, tokenizer, dataset, rollout, RewardService(config.reward), trainer, OnPolicyBuffer())
+    return Components(config, tokenizer, dataset, rollout, make_reward_service(config.reward), trainer, OnPolicyBuffer())
+
+
+def make_reward_service(config: RewardConfig) -> RewardService | RemoteRewardService:
+    """The remote service when ``reward.remote`` is set, else scoring in this process's worker pool."""
+    if config.remote is not None:
+        return RemoteRewardService(config.remote)
+    return RewardService(config)
 
 
 def make_sinks(config: RunConfig, run_dir: Path, resume_step: int | None, echo: Callable[[str], None]) -> list[MetricSink]:

@@ -53,6 +53,7 @@ class RewardResult:
     reward: float | None
     components: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    reasons: dict[str, str] = field(default_factory=dict)  # per component, why it scored what it did
 
     @property
     def unscorable(self) -> bool:

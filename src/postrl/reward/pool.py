@@ -33,6 +33,7 @@ class JobResult:
     value: float | None
     error: str | None = None
     timed_out: bool = False
+    reason: str | None = None  # why a scored sample got its score, when the function says
 
 
 @dataclass
@@ -215,7 +216,7 @@ class ScoringPool:
         while self._queue:
             worker = min(self._workers, key=lambda w: len(w.pending))
             if len(worker.pending) >= self.pipeline_depth:
-                return
+                break
             job = self._queue.popleft()
             if not worker.pending:
                 worker.started = time.monotonic()
@@ -270,7 +271,7 @@ class ScoringPool:
                     worker.pending.popleft()  # cannot happen with an in-order worker; never wait on it
                 if worker.pending:
                     job = worker.pending.popleft()
-                    done.append((job, JobResult(value=msg["value"], error=msg["error"])))
+                    done.append((job, JobResult(value=msg["value"], error=msg["error"], reason=msg.get("reason"))))
                 worker.started = time.monotonic()
             self.stats.completed += len(done)
         for job, result in done:

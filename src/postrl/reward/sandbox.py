@@ -225,6 +225,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def _exit_reason(code: int | None) -> str:
     if code is None:
         return "did not finish"
+    if code > 128:  # the namespace's init reports a signal N as 128+N
+        code = -(code - 128)
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         hint = {"SIGXCPU": " (CPU time limit)", "SIGXFSZ": " (file size limit)", "SIGKILL": ""}.get(name, "")

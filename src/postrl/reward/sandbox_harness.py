@@ -71,11 +71,11 @@ def _expose_stdlib():
     sys.path_importer_cache.clear()
 
 
-def _limit(kind, value):
+def _limit(kind, value, headroom=0):
     soft, hard = resource.getrlimit(kind)
-    if hard != resource.RLIM_INFINITY and value > hard:
-        value = hard
-    resource.setrlimit(kind, (value, value))
+    if hard != resource.RLIM_INFINITY and value + headroom > hard:
+        value, headroom = hard, 0
+    resource.setrlimit(kind, (value, value + headroom))
 
 
 def _jail(spec):
@@ -95,7 +95,7 @@ def _jail(spec):
     os.dup2(devnull, 0)
     os.close(devnull)
     limits = spec["limits"]
-    _limit(resource.RLIMIT_CPU, limits["cpu_s"])
+    _limit(resource.RLIMIT_CPU, limits["cpu_s"], headroom=1)  # SIGXCPU (a named reason) before SIGKILL
     _limit(resource.RLIMIT_AS, limits["memory_mb"] << 20)
     _limit(resource.RLIMIT_FSIZE, limits["file_size_mb"] << 20)
     _limit(resource.RLIMIT_NOFILE, limits["open_files"])
@@ -207,7 +207,28 @@ def run_io(spec, fd):
         _report(fd, i, error is None, error)
 
 
+def _stay_init_if_pid_1():
+    """In a new PID namespace this process is PID 1, which the kernel shields from signals it has
+    no handler for (so CPU-limit and self-sent signals would not end it). Fork: the child runs the
+    tests; this process only reaps and exits with the child's status (128+N for signal N), and its
+    exit takes every process left in the namespace with it."""
+    if os.getpid() != 1:
+        return
+    child = os.fork()
+    if child == 0:
+        return
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            os._exit(1)
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+            os._exit(128 - code if code < 0 else code)
+
+
 def main():
+    _stay_init_if_pid_1()
     fd = int(sys.argv[1])
     spec = json.loads(sys.stdin.buffer.read())
     _jail(spec)

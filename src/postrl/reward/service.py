@@ -1,22 +1,29 @@
-"""The in-process Reward Service: verifiable + reward-model + format + length, mixed by weights.
+"""The in-process Reward Service: named, weighted reward components summed into one reward.
 
-``reward = alpha*verifiable + beta*model + gamma*format + delta*length`` (``reward.weights``).
-The verifiable part runs in killable worker processes; when it raises, times out or returns
-None the sample is *unscorable*: its reward is None, the error is kept, and the advantage
-estimator leaves it out of its group.
+``reward = sum(weight_i * component_i)`` over ``reward.components`` (or the legacy
+verifiable/model/format/length fields). Verifiers (math, exact_match, custom functions, code)
+run in killable worker processes; reward models and judges run here. When any component of a
+sample raises, times out or returns None, the sample is *unscorable*: its reward is None, the
+reasons are kept, and the advantage estimator leaves it out of its group.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from postrl.config import RewardConfig
-from postrl.reward.pool import ScoringPool
+from postrl.config import POOLED_TYPES, RewardComponentConfig, RewardConfig
+from postrl.reward.pool import JobResult, ScoringPool
 from postrl.reward.rules import format_reward, length_penalty
 from postrl.reward.verifiers import VERIFIERS
 from postrl.types import RewardResult
+
+log = logging.getLogger(__name__)
+CODE_REWARD = "postrl.reward.code:code_reward"
+Score = tuple[float | None, str | None]  # (value, error); pooled results may add a reason
 
 
 @dataclass
@@ -30,59 +37,120 @@ class ScoreRequest:
 class RewardService:
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
-        self.weights = config.weights
-        self.format_pattern = re.compile(config.format_pattern, re.DOTALL)
-        kind = config.verifiable.type
-        self.verifier_path = config.verifiable.function if kind == "custom" else VERIFIERS.get(kind)
-        if self.verifier_path:
-            _check_importable(self.verifier_path)
-        self.pool = (
-            ScoringPool(config.num_workers, config.timeout_s, preload=(self.verifier_path,)) if self.verifier_path else None
-        )
-        self.reward_model = None
-        if config.model_path:
+        self.components = config.resolved_components()
+        self.sandbox_protections: dict[str, bool] | None = None
+        self._pooled: dict[str, tuple[str, dict[str, Any], float]] = {}
+        self._local: dict[str, Callable[[list[ScoreRequest]], list[Score]]] = {}
+        self._closers: list[Callable[[], None]] = []
+        for comp in self.components:
+            if comp.type in POOLED_TYPES:
+                self._pooled[comp.name] = self._pooled_spec(comp)
+            else:
+                self._local[comp.name] = self._local_scorer(comp)
+        preload = tuple(sorted({fn for fn, _, _ in self._pooled.values()}))
+        self.pool = ScoringPool(config.num_workers, config.timeout_s, preload=preload) if self._pooled else None
+        self.accuracy_component = next((c.name for c in self.components if c.type in ("math", "exact_match")), None)
+
+    # -- building ---------------------------------------------------------------------------------
+    def _pooled_spec(self, comp: RewardComponentConfig) -> tuple[str, dict[str, Any], float]:
+        timeout = comp.timeout_s or self.config.timeout_s
+        if comp.type == "custom":
+            assert comp.function is not None
+            _check_importable(comp.function)
+            return comp.function, {}, timeout
+        if comp.type == "code":
+            self._check_sandbox()
+            options = {"tests_column": comp.tests_column, "code_score": comp.code_score,
+                       "sandbox": comp.sandbox.model_dump()}
+            return CODE_REWARD, options, comp.timeout_s or comp.sandbox.wall_s + 5.0
+        return VERIFIERS[comp.type], {"answer_column": comp.answer_column}, timeout
+
+    def _check_sandbox(self) -> None:
+        from postrl.reward.sandbox import probe_protections, warn_missing_protections
+
+        protections = probe_protections()
+        self.sandbox_protections = dict(protections.active)
+        on = ", ".join(name for name, active in protections.active.items() if active)
+        log.info("code sandbox protections active: %s", on)
+        warn_missing_protections(protections)
+
+    def _local_scorer(self, comp: RewardComponentConfig) -> Callable[[list[ScoreRequest]], list[Score]]:
+        if comp.type == "format":
+            pattern = re.compile(comp.pattern, re.DOTALL)
+            return lambda reqs: [(format_reward(pattern, r.response), None) for r in reqs]
+        if comp.type == "length":
+            return lambda reqs: [(length_penalty(r.response_tokens, comp.target_tokens), None) for r in reqs]
+        timeout = comp.timeout_s or 60.0
+        if comp.type == "reward_model":
             from postrl.reward.reward_model import RewardModel
 
-            self.reward_model = RewardModel(config.model_path)
+            model = RewardModel(comp.path)
+            return lambda reqs: [(s, None) for s in model.score([(r.prompt, r.response) for r in reqs])]
+        from postrl.reward.remote_scorers import LLMJudge, RemoteRewardModel
 
+        if comp.type == "remote_reward_model":
+            remote = RemoteRewardModel(comp.url, timeout, comp.api_key_env)
+            self._closers.append(remote.close)
+            return lambda reqs: remote.score([(r.prompt, r.response) for r in reqs])
+        judge = LLMJudge(comp.url, comp.model, comp.prompt_template, comp.score_pattern, comp.score_scale,
+                         timeout, comp.api_key_env, comp.max_concurrency)
+        self._closers.append(judge.close)
+        return lambda reqs: judge.score([(r.prompt, r.response, r.columns) for r in reqs])
+
+    # -- scoring ----------------------------------------------------------------------------------
     def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
         return self.score_batch([ScoreRequest(prompt, response, columns)])[0]
 
     def score_batch(self, requests: list[ScoreRequest]) -> list[RewardResult]:
-        verifiable = self._verify(requests)
-        model_scores = self.reward_model.score([(r.prompt, r.response) for r in requests]) if self.reward_model else None
-        results = []
-        for i, req in enumerate(requests):
-            components: dict[str, float] = {}
-            value, error = verifiable[i]
-            if value is not None:
-                components["verifiable"] = value
-            if model_scores is not None:
-                components["model"] = model_scores[i]
-            components["format"] = format_reward(self.format_pattern, req.response)
-            components["length"] = length_penalty(req.response_tokens, self.config.length_target_tokens)
-            if error is not None:
-                results.append(RewardResult(reward=None, components=components, error=error))
-                continue
-            total = sum(getattr(self.weights, name) * v for name, v in components.items())
-            results.append(RewardResult(reward=total, components=components))
-        return results
+        pending = self._submit_pooled(requests)  # the worker processes run while local scorers do
+        scores: dict[str, list[Score]] = {}
+        for name, scorer in self._local.items():
+            try:
+                scores[name] = scorer(requests)
+            except Exception as exc:  # noqa: BLE001 - a broken scorer makes its samples unscorable, loudly
+                log.exception("reward component %s failed", name)
+                scores[name] = [(None, f"{type(exc).__name__}: {exc}")] * len(requests)
+        reasons: dict[str, list[str | None]] = {}
+        for name, futures in pending.items():
+            results: list[JobResult] = [f.result() for f in futures]
+            scores[name] = [(r.value, r.error) for r in results]
+            reasons[name] = [r.reason for r in results]
+        return [self._combine(i, scores, reasons) for i in range(len(requests))]
 
-    def _verify(self, requests: list[ScoreRequest]) -> list[tuple[float | None, str | None]]:
+    def _submit_pooled(self, requests: list[ScoreRequest]) -> dict[str, list]:
         if self.pool is None:
-            return [(None, None)] * len(requests)
-        options = {"answer_column": self.config.verifiable.answer_column}
-        if self.config.verifiable.type == "custom":
-            options = {}
-        jobs = [
-            {"fn": self.verifier_path, "prompt": r.prompt, "response": r.response, "columns": r.columns, "options": options}
-            for r in requests
-        ]
-        return [(res.value, res.error) for res in self.pool.map(jobs)]
+            return {}
+        pending = {}
+        for name, (fn, options, timeout) in self._pooled.items():
+            jobs = [{"fn": fn, "prompt": r.prompt, "response": r.response, "columns": r.columns,
+                     "options": options, "timeout_s": timeout} for r in requests]
+            pending[name] = self.pool.submit(jobs)
+        return pending
+
+    def _combine(self, i: int, scores: dict[str, list[Score]], reasons: dict[str, list[str | None]]) -> RewardResult:
+        components: dict[str, float] = {}
+        errors: list[str] = []
+        why = {name: r[i] for name, r in reasons.items() if r[i]}
+        for comp in self.components:
+            value, error = scores[comp.name][i]
+            if value is None:
+                errors.append(f"{comp.name}: {error or 'no score'}")
+            else:
+                components[comp.name] = value
+        if errors:
+            return RewardResult(reward=None, components=components, error="; ".join(errors), reasons=why)
+        total = sum(comp.weight * components[comp.name] for comp in self.components)
+        return RewardResult(reward=total, components=components, reasons=why)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        for close in self._closers:
+            close()
+
+
+def result_to_json(result: RewardResult) -> dict[str, Any]:
+    return {**dataclasses.asdict(result), "unscorable": result.unscorable}
 
 
 def _check_importable(path: str) -> None:

@@ -2,7 +2,8 @@
 
 Run as ``python -m postrl.reward.worker [module:function ...]`` (the functions are imported
 before the worker reports ready, so their import time does not count against a job's timeout). Each job names a function by import path; the
-function's exceptions become error results. Nothing is unpickled: the pipe speaks JSON lines.
+function's exceptions become error results. A function returns a number, None (cannot score),
+or ``(number, reason)``, where the reason (e.g. which test failed and why) is reported with the score. Nothing is unpickled: the pipe speaks JSON lines.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         columns = dict(job.get("columns") or {})
         columns.update(job.get("options") or {})
         value = fn(job["prompt"], job["response"], **columns)
+        reason = None
+        if isinstance(value, tuple) and len(value) == 2:
+            value, reason = value
+            reason = None if reason is None else str(reason)[:1000]
         if value is None:
             return {"id": job["id"], "value": None, "error": "reward function returned None (cannot score)"}
         value = float(value)
         if not math.isfinite(value):
             return {"id": job["id"], "value": None, "error": f"reward function returned {value}"}
-        return {"id": job["id"], "value": value, "error": None}
+        return {"id": job["id"], "value": value, "error": None, "reason": reason}
     except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded, unscorable result
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
