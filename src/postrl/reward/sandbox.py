@@ -12,7 +12,7 @@ start and warns, by name, about each one that is missing.
 
 from __future__ import annotations
 
-import json
+import marshal
 import os
 import pwd
 import selectors
@@ -160,7 +160,7 @@ class Sandbox:
     def _execute(self, spec: dict, n_tests: int) -> SandboxResult:
         result_r, result_w = os.pipe()
         with tempfile.TemporaryFile() as spec_file:
-            spec_file.write(json.dumps(spec).encode())
+            spec_file.write(marshal.dumps(spec))
             spec_file.seek(0)
             try:
                 proc = subprocess.Popen(
@@ -197,8 +197,7 @@ class Sandbox:
                         results_buffer += chunk
                         *lines, results_buffer = results_buffer.split(b"\n")
                         for line in lines:
-                            msg = json.loads(line)
-                            verdicts[int(msg["test"])] = (bool(msg["passed"]), msg.get("error"))
+                            _record_verdict(line, n_tests, verdicts)
                 if error:
                     break
         finally:
@@ -212,6 +211,16 @@ class Sandbox:
         passed = [verdicts.get(i, (False, None))[0] for i in range(n_tests)]
         errors = [verdicts[i][1] if i in verdicts else (error or "not run") for i in range(n_tests)]
         return SandboxResult(passed, errors, error, timed_out, bytes(output[:2000]).decode("utf-8", "replace"))
+
+
+def _record_verdict(line: bytes, n_tests: int, verdicts: dict[int, tuple[bool, str | None]]) -> None:
+    """Parse ``index<TAB>1|0<TAB>error``; a line that does not parse is ignored (it counts as no verdict)."""
+    parts = line.decode("utf-8", "replace").split("\t", 2)
+    if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ("0", "1"):
+        return
+    index = int(parts[0])
+    if 0 <= index < n_tests and index not in verdicts:
+        verdicts[index] = (parts[1] == "1", parts[2] or None)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

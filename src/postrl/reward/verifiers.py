@@ -7,6 +7,7 @@ scoring worker processes (see :mod:`postrl.reward.pool`), so a slow or hanging o
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -48,17 +49,32 @@ def exact_match(prompt: str, response: str, answer_column: str = "answer", **col
     return 1.0 if got is not None and got == _reference(columns, answer_column).strip() else 0.0
 
 
+@lru_cache(maxsize=8192)
+def _parsed(latex: str) -> tuple:
+    """math-verify's parse, memoised: a GRPO batch repeats each reference G times, and the
+    samples of a group often give the same answer text (parse is most of math-verify's cost)."""
+    from math_verify import parse
+
+    return tuple(parse(latex))
+
+
 def math_equal(prompt: str, response: str, answer_column: str = "answer", **columns: object) -> float:
     """1.0 when math-verify finds the extracted answer equivalent to the reference."""
-    from math_verify import parse, verify
+    from math_verify import verify
 
     got = extract_final_answer(response)
     if got is None:
         return 0.0
     reference = _reference(columns, answer_column)
-    gold = parse(reference if "$" in reference or "\\boxed" in reference else f"${reference}$")
-    pred = parse(f"${got}$")
-    return 1.0 if gold and pred and verify(gold, pred) else 0.0
+    gold = _parsed(reference if "$" in reference or "\\boxed" in reference else f"${reference}$")
+    pred = _parsed(f"${got}$")
+    return 1.0 if gold and pred and verify(list(gold), list(pred)) else 0.0
 
+
+def _import_math_verify() -> None:
+    import math_verify  # noqa: F401 - ~0.5 s of sympy/antlr imports, paid before a worker reports ready
+
+
+math_equal.preload = _import_math_verify  # type: ignore[attr-defined]
 
 VERIFIERS = {"exact_match": "postrl.reward.verifiers:exact_match", "math": "postrl.reward.verifiers:math_equal"}

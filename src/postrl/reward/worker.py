@@ -55,7 +55,9 @@ def main() -> None:
     sys.stdout = sys.stderr  # a reward function's prints must not corrupt the result stream
     for path in sys.argv[1:]:
         try:
-            resolve(path)
+            warm = getattr(resolve(path), "preload", None)  # a function may name imports to do up front
+            if callable(warm):
+                warm()
         except Exception:  # noqa: BLE001 - reported again, per job, when the function is used
             pass
     out.write(json.dumps({"ready": True}) + "\n")

@@ -1,0 +1,187 @@
+"""Reward components: code, reward models, judges, mixing, the pool under threads, the failure-rate stop."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from postrl.cli import main
+from postrl.config import ConfigError, RewardConfig, build_config
+from postrl.reward.code import extract_program, parse_tests
+from postrl.reward.pool import ScoringPool
+from postrl.reward.service import RewardService, ScoreRequest
+from tests.test_reward_server import start_server, stop_server
+from tests.test_train_e2e import write_config
+
+
+class JsonServer:
+    """A loopback HTTP server answering POSTs with ``handler(path, body) -> dict``; records bodies."""
+
+    def __init__(self, handler) -> None:
+        self.bodies: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                outer.bodies.append({"path": self.path, "auth": self.headers.get("authorization"), **body})
+                data = json.dumps(handler(self.path, body)).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_extract_program_and_parse_tests():
+    text = "Here:\n```js\nconsole.log(1)\n```\nand\n```python\nprint(1)\n```\nthen\n```python\nprint(2)\n```"
+    assert extract_program(text) == "print(2)\n"
+    assert extract_program("```\nx = 1\n```") == "x = 1\n"
+    assert extract_program("x = 3") == "x = 3"
+    assert parse_tests('["assert f(1) == 1"]') == ("assert", ["assert f(1) == 1"])
+    assert parse_tests({"inputs": ["1"], "outputs": ["2"]}) == ("io", [{"input": "1", "output": "2"}])
+    with pytest.raises(ValueError, match="2 inputs but 1 outputs"):
+        parse_tests({"inputs": ["1", "2"], "outputs": ["2"]})
+    with pytest.raises(ValueError, match="mixes shapes"):
+        parse_tests(["assert True", {"input": "", "output": ""}])
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_tests("assert True")
+
+
+def test_code_component_all_or_nothing_and_bad_tests_are_unscorable():
+    svc = RewardService(RewardConfig(num_workers=1, components=[
+        {"name": "code", "type": "code", "code_score": "all_or_nothing", "sandbox": {"wall_s": 3}}]))
+    try:
+        half = "def f(x):\n    return x if x < 2 else 0"
+        tests = ["assert f(1) == 1", "assert f(3) == 3"]
+        out = svc.score_batch([
+            ScoreRequest("", half, {"tests": tests}),
+            ScoreRequest("", "def f(x):\n    return x", {"tests": tests}),
+            ScoreRequest("", half, {"tests": "not json"}),
+            ScoreRequest("", half, {}),
+        ])
+    finally:
+        svc.close()
+    assert out[0].reward == 0.0 and "test 1: AssertionError" in out[0].reasons["code"]
+    assert out[1].reward == 1.0
+    assert out[2].unscorable and "not JSON" in out[2].error
+    assert out[3].unscorable and "no 'tests' column" in out[3].error
+    assert svc.sandbox_protections["resource_limits"] is True
+
+
+def test_local_reward_model_scores_in_batches(tmp_path, char_tokenizer):
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(char_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=char_tokenizer.pad_token_id)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    char_tokenizer.save_pretrained(tmp_path / "rm")
+    svc = RewardService(RewardConfig(components=[{"name": "rm", "type": "reward_model", "path": str(tmp_path / "rm")}]))
+    pairs = [("1+1=", "2"), ("2+2=", "45"), ("3+3=", "6")]
+    batched = svc.score_batch([ScoreRequest(p, r, {}) for p, r in pairs])
+    alone = [svc.score(p, r) for p, r in pairs]
+    assert [b.reward for b in batched] == pytest.approx([a.reward for a in alone], abs=1e-5)
+    assert len({round(b.reward, 6) for b in batched}) == 3  # a real model output, not a constant
+
+
+def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
+    rm = JsonServer(lambda path, body: {"scores": [float(len(r)) for r in body["responses"]]})
+
+    def chat(path, body):
+        content = body["messages"][0]["content"]
+        text = "Score: 8" if "GOOD" in content else ("I refuse" if "ODD" in content else "Score: 2")
+        return {"choices": [{"message": {"role": "assistant", "content": text}}]}
+
+    judge = JsonServer(chat)
+    monkeypatch.setenv("JUDGE_KEY", "sk-test")
+    svc = RewardService(RewardConfig(components=[
+        {"name": "rm", "type": "remote_reward_model", "url": rm.url + "/rm", "weight": 0.1},
+        {"name": "judge", "type": "judge", "url": judge.url + "/v1", "model": "judge-1", "api_key_env": "JUDGE_KEY",
+         "prompt_template": "Q: {prompt} A: {response} ref {answer}"},
+    ]))
+    try:
+        out = svc.score_batch([ScoreRequest("q1", "GOOD", {"answer": "4"}), ScoreRequest("q2", "bad", {"answer": "5"}),
+                               ScoreRequest("q3", "ODD", {"answer": "6"})])
+    finally:
+        svc.close()
+        rm.close()
+        judge.close()
+    assert out[0].components == {"rm": 4.0, "judge": 0.8} and out[0].reward == pytest.approx(0.4 + 0.8)
+    assert out[1].reward == pytest.approx(0.3 + 0.2)
+    assert out[2].unscorable and "judge: judge answer has no score" in out[2].error
+    sent = [b for b in judge.bodies if b["path"] == "/v1/chat/completions"]
+    assert sent[0]["model"] == "judge-1" and sent[0]["auth"] == "Bearer sk-test"
+    assert {b["messages"][0]["content"] for b in sent} >= {"Q: q1 A: GOOD ref 4"}
+
+
+def test_component_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="reward component 'j' of type judge needs 'url'"):
+        build_config({"reward": {"components": [{"name": "j", "type": "judge"}]}})
+    with pytest.raises(ConfigError, match=r"duplicate names \['a'\]"):
+        build_config({"reward": {"components": [{"name": "a", "type": "format"}, {"name": "a", "type": "length"}]}})
+    with pytest.raises(ConfigError, match="reward.components.0.type"):
+        build_config({"reward": {"components": [{"name": "a", "type": "magic"}]}})
+
+
+def test_pool_shared_by_threads_keeps_each_callers_order():
+    with ScoringPool(num_workers=2, timeout_s=2.0) as pool:
+        def run(t: int) -> list:
+            jobs = [{"fn": "tests.reward_fns:length_score", "prompt": "", "response": "x" * (t * 100 + i), "columns": {}}
+                    for i in range(50)]
+            return [r.value for r in pool.map(jobs)]
+
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(run, range(8)))
+    assert results == [[float(t * 100 + i) for i in range(50)] for t in range(8)]
+
+
+def test_failure_rate_stops_the_run_and_keeps_the_samples(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
+    reward = {"components": [{"name": "v", "type": "custom", "function": "tests.reward_fns:raises"}],
+              "num_workers": 1, "max_failure_rate": 0.5}
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, reward=reward)
+    assert main(["train", config]) == 2
+    err = capsys.readouterr().err
+    assert "step 1: 16/16 samples could not be scored (100% > reward.max_failure_rate=0.5)" in err
+    assert "16x v: ValueError: bad response" in err
+    saved = (tmp_path / "runs" / "tiny" / "unscored_step_1.jsonl").read_text().splitlines()
+    assert len(saved) == 16 and "response" in json.loads(saved[0])
+
+
+def test_training_through_the_remote_reward_service(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    server_config = {"reward": {"num_workers": 1, "components": [
+        {"name": "answer", "type": "exact_match"}, {"name": "fmt", "type": "format", "weight": 0.1}]}}
+    proc, url = start_server(tmp_path, server_config)
+    try:
+        config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl,
+                              reward={"remote": {"url": url}}, steps=2)
+        assert main(["train", config]) == 0
+    finally:
+        stop_server(proc)
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    assert "reward/answer/mean" in rows[-1] and "reward/fmt/mean" in rows[-1] and "accuracy" in rows[-1]
+
+
+def test_dead_remote_service_fails_fast_with_the_url(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl,
+                          reward={"remote": {"url": "http://127.0.0.1:9", "retries": 1, "backoff_s": 0.01}})
+    assert main(["train", config]) == 2
+    assert "http://127.0.0.1:9/health failed after 2 attempts" in capsys.readouterr().err
