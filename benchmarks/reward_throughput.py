@@ -36,6 +36,7 @@ import httpx
 
 from postrl.config import RemoteRewardConfig, RewardConfig
 from postrl.reward.client import RemoteRewardService
+from postrl.reward.diagnostics import process_descendants
 from postrl.reward.service import RewardService, ScoreRequest
 
 WORKERS = 2
@@ -96,10 +97,12 @@ class Server:
         self.port = free_port()
         config = tmp / f"reward_{self.port}.yaml"
         config.write_text(json.dumps({"reward": reward}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "postrl.cli", "serve-reward", "--config", str(config), "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        self.log = tmp / f"server_{self.port}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "postrl.cli", "serve-reward", "--config", str(config), "--port", str(self.port)],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -117,7 +120,7 @@ class Server:
         return float("nan")
 
     def descendants(self) -> list[int]:
-        return descendants(self.proc.pid)
+        return process_descendants(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -126,23 +129,6 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def alive(pids: list[int]) -> list[int]:
@@ -238,7 +224,12 @@ def main() -> int:
         try:
             asyncio.run(soak(server.url, 200, args.soak_concurrency, seed=1))  # warm-up
             rss_start = server.rss_mb()
-            result = asyncio.run(soak(server.url, args.soak_requests, args.soak_concurrency))
+            try:
+                result = asyncio.run(soak(server.url, args.soak_requests, args.soak_concurrency))
+            except httpx.HTTPError:
+                print(f"soak failed; server alive: {server.proc.poll() is None}; server log:\n"
+                      + server.log.read_text()[-3000:], file=sys.stderr)
+                raise
             rss_end = server.rss_mb()
             time.sleep(0.5)
             below = server.descendants()

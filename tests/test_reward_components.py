@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -14,38 +12,9 @@ from postrl.config import ConfigError, RewardConfig, build_config
 from postrl.reward.code import extract_program, parse_tests
 from postrl.reward.pool import ScoringPool
 from postrl.reward.service import RewardService, ScoreRequest
+from tests.http_stub import LoopbackJSONServer
 from tests.test_reward_server import start_server, stop_server
 from tests.test_train_e2e import write_config
-
-
-class JsonServer:
-    """A loopback HTTP server answering POSTs with ``handler(path, body) -> dict``; records bodies."""
-
-    def __init__(self, handler) -> None:
-        self.bodies: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                outer.bodies.append({"path": self.path, "auth": self.headers.get("authorization"), **body})
-                data = json.dumps(handler(self.path, body)).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def test_extract_program_and_parse_tests():
@@ -103,14 +72,14 @@ def test_local_reward_model_scores_in_batches(tmp_path, char_tokenizer):
 
 
 def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
-    rm = JsonServer(lambda path, body: {"scores": [float(len(r)) for r in body["responses"]]})
+    rm = LoopbackJSONServer(lambda method, path, body: (200, {"scores": [float(len(r)) for r in body["responses"]]}))
 
-    def chat(path, body):
+    def chat(method, path, body):
         content = body["messages"][0]["content"]
         text = "Score: 8" if "GOOD" in content else ("I refuse" if "ODD" in content else "Score: 2")
-        return {"choices": [{"message": {"role": "assistant", "content": text}}]}
+        return 200, {"choices": [{"message": {"role": "assistant", "content": text}}]}
 
-    judge = JsonServer(chat)
+    judge = LoopbackJSONServer(chat)
     monkeypatch.setenv("JUDGE_KEY", "sk-test")
     svc = RewardService(RewardConfig(components=[
         {"name": "rm", "type": "remote_reward_model", "url": rm.url + "/rm", "weight": 0.1},
@@ -127,7 +96,7 @@ def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
     assert out[0].components == {"rm": 4.0, "judge": 0.8} and out[0].reward == pytest.approx(0.4 + 0.8)
     assert out[1].reward == pytest.approx(0.3 + 0.2)
     assert out[2].unscorable and "judge: judge answer has no score" in out[2].error
-    sent = [b for b in judge.bodies if b["path"] == "/v1/chat/completions"]
+    sent = [b for b in judge.requests if b["path"] == "/v1/chat/completions"]
     assert sent[0]["model"] == "judge-1" and sent[0]["auth"] == "Bearer sk-test"
     assert {b["messages"][0]["content"] for b in sent} >= {"Q: q1 A: GOOD ref 4"}
 

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,9 @@ import pytest
 
 from postrl.config import RemoteRewardConfig
 from postrl.reward.client import RemoteRewardService, RewardServiceError
+from postrl.reward.diagnostics import process_descendants
 from postrl.reward.service import ScoreRequest
+from tests.http_stub import LoopbackJSONServer
 
 TOKEN = "test-token-123"
 SECRET = "do-not-leak-42"
@@ -27,25 +28,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def start_server(tmp: Path, config: dict, env: dict | None = None) -> tuple[subprocess.Popen, str]:
@@ -164,7 +146,7 @@ def test_adversarial_programs_are_contained(code_server, tmp_path):
     # the service survived, and nothing the programs started is left: only the 2 scoring workers
     assert httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["status"] == "ok"
     time.sleep(0.5)
-    assert len(descendants(proc.pid)) == 2, [Path(f"/proc/{p}/cmdline").read_bytes() for p in descendants(proc.pid)]
+    assert len(process_descendants(proc.pid)) == 2, [Path(f"/proc/{p}/cmdline").read_bytes() for p in process_descendants(proc.pid)]
     if os.geteuid() == 0:
         nobody = [p for p in os.listdir("/proc") if p.isdigit() and os.stat(f"/proc/{p}").st_uid == 65534]
         assert not nobody, "sandbox processes were left behind"
@@ -232,64 +214,40 @@ def test_remote_client_scores_in_order_against_the_server(tmp_path):
         stop_server(proc)
 
 
-class _ScriptedHandler:
-    """A loopback HTTP server that answers /score with a scripted list of status codes."""
+def scripted_server(codes: list[int]) -> LoopbackJSONServer:
+    """/health answers 200; /score answers the next status in ``codes`` (503 once they run out)."""
+    codes = list(codes)
 
-    def __init__(self, codes: list[int]) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    def handler(method: str, path: str, body: dict) -> tuple[int, dict]:
+        if method == "GET":
+            return 200, {"status": "ok", "components": []}
+        code = codes.pop(0) if codes else 503
+        if code != 200:
+            return code, {"detail": "busy"}
+        return 200, {"results": [{"reward": 1.0, "components": {}, "unscorable": False, "error": None}
+                                 for _ in body["samples"]]}
 
-        self.codes, self.score_calls = list(codes), 0
-        outer = self
+    return LoopbackJSONServer(handler)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
 
-            def _send(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send(200, {"status": "ok", "components": []})
-
-            def do_POST(self):
-                n = int(self.headers["content-length"])
-                samples = json.loads(self.rfile.read(n))["samples"]
-                outer.score_calls += 1
-                code = outer.codes.pop(0) if outer.codes else 503
-                if code == 200:
-                    self._send(200, {"results": [{"reward": 1.0, "components": {}, "unscorable": False, "error": None}
-                                                 for _ in samples]})
-                else:
-                    self._send(code, {"detail": "busy"})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def score_calls(server: LoopbackJSONServer) -> int:
+    return sum(r["path"] == "/score" for r in server.requests)
 
 
 def test_client_retries_503_then_succeeds_and_gives_up_with_a_clear_error():
     sleeps: list[float] = []
-    server = _ScriptedHandler([503, 503, 200])
+    server = scripted_server([503, 503, 200])
     client = RemoteRewardService(RemoteRewardConfig(url=server.url, retries=4, backoff_s=0.2), sleep=sleeps.append)
     [result] = client.score_batch([ScoreRequest("p", "r", {})])
-    assert result.reward == 1.0 and server.score_calls == 3
+    assert result.reward == 1.0 and score_calls(server) == 3
     assert len(sleeps) == 2 and 0 <= sleeps[0] <= 0.2 and 0 <= sleeps[1] <= 0.4  # backoff doubles, with jitter
     server.close()
 
-    always = _ScriptedHandler([])
+    always = scripted_server([])
     client = RemoteRewardService(RemoteRewardConfig(url=always.url, retries=2, backoff_s=0.01), sleep=lambda s: None)
     with pytest.raises(RewardServiceError, match=rf"{always.url}/score failed after 3 attempts; last error: HTTP 503"):
         client.score_batch([ScoreRequest("p", "r", {})])
-    assert always.score_calls == 3
+    assert score_calls(always) == 3
     always.close()
 
 

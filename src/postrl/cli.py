@@ -105,7 +105,10 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
     names = ", ".join(f"{c.name} ({c.type}, weight {c.weight:g})" for c in service.components)
     print(f"reward service on http://{server.host}:{server.port} with {names}", flush=True)
     try:
-        uvicorn.run(build_reward_app(service, server, token), host=server.host, port=server.port, log_level="warning")
+        # keep-alive longer than uvicorn's 5 s default: a pooled client connection closed by the
+        # server just as the client reuses it surfaces as a ReadError on the client
+        uvicorn.run(build_reward_app(service, server, token), host=server.host, port=server.port, log_level="warning",
+                    timeout_keep_alive=75)
     finally:
         service.close()
     return 0
