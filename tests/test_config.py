@@ -73,7 +73,12 @@ def test_cli_reports_config_error_before_any_work(tmp_path, capsys):
 def test_example_configs_are_valid():
     from pathlib import Path
 
+    from postrl.config import RewardServiceFile
+
     examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
     assert examples
     for path in examples:
-        load_config(path)
+        if path.name.endswith("_service.yaml"):  # `postrl serve-reward --config` files
+            assert load_config(path, model=RewardServiceFile).reward.resolved_components()
+        else:
+            load_config(path)
