@@ -101,10 +101,9 @@ def probe_protections() -> Protections:
         "output_cap": True,
         "fresh_working_directory": True,
         **{name: flag in working for name, flag in _NAMESPACE_FLAGS.items()},
-        "unprivileged_user": is_root,  # not running as root already is unprivileged
+        # as root, programs drop to `user`; otherwise the service's own user already is unprivileged
+        "unprivileged_user": user is not None or not is_root,
     }
-    if not is_root:
-        active["unprivileged_user"] = True
     return Protections(tuple(working), user, active)
 
 
