@@ -44,3 +44,12 @@ def slow_or_raising(prompt, response, kind="ok", **columns):
     if kind == "raise":
         raise RuntimeError("asked to raise")
     return 1.0
+
+
+def writes_to_fd1(prompt, response, **columns):
+    """Like a C library printing to fd 1 behind Python's back."""
+    import os
+
+    os.write(1, b'not json\n{"id": 999, "value": 5}\n')
+    print("a print")
+    return 2.0

@@ -105,3 +105,9 @@ def test_timeout_kills_worker_keeps_order_and_recovers():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_function_writing_to_fd_1_does_not_corrupt_results():
+    jobs = [{"fn": "tests.reward_fns:writes_to_fd1", "prompt": "", "response": "r", "columns": {}} for _ in range(3)]
+    with ScoringPool(num_workers=1, timeout_s=5.0) as pool:
+        assert [r.value for r in pool.map(jobs)] == [2.0, 2.0, 2.0]

@@ -13,7 +13,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from postrl.reward.sandbox import Sandbox, SandboxLimits
+from postrl.reward.sandbox import Protections, Sandbox, SandboxLimits
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -50,13 +50,15 @@ def parse_tests(value: Any) -> tuple[str, list]:
 
 
 @lru_cache(maxsize=8)
-def _sandbox(limits: SandboxLimits) -> Sandbox:
-    return Sandbox(limits)
+def _sandbox(limits: SandboxLimits, namespaces: tuple[str, ...] | None, user: tuple[int, int] | None) -> Sandbox:
+    if namespaces is None:
+        return Sandbox(limits)  # no probe result handed over: probe here
+    return Sandbox(limits, Protections(namespaces, user))
 
 
 def code_reward(
     prompt: str, response: str, tests_column: str = "tests", code_score: str = "fraction",
-    sandbox: dict | None = None, **columns: Any,
+    sandbox: dict | None = None, protections: dict | None = None, **columns: Any,
 ) -> tuple[float, str | None]:
     """(fraction of tests passed, or 1/0 with code_score='all_or_nothing'; why tests failed).
 
@@ -66,7 +68,9 @@ def code_reward(
     if tests_column not in columns:
         raise KeyError(f"row has no '{tests_column}' column with tests for the code reward")
     mode, tests = parse_tests(columns[tests_column])
-    result = _sandbox(SandboxLimits(**(sandbox or {}))).run(extract_program(response), tests, mode)
+    namespaces = tuple(protections["namespaces"]) if protections else None
+    user = tuple(protections["user"]) if protections and protections.get("user") else None
+    result = _sandbox(SandboxLimits(**(sandbox or {})), namespaces, user).run(extract_program(response), tests, mode)
     failures = [f"test {i}: {err}" for i, (ok, err) in enumerate(zip(result.passed, result.errors)) if not ok]
     reason = result.error or ("; ".join(failures[:3]) if failures else None)
     if code_score == "all_or_nothing":

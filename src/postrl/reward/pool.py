@@ -15,6 +15,7 @@ math-verify's own timeouts rely on signals, which only work in a process's main 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import selectors
 import signal
@@ -26,6 +27,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,7 +89,8 @@ class ScoringPool:
         self._queue: deque[_Job] = deque()
         self._lock = threading.Lock()
         self._next_id = 0
-        self._closed = False
+        self._closed = False  # no more jobs (close() was called, or the I/O thread failed)
+        self._shut_down = False  # close() has run: processes killed, pipes closed
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._workers: list[_Worker] = [self._spawn() for _ in range(num_workers)]
@@ -124,8 +128,9 @@ class ScoringPool:
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if self._shut_down:
                 return
+            self._shut_down = True
             self._closed = True
         self._wake()
         self._thread.join(timeout=30)
@@ -184,6 +189,7 @@ class ScoringPool:
         selector.register(self._wake_r, selectors.EVENT_READ, None)
         for worker in self._workers:
             selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
+        failure: BaseException | None = None
         try:
             while True:
                 with self._lock:
@@ -203,14 +209,19 @@ class ScoringPool:
                         self._read(key.data)
                 with self._lock:
                     self._reap(selector)
+        except BaseException as exc:  # never leave callers waiting on futures nobody will resolve
+            failure = exc
+            log.exception("the scoring pool's I/O thread failed")
         finally:
             selector.close()
             with self._lock:
+                self._closed = True
                 leftovers = list(self._queue) + [job for w in self._workers for job in w.pending]
                 self._queue.clear()
+            reason = f"the scoring pool stopped: {failure!r}" if failure else "the scoring pool was closed before this job ran"
             for job in leftovers:
                 if not job.future.done():
-                    job.future.set_exception(PoolClosedError("the scoring pool was closed before this job ran"))
+                    job.future.set_exception(PoolClosedError(reason))
 
     def _dispatch(self) -> None:
         while self._queue:
@@ -262,16 +273,22 @@ class ScoringPool:
         done: list[tuple[_Job, JobResult]] = []
         with self._lock:
             for line in lines:
-                msg = json.loads(line)
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    log.warning("scoring process %d wrote a line that is not JSON: %r", worker.proc.pid, line[:200])
+                    continue
+                if not isinstance(msg, dict) or not ("ready" in msg or "id" in msg):
+                    continue
                 if "ready" in msg:
                     worker.ready = True
                     worker.started = time.monotonic()
                     continue
-                while worker.pending and worker.pending[0].id != msg["id"]:
-                    worker.pending.popleft()  # cannot happen with an in-order worker; never wait on it
-                if worker.pending:
-                    job = worker.pending.popleft()
-                    done.append((job, JobResult(value=msg["value"], error=msg["error"], reason=msg.get("reason"))))
+                if not worker.pending or worker.pending[0].id != msg["id"]:
+                    log.warning("scoring process %d answered job %r out of turn; ignored", worker.proc.pid, msg["id"])
+                    continue
+                job = worker.pending.popleft()
+                done.append((job, JobResult(value=msg.get("value"), error=msg.get("error"), reason=msg.get("reason"))))
                 worker.started = time.monotonic()
             self.stats.completed += len(done)
         for job, result in done:

@@ -13,13 +13,16 @@ import dataclasses
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from postrl.config import POOLED_TYPES, RewardComponentConfig, RewardConfig
 from postrl.reward.pool import JobResult, ScoringPool
 from postrl.reward.rules import format_reward, length_penalty
 from postrl.reward.verifiers import VERIFIERS
 from postrl.types import RewardResult
+
+if TYPE_CHECKING:
+    from postrl.reward.sandbox import Protections
 
 log = logging.getLogger(__name__)
 CODE_REWARD = "postrl.reward.code:code_reward"
@@ -59,13 +62,16 @@ class RewardService:
             _check_importable(comp.function)
             return comp.function, {}, timeout
         if comp.type == "code":
-            self._check_sandbox()
+            protections = self._check_sandbox()
+            # the workers use this probe instead of repeating it at every (re)start
             options = {"tests_column": comp.tests_column, "code_score": comp.code_score,
-                       "sandbox": comp.sandbox.model_dump()}
+                       "sandbox": comp.sandbox.model_dump(),
+                       "protections": {"namespaces": list(protections.namespaces),
+                                       "user": list(protections.unprivileged_user or []) or None}}
             return CODE_REWARD, options, comp.timeout_s or comp.sandbox.wall_s + 5.0
         return VERIFIERS[comp.type], {"answer_column": comp.answer_column}, timeout
 
-    def _check_sandbox(self) -> None:
+    def _check_sandbox(self) -> Protections:
         from postrl.reward.sandbox import probe_protections, warn_missing_protections
 
         protections = probe_protections()
@@ -73,6 +79,7 @@ class RewardService:
         on = ", ".join(name for name, active in protections.active.items() if active)
         log.info("code sandbox protections active: %s", on)
         warn_missing_protections(protections)
+        return protections
 
     def _local_scorer(self, comp: RewardComponentConfig) -> Callable[[list[ScoreRequest]], list[Score]]:
         if comp.type == "format":

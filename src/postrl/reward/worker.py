@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import sys
 import traceback
 from typing import Any, Callable
@@ -51,8 +52,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    out = sys.stdout
-    sys.stdout = sys.stderr  # a reward function's prints must not corrupt the result stream
+    # results go to a private copy of the pipe; fd 1 (and sys.stdout) now point at stderr, so
+    # neither a reward function's prints nor a C library writing to fd 1 can corrupt the stream
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     for path in sys.argv[1:]:
         try:
             warm = getattr(resolve(path), "preload", None)  # a function may name imports to do up front
