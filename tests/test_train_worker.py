@@ -130,3 +130,37 @@ def test_training_attention_kernel_choice_gives_the_same_gradients(char_tokenize
         worker.accumulate_gradients(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]), {k: 0.0 for k in ("loss", "kl", "entropy", "clip", "tokens")})
         grads[choice] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     torch.testing.assert_close(grads["auto"], grads["sdpa"], atol=1e-6, rtol=1e-5)
+
+
+def test_shared_prompt_packing_gives_the_unpacked_logprobs_and_gradients(char_tokenizer):
+    from postrl.train.logprobs import pack_shared_prompts, token_logprobs
+
+    exps = [
+        Experience([1, 20, 21], [30, 31, 2], [0.0] * 3, 1.0, 0.5, 0),
+        Experience([1, 20, 21], [32], [0.0], 1.0, -0.5, 0),
+        Experience([1, 22, 23, 24], [33, 34], [0.0] * 2, 1.0, 1.0, 0),
+        Experience([1, 20, 21], [35, 36, 37, 38, 2], [0.0] * 5, 1.0, 0.2, 0),
+        Experience([1, 22, 23, 24], [39, 40, 41], [0.0] * 3, 1.0, -1.0, 0),
+        Experience([1, 25], [42, 43], [0.0] * 2, 1.0, 0.3, 0),
+    ]
+    batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    packed = pack_shared_prompts(batch.input_ids, batch.attention_mask, batch.response_mask)
+    assert packed is not None and packed.input_ids.shape[0] == 3  # one packed row per distinct prompt
+    results = {}
+    for name in ("packed", "plain"):
+        model = make_tiny_model("llama", char_tokenizer).float()
+        model.set_attn_implementation("eager")
+        if name == "packed":
+            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, True, batch.response_mask)
+        else:
+            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, True)
+            logp, ent = logp * batch.response_mask, ent * batch.response_mask
+        (logp * batch.advantages[:, None]).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[name] = (logp.detach(), (ent * batch.response_mask).detach(), grads)
+    torch.testing.assert_close(results["packed"][0], results["plain"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["packed"][1], results["plain"][1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["packed"][2], results["plain"][2], atol=1e-5, rtol=1e-4)
+    assert (results["packed"][0] != 0).sum() == batch.response_mask.sum()
+    # nothing shared, or not a prompt+response layout: no packing
+    assert pack_shared_prompts(batch.input_ids[5:], batch.attention_mask[5:], batch.response_mask[5:]) is None

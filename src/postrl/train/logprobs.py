@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # causal LMs whose logits are exactly lm_head(decoder(x)): for them the vocabulary projection and
@@ -18,21 +20,21 @@ def token_logprobs(
     Uses the same temperature as the rollout so that ratios against pi_old are meaningful. With
     ``target_mask`` (``[B, T-1]``, 1 where a logprob is needed), positions outside it are 0 and,
     for Llama/Qwen2/Mistral, their vocabulary projection is skipped (prompt tokens are often
-    half of a GRPO batch, and the projection + softmax over a 49k vocabulary is its costliest part).
+    half of a GRPO batch, and the projection + softmax over a 49k vocabulary is its costliest part),
+    and rows that share a prompt run it once (:func:`pack_shared_prompts`).
     """
+    plain_head = target_mask is not None and getattr(model.config, "model_type", "") in _PLAIN_HEAD_MODELS
+    if plain_head:
+        packed = pack_shared_prompts(input_ids, attention_mask, target_mask)
+        if packed is not None:
+            return _shared_prompt_logprobs(model, packed, input_ids, target_mask, temperature, with_entropy)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, 1:]
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
-    if target_mask is not None and getattr(model.config, "model_type", "") in _PLAIN_HEAD_MODELS:
+    if plain_head:
         hidden = model.get_decoder()(**kwargs).last_hidden_state[:, :-1]
         where = target_mask.bool()
-        logits = model.get_output_embeddings()(hidden[where])  # [N, V]
-        logp_sel, ent_sel = _logprobs(logits, targets[where], temperature, with_entropy)
-        logp = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=logp_sel.device).masked_scatter(where, logp_sel)
-        entropy = None
-        if ent_sel is not None:
-            entropy = torch.zeros(targets.shape, dtype=ent_sel.dtype, device=ent_sel.device).masked_scatter(where, ent_sel)
-        return logp, entropy
+        return _selected_logprobs(model, hidden[where], targets, where, temperature, with_entropy)
     logits = model(**kwargs).logits[:, :-1, :]
     logp, entropy = _logprobs(logits, targets, temperature, with_entropy)
     if target_mask is not None:
@@ -51,4 +53,97 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, w
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@dataclass
+class PackedPrompts:
+    """Rows that share a prompt packed into one sequence: ``prompt, response_1, ..., response_k``.
+
+    Each response attends to the prompt and causally to itself only (a block mask) and keeps its
+    own positions, so every logprob equals the unpacked one while the prompt is run once per
+    group instead of once per sample (GRPO's G samples share their prompt).
+    """
+
+    input_ids: torch.Tensor  # [S, L]
+    position_ids: torch.Tensor  # [S, L]
+    mask: torch.Tensor  # [S, 1, L, L] additive float mask
+    target_seq: torch.Tensor  # [N] packed row of each target, in row-major order of target_mask
+    target_pos: torch.Tensor  # [N] position in that row whose hidden state predicts the target
+
+
+def pack_shared_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
+) -> PackedPrompts | None:
+    """Pack rows whose targets are one contiguous response after a prompt; None when nothing is shared
+    or the layout is not prompt + contiguous response (the caller then runs the rows as they are)."""
+    rows = input_ids.shape[0]
+    mask = target_mask.bool()
+    counts = mask.sum(1).tolist()
+    firsts = mask.float().argmax(1).tolist()
+    lengths = attention_mask.sum(1).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    spans = []
+    for b in range(rows):
+        n, first = int(counts[b]), int(firsts[b])
+        if n == 0 or not bool(mask[b, first : first + n].all()) or first + 1 + n > lengths[b]:
+            return None
+        if int(attention_mask[b, : first + 1 + n].sum()) != first + 1 + n:
+            return None  # left padding or holes: not this layout
+        spans.append((first + 1, n))  # prompt length, response length
+        groups.setdefault(tuple(input_ids[b, : first + 1].tolist()), []).append(b)
+    if len(groups) == rows:
+        return None  # no prompt is shared
+    seqs, positions, segments, target_seq, target_pos = [], [], [], [], []
+    where: dict[int, tuple[int, int]] = {}  # row -> (packed row, start of its response)
+    for s, (prompt, members) in enumerate(groups.items()):
+        p = len(prompt)
+        tokens, pos, seg = list(prompt), list(range(p)), [-1] * p
+        for k, b in enumerate(members):
+            n = spans[b][1]
+            where[b] = (s, len(tokens))
+            tokens += input_ids[b, p : p + n].tolist()
+            pos += list(range(p, p + n))
+            seg += [k] * n
+        seqs.append(tokens)
+        positions.append(pos)
+        segments.append(seg)
+    for b in range(rows):
+        s, start = where[b]
+        p, n = spans[b]
+        target_seq += [s] * n
+        target_pos += [p - 1] + list(range(start, start + n - 1))
+    width = max(len(t) for t in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=input_ids.dtype)
+    pos_t = torch.zeros(len(seqs), width, dtype=torch.long)
+    seg_t = torch.full((len(seqs), width), -2, dtype=torch.long)  # -2: padding
+    for s, (t, q, g) in enumerate(zip(seqs, positions, segments)):
+        ids[s, : len(t)] = torch.tensor(t)
+        pos_t[s, : len(q)] = torch.tensor(q)
+        seg_t[s, : len(g)] = torch.tensor(g)
+    q_seg, k_seg = seg_t[:, :, None], seg_t[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    allowed = causal & ((k_seg == -1) | (k_seg == q_seg)) & (k_seg != -2)
+    allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no all-masked rows
+    additive = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    device = input_ids.device
+    return PackedPrompts(ids.to(device), pos_t.to(device), additive[:, None].to(device),
+                         torch.tensor(target_seq, device=device), torch.tensor(target_pos, device=device))
+
+
+def _shared_prompt_logprobs(model, packed: PackedPrompts, input_ids, target_mask, temperature, with_entropy):
+    hidden = model.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.position_ids,
+                     use_cache=False).last_hidden_state
+    selected = hidden[packed.target_seq, packed.target_pos]  # [N, H], row-major order of target_mask
+    return _selected_logprobs(model, selected, input_ids[:, 1:], target_mask.bool(), temperature, with_entropy)
+
+
+def _selected_logprobs(model, hidden, targets, where, temperature, with_entropy):
+    """Vocabulary projection of the hidden states that predict ``targets[where]``, scattered back to ``[B, T-1]``."""
+    logits = model.get_output_embeddings()(hidden)  # [N, V]
+    logp_sel, ent_sel = _logprobs(logits, targets[where], temperature, with_entropy)
+    logp = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=logp_sel.device).masked_scatter(where, logp_sel)
+    entropy = None
+    if ent_sel is not None:
+        entropy = torch.zeros(targets.shape, dtype=ent_sel.dtype, device=ent_sel.device).masked_scatter(where, ent_sel)
     return logp, entropy

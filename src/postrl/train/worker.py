@@ -82,7 +82,7 @@ class TrainWorker:
         self._measuring = True  # until the first optimizer step the policy is still pi_old
         grad_norms: list[float] = []
         for _ in range(self.cfg.epochs):
-            order = torch.randperm(batch.size, generator=self.generator)
+            order = self._group_shuffled_order(batch)
             for start in range(0, batch.size, self.cfg.mini_batch_size):
                 mini = batch.select(order[start : start + self.cfg.mini_batch_size])
                 norm = self._mini_batch_step(mini, sums)
@@ -103,6 +103,22 @@ class TrainWorker:
             optimizer_steps=self.optimizer_steps,
             skipped_steps=self.skipped_steps,
         )
+
+    def _group_shuffled_order(self, batch: ExperienceBatch) -> torch.Tensor:
+        """A random order of the rows that keeps the samples of one prompt together.
+
+        Mini-batches then hold whole GRPO groups, and micro-batches let the samples of a group share
+        one prompt forward (see :func:`postrl.train.logprobs.pack_shared_prompts`).
+        """
+        prompt_lengths = (batch.response_mask.argmax(1) + 1).tolist()
+        has_response = batch.response_mask.bool().any(1).tolist()
+        groups: dict[object, list[int]] = {}
+        for row in range(batch.size):
+            key = tuple(batch.input_ids[row, : prompt_lengths[row]].tolist()) if has_response[row] else ("row", row)
+            groups.setdefault(key, []).append(row)
+        members = list(groups.values())
+        shuffled = torch.randperm(len(members), generator=self.generator).tolist()
+        return torch.tensor([row for g in shuffled for row in members[g]], dtype=torch.long)
 
     def accumulate_gradients(self, mini: ExperienceBatch, sums: dict[str, float]) -> None:
         """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count."""
