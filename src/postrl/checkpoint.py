@@ -26,7 +26,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, trainer: Any, run_state: dict[str, Any], keep_last: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, step: int, trainer: Any, run_state: dict[str, Any], keep_last: int = 2,
+                    tokenizer: Any = None) -> Path:
+    """``tokenizer`` is saved into the checkpoint's ``model/`` folder, which then loads like any model
+    folder (``postrl serve-rollout``/``eval``, ``model.path``, ``AutoModelForCausalLM``)."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -34,6 +37,8 @@ def save_checkpoint(run_dir: Path, step: int, trainer: Any, run_state: dict[str,
     if tmp.exists():
         shutil.rmtree(tmp)
     trainer.save_checkpoint(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / "model")
     torch.save(run_state, tmp / "run_state.pt")
     (tmp / "run_state.json").write_text(json.dumps({k: v for k, v in run_state.items() if k in ("step", "weight_version", "sampler")}))
     (tmp / MARKER).write_text("ok\n")

@@ -16,13 +16,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.config and "=" not in args.config:
             raise ConfigError("give either CONFIG or --resume RUN_DIR, not both")
+        if args.overwrite:
+            raise ConfigError("--overwrite starts a new run; it cannot be combined with --resume")
         overrides = ([args.config] if args.config else []) + args.overrides
         config = resume_config(args.resume, overrides)
     else:
         if not args.config:
             raise ConfigError("postrl train needs a CONFIG.yaml (or --resume runs/NAME)")
         config = load_config(args.config, args.overrides)
-    controller = train(config, resume=bool(args.resume))
+    controller = train(config, resume=bool(args.resume), overwrite=args.overwrite)
     print(f"finished {controller.step_count} steps; run directory: {config.run_dir}")
     return 0
 
@@ -39,12 +41,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from postrl.evaluate import evaluate_model
-    from postrl.models import load_causal_lm, load_tokenizer
+    from postrl.evaluate import run_eval
 
-    result = evaluate_model(load_causal_lm(args.model), load_tokenizer(args.model), args.task, max_tokens=args.max_tokens)
-    print(f"{result.task}: held-out accuracy {result.accuracy:.3f} ({result.correct}/{result.total})")
-    return 0
+    return run_eval(model=args.model, run=args.run, task=args.task, data=args.data, config=args.config,
+                    max_tokens=args.max_tokens, out=args.out)
 
 
 def _cmd_serve_rollout(args: argparse.Namespace) -> int:
@@ -121,54 +121,107 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="postrl", description="RL post-training of language models.")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default; keeps the epilogs' line breaks."""
 
-    p = sub.add_parser("train", help="run GRPO/PPO from a YAML config")
-    p.add_argument("config", nargs="?", help="CONFIG.yaml")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-5")
+
+def _verbose_flag() -> argparse.ArgumentParser:
+    """-v/--verbose, accepted before or after the subcommand."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log at INFO level (default: warnings only)")
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from postrl.tasks import TASKS
+
+    verbose = _verbose_flag()
+    parser = argparse.ArgumentParser(prog="postrl", description="RL post-training of language models.",
+                                     formatter_class=_Formatter, parents=[verbose])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=_Formatter,
+                              parents=[verbose])
+
+    p = command("train", "run GRPO/PPO from a YAML config",
+                epilog="The run directory is OUTPUT_DIR/NAME (config fields output_dir, default 'runs', and name, "
+                "default 'run'): it receives config.yaml, metrics.jsonl, tensorboard/, samples/, checkpoints/, "
+                "reward_workers.log, final_model/ and reward_accuracy.png. A new run refuses a directory that "
+                "already holds one.\nCtrl-C (or SIGTERM) stops after the current step and checkpoints it; a second "
+                "Ctrl-C abandons the step.\n\nexamples:\n  postrl train examples/arithmetic_grpo.yaml train.lr=5e-5 "
+                "steps=20\n  postrl train --resume runs/arithmetic-grpo steps=40")
+    p.add_argument("config", nargs="?", help="CONFIG.yaml (see src/postrl/config.py for every field)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-5 name=try2")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start anew in a run directory that holds a run, moving the old run to NAME.old-<time> "
+                   "(never deleted)")
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("demo", help="GRPO on the built-in arithmetic task with the shipped model")
+    p = command("demo", "GRPO on the built-in arithmetic task with the shipped model (runs/demo, demo-2, ...)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("eval", help="held-out accuracy of a model on a built-in task")
-    p.add_argument("--model", required=True, help="a Hugging Face model folder, or 'demo'")
-    p.add_argument("--task", default="arithmetic")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p = command("eval", "held-out accuracy of a model: a built-in task, or your own prompt file scored by a "
+                "run's reward components",
+                epilog="examples:\n  postrl eval --model runs/demo/final_model --task arithmetic\n"
+                "  postrl eval --run runs/NAME --data heldout.jsonl --out scored.jsonl")
+    p.add_argument("--model", help="a model folder (or 'demo'); default with --run: the run's final_model/ "
+                   "(else its newest checkpoint)")
+    p.add_argument("--run", help="a run directory: its model, and its reward and data settings for --data")
+    p.add_argument("--task", choices=sorted(TASKS), default=None,
+                   help="a built-in task: " + "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
+                   + " (default: the run's task, else arithmetic)")
+    p.add_argument("--data", nargs="+", metavar="FILE", help="JSONL/Parquet prompt files to evaluate on "
+                   "(scored with the reward components of --run or --config)")
+    p.add_argument("--config", help="a train CONFIG.yaml whose reward section scores --data (instead of --run)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per response (default: the run's rollout.max_tokens, else 16)")
+    p.add_argument("--out", help="write every scored sample to this JSONL file")
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("serve-rollout", help="OpenAI-compatible server over postrl's rollout engine")
+    p = command("serve-rollout", "OpenAI-compatible server over postrl's rollout engine")
     p.add_argument("--model", required=True, help="a Hugging Face model folder, or 'demo'")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--served-model-name")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --token-env")
+    p.add_argument("--port", type=int, default=8000, help="port")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="rollout engine")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="engine dtype")
+    p.add_argument("--max-batch-size", type=int, default=256, help="sequences decoded together")
+    p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
+    p.add_argument("--token-env", help="environment variable holding a bearer token; when set every request "
+                   "needs 'Authorization: Bearer <token>'")
+    p.add_argument("--weights-dir", help="the only folder /update_weights may read from (default: /update_weights "
+                   "is disabled)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-n", type=int, default=64, help="largest n (choices per prompt) a request may ask for")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.set_defaults(func=_cmd_serve_rollout)
 
-    p = sub.add_parser("route", help="spread requests over rollout servers (least outstanding requests)")
+    p = command("route", "spread requests over rollout servers (least outstanding requests; unhealthy backends "
+                "leave the rotation)")
     p.add_argument("--backend", action="append", required=True, help="a rollout server URL; repeat for more")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=int, default=8200, help="port (serve-rollout uses 8000, serve-reward 8100)")
+    p.add_argument("--health-interval-s", type=float, default=5.0,
+                   help="seconds between health checks of the backends")
+    p.add_argument("--token-env", help="environment variable holding the bearer token sent to the backends")
     p.set_defaults(func=_cmd_route)
 
-    p = sub.add_parser("serve-reward", help="the Reward Service over HTTP (POST /score, /health, /metrics)")
+    p = command("serve-reward", "the Reward Service over HTTP (POST /score, /health, /metrics)")
     p.add_argument("--config", required=True, help="YAML with a 'reward' section and an optional 'server' section")
-    p.add_argument("--host", default=None, help="bind address (default server.host, loopback)")
-    p.add_argument("--port", type=int, default=None, help="port (default server.port)")
+    p.add_argument("--host", default=None, help="bind address (default: server.host, loopback)")
+    p.add_argument("--port", type=int, default=None, help="port (default: server.port, 8100)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. reward.num_workers=4")
     p.set_defaults(func=_cmd_serve_reward)
 
-    p = sub.add_parser("convert-gguf", help="write a Hugging Face folder (safetensors, tokenizer) from a GGUF file")
-    p.add_argument("file")
-    p.add_argument("out_dir")
+    p = command("convert-gguf", "write a Hugging Face folder (safetensors, tokenizer) from a GGUF file")
+    p.add_argument("file", help="the .gguf file")
+    p.add_argument("out_dir", help="the folder to write")
     p.set_defaults(func=_cmd_convert_gguf)
     return parser
 
@@ -183,14 +236,19 @@ def _quiet_transformers() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_transformers()
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from postrl.data import DatasetError
+    verbose = getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from postrl.controller import RewardFailureError
+    from postrl.data import DatasetError
+    from postrl.interrupt import RunInterrupted
     from postrl.reward.client import RewardServiceError
     from postrl.train.worker import NonFiniteLossError
 
     try:
         return args.func(args)
+    except RunInterrupted as exc:
+        print(f"postrl {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except (ConfigError, DatasetError, FileNotFoundError, NonFiniteLossError, RewardFailureError, RewardServiceError) as exc:
         print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
         return 2

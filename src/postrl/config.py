@@ -34,7 +34,9 @@ class DataConfig(_Section):
     prompt_column: str = Field("prompt", description="Column holding a prompt string.")
     messages_column: str = Field("messages", description="Column holding a chat message list.")
     apply_chat_template: bool = Field(False, description="Also wrap string prompts as one user message.")
-    max_prompt_tokens: int = Field(512, ge=1, description="Longer prompts are an error (or skipped).")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Longer prompts are an error (or skipped). None: the model's context length minus "
+        "rollout.max_tokens. A value whose sum with rollout.max_tokens exceeds the context is refused at start.")
     on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip+count.")
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded).")
 
@@ -137,6 +139,9 @@ class RewardComponentConfig(_Section):
     max_concurrency: int = Field(8, ge=1, description="judge/remote_reward_model: requests in flight.")
     pattern: str = Field(r"^\s*<answer>.*?</answer>\s*$", description="format: regex the whole response must match.")
     target_tokens: int = Field(0, ge=0, description="length: -max(0, len-target)/target; 0 = off.")
+    expected_range: tuple[float, float] | None = Field(
+        None, description="[low, high] this component's values should lie in; a value outside is kept but flagged "
+        "(reward/flagged metric, the sample's 'flags', a console note).")
 
     @model_validator(mode="after")
     def _required_fields(self) -> RewardComponentConfig:
@@ -152,6 +157,8 @@ class RewardComponentConfig(_Section):
             _check_regex(self.pattern, f"reward component '{self.name}' pattern")
         if self.type == "judge":
             _check_regex(self.score_pattern, f"reward component '{self.name}' score_pattern")
+        if self.expected_range is not None and self.expected_range[0] > self.expected_range[1]:
+            raise ValueError(f"reward component '{self.name}': expected_range {list(self.expected_range)} has low > high")
         return self
 
 
@@ -186,6 +193,13 @@ class RewardConfig(_Section):
     )
     timeout_s: float = Field(5.0, gt=0.0, description="Per-sample scoring timeout; the worker is killed past it.")
     num_workers: int = Field(2, ge=1, description="Scoring worker processes.")
+    max_workers: int = Field(
+        32, ge=1, description="Most scoring processes at once: a worker stuck on one sample longer than stall_after_s "
+        "stops counting toward num_workers and another starts, so hanging samples time out together.")
+    stall_after_s: float = Field(0.25, gt=0.0, description="When a busy worker counts as stalled (see max_workers).")
+    hang_limit: int = Field(
+        4, ge=1, description="After this many timeouts in one batch with not one result, the batch's remaining "
+        "samples fail at once (the function hangs on everything).")
     remote: RemoteRewardConfig | None = Field(None, description="Score through a `postrl serve-reward` server.")
     max_failure_rate: float = Field(
         0.5, ge=0.0, le=1.0, description="Stop the run when a step has more unscorable samples than this fraction."
@@ -233,6 +247,9 @@ class RewardServiceFile(_Section):
 
     reward: RewardConfig = Field(default_factory=RewardConfig)
     server: RewardServerConfig = Field(default_factory=RewardServerConfig)
+    import_paths: list[str] = Field(
+        default_factory=list, description="Folders put on the import path for custom reward functions; the "
+        "config file's folder is added when it is loaded.")
 
 
 class AlgorithmConfig(_Section):
@@ -300,20 +317,30 @@ class BufferConfig(_Section):
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(10, ge=0, description="Write a checkpoint every k steps; 0 = only at the end.")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    on_interrupt: bool = Field(
+        True, description="On Ctrl-C/SIGTERM, checkpoint the last completed step before exiting (resume from it).")
 
 
 class LoggingConfig(_Section):
-    console: bool = True
-    progress_bar: bool = True
-    jsonl: bool = True
-    tensorboard: bool = True
+    console: bool = Field(True, description="One line of metrics per step on stdout.")
+    progress_bar: bool = Field(True, description="A progress bar on a terminal (never when stderr is not a TTY).")
+    jsonl: bool = Field(True, description="metrics.jsonl in the run directory.")
+    tensorboard: bool = Field(True, description="TensorBoard event files under tensorboard/.")
+    samples_first_steps: int = Field(
+        3, ge=0, description="Write every sample of steps 1..k to samples/step_N.jsonl (prompt, response, reward, "
+        "each component and its reason, error).")
+    samples_every: int = Field(10, ge=0, description="Also write the samples of every k-th step; 0 = never.")
 
 
 class RunConfig(_Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
-    output_dir: str = "runs"
+    output_dir: str = Field("runs", description="Runs go to output_dir/name.")
     seed: int = 0
+    import_paths: list[str] = Field(
+        default_factory=list,
+        description="Folders put on the import path for custom reward functions (module:function). The folder "
+        "of the config file is added when the config is loaded, so a module next to it imports as is.")
     steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(16, ge=1)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -325,6 +352,17 @@ class RunConfig(_Section):
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _groups_need_samples(self) -> RunConfig:
+        from postrl.algorithms import ADVANTAGES
+
+        if ADVANTAGES.needs_groups(self.algorithm.advantage) and self.rollout.n < 2:
+            raise ValueError(
+                f"algorithm.advantage={self.algorithm.advantage} compares the samples of a prompt, so it needs "
+                f"rollout.n >= 2 (got {self.rollout.n}: every advantage would be 0 and nothing would be learned)"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:
@@ -391,8 +429,12 @@ def build_config(data: dict[str, Any], overrides: list[str] | None = None, model
         raise ConfigError(format_validation_error(err, model)) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, model: type[Any] = None) -> Any:
-    """A YAML file + dotted overrides validated as ``model`` (default :class:`RunConfig`)."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None, model: type[Any] = None,
+                import_config_dir: bool = True) -> Any:
+    """A YAML file + dotted overrides validated as ``model`` (default :class:`RunConfig`).
+
+    With ``import_config_dir``, the file's folder joins ``import_paths`` (when the model has that
+    field), so a reward module next to the config imports without PYTHONPATH."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -405,7 +447,23 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, mod
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
+        if import_config_dir and "import_paths" in (model or RunConfig).model_fields:
+            here = str(path.resolve().parent)
+            paths = data.get("import_paths") or []
+            if isinstance(paths, list) and here not in paths:
+                data = {**data, "import_paths": [*paths, here]}
     return build_config(data, overrides, model)
+
+
+def activate_import_paths(paths: list[str]) -> None:
+    """Put ``paths`` and the working directory on ``sys.path`` (the scoring workers inherit it)."""
+    import os
+    import sys
+
+    for folder in [os.getcwd(), *paths]:
+        folder = os.path.abspath(folder)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
 
 
 def save_config(config: RunConfig, path: Path) -> None:

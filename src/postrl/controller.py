@@ -11,6 +11,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,31 @@ from postrl.weights import dedupe_tied, weight_manifest, write_sync_file
 
 class RewardFailureError(RuntimeError):
     """Too many samples of a step could not be scored (reward.max_failure_rate)."""
+
+
+def most_common_error(rewards: list[RewardResult]) -> str | None:
+    """The most frequent unscorable reason of a step, with its count."""
+    errors = Counter(res.error or "no score" for res in rewards if res.unscorable)
+    if not errors:
+        return None
+    error, count = errors.most_common(1)[0]
+    return f"{count}x {error}"
+
+
+def write_samples(path: Path, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
+                  advantages: list[float] | None = None) -> Path:
+    """One JSON line per sample: what the model wrote, and what each reward component made of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i, (r, res) in enumerate(zip(rollouts, rewards)):
+            prompt = prompts[r.prompt_index]
+            row = {"prompt": prompt.text, "response": r.text, "reward": res.reward, "components": res.components,
+                   "reasons": res.reasons, "error": res.error, "unscorable": res.unscorable, "flags": res.flags,
+                   "advantage": None if advantages is None else advantages[i],
+                   "finish_reason": r.finish_reason, "response_tokens": len(r.response_ids),
+                   "prompt_index": r.prompt_index, "source": prompt.source}
+            f.write(json.dumps(row, allow_nan=True) + "\n")
+    return path
 
 
 @dataclass
@@ -62,6 +88,8 @@ class Controller:
             stop=tuple(r.stop),
             stop_token_ids=tuple(r.stop_token_ids),
         )
+        self._pre_step_state: dict[str, Any] | None = None
+        self._updating = False
         self.sync_weights(bump=False)
 
     # -- the step ----------------------------------------------------------------------------
@@ -70,6 +98,7 @@ class Controller:
 
     def step(self) -> StepMetrics:
         timings: dict[str, float] = {}
+        self._pre_step_state, self._updating = self.state_dict(), False
         t0 = time.perf_counter()
         prompts = self.sample_prompts()
         rollouts = self.parts.rollout.generate(prompts, self.sampling, self.weight_version)
@@ -88,11 +117,15 @@ class Controller:
         self.check_failure_rate(prompts, rollouts, rewards)
 
         advantages = self.compute_advantage(rollouts, rewards)
+        if self._samples_due(self.step_count + 1):
+            write_samples(self.config.run_dir / "samples" / f"step_{self.step_count + 1}.jsonl",
+                               prompts, rollouts, rewards, advantages.tolist())
         self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
         experiences = self.parts.buffer.get(None, self.weight_version)
 
         t = time.perf_counter()
         batch = ExperienceBatch.from_experiences(experiences, self.parts.tokenizer.pad_token_id)
+        self._updating = True
         train_metrics = self.parts.trainer.update(batch)
         timings["train"] = time.perf_counter() - t
 
@@ -102,8 +135,29 @@ class Controller:
         timings["step"] = time.perf_counter() - t0
 
         self.step_count += 1
+        self._updating = False
         values = self._metrics(rollouts, rewards, train_metrics, timings)
-        return StepMetrics(step=self.step_count, weight_version=self.weight_version, values=values)
+        notes = {}
+        reason = most_common_error(rewards)
+        if reason:
+            notes["unscorable_reason"] = reason
+        flags = Counter(f for r in rewards for f in r.flags)
+        if flags:
+            flag, count = flags.most_common(1)[0]
+            notes["flagged"] = f"{sum(bool(r.flags) for r in rewards)} samples flagged, e.g. {count}x {flag}"
+        return StepMetrics(step=self.step_count, weight_version=self.weight_version, values=values, notes=notes)
+
+    def restore_abandoned_step(self) -> bool:
+        """After a step was abandoned: put the run state back to the last completed step. False when
+        the step had already started changing the weights (then that state is gone)."""
+        if self._updating or self._pre_step_state is None:
+            return False
+        self.load_state_dict(self._pre_step_state, sync=False)
+        return True
+
+    def _samples_due(self, step: int) -> bool:
+        lg = self.config.logging
+        return step <= lg.samples_first_steps or (lg.samples_every > 0 and step % lg.samples_every == 0)
 
     def check_failure_rate(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]) -> None:
         """Stop the run when too many samples could not be scored, keeping the step's samples on disk."""
@@ -111,13 +165,8 @@ class Controller:
         limit = self.config.reward.max_failure_rate
         if not rewards or len(failed) / len(rewards) <= limit:
             return
-        path = self.config.run_dir / f"unscored_step_{self.step_count + 1}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
-            for r, res in zip(rollouts, rewards):
-                row = {"prompt": prompts[r.prompt_index].text, "response": r.text, "error": res.error,
-                       "reward": res.reward, "components": res.components, "reasons": res.reasons}
-                f.write(json.dumps(row) + "\n")
+        path = write_samples(self.config.run_dir / f"unscored_step_{self.step_count + 1}.jsonl",
+                                  prompts, rollouts, rewards)
         reasons = Counter(res.error for res in failed).most_common(3)
         listed = "; ".join(f"{n}x {err}" for err, n in reasons)
         raise RewardFailureError(
@@ -183,6 +232,7 @@ class Controller:
             "reward/min": float(scored.min()) if scored.numel() else nan,
             "reward/max": float(scored.max()) if scored.numel() else nan,
             "reward/unscorable": float(sum(r.unscorable for r in rewards)),
+            "reward/flagged": float(sum(bool(r.flags) for r in rewards)),
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
@@ -220,10 +270,11 @@ class Controller:
             "torch_rng": torch.get_rng_state(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], sync: bool = True) -> None:
         self.step_count = int(state["step"])
         self.weight_version = int(state["weight_version"])
         self.sampler.load_state_dict(state["sampler"])
         self.parts.rollout.load_state_dict(state["rollout"])
         torch.set_rng_state(state["torch_rng"])
-        self.sync_weights(bump=False)
+        if sync:
+            self.sync_weights(bump=False)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from postrl.config import RunConfig, build_config
 from postrl.evaluate import evaluate_model
-from postrl.metrics import read_metrics
 from postrl.models import load_causal_lm, load_tokenizer
+from postrl.plots import plot_metrics
 from postrl.runner import train
 
 DEMO_SETTINGS: dict = {
@@ -65,38 +65,8 @@ def run_demo(overrides: list[str] | None = None, echo=print) -> DemoResult:
     before = evaluate_model(load_causal_lm(config.model.path), tokenizer, task)
     echo(f"held-out accuracy before GRPO: {before.accuracy:.3f} ({before.correct}/{before.total})")
     controller = train(config)
-    policy = controller.parts.trainer.model
-    after = evaluate_model(policy, tokenizer, task)
+    after = evaluate_model(controller.parts.trainer.model, tokenizer, task)
     echo(f"held-out accuracy after  GRPO: {after.accuracy:.3f} ({after.correct}/{after.total})")
-
-    final = config.run_dir / "final_model"
-    policy.save_pretrained(final, safe_serialization=True)
-    tokenizer.save_pretrained(final)
-    plot = plot_metrics(config.run_dir, before.accuracy, after.accuracy)
-    echo(f"trained model: {final}\nplot: {plot}")
+    plot = plot_metrics(config.run_dir, (before.accuracy, after.accuracy), "postrl demo: GRPO on 3-digit addition")
+    echo(f"plot with held-out accuracy: {plot}")
     return DemoResult(config.run_dir, before.accuracy, after.accuracy, controller.step_count, time.perf_counter() - start)
-
-
-def plot_metrics(run_dir: Path, acc_before: float, acc_after: float) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward/mean"] for r in rows], label="reward (train batch mean)")
-    if all("accuracy" in r for r in rows):
-        ax.plot(steps, [r["accuracy"] for r in rows], "--", label="accuracy (train batch)")
-    ax.scatter([0, steps[-1]], [acc_before, acc_after], color="black", zorder=3, label="held-out accuracy (greedy)")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title("postrl demo: GRPO on 3-digit addition")
-    out = run_dir / "reward_accuracy.png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out

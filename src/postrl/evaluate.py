@@ -1,18 +1,21 @@
-"""Held-out accuracy of a model on a built-in task (greedy decoding)."""
+"""Held-out evaluation: greedy responses to a built-in task's test split or to the user's own
+prompt file, scored by the task's verifier or by a run's own reward components."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from postrl.data.dataset import build_prompts
+from postrl.config import ConfigError, RewardConfig, RunConfig, activate_import_paths, load_config
+from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
 from postrl.rollout import HFRolloutWorker
 from postrl.tasks import get_task, task_rows
-from postrl.types import SamplingParams
+from postrl.types import Rollout, SamplingParams
 
 
 @dataclass
@@ -21,16 +24,111 @@ class EvalResult:
     accuracy: float
     correct: int
     total: int
+    mean_reward: float | None = None
+    unscorable: int = 0
+
+
+def greedy_rollouts(model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, max_tokens: int,
+                    batch_size: int = 256) -> list[Rollout]:
+    engine = HFRolloutWorker(model, tokenizer, max_batch_size=batch_size)
+    was_training = model.training
+    try:
+        return engine.generate(dataset.prompts, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), 0)
+    finally:
+        model.train(was_training)
 
 
 def evaluate_model(model: torch.nn.Module, tokenizer: Any, task: str, max_tokens: int = 16, batch_size: int = 256) -> EvalResult:
     dataset = build_prompts(iter(task_rows(task, "test")), tokenizer)
     verifier = resolve(VERIFIERS[get_task(task).verifier])
-    engine = HFRolloutWorker(model, tokenizer, max_batch_size=batch_size)
-    was_training = model.training
-    rollouts = engine.generate(dataset.prompts, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), 0)
-    model.train(was_training)
+    rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens, batch_size)
     correct = sum(
         verifier(dataset[r.prompt_index].text, r.text, **dataset[r.prompt_index].columns) >= 1.0 for r in rollouts
     )
     return EvalResult(task=task, accuracy=correct / len(rollouts), correct=int(correct), total=len(rollouts))
+
+
+def evaluate_with_rewards(model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, reward: RewardConfig,
+                          max_tokens: int, name: str, out: Path | None = None) -> EvalResult:
+    """Greedy responses scored by ``reward``'s components; accuracy is the share of samples whose
+    accuracy component (the first math/exact_match one) is 1, else the share with reward >= 1."""
+    from postrl.controller import write_samples
+    from postrl.reward import ScoreRequest
+    from postrl.runner import make_reward_service
+
+    rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens)
+    service = make_reward_service(reward)
+    try:
+        results = service.score_batch([
+            ScoreRequest(dataset[r.prompt_index].text, r.text, dataset[r.prompt_index].columns, len(r.response_ids))
+            for r in rollouts
+        ])
+        name_acc = getattr(service, "accuracy_component", None)
+    finally:
+        service.close()
+    if out is not None:
+        write_samples(out, dataset.prompts, rollouts, results)
+    if name_acc:
+        correct = sum(res.components.get(name_acc, 0.0) >= 1.0 for res in results)
+    else:
+        correct = sum(res.reward is not None and res.reward >= 1.0 for res in results)
+    scored = [res.reward for res in results if res.reward is not None]
+    return EvalResult(task=name, accuracy=correct / len(results), correct=int(correct), total=len(results),
+                      mean_reward=sum(scored) / len(scored) if scored else None,
+                      unscorable=len(results) - len(scored))
+
+
+def run_model_path(run_dir: Path) -> str:
+    """A run's trained model: ``final_model/``, else the newest checkpoint's model folder."""
+    from postrl.checkpoint import latest_checkpoint
+
+    if (run_dir / "final_model" / "config.json").is_file():
+        return str(run_dir / "final_model")
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ConfigError(f"{run_dir} has neither final_model/ nor a complete checkpoint to evaluate")
+    return str(checkpoint / "model")
+
+
+def run_eval(model: str | None, run: str | None, task: str | None, data: list[str] | None, config: str | None,
+             max_tokens: int | None, out: str | None) -> int:
+    """``postrl eval``: prints one line with the held-out accuracy (and mean reward with --data)."""
+    from postrl.models import load_causal_lm, load_tokenizer
+
+    run_config: RunConfig | None = None
+    if run is not None:
+        path = Path(run) / "config.yaml"
+        if not path.is_file():
+            raise ConfigError(f"{run} is not a run directory (no config.yaml)")
+        run_config = load_config(path, import_config_dir=False)
+    elif config is not None:
+        run_config = load_config(config)
+    if model is None:
+        if run is None:
+            raise ConfigError("postrl eval needs --model PATH or --run runs/NAME")
+        model = run_model_path(Path(run))
+    if task and data:
+        raise ConfigError("give either --task or --data, not both")
+    tokenizer = load_tokenizer(model)
+    policy = load_causal_lm(model)
+    if not data:
+        task = task or (run_config.data.task if run_config and run_config.data.task else "arithmetic")
+        result = evaluate_model(policy, tokenizer, task, max_tokens=max_tokens or 16)
+        print(f"{result.task}: held-out accuracy {result.accuracy:.3f} ({result.correct}/{result.total}) [{model}]")
+        return 0
+    if run_config is None:
+        raise ConfigError("postrl eval --data needs the reward to score with: --run runs/NAME or --config CONFIG.yaml")
+    activate_import_paths(run_config.import_paths)
+    d = run_config.data
+    dataset = load_prompt_dataset(data, tokenizer, prompt_column=d.prompt_column, messages_column=d.messages_column,
+                                  apply_chat_template=d.apply_chat_template,
+                                  max_prompt_tokens=d.max_prompt_tokens or 512, on_bad_row=d.on_bad_row)
+    name = ", ".join(Path(f).name for f in data)
+    result = evaluate_with_rewards(policy, tokenizer, dataset, run_config.reward,
+                                   max_tokens or run_config.rollout.max_tokens, name, Path(out) if out else None)
+    mean = "n/a" if result.mean_reward is None else f"{result.mean_reward:.3f}"
+    print(f"{name}: accuracy {result.accuracy:.3f} ({result.correct}/{result.total}), mean reward {mean}, "
+          f"unscorable {result.unscorable} [{model}]" + (f"; samples in {out}" if out else ""))
+    return 0
+
+

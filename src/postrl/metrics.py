@@ -34,7 +34,10 @@ def console_line(metrics: StepMetrics) -> str:
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
             parts.append(f"{label} {fmt.format(value)}")
     if metrics.values.get("reward/unscorable", 0):
-        parts.append(f"unscorable {int(metrics.values['reward/unscorable'])}")
+        note = metrics.notes.get("unscorable_reason")
+        parts.append(f"unscorable {int(metrics.values['reward/unscorable'])}" + (f" (most common: {note})" if note else ""))
+    if metrics.notes.get("flagged"):
+        parts.append(metrics.notes["flagged"])
     return " | ".join(parts)
 
 

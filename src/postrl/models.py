@@ -1,32 +1,60 @@
-"""Loading Hugging Face causal LMs and tokenizers (a local folder, a hub id, or the shipped demo model)."""
+"""Loading Hugging Face causal LMs and tokenizers (a local folder, a hub id, or the shipped demo model),
+and writing model folders that every postrl command and ``from_pretrained`` can load back."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from postrl.config import ConfigError
+
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "tasks" / "demo_model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+class ModelNotFoundError(ConfigError):
+    """A model path that is neither a model folder nor a loadable model id."""
 
 
 def resolve_model_path(path: str) -> str:
+    """The folder to load ``path`` from (``demo`` = the shipped model), or ``path`` itself when it
+    can only be a hub id. A path that is neither fails here, in one line."""
     if path == "demo":
         if not (DEMO_MODEL_DIR / "config.json").is_file():
-            raise FileNotFoundError(
+            raise ModelNotFoundError(
                 f"the demo model is missing from {DEMO_MODEL_DIR}; rebuild it with scripts/build_demo_model.py"
             )
         return str(DEMO_MODEL_DIR)
     expanded = os.path.expanduser(path)
-    return expanded if os.path.exists(expanded) else path
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise ModelNotFoundError(f"{path} is a folder but not a model folder (it has no config.json)")
+        return expanded
+    if os.path.exists(expanded) or not _HUB_ID.match(path) or path.count("/") > 1:
+        raise ModelNotFoundError(f"no model folder at {path}, and {path} is not a model id")
+    return path
+
+
+def _load(loader: Any, path: str, **kwargs: Any) -> Any:
+    resolved = resolve_model_path(path)
+    try:
+        return loader.from_pretrained(resolved, **kwargs)
+    except OSError as exc:
+        if resolved != path or os.path.isdir(resolved):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(f"no model folder at {path}, and {path} is not a model id that loads: {first}") from None
 
 
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    tokenizer = _load(AutoTokenizer, path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -35,5 +63,21 @@ def load_tokenizer(path: str) -> Any:
 def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
-    return model
+    return _load(AutoModelForCausalLM, path, dtype=DTYPES[dtype])
+
+
+def context_length(path: str) -> int | None:
+    """The model's maximum sequence length from its config, when it declares one."""
+    from transformers import AutoConfig
+
+    config = _load(AutoConfig, path)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def save_model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> Path:
+    """Weights (safetensors), config, generation config, tokenizer and chat template in one folder:
+    what ``postrl serve-rollout``/``eval``, ``model.path`` and ``AutoModelForCausalLM`` load."""
+    folder = Path(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder

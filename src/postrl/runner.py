@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import signal
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,11 +19,13 @@ from tqdm import tqdm
 
 from postrl.buffer import OnPolicyBuffer
 from postrl.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
-from postrl.config import RewardConfig, RunConfig, load_config, save_config
+from postrl.config import ConfigError, RewardConfig, activate_import_paths, RunConfig, load_config, save_config
 from postrl.controller import Components, Controller
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
-from postrl.models import load_causal_lm, load_tokenizer
+from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.models import context_length, load_causal_lm, load_tokenizer, save_model_folder
+from postrl.plots import plot_metrics
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.rollout.factory import make_rollout_worker
@@ -47,6 +52,7 @@ def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
 
 def build_components(config: RunConfig) -> Components:
     torch.manual_seed(config.seed)
+    activate_import_paths(config.import_paths)
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
     policy = load_causal_lm(config.model.path, config.model.dtype)
@@ -82,34 +88,107 @@ def make_sinks(config: RunConfig, run_dir: Path, resume_step: int | None, echo: 
     return sinks
 
 
-def train(
-    config: RunConfig, resume: bool = False, on_step: Callable[[StepMetrics], None] | None = None
-) -> Controller:
+class RunDirectoryError(ConfigError):
+    """A new run asked to write into a directory that already holds a run."""
+
+
+def _run_contents(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+
+
+def check_new_run_dir(config: RunConfig, overwrite: bool) -> None:
+    """Refuse a new run into a directory that holds one, unless ``overwrite`` (which moves it aside)."""
     run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
+    if not _run_contents(run_dir) or overwrite:
+        return
+    raise RunDirectoryError(
+        f"run directory {run_dir} already holds a run ({', '.join(_run_contents(run_dir)[:6])}). "
+        f"Continue it with `postrl train --resume {run_dir}`, start a new one with a new name (name=NEW), "
+        f"or pass --overwrite to move the old run aside to {run_dir}.old-<time>"
+    )
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """Rename an existing run directory to ``NAME.old-YYYYmmdd-HHMMSS`` (never deletes it)."""
+    if not _run_contents(run_dir):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    i = 1
+    while target.exists():
+        i += 1
+        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{i}")
+    run_dir.rename(target)
+    return target
+
+
+DEFAULT_MAX_PROMPT_TOKENS = 512  # for models that do not declare a context length
+
+
+def check_context_length(config: RunConfig) -> None:
+    """Prompts plus responses must fit the model's context; decided before any work. An unset
+    ``data.max_prompt_tokens`` becomes the room the context leaves after ``rollout.max_tokens``."""
+    limit = context_length(config.model.path)
+    prompt = config.data.max_prompt_tokens
+    if prompt is None:
+        if limit is not None and limit <= config.rollout.max_tokens:
+            raise ConfigError(f"rollout.max_tokens={config.rollout.max_tokens} leaves no room for a prompt in the "
+                              f"model's context length {limit} ({config.model.path})")
+        config.data.max_prompt_tokens = DEFAULT_MAX_PROMPT_TOKENS if limit is None else limit - config.rollout.max_tokens
+        return
+    if limit is not None and prompt + config.rollout.max_tokens > limit:
+        raise ConfigError(
+            f"data.max_prompt_tokens={prompt} + rollout.max_tokens={config.rollout.max_tokens} = "
+            f"{prompt + config.rollout.max_tokens} is more than the model's context length {limit} "
+            f"({config.model.path}); lower one of them"
+        )
+
+
+def report_skipped_rows(dataset: PromptDataset, run_dir: Path, echo: Callable[[str], None], shown: int = 10) -> None:
+    """Print the skipped rows once (file:line and why) and list them all in ``skipped_rows.txt``."""
+    if not dataset.skipped:
+        return
+    (run_dir / "skipped_rows.txt").write_text("".join(line + "\n" for line in dataset.skipped))
+    echo(f"skipped {len(dataset.skipped)} bad rows (data.on_bad_row=skip):")
+    for line in dataset.skipped[:shown]:
+        echo(f"  {line}")
+    if len(dataset.skipped) > shown:
+        echo(f"  ... and {len(dataset.skipped) - shown} more, all listed in {run_dir / 'skipped_rows.txt'}")
+
+
+def resume_command(run_dir: Path) -> str:
+    return f"postrl train --resume {run_dir}"
+
+
+def train(
+    config: RunConfig,
+    resume: bool = False,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    overwrite: bool = False,
+) -> Controller:
+    """Validate, build, then run; nothing is written into the run directory before the config,
+    the model and the data have been checked. A signal stops the run after the current step
+    (:class:`RunInterrupted`), with a checkpoint of the last completed step."""
+    run_dir = config.run_dir
+    if not resume:
+        check_new_run_dir(config, overwrite)
+    check_context_length(config)
+    echo = _stderr_echo
     with tempfile.TemporaryDirectory(prefix="postrl-sync-") as sync_dir:
         parts = build_components(config)
-        controller = Controller(parts, sync_dir=Path(sync_dir))
-        resume_step = _resume(controller, run_dir) if resume else None
-        bar = tqdm(total=config.steps, initial=controller.step_count, disable=not config.logging.progress_bar,
-                   desc=config.name, unit="step", leave=False)
-        sinks = make_sinks(config, run_dir, resume_step, echo=bar.write)
         try:
-            while controller.step_count < config.steps:
-                metrics = controller.step()
-                for sink in sinks:
-                    sink.write(metrics)
-                if on_step:
-                    on_step(metrics)
-                bar.update(1)
-                every = config.checkpoint.every_steps
-                if controller.step_count == config.steps or (every and controller.step_count % every == 0):
-                    save_checkpoint(run_dir, controller.step_count, parts.trainer, controller.state_dict(), config.checkpoint.keep_last)
+            if not resume and overwrite:
+                aside = move_aside(run_dir)
+                if aside is not None:
+                    echo(f"moved the previous run in {run_dir} to {aside}")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(config, run_dir / "config.yaml")
+            report_skipped_rows(parts.dataset, run_dir, echo)
+            parts.reward.set_log_file(run_dir / "reward_workers.log")
+            controller = Controller(parts, sync_dir=Path(sync_dir))
+            resume_step = _resume(controller, run_dir, echo) if resume else None
+            _run_loop(controller, config, resume_step, on_step)
         finally:
-            bar.close()
-            for sink in sinks:
-                sink.close()
             parts.reward.close()
             close_rollout = getattr(parts.rollout, "close", None)
             if close_rollout is not None:
@@ -117,13 +196,69 @@ def train(
     return controller
 
 
-def _resume(controller: Controller, run_dir: Path) -> int:
+def _stderr_echo(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None,
+              on_step: Callable[[StepMetrics], None] | None) -> None:
+    run_dir, parts = config.run_dir, controller.parts
+    show_bar = config.logging.progress_bar and sys.stderr.isatty()
+    bar = tqdm(total=config.steps, initial=controller.step_count, disable=not show_bar,
+               desc=config.name, unit="step", leave=False)
+    sinks = make_sinks(config, run_dir, resume_step, echo=bar.write if show_bar else print)
+    saved_at = resume_step
+    stopper = GracefulStop(echo=bar.write if show_bar else _stderr_echo)
+    try:
+        with stopper:
+            try:
+                while controller.step_count < config.steps and not stopper.requested:
+                    metrics = controller.step()
+                    for sink in sinks:
+                        sink.write(metrics)
+                    if on_step:
+                        on_step(metrics)
+                    bar.update(1)
+                    every = config.checkpoint.every_steps
+                    if controller.step_count == config.steps or (every and controller.step_count % every == 0):
+                        save_checkpoint(run_dir, controller.step_count, parts.trainer, controller.state_dict(),
+                                        config.checkpoint.keep_last, parts.tokenizer)
+                        saved_at = controller.step_count
+            except StepAbandoned:
+                if not controller.restore_abandoned_step():
+                    raise RunInterrupted(_stopped_message(run_dir, controller.step_count, saved_at, abandoned=True),
+                                         stopper.signum or signal.SIGINT) from None
+            if controller.step_count < config.steps:
+                if config.checkpoint.on_interrupt and saved_at != controller.step_count and controller.step_count > 0:
+                    save_checkpoint(run_dir, controller.step_count, parts.trainer, controller.state_dict(),
+                                    config.checkpoint.keep_last, parts.tokenizer)
+                    saved_at = controller.step_count
+                raise RunInterrupted(_stopped_message(run_dir, controller.step_count, saved_at),
+                                     stopper.signum or signal.SIGINT)
+        final = save_model_folder(parts.trainer.model, parts.tokenizer, run_dir / "final_model")
+        plot = plot_metrics(run_dir)
+        print(f"trained model: {final}" + (f"\nplot: {plot}" if plot else ""))
+    finally:
+        bar.close()
+        for sink in sinks:
+            sink.close()
+
+
+def _stopped_message(run_dir: Path, step: int, saved_at: int | None, abandoned: bool = False) -> str:
+    what = "abandoned a step that had started updating the weights; " if abandoned else ""
+    if saved_at:
+        return (f"stopped after step {step}; {what}the last checkpoint is step {saved_at}. "
+                f"Resume with: {resume_command(run_dir)}")
+    return f"stopped after step {step}; {what}no checkpoint was written, so there is nothing to resume"
+
+
+def _resume(controller: Controller, run_dir: Path, echo: Callable[[str], None]) -> int:
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'} to resume from")
     controller.parts.trainer.load_checkpoint(checkpoint)
     controller.load_state_dict(load_run_state(checkpoint))
-    log.info("resumed from %s at step %d", checkpoint, controller.step_count)
+    echo(f"resumed {run_dir} from step {controller.step_count} ({checkpoint})")
     return controller.step_count
 
 
@@ -132,7 +267,7 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> RunConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(path, overrides)
+    config = load_config(path, overrides, import_config_dir=False)
     expected = Path(run_dir).resolve()
     if config.run_dir.resolve() != expected:
         config = copy.deepcopy(config)

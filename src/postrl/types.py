@@ -54,6 +54,7 @@ class RewardResult:
     components: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     reasons: dict[str, str] = field(default_factory=dict)  # per component, why it scored what it did
+    flags: list[str] = field(default_factory=list)  # kept but suspicious, e.g. a value outside its expected range
 
     @property
     def unscorable(self) -> bool:
@@ -149,3 +150,4 @@ class StepMetrics:
     step: int
     weight_version: int
     values: dict[str, float]
+    notes: dict[str, str] = field(default_factory=dict)  # text for the console, e.g. the top unscorable reason

@@ -23,7 +23,7 @@ class AdvantageInputs:
     eps: float = 1e-6
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs_groups=True)
 def grpo_advantage(inputs: AdvantageInputs) -> torch.Tensor:
     """GRPO outcome advantage: (r - mean_group) / (std_group + eps).
 

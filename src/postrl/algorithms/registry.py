@@ -11,15 +11,24 @@ class Registry(Generic[F]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, F] = {}
+        self._needs_groups: set[str] = set()
 
-    def register(self, name: str) -> Callable[[F], F]:
+    def register(self, name: str, needs_groups: bool = False) -> Callable[[F], F]:
+        """``needs_groups``: the entry compares samples of the same prompt (a group baseline), so a
+        run with one sample per prompt would learn nothing from it."""
+
         def decorator(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is already registered (by {self._entries[name].__module__})")
             self._entries[name] = fn
+            if needs_groups:
+                self._needs_groups.add(name)
             return fn
 
         return decorator
+
+    def needs_groups(self, name: str) -> bool:
+        return name in self._needs_groups
 
     def check(self, name: str) -> str:
         if name not in self._entries:

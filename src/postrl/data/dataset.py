@@ -45,14 +45,11 @@ def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
         raise DatasetError(f"dataset file {path} does not exist")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield f"{path}:{lineno}", MalformedRow(f"invalid JSON: {exc.msg} at column {exc.colno}")
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # a UTF-8 byte-order mark, as some editors write
+                yield f"{path}:{lineno}", _parse_json_line(raw)
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -60,6 +57,29 @@ def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path}:row {i}", row
     else:
         raise DatasetError(f"dataset file {path}: unsupported extension '{suffix}' (use .jsonl or .parquet)")
+
+
+def _parse_json_line(raw: bytes) -> Any:
+    """One JSONL line as a value, or a MalformedRow whose reason gives the 1-based column of the fault
+    (in characters of the line) and the text around it."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        col = len(raw[: exc.start].decode("utf-8", errors="replace")) + 1
+        return MalformedRow(f"not valid UTF-8 at column {col} (byte 0x{raw[exc.start]:02x})")
+    if not line.strip():
+        return _BLANK
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        text = line.rstrip("\r\n")
+        # colno counts from the start of the string given to json, which is the whole line
+        col = exc.pos - text.rfind("\n", 0, exc.pos) if "\n" in text[: exc.pos] else exc.pos + 1
+        near = text[max(0, exc.pos - 20): exc.pos + 20]
+        return MalformedRow(f"invalid JSON at column {col}: {exc.msg} (near {near!r})")
+
+
+_BLANK = object()  # an empty line: not a row at all
 
 
 def _validate_messages(messages: Any) -> str | None:
@@ -105,6 +125,8 @@ def build_prompts(
 ) -> PromptDataset:
     dataset = PromptDataset(prompts=[])
     for source, row in rows:
+        if row is _BLANK:
+            continue
         try:
             if isinstance(row, MalformedRow):
                 raise ValueError(row.reason)

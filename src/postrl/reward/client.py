@@ -69,7 +69,7 @@ class RemoteRewardService:
             got = len(results) if isinstance(results, list) else type(results).__name__
             raise RewardServiceError(f"{self.base}/score: sent {len(chunk)} samples, got {got} results")
         return [RewardResult(reward=r["reward"], components=r.get("components") or {}, error=r.get("error"),
-                             reasons=r.get("reasons") or {})
+                             reasons=r.get("reasons") or {}, flags=r.get("flags") or [])
                 for r in results]
 
     def _request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
@@ -96,6 +96,9 @@ class RemoteRewardService:
             except ValueError as exc:
                 raise RewardServiceError(f"{url} answered with invalid JSON: {exc}") from None
         raise RewardServiceError(f"{url} failed after {attempts} attempts; last error: {cause}")
+
+    def set_log_file(self, path: Any) -> None:
+        """Scoring runs in the remote service; its workers' output goes to that service's log."""
 
     def close(self) -> None:
         self.executor.shutdown(wait=False)

@@ -8,6 +8,17 @@ the worker's other jobs go back to the front of the queue. Callers get futures, 
 results in job order. One I/O thread owns the processes, so any number of threads (an HTTP
 server's request handlers) may submit concurrently.
 
+Hangs overlap instead of queueing: a worker whose current job has run past ``stall_after_s`` no
+longer counts toward ``num_workers``, so another worker starts for the queued jobs (up to
+``max_workers`` processes; surplus workers retire when idle). A few hanging samples therefore
+cost about one timeout, not one timeout each. When a batch (one ``submit`` call) has had
+``hang_limit`` timeouts and not one result, its remaining jobs fail at once, naming the function:
+a reward that always hangs stops the step in about one timeout.
+
+Workers die with the pool: they are started by the I/O thread with a parent-death signal (Linux)
+and also exit when their parent process goes away; their stderr (what reward functions print)
+is collected into a log file (:meth:`ScoringPool.set_log_file`).
+
 Why processes and not threads: a Python function cannot be stopped from another thread, and
 math-verify's own timeouts rely on signals, which only work in a process's main thread.
 """
@@ -48,11 +59,21 @@ class PoolStats:
 
 
 @dataclass
+class _Batch:
+    """The jobs of one ``submit`` call, for the hang breaker."""
+
+    results: int = 0
+    timeouts: int = 0
+    broken: str | None = None  # set when the breaker has tripped: the error every remaining job gets
+
+
+@dataclass
 class _Job:
     id: int
     payload: dict[str, Any]
     timeout_s: float
     future: Future
+    batch: _Batch = field(default_factory=_Batch)
 
 
 @dataclass
@@ -63,6 +84,10 @@ class _Worker:
     buffer: bytes = b""
     outgoing: bytearray = field(default_factory=bytearray)  # job lines not yet taken by the pipe
     ready: bool = False  # the process has imported its code; only then do job timeouts run
+    stderr: Any = None  # the read end of the worker's stderr pipe
+
+    def stalled(self, now: float, after_s: float) -> bool:
+        return self.ready and bool(self.pending) and now - self.started > after_s
 
 
 class PoolClosedError(RuntimeError):
@@ -77,13 +102,23 @@ class ScoringPool:
         startup_timeout_s: float = 60.0,
         preload: tuple[str, ...] = (),
         pipeline_depth: int = 4,
+        max_workers: int | None = None,
+        stall_after_s: float = 0.25,
+        hang_limit: int = 4,
+        log_file: str | os.PathLike | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be >= 1")
         self.num_workers, self.timeout_s, self.startup_timeout_s = num_workers, timeout_s, startup_timeout_s
+        self.max_workers = max(num_workers, max_workers if max_workers is not None else 8 * num_workers)
+        self.stall_after_s, self.hang_limit = stall_after_s, hang_limit
         self.pipeline_depth = pipeline_depth
+        self._log: Any = None
+        self._early_log = bytearray()  # worker output before a log file is set (kept up to 1 MB)
+        if log_file is not None:
+            self.set_log_file(log_file)
         self.preload = preload  # functions imported before a worker reports ready
         self.stats = PoolStats()
         self._queue: deque[_Job] = deque()
@@ -93,9 +128,11 @@ class ScoringPool:
         self._shut_down = False  # close() has run: processes killed, pipes closed
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._workers: list[_Worker] = [self._spawn() for _ in range(num_workers)]
+        self._workers: list[_Worker] = []  # started by the I/O thread, so they die with it
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="postrl-scoring-pool", daemon=True)
         self._thread.start()
+        self._started.wait()
 
     # -- public ---------------------------------------------------------------------------------
     @property
@@ -107,16 +144,34 @@ class ScoringPool:
         with self._lock:
             return len(self._queue) + sum(len(w.pending) for w in self._workers)
 
+    @property
+    def num_processes(self) -> int:
+        with self._lock:
+            return len(self._workers)
+
+    def set_log_file(self, path: str | os.PathLike) -> None:
+        """Append what the workers write to stderr (reward functions' prints) to ``path``."""
+        fh = open(path, "ab")
+        with self._lock:
+            old, self._log = self._log, fh
+            if self._early_log:
+                fh.write(bytes(self._early_log))
+                fh.flush()
+                self._early_log.clear()
+        if old is not None:
+            old.close()
+
     def submit(self, jobs: list[dict[str, Any]]) -> list[Future]:
         """Queue jobs (dicts with fn, prompt, response, columns, options and optionally timeout_s)."""
         futures: list[Future] = []
+        batch = _Batch()
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the scoring pool is closed")
             for payload in jobs:
                 future: Future = Future()
                 timeout = float(payload.get("timeout_s") or self.timeout_s)
-                self._queue.append(_Job(self._next_id, payload, timeout, future))
+                self._queue.append(_Job(self._next_id, payload, timeout, future, batch))
                 self._next_id += 1
                 futures.append(future)
         self._wake()
@@ -139,6 +194,9 @@ class ScoringPool:
         self._workers = []
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def __enter__(self) -> ScoringPool:
         return self
@@ -150,18 +208,18 @@ class ScoringPool:
     def _spawn(self) -> _Worker:
         # the worker sees the same import path as the driver, so 'my_pkg.rewards:score' resolves alike
         path = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "POSTRL_POOL_PID": str(os.getpid())}
         proc = subprocess.Popen(
             [sys.executable, "-m", "postrl.reward.worker", *self.preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             start_new_session=True,
             env=env,
         )
-        os.set_blocking(proc.stdout.fileno(), False)
-        os.set_blocking(proc.stdin.fileno(), False)
-        return _Worker(proc=proc, started=time.monotonic())
+        for stream in (proc.stdout, proc.stdin, proc.stderr):
+            os.set_blocking(stream.fileno(), False)
+        return _Worker(proc=proc, started=time.monotonic(), stderr=proc.stderr)
 
     @staticmethod
     def _kill(worker: _Worker) -> None:
@@ -170,7 +228,7 @@ class ScoringPool:
         except (ProcessLookupError, PermissionError):
             pass
         worker.proc.wait()
-        for stream in (worker.proc.stdin, worker.proc.stdout):
+        for stream in (worker.proc.stdin, worker.proc.stdout, worker.proc.stderr):
             if stream:
                 try:
                     stream.close()
@@ -187,14 +245,17 @@ class ScoringPool:
     def _loop(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ, None)
-        for worker in self._workers:
-            selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
         failure: BaseException | None = None
         try:
+            with self._lock:
+                for _ in range(self.num_workers):
+                    self._add_worker(selector)
+            self._started.set()
             while True:
                 with self._lock:
                     if self._closed:
                         break
+                    self._scale(selector)
                     self._dispatch()
                     wait = self._next_deadline()
                     if any(w.outgoing for w in self._workers):
@@ -205,6 +266,8 @@ class ScoringPool:
                             os.read(self._wake_r, 4096)
                         except BlockingIOError:
                             pass
+                    elif isinstance(key.data, tuple):
+                        self._read_stderr(key.data[1])
                     else:
                         self._read(key.data)
                 with self._lock:
@@ -213,6 +276,7 @@ class ScoringPool:
             failure = exc
             log.exception("the scoring pool's I/O thread failed")
         finally:
+            self._started.set()
             selector.close()
             with self._lock:
                 self._closed = True
@@ -223,12 +287,52 @@ class ScoringPool:
                 if not job.future.done():
                     job.future.set_exception(PoolClosedError(reason))
 
+    def _add_worker(self, selector: selectors.BaseSelector) -> None:
+        worker = self._spawn()
+        self._workers.append(worker)
+        selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
+        selector.register(worker.stderr, selectors.EVENT_READ, ("stderr", worker))
+
+    def _remove_worker(self, worker: _Worker, selector: selectors.BaseSelector) -> None:
+        for stream in (worker.proc.stdout, worker.stderr):
+            try:
+                selector.unregister(stream)
+            except (KeyError, ValueError):
+                pass
+        self._drain_stderr(worker)
+        self._kill(worker)
+        self._workers.remove(worker)
+
+    def _scale(self, selector: selectors.BaseSelector) -> None:
+        """Start workers while stalled ones hold the queue up; retire idle surplus workers."""
+        now = time.monotonic()
+        healthy = sum(not w.stalled(now, self.stall_after_s) for w in self._workers)
+        if self._queue:
+            while healthy < self.num_workers and len(self._workers) < self.max_workers:
+                self._add_worker(selector)
+                healthy += 1
+        elif len(self._workers) > self.num_workers:
+            for worker in [w for w in self._workers if not w.pending and w.ready]:
+                if len(self._workers) <= self.num_workers:
+                    break
+                self._remove_worker(worker, selector)
+
     def _dispatch(self) -> None:
+        now = time.monotonic()
         while self._queue:
-            worker = min(self._workers, key=lambda w: len(w.pending))
+            job = self._queue[0]
+            if job.batch.broken is not None:  # the batch's function hangs on everything: fail fast
+                self._queue.popleft()
+                if not job.future.done():
+                    job.future.set_result(JobResult(None, job.batch.broken))
+                continue
+            healthy = [w for w in self._workers if not w.stalled(now, self.stall_after_s)]
+            if not healthy:
+                break
+            worker = min(healthy, key=lambda w: len(w.pending))
             if len(worker.pending) >= self.pipeline_depth:
                 break
-            job = self._queue.popleft()
+            self._queue.popleft()
             if not worker.pending:
                 worker.started = time.monotonic()
             worker.pending.append(job)
@@ -255,11 +359,40 @@ class ScoringPool:
         return worker.pending[0].timeout_s
 
     def _next_deadline(self) -> float | None:
+        """Seconds until a job's timeout or, with jobs queued, until a busy worker counts as stalled."""
         busy = [w for w in self._workers if w.pending]
         if not busy:
             return None
         now = time.monotonic()
-        return min(max(0.0, w.started + self._limit(w) - now) for w in busy)
+        times = [w.started + self._limit(w) - now for w in busy]
+        if self._queue:
+            times += [w.started + self.stall_after_s - now for w in busy if w.ready]
+        return max(0.0, min(times)) + 0.001
+
+    def _read_stderr(self, worker: _Worker) -> None:
+        try:
+            chunk = os.read(worker.stderr.fileno(), 1 << 16)
+        except (BlockingIOError, ValueError, OSError):
+            return
+        if chunk:
+            self._write_log(chunk)
+
+    def _drain_stderr(self, worker: _Worker) -> None:
+        while True:
+            try:
+                chunk = os.read(worker.stderr.fileno(), 1 << 16)
+            except (BlockingIOError, ValueError, OSError):
+                return
+            if not chunk:
+                return
+            self._write_log(chunk)
+
+    def _write_log(self, chunk: bytes) -> None:
+        if self._log is not None:
+            self._log.write(chunk)
+            self._log.flush()
+        elif len(self._early_log) < 1 << 20:
+            self._early_log += chunk[: (1 << 20) - len(self._early_log)]
 
     def _read(self, worker: _Worker) -> None:
         try:
@@ -288,8 +421,10 @@ class ScoringPool:
                     log.warning("scoring process %d answered job %r out of turn; ignored", worker.proc.pid, msg["id"])
                     continue
                 job = worker.pending.popleft()
-                done.append((job, JobResult(value=msg.get("value"), error=msg.get("error"), reason=msg.get("reason"))))
+                job.batch.results += 1
                 worker.started = time.monotonic()
+                if not job.future.done():  # done already when its batch was abandoned
+                    done.append((job, JobResult(value=msg.get("value"), error=msg.get("error"), reason=msg.get("reason"))))
             self.stats.completed += len(done)
         for job, result in done:
             job.future.set_result(result)
@@ -297,26 +432,43 @@ class ScoringPool:
     def _reap(self, selector: selectors.BaseSelector) -> None:
         """Replace workers that died or ran past a job's timeout (called with the lock held)."""
         now = time.monotonic()
-        for i, worker in enumerate(self._workers):
+        for worker in list(self._workers):
             dead = worker.proc.poll() is not None
             overdue = bool(worker.pending) and now - worker.started > self._limit(worker)
-            if not (dead or overdue):
+            abandoned = bool(worker.pending) and worker.pending[0].batch.broken is not None
+            if not (dead or overdue or abandoned):
                 continue
-            selector.unregister(worker.proc.stdout)
             if worker.pending:
                 culprit = worker.pending.popleft()
-                if dead:
+                fn = culprit.payload.get("fn", "the reward function")
+                if abandoned:
+                    result = JobResult(None, culprit.batch.broken)
+                elif dead:
                     self.stats.deaths += 1
-                    result = JobResult(None, f"scoring process died (exit code {worker.proc.returncode})")
+                    result = JobResult(None, f"scoring process died (exit code {worker.proc.returncode}) in {fn}")
                 elif not worker.ready:
                     result = JobResult(None, f"scoring process did not start within {self.startup_timeout_s:g}s")
                 else:
                     self.stats.timeouts += 1
-                    result = JobResult(None, f"timed out after {culprit.timeout_s:g}s", timed_out=True)
-                culprit.future.set_result(result)
+                    result = JobResult(None, f"{fn} timed out after {culprit.timeout_s:g}s", timed_out=True)
+                    self._count_timeout(culprit, fn)
+                if not culprit.future.done():
+                    culprit.future.set_result(result)
                 self._queue.extendleft(reversed(worker.pending))
                 worker.pending.clear()
-            self._kill(worker)
+            self._remove_worker(worker, selector)
             self.stats.restarts += 1
-            self._workers[i] = self._spawn()
-            selector.register(self._workers[i].proc.stdout, selectors.EVENT_READ, self._workers[i])
+            if len(self._workers) < self.num_workers:
+                self._add_worker(selector)
+
+    def _count_timeout(self, job: _Job, fn: str) -> None:
+        """Trip the batch's breaker when its function has only ever timed out."""
+        batch = job.batch
+        batch.timeouts += 1
+        if batch.broken is None and batch.results == 0 and batch.timeouts >= self.hang_limit:
+            batch.broken = (f"not run: {fn} timed out on {batch.timeouts} samples of this batch and returned "
+                            f"on none (after {job.timeout_s:g}s each)")
+            for worker in self._workers:  # jobs of the batch waiting behind other jobs: answer now, skip later
+                for queued in list(worker.pending)[1:]:
+                    if queued.batch is batch and not queued.future.done():
+                        queued.future.set_result(JobResult(None, batch.broken))

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from postrl.config import POOLED_TYPES, RewardComponentConfig, RewardConfig
+from postrl.config import POOLED_TYPES, ConfigError, RewardComponentConfig, RewardConfig
 from postrl.reward.pool import JobResult, ScoringPool
 from postrl.reward.rules import format_reward, length_penalty
 from postrl.reward.verifiers import VERIFIERS
@@ -51,7 +51,8 @@ class RewardService:
             else:
                 self._local[comp.name] = self._local_scorer(comp)
         preload = tuple(sorted({fn for fn, _, _ in self._pooled.values()}))
-        self.pool = ScoringPool(config.num_workers, config.timeout_s, preload=preload) if self._pooled else None
+        self.pool = ScoringPool(config.num_workers, config.timeout_s, preload=preload, max_workers=config.max_workers,
+                                stall_after_s=config.stall_after_s, hang_limit=config.hang_limit) if self._pooled else None
         self.accuracy_component = next((c.name for c in self.components if c.type in ("math", "exact_match")), None)
 
     # -- building ---------------------------------------------------------------------------------
@@ -144,10 +145,20 @@ class RewardService:
                 errors.append(f"{comp.name}: {error or 'no score'}")
             else:
                 components[comp.name] = value
+        flags = [f"{comp.name}: value {components[comp.name]:g} outside expected_range "
+                 f"[{comp.expected_range[0]:g}, {comp.expected_range[1]:g}]"
+                 for comp in self.components
+                 if comp.expected_range is not None and comp.name in components
+                 and not comp.expected_range[0] <= components[comp.name] <= comp.expected_range[1]]
         if errors:
-            return RewardResult(reward=None, components=components, error="; ".join(errors), reasons=why)
+            return RewardResult(reward=None, components=components, error="; ".join(errors), reasons=why, flags=flags)
         total = sum(comp.weight * components[comp.name] for comp in self.components)
-        return RewardResult(reward=total, components=components, reasons=why)
+        return RewardResult(reward=total, components=components, reasons=why, flags=flags)
+
+    def set_log_file(self, path: Any) -> None:
+        """Where the scoring workers' stderr (reward functions' prints) goes."""
+        if self.pool is not None:
+            self.pool.set_log_file(path)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -168,6 +179,6 @@ def _check_importable(path: str) -> None:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward function '{path}': cannot import module '{module_name}': {exc}") from None
+        raise ConfigError(f"reward function '{path}': cannot import module '{module_name}': {exc}") from None
     if not callable(getattr(module, attr, None)):
-        raise ValueError(f"reward function '{path}': module '{module_name}' has no callable '{attr}'")
+        raise ConfigError(f"reward function '{path}': module '{module_name}' has no callable '{attr}'")

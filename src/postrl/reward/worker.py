@@ -29,6 +29,59 @@ def resolve(path: str) -> Callable[..., Any]:
     return _cache[path]
 
 
+def check_value(value: Any) -> str | None:
+    """Why ``value`` is not a usable score, or None. Numbers only: a bool or a string is a bug in the
+    reward function, never converted."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not _is_numeric_scalar(value):
+        return f"returned {type(value).__name__} {value!r:.80}, not a number (return a float, None, or (float, reason))"
+    if not math.isfinite(float(value)):
+        return f"returned {float(value)} (not finite)"
+    return None
+
+
+def _is_numeric_scalar(value: Any) -> bool:
+    """numpy/torch scalars (anything with a real-number ``item()``), but not strings or bools."""
+    item = getattr(value, "item", None)
+    if not callable(item) or getattr(value, "ndim", 0) not in (0, None):
+        return False
+    try:
+        inner = item()
+    except Exception:  # noqa: BLE001
+        return False
+    return isinstance(inner, (int, float)) and not isinstance(inner, bool)
+
+
+def die_with_parent() -> None:
+    """Exit when the process that started this worker goes away, even while a reward function
+    hangs: a parent-death signal on Linux, and a watchdog thread elsewhere (and as a backstop)."""
+    import signal
+    import threading
+    import time
+
+    parent = int(os.environ.get("POSTRL_POOL_PID") or 0)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if not parent:
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="postrl-parent-watch", daemon=True).start()
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         fn = resolve(job["fn"])
@@ -40,10 +93,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             value, reason = value
             reason = None if reason is None else str(reason)[:1000]
         if value is None:
-            return {"id": job["id"], "value": None, "error": "reward function returned None (cannot score)"}
+            return {"id": job["id"], "value": None, "error": f"{job['fn']} returned None (cannot score)"}
+        problem = check_value(value)
+        if problem:
+            return {"id": job["id"], "value": None, "error": f"{job['fn']} {problem}"}
         value = float(value)
-        if not math.isfinite(value):
-            return {"id": job["id"], "value": None, "error": f"reward function returned {value}"}
         return {"id": job["id"], "value": value, "error": None, "reason": reason}
     except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded, unscorable result
         tb = traceback.extract_tb(exc.__traceback__)
@@ -54,6 +108,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     # results go to a private copy of the pipe; fd 1 (and sys.stdout) now point at stderr, so
     # neither a reward function's prints nor a C library writing to fd 1 can corrupt the stream
+    die_with_parent()
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -1,0 +1,62 @@
+"""Stopping a run cleanly on Ctrl-C or SIGTERM.
+
+The first signal asks the loop to stop after the step in progress; a second one abandons that
+step (:class:`StepAbandoned` is raised where the main thread is). Handlers are installed only in
+the main thread and the previous ones are put back on exit.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Callable
+
+
+class StepAbandoned(BaseException):
+    """Raised in the main thread by a second stop signal; a BaseException so no ``except
+    Exception`` in a step swallows it."""
+
+
+class RunInterrupted(Exception):
+    """The run stopped early on a signal; carries what to tell the user."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class GracefulStop:
+    def __init__(self, echo: Callable[[str], None] | None = None) -> None:
+        self.signum: int | None = None
+        self.echo = echo or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            self.echo(f"\n{name}: stopping after the current step (send it again to abandon the step)")
+            return
+        self.echo(f"\n{name} again: abandoning the current step")
+        raise StepAbandoned(name)
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()

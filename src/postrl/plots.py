@@ -1,0 +1,36 @@
+"""The reward/accuracy PNG drawn at the end of every run (and, with held-out points, by the demo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from postrl.metrics import read_metrics
+
+
+def plot_metrics(run_dir: Path, held_out: tuple[float, float] | None = None, title: str | None = None) -> Path | None:
+    """``run_dir/reward_accuracy.png`` from ``metrics.jsonl``; None when there is nothing to draw."""
+    path = run_dir / "metrics.jsonl"
+    rows = [r for r in read_metrics(path) if "reward/mean" in r] if path.is_file() else []
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["reward/mean"] for r in rows], label="reward (train batch mean)")
+    if all("accuracy" in r for r in rows):
+        ax.plot(steps, [r["accuracy"] for r in rows], "--", label="accuracy (train batch)")
+    if held_out is not None:
+        ax.scatter([0, steps[-1]], list(held_out), color="black", zorder=3, label="held-out accuracy (greedy)")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title or f"postrl: {run_dir.name}")
+    out = run_dir / "reward_accuracy.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
