@@ -53,3 +53,36 @@ def writes_to_fd1(prompt, response, **columns):
     os.write(1, b'not json\n{"id": 999, "value": 5}\n')
     print("a print")
     return 2.0
+
+
+def hangs(prompt, response, **columns):
+    time.sleep(3600)
+
+
+def hangs_on_marked(prompt, response, hang=False, **columns):
+    if hang:
+        time.sleep(3600)
+    return 1.0
+
+
+def returns_string(prompt, response, **columns):
+    return "1.0"
+
+
+def returns_bool(prompt, response, **columns):
+    return True
+
+
+def returns_numpy(prompt, response, **columns):
+    import numpy
+
+    return numpy.float32(0.5)
+
+
+def returns_five(prompt, response, **columns):
+    return 5.0
+
+
+def prints_and_scores(prompt, response, **columns):
+    print(f"scoring {prompt!r}")
+    return 1.0, "looked fine"

@@ -1,0 +1,173 @@
+"""Issue 8 items 3 and 4: reward functions you can debug, and hanging rewards that cost seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import yaml
+
+from postrl.cli import main
+from postrl.config import RewardConfig
+from postrl.reward import RewardService
+from postrl.reward.pool import ScoringPool
+from tests.test_train_e2e import write_config
+
+FN = "tests.reward_fns"
+
+
+def _service(*components: dict, **extra) -> RewardService:
+    return RewardService(RewardConfig(components=list(components), num_workers=1, **extra))
+
+
+def test_non_numbers_are_unscorable_with_what_was_returned():
+    service = _service({"name": "s", "type": "custom", "function": f"{FN}:returns_string"},
+                       {"name": "b", "type": "custom", "function": f"{FN}:returns_bool"},
+                       {"name": "n", "type": "custom", "function": f"{FN}:returns_numpy"})
+    try:
+        result = service.score("p", "r")
+    finally:
+        service.close()
+    assert result.unscorable
+    assert f"s: {FN}:returns_string returned str '1.0', not a number" in result.error
+    assert f"b: {FN}:returns_bool returned bool True, not a number" in result.error
+    assert result.components == {"n": 0.5}
+
+
+def test_value_outside_expected_range_is_flagged(tmp_path):
+    service = _service({"name": "big", "type": "custom", "function": f"{FN}:returns_five", "expected_range": [0, 1]})
+    try:
+        result = service.score("p", "r")
+    finally:
+        service.close()
+    assert result.reward == 5.0
+    assert result.flags == ["big: value 5 outside expected_range [0, 1]"]
+
+
+def _worker_pids(pool_pid: int) -> list[int]:
+    """Live processes started by a scoring pool of process ``pool_pid`` (found by their environment)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][0]
+        except OSError:
+            continue
+        if f"POSTRL_POOL_PID={pool_pid}".encode() in environ and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def test_every_sample_hanging_ends_within_two_timeouts():
+    jobs = [{"fn": f"{FN}:hangs", "prompt": "p", "response": str(i), "columns": {}} for i in range(64)]
+    with ScoringPool(num_workers=2, timeout_s=2.0, preload=(f"{FN}:hangs",)) as pool:
+        start = time.monotonic()
+        results = pool.map(jobs)
+        elapsed = time.monotonic() - start
+    assert elapsed < 2 * 2.0 + 1.5, elapsed  # the old pool took 64 / 2 x 2 s = 64 s
+    assert all(r.value is None for r in results)
+    timed_out = [r for r in results if r.timed_out]
+    assert 4 <= len(timed_out) <= 16
+    assert all(f"{FN}:hangs timed out after 2s" == r.error for r in timed_out)
+    skipped = [r for r in results if not r.timed_out]
+    assert skipped and all(r.error.startswith(f"not run: {FN}:hangs timed out on") for r in skipped)
+
+
+def test_a_few_hanging_samples_cost_about_one_timeout():
+    jobs = [{"fn": f"{FN}:hangs_on_marked", "prompt": "p", "response": str(i), "columns": {"hang": i % 10 == 3}}
+            for i in range(80)]
+    with ScoringPool(num_workers=2, timeout_s=2.0, preload=(f"{FN}:hangs_on_marked",), max_workers=16) as pool:
+        start = time.monotonic()
+        results = pool.map(jobs)
+        elapsed = time.monotonic() - start
+        assert pool.num_processes <= 16
+    # 8 hanging samples: one at a time that was 8 x 2 s / 2 workers = 8 s on top; now they overlap
+    assert elapsed < 2.0 + 2.0 + 1.0, elapsed
+    for i, r in enumerate(results):
+        if i % 10 == 3:
+            assert r.timed_out and r.error == f"{FN}:hangs_on_marked timed out after 2s"
+        else:
+            assert r.value == 1.0, (i, r)
+
+
+def test_workers_die_with_a_killed_trainer(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from postrl.reward.pool import ScoringPool
+        pool = ScoringPool(num_workers=2, timeout_s=600, preload=("{FN}:hangs",))
+        pool.submit([{{"fn": "{FN}:hangs", "prompt": "p", "response": "r", "columns": {{}}}} for _ in range(8)])
+        print("submitted", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "submitted"
+    deadline = time.monotonic() + 30
+    while len(_worker_pids(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_worker_pids(proc.pid)) >= 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while _worker_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _worker_pids(proc.pid) == []
+
+
+def test_train_with_an_always_hanging_reward_stops_in_seconds(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl,
+                          reward={"components": [{"name": "slow", "type": "custom", "function": f"{FN}:hangs"}],
+                                  "timeout_s": 2.0, "num_workers": 2})
+    start = time.monotonic()
+    assert main(["train", config]) == 2
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert "step 1: 16/16 samples could not be scored" in err
+    assert f"{FN}:hangs timed out" in err
+    assert elapsed < 2 * 2.0 + 6.0, elapsed  # 16 samples one after another on 2 workers: 16 s
+
+
+def test_own_reward_module_next_to_the_config(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "my_rewards.py").write_text(textwrap.dedent("""
+        def score(prompt, response, answer="", **columns):
+            print(f"scored {prompt!r} -> {response!r}")
+            return (1.0 if answer in response else 0.0), f"wanted {answer}"
+
+        def broken(prompt, response, **columns):
+            return "0.5"
+    """))
+    config = Path(write_config(project, tiny_model_dir, arithmetic_jsonl, steps=2, output_dir=str(tmp_path / "runs"),
+                               logging={"progress_bar": False, "samples_first_steps": 1, "samples_every": 2},
+                               reward={"components": [{"name": "mine", "type": "custom", "function": "my_rewards:score"},
+                                                      {"name": "off", "type": "custom", "function": "my_rewards:broken",
+                                                       "weight": 0.0}],
+                                       "max_failure_rate": 1.0, "num_workers": 1}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "postrl.cli", "train", str(config)], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    run_dir = tmp_path / "runs" / "tiny"
+    assert str(project) in yaml.safe_load((run_dir / "config.yaml").read_text())["import_paths"]
+    log = (run_dir / "reward_workers.log").read_text()
+    assert re.search(r"^scored '1\d\+2\d=' -> ", log, re.M)
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
+    rows = [json.loads(x) for x in (run_dir / "samples" / "step_1.jsonl").read_text().splitlines()]
+    assert len(rows) == 16
+    row = rows[0]
+    assert set(row) >= {"prompt", "response", "reward", "components", "reasons", "error", "unscorable"}
+    assert row["reasons"]["mine"].startswith("wanted ")
+    assert row["unscorable"] and "off: my_rewards:broken returned str '0.5', not a number" in row["error"]
+    assert "unscorable 16 (most common: 16x off: my_rewards:broken returned str '0.5'" in done.stdout
