@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.serve.batcher import EngineBatcher
-from postrl.serve.openai_server import build_app
+from postrl.serve.openai_server import ServerLimits, build_app
 from postrl.serve.router import LeastOutstandingRouter, build_router_app
 from postrl.weights import dedupe_tied, weight_manifest
 from tests.conftest import make_tiny_model
@@ -27,8 +27,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, app) -> None:
-        self.port = free_port()
+    def __init__(self, app, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -47,10 +47,11 @@ class Server:
 
 
 @pytest.fixture
-def rollout_server(char_tokenizer):
+def rollout_server(char_tokenizer, tmp_path):
     model = make_tiny_model("llama", char_tokenizer)
     batcher = EngineBatcher(NativeRolloutWorker.from_hf(model, char_tokenizer, seed=0))
-    server = Server(build_app(batcher, char_tokenizer, "tiny-llama", default_max_tokens=8))
+    limits = ServerLimits(default_max_tokens=8, weights_dir=str(tmp_path))
+    server = Server(build_app(batcher, char_tokenizer, "tiny-llama", max_context=128, limits=limits))
     yield server, model
     server.stop()
     batcher.close()
@@ -115,9 +116,10 @@ def test_update_weights_endpoint_and_bad_requests(rollout_server, char_tokenizer
     bad_manifest = dict(weight_manifest(state))
     bad_manifest["model.norm.weight"] = "float32:32:00000000"
     r = httpx.post(server.url + "/update_weights", json={"path": str(path), "version": 4, "manifest": bad_manifest})
-    assert r.status_code == 409 and "model.norm.weight" in r.json()["detail"]
+    assert r.status_code == 400 and "model.norm.weight" in r.json()["error"]["message"]
     assert httpx.post(server.url + "/update_weights", json={"path": str(tmp_path / "nope"), "version": 4}).status_code == 400
-    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "temperature": -1}).status_code == 422
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
 
 def test_router_spreads_over_servers_and_broadcasts_updates(char_tokenizer, tmp_path):
@@ -125,7 +127,8 @@ def test_router_spreads_over_servers_and_broadcasts_updates(char_tokenizer, tmp_
     for seed in (0, 1):
         batcher = EngineBatcher(NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer, seed=seed))
         batchers.append(batcher)
-        servers.append(Server(build_app(batcher, char_tokenizer, "tiny", default_max_tokens=4)))
+        limits = ServerLimits(default_max_tokens=4, weights_dir=str(tmp_path))
+        servers.append(Server(build_app(batcher, char_tokenizer, "tiny", limits=limits)))
     router = LeastOutstandingRouter([s.url for s in servers])
     front = Server(build_router_app(router))
     try:

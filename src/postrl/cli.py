@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from postrl.config import ConfigError
@@ -48,14 +49,24 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_rollout(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from postrl.config import RolloutConfig
     from postrl.models import load_causal_lm, load_tokenizer
     from postrl.rollout.factory import rollout_worker_for_model
     from postrl.serve.batcher import EngineBatcher
-    from postrl.serve.openai_server import build_app
+    from postrl.serve.guard import is_loopback, read_token
+    from postrl.serve.openai_server import ServerLimits, build_app
+    from postrl.serve.run import serve_app
 
+    try:
+        token = read_token(args.token_env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not is_loopback(args.host) and token is None:
+        raise ConfigError(f"--host {args.host} is not loopback: anyone who reaches the port could generate"
+                          + (" and replace the model through /update_weights" if args.weights_dir else "")
+                          + "; set --token-env VAR (a bearer token in that environment variable)")
+    if args.weights_dir and not os.path.isdir(args.weights_dir):
+        raise ConfigError(f"--weights-dir {args.weights_dir} is not a folder")
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model)
     rollout = RolloutConfig(backend=args.backend, dtype=args.dtype, max_batch_size=args.max_batch_size)
@@ -63,28 +74,42 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     batcher = EngineBatcher(worker)
     name = args.served_model_name or args.model
     max_context = getattr(model.config, "max_position_embeddings", None)
-    uvicorn.run(build_app(batcher, tokenizer, name, max_context=max_context), host=args.host, port=args.port, log_level="warning")
-    batcher.close()
+    limits = ServerLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts,
+                          default_max_tokens=args.default_max_tokens, weights_dir=args.weights_dir,
+                          max_body_bytes=args.max_body_bytes)
+    app = build_app(batcher, tokenizer, name, max_context=max_context, limits=limits, token=token)
+    engine = type(worker).__name__
+    banner = (f"serving {name} ({engine}, context {max_context}) at http://{args.host}:{args.port}/v1"
+              f"{'; bearer token required' if token else ''}"
+              f"{f'; /update_weights reads {args.weights_dir}' if args.weights_dir else '; /update_weights disabled'}")
+    try:
+        serve_app(app, args.host, args.port, banner)
+    finally:
+        batcher.close()
     return 0
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from postrl.serve.guard import read_token
     from postrl.serve.router import LeastOutstandingRouter, build_router_app
+    from postrl.serve.run import serve_app
 
-    uvicorn.run(build_router_app(LeastOutstandingRouter(args.backend)), host=args.host, port=args.port, log_level="warning")
+    try:
+        token = read_token(args.token_env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    router = LeastOutstandingRouter(args.backend, health_interval_s=args.health_interval_s, token=token)
+    banner = f"routing http://{args.host}:{args.port}/v1 over {', '.join(router.backends)}"
+    serve_app(build_router_app(router), args.host, args.port, banner)
     return 0
 
 
 def _cmd_serve_reward(args: argparse.Namespace) -> int:
-    import os
-
-    import uvicorn
-
-    from postrl.config import RewardServiceFile, load_config
+    from postrl.config import RewardServiceFile, activate_import_paths, load_config
     from postrl.reward.server import build_reward_app
     from postrl.reward.service import RewardService
+    from postrl.serve.guard import is_loopback
+    from postrl.serve.run import serve_app
 
     if not args.config:
         raise ConfigError("postrl serve-reward needs --config reward.yaml (sections: reward, server)")
@@ -95,20 +120,21 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
         token = os.environ.get(server.token_env)
         if not token:
             raise ConfigError(f"server.token_env={server.token_env}: that environment variable is not set")
-    if server.host not in ("127.0.0.1", "localhost", "::1") and token is None:
+    if not is_loopback(server.host) and token is None:
         print(f"warning: serving rewards on {server.host} without a token (set server.token_env)", file=sys.stderr)
+    activate_import_paths(cfg.import_paths)
     service = RewardService(cfg.reward)
+    service.set_log_stream(sys.stderr.buffer)
     if service.sandbox_protections is not None:
         on = [k for k, v in service.sandbox_protections.items() if v]
         off = [k for k, v in service.sandbox_protections.items() if not v]
         print(f"code sandbox protections active: {', '.join(on)}" + (f"; MISSING: {', '.join(off)}" if off else ""))
     names = ", ".join(f"{c.name} ({c.type}, weight {c.weight:g})" for c in service.components)
-    print(f"reward service on http://{server.host}:{server.port} with {names}", flush=True)
     try:
         # keep-alive longer than uvicorn's 5 s default: a pooled client connection closed by the
         # server just as the client reuses it surfaces as a ReadError on the client
-        uvicorn.run(build_reward_app(service, server, token), host=server.host, port=server.port, log_level="warning",
-                    timeout_keep_alive=75)
+        serve_app(build_reward_app(service, server, token), server.host, server.port,
+                  f"reward service on http://{server.host}:{server.port} with {names}", timeout_keep_alive=75)
     finally:
         service.close()
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -28,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_logprobs: int = 0  # also return this many most likely tokens (id, logprob) at every position
 
 
 FinishReason = Literal["stop", "length"]
@@ -44,6 +45,12 @@ class Rollout:
     text: str
     finish_reason: FinishReason
     weight_version: int
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, with SamplingParams.top_logprobs
+
+
+# Streaming: called from the engine for every generated token, in order per sample:
+# (prompt_index, sample_index, token_id, logprob, top (id, logprob) pairs or None, finish_reason or None)
+TokenCallback = Callable[[int, int, int, float, "list[tuple[int, float]] | None", "str | None"], None]
 
 
 @dataclass

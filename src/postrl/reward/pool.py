@@ -116,6 +116,7 @@ class ScoringPool:
         self.stall_after_s, self.hang_limit = stall_after_s, hang_limit
         self.pipeline_depth = pipeline_depth
         self._log: Any = None
+        self._borrowed: Any = None  # a stream given to set_log_file: written to, never closed here
         self._early_log = bytearray()  # worker output before a log file is set (kept up to 1 MB)
         if log_file is not None:
             self.set_log_file(log_file)
@@ -149,17 +150,19 @@ class ScoringPool:
         with self._lock:
             return len(self._workers)
 
-    def set_log_file(self, path: str | os.PathLike) -> None:
-        """Append what the workers write to stderr (reward functions' prints) to ``path``."""
-        fh = open(path, "ab")
+    def set_log_file(self, path: str | os.PathLike | Any) -> None:
+        """Append what the workers write to stderr (reward functions' prints) to ``path``, or to an
+        open binary stream (a server passes its own stderr)."""
+        fh = path if hasattr(path, "write") else open(path, "ab")
         with self._lock:
             old, self._log = self._log, fh
             if self._early_log:
                 fh.write(bytes(self._early_log))
                 fh.flush()
                 self._early_log.clear()
-        if old is not None:
+        if old is not None and old is not self._borrowed:
             old.close()
+        self._borrowed = fh if hasattr(path, "write") else None
 
     def submit(self, jobs: list[dict[str, Any]]) -> list[Future]:
         """Queue jobs (dicts with fn, prompt, response, columns, options and optionally timeout_s)."""
@@ -194,9 +197,9 @@ class ScoringPool:
         self._workers = []
         os.close(self._wake_r)
         os.close(self._wake_w)
-        if self._log is not None:
+        if self._log is not None and self._log is not self._borrowed:
             self._log.close()
-            self._log = None
+        self._log = None
 
     def __enter__(self) -> ScoringPool:
         return self

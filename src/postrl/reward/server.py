@@ -10,8 +10,6 @@ read whole; with a token configured, requests without ``Authorization: Bearer <t
 
 from __future__ import annotations
 
-import hmac
-import json
 import threading
 import time
 from typing import Any
@@ -23,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from postrl.config import RewardServerConfig
 from postrl.reward.service import RewardService, ScoreRequest, result_to_json
+from postrl.serve.guard import BodyLimitMiddleware, TokenMiddleware
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -94,65 +93,9 @@ class ServerMetrics:
         return "\n".join(lines) + "\n"
 
 
-class BodyLimitMiddleware:
-    """ASGI middleware: 413 once a request body exceeds ``limit`` bytes, whether or not it declares a length."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _plain(send, 413, f"request body of {int(declared)} bytes is over the {self.limit}-byte limit")
-            return
-        body = bytearray()
-        while True:  # read the body here, stopping at the limit, then hand it on whole
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                await _plain(send, 413, f"request body is over the {self.limit}-byte limit")
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-async def _plain(send: Any, status: int, text: str) -> None:
-    body = json.dumps({"detail": text}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
 def build_reward_app(service: RewardService, server: RewardServerConfig, token: str | None = None) -> FastAPI:
     app = FastAPI(title="postrl reward service")
     metrics = ServerMetrics()
-    expected = f"Bearer {token}".encode() if token else None
-
-    def authorised(request: Request) -> bool:
-        if expected is None:
-            return True
-        return hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)
-
-    @app.middleware("http")
-    async def require_token(request: Request, call_next: Any) -> Any:
-        if not authorised(request):
-            return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
-        return await call_next(request)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -203,4 +146,6 @@ def build_reward_app(service: RewardService, server: RewardServerConfig, token: 
             metrics.observe(status, time.perf_counter() - start)
 
     app.add_middleware(BodyLimitMiddleware, limit=server.max_body_bytes)
+    if token:
+        app.add_middleware(TokenMiddleware, token=token)  # added last, so it runs first
     return app

@@ -156,9 +156,14 @@ class RewardService:
         return RewardResult(reward=total, components=components, reasons=why, flags=flags)
 
     def set_log_file(self, path: Any) -> None:
-        """Where the scoring workers' stderr (reward functions' prints) goes."""
+        """Where the scoring workers' stderr (reward functions' prints) goes: a file path."""
         if self.pool is not None:
             self.pool.set_log_file(path)
+
+    def set_log_stream(self, stream: Any) -> None:
+        """Send the scoring workers' stderr to an open binary stream (a server's own stderr)."""
+        if self.pool is not None:
+            self.pool.set_log_file(stream)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from postrl.rollout.sampling import sample_tokens
+from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
-from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
 from postrl.weights import load_state_checked, verify_manifest
 
 log = logging.getLogger(__name__)
@@ -57,17 +57,19 @@ class HFRolloutWorker:
         self._cache_arg = cache_argument(model)
 
     # -- RolloutWorker interface -------------------------------------------------------------
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int,
+                 on_token: TokenCallback | None = None) -> list[Rollout]:
+        """``on_token`` (optional) sees every token as it is sampled, for streaming."""
         if weight_version != self.weight_version:
             raise RuntimeError(
                 f"asked to generate with weight_version {weight_version}, engine holds {self.weight_version}"
             )
         if sampling_params.seed is not None:
             self.generator.manual_seed(sampling_params.seed)
-        rows = [(i, p.prompt_ids) for i, p in enumerate(prompts) for _ in range(sampling_params.n)]
+        rows = [(i, k, p.prompt_ids) for i, p in enumerate(prompts) for k in range(sampling_params.n)]
         out: list[Rollout] = []
         for start in range(0, len(rows), self.max_batch_size):
-            out.extend(self._generate_batch(rows[start : start + self.max_batch_size], sampling_params))
+            out.extend(self._generate_batch(rows[start : start + self.max_batch_size], sampling_params, on_token))
         return out
 
     def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
@@ -91,13 +93,14 @@ class HFRolloutWorker:
 
     # -- internals -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _generate_batch(self, rows: list[tuple[int, list[int]]], sp: SamplingParams) -> list[Rollout]:
+    def _generate_batch(self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams,
+                        on_token: TokenCallback | None = None) -> list[Rollout]:
         device = next(self.model.parameters()).device
         n = len(rows)
-        width = max(len(ids) for _, ids in rows)
+        width = max(len(ids) for _, _, ids in rows)
         input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((n, width), dtype=torch.long)
-        for r, (_, ids) in enumerate(rows):
+        for r, (_, _, ids) in enumerate(rows):
             input_ids[r, width - len(ids) :] = torch.tensor(ids)
             attention[r, width - len(ids) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
@@ -108,6 +111,7 @@ class HFRolloutWorker:
         checker = StopChecker(self.tokenizer, sp.stop)
         responses: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
         finish: list[str] = ["length"] * n
         done = torch.zeros(n, dtype=torch.bool, device=device)
 
@@ -119,12 +123,20 @@ class HFRolloutWorker:
             tokens = torch.where(done, torch.full_like(tokens, self.pad_id), tokens)
             hit_stop_id = torch.isin(tokens, stop_tensor) & ~done
             tok_list, lp_list, active = tokens.tolist(), token_lp.tolist(), (~done).nonzero().flatten().tolist()
+            top = top_logprobs(next_logits, sp.temperature, sp.top_logprobs) if sp.top_logprobs else None
             for r in active:
                 responses[r].append(tok_list[r])
                 logprobs[r].append(lp_list[r])
+                if top is not None:
+                    tops[r].append(top[r])
+                ended = None
                 if hit_stop_id[r] or checker.hit(responses[r]):
-                    finish[r] = "stop"
+                    finish[r] = ended = "stop"
                     done[r] = True
+                elif len(responses[r]) >= sp.max_tokens:
+                    ended = "length"
+                if on_token is not None:
+                    on_token(rows[r][0], rows[r][1], tok_list[r], lp_list[r], top[r] if top else None, ended)
             if bool(done.all()):
                 break
             attention = torch.cat([attention, attention.new_ones((n, 1))], dim=-1)
@@ -147,6 +159,7 @@ class HFRolloutWorker:
                 text=self.tokenizer.decode(responses[r], skip_special_tokens=True),
                 finish_reason=finish[r],  # type: ignore[arg-type]
                 weight_version=self.weight_version,
+                top_logprobs=tops[r] if sp.top_logprobs else None,
             )
-            for r, (idx, ids) in enumerate(rows)
+            for r, (idx, _, ids) in enumerate(rows)
         ]

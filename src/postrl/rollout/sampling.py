@@ -61,3 +61,11 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator, block: i
     inner = blocks.gather(1, b.unsqueeze(-1).expand(rows, 1, block)).squeeze(1).cumsum(-1)
     t = torch.searchsorted(inner, u[:, 1:] * inner[:, -1:], right=True).clamp_(max=block - 1)
     return (b * block + t).squeeze(-1).clamp_(max=vocab - 1)
+
+
+def top_logprobs(logits: torch.Tensor, temperature: float, k: int) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely tokens of each row with their logprobs, under the same distribution
+    as :func:`sample_tokens` reports (temperature-scaled; T = 1 for greedy)."""
+    scaled = logits.float() / temperature if temperature > 0 else logits.float()
+    values, ids = torch.log_softmax(scaled, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return [list(zip(row_ids, row_vals)) for row_ids, row_vals in zip(ids.tolist(), values.tolist())]

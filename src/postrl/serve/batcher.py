@@ -8,15 +8,16 @@ engine's batch instead of taking turns. The engine is only ever touched from tha
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from postrl.rollout.base import RolloutWorker
-from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
 
 
 @dataclass
@@ -24,25 +25,39 @@ class _Job:
     kind: str  # "generate" | "update"
     payload: Any
     future: Future
+    on_token: TokenCallback | None = None  # called on the engine thread, with this job's prompt indices
 
 
 class EngineBatcher:
     def __init__(self, worker: RolloutWorker, max_batch_prompts: int = 256) -> None:
         self.worker = worker
         self.max_batch_prompts = max_batch_prompts
+        # engines that report tokens as they go stream them; others stream each response when it is done
+        self.streams_tokens = "on_token" in inspect.signature(worker.generate).parameters
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="postrl-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Rollout]:
-        return await self._submit("generate", (prompts, params))
+    async def generate(self, prompts: list[Prompt], params: SamplingParams,
+                       on_token: Callable[..., None] | None = None) -> list[Rollout]:
+        """Rollouts for ``prompts``. ``on_token(prompt_index, sample_index, token, logprob, top, finish)``
+        runs on the caller's event loop for every token (all of them at the end, for engines that do
+        not stream), always before this call returns."""
+        relay = None
+        if on_token is not None:
+            loop = asyncio.get_running_loop()
+
+            def relay(*event: Any) -> None:
+                loop.call_soon_threadsafe(on_token, *event)
+
+        return await self._submit("generate", (prompts, params), relay)
 
     async def update_weights(self, path: str | Path, version: int, manifest: dict[str, str] | None) -> None:
         await self._submit("update", (path, version, manifest))
 
-    async def _submit(self, kind: str, payload: Any) -> Any:
+    async def _submit(self, kind: str, payload: Any, on_token: TokenCallback | None = None) -> Any:
         future: Future = Future()
-        self._queue.put(_Job(kind, payload, future))
+        self._queue.put(_Job(kind, payload, future, on_token))
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
@@ -80,20 +95,36 @@ class EngineBatcher:
     def _flush(self, groups: dict[SamplingParams, list[_Job]]) -> None:
         for params, group in groups.items():
             prompts = [p for job in group for p in job.payload[0]]
+            owners: list[tuple[_Job, int]] = []  # merged prompt index -> (job, its first index)
+            start = 0
+            for job in group:
+                owners += [(job, start)] * len(job.payload[0])
+                start += len(job.payload[0])
+            streaming = [job for job in group if job.on_token is not None]
+            kwargs: dict[str, Any] = {}
+            if streaming and self.streams_tokens:
+                def on_token(prompt_index: int, *rest: Any) -> None:
+                    job, first = owners[prompt_index]
+                    if job.on_token is not None:
+                        job.on_token(prompt_index - first, *rest)
+
+                kwargs["on_token"] = on_token
             try:
-                out = self.worker.generate(prompts, params, self.worker.weight_version)
+                out = self.worker.generate(prompts, params, self.worker.weight_version, **kwargs)
             except Exception as exc:  # noqa: BLE001 - each waiting request gets the error
                 for job in group:
                     job.future.set_exception(exc)
                 continue
-            start = 0
+            per_job: dict[int, list[Rollout]] = {id(job): [] for job in group}
+            for r in out:
+                job, first = owners[r.prompt_index]
+                r.prompt_index -= first
+                per_job[id(job)].append(r)
             for job in group:
-                count = len(job.payload[0])
-                mine = [r for r in out if start <= r.prompt_index < start + count]
-                for r in mine:
-                    r.prompt_index -= start
+                mine = per_job[id(job)]
+                if job.on_token is not None and not self.streams_tokens:
+                    _replay_tokens(job.on_token, mine, params.n)
                 job.future.set_result(mine)
-                start += count
 
     @staticmethod
     def _call(job: _Job, fn) -> None:
@@ -101,3 +132,15 @@ class EngineBatcher:
             job.future.set_result(fn())
         except Exception as exc:  # noqa: BLE001
             job.future.set_exception(exc)
+
+
+def _replay_tokens(on_token: TokenCallback, rollouts: list[Rollout], n: int) -> None:
+    """Token events for an engine that does not stream: every token of every response, at once."""
+    seen: dict[int, int] = {}
+    for r in rollouts:
+        sample = seen.get(r.prompt_index, 0)
+        seen[r.prompt_index] = sample + 1
+        last = len(r.response_ids) - 1
+        for t, (token, logprob) in enumerate(zip(r.response_ids, r.logprobs)):
+            top = r.top_logprobs[t] if r.top_logprobs else None
+            on_token(r.prompt_index, sample, token, logprob, top, r.finish_reason if t == last else None)

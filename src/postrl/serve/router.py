@@ -1,47 +1,189 @@
-"""Spreads OpenAI-style requests over several rollout servers: least outstanding requests first.
+"""Spreads OpenAI-style requests over several rollout servers: least outstanding requests first,
+around failures.
 
-``/health`` reports every backend; ``/update_weights`` is sent to all of them (a sync must reach
-every engine, or the router reports which did not take it).
+A backend that fails a health check (``GET /health`` every ``health_interval_s``) or a request
+(no connection, a timeout, a 5xx answer) leaves the rotation until a health check passes again,
+and not before a back-off that doubles with each failure in a row (so a backend whose health
+check passes but whose requests fail does not flap back in at every check);
+the failed request is retried once on another backend (for a stream: when the failure comes
+before the first byte). ``/health`` reports every backend; ``/update_weights`` is sent to all of
+them (a sync must reach every engine, or the router reports which did not take it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from postrl.serve.guard import detail
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backend:
+    url: str
+    healthy: bool = True
+    outstanding: int = 0
+    served: int = 0
+    failures: int = 0
+    consecutive: int = 0  # failures since the last success: re-admission waits longer each time
+    out_until: float = 0.0  # monotonic time before which a passing health check does not re-admit it
+    last_error: str | None = None
+
+
+class NoBackendError(RuntimeError):
+    """Every backend is out of the rotation, or the request failed on two of them."""
 
 
 class LeastOutstandingRouter:
-    def __init__(self, backends: list[str], timeout_s: float = 600.0) -> None:
+    def __init__(self, backends: list[str], timeout_s: float = 600.0, health_interval_s: float = 5.0,
+                 token: str | None = None) -> None:
         if not backends:
             raise ValueError("the router needs at least one backend URL")
-        self.backends = [b.rstrip("/") for b in backends]
-        self.outstanding = {b: 0 for b in self.backends}
-        self.served = {b: 0 for b in self.backends}
+        self.state = {b.rstrip("/"): Backend(b.rstrip("/")) for b in backends}
+        self.backends = list(self.state)
+        self.health_interval_s = health_interval_s
+        self.token = token
         self.client = httpx.AsyncClient(timeout=timeout_s)
 
-    def pick(self) -> str:
-        return min(self.backends, key=lambda b: (self.outstanding[b], self.served[b]))
+    # -- bookkeeping, kept for callers that read these maps ------------------------------------
+    @property
+    def outstanding(self) -> dict[str, int]:
+        return {b: s.outstanding for b, s in self.state.items()}
 
-    async def forward(self, path: str, body: bytes) -> httpx.Response:
-        backend = self.pick()
-        self.outstanding[backend] += 1
+    @property
+    def served(self) -> dict[str, int]:
+        return {b: s.served for b, s in self.state.items()}
+
+    def pick(self, exclude: tuple[str, ...] = ()) -> str:
+        live = [s for s in self.state.values() if s.healthy and s.url not in exclude]
+        if not live:
+            down = "; ".join(f"{s.url}: {s.last_error or 'unhealthy'}" for s in self.state.values())
+            raise NoBackendError(f"no healthy backend to send the request to ({down})")
+        return min(live, key=lambda s: (s.outstanding, s.served)).url
+
+    def mark_failed(self, url: str, error: str) -> None:
+        backend = self.state[url]
+        backend.failures += 1
+        backend.consecutive += 1
+        backend.out_until = time.monotonic() + min(60.0, self.health_interval_s * 2 ** (backend.consecutive - 1))
+        backend.last_error = error
+        if backend.healthy:
+            log.warning("backend %s leaves the rotation: %s", url, error)
+        backend.healthy = False
+
+    def headers(self, request_headers: Any = None) -> dict[str, str]:
+        out = {"content-type": "application/json"}
+        auth = f"Bearer {self.token}" if self.token else (request_headers or {}).get("authorization")
+        if auth:
+            out["authorization"] = auth
+        return out
+
+    # -- health ----------------------------------------------------------------------------------
+    async def check(self, url: str) -> bool:
         try:
-            return await self.client.post(backend + path, content=body, headers={"content-type": "application/json"})
+            ok = (await self.client.get(url + "/health", headers=self.headers(), timeout=10)).status_code == 200
+            error = None if ok else "health check did not answer 200"
         except httpx.HTTPError as exc:
-            raise HTTPException(502, f"backend {backend} failed: {type(exc).__name__}: {exc}") from None
-        finally:
-            self.outstanding[backend] -= 1
-            self.served[backend] += 1
+            ok, error = False, f"health check failed: {type(exc).__name__}: {exc}"
+        backend = self.state[url]
+        if not ok:
+            self.mark_failed(url, error or "unhealthy")
+        elif not backend.healthy and time.monotonic() >= backend.out_until:
+            log.warning("backend %s is healthy again and rejoins the rotation", url)
+            backend.healthy, backend.last_error = True, None
+        return ok
 
-    async def broadcast(self, path: str, body: bytes) -> dict[str, Any]:
+    async def check_all(self) -> dict[str, bool]:
+        return dict(zip(self.backends, await asyncio.gather(*(self.check(b) for b in self.backends))))
+
+    async def health_loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.health_interval_s)
+
+    # -- forwarding ------------------------------------------------------------------------------
+    async def forward(self, path: str, body: bytes, request_headers: Any = None) -> httpx.Response:
+        """POST to the least busy healthy backend; on a failure, once more to another."""
+        tried: list[str] = []
+        errors: list[str] = []
+        for _ in range(2):
+            try:
+                url = self.pick(exclude=tuple(tried))
+            except NoBackendError as exc:
+                if not tried:
+                    raise
+                errors.append(str(exc))
+                break
+            tried.append(url)
+            backend = self.state[url]
+            backend.outstanding += 1
+            try:
+                response = await self.client.post(url + path, content=body, headers=self.headers(request_headers))
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 500:
+                    backend.consecutive = 0
+                    return response
+                error = f"HTTP {response.status_code}: {response.text[:200]}"
+            finally:
+                backend.outstanding -= 1
+                backend.served += 1
+            self.mark_failed(url, error)
+            errors.append(f"{url}: {error}")
+        raise NoBackendError("the request failed on " + "; then on ".join(errors))
+
+    async def open_stream(self, path: str, body: bytes, request_headers: Any = None) -> tuple[str, httpx.Response]:
+        """Start a streamed POST; retried on another backend only while nothing has been relayed."""
+        tried: list[str] = []
+        errors: list[str] = []
+        for _ in range(2):
+            try:
+                url = self.pick(exclude=tuple(tried))
+            except NoBackendError as exc:
+                if not tried:
+                    raise
+                errors.append(str(exc))
+                break
+            tried.append(url)
+            request = self.client.build_request("POST", url + path, content=body, headers=self.headers(request_headers))
+            try:
+                response = await self.client.send(request, stream=True)
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 500:
+                    self.state[url].outstanding += 1
+                    return url, response
+                await response.aread()
+                await response.aclose()
+                error = f"HTTP {response.status_code}: {response.text[:200]}"
+            self.state[url].served += 1
+            self.mark_failed(url, error)
+            errors.append(f"{url}: {error}")
+        raise NoBackendError("the request failed on " + "; then on ".join(errors))
+
+    async def broadcast(self, path: str, body: bytes, request_headers: Any = None) -> dict[str, Any]:
         async def one(b: str) -> tuple[str, int, Any]:
             try:
-                r = await self.client.post(b + path, content=body, headers={"content-type": "application/json"})
-                return b, r.status_code, r.json()
+                r = await self.client.post(b + path, content=body, headers=self.headers(request_headers))
+                try:
+                    payload = r.json()
+                except ValueError:
+                    payload = {"detail": r.text[:300]}
+                return b, r.status_code, payload
             except httpx.HTTPError as exc:
                 return b, 502, {"detail": f"{type(exc).__name__}: {exc}"}
 
@@ -49,36 +191,78 @@ class LeastOutstandingRouter:
         return {b: {"status_code": code, "body": body} for b, code, body in results}
 
 
+def _wants_stream(body: bytes) -> bool:
+    try:
+        parsed = json.loads(body or b"{}")
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("stream") is True
+
+
 def build_router_app(router: LeastOutstandingRouter) -> FastAPI:
-    app = FastAPI(title="postrl rollout router")
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(router.health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.client.aclose()
+
+    app = FastAPI(title="postrl rollout router", lifespan=lifespan)
 
     @app.post("/v1/{endpoint:path}")
-    async def proxy(endpoint: str, request: Request) -> JSONResponse:
-        response = await router.forward(f"/v1/{endpoint}", await request.body())
-        return JSONResponse(response.json(), status_code=response.status_code)
+    async def proxy(endpoint: str, request: Request) -> Response:
+        body = await request.body()
+        try:
+            if _wants_stream(body):
+                url, upstream = await router.open_stream(f"/v1/{endpoint}", body, request.headers)
+                return _relay(router, url, upstream)
+            response = await router.forward(f"/v1/{endpoint}", body, request.headers)
+        except NoBackendError as exc:
+            return JSONResponse(detail(str(exc)), status_code=502)
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type", "application/json"))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        response = await router.client.get(router.pick() + "/v1/models")
+        try:
+            url = router.pick()
+        except NoBackendError as exc:
+            return JSONResponse(detail(str(exc)), status_code=502)
+        response = await router.client.get(url + "/v1/models", headers=router.headers())
         return JSONResponse(response.json(), status_code=response.status_code)
 
     @app.post("/update_weights")
     async def update(request: Request) -> JSONResponse:
-        results = await router.broadcast("/update_weights", await request.body())
+        results = await router.broadcast("/update_weights", await request.body(), request.headers)
         failed = [b for b, r in results.items() if r["status_code"] != 200]
         return JSONResponse({"backends": results, "failed": failed}, status_code=502 if failed else 200)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        async def one(b: str) -> tuple[str, bool]:
-            try:
-                return b, (await router.client.get(b + "/health")).status_code == 200
-            except httpx.HTTPError:
-                return b, False
-
-        states = dict(await asyncio.gather(*(one(b) for b in router.backends)))
+        await router.check_all()
+        states = {b: s.healthy for b, s in router.state.items()}
         ok = all(states.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", "backends": states,
-                             "outstanding": router.outstanding}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "degraded", "backends": states, "outstanding": router.outstanding,
+                "errors": {b: s.last_error for b, s in router.state.items() if s.last_error}}
+        return JSONResponse(body, status_code=200 if any(states.values()) else 503)
 
     return app
+
+
+def _relay(router: LeastOutstandingRouter, url: str, upstream: httpx.Response) -> StreamingResponse:
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            router.mark_failed(url, f"stream broke: {type(exc).__name__}: {exc}")
+            yield f"data: {json.dumps(detail(f'backend {url} failed mid-stream: {exc}'))}\n\n".encode()
+        finally:
+            router.state[url].outstanding -= 1
+            router.state[url].served += 1
+            await upstream.aclose()
+
+    return StreamingResponse(chunks(), status_code=upstream.status_code,
+                             media_type=upstream.headers.get("content-type", "text/event-stream"))

@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 
 from postrl.rollout.native.kv_cache import KVCache
 from postrl.rollout.native.model import NativeCausalLM
-from postrl.rollout.sampling import sample_tokens
+from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.rollout.hf_engine import eos_ids
-from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
 from postrl.weights import WeightSyncError, verify_manifest
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class _Seq:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class NativeRolloutWorker:
@@ -75,7 +76,9 @@ class NativeRolloutWorker:
         return NativeRolloutWorker(NativeCausalLM.from_hf(model, dtype, device), tokenizer, eos_ids(model, tokenizer), **kw)
 
     # -- RolloutWorker interface -----------------------------------------------------------------
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int,
+                 on_token: TokenCallback | None = None) -> list[Rollout]:
+        """``on_token`` (optional) sees every token as it is sampled, for streaming."""
         if weight_version != self.weight_version:
             raise RuntimeError(f"asked to generate with weight_version {weight_version}, engine holds {self.weight_version}")
         if not prompts:
@@ -85,7 +88,7 @@ class NativeRolloutWorker:
         slots = min(self.max_batch_size, len(prompts) * sampling_params.n)
         max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
         self._ensure_cache(slots, max_len)
-        seqs = _Scheduler(self, prompts, sampling_params, slots).run()
+        seqs = _Scheduler(self, prompts, sampling_params, slots, on_token).run()
         return [
             Rollout(
                 prompt_index=s.prompt_index,
@@ -95,6 +98,7 @@ class NativeRolloutWorker:
                 text=self.tokenizer.decode(s.tokens, skip_special_tokens=True),
                 finish_reason=finish,  # type: ignore[arg-type]
                 weight_version=self.weight_version,
+                top_logprobs=s.top if sampling_params.top_logprobs else None,
             )
             for s, finish in seqs
         ]
@@ -139,8 +143,9 @@ class NativeRolloutWorker:
 class _Scheduler:
     """One ``generate`` call: admits prompts into free slots and decodes until all are done."""
 
-    def __init__(self, engine: NativeRolloutWorker, prompts: list[Prompt], sp: SamplingParams, slots: int) -> None:
-        self.e, self.sp, self.n_slots = engine, sp, slots
+    def __init__(self, engine: NativeRolloutWorker, prompts: list[Prompt], sp: SamplingParams, slots: int,
+                 on_token: TokenCallback | None = None) -> None:
+        self.e, self.sp, self.n_slots, self.on_token = engine, sp, slots, on_token
         self.cache = engine.cache
         self.device = engine.model.device
         self.waiting = deque((i, p.prompt_ids) for i, p in enumerate(prompts))
@@ -171,9 +176,10 @@ class _Scheduler:
             if admitted is not None:
                 row_slots.append(admitted[0])
                 logits.append(admitted[1])
-            slots = torch.cat(row_slots)
-            tokens, lps = sample_tokens(torch.cat(logits), self.sp.temperature, self.sp.top_k, self.sp.top_p, self.e.generator)
-            self._record(slots, tokens, lps)
+            slots, rows = torch.cat(row_slots), torch.cat(logits)
+            tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, self.e.generator)
+            top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
+            self._record(slots, tokens, lps, top)
         self.finished.sort(key=lambda t: (t[0].prompt_index, t[0].sample_index))
         return self.finished
 
@@ -278,17 +284,25 @@ class _Scheduler:
         """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""
         return self.sp.n - self.remaining[prompt_index] - now
 
-    def _record(self, slots: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor) -> None:
+    def _record(self, slots: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor,
+                top: list[list[tuple[int, float]]] | None) -> None:
         self.last[slots] = tokens
         is_stop = torch.isin(tokens, self.stop_ids).tolist()
-        for s, tok, lp, stop in zip(slots.tolist(), tokens.tolist(), lps.tolist(), is_stop):
+        for row, (s, tok, lp, stop) in enumerate(zip(slots.tolist(), tokens.tolist(), lps.tolist(), is_stop)):
             seq = self.active[s]
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
+            if top is not None:
+                seq.top.append(top[row])
+            finish = None
             if stop or self.checker.hit(seq.tokens):
-                self._finish(s, "stop")
+                finish = "stop"
             elif len(seq.tokens) >= self.sp.max_tokens:
-                self._finish(s, "length")
+                finish = "length"
+            if self.on_token is not None:
+                self.on_token(seq.prompt_index, seq.sample_index, tok, lp, top[row] if top else None, finish)
+            if finish:
+                self._finish(s, finish)
 
     def _finish(self, slot: int, reason: str) -> None:
         self.finished.append((self.active.pop(slot), reason))
