@@ -9,6 +9,8 @@ reloads in place. The server's logprobs are pi_old.
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,13 +51,16 @@ class VLLMRolloutWorker:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="postrl-vllm-", suffix=".log", delete=False)
+        self.sync_dir = Path(tempfile.mkdtemp(prefix="postrl-vllm-sync-"))
+        token = secrets.token_urlsafe(32)  # only this process may drive the server, /update_weights included
         self.proc = subprocess.Popen(
             [str(python), str(SERVER_FILE), "--model", str(model_dir), "--port", str(self.port), "--dtype", dtype,
-             "--max-model-len", str(max_model_len), "--seed", str(seed)],
+             "--max-model-len", str(max_model_len), "--seed", str(seed), "--token-env", "POSTRL_VLLM_TOKEN",
+             "--weights-dir", str(self.sync_dir)],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "POSTRL_VLLM_TOKEN": token},
         )
-        self.client = httpx.Client(timeout=request_timeout_s)
-        self.sync_dir = Path(tempfile.mkdtemp(prefix="postrl-vllm-sync-"))
+        self.client = httpx.Client(timeout=request_timeout_s, headers={"authorization": f"Bearer {token}"})
         self._wait_ready(startup_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -96,7 +101,7 @@ class VLLMRolloutWorker:
     def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
                        manifest: dict[str, str] | None = None) -> None:
         if isinstance(weights, (str, Path)):
-            path = Path(weights)
+            path = self._into_sync_dir(Path(weights))
             if manifest is not None:
                 from safetensors.torch import load_file
 
@@ -109,6 +114,18 @@ class VLLMRolloutWorker:
         if response.status_code != 200:
             raise RuntimeError(f"vLLM weight update failed ({response.status_code}): {response.text[:500]}")
         self.weight_version = version
+
+    def _into_sync_dir(self, path: Path) -> Path:
+        """The server reads weights only from its own folder: hard-link (else copy) the file there."""
+        target = self.sync_dir / "policy.safetensors"
+        if path.resolve() == target.resolve():
+            return target
+        target.unlink(missing_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copyfile(path, target)
+        return target
 
     def health_check(self) -> bool:
         try:

@@ -12,12 +12,32 @@ Runs inside the vLLM virtual environment (``scripts/setup_vllm.sh``), started by
   ``collective_rpc`` into each worker's ``reload_weights(weights_path=..., is_checkpoint_format=True)``
   works.
 - ``GET /health``: ``{status, weight_version}``.
+
+Protected like postrl's other servers (:mod:`postrl.serve.guard`, loaded by path since postrl is
+not installed here): a bearer token from ``--token-env`` on every endpoint, a body limit, bounds
+on ``n``, ``max_tokens`` and prompts per request, ``/update_weights`` confined to
+``--weights-dir``; a non-loopback ``--host`` without a token is refused.
 """
 
 
 import argparse
+import importlib.util
+import os
+import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+
+def _load_guard() -> Any:
+    path = Path(__file__).resolve().parent.parent / "serve" / "guard.py"
+    spec = importlib.util.spec_from_file_location("postrl_serve_guard", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+guard = _load_guard()
 
 
 def _reload(llm: Any, path: str) -> None:
@@ -35,13 +55,17 @@ def _reload(llm: Any, path: str) -> None:
     llm.reset_prefix_cache()
 
 
-def build_app(llm: Any, model_name: str):
+def build_app(llm: Any, model_name: str, *, token: str | None = None, weights_dir: str | None = None,
+              max_body_bytes: int = 64 << 20, max_n: int = 256, max_tokens: int = 32768, max_prompts: int = 4096):
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel, Field
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     app = FastAPI(title="postrl vLLM rollout server")
+    app.add_middleware(guard.BodyLimitMiddleware, limit=max_body_bytes)
+    if token:
+        app.add_middleware(guard.TokenMiddleware, token=token)
     lock = threading.Lock()  # the offline LLM is not re-entrant; each request is a whole batch
     state = {"weight_version": 0}
 
@@ -67,6 +91,10 @@ def build_app(llm: Any, model_name: str):
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> dict:
+        for name, value, bound in (("n", req.n, max_n), ("max_tokens", req.max_tokens, max_tokens),
+                                   ("prompts", len(req.prompt), max_prompts)):
+            if value > bound:
+                raise HTTPException(400, f"{name}={value} is over this server's limit of {bound}")
         params = SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k if req.top_k > 0 else -1,
             max_tokens=req.max_tokens, stop=req.stop or None, stop_token_ids=req.stop_token_ids or None,
@@ -86,12 +114,19 @@ def build_app(llm: Any, model_name: str):
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict:
-        import os
-
-        if not os.path.isfile(req.path):
+        if weights_dir is None:
+            raise HTTPException(403, "/update_weights is disabled: start the server with --weights-dir DIR")
+        try:
+            path = guard.confined_path(weights_dir, req.path)
+        except ValueError as exc:
+            raise HTTPException(403, str(exc)) from None
+        if not os.path.isfile(path):
             raise HTTPException(400, f"no weights file at {req.path}")
         with lock:
-            _reload(llm, req.path)
+            try:
+                _reload(llm, path)
+            except Exception as exc:  # noqa: BLE001 - a bad file is the client's error
+                raise HTTPException(400, f"could not load {req.path}: {type(exc).__name__}: {exc}") from None
             state["weight_version"] = req.version
         return {"status": "ok", "weight_version": req.version}
 
@@ -107,14 +142,28 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--memory-fraction", type=float, default=0.25, help="CPU memory vLLM reserves for its KV cache")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token-env", help="environment variable holding the bearer token every request needs")
+    parser.add_argument("--weights-dir", help="the only folder /update_weights may read from (default: disabled)")
+    parser.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    parser.add_argument("--max-n", type=int, default=256)
+    parser.add_argument("--max-tokens-limit", type=int, default=32768)
+    parser.add_argument("--max-prompts", type=int, default=4096)
     args = parser.parse_args()
+    try:
+        token = guard.read_token(args.token_env)
+    except ValueError as exc:
+        sys.exit(f"vllm_server: {exc}")
+    if not guard.is_loopback(args.host) and token is None:
+        sys.exit(f"vllm_server: --host {args.host} is not loopback; set --token-env (a bearer token)")
 
     import uvicorn
     from vllm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
               gpu_memory_utilization=args.memory_fraction)
-    uvicorn.run(build_app(llm, args.model), host=args.host, port=args.port, log_level="warning")
+    app = build_app(llm, args.model, token=token, weights_dir=args.weights_dir, max_body_bytes=args.max_body_bytes,
+                    max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
