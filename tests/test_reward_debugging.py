@@ -171,3 +171,45 @@ def test_own_reward_module_next_to_the_config(tmp_path, tiny_model_dir, arithmet
     assert row["reasons"]["mine"].startswith("wanted ")
     assert row["unscorable"] and "off: my_rewards:broken returned str '0.5', not a number" in row["error"]
     assert "unscorable 16 (most common: 16x off: my_rewards:broken returned str '0.5'" in done.stdout
+
+
+def _sandbox_pids() -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+                state = Path(f"/proc/{entry}/stat").read_text().split(") ")[-1][0]
+            except OSError:
+                continue
+            if b"sandbox_harness" in cmd and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_a_killed_trainer_leaves_no_sandboxed_program_behind():
+    assert _sandbox_pids() == []
+    script = textwrap.dedent("""
+        import threading, time
+        from postrl.config import RewardConfig
+        from postrl.reward import RewardService
+        service = RewardService(RewardConfig(num_workers=1, components=[
+            {"name": "code", "type": "code", "timeout_s": 600, "sandbox": {"wall_s": 500, "cpu_s": 500}}]))
+        program = "```python\\nimport time\\ntime.sleep(3600)\\n```"
+        threading.Thread(target=service.score, args=("p", program), kwargs={"tests": ["assert True"]},
+                         daemon=True).start()
+        print("scoring", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "scoring"
+    deadline = time.monotonic() + 30
+    while not _sandbox_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sandbox_pids(), "the sandboxed program never started"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while (_sandbox_pids() or _worker_pids(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sandbox_pids() == [] and _worker_pids(proc.pid) == []

@@ -14,6 +14,7 @@ import yaml
 
 from postrl.cli import main
 from postrl.metrics import read_metrics
+from tests.test_reward_debugging import _worker_pids
 from tests.test_train_e2e import write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +81,12 @@ def test_missing_model_path_is_one_line(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"postrl eval: error: no model folder at {tmp_path / 'nope'}, and {tmp_path / 'nope'} is not a model id"
+    start = time.monotonic()
+    assert main(["eval", "--model", "surely-not-a-model-xyz"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and time.monotonic() - start < 20
+    assert err.startswith("postrl eval: error: no model folder at surely-not-a-model-xyz, and surely-not-a-model-xyz "
+                          "is not a model id")
     (tmp_path / "empty").mkdir()
     assert main(["eval", "--model", str(tmp_path / "empty")]) == 2
     assert "is a folder but not a model folder (it has no config.json)" in capsys.readouterr().err
@@ -124,10 +131,12 @@ def test_signal_stops_after_the_step_and_checkpoints(tmp_path, tiny_model_dir, a
                           checkpoint={"every_steps": 0, "keep_last": 1})
     proc = _train_subprocess(config)
     _wait_for_line(proc, "step 2 |")
+    assert len(_worker_pids(proc.pid)) >= 1
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err
+    assert _worker_pids(proc.pid) == []  # no scoring worker outlives the trainer
     run_dir = tmp_path / "runs" / "tiny"
     last = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]
     assert 2 <= last < 200

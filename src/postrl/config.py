@@ -388,6 +388,9 @@ def format_validation_error(err: ValidationError, model: type[BaseModel] = RunCo
         where = ".".join(str(p) for p in loc) or "<config>"
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown config field '{where}'{_describe(model, loc)}")
+        elif e["type"] == "value_error":  # our own validators: the message names the fields
+            message = e["msg"].removeprefix("Value error, ")
+            lines.append(message if not loc else f"config field '{where}': {message}")
         else:
             lines.append(f"config field '{where}': got {e.get('input')!r}: {e['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)

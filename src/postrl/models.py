@@ -3,6 +3,7 @@ and writing model folders that every postrl command and ``from_pretrained`` can 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -37,7 +38,30 @@ def resolve_model_path(path: str) -> str:
         return expanded
     if os.path.exists(expanded) or not _HUB_ID.match(path) or path.count("/") > 1:
         raise ModelNotFoundError(f"no model folder at {path}, and {path} is not a model id")
+    _check_hub_id(path)
     return path
+
+
+@functools.lru_cache(maxsize=32)
+def _check_hub_id(model_id: str) -> None:
+    """Fail in one line, within seconds, for a name that is neither cached nor on the hub (instead of
+    transformers' minute of retries and a long traceback)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return
+    missing = f"no model folder at {model_id}, and {model_id} is not a model id"
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"{missing} in the local Hugging Face cache (HF_HUB_OFFLINE is set)")
+    import httpx
+
+    try:
+        answer = httpx.head(f"{constants.ENDPOINT}/api/models/{model_id}", timeout=5.0, follow_redirects=True)
+    except httpx.HTTPError as exc:
+        raise ModelNotFoundError(f"{missing} in the local Hugging Face cache, and the hub cannot be reached "
+                                 f"({type(exc).__name__})") from None
+    if answer.status_code in (401, 404):
+        raise ModelNotFoundError(missing)
 
 
 def _load(loader: Any, path: str, **kwargs: Any) -> Any:

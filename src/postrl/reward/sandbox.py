@@ -122,13 +122,15 @@ class Sandbox:
 
     def _command(self, result_fd: int) -> list[str]:
         python = [sys.executable, "-I"] + ([] if self.limits.python_site else ["-S"]) + [str(HARNESS), str(result_fd)]
+        # the jail dies with the scoring worker that started it, even when that worker is SIGKILLed
+        death = ["setpriv", "--pdeathsig", "KILL"] if SETPRIV else []
         flags = list(self.protections.namespaces)
         if not flags:
-            return python
+            return [*death, *python]
         prefix = ["unshare"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user"]
         if "--pid" in flags:
             flags += ["--fork", "--kill-child"]
-        return [*prefix, *flags, *python]
+        return [*death, *prefix, *flags, *python]
 
     def run(self, program: str, tests: list, mode: str) -> SandboxResult:
         """Run ``program`` against ``tests``: assert statements (mode 'assert') or
@@ -220,6 +222,19 @@ def _record_verdict(line: bytes, n_tests: int, verdicts: dict[int, tuple[bool, s
     index = int(parts[0])
     if 0 <= index < n_tests and index not in verdicts:
         verdicts[index] = (parts[1] == "1", parts[2] or None)
+
+
+def _setpriv_has_pdeathsig() -> bool:
+    path = shutil.which("setpriv")
+    if path is None:
+        return False
+    try:
+        return "--pdeathsig" in subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+SETPRIV = _setpriv_has_pdeathsig()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
