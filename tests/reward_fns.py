@@ -86,3 +86,8 @@ def returns_five(prompt, response, **columns):
 def prints_and_scores(prompt, response, **columns):
     print(f"scoring {prompt!r}")
     return 1.0, "looked fine"
+
+
+def slow_length(prompt, response, **columns):
+    time.sleep(0.2)
+    return float(len(response))

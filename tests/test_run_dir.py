@@ -185,3 +185,24 @@ def test_jsonl_errors_name_the_right_column_and_skipped_rows_are_listed(tmp_path
     assert f"  {data}:102: row has neither 'prompt' nor 'messages'" in captured
     listed = (tmp_path / "runs" / "tiny" / "skipped_rows.txt").read_text().splitlines()
     assert [x.split(": ")[0] for x in listed] == [f"{data}:101", f"{data}:102"]
+
+
+def test_second_signal_abandons_the_step_and_keeps_the_last_completed_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=200,
+                          checkpoint={"every_steps": 0, "keep_last": 1},
+                          reward={"components": [{"name": "slow", "type": "custom",
+                                                  "function": "tests.reward_fns:slow_length"}], "num_workers": 2})
+    proc = _train_subprocess(config)
+    _wait_for_line(proc, "step 1 |")
+    time.sleep(0.3)  # inside step 2's scoring, which takes ~1.6 s
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "SIGINT again: abandoning the current step" in err and "Traceback" not in err
+    run_dir = tmp_path / "runs" / "tiny"
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001"]
+    assert f"stopped after step 1; the last checkpoint is step 1. Resume with: postrl train --resume {run_dir}" in err
+    assert _worker_pids(proc.pid) == []
