@@ -213,3 +213,13 @@ def test_a_killed_trainer_leaves_no_sandboxed_program_behind():
     while (_sandbox_pids() or _worker_pids(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _sandbox_pids() == [] and _worker_pids(proc.pid) == []
+
+
+def test_a_non_finite_in_process_score_is_unscorable():
+    service = _service({"name": "f", "type": "format"})
+    try:
+        service._local["f"] = lambda reqs: [(float("nan"), None) for _ in reqs]
+        result = service.score("p", "<answer>1</answer>")
+    finally:
+        service.close()
+    assert result.unscorable and result.error == "f: returned nan (not finite)"

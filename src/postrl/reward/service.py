@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -143,6 +144,8 @@ class RewardService:
             value, error = scores[comp.name][i]
             if value is None:
                 errors.append(f"{comp.name}: {error or 'no score'}")
+            elif not math.isfinite(value):  # e.g. a reward model's NaN: never averaged into a reward
+                errors.append(f"{comp.name}: returned {value} (not finite)")
             else:
                 components[comp.name] = value
         flags = [f"{comp.name}: value {components[comp.name]:g} outside expected_range "
