@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,8 +114,9 @@ class LeastOutstandingRouter:
             await asyncio.sleep(self.health_interval_s)
 
     # -- forwarding ------------------------------------------------------------------------------
-    async def forward(self, path: str, body: bytes, request_headers: Any = None) -> httpx.Response:
-        """POST to the least busy healthy backend; on a failure, once more to another."""
+    async def _twice(self, attempt: Callable[[str], Awaitable[tuple[Any, str | None]]]) -> Any:
+        """Run ``attempt(url)`` on the least busy healthy backend and, if it fails (returns an
+        error), once more on another; a failed backend leaves the rotation."""
         tried: list[str] = []
         errors: list[str] = []
         for _ in range(2):
@@ -127,53 +128,53 @@ class LeastOutstandingRouter:
                 errors.append(str(exc))
                 break
             tried.append(url)
+            result, error = await attempt(url)
+            if error is None:
+                return result
+            self.mark_failed(url, error)
+            errors.append(f"{url}: {error}")
+        raise NoBackendError("the request failed on " + "; then on ".join(errors))
+
+    async def forward(self, path: str, body: bytes, request_headers: Any = None) -> httpx.Response:
+        """POST to the least busy healthy backend; on a failure, once more to another."""
+
+        async def attempt(url: str) -> tuple[httpx.Response | None, str | None]:
             backend = self.state[url]
             backend.outstanding += 1
             try:
                 response = await self.client.post(url + path, content=body, headers=self.headers(request_headers))
             except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            else:
-                if response.status_code < 500:
-                    backend.consecutive = 0
-                    return response
-                error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return None, f"{type(exc).__name__}: {exc}"
             finally:
                 backend.outstanding -= 1
                 backend.served += 1
-            self.mark_failed(url, error)
-            errors.append(f"{url}: {error}")
-        raise NoBackendError("the request failed on " + "; then on ".join(errors))
+            if response.status_code >= 500:
+                return None, f"HTTP {response.status_code}: {response.text[:200]}"
+            backend.consecutive = 0
+            return response, None
+
+        return await self._twice(attempt)
 
     async def open_stream(self, path: str, body: bytes, request_headers: Any = None) -> tuple[str, httpx.Response]:
         """Start a streamed POST; retried on another backend only while nothing has been relayed."""
-        tried: list[str] = []
-        errors: list[str] = []
-        for _ in range(2):
-            try:
-                url = self.pick(exclude=tuple(tried))
-            except NoBackendError as exc:
-                if not tried:
-                    raise
-                errors.append(str(exc))
-                break
-            tried.append(url)
+
+        async def attempt(url: str) -> tuple[tuple[str, httpx.Response] | None, str | None]:
             request = self.client.build_request("POST", url + path, content=body, headers=self.headers(request_headers))
             try:
                 response = await self.client.send(request, stream=True)
             except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            else:
-                if response.status_code < 500:
-                    self.state[url].outstanding += 1
-                    return url, response
+                self.state[url].served += 1
+                return None, f"{type(exc).__name__}: {exc}"
+            if response.status_code >= 500:
                 await response.aread()
                 await response.aclose()
-                error = f"HTTP {response.status_code}: {response.text[:200]}"
-            self.state[url].served += 1
-            self.mark_failed(url, error)
-            errors.append(f"{url}: {error}")
-        raise NoBackendError("the request failed on " + "; then on ".join(errors))
+                self.state[url].served += 1
+                return None, f"HTTP {response.status_code}: {response.text[:200]}"
+            self.state[url].outstanding += 1
+            self.state[url].consecutive = 0
+            return (url, response), None
+
+        return await self._twice(attempt)
 
     async def broadcast(self, path: str, body: bytes, request_headers: Any = None) -> dict[str, Any]:
         async def one(b: str) -> tuple[str, int, Any]:
