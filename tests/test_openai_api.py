@@ -299,3 +299,36 @@ def _always_500_app():
         return {"status": "ok"}
 
     return app
+
+
+class _NoStreamEngine:
+    """An engine without ``on_token`` (like the vLLM backend): streams arrive whole at the end."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, prompts, sampling_params, weight_version):
+        return self.inner.generate(prompts, sampling_params, weight_version)
+
+
+def test_engines_that_cannot_stream_still_answer_streams(char_tokenizer):
+    inner = NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer)
+    batcher = EngineBatcher(_NoStreamEngine(inner))
+    assert not batcher.streams_tokens
+    server = Server(build_app(batcher, char_tokenizer, "tiny", limits=ServerLimits(default_max_tokens=6)))
+    try:
+        client = client_for(server)
+        whole = client.completions.create(model="tiny", prompt=["1+2=", "3+4="], n=2, temperature=0.0, logprobs=1)
+        chunks = list(client.completions.create(model="tiny", prompt=["1+2=", "3+4="], n=2, temperature=0.0,
+                                                logprobs=1, stream=True))
+        for choice in whole.choices:
+            mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+            assert "".join(c.text for c in mine) == choice.text
+            assert [t for c in mine for t in c.logprobs.tokens] == choice.logprobs.tokens
+            assert mine[-1].finish_reason == choice.finish_reason
+    finally:
+        server.stop()
+        batcher.close()

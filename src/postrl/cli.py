@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunInterrupted as exc:
         print(f"postrl {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # before a run's own handler is installed (loading, validating): nothing written yet
+        print(f"\npostrl {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, DatasetError, FileNotFoundError, NonFiniteLossError, RewardFailureError, RewardServiceError) as exc:
         print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -119,7 +119,7 @@ class Controller:
         advantages = self.compute_advantage(rollouts, rewards)
         if self._samples_due(self.step_count + 1):
             write_samples(self.config.run_dir / "samples" / f"step_{self.step_count + 1}.jsonl",
-                               prompts, rollouts, rewards, advantages.tolist())
+                          prompts, rollouts, rewards, advantages.tolist())
         self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
         experiences = self.parts.buffer.get(None, self.weight_version)
 

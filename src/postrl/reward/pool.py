@@ -118,6 +118,7 @@ class ScoringPool:
         self._log: Any = None
         self._borrowed: Any = None  # a stream given to set_log_file: written to, never closed here
         self._early_log = bytearray()  # worker output before a log file is set (kept up to 1 MB)
+        self._log_lock = threading.Lock()
         if log_file is not None:
             self.set_log_file(log_file)
         self.preload = preload  # functions imported before a worker reports ready
@@ -154,15 +155,15 @@ class ScoringPool:
         """Append what the workers write to stderr (reward functions' prints) to ``path``, or to an
         open binary stream (a server passes its own stderr)."""
         fh = path if hasattr(path, "write") else open(path, "ab")
-        with self._lock:
+        with self._log_lock:
             old, self._log = self._log, fh
             if self._early_log:
                 fh.write(bytes(self._early_log))
                 fh.flush()
                 self._early_log.clear()
-        if old is not None and old is not self._borrowed:
-            old.close()
-        self._borrowed = fh if hasattr(path, "write") else None
+            if old is not None and old is not self._borrowed:
+                old.close()
+            self._borrowed = fh if hasattr(path, "write") else None
 
     def submit(self, jobs: list[dict[str, Any]]) -> list[Future]:
         """Queue jobs (dicts with fn, prompt, response, columns, options and optionally timeout_s)."""
@@ -197,9 +198,10 @@ class ScoringPool:
         self._workers = []
         os.close(self._wake_r)
         os.close(self._wake_w)
-        if self._log is not None and self._log is not self._borrowed:
-            self._log.close()
-        self._log = None
+        with self._log_lock:
+            if self._log is not None and self._log is not self._borrowed:
+                self._log.close()
+            self._log = None
 
     def __enter__(self) -> ScoringPool:
         return self
@@ -391,11 +393,12 @@ class ScoringPool:
             self._write_log(chunk)
 
     def _write_log(self, chunk: bytes) -> None:
-        if self._log is not None:
-            self._log.write(chunk)
-            self._log.flush()
-        elif len(self._early_log) < 1 << 20:
-            self._early_log += chunk[: (1 << 20) - len(self._early_log)]
+        with self._log_lock:
+            if self._log is not None:
+                self._log.write(chunk)
+                self._log.flush()
+            elif len(self._early_log) < 1 << 20:
+                self._early_log += chunk[: (1 << 20) - len(self._early_log)]
 
     def _read(self, worker: _Worker) -> None:
         try:

@@ -15,7 +15,12 @@ class RolloutWorker(Protocol):
     weight_version: int
 
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
-        """``sampling_params.n`` responses per prompt, grouped by prompt, in prompt order."""
+        """``sampling_params.n`` responses per prompt, grouped by prompt, in prompt order.
+
+        With ``sampling_params.top_logprobs = k`` each rollout also carries the ``k`` most likely
+        tokens at every position. Engines that can stream also take an ``on_token`` keyword
+        (:data:`postrl.types.TokenCallback`), called for every token as it is sampled; the
+        server's batcher checks for it and streams whole responses from engines without it."""
         ...
 
     def update_weights(
