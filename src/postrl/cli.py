@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Callable
 
 from postrl.config import ConfigError
 
@@ -159,18 +160,7 @@ def _verbose_flag() -> argparse.ArgumentParser:
     return parent
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from postrl.tasks import TASKS
-
-    verbose = _verbose_flag()
-    parser = argparse.ArgumentParser(prog="postrl", description="RL post-training of language models.",
-                                     formatter_class=_Formatter, parents=[verbose])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=_Formatter,
-                              parents=[verbose])
-
+def _add_train(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("train", "run GRPO/PPO from a YAML config",
                 epilog="The run directory is OUTPUT_DIR/NAME (config fields output_dir, default 'runs', and name, "
                 "default 'run'): it receives config.yaml, metrics.jsonl, tensorboard/, samples/, checkpoints/, "
@@ -186,9 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "(never deleted)")
     p.set_defaults(func=_cmd_train)
 
+
+def _add_demo(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("demo", "GRPO on the built-in arithmetic task with the shipped model (runs/demo, demo-2, ...)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20")
     p.set_defaults(func=_cmd_demo)
+
+
+def _add_eval(command: Callable[..., argparse.ArgumentParser]) -> None:
+    from postrl.tasks import TASKS
 
     p = command("eval", "held-out accuracy of a model: a built-in task, or your own prompt file scored by a "
                 "run's reward components",
@@ -208,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write every scored sample to this JSONL file")
     p.set_defaults(func=_cmd_eval)
 
+
+def _add_serve_rollout(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("serve-rollout", "OpenAI-compatible server over postrl's rollout engine")
     p.add_argument("--model", required=True, help="a Hugging Face model folder, or 'demo'")
     p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --token-env")
@@ -228,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.set_defaults(func=_cmd_serve_rollout)
 
+
+def _add_route(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("route", "spread requests over rollout servers (least outstanding requests; unhealthy backends "
                 "leave the rotation)")
     p.add_argument("--backend", action="append", required=True, help="a rollout server URL; repeat for more")
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-env", help="environment variable holding the bearer token sent to the backends")
     p.set_defaults(func=_cmd_route)
 
+
+def _add_serve_reward(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("serve-reward", "the Reward Service over HTTP (POST /score, /health, /metrics)")
     p.add_argument("--config", required=True, help="YAML with a 'reward' section and an optional 'server' section")
     p.add_argument("--host", default=None, help="bind address (default: server.host, loopback)")
@@ -245,11 +247,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. reward.num_workers=4")
     p.set_defaults(func=_cmd_serve_reward)
 
+
+def _add_convert_gguf(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("convert-gguf", "write a Hugging Face folder (safetensors, tokenizer) from a GGUF file")
     p.add_argument("file", help="the .gguf file")
     p.add_argument("out_dir", help="the folder to write")
     p.set_defaults(func=_cmd_convert_gguf)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    verbose = _verbose_flag()
+    parser = argparse.ArgumentParser(prog="postrl", description="RL post-training of language models.",
+                                     formatter_class=_Formatter, parents=[verbose])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=_Formatter,
+                              parents=[verbose])
+
+    for add in (_add_train, _add_demo, _add_eval, _add_serve_rollout, _add_route, _add_serve_reward, _add_convert_gguf):
+        add(command)
     return parser
+
 
 
 def _quiet_transformers() -> None:

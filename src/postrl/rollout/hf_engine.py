@@ -93,26 +93,23 @@ class HFRolloutWorker:
 
     # -- internals -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _generate_batch(self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams,
-                        on_token: TokenCallback | None = None) -> list[Rollout]:
-        device = next(self.model.parameters()).device
-        n = len(rows)
-        width = max(len(ids) for _, _, ids in rows)
+    def _left_padded(self, rows: list[tuple[int, int, list[int]]], device: torch.device) -> tuple[torch.Tensor, ...]:
+        n, width = len(rows), max(len(ids) for _, _, ids in rows)
         input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((n, width), dtype=torch.long)
         for r, (_, _, ids) in enumerate(rows):
             input_ids[r, width - len(ids) :] = torch.tensor(ids)
             attention[r, width - len(ids) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        return input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
 
-        stop_ids = self._eos | set(sp.stop_token_ids)
-        stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        checker = StopChecker(self.tokenizer, sp.stop)
-        responses: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
-        finish: list[str] = ["length"] * n
+    def _generate_batch(self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams,
+                        on_token: TokenCallback | None = None) -> list[Rollout]:
+        device = next(self.model.parameters()).device
+        input_ids, attention, positions = self._left_padded(rows, device)
+        n = len(rows)
+        stop_tensor = torch.tensor(sorted(self._eos | set(sp.stop_token_ids)), dtype=torch.long, device=device)
+        record = _BatchRecord(rows, sp, StopChecker(self.tokenizer, sp.stop), on_token)
         done = torch.zeros(n, dtype=torch.bool, device=device)
 
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
@@ -121,45 +118,55 @@ class HFRolloutWorker:
         for _ in range(sp.max_tokens):
             tokens, token_lp = sample_tokens(next_logits, sp.temperature, sp.top_k, sp.top_p, self.generator)
             tokens = torch.where(done, torch.full_like(tokens, self.pad_id), tokens)
-            hit_stop_id = torch.isin(tokens, stop_tensor) & ~done
-            tok_list, lp_list, active = tokens.tolist(), token_lp.tolist(), (~done).nonzero().flatten().tolist()
+            hit_stop_id = (torch.isin(tokens, stop_tensor) & ~done).tolist()
             top = top_logprobs(next_logits, sp.temperature, sp.top_logprobs) if sp.top_logprobs else None
-            for r in active:
-                responses[r].append(tok_list[r])
-                logprobs[r].append(lp_list[r])
-                if top is not None:
-                    tops[r].append(top[r])
-                ended = None
-                if hit_stop_id[r] or checker.hit(responses[r]):
-                    finish[r] = ended = "stop"
-                    done[r] = True
-                elif len(responses[r]) >= sp.max_tokens:
-                    ended = "length"
-                if on_token is not None:
-                    on_token(rows[r][0], rows[r][1], tok_list[r], lp_list[r], top[r] if top else None, ended)
+            for r in record.add(tokens.tolist(), token_lp.tolist(), top, hit_stop_id, (~done).nonzero().flatten().tolist()):
+                done[r] = True
             if bool(done.all()):
                 break
             attention = torch.cat([attention, attention.new_ones((n, 1))], dim=-1)
-            out = self.model(
-                input_ids=tokens.unsqueeze(-1),
-                attention_mask=attention,
-                position_ids=next_pos,
-                use_cache=True,
-                **{self._cache_arg: cache},
-            )
+            out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
+                             use_cache=True, **{self._cache_arg: cache})
             cache, next_logits = output_cache(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
+        return record.rollouts(self.tokenizer, self.weight_version)
 
+
+class _BatchRecord:
+    """What one batch has generated so far, row by row, and who to tell about each token."""
+
+    def __init__(self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams, checker: StopChecker,
+                 on_token: TokenCallback | None) -> None:
+        self.rows, self.sp, self.checker, self.on_token = rows, sp, checker, on_token
+        self.responses: list[list[int]] = [[] for _ in rows]
+        self.logprobs: list[list[float]] = [[] for _ in rows]
+        self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in rows]
+        self.finish: list[str] = ["length"] * len(rows)
+
+    def add(self, tokens: list[int], lps: list[float], top: list | None, hit_stop_id: list[bool],
+            active: list[int]) -> list[int]:
+        """Append this step's token to every active row; returns the rows that stopped."""
+        stopped = []
+        for r in active:
+            self.responses[r].append(tokens[r])
+            self.logprobs[r].append(lps[r])
+            if top is not None:
+                self.tops[r].append(top[r])
+            ended = None
+            if hit_stop_id[r] or self.checker.hit(self.responses[r]):
+                self.finish[r] = ended = "stop"
+                stopped.append(r)
+            elif len(self.responses[r]) >= self.sp.max_tokens:
+                ended = "length"
+            if self.on_token is not None:
+                self.on_token(self.rows[r][0], self.rows[r][1], tokens[r], lps[r], top[r] if top else None, ended)
+        return stopped
+
+    def rollouts(self, tokenizer: Any, weight_version: int) -> list[Rollout]:
         return [
-            Rollout(
-                prompt_index=idx,
-                prompt_ids=list(ids),
-                response_ids=responses[r],
-                logprobs=logprobs[r],
-                text=self.tokenizer.decode(responses[r], skip_special_tokens=True),
-                finish_reason=finish[r],  # type: ignore[arg-type]
-                weight_version=self.weight_version,
-                top_logprobs=tops[r] if sp.top_logprobs else None,
-            )
-            for r, (idx, _, ids) in enumerate(rows)
+            Rollout(prompt_index=idx, prompt_ids=list(ids), response_ids=self.responses[r], logprobs=self.logprobs[r],
+                    text=tokenizer.decode(self.responses[r], skip_special_tokens=True),
+                    finish_reason=self.finish[r],  # type: ignore[arg-type]
+                    weight_version=weight_version, top_logprobs=self.tops[r] if self.sp.top_logprobs else None)
+            for r, (idx, _, ids) in enumerate(self.rows)
         ]

@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 
 def _load_guard() -> Any:
     path = Path(__file__).resolve().parent.parent / "serve" / "guard.py"
@@ -55,10 +57,27 @@ def _reload(llm: Any, path: str) -> None:
     llm.reset_prefix_cache()
 
 
+class CompletionRequest(BaseModel):
+    prompt: list[list[int]] = Field(min_length=1)
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(64, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = 0
+
+
+class UpdateRequest(BaseModel):
+    path: str
+    version: int = Field(ge=0)
+
+
 def build_app(llm: Any, model_name: str, *, token: str | None = None, weights_dir: str | None = None,
               max_body_bytes: int = 64 << 20, max_n: int = 256, max_tokens: int = 32768, max_prompts: int = 4096):
     from fastapi import FastAPI, HTTPException
-    from pydantic import BaseModel, Field
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -68,22 +87,6 @@ def build_app(llm: Any, model_name: str, *, token: str | None = None, weights_di
         app.add_middleware(guard.TokenMiddleware, token=token)
     lock = threading.Lock()  # the offline LLM is not re-entrant; each request is a whole batch
     state = {"weight_version": 0}
-
-    class CompletionRequest(BaseModel):
-        prompt: list[list[int]] = Field(min_length=1)
-        n: int = Field(1, ge=1)
-        temperature: float = Field(1.0, ge=0.0)
-        top_p: float = Field(1.0, gt=0.0, le=1.0)
-        top_k: int = Field(0, ge=0)
-        max_tokens: int = Field(64, ge=1)
-        stop: list[str] = Field(default_factory=list)
-        stop_token_ids: list[int] = Field(default_factory=list)
-        seed: int | None = None
-        logprobs: int | None = 0
-
-    class UpdateRequest(BaseModel):
-        path: str
-        version: int = Field(ge=0)
 
     @app.get("/health")
     def health() -> dict:
@@ -102,26 +105,12 @@ def build_app(llm: Any, model_name: str, *, token: str | None = None, weights_di
         )
         with lock:
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req.prompt], params, use_tqdm=False)
-        choices = []
-        for i, out in enumerate(outputs):
-            for c in out.outputs:
-                logprobs = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs or [])]
-                choices.append({"index": len(choices), "prompt_index": i, "text": c.text, "token_ids": list(c.token_ids),
-                                "logprobs": {"token_logprobs": logprobs},
-                                "finish_reason": "stop" if c.finish_reason == "stop" else "length"})
-        return {"object": "text_completion", "model": model_name, "choices": choices,
+        return {"object": "text_completion", "model": model_name, "choices": _choices(outputs),
                 "weight_version": state["weight_version"]}
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict:
-        if weights_dir is None:
-            raise HTTPException(403, "/update_weights is disabled: start the server with --weights-dir DIR")
-        try:
-            path = guard.confined_path(weights_dir, req.path)
-        except ValueError as exc:
-            raise HTTPException(403, str(exc)) from None
-        if not os.path.isfile(path):
-            raise HTTPException(400, f"no weights file at {req.path}")
+        path = _weights_file(weights_dir, req.path, HTTPException)
         with lock:
             try:
                 _reload(llm, path)
@@ -131,6 +120,31 @@ def build_app(llm: Any, model_name: str, *, token: str | None = None, weights_di
         return {"status": "ok", "weight_version": req.version}
 
     return app
+
+
+def _choices(outputs: list[Any]) -> list[dict]:
+    """One choice per sample, with its prompt's index, its token ids and their logprobs."""
+    choices = []
+    for i, out in enumerate(outputs):
+        for c in out.outputs:
+            logprobs = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs or [])]
+            choices.append({"index": len(choices), "prompt_index": i, "text": c.text, "token_ids": list(c.token_ids),
+                            "logprobs": {"token_logprobs": logprobs},
+                            "finish_reason": "stop" if c.finish_reason == "stop" else "length"})
+    return choices
+
+
+def _weights_file(weights_dir: str | None, path: str, http_error: Any) -> str:
+    """The file /update_weights may read: under ``weights_dir`` (403 otherwise) and existing (else 400)."""
+    if weights_dir is None:
+        raise http_error(403, "/update_weights is disabled: start the server with --weights-dir DIR")
+    try:
+        full = guard.confined_path(weights_dir, path)
+    except ValueError as exc:
+        raise http_error(403, str(exc)) from None
+    if not os.path.isfile(full):
+        raise http_error(400, f"no weights file at {path}")
+    return full
 
 
 def main() -> None:

@@ -183,182 +183,259 @@ class _ChoiceStream:
         return delta
 
 
-def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_max_tokens: int = 256,
-              max_context: int | None = None, limits: ServerLimits | None = None, token: str | None = None) -> FastAPI:
-    """With ``token``, every request needs ``Authorization: Bearer <token>``."""
-    limits = limits or ServerLimits(default_max_tokens=default_max_tokens)
-    app = FastAPI(title="postrl rollout server")
-    app.add_middleware(BodyLimitMiddleware, limit=limits.max_body_bytes)
-    if token:
-        app.add_middleware(TokenMiddleware, token=token)
-    created = int(time.time())
+class OpenAIServer:
+    """The request handling behind the routes: validation, sampling parameters, response bodies."""
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        info = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
-        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
-            exc.status_code, "invalid_request_error")
-        body = {"error": {"message": info["message"], "type": kind, "param": info.get("param"),
-                          "code": info.get("code")}, "detail": info["message"]}
-        return JSONResponse(body, status_code=exc.status_code)
+    def __init__(self, batcher: EngineBatcher, tokenizer: Any, model_name: str, max_context: int | None,
+                 limits: ServerLimits) -> None:
+        self.batcher, self.tokenizer, self.model_name = batcher, tokenizer, model_name
+        self.max_context, self.limits = max_context, limits
+        self.created = int(time.time())
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for e in exc.errors()[:5]:
-            where = ".".join(str(p) for p in e["loc"] if p != "body")
-            problems.append(f"{where}: {e['msg']}" if where else e["msg"])
-        first = next((str(p) for p in exc.errors()[0]["loc"] if p != "body"), None) if exc.errors() else None
-        message = "; ".join(problems)
-        return JSONResponse({**detail(message), "error": {"message": message, "type": "invalid_request_error",
-                                                          "param": first, "code": None}}, status_code=400)
-
-    def check_request(req: _Request, prompts: int) -> None:
+    # -- checking a request ------------------------------------------------------------------------
+    def check_request(self, req: _Request, prompts: int) -> None:
         check_parameters(req)
-        if req.model is not None and req.model != model_name:
-            raise _bad(f"The model '{req.model}' does not exist; this server serves '{model_name}'", "model", 404,
+        if req.model is not None and req.model != self.model_name:
+            raise _bad(f"The model '{req.model}' does not exist; this server serves '{self.model_name}'", "model", 404,
                        "model_not_found")
-        if req.n > limits.max_n:
-            raise _bad(f"n={req.n} is over this server's limit of {limits.max_n} (--max-n)", "n")
-        if prompts > limits.max_prompts:
-            raise _bad(f"{prompts} prompts in one request is over this server's limit of {limits.max_prompts} "
+        if req.n > self.limits.max_n:
+            raise _bad(f"n={req.n} is over this server's limit of {self.limits.max_n} (--max-n)", "n")
+        if prompts > self.limits.max_prompts:
+            raise _bad(f"{prompts} prompts in one request is over this server's limit of {self.limits.max_prompts} "
                        f"(--max-prompts)", "prompt")
 
-    def to_prompts(items: list[str] | list[list[int]]) -> list[Prompt]:
+    def to_prompts(self, items: list[str] | list[list[int]]) -> list[Prompt]:
         prompts = []
         for item in items:
-            ids = list(item) if isinstance(item, list) else tokenizer(item)["input_ids"]
+            ids = list(item) if isinstance(item, list) else self.tokenizer(item)["input_ids"]
             if not ids:
                 raise _bad("prompt is empty", "prompt")
-            prompts.append(Prompt(text=item if isinstance(item, str) else tokenizer.decode(ids), prompt_ids=ids))
+            text = item if isinstance(item, str) else self.tokenizer.decode(ids)
+            prompts.append(Prompt(text=text, prompt_ids=ids))
         return prompts
 
-    def sampling(req: _Request, prompts: list[Prompt], asked: int | None, top: int, field: str) -> SamplingParams:
+    def sampling(self, req: _Request, prompts: list[Prompt], asked: int | None, top: int, field: str) -> SamplingParams:
+        """Sampling parameters, with ``max_tokens`` checked against the server's bound and the context
+        (unset: what the context leaves, up to the server's default)."""
         longest = max(len(p.prompt_ids) for p in prompts)
-        if asked is not None and asked > limits.max_tokens:
-            raise _bad(f"{field}={asked} is over this server's limit of {limits.max_tokens} (--max-tokens-limit)",
-                       field)
-        if max_context is not None:
-            room = max_context - longest
-            if room <= 0 or (asked is not None and asked > room):
-                wanted = longest + (asked or 1)
-                raise _bad(f"This model's maximum context length is {max_context} tokens. However, you requested "
-                           f"{wanted} tokens ({longest} in the prompt, {asked or 1} for the completion). Please "
-                           f"reduce the prompt or {field}.", field, code="context_length_exceeded")
-        max_tokens = asked or min(limits.default_max_tokens, room if max_context is not None else limits.max_tokens)
+        if asked is not None and asked > self.limits.max_tokens:
+            raise _bad(f"{field}={asked} is over this server's limit of {self.limits.max_tokens} "
+                       f"(--max-tokens-limit)", field)
+        room = self.limits.max_tokens if self.max_context is None else self.max_context - longest
+        if self.max_context is not None and (room <= 0 or (asked is not None and asked > room)):
+            raise _bad(f"This model's maximum context length is {self.max_context} tokens. However, you requested "
+                       f"{longest + (asked or 1)} tokens ({longest} in the prompt, {asked or 1} for the completion). "
+                       f"Please reduce the prompt or {field}.", field, code="context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                              max_tokens=max_tokens, stop=tuple(stop), seed=req.seed, top_logprobs=top)
+                              max_tokens=asked or min(self.limits.default_max_tokens, room), stop=tuple(stop),
+                              seed=req.seed, top_logprobs=top)
 
-    def token_text(token: int) -> str:
-        return tokenizer.decode([token])
+    # -- building answers --------------------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
-    def finish_text(r: Rollout, params: SamplingParams, keep_stop: bool) -> str:
-        if keep_stop:
-            return r.text
-        return cut_at_stop(r.text, params.stop)[0]
-
-    def completion_logprobs(tokens: list[int], logprobs: list[float], tops: list | None, k: int,
-                            offset: int) -> dict[str, Any]:
-        strings = [token_text(t) for t in tokens]
+    def completion_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None, k: int,
+                            offset: int = 0) -> dict[str, Any]:
+        strings = [self.token_text(t) for t in tokens]
         offsets, pos = [], offset
-        for s in strings:
+        for text in strings:
             offsets.append(pos)
-            pos += len(s)
+            pos += len(text)
         top = None
         if k > 0 and tops is not None:
-            top = [{token_text(t): lp for t, lp in alts[:k]} for alts in tops]
+            top = [{self.token_text(t): lp for t, lp in alts[:k]} for alts in tops]
         return {"tokens": strings, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
-    def chat_logprobs(tokens: list[int], logprobs: list[float], tops: list | None, k: int) -> dict[str, Any]:
+    def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None, k: int) -> dict[str, Any]:
         content = []
         for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            s = token_text(t)
-            alts = [{"token": token_text(a), "logprob": alp, "bytes": list(token_text(a).encode())}
+            text = self.token_text(t)
+            alts = [{"token": self.token_text(a), "logprob": alp, "bytes": list(self.token_text(a).encode())}
                     for a, alp in (tops[i][:k] if tops is not None and k > 0 else [])]
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts})
         return {"content": content}
 
+    @staticmethod
     def usage(prompts: list[Prompt], completion: int) -> dict[str, int]:
         prompt_tokens = sum(len(p.prompt_ids) for p in prompts)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
-    def envelope(prefix: str, kind: str, choices: list[dict], prompts: list[Prompt], rollouts: list[Rollout]) -> dict:
-        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_name,
-                "choices": choices, "weight_version": batcher.worker.weight_version,
-                "usage": usage(prompts, sum(len(r.response_ids) for r in rollouts))}
+    def envelope(self, prefix: str, kind: str, choices: list[dict], prompts: list[Prompt],
+                 rollouts: list[Rollout]) -> dict[str, Any]:
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self.model_name, "choices": sorted(choices, key=lambda c: c["index"]),
+                "weight_version": self.batcher.worker.weight_version,
+                "usage": self.usage(prompts, sum(len(r.response_ids) for r in rollouts))}
 
-    def choice_index(r: Rollout, sample: int, n: int) -> int:
-        return r.prompt_index * n + sample
+    # -- the endpoints -----------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
+        raw = req.prompt
+        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
+        self.check_request(req, len(items))
+        prompts = self.to_prompts(items)  # type: ignore[arg-type]
+        k = req.logprobs
+        params = self.sampling(req, prompts, req.max_tokens, k or 0, "max_tokens")
+        if req.stream:
+            return SSEStream(self, "completion", req, prompts, params, k).response()
+        rollouts = await self.batcher.generate(prompts, params)
+        choices = []
+        for r, sample in numbered(rollouts):
+            lp = self.completion_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
+            choices.append({"index": r.prompt_index * params.n + sample, "finish_reason": r.finish_reason,
+                            "text": final_text(r, params, req.include_stop_str_in_output),
+                            "token_ids": r.response_ids, "logprobs": lp})
+        return self.envelope("cmpl", "text_completion", choices, prompts, rollouts)
 
-    def numbered(rollouts: list[Rollout]) -> list[tuple[Rollout, int]]:
-        seen: dict[int, int] = {}
-        out = []
-        for r in rollouts:
-            out.append((r, seen.get(r.prompt_index, 0)))
-            seen[r.prompt_index] = out[-1][1] + 1
-        return out
+    async def chat(self, req: ChatRequest) -> dict[str, Any] | StreamingResponse:
+        self.check_request(req, 1)
+        if req.top_logprobs and not req.logprobs:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": message_text(m)}
+                    for m in req.messages]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts = self.to_prompts([self.tokenizer(text, add_special_tokens=False)["input_ids"]])
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        params = self.sampling(req, prompts, req.max_completion_tokens or req.max_tokens, k or 0, field)
+        if req.stream:
+            return SSEStream(self, "chat", req, prompts, params, k).response()
+        rollouts = await self.batcher.generate(prompts, params)
+        choices = []
+        for r, sample in numbered(rollouts):
+            lp = self.chat_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
+            message = {"role": "assistant", "content": final_text(r, params, req.include_stop_str_in_output)}
+            choices.append({"index": sample, "message": message, "finish_reason": r.finish_reason,
+                            "token_ids": r.response_ids, "logprobs": lp})
+        return self.envelope("chatcmpl", "chat.completion", choices, prompts, rollouts)
 
-    async def stream(kind: str, req: _Request, prompts: list[Prompt], params: SamplingParams,
-                     logprob_k: int | None) -> StreamingResponse:
-        """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
-        chat = kind == "chat"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        events: asyncio.Queue = asyncio.Queue()
-        streams: dict[int, _ChoiceStream] = {}
-        offsets: dict[int, int] = {}
+    async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
+        if self.limits.weights_dir is None:
+            raise _bad("/update_weights is disabled: start the server with --weights-dir DIR to enable it", "path", 403)
+        try:
+            path = confined_path(self.limits.weights_dir, req.path)
+        except ValueError as exc:
+            raise _bad(str(exc), "path", 403) from None
+        if not Path(path).is_file():
+            raise _bad(f"no weights file at {req.path}", "path")
+        try:
+            await self.batcher.update_weights(path, req.version, req.manifest)
+        except Exception as exc:  # noqa: BLE001 - a bad file is the client's error; the engine keeps its weights
+            raise _bad(f"could not load {req.path}: {type(exc).__name__}: {exc}", "path") from None
+        return {"status": "ok", "weight_version": self.batcher.worker.weight_version}
 
-        def on_token(prompt_index: int, sample: int, token: int, logprob: float, top: Any, finish: str | None) -> None:
-            events.put_nowait((prompt_index * params.n + sample, token, logprob, top, finish))
 
-        task = asyncio.ensure_future(batcher.generate(prompts, params, on_token))
-        task.add_done_callback(lambda _: events.put_nowait(None))
+def numbered(rollouts: list[Rollout]) -> list[tuple[Rollout, int]]:
+    """Each rollout with its sample index among the rollouts of its prompt."""
+    seen: dict[int, int] = {}
+    out = []
+    for r in rollouts:
+        out.append((r, seen.get(r.prompt_index, 0)))
+        seen[r.prompt_index] = out[-1][1] + 1
+    return out
 
-        def chunk(choices: list[dict], **extra: Any) -> str:
-            body = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": choices,
-                    **extra}
-            return f"data: {json.dumps(body)}\n\n"
 
-        async def body() -> AsyncIterator[str]:
-            completion_tokens = 0
-            if chat:
-                for i in range(len(prompts) * params.n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-            while True:
-                event = await events.get()
-                if event is None:
-                    break
-                index, token, logprob, top, finish = event
-                completion_tokens += 1
-                s = streams.setdefault(index, _ChoiceStream(tokenizer, params.stop, req.include_stop_str_in_output))
-                text = s.push(token, finish is not None)
-                lp = None
-                if logprob_k is not None:
-                    if chat:
-                        lp = chat_logprobs([token], [logprob], [top] if top else None, logprob_k)
-                    else:
-                        lp = completion_logprobs([token], [logprob], [top] if top else None, logprob_k,
-                                                 offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + len(token_text(token))
-                if not text and lp is None and finish is None:
-                    continue
-                if chat:
-                    delta = {"content": text} if text else {}
-                    yield chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}])
-                else:
-                    yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}])
-            error = task.exception()
-            if error is not None:
-                yield f"data: {json.dumps(detail(f'generation failed: {error}'))}\n\n"
-            elif req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], usage=usage(prompts, completion_tokens))
-            yield "data: [DONE]\n\n"
+def final_text(r: Rollout, params: SamplingParams, keep_stop: bool) -> str:
+    return r.text if keep_stop else cut_at_stop(r.text, params.stop)[0]
 
-        return StreamingResponse(body(), media_type="text/event-stream",
+
+class SSEStream:
+    """One streamed answer: token events from the engine become OpenAI chunks, then ``data: [DONE]``."""
+
+    def __init__(self, server: OpenAIServer, kind: str, req: _Request, prompts: list[Prompt], params: SamplingParams,
+                 logprob_k: int | None) -> None:
+        self.server, self.req, self.prompts, self.params, self.k = server, req, prompts, params, logprob_k
+        self.chat = kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.choices: dict[int, _ChoiceStream] = {}
+        self.offsets: dict[int, int] = {}
+
+    def response(self) -> StreamingResponse:
+        task = asyncio.ensure_future(self.server.batcher.generate(self.prompts, self.params, self._on_token))
+        task.add_done_callback(lambda _: self.events.put_nowait(None))
+        return StreamingResponse(self._body(task), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    def _on_token(self, prompt_index: int, sample: int, token: int, logprob: float, top: Any, finish: str | None) -> None:
+        self.events.put_nowait((prompt_index * self.params.n + sample, token, logprob, top, finish))
+
+    def _chunk(self, choices: list[dict], **extra: Any) -> str:
+        body = {"id": self.id, "object": self.object, "created": int(time.time()), "model": self.server.model_name,
+                "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def _logprobs(self, index: int, token: int, logprob: float, top: Any) -> dict[str, Any] | None:
+        if self.k is None:
+            return None
+        if self.chat:
+            return self.server.chat_logprobs([token], [logprob], [top] if top else None, self.k)
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(self.server.token_text(token))
+        return self.server.completion_logprobs([token], [logprob], [top] if top else None, self.k, offset)
+
+    async def _body(self, task: asyncio.Future) -> AsyncIterator[str]:
+        completion_tokens = 0
+        if self.chat:
+            for i in range(len(self.prompts) * self.params.n):
+                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}])
+        while (event := await self.events.get()) is not None:
+            index, token, logprob, top, finish = event
+            completion_tokens += 1
+            choice = self.choices.setdefault(index, _ChoiceStream(self.server.tokenizer, self.params.stop,
+                                                                  self.req.include_stop_str_in_output))
+            text = choice.push(token, finish is not None)
+            lp = self._logprobs(index, token, logprob, top)
+            if not text and lp is None and finish is None:
+                continue
+            if self.chat:
+                delta = {"content": text} if text else {}
+                yield self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+            else:
+                yield self._chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}])
+        error = task.exception()
+        if error is not None:
+            yield f"data: {json.dumps(detail(f'generation failed: {error}'))}\n\n"
+        elif self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield self._chunk([], usage=self.server.usage(self.prompts, completion_tokens))
+        yield "data: [DONE]\n\n"
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    info = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
+        exc.status_code, "invalid_request_error")
+    body = {"error": {"message": info["message"], "type": kind, "param": info.get("param"), "code": info.get("code")},
+            "detail": info["message"]}
+    return JSONResponse(body, status_code=exc.status_code)
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A malformed body is a 400 naming the field, in OpenAI's error shape."""
+    problems, first = [], None
+    for e in exc.errors()[:5]:
+        where = ".".join(str(p) for p in e["loc"] if p != "body")
+        first = first or where or None
+        problems.append(f"{where}: {e['msg']}" if where else e["msg"])
+    message = "; ".join(problems)
+    return JSONResponse({**detail(message), "error": {"message": message, "type": "invalid_request_error",
+                                                      "param": first, "code": None}}, status_code=400)
+
+
+def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_max_tokens: int = 256,
+              max_context: int | None = None, limits: ServerLimits | None = None, token: str | None = None) -> FastAPI:
+    """With ``token``, every request needs ``Authorization: Bearer <token>``."""
+    limits = limits or ServerLimits(default_max_tokens=default_max_tokens)
+    server = OpenAIServer(batcher, tokenizer, model_name, max_context, limits)
+    app = FastAPI(title="postrl rollout server")
+    app.add_middleware(BodyLimitMiddleware, limit=limits.max_body_bytes)
+    if token:
+        app.add_middleware(TokenMiddleware, token=token)
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -368,66 +445,10 @@ def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_m
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "postrl"}]}
+        return {"object": "list",
+                "data": [{"id": model_name, "object": "model", "created": server.created, "owned_by": "postrl"}]}
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
-        raw = req.prompt
-        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
-        check_request(req, len(items))
-        prompts = to_prompts(items)  # type: ignore[arg-type]
-        k = req.logprobs
-        params = sampling(req, prompts, req.max_tokens, k or 0, "max_tokens")
-        if req.stream:
-            return await stream("completion", req, prompts, params, k)
-        rollouts = await batcher.generate(prompts, params)
-        choices = []
-        for r, sample in numbered(rollouts):
-            text = finish_text(r, params, req.include_stop_str_in_output)
-            lp = completion_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k, 0) if k is not None else None
-            choices.append({"index": choice_index(r, sample, params.n), "text": text, "finish_reason": r.finish_reason,
-                            "token_ids": r.response_ids, "logprobs": lp})
-        choices.sort(key=lambda c: c["index"])
-        return envelope("cmpl", "text_completion", choices, prompts, rollouts)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatRequest) -> dict[str, Any] | StreamingResponse:
-        check_request(req, 1)
-        if req.top_logprobs and not req.logprobs:
-            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": message_text(m)}
-                    for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts = to_prompts([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        params = sampling(req, prompts, req.max_completion_tokens or req.max_tokens, k or 0, field)
-        if req.stream:
-            return await stream("chat", req, prompts, params, k)
-        rollouts = await batcher.generate(prompts, params)
-        choices = []
-        for r, sample in numbered(rollouts):
-            lp = chat_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
-            choices.append({"index": choice_index(r, sample, params.n),
-                            "message": {"role": "assistant",
-                                        "content": finish_text(r, params, req.include_stop_str_in_output)},
-                            "finish_reason": r.finish_reason, "token_ids": r.response_ids, "logprobs": lp})
-        return envelope("chatcmpl", "chat.completion", choices, prompts, rollouts)
-
-    @app.post("/update_weights")
-    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
-        if limits.weights_dir is None:
-            raise _bad("/update_weights is disabled: start the server with --weights-dir DIR to enable it", "path", 403)
-        try:
-            path = confined_path(limits.weights_dir, req.path)
-        except ValueError as exc:
-            raise _bad(str(exc), "path", 403) from None
-        if not Path(path).is_file():
-            raise _bad(f"no weights file at {req.path}", "path")
-        try:
-            await batcher.update_weights(path, req.version, req.manifest)
-        except Exception as exc:  # noqa: BLE001 - a bad file is the client's error; the engine keeps its weights
-            raise _bad(f"could not load {req.path}: {type(exc).__name__}: {exc}", "path") from None
-        return {"status": "ok", "weight_version": batcher.worker.weight_version}
-
+    app.post("/v1/completions", response_model=None)(server.completions)
+    app.post("/v1/chat/completions", response_model=None)(server.chat)
+    app.post("/update_weights")(server.update_weights)
     return app
