@@ -31,9 +31,8 @@ def grads_with_micro(model, batch, micro: int, kl_beta: float = 0.0, ref=None) -
         ref_model=ref,
     )
     model.zero_grad(set_to_none=True)
-    sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "tokens": 0.0}
-    worker.accumulate_gradients(batch, sums)
-    return [p.grad.detach().clone() for p in model.parameters()], sums["loss"] / sums["tokens"]
+    sums = worker.accumulate_gradients(batch)
+    return [p.grad.detach().clone() for p in model.parameters()], float(sums.loss / sums.tokens)
 
 
 def test_gradient_unchanged_by_micro_batch_split(char_tokenizer):

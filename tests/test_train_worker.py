@@ -26,6 +26,53 @@ def test_experience_batch_alignment(char_tokenizer):
     assert b.num_tokens == 4 and b.weight_versions.tolist() == [3, 3]
     with pytest.raises(ValueError, match="2 logprobs for 1 response tokens"):
         ExperienceBatch.from_experiences([Experience([1], [2], [0.0, 0.0], 0.0, 0.0, 0)], 0)
+    # sequence advantages broadcast over the response; samples without a group are groups of one
+    assert b.advantages.tolist() == [[0, 0.5, 0.5, 0.5], [0, 0, 0, -0.5]]
+    assert b.group_ids.tolist() == [0, 1] and b.loss_mask.tolist() == b.response_mask.tolist()
+    assert b.logprob_versions.tolist() == [[-1, 3, 3, 3], [-1, -1, -1, 3]]
+
+
+def test_experience_batch_carries_token_level_fields(char_tokenizer):
+    exps = [Experience([1, 20], [30, 31, 2], [-1.0, -2.0, -3.0], 1.0, [0.1, 0.2, 0.3], 4, group_id=7,
+                       loss_mask=[1, 0, 1], logprob_versions=[3, 3, 4]),
+            Experience([1, 20], [32], [-4.0], 0.0, -0.5, 4, group_id=7)]
+    b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    assert b.advantages[0].tolist() == pytest.approx([0, 0.1, 0.2, 0.3])
+    assert b.loss_mask.tolist() == [[0, 1, 0, 1], [0, 1, 0, 0]] and b.num_tokens == 3
+    assert b.response_mask.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0]]
+    assert b.logprob_versions.tolist() == [[-1, 3, 3, 4], [-1, 4, -1, -1]] and b.group_ids.tolist() == [7, 7]
+    with pytest.raises(ValueError, match="experience 0 has no advantage"):
+        ExperienceBatch.from_experiences([Experience([1], [2], [0.0], 0.0, None, 0)], 0)
+    with pytest.raises(ValueError, match="experience 0: 2 advantages for 1 response tokens"):
+        ExperienceBatch.from_experiences([Experience([1], [2], [0.0], 0.0, [1.0, 2.0], 0)], 0)
+    with pytest.raises(ValueError, match="experience 0: 1 loss_mask entries for 2 response tokens"):
+        ExperienceBatch.from_experiences([Experience([1], [2, 3], [0.0, 0.0], 0.0, 1.0, 0, loss_mask=[1])], 0)
+
+
+def test_loss_mask_keeps_tokens_in_context_but_out_of_the_loss(char_tokenizer):
+    """A masked token's advantage cannot move the gradient; it still conditions later tokens."""
+    grads = []
+    for masked_advantage in (100.0, -100.0):
+        model = make_tiny_model("llama", char_tokenizer).double()
+        worker = TrainWorker(model, TrainConfig(mini_batch_size=2, micro_batch_size=2), AlgorithmConfig())
+        exps = [Experience([1, 20, 21], [30, 31, 32], [-1.0, -1.0, -1.0], 1.0, [1.0, masked_advantage, -0.5], 0,
+                           group_id=0, loss_mask=[1, 0, 1])]
+        model.train()
+        worker.accumulate_gradients(ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
+
+
+def test_group_shuffle_keeps_groups_together(char_tokenizer):
+    exps = [Experience([1, 20 + g], [30], [-1.0], 1.0, 0.5, 0, group_id=g) for g in (3, 1, 3, 2, 1, 3)]
+    batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    worker = TrainWorker(make_tiny_model("llama", char_tokenizer), TrainConfig(), AlgorithmConfig(), seed=5)
+    for _ in range(5):
+        order = worker._group_shuffled_order(batch).tolist()
+        groups = [exps[i].group_id for i in order]
+        runs = [g for i, g in enumerate(groups) if i == 0 or groups[i - 1] != g]
+        assert sorted(order) == list(range(6)) and sorted(runs) == [1, 2, 3]
 
 
 def test_update_changes_weights_and_reports_metrics(char_tokenizer):
@@ -89,7 +136,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
         worker = TrainWorker(model, TrainConfig(mini_batch_size=4, micro_batch_size=2), AlgorithmConfig(),
                              gradient_checkpointing=checkpointing)
         model.train()
-        worker.accumulate_gradients(batch, {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "tokens": 0.0})
+        worker.accumulate_gradients(batch)
         grads.append([p.grad.clone() for p in model.parameters()])
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(*grads))
@@ -127,7 +174,7 @@ def test_training_attention_kernel_choice_gives_the_same_gradients(char_tokenize
         model = make_tiny_model("llama", char_tokenizer)
         worker = TrainWorker(model, TrainConfig(attention=choice, mini_batch_size=4, micro_batch_size=2), AlgorithmConfig())
         assert model.config._attn_implementation == ("eager" if choice == "auto" else "sdpa")
-        worker.accumulate_gradients(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]), {k: 0.0 for k in ("loss", "kl", "entropy", "clip", "tokens")})
+        worker.accumulate_gradients(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
         grads[choice] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     torch.testing.assert_close(grads["auto"], grads["sdpa"], atol=1e-6, rtol=1e-5)
 
@@ -136,26 +183,27 @@ def test_shared_prompt_packing_gives_the_unpacked_logprobs_and_gradients(char_to
     from postrl.train.logprobs import pack_shared_prompts, token_logprobs
 
     exps = [
-        Experience([1, 20, 21], [30, 31, 2], [0.0] * 3, 1.0, 0.5, 0),
-        Experience([1, 20, 21], [32], [0.0], 1.0, -0.5, 0),
-        Experience([1, 22, 23, 24], [33, 34], [0.0] * 2, 1.0, 1.0, 0),
-        Experience([1, 20, 21], [35, 36, 37, 38, 2], [0.0] * 5, 1.0, 0.2, 0),
-        Experience([1, 22, 23, 24], [39, 40, 41], [0.0] * 3, 1.0, -1.0, 0),
-        Experience([1, 25], [42, 43], [0.0] * 2, 1.0, 0.3, 0),
+        Experience([1, 20, 21], [30, 31, 2], [0.0] * 3, 1.0, 0.5, 0, group_id=0),
+        Experience([1, 20, 21], [32], [0.0], 1.0, -0.5, 0, group_id=0),
+        Experience([1, 22, 23, 24], [33, 34], [0.0] * 2, 1.0, 1.0, 0, group_id=1),
+        Experience([1, 20, 21], [35, 36, 37, 38, 2], [0.0] * 5, 1.0, 0.2, 0, group_id=0),
+        Experience([1, 22, 23, 24], [39, 40, 41], [0.0] * 3, 1.0, -1.0, 0, group_id=1),
+        Experience([1, 25], [42, 43], [0.0] * 2, 1.0, 0.3, 0, group_id=2),
     ]
     batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
-    packed = pack_shared_prompts(batch.input_ids, batch.attention_mask, batch.response_mask)
+    packed = pack_shared_prompts(batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids)
     assert packed is not None and packed.input_ids.shape[0] == 3  # one packed row per distinct prompt
     results = {}
     for name in ("packed", "plain"):
         model = make_tiny_model("llama", char_tokenizer).float()
         model.set_attn_implementation("eager")
         if name == "packed":
-            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, True, batch.response_mask)
+            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, True, batch.response_mask,
+                                       batch.group_ids)
         else:
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, True)
             logp, ent = logp * batch.response_mask, ent * batch.response_mask
-        (logp * batch.advantages[:, None]).sum().backward()
+        (logp * batch.advantages).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results[name] = (logp.detach(), (ent * batch.response_mask).detach(), grads)
     torch.testing.assert_close(results["packed"][0], results["plain"][0], atol=1e-5, rtol=1e-5)
@@ -163,4 +211,10 @@ def test_shared_prompt_packing_gives_the_unpacked_logprobs_and_gradients(char_to
     torch.testing.assert_close(results["packed"][2], results["plain"][2], atol=1e-5, rtol=1e-4)
     assert (results["packed"][0] != 0).sum() == batch.response_mask.sum()
     # nothing shared, or not a prompt+response layout: no packing
-    assert pack_shared_prompts(batch.input_ids[5:], batch.attention_mask[5:], batch.response_mask[5:]) is None
+    assert pack_shared_prompts(batch.input_ids[5:], batch.attention_mask[5:], batch.response_mask[5:],
+                               batch.group_ids[5:]) is None
+    # a group whose rows do not share a prompt is a bug upstream, not something to pack
+    wrong = batch.group_ids.clone()
+    wrong[5] = 0
+    with pytest.raises(ValueError, match="rows 0 and 5 of group 0 do not share their prompt"):
+        pack_shared_prompts(batch.input_ids, batch.attention_mask, batch.response_mask, wrong)

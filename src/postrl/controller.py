@@ -218,6 +218,7 @@ class Controller:
                     advantage=adv,
                     weight_version=r.weight_version,
                     metadata=metadata,
+                    group_id=r.prompt_index,
                 )
             )
         return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal
 
 import torch
@@ -70,29 +70,47 @@ class RewardResult:
 
 @dataclass
 class Experience:
+    """One sample as the trainer sees it.
+
+    ``advantage`` is one number (broadcast over the response) or one per response token; None is
+    an error when a batch is built, never a silent 0. ``group_id`` names the prompt the sample
+    answers (unique within a step): the trainer keeps and packs a group's samples together.
+    ``loss_mask`` (per response token, default all 1) excludes tokens from the loss while keeping
+    them in the context (tool output in a multi-turn rollout). ``logprob_versions`` (per response
+    token, default all ``weight_version``) says which weights produced each behaviour logprob.
+    """
+
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
     reward: float
-    advantage: float | None
+    advantage: float | list[float] | None
     weight_version: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    group_id: int | None = None
+    loss_mask: list[int] | None = None
+    logprob_versions: list[int] | None = None
 
 
 @dataclass
 class ExperienceBatch:
-    """Right-padded ``[B, T]`` tensors of prompt+response; masks select response tokens.
+    """Right-padded ``[B, T]`` tensors of prompt+response, with ``[B, T-1]`` tensors aligned with the
+    shifted targets ``input_ids[:, 1:]``: position ``t`` holds what belongs to token ``t+1``.
 
-    ``response_mask[b, t]`` is 1 where token ``t+1`` ... is a response token whose logprob is
-    predicted at position ``t`` (i.e. masks are aligned with the shifted targets, length T-1).
+    ``response_mask`` marks response tokens (their logprobs are recomputed); ``loss_mask`` the
+    subset that is trained on. ``old_logprobs`` are the behaviour logprobs and
+    ``logprob_versions`` the weight version that produced each of them.
     """
 
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] long
-    response_mask: torch.Tensor  # [B, T-1] float, aligned with targets input_ids[:, 1:]
+    response_mask: torch.Tensor  # [B, T-1] float
+    loss_mask: torch.Tensor  # [B, T-1] float, <= response_mask
     old_logprobs: torch.Tensor  # [B, T-1] float, 0 outside the response
-    advantages: torch.Tensor  # [B] float
-    weight_versions: torch.Tensor  # [B] long
+    advantages: torch.Tensor  # [B, T-1] float, 0 outside the response
+    group_ids: torch.Tensor  # [B] long
+    weight_versions: torch.Tensor  # [B] long, the version the sample was generated under
+    logprob_versions: torch.Tensor  # [B, T-1] long, -1 outside the response
 
     @property
     def size(self) -> int:
@@ -100,17 +118,14 @@ class ExperienceBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.response_mask.sum().item())
+        """Tokens the loss is computed over."""
+        return int(self.loss_mask.sum().item())
 
     def select(self, index: torch.Tensor | slice) -> ExperienceBatch:
-        return ExperienceBatch(
-            input_ids=self.input_ids[index],
-            attention_mask=self.attention_mask[index],
-            response_mask=self.response_mask[index],
-            old_logprobs=self.old_logprobs[index],
-            advantages=self.advantages[index],
-            weight_versions=self.weight_versions[index],
-        )
+        return ExperienceBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> ExperienceBatch:
+        return ExperienceBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     @staticmethod
     def from_experiences(experiences: list[Experience], pad_id: int) -> ExperienceBatch:
@@ -120,22 +135,56 @@ class ExperienceBatch:
         n = len(experiences)
         input_ids = torch.full((n, width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((n, width), dtype=torch.long)
-        response_mask = torch.zeros((n, width - 1), dtype=torch.float32)
-        old_logprobs = torch.zeros((n, width - 1), dtype=torch.float32)
+        per_token = {name: torch.zeros((n, width - 1), dtype=torch.float32)
+                     for name in ("response_mask", "loss_mask", "old_logprobs", "advantages")}
+        logprob_versions = torch.full((n, width - 1), -1, dtype=torch.long)
+        given = [e.group_id for e in experiences if e.group_id is not None]
+        next_free = max(given, default=-1) + 1  # samples without a group are each a group of one
+        group_ids = []
         for row, e in enumerate(experiences):
-            if len(e.logprobs) != len(e.response_ids):
-                raise ValueError(
-                    f"experience {row}: {len(e.logprobs)} logprobs for {len(e.response_ids)} response tokens"
-                )
+            values = _response_values(row, e)
             p, r = len(e.prompt_ids), len(e.response_ids)
             input_ids[row, : p + r] = torch.tensor(e.prompt_ids + e.response_ids, dtype=torch.long)
             attention_mask[row, : p + r] = 1
             if r:
-                response_mask[row, p - 1 : p - 1 + r] = 1.0
-                old_logprobs[row, p - 1 : p - 1 + r] = torch.tensor(e.logprobs, dtype=torch.float32)
-        advantages = torch.tensor([e.advantage or 0.0 for e in experiences], dtype=torch.float32)
-        versions = torch.tensor([e.weight_version for e in experiences], dtype=torch.long)
-        return ExperienceBatch(input_ids, attention_mask, response_mask, old_logprobs, advantages, versions)
+                span = slice(p - 1, p - 1 + r)
+                per_token["response_mask"][row, span] = 1.0
+                for name in ("loss_mask", "old_logprobs", "advantages"):
+                    per_token[name][row, span] = torch.tensor(values[name], dtype=torch.float32)
+                logprob_versions[row, span] = torch.tensor(values["logprob_versions"], dtype=torch.long)
+            if e.group_id is None:
+                group_ids.append(next_free)
+                next_free += 1
+            else:
+                group_ids.append(e.group_id)
+        return ExperienceBatch(
+            input_ids=input_ids, attention_mask=attention_mask, **per_token,
+            group_ids=torch.tensor(group_ids, dtype=torch.long),
+            weight_versions=torch.tensor([e.weight_version for e in experiences], dtype=torch.long),
+            logprob_versions=logprob_versions,
+        )
+
+
+def _response_values(row: int, e: Experience) -> dict[str, list]:
+    """The per-response-token values of one experience, checked against its response length."""
+    r = len(e.response_ids)
+    if e.advantage is None:
+        raise ValueError(f"experience {row} has no advantage: compute advantages before building a batch")
+    advantages = [float(e.advantage)] * r if isinstance(e.advantage, (int, float)) else list(e.advantage)
+    values = {
+        "old_logprobs": list(e.logprobs),
+        "advantages": advantages,
+        "loss_mask": [1] * r if e.loss_mask is None else list(e.loss_mask),
+        "logprob_versions": [e.weight_version] * r if e.logprob_versions is None else list(e.logprob_versions),
+    }
+    names = {"old_logprobs": "logprobs", "advantages": "advantages", "loss_mask": "loss_mask entries",
+             "logprob_versions": "logprob_versions"}
+    for key, got in values.items():
+        if len(got) != r:
+            raise ValueError(f"experience {row}: {len(got)} {names[key]} for {r} response tokens")
+    if any(m not in (0, 1) for m in values["loss_mask"]):
+        raise ValueError(f"experience {row}: loss_mask entries must be 0 or 1")
+    return values
 
 
 @dataclass

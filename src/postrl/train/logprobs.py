@@ -13,7 +13,7 @@ _PLAIN_HEAD_MODELS = ("llama", "qwen2", "mistral")
 
 def token_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-    with_entropy: bool = False, target_mask: torch.Tensor | None = None,
+    with_entropy: bool = False, target_mask: torch.Tensor | None = None, group_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob of ``input_ids[:, 1:]`` under ``log_softmax(logits / T)``, shape ``[B, T-1]``.
 
@@ -21,11 +21,12 @@ def token_logprobs(
     ``target_mask`` (``[B, T-1]``, 1 where a logprob is needed), positions outside it are 0 and,
     for Llama/Qwen2/Mistral, their vocabulary projection is skipped (prompt tokens are often
     half of a GRPO batch, and the projection + softmax over a 49k vocabulary is its costliest part),
-    and rows that share a prompt run it once (:func:`pack_shared_prompts`).
+    and rows of the same ``group_ids`` entry (samples of one prompt) run their prompt once
+    (:func:`pack_shared_prompts`).
     """
     plain_head = target_mask is not None and getattr(model.config, "model_type", "") in _PLAIN_HEAD_MODELS
-    if plain_head:
-        packed = pack_shared_prompts(input_ids, attention_mask, target_mask)
+    if plain_head and group_ids is not None:
+        packed = pack_shared_prompts(input_ids, attention_mask, target_mask, group_ids)
         if packed is not None:
             return _shared_prompt_logprobs(model, packed, input_ids, target_mask, temperature, with_entropy)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -73,16 +74,17 @@ class PackedPrompts:
 
 
 def pack_shared_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, group_ids: torch.Tensor
 ) -> PackedPrompts | None:
-    """Pack rows whose targets are one contiguous response after a prompt; None when nothing is shared
-    or the layout is not prompt + contiguous response (the caller then runs the rows as they are)."""
+    """Pack the rows of each group (``group_ids``: the samples of one prompt) into one sequence; None
+    when no group has two rows or the layout is not prompt + contiguous response (the caller then
+    runs the rows as they are). Rows of a group must share their prompt, which is checked."""
     rows = input_ids.shape[0]
     mask = target_mask.bool()
     counts = mask.sum(1).tolist()
     firsts = mask.float().argmax(1).tolist()
     lengths = attention_mask.sum(1).tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[int, list[int]] = {}
     spans = []
     for b in range(rows):
         n, first = int(counts[b]), int(firsts[b])
@@ -91,14 +93,19 @@ def pack_shared_prompts(
         if int(attention_mask[b, : first + 1 + n].sum()) != first + 1 + n:
             return None  # left padding or holes: not this layout
         spans.append((first + 1, n))  # prompt length, response length
-        groups.setdefault(tuple(input_ids[b, : first + 1].tolist()), []).append(b)
+        groups.setdefault(int(group_ids[b]), []).append(b)
     if len(groups) == rows:
         return None  # no prompt is shared
+    for group, members in groups.items():
+        lead, p = members[0], spans[members[0]][0]
+        for b in members[1:]:
+            if spans[b][0] != p or not torch.equal(input_ids[b, :p], input_ids[lead, :p]):
+                raise ValueError(f"rows {lead} and {b} of group {group} do not share their prompt")
     seqs, positions, segments, target_seq, target_pos = [], [], [], [], []
     where: dict[int, tuple[int, int]] = {}  # row -> (packed row, start of its response)
-    for s, (prompt, members) in enumerate(groups.items()):
-        p = len(prompt)
-        tokens, pos, seg = list(prompt), list(range(p)), [-1] * p
+    for s, members in enumerate(groups.values()):
+        p = spans[members[0]][0]
+        tokens, pos, seg = input_ids[members[0], :p].tolist(), list(range(p)), [-1] * p
         for k, b in enumerate(members):
             n = spans[b][1]
             where[b] = (s, len(tokens))

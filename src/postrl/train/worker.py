@@ -8,6 +8,8 @@ A non-finite gradient norm skips the optimizer step and is counted; too many in 
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -17,6 +19,56 @@ from postrl.config import AlgorithmConfig, TrainConfig
 from postrl.train.logprobs import token_logprobs
 from postrl.types import ExperienceBatch, TrainMetrics
 from postrl.weights import load_weights_into, save_weights
+
+
+@dataclass(frozen=True)
+class MicroBatchStats:
+    """Sums over a micro-batch's trained tokens (and the largest |logprob - behaviour logprob|),
+    as 0-d tensors on the device: adding them costs no device-to-host copy."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    clipped: torch.Tensor
+    tokens: torch.Tensor
+    mismatch_kl: torch.Tensor
+    logprob_diff_max: torch.Tensor
+
+    @staticmethod
+    def zeros(device: torch.device) -> MicroBatchStats:
+        return MicroBatchStats(*(torch.zeros((), device=device) for _ in fields(MicroBatchStats)))
+
+    def __add__(self, other: MicroBatchStats) -> MicroBatchStats:
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        sums["logprob_diff_max"] = torch.maximum(self.logprob_diff_max, other.logprob_diff_max)
+        return MicroBatchStats(**sums)
+
+    def read(self, grad_norm: torch.Tensor) -> tuple[MiniBatchStats, float]:
+        """Everything, and the gradient norm, in one copy from the device."""
+        values = torch.stack([grad_norm.float(), *(getattr(self, f.name).float() for f in fields(self))]).tolist()
+        return MiniBatchStats(*values[1:]), values[0]
+
+
+@dataclass(frozen=True)
+class MiniBatchStats:
+    """:class:`MicroBatchStats` read back as numbers, summed across mini-batches."""
+
+    loss: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clipped: float = 0.0
+    tokens: float = 0.0
+    mismatch_kl: float = 0.0
+    logprob_diff_max: float = 0.0
+
+    @staticmethod
+    def empty() -> MiniBatchStats:
+        return MiniBatchStats()
+
+    def __add__(self, other: MiniBatchStats) -> MiniBatchStats:
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        sums["logprob_diff_max"] = max(self.logprob_diff_max, other.logprob_diff_max)
+        return MiniBatchStats(**sums)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -72,32 +124,37 @@ class TrainWorker:
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
-        self._mismatch = {"kl": 0.0, "diff_max": 0.0, "tokens": 0.0}
-        self._measuring = False
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
         self.model.train()
-        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "tokens": 0.0}
-        self._mismatch = {"kl": 0.0, "diff_max": 0.0, "tokens": 0.0}
-        self._measuring = True  # until the first optimizer step the policy is still pi_old
+        device = next(self.model.parameters()).device
+        batch = batch.to(device)
+        total = MiniBatchStats.empty()
+        before_update = MiniBatchStats.empty()  # pi_old vs the rollout: only before the first optimizer step
         grad_norms: list[float] = []
+        steps_at_start = self.optimizer_steps
         for _ in range(self.cfg.epochs):
             order = self._group_shuffled_order(batch)
             for start in range(0, batch.size, self.cfg.mini_batch_size):
-                mini = batch.select(order[start : start + self.cfg.mini_batch_size])
-                norm = self._mini_batch_step(mini, sums)
+                mini = batch.select(order[start : start + self.cfg.mini_batch_size].to(device))
+                if mini.num_tokens == 0:
+                    continue
+                still_pi_old = self.optimizer_steps == steps_at_start
+                stats, norm = self._mini_batch_step(mini)
+                total = total + stats
+                if still_pi_old:
+                    before_update = before_update + stats
                 if norm is not None:
                     grad_norms.append(norm)
         self.model.eval()
-        tokens = max(sums["tokens"], 1.0)
-        mm = self._mismatch
+        tokens = max(total.tokens, 1.0)
         return TrainMetrics(
-            mismatch_kl=mm["kl"] / mm["tokens"] if mm["tokens"] else float("nan"),
-            logprob_diff_max=mm["diff_max"] if mm["tokens"] else float("nan"),
-            loss=sums["loss"] / tokens,
-            kl=sums["kl"] / tokens,
-            entropy=sums["entropy"] / tokens,
-            clip_fraction=sums["clip"] / tokens,
+            mismatch_kl=before_update.mismatch_kl / before_update.tokens if before_update.tokens else float("nan"),
+            logprob_diff_max=before_update.logprob_diff_max if before_update.tokens else float("nan"),
+            loss=total.loss / tokens,
+            kl=total.kl / tokens,
+            entropy=total.entropy / tokens,
+            clip_fraction=total.clipped / tokens,
             grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             learning_rate=self.scheduler.get_last_lr()[0],
             optimizer_steps=self.optimizer_steps,
@@ -105,34 +162,35 @@ class TrainWorker:
         )
 
     def _group_shuffled_order(self, batch: ExperienceBatch) -> torch.Tensor:
-        """A random order of the rows that keeps the samples of one prompt together.
+        """A random order of the rows that keeps the samples of one group (one prompt) together.
 
         Mini-batches then hold whole GRPO groups, and micro-batches let the samples of a group share
         one prompt forward (see :func:`postrl.train.logprobs.pack_shared_prompts`).
         """
-        prompt_lengths = (batch.response_mask.argmax(1) + 1).tolist()
-        has_response = batch.response_mask.bool().any(1).tolist()
-        groups: dict[object, list[int]] = {}
-        for row in range(batch.size):
-            key = tuple(batch.input_ids[row, : prompt_lengths[row]].tolist()) if has_response[row] else ("row", row)
-            groups.setdefault(key, []).append(row)
+        groups: dict[int, list[int]] = {}
+        for row, group in enumerate(batch.group_ids.tolist()):
+            groups.setdefault(group, []).append(row)
         members = list(groups.values())
         shuffled = torch.randperm(len(members), generator=self.generator).tolist()
         return torch.tensor([row for g in shuffled for row in members[g]], dtype=torch.long)
 
-    def accumulate_gradients(self, mini: ExperienceBatch, sums: dict[str, float]) -> None:
-        """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count."""
-        global_tokens = mini.response_mask.sum()
+    def accumulate_gradients(self, mini: ExperienceBatch) -> MicroBatchStats:
+        """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count.
+        Returns the summed statistics, still on the device."""
+        global_tokens = mini.loss_mask.sum()
+        stats = MicroBatchStats.zeros(mini.input_ids.device)
         for start in range(0, mini.size, self.cfg.micro_batch_size):
             micro = mini.select(slice(start, start + self.cfg.micro_batch_size))
-            self._micro_batch_backward(micro, global_tokens, sums)
+            stats = stats + self._micro_batch_backward(micro, global_tokens)
+        return stats
 
-    def _mini_batch_step(self, mini: ExperienceBatch, sums: dict[str, float]) -> float | None:
-        if mini.num_tokens == 0:
-            return None
-        self.accumulate_gradients(mini, sums)
+    def _mini_batch_step(self, mini: ExperienceBatch) -> tuple[MiniBatchStats, float | None]:
+        """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
+        the device together, once."""
+        sums = self.accumulate_gradients(mini)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        if not torch.isfinite(norm):
+        stats, norm_value = sums.read(norm)
+        if not math.isfinite(norm_value):
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             self.consecutive_skips += 1
@@ -141,21 +199,20 @@ class TrainWorker:
                     f"{self.consecutive_skips} updates in a row had a non-finite gradient norm; stopping "
                     "(lower train.lr, check rewards for inf/NaN, or raise train.max_consecutive_nan)"
                 )
-            return None
-        self._measuring = False
+            return stats, None
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         self.consecutive_skips = 0
-        return float(norm)
+        return stats, norm_value
 
-    def _micro_batch_backward(self, micro: ExperienceBatch, global_tokens: torch.Tensor, sums: dict[str, float]) -> None:
-        mask = micro.response_mask
+    def _micro_batch_backward(self, micro: ExperienceBatch, global_tokens: torch.Tensor) -> MicroBatchStats:
+        mask = micro.loss_mask
         with self._autocast():
-            logp, entropy = token_logprobs(
-                self.model, micro.input_ids, micro.attention_mask, self.temperature, with_entropy=True, target_mask=mask
-            )
+            logp, entropy = token_logprobs(self.model, micro.input_ids, micro.attention_mask, self.temperature,
+                                           with_entropy=True, target_mask=micro.response_mask,
+                                           group_ids=micro.group_ids)
         out = self.policy_loss(
             LossInputs(
                 logprobs=logp,
@@ -170,21 +227,19 @@ class TrainWorker:
         kl = torch.zeros_like(logp)
         if self.algo.kl_beta > 0:
             with torch.no_grad(), self._autocast():
-                ref_logp, _ = token_logprobs(
-                    self.ref_model, micro.input_ids, micro.attention_mask, self.temperature, target_mask=mask
-                )
+                ref_logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature,
+                                             target_mask=micro.response_mask, group_ids=micro.group_ids)
             kl = kl_k3(logp, ref_logp) * mask
             per_token = per_token + self.algo.kl_beta * kl
-        loss = self.aggregate(per_token, mask, global_tokens)
-        loss.backward()
+        self.aggregate(per_token, mask, global_tokens).backward()
         with torch.no_grad():
-            if self._measuring:
-                self._record_mismatch(logp, micro.old_logprobs, mask)
-            sums["loss"] += float((per_token * mask).sum())
-            sums["kl"] += float(kl.sum())
-            sums["entropy"] += float((entropy * mask).sum())
-            sums["clip"] += float(out.clipped.sum())
-            sums["tokens"] += float(mask.sum())
+            current = logp.detach().float()
+            return MicroBatchStats(
+                loss=(per_token * mask).sum(), kl=kl.sum(), entropy=(entropy * mask).sum(),
+                clipped=out.clipped.sum(), tokens=mask.sum(),
+                mismatch_kl=(kl_k3(micro.old_logprobs, current) * mask).sum(),
+                logprob_diff_max=((current - micro.old_logprobs) * mask).abs().max(),
+            )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.precision != "bf16_autocast":
@@ -192,14 +247,6 @@ class TrainWorker:
         device = next(self.model.parameters()).device.type
         return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
-    def _record_mismatch(self, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
-        """Rollout-vs-trainer logprob mismatch on pi_old's own samples: k3 KL and the max |diff|."""
-        diff = (logp.detach().float() - old) * mask
-        self._mismatch["kl"] += float((kl_k3(old, logp.detach().float()) * mask).sum())
-        self._mismatch["diff_max"] = max(self._mismatch["diff_max"], float(diff.abs().max()) if diff.numel() else 0.0)
-        self._mismatch["tokens"] += float(mask.sum())
-
-    # -- state ---------------------------------------------------------------------------------
     def policy_state(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
