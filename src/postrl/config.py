@@ -253,6 +253,11 @@ class RewardServiceFile(_Section):
 
 
 class AlgorithmConfig(_Section):
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="Modules imported before the names below are looked up, so that their @register_advantage, "
+        "@register_policy_loss and @register_loss_aggregation entries exist (a module next to the config imports "
+        "as is; see import_paths).")
     advantage: str = Field("grpo", description="Advantage estimator (registry name).")
     policy_loss: str = Field("ppo_clip", description="Policy loss (registry name).")
     loss_agg: str = Field("token_mean", description="Loss aggregation (registry name).")
@@ -260,6 +265,18 @@ class AlgorithmConfig(_Section):
     clip_eps_high: float = Field(0.2, ge=0.0)
     kl_beta: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient; 0 loads no reference model.")
     norm_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+
+    @field_validator("plugins")
+    @classmethod
+    def _import_plugins(cls, modules: list[str]) -> list[str]:
+        import importlib
+
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                raise ValueError(f"algorithm.plugins: cannot import '{name}': {exc}") from None
+        return modules
 
     @field_validator("advantage")
     @classmethod
@@ -352,6 +369,15 @@ class RunConfig(_Section):
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_paths_first(cls, data: Any) -> Any:
+        """Put import_paths on sys.path before the sections are checked: algorithm.plugins and
+        custom reward functions may live next to the config."""
+        if isinstance(data, dict) and isinstance(data.get("import_paths"), list):
+            activate_import_paths([str(p) for p in data["import_paths"]])
+        return data
 
     @model_validator(mode="after")
     def _groups_need_samples(self) -> RunConfig:

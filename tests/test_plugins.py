@@ -1,0 +1,56 @@
+"""Issue 9: a user registers their own advantage estimator and loss from a module named in the config."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import yaml
+
+from postrl.cli import main
+from postrl.config import ConfigError, load_config
+from tests.test_train_e2e import write_config
+
+PLUGIN = textwrap.dedent("""
+    import torch
+    from postrl.algorithms import register_advantage, register_policy_loss, PolicyLossOutput
+
+    CALLS = []
+
+    @register_advantage("centered_plugin", needs_groups=True)
+    def centered(inputs):
+        CALLS.append("advantage")
+        r = torch.nan_to_num(inputs.rewards, nan=0.0)
+        return r - r.mean()
+
+    @register_policy_loss("reinforce_plugin")
+    def reinforce(inputs):
+        CALLS.append("loss")
+        adv = inputs.advantages if inputs.advantages.dim() == 2 else inputs.advantages[:, None]
+        return PolicyLossOutput(per_token=-inputs.logprobs * adv * inputs.mask,
+                                clipped=torch.zeros_like(inputs.logprobs))
+""")
+
+
+def test_plugin_module_next_to_the_config_registers_algorithms(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    (tmp_path / "my_algos.py").write_text(PLUGIN)
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1,
+                          algorithm={"plugins": ["my_algos"], "advantage": "centered_plugin",
+                                     "policy_loss": "reinforce_plugin"})
+    assert main(["train", config]) == 0
+    import my_algos
+
+    assert my_algos.CALLS[0] == "advantage" and "loss" in my_algos.CALLS
+    row = json.loads((tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["actor/clip_fraction"] == 0.0
+    # the estimator was registered as a group baseline, so n=1 is refused like GRPO
+    with pytest.raises(ConfigError, match="algorithm.advantage=centered_plugin compares the samples of a prompt"):
+        load_config(config, ["rollout.n=1"])
+
+
+def test_a_plugin_that_does_not_import_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": {"plugins": ["no_such_algos"], "advantage": "x"}}))
+    with pytest.raises(ConfigError, match="algorithm.plugins: cannot import 'no_such_algos'"):
+        load_config(path)
