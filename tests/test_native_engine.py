@@ -135,3 +135,17 @@ def test_shared_system_prompt_prefilled_once_gives_same_tokens_and_logprobs(char
     assert [r.response_ids for r in shared] == [r.response_ids for r in hf]
     diff = max(abs(a - b) for r, h in zip(shared, hf) for a, b in zip(r.logprobs, h.logprobs))
     assert diff < 1e-5
+
+
+def test_health_check_generates_and_finds_bad_weights(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    for engine in (NativeRolloutWorker.from_hf(model, char_tokenizer), HFRolloutWorker(model, char_tokenizer)):
+        assert engine.health_check()
+        out = engine.generate([Prompt("1+1=", char_tokenizer("1+1=")["input_ids"])],
+                              SamplingParams(n=2, temperature=0.0, max_tokens=4), 0)
+        assert len(out) == 2 and engine.health_check()  # the probe works with a cache already in use
+    native = NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer)
+    name = next(n for n in native.model.params if "norm" in n)
+    native.model.params[name].fill_(float("nan"))
+    health = native.health_check()
+    assert not health and health.reason == f"non-finite weights in ['{name}']"

@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     from postrl.data import DatasetError
     from postrl.interrupt import RunInterrupted
     from postrl.reward.client import RewardServiceError
+    from postrl.rollout.common import EngineUnhealthyError
     from postrl.train.worker import NonFiniteLossError
 
     try:
@@ -303,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before a run's own handler is installed (loading, validating): nothing written yet
         print(f"\npostrl {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, DatasetError, FileNotFoundError, NonFiniteLossError, RewardFailureError, RewardServiceError) as exc:
+    except (ConfigError, DatasetError, EngineUnhealthyError, FileNotFoundError, NonFiniteLossError, RewardFailureError,
+            RewardServiceError) as exc:
         print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -23,9 +23,13 @@ from postrl.data import PromptDataset, PromptSampler
 from postrl.reward import RewardService, ScoreRequest
 from postrl.reward.client import RemoteRewardService, RewardServiceError
 from postrl.rollout import RolloutWorker
+from postrl.rollout.common import EngineUnhealthyError
 from postrl.train.worker import TrainWorker
-from postrl.types import Experience, ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepMetrics
+from postrl.types import (Experience, ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepMetrics,
+                          TrainMetrics)
 from postrl.weights import dedupe_tied, weight_manifest, write_sync_file
+
+T = TypeVar("T")
 
 
 class RewardFailureError(RuntimeError):
@@ -55,6 +59,24 @@ def write_samples(path: Path, prompts: list[Prompt], rollouts: list[Rollout], re
                    "prompt_index": r.prompt_index, "source": prompt.source}
             f.write(json.dumps(row, allow_nan=True) + "\n")
     return path
+
+
+class StageTimer:
+    """Seconds per stage of a step, and the step's total."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def run(self, stage: str, fn: Callable[..., T], *args: Any) -> T:
+        began = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds[stage] = time.perf_counter() - began
+
+    def total(self) -> dict[str, float]:
+        return {**self.seconds, "step": time.perf_counter() - self.start}
 
 
 @dataclass
@@ -97,14 +119,25 @@ class Controller:
         return [self.parts.dataset[i] for i in self.sampler.next_indices(self.config.prompts_per_step)]
 
     def step(self) -> StepMetrics:
-        timings: dict[str, float] = {}
+        """One RL step, a line per stage; the timer records each stage's seconds."""
+        timer = StageTimer()
         self._pre_step_state, self._updating = self.state_dict(), False
-        t0 = time.perf_counter()
         prompts = self.sample_prompts()
-        rollouts = self.parts.rollout.generate(prompts, self.sampling, self.weight_version)
-        timings["generate"] = time.perf_counter() - t0
+        rollouts = timer.run("generate", self.generate, prompts)
+        rewards = timer.run("reward", self.score, prompts, rollouts)
+        advantages = self.compute_advantage(rollouts, rewards)
+        self.record_samples(prompts, rollouts, rewards, advantages)
+        self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
+        train_metrics = timer.run("train", self.update, self.parts.buffer.get(None, self.weight_version))
+        timer.run("sync", self.sync_weights)
+        return self.finish_step(rollouts, rewards, train_metrics, timer.total())
 
-        t = time.perf_counter()
+    def generate(self, prompts: list[Prompt]) -> list[Rollout]:
+        return self.parts.rollout.generate(prompts, self.sampling, self.weight_version)
+
+    def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
+        """Rewards in rollout order; a failed reward service makes the samples unscorable, and too
+        many unscorable samples stop the run (:meth:`check_failure_rate`)."""
         requests = [
             ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids))
             for r in rollouts
@@ -113,27 +146,23 @@ class Controller:
             rewards = self.parts.reward.score_batch(requests)
         except RewardServiceError as exc:
             rewards = [RewardResult(reward=None, error=str(exc)) for _ in rollouts]
-        timings["reward"] = time.perf_counter() - t
         self.check_failure_rate(prompts, rollouts, rewards)
+        return rewards
 
-        advantages = self.compute_advantage(rollouts, rewards)
-        if self._samples_due(self.step_count + 1):
-            write_samples(self.config.run_dir / "samples" / f"step_{self.step_count + 1}.jsonl",
-                          prompts, rollouts, rewards, advantages.tolist())
-        self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
-        experiences = self.parts.buffer.get(None, self.weight_version)
-
-        t = time.perf_counter()
+    def update(self, experiences: list[Experience]) -> TrainMetrics:
         batch = ExperienceBatch.from_experiences(experiences, self.parts.tokenizer.pad_token_id)
-        self._updating = True
-        train_metrics = self.parts.trainer.update(batch)
-        timings["train"] = time.perf_counter() - t
+        self._updating = True  # from here on the weights change: an abandoned step cannot be undone
+        return self.parts.trainer.update(batch)
 
-        t = time.perf_counter()
-        self.sync_weights()
-        timings["sync"] = time.perf_counter() - t
-        timings["step"] = time.perf_counter() - t0
+    def record_samples(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
+                       advantages: torch.Tensor) -> None:
+        step = self.step_count + 1
+        if self._samples_due(step):
+            write_samples(self.config.run_dir / "samples" / f"step_{step}.jsonl", prompts, rollouts, rewards,
+                          advantages.tolist())
 
+    def finish_step(self, rollouts: list[Rollout], rewards: list[RewardResult], train_metrics: TrainMetrics,
+                    timings: dict[str, float]) -> StepMetrics:
         self.step_count += 1
         self._updating = False
         values = self._metrics(rollouts, rewards, train_metrics, timings)
@@ -181,8 +210,16 @@ class Controller:
         estimator = ADVANTAGES.get(self.config.algorithm.advantage)
         return estimator(AdvantageInputs(reward_tensor, groups, norm_by_std=self.config.algorithm.norm_by_std))
 
+    def check_engine(self, when: str) -> None:
+        """Stop the run, with the engine's own reason, when the rollout engine cannot serve."""
+        health = self.parts.rollout.health_check()
+        if not health:
+            raise EngineUnhealthyError(f"the rollout engine failed its health check {when}: "
+                                       f"{getattr(health, 'reason', '') or 'no reason given'}")
+
     def sync_weights(self, bump: bool = True) -> None:
-        """Push the trainer's policy into the rollout worker under a new ``weight_version``."""
+        """Push the trainer's policy into the rollout worker under a new ``weight_version``, then
+        check that the engine still serves."""
         if bump:
             self.weight_version += 1
         state = dedupe_tied(self.parts.trainer.policy_state())
@@ -192,6 +229,7 @@ class Controller:
             self.parts.rollout.update_weights(path, self.weight_version, manifest)
         else:
             self.parts.rollout.update_weights(state, self.weight_version, manifest)
+        self.check_engine(f"after the weight sync to version {self.weight_version}")
 
     # -- helpers -------------------------------------------------------------------------------
     def _experiences(
@@ -219,6 +257,8 @@ class Controller:
                     weight_version=r.weight_version,
                     metadata=metadata,
                     group_id=r.prompt_index,
+                    # an unscorable sample stays in the batch (its group's context) but weighs nothing
+                    loss_mask=[0] * len(r.response_ids) if res.unscorable else None,
                 )
             )
         return out

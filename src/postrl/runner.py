@@ -190,9 +190,7 @@ def train(
             _run_loop(controller, config, resume_step, on_step)
         finally:
             parts.reward.close()
-            close_rollout = getattr(parts.rollout, "close", None)
-            if close_rollout is not None:
-                close_rollout()
+            parts.rollout.close()
     return controller
 
 

@@ -7,6 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from postrl.rollout.common import Health
 from postrl.types import Prompt, Rollout, SamplingParams
 
 
@@ -29,8 +30,15 @@ class RolloutWorker(Protocol):
         """Load new weights in place; with a manifest (see postrl.weights), verify what arrived."""
         ...
 
-    def health_check(self) -> bool: ...
+    def health_check(self) -> Health:
+        """Real work, not a flag: the engine checks its weights (and cache) and generates a token, or
+        asks its server. Falsy, with the reason, when it cannot serve."""
+        ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Release processes and memory; the worker is not used afterwards."""
+        ...

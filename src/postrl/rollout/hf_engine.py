@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
+from postrl.rollout.common import EngineBase, Health
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
-from postrl.weights import load_state_checked, verify_manifest
+from postrl.weights import load_state_checked
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-class HFRolloutWorker:
+class HFRolloutWorker(EngineBase):
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_size: int = 256, seed: int = 0) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -60,12 +61,8 @@ class HFRolloutWorker:
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int,
                  on_token: TokenCallback | None = None) -> list[Rollout]:
         """``on_token`` (optional) sees every token as it is sampled, for streaming."""
-        if weight_version != self.weight_version:
-            raise RuntimeError(
-                f"asked to generate with weight_version {weight_version}, engine holds {self.weight_version}"
-            )
-        if sampling_params.seed is not None:
-            self.generator.manual_seed(sampling_params.seed)
+        self.check_version(weight_version)
+        self.seed(sampling_params.seed)
         rows = [(i, k, p.prompt_ids) for i, p in enumerate(prompts) for k in range(sampling_params.n)]
         out: list[Rollout] = []
         for start in range(0, len(rows), self.max_batch_size):
@@ -75,21 +72,20 @@ class HFRolloutWorker:
     def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
                        manifest: dict[str, str] | None = None) -> None:
         source = str(weights) if isinstance(weights, (str, Path)) else "an in-memory state dict"
-        state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
-        if manifest is not None:
-            verify_manifest(state, manifest)
-        load_state_checked(self.model, state, source)
+        load_state_checked(self.model, self.verified_state(weights, manifest), source)
         self.weight_version = version
 
-    def health_check(self) -> bool:
-        return self.model is not None and not self.model.training
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(), "weight_version": self.weight_version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
-        self.weight_version = int(state["weight_version"])
+    def health_check(self) -> Health:
+        """Finite weights, and one greedy token from a one-token prompt."""
+        if self.model.training:
+            return Health(False, "the rollout model is in training mode")
+        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:
+            return Health(False, f"non-finite weights in {bad[:3]}")
+        probe = self._generate_batch([(0, 0, [self.pad_id])], SamplingParams(n=1, temperature=0.0, max_tokens=1))[0]
+        if len(probe.response_ids) != 1 or not math.isfinite(probe.logprobs[0]):
+            return Health(False, f"generating one token gave {probe.response_ids} with logprobs {probe.logprobs}")
+        return Health(True)
 
     # -- internals -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -22,8 +22,9 @@ from typing import Any
 import httpx
 import torch
 
+from postrl.rollout.common import EngineBase, Health
 from postrl.types import Prompt, Rollout, SamplingParams
-from postrl.weights import verify_manifest, write_sync_file
+from postrl.weights import write_sync_file
 
 SERVER_FILE = Path(__file__).with_name("vllm_server.py")
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
@@ -41,7 +42,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class VLLMRolloutWorker:
+class VLLMRolloutWorker(EngineBase):
     def __init__(self, model_dir: str | Path, tokenizer: Any, *, max_model_len: int = 2048, dtype: str = "bfloat16",
                  seed: int = 0, startup_timeout_s: float = 600.0, request_timeout_s: float = 3600.0) -> None:
         python = vllm_python()
@@ -81,8 +82,7 @@ class VLLMRolloutWorker:
         return Path(self.log.name).read_text(errors="replace")[-3000:]
 
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
-        if weight_version != self.weight_version:
-            raise RuntimeError(f"asked to generate with weight_version {weight_version}, engine holds {self.weight_version}")
+        self.check_version(weight_version)
         sp = sampling_params
         body = {"prompt": [p.prompt_ids for p in prompts], "n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p,
                 "top_k": sp.top_k, "max_tokens": sp.max_tokens, "stop": list(sp.stop),
@@ -103,13 +103,9 @@ class VLLMRolloutWorker:
         if isinstance(weights, (str, Path)):
             path = self._into_sync_dir(Path(weights))
             if manifest is not None:
-                from safetensors.torch import load_file
-
-                verify_manifest(load_file(str(path)), manifest)
+                self.verified_state(path, manifest)
         else:
-            if manifest is not None:
-                verify_manifest(weights, manifest)
-            path = write_sync_file(weights, self.sync_dir / "policy.safetensors")
+            path = write_sync_file(self.verified_state(weights, manifest), self.sync_dir / "policy.safetensors")
         response = self.client.post(self.url + "/update_weights", json={"path": str(path), "version": version})
         if response.status_code != 200:
             raise RuntimeError(f"vLLM weight update failed ({response.status_code}): {response.text[:500]}")
@@ -127,17 +123,17 @@ class VLLMRolloutWorker:
             shutil.copyfile(path, target)
         return target
 
-    def health_check(self) -> bool:
+    def health_check(self) -> Health:
+        """Asks the server; a dead process or a failed /health is unhealthy, with the log's tail."""
+        if self.proc.poll() is not None:
+            return Health(False, f"vLLM server exited with code {self.proc.returncode}; log {self.log.name}")
         try:
-            return self.proc.poll() is None and self.client.get(self.url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"weight_version": self.weight_version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.weight_version = int(state["weight_version"])
+            answer = self.client.get(self.url + "/health", timeout=5)
+        except httpx.HTTPError as exc:
+            return Health(False, f"vLLM server {self.url} did not answer /health: {type(exc).__name__}: {exc}")
+        if answer.status_code != 200:
+            return Health(False, f"vLLM server {self.url} /health answered {answer.status_code}: {answer.text[:200]}")
+        return Health(True)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -128,14 +128,20 @@ def pack_shared_prompts(
         ids[s, : len(t)] = torch.tensor(t)
         pos_t[s, : len(q)] = torch.tensor(q)
         seg_t[s, : len(g)] = torch.tensor(g)
-    q_seg, k_seg = seg_t[:, :, None], seg_t[:, None, :]
+    device = input_ids.device
+    return PackedPrompts(ids.to(device), pos_t.to(device), _block_mask(seg_t)[:, None].to(device),
+                         torch.tensor(target_seq, device=device), torch.tensor(target_pos, device=device))
+
+
+def _block_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Additive ``[S, L, L]`` mask: causal, and a response (segment k >= 0) sees the prompt (-1) and
+    itself only; padding (-2) is seen by nothing."""
+    width = segments.shape[1]
+    q_seg, k_seg = segments[:, :, None], segments[:, None, :]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     allowed = causal & ((k_seg == -1) | (k_seg == q_seg)) & (k_seg != -2)
     allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no all-masked rows
-    additive = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    device = input_ids.device
-    return PackedPrompts(ids.to(device), pos_t.to(device), additive[:, None].to(device),
-                         torch.tensor(target_seq, device=device), torch.tensor(target_pos, device=device))
+    return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
 def _shared_prompt_logprobs(model, packed: PackedPrompts, input_ids, target_mask, temperature, with_entropy):

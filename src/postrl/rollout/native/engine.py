@@ -13,8 +13,9 @@
 from __future__ import annotations
 
 import heapq
-import time
 import logging
+import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +23,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
+from postrl.rollout.common import EngineBase, Health
 from postrl.rollout.native.kv_cache import KVCache
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.rollout.hf_engine import eos_ids
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
-from postrl.weights import WeightSyncError, verify_manifest
+from postrl.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class _Seq:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
-class NativeRolloutWorker:
+class NativeRolloutWorker(EngineBase):
     def __init__(self, model: NativeCausalLM, tokenizer: Any, eos: set[int], max_batch_size: int = 256,
                  seed: int = 0, max_prefill_tokens: int = 2048) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -79,12 +80,10 @@ class NativeRolloutWorker:
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int,
                  on_token: TokenCallback | None = None) -> list[Rollout]:
         """``on_token`` (optional) sees every token as it is sampled, for streaming."""
-        if weight_version != self.weight_version:
-            raise RuntimeError(f"asked to generate with weight_version {weight_version}, engine holds {self.weight_version}")
+        self.check_version(weight_version)
         if not prompts:
             return []
-        if sampling_params.seed is not None:
-            self.generator.manual_seed(sampling_params.seed)
+        self.seed(sampling_params.seed)
         slots = min(self.max_batch_size, len(prompts) * sampling_params.n)
         max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
         self._ensure_cache(slots, max_len)
@@ -106,9 +105,7 @@ class NativeRolloutWorker:
     def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
                        manifest: dict[str, str] | None = None) -> None:
         """Copy new weights into the running engine in place; with a manifest, verify what arrived."""
-        state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
-        if manifest is not None:
-            verify_manifest(state, manifest)
+        state = self.verified_state(weights, manifest)
         written = self.model.load(state, strict=True)
         if manifest is not None:
             bad = [n for n in written if not torch.equal(self.model.params[n], state[n].to(self.model.dtype))]
@@ -116,16 +113,25 @@ class NativeRolloutWorker:
                 raise WeightSyncError(f"engine weights differ from the sent weights after the copy: {bad[:5]}")
         self.weight_version = version
 
-    def health_check(self) -> bool:
-        probe = torch.tensor([self.pad_id], device=self.model.device)
-        return bool(torch.isfinite(F.embedding(probe, self.model.embed)).all())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(), "weight_version": self.weight_version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
-        self.weight_version = int(state["weight_version"])
+    def health_check(self) -> Health:
+        """Finite weights, a KV cache that matches the model, and one greedy token generated through
+        the real scheduler (into slot 0 of the existing cache, whose contents are scratch between calls)."""
+        bad = [n for n, p in self.model.params.items() if not bool(torch.isfinite(p).all())]
+        if bad:
+            return Health(False, f"non-finite weights in {bad[:3]}")
+        cfg = self.model.cfg
+        if self.cache is None:
+            self._ensure_cache(1, 2)
+        layers, kv_shape = len(self.cache.k), tuple(self.cache.k[0].shape)
+        if layers != cfg.layers or kv_shape[1] != cfg.kv_heads or kv_shape[3] != cfg.head_dim:
+            return Health(False, f"KV cache of {layers} layers x {kv_shape} does not match the model "
+                                 f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})")
+        probe = Prompt(text="", prompt_ids=[self.pad_id])
+        seqs = _Scheduler(self, [probe], SamplingParams(n=1, temperature=0.0, max_tokens=1), 1).run()
+        tokens, logprobs = seqs[0][0].tokens, seqs[0][0].logprobs
+        if len(tokens) != 1 or not 0 <= tokens[0] < self.model.embed.shape[0] or not math.isfinite(logprobs[0]):
+            return Health(False, f"generating one token gave {tokens} with logprobs {logprobs}")
+        return Health(True)
 
     # -- internals -------------------------------------------------------------------------------
     def _ensure_cache(self, slots: int, max_len: int) -> None:

@@ -1,0 +1,67 @@
+"""What every rollout backend shares: the weight-version check, verified weight loading, the
+sampling generator's state, and the health report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from postrl.weights import verify_manifest
+
+
+@dataclass(frozen=True)
+class Health:
+    """A health check's answer; falsy when the engine cannot serve, with the reason."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class EngineUnhealthyError(RuntimeError):
+    """A rollout engine failed its health check; the message is the engine's reason."""
+
+
+class EngineBase:
+    """Shared state and checks of a rollout backend (subclasses set up ``generator`` or override
+    :meth:`state_dict`)."""
+
+    weight_version: int = 0
+    generator: torch.Generator | None = None
+
+    def check_version(self, asked: int) -> None:
+        if asked != self.weight_version:
+            raise RuntimeError(f"asked to generate with weight_version {asked}, engine holds {self.weight_version}")
+
+    @staticmethod
+    def verified_state(weights: dict[str, torch.Tensor] | str | Path,
+                       manifest: dict[str, str] | None) -> dict[str, torch.Tensor]:
+        """The state dict in ``weights`` (a safetensors file or a dict), checked against ``manifest``."""
+        state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
+        if manifest is not None:
+            verify_manifest(state, manifest)
+        return state
+
+    def seed(self, seed: int | None) -> None:
+        if seed is not None and self.generator is not None:
+            self.generator.manual_seed(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"weight_version": self.weight_version}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.generator is not None and "generator" in state:
+            self.generator.set_state(state["generator"])
+        self.weight_version = int(state["weight_version"])
+
+    def close(self) -> None:
+        """Release what the engine holds (processes, caches); in-process engines hold nothing to release."""

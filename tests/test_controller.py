@@ -1,0 +1,123 @@
+"""The Controller with small fake components: what it calls, in which order, with what."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from postrl.buffer import OnPolicyBuffer
+from postrl.config import build_config
+from postrl.controller import Components, Controller, RewardFailureError
+from postrl.data.dataset import PromptDataset
+from postrl.rollout.common import EngineBase, EngineUnhealthyError, Health
+from postrl.types import Prompt, RewardResult, Rollout, TrainMetrics
+
+
+class FakeRollout(EngineBase):
+    def __init__(self, calls: list, healthy_after: int = 10**9) -> None:
+        self.calls, self.healthy_after, self.syncs = calls, healthy_after, []
+
+    def generate(self, prompts, sampling_params, weight_version):
+        self.check_version(weight_version)
+        self.calls.append(("generate", weight_version))
+        return [Rollout(i, p.prompt_ids, [10 + k, 2], [-0.5, -0.25], f"{p.text}->{k}", "stop", weight_version)
+                for i, p in enumerate(prompts) for k in range(sampling_params.n)]
+
+    def update_weights(self, weights, version, manifest=None):
+        self.calls.append(("update_weights", version))
+        self.syncs.append(version)
+        self.weight_version = version
+
+    def health_check(self):
+        self.calls.append(("health_check", self.weight_version))
+        if self.weight_version >= self.healthy_after:
+            return Health(False, "KV cache holds NaN")
+        return Health(True)
+
+
+class FakeReward:
+    """Rewards 1, 0, 1, 0, ...; the second sample of the first prompt is unscorable."""
+
+    accuracy_component = None
+
+    def __init__(self, calls: list, unscorable: set[int] = frozenset({1})) -> None:
+        self.calls, self.unscorable = calls, unscorable
+
+    def score_batch(self, requests):
+        self.calls.append(("score", len(requests)))
+        return [RewardResult(None, error="boom") if i in self.unscorable else RewardResult(float(i % 2 == 0))
+                for i in range(len(requests))]
+
+    def close(self):
+        pass
+
+
+class FakeTrainer:
+    def __init__(self, calls: list) -> None:
+        self.calls, self.batches = calls, []
+
+    def update(self, batch):
+        self.calls.append(("update", batch.size))
+        self.batches.append(batch)
+        return TrainMetrics(0.0, 0.0, 0.1, 0.0, 1.0, 0.0, 0.5, 1e-5, 1, 0)
+
+    def policy_state(self):
+        return {"w": torch.ones(2)}
+
+
+class Tokenizer:
+    pad_token_id = 0
+
+
+def controller(tmp_path, calls, **kw) -> tuple[Controller, Components]:
+    config = build_config({"output_dir": str(tmp_path), "prompts_per_step": 2, "rollout": {"n": 2},
+                           "data": {"train_files": ["unused.jsonl"]}, "reward": {"max_failure_rate": kw.pop("rate", 0.5)}})
+    dataset = PromptDataset([Prompt(f"p{i}", [1, 5 + i]) for i in range(4)])
+    parts = Components(config, Tokenizer(), dataset, FakeRollout(calls, **kw), FakeReward(calls), FakeTrainer(calls),
+                       OnPolicyBuffer())
+    return Controller(parts), parts
+
+
+def test_step_calls_each_stage_once_in_order(tmp_path):
+    calls: list = []
+    ctl, parts = controller(tmp_path, calls)
+    assert calls == [("update_weights", 0), ("health_check", 0)]  # the start: sync, then a health check
+    metrics = ctl.step()
+    assert calls[2:] == [("generate", 0), ("score", 4), ("update", 4), ("update_weights", 1), ("health_check", 1)]
+    assert metrics.step == 1 and metrics.weight_version == 1 and ctl.weight_version == 1
+    ctl.step()
+    assert parts.rollout.syncs == [0, 1, 2]
+    assert set(metrics.values) >= {"time/generate_s", "time/reward_s", "time/train_s", "time/sync_s", "time/step_s"}
+
+
+def test_unscorable_sample_reaches_the_trainer_with_no_weight(tmp_path):
+    calls: list = []
+    ctl, parts = controller(tmp_path, calls)
+    metrics = ctl.step()
+    batch = parts.trainer.batches[0]
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]
+    # group 0: sample 0 scored 1, sample 1 unscorable -> one scorable sample: advantage 0, and no loss weight
+    assert batch.advantages[1].abs().sum() == 0 and batch.loss_mask[1].sum() == 0
+    assert batch.response_mask[1].sum() == 2  # still in the batch, in its group's context
+    # group 1: rewards 1 and 0 -> +/- the same advantage on every response token
+    a2, a3 = batch.advantages[2][batch.response_mask[2].bool()], batch.advantages[3][batch.response_mask[3].bool()]
+    assert torch.allclose(a2, -a3) and a2[0] > 0 and math.isclose(float(a2[0]), 1 / (2 ** 0.5 + 1e-6), rel_tol=1e-5)
+    assert metrics.values["reward/unscorable"] == 1.0 and metrics.notes["unscorable_reason"] == "1x boom"
+
+
+def test_failure_rate_stops_the_run_before_training(tmp_path):
+    calls: list = []
+    ctl, parts = controller(tmp_path, calls, rate=0.2)
+    with pytest.raises(RewardFailureError, match=r"step 1: 1/4 samples could not be scored \(25% > "):
+        ctl.step()
+    assert ("update", 4) not in calls and (tmp_path / "run" / "unscored_step_1.jsonl").is_file()
+
+
+def test_unhealthy_engine_stops_the_run_with_its_reason(tmp_path):
+    calls: list = []
+    ctl, _ = controller(tmp_path, calls, healthy_after=2)
+    ctl.step()
+    with pytest.raises(EngineUnhealthyError, match="health check after the weight sync to version 2: KV cache holds NaN"):
+        ctl.step()
