@@ -16,7 +16,7 @@ from tests.test_serve import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-TRAIN_EXAMPLES = ["arithmetic_grpo.yaml", "math_jsonl.yaml", "smollm2_grpo.yaml"]
+TRAIN_EXAMPLES = ["arithmetic_grpo.yaml", "math_jsonl.yaml", "smollm2_grpo.yaml", "mixed_math_code.yaml"]
 SERVICE_EXAMPLES = ["reward_service.yaml", "code_reward_service.yaml"]
 
 
@@ -66,10 +66,15 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
         write_jsonl(str(data), 8)
         extra = [f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.max_prompt_tokens=100",
                  "rollout.dtype=float32", "rollout.max_tokens=8"]
+    if name == "mixed_math_code.yaml":
+        extra += ["prompts_per_step=8", "train.mini_batch_size=16", "train.micro_batch_size=8"]  # every row once
     assert main(["train", str(EXAMPLES / name), *_example_overrides(tmp_path), *extra]) == 0
     run = next((tmp_path / "runs").iterdir())
     assert (run / "final_model" / "config.json").is_file()
-    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1
+    if name == "mixed_math_code.yaml":  # each component scored its own rows
+        assert {"reward/math/mean", "reward/code/mean"} <= set(first)
 
 
 def test_progress_output_to_a_file_has_no_carriage_returns(tmp_path):

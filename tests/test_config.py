@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from postrl.cli import main
 from postrl.config import ConfigError, build_config, load_config
@@ -27,9 +28,9 @@ def test_bad_value_names_field_value_and_bound():
 
 def test_bad_literal_lists_allowed_values():
     with pytest.raises(ConfigError) as err:
-        build_config({}, ["reward.verifiable.type=regex"])
+        build_config({}, ["data.on_bad_row=ignore"])
     msg = str(err.value)
-    assert "reward.verifiable.type" in msg and "'regex'" in msg and "'math'" in msg
+    assert "data.on_bad_row" in msg and "'ignore'" in msg and "'error'" in msg and "'skip'" in msg
 
 
 def test_unknown_algorithm_lists_registered_names():
@@ -41,8 +42,8 @@ def test_unknown_algorithm_lists_registered_names():
 def test_cross_field_checks():
     with pytest.raises(ConfigError, match="micro_batch_size=32 must be <= train.mini_batch_size=16"):
         build_config({}, ["train.mini_batch_size=16", "train.micro_batch_size=32"])
-    with pytest.raises(ConfigError, match="reward.model_path is not set"):
-        build_config({}, ["reward.weights.model=0.5"])
+    with pytest.raises(ConfigError, match="duplicate names"):
+        build_config({"reward": {"components": [{"name": "a", "type": "math"}, {"name": "a", "type": "exact_match"}]}})
     with pytest.raises(ConfigError, match="unknown task 'poetry'"):
         build_config({}, ["data.task=poetry"])
 
@@ -79,6 +80,21 @@ def test_example_configs_are_valid():
     assert examples
     for path in examples:
         if path.name.endswith("_service.yaml"):  # `postrl serve-reward --config` files
-            assert load_config(path, model=RewardServiceFile).reward.resolved_components()
+            assert load_config(path, model=RewardServiceFile).reward.components
         else:
             load_config(path)
+
+
+def test_old_style_reward_config_shows_its_components_form():
+    old = {"reward": {"verifiable": {"type": "custom", "function": "my.rewards:score"},
+                      "weights": {"verifiable": 1.0, "format": 0.1}, "format_pattern": "<answer>.*</answer>"}}
+    with pytest.raises(ConfigError) as err:
+        build_config(old)
+    message = str(err.value)
+    assert "reward.format_pattern, reward.verifiable, reward.weights: these fields were replaced by " \
+           "reward.components" in message
+    shown = yaml.safe_load("\n".join(line[4:] for line in message.splitlines() if line.startswith("    ")))
+    assert shown == {"reward": {"components": [
+        {"name": "verifiable", "type": "custom", "weight": 1.0, "function": "my.rewards:score"},
+        {"name": "format", "type": "format", "weight": 0.1, "pattern": "<answer>.*</answer>"}]}}
+    assert build_config(shown).reward.components[1].pattern == "<answer>.*</answer>"  # and it is a valid config

@@ -16,7 +16,7 @@ from postrl.cli import main
 from postrl.metrics import read_metrics
 from tests.test_train_e2e import write_config
 
-SIGNAL = ["reward.verifiable.type=custom", "reward.verifiable.function=tests.reward_fns:length_score"]
+SIGNAL = ["reward.components=[{name: length, type: custom, function: 'tests.reward_fns:length_score'}]"]
 COMPARED = ["reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean"]
 
 

@@ -40,11 +40,15 @@ def service(**kw) -> RewardService:
     return RewardService(RewardConfig(**kw))
 
 
+def custom(function: str) -> dict:
+    return {"name": "verifiable", "type": "custom", "function": function}
+
+
 def test_mixed_reward_weights_and_components():
     svc = service(
-        verifiable={"type": "exact_match"},
-        weights={"verifiable": 1.0, "format": 0.5, "length": 2.0},
-        length_target_tokens=4,
+        components=[{"name": "verifiable", "type": "exact_match"},
+                    {"name": "format", "type": "format", "weight": 0.5},
+                    {"name": "length", "type": "length", "weight": 2.0, "target_tokens": 4}],
         num_workers=1,
     )
     try:
@@ -60,7 +64,7 @@ def test_mixed_reward_weights_and_components():
 
 
 def test_custom_function_by_import_path_gets_columns():
-    svc = service(verifiable={"type": "custom", "function": "tests.reward_fns:uses_columns"}, num_workers=1)
+    svc = service(components=[custom("tests.reward_fns:uses_columns")], num_workers=1)
     try:
         assert svc.score("p", "the 7", answer="7", bonus=0.5).reward == pytest.approx(1.5)
     finally:
@@ -69,14 +73,14 @@ def test_custom_function_by_import_path_gets_columns():
 
 def test_unimportable_function_fails_at_start():
     with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.rewards': No module named 'no_such_pkg'"):
-        service(verifiable={"type": "custom", "function": "no_such_pkg.rewards:score"})
+        service(components=[custom("no_such_pkg.rewards:score")])
     with pytest.raises(ValueError, match="has no callable 'nope'"):
-        service(verifiable={"type": "custom", "function": "tests.reward_fns:nope"})
+        service(components=[custom("tests.reward_fns:nope")])
 
 
 def test_raising_none_and_dead_functions_are_unscorable_with_error():
     for fn, message in [("raises", "ValueError: bad response"), ("cannot_score", "returned None"), ("exits", "died")]:
-        svc = service(verifiable={"type": "custom", "function": f"tests.reward_fns:{fn}"}, num_workers=1)
+        svc = service(components=[custom(f"tests.reward_fns:{fn}")], num_workers=1)
         try:
             res = svc.score("p", "r")
         finally:

@@ -69,6 +69,38 @@ def test_local_reward_model_scores_in_batches(tmp_path, char_tokenizer):
     alone = [svc.score(p, r) for p, r in pairs]
     assert [b.reward for b in batched] == pytest.approx([a.reward for a in alone], abs=1e-5)
     assert len({round(b.reward, 6) for b in batched}) == 3  # a real model output, not a constant
+    # the model reads the conversation in its chat template, as reward models are trained
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    text = char_tokenizer.apply_chat_template([{"role": "user", "content": "2+2="},
+                                               {"role": "assistant", "content": "45"}], tokenize=False)
+    assert "<|im_start|>assistant" in text
+    with torch.no_grad():
+        expected = model(**char_tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+    assert batched[1].reward == pytest.approx(expected, abs=1e-5)
+    svc.close()
+
+
+def test_components_apply_to_their_task_types():
+    svc = RewardService(RewardConfig(num_workers=1, components=[
+        {"name": "math", "type": "math", "applies_to": ["math"]},
+        {"name": "code", "type": "code", "applies_to": ["code"], "sandbox": {"wall_s": 5}},
+        {"name": "format", "type": "format", "weight": 0.5, "pattern": "(?s).+", "applies_to": ["math", "code"]},
+    ]))
+    try:
+        out = svc.score_batch([
+            ScoreRequest("2*3?", "\\boxed{6}", {"task_type": "math", "answer": "6"}),
+            ScoreRequest("f?", "```python\ndef f():\n    return 1\n```", {"task_type": "code",
+                                                                          "tests": ["assert f() == 1"]}),
+            ScoreRequest("poem?", "roses", {"task_type": "poetry"}),
+        ])
+    finally:
+        svc.close()
+    assert out[0].components == {"math": 1.0, "format": 1.0} and out[0].reward == 1.5
+    assert out[1].components == {"code": 1.0, "format": 1.0} and out[1].reward == 1.5
+    assert out[2].unscorable and out[2].error == ("no reward component applies to task_type 'poetry' "
+                                                  "(see reward.components[].applies_to)")
 
 
 def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
@@ -102,12 +134,17 @@ def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
 
 
 def test_component_config_errors_name_the_field():
-    with pytest.raises(ConfigError, match="reward component 'j' of type judge needs 'url'"):
+    with pytest.raises(ConfigError) as err:
         build_config({"reward": {"components": [{"name": "j", "type": "judge"}]}})
+    assert str(err.value).splitlines()[1:] == ["  config field 'reward.components.0.judge.url' is required",
+                                                "  config field 'reward.components.0.judge.model' is required"]
     with pytest.raises(ConfigError, match=r"duplicate names \['a'\]"):
-        build_config({"reward": {"components": [{"name": "a", "type": "format"}, {"name": "a", "type": "length"}]}})
-    with pytest.raises(ConfigError, match="reward.components.0.type"):
+        build_config({"reward": {"components": [{"name": "a", "type": "format"},
+                                                {"name": "a", "type": "length", "target_tokens": 4}]}})
+    with pytest.raises(ConfigError, match="reward.components.0.*'magic'.*'exact_match'"):
         build_config({"reward": {"components": [{"name": "a", "type": "magic"}]}})
+    with pytest.raises(ConfigError, match="function='score' must look like 'package.module:function'"):
+        build_config({"reward": {"components": [{"name": "a", "type": "custom", "function": "score"}]}})
 
 
 def test_pool_shared_by_threads_keeps_each_callers_order():

@@ -104,7 +104,7 @@ def test_eval_on_own_data_with_the_runs_rewards(tmp_path, tiny_model_dir, arithm
     assert line.startswith("heldout.jsonl: accuracy 0.000 (0/2), mean reward") and "unscorable 0" in line
     rows = [yaml.safe_load(x) for x in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["1+1=", "2+2="]
-    assert set(rows[0]["components"]) == {"verifiable", "format", "length"}
+    assert set(rows[0]["components"]) == {"verifiable", "format"}
 
 
 def _train_subprocess(config: str, *extra: str, cwd=None) -> subprocess.Popen:

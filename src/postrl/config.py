@@ -11,15 +11,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from postrl.config_base import Section
+from postrl.reward_config import (  # noqa: F401 - the config's public names
+    POOLED_TYPES,
+    CodeComponent,
+    CustomComponent,
+    RemoteRewardConfig,
+    RewardComponentConfig,
+    RewardConfig,
+    SandboxConfig,
+)
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names every offending field."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+_Section = Section
 
 
 class ModelConfig(_Section):
@@ -75,163 +85,6 @@ class RolloutConfig(_Section):
     )
     verify_sync: bool = Field(True, description="Checksum every weight sync and compare what arrived with what was sent.")
     weight_sync: Literal["memory", "safetensors"] = Field("memory", description="How new weights reach the engine.")
-
-
-class VerifiableRewardConfig(_Section):
-    type: Literal["math", "exact_match", "custom", "none"] = Field("exact_match")
-    function: str | None = Field(None, description="'package.module:function' for type=custom.")
-    answer_column: str = Field("answer", description="Dataset column holding the reference answer.")
-
-    @model_validator(mode="after")
-    def _custom_needs_function(self) -> VerifiableRewardConfig:
-        if self.type == "custom" and not self.function:
-            raise ValueError("reward.verifiable.type=custom needs reward.verifiable.function='module:function'")
-        if self.function and ":" not in self.function:
-            raise ValueError(f"reward.verifiable.function={self.function!r} must look like 'package.module:function'")
-        return self
-
-
-class RewardWeights(_Section):
-    verifiable: float = Field(1.0, description="alpha")
-    model: float = Field(0.0, description="beta (needs reward.model_path)")
-    format: float = Field(0.0, description="gamma")
-    length: float = Field(0.0, description="delta")
-
-
-class SandboxConfig(_Section):
-    wall_s: float = Field(10.0, gt=0.0, description="Wall-clock limit for one program and all its tests.")
-    cpu_s: int = Field(10, ge=1, description="CPU-time limit (RLIMIT_CPU).")
-    memory_mb: int = Field(1024, ge=64, description="Address-space limit (RLIMIT_AS).")
-    processes: int = Field(64, ge=1, description="Process limit for the sandbox user (RLIMIT_NPROC).")
-    file_size_mb: int = Field(16, ge=1, description="Largest file the program may write (RLIMIT_FSIZE).")
-    open_files: int = Field(64, ge=8, description="Open file descriptors (RLIMIT_NOFILE).")
-    output_bytes: int = Field(1 << 20, ge=1024, description="stdout+stderr beyond this fails the run.")
-    python_site: bool = Field(False, description="Let programs import installed packages (slower start).")
-
-
-COMPONENT_TYPES = ("math", "exact_match", "custom", "code", "reward_model", "remote_reward_model", "judge", "format", "length")
-POOLED_TYPES = ("math", "exact_match", "custom", "code")  # run in the killable scoring processes
-
-
-class RewardComponentConfig(_Section):
-    """One named reward term; the reward is the weighted sum of the components."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Reported as reward/<name>/mean.")
-    type: Literal[COMPONENT_TYPES] = Field(description="What computes it.")  # type: ignore[valid-type]
-    weight: float = 1.0
-    timeout_s: float | None = Field(None, gt=0.0, description="Per-sample limit; default reward.timeout_s.")
-    function: str | None = Field(None, description="custom: 'package.module:function'.")
-    answer_column: str = Field("answer", description="math/exact_match/judge: the reference answer column.")
-    tests_column: str = Field("tests", description="code: the column holding the tests.")
-    code_score: Literal["fraction", "all_or_nothing"] = Field("fraction", description="code: how passed tests score.")
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    path: str | None = Field(None, description="reward_model: a sequence-classification model folder.")
-    url: str | None = Field(None, description="remote_reward_model: the scoring URL; judge: the API base URL (.../v1).")
-    model: str | None = Field(None, description="judge: the model name sent to the chat API.")
-    api_key_env: str | None = Field(None, description="judge/remote_reward_model: env var holding a bearer token.")
-    prompt_template: str = Field(
-        "Rate the response to the question from 0 to 10.\nQuestion: {prompt}\nResponse: {response}\n"
-        "Reply with 'Score: N'.",
-        description="judge: str.format template; fields prompt, response and the row's columns.",
-    )
-    score_pattern: str = Field(r"Score:\s*(-?\d+(?:\.\d+)?)", description="judge: regex whose group 1 is the score.")
-    score_scale: float = Field(10.0, gt=0.0, description="judge: the parsed score is divided by this.")
-    max_concurrency: int = Field(8, ge=1, description="judge/remote_reward_model: requests in flight.")
-    pattern: str = Field(r"^\s*<answer>.*?</answer>\s*$", description="format: regex the whole response must match.")
-    target_tokens: int = Field(0, ge=0, description="length: -max(0, len-target)/target; 0 = off.")
-    expected_range: tuple[float, float] | None = Field(
-        None, description="[low, high] this component's values should lie in; a value outside is kept but flagged "
-        "(reward/flagged metric, the sample's 'flags', a console note).")
-
-    @model_validator(mode="after")
-    def _required_fields(self) -> RewardComponentConfig:
-        need = {"custom": "function", "reward_model": "path", "remote_reward_model": "url", "judge": "url"}
-        field = need.get(self.type)
-        if field and not getattr(self, field):
-            raise ValueError(f"reward component '{self.name}' of type {self.type} needs '{field}'")
-        if self.type == "judge" and not self.model:
-            raise ValueError(f"reward component '{self.name}' of type judge needs 'model'")
-        if self.function and ":" not in self.function:
-            raise ValueError(f"reward component '{self.name}': function={self.function!r} must look like 'package.module:function'")
-        if self.type == "format":
-            _check_regex(self.pattern, f"reward component '{self.name}' pattern")
-        if self.type == "judge":
-            _check_regex(self.score_pattern, f"reward component '{self.name}' score_pattern")
-        if self.expected_range is not None and self.expected_range[0] > self.expected_range[1]:
-            raise ValueError(f"reward component '{self.name}': expected_range {list(self.expected_range)} has low > high")
-        return self
-
-
-def _check_regex(pattern: str, what: str) -> None:
-    import re
-
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"{what} is not a valid regex: {exc}") from None
-
-
-class RemoteRewardConfig(_Section):
-    url: str = Field(description="Base URL of a `postrl serve-reward` server, e.g. http://127.0.0.1:8100.")
-    token_env: str | None = Field(None, description="Env var holding the server's bearer token.")
-    timeout_s: float = Field(120.0, gt=0.0, description="Per-request timeout.")
-    retries: int = Field(4, ge=0, description="Retries on connection errors and 5xx answers.")
-    backoff_s: float = Field(0.5, gt=0.0, description="First retry delay; doubled each retry, with jitter.")
-    max_connections: int = Field(16, ge=1)
-    batch_size: int = Field(256, ge=1, description="Samples per request.")
-
-
-class RewardConfig(_Section):
-    verifiable: VerifiableRewardConfig = Field(default_factory=VerifiableRewardConfig)
-    format_pattern: str = Field(r"^\s*<answer>.*?</answer>\s*$", description="Regex the whole response must match.")
-    length_target_tokens: int = Field(0, ge=0, description="Length reward is -max(0, len-target)/target; 0 = off.")
-    model_path: str | None = Field(None, description="A sequence-classification reward model folder.")
-    weights: RewardWeights = Field(default_factory=RewardWeights)
-    components: list[RewardComponentConfig] = Field(
-        default_factory=list,
-        description="Named, weighted reward terms. Empty: built from verifiable/model_path/format/length + weights.",
-    )
-    timeout_s: float = Field(5.0, gt=0.0, description="Per-sample scoring timeout; the worker is killed past it.")
-    num_workers: int = Field(2, ge=1, description="Scoring worker processes.")
-    max_workers: int = Field(
-        32, ge=1, description="Most scoring processes at once: a worker stuck on one sample longer than stall_after_s "
-        "stops counting toward num_workers and another starts, so hanging samples time out together.")
-    stall_after_s: float = Field(0.25, gt=0.0, description="When a busy worker counts as stalled (see max_workers).")
-    hang_limit: int = Field(
-        4, ge=1, description="After this many timeouts in one batch with not one result, the batch's remaining "
-        "samples fail at once (the function hangs on everything).")
-    remote: RemoteRewardConfig | None = Field(None, description="Score through a `postrl serve-reward` server.")
-    max_failure_rate: float = Field(
-        0.5, ge=0.0, le=1.0, description="Stop the run when a step has more unscorable samples than this fraction."
-    )
-
-    @model_validator(mode="after")
-    def _model_weight_needs_model(self) -> RewardConfig:
-        if self.weights.model != 0.0 and not self.model_path:
-            raise ValueError("reward.weights.model is non-zero but reward.model_path is not set")
-        names = [c.name for c in self.components]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"reward.components: duplicate names {dupes}")
-        return self
-
-    def resolved_components(self) -> list[RewardComponentConfig]:
-        """``components``, or the legacy verifiable/model/format/length fields turned into components."""
-        if self.components:
-            return list(self.components)
-        out: list[RewardComponentConfig] = []
-        v = self.verifiable
-        if v.type != "none":
-            out.append(RewardComponentConfig(name="verifiable", type=v.type, weight=self.weights.verifiable,
-                                             function=v.function, answer_column=v.answer_column))
-        if self.model_path:
-            out.append(RewardComponentConfig(name="model", type="reward_model", weight=self.weights.model,
-                                             path=self.model_path))
-        out.append(RewardComponentConfig(name="format", type="format", weight=self.weights.format,
-                                         pattern=self.format_pattern))
-        out.append(RewardComponentConfig(name="length", type="length", weight=self.weights.length,
-                                         target_tokens=self.length_target_tokens))
-        return out
 
 
 class RewardServerConfig(_Section):
@@ -328,10 +181,6 @@ class TrainConfig(_Section):
         return self
 
 
-class BufferConfig(_Section):
-    type: Literal["on_policy"] = "on_policy"
-
-
 class CheckpointConfig(_Section):
     every_steps: int = Field(10, ge=0, description="Write a checkpoint every k steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
@@ -366,7 +215,6 @@ class RunConfig(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    buffer: BufferConfig = Field(default_factory=BufferConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
@@ -414,6 +262,8 @@ def format_validation_error(err: ValidationError, model: type[BaseModel] = RunCo
         where = ".".join(str(p) for p in loc) or "<config>"
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown config field '{where}'{_describe(model, loc)}")
+        elif e["type"] == "missing":
+            lines.append(f"config field '{where}' is required")
         elif e["type"] == "value_error":  # our own validators: the message names the fields
             message = e["msg"].removeprefix("Value error, ")
             lines.append(message if not loc else f"config field '{where}': {message}")

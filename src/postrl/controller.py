@@ -296,7 +296,7 @@ class Controller:
         name = getattr(self.parts.reward, "accuracy_component", None)
         verified = [r.components[name] for r in rewards if name in r.components]
         if verified:
-            v["accuracy"] = sum(x >= 1.0 for x in verified) / len(rewards)
+            v["accuracy"] = sum(x >= self.config.reward.accuracy_threshold for x in verified) / len(rewards)
         for name, seconds in timings.items():
             v[f"time/{name}_s"] = seconds
         return v

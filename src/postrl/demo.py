@@ -25,7 +25,7 @@ DEMO_SETTINGS: dict = {
     "model": {"path": "demo"},
     "data": {"task": "arithmetic"},
     "rollout": {"n": 8, "temperature": 1.0, "max_tokens": 16},
-    "reward": {"verifiable": {"type": "exact_match"}, "num_workers": 1},
+    "reward": {"components": [{"name": "correct", "type": "exact_match"}], "num_workers": 1},
     "algorithm": {"advantage": "grpo", "policy_loss": "ppo_clip", "kl_beta": 0.0},
     "train": {"lr": 1e-4, "mini_batch_size": 128, "micro_batch_size": 128, "epochs": 1, "warmup_steps": 2},
     "checkpoint": {"every_steps": 0, "keep_last": 1},

@@ -51,7 +51,8 @@ def evaluate_model(model: torch.nn.Module, tokenizer: Any, task: str, max_tokens
 def evaluate_with_rewards(model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, reward: RewardConfig,
                           max_tokens: int, name: str, out: Path | None = None) -> EvalResult:
     """Greedy responses scored by ``reward``'s components; accuracy is the share of samples whose
-    accuracy component (the first math/exact_match one) is 1, else the share with reward >= 1."""
+    accuracy component (the first math/exact_match one), else whose reward, reaches
+    ``reward.accuracy_threshold``."""
     from postrl.controller import write_samples
     from postrl.reward import ScoreRequest
     from postrl.runner import make_reward_service
@@ -69,9 +70,9 @@ def evaluate_with_rewards(model: torch.nn.Module, tokenizer: Any, dataset: Promp
     if out is not None:
         write_samples(out, dataset.prompts, rollouts, results)
     if name_acc:
-        correct = sum(res.components.get(name_acc, 0.0) >= 1.0 for res in results)
+        correct = sum(res.components.get(name_acc, float("-inf")) >= reward.accuracy_threshold for res in results)
     else:
-        correct = sum(res.reward is not None and res.reward >= 1.0 for res in results)
+        correct = sum(res.reward is not None and res.reward >= reward.accuracy_threshold for res in results)
     scored = [res.reward for res in results if res.reward is not None]
     return EvalResult(task=name, accuracy=correct / len(results), correct=int(correct), total=len(results),
                       mean_reward=sum(scored) / len(scored) if scored else None,

@@ -1,7 +1,7 @@
 """The in-process Reward Service: named, weighted reward components summed into one reward.
 
-``reward = sum(weight_i * component_i)`` over ``reward.components`` (or the legacy
-verifiable/model/format/length fields). Verifiers (math, exact_match, custom functions, code)
+``reward = sum(weight_i * component_i)`` over the ``reward.components`` that apply to the row
+(``applies_to`` against its ``task_type`` column). Verifiers (math, exact_match, custom functions, code)
 run in killable worker processes; reward models and judges run here. When any component of a
 sample raises, times out or returns None, the sample is *unscorable*: its reward is None, the
 reasons are kept, and the advantage estimator leaves it out of its group.
@@ -41,7 +41,7 @@ class ScoreRequest:
 class RewardService:
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
-        self.components = config.resolved_components()
+        self.components = list(config.components)
         self.sandbox_protections: dict[str, bool] | None = None
         self._pooled: dict[str, tuple[str, dict[str, Any], float]] = {}
         self._local: dict[str, Callable[[list[ScoreRequest]], list[Score]]] = {}
@@ -60,7 +60,6 @@ class RewardService:
     def _pooled_spec(self, comp: RewardComponentConfig) -> tuple[str, dict[str, Any], float]:
         timeout = comp.timeout_s or self.config.timeout_s
         if comp.type == "custom":
-            assert comp.function is not None
             _check_importable(comp.function)
             return comp.function, {}, timeout
         if comp.type == "code":
@@ -70,7 +69,7 @@ class RewardService:
                        "sandbox": comp.sandbox.model_dump(),
                        "protections": {"namespaces": list(protections.namespaces),
                                        "user": list(protections.unprivileged_user or []) or None}}
-            return CODE_REWARD, options, comp.timeout_s or comp.sandbox.wall_s + 5.0
+            return CODE_REWARD, options, comp.timeout_s or comp.sandbox.wall_s + comp.timeout_margin_s
         return VERIFIERS[comp.type], {"answer_column": comp.answer_column}, timeout
 
     def _check_sandbox(self) -> Protections:
@@ -89,14 +88,14 @@ class RewardService:
             return lambda reqs: [(format_reward(pattern, r.response), None) for r in reqs]
         if comp.type == "length":
             return lambda reqs: [(length_penalty(r.response_tokens, comp.target_tokens), None) for r in reqs]
-        timeout = comp.timeout_s or 60.0
         if comp.type == "reward_model":
             from postrl.reward.reward_model import RewardModel
 
-            model = RewardModel(comp.path)
+            model = RewardModel(comp.path, comp.batch_size)
             return lambda reqs: [(s, None) for s in model.score([(r.prompt, r.response) for r in reqs])]
         from postrl.reward.remote_scorers import LLMJudge, RemoteRewardModel
 
+        timeout = comp.timeout_s or comp.request_timeout_s
         if comp.type == "remote_reward_model":
             remote = RemoteRewardModel(comp.url, timeout, comp.api_key_env)
             self._closers.append(remote.close)
@@ -111,36 +110,46 @@ class RewardService:
         return self.score_batch([ScoreRequest(prompt, response, columns)])[0]
 
     def score_batch(self, requests: list[ScoreRequest]) -> list[RewardResult]:
-        pending = self._submit_pooled(requests)  # the worker processes run while local scorers do
-        scores: dict[str, list[Score]] = {}
+        rows = {c.name: [i for i, r in enumerate(requests) if c.applies(r.columns.get("task_type"))]
+                for c in self.components}  # the rows each component scores (reward.components[].applies_to)
+        pending = self._submit_pooled(requests, rows)  # the worker processes run while local scorers do
+        scores: dict[str, dict[int, Score]] = {}
         for name, scorer in self._local.items():
+            mine = [requests[i] for i in rows[name]]
             try:
-                scores[name] = scorer(requests)
+                values = scorer(mine) if mine else []
             except Exception as exc:  # noqa: BLE001 - a broken scorer makes its samples unscorable, loudly
                 log.exception("reward component %s failed", name)
-                scores[name] = [(None, f"{type(exc).__name__}: {exc}")] * len(requests)
-        reasons: dict[str, list[str | None]] = {}
+                values = [(None, f"{type(exc).__name__}: {exc}")] * len(mine)
+            scores[name] = dict(zip(rows[name], values))
+        reasons: dict[str, dict[int, str | None]] = {}
         for name, futures in pending.items():
             results: list[JobResult] = [f.result() for f in futures]
-            scores[name] = [(r.value, r.error) for r in results]
-            reasons[name] = [r.reason for r in results]
-        return [self._combine(i, scores, reasons) for i in range(len(requests))]
+            scores[name] = {i: (r.value, r.error) for i, r in zip(rows[name], results)}
+            reasons[name] = {i: r.reason for i, r in zip(rows[name], results)}
+        return [self._combine(i, requests[i], scores, reasons) for i in range(len(requests))]
 
-    def _submit_pooled(self, requests: list[ScoreRequest]) -> dict[str, list]:
+    def _submit_pooled(self, requests: list[ScoreRequest], rows: dict[str, list[int]]) -> dict[str, list]:
         if self.pool is None:
             return {}
         pending = {}
         for name, (fn, options, timeout) in self._pooled.items():
-            jobs = [{"fn": fn, "prompt": r.prompt, "response": r.response, "columns": r.columns,
-                     "options": options, "timeout_s": timeout} for r in requests]
-            pending[name] = self.pool.submit(jobs)
+            jobs = [{"fn": fn, "prompt": requests[i].prompt, "response": requests[i].response,
+                     "columns": requests[i].columns, "options": options, "timeout_s": timeout} for i in rows[name]]
+            pending[name] = self.pool.submit(jobs) if jobs else []
         return pending
 
-    def _combine(self, i: int, scores: dict[str, list[Score]], reasons: dict[str, list[str | None]]) -> RewardResult:
+    def _combine(self, i: int, request: ScoreRequest, scores: dict[str, dict[int, Score]],
+                 reasons: dict[str, dict[int, str | None]]) -> RewardResult:
+        applying = [comp for comp in self.components if i in scores[comp.name]]
+        if not applying:
+            task = request.columns.get("task_type")
+            return RewardResult(reward=None, error=f"no reward component applies to task_type {task!r} "
+                                                   f"(see reward.components[].applies_to)")
         components: dict[str, float] = {}
         errors: list[str] = []
-        why = {name: r[i] for name, r in reasons.items() if r[i]}
-        for comp in self.components:
+        why = {name: r[i] for name, r in reasons.items() if r.get(i)}
+        for comp in applying:
             value, error = scores[comp.name][i]
             if value is None:
                 errors.append(f"{comp.name}: {error or 'no score'}")
@@ -150,12 +159,12 @@ class RewardService:
                 components[comp.name] = value
         flags = [f"{comp.name}: value {components[comp.name]:g} outside expected_range "
                  f"[{comp.expected_range[0]:g}, {comp.expected_range[1]:g}]"
-                 for comp in self.components
+                 for comp in applying
                  if comp.expected_range is not None and comp.name in components
                  and not comp.expected_range[0] <= components[comp.name] <= comp.expected_range[1]]
         if errors:
             return RewardResult(reward=None, components=components, error="; ".join(errors), reasons=why, flags=flags)
-        total = sum(comp.weight * components[comp.name] for comp in self.components)
+        total = sum(comp.weight * components[comp.name] for comp in applying)
         return RewardResult(reward=total, components=components, reasons=why, flags=flags)
 
     def set_log_file(self, path: Any) -> None:

@@ -1,0 +1,230 @@
+"""The reward section of a config: a list of typed components, discriminated by ``type``.
+
+Each component type carries only its own fields (a ``code`` component its sandbox limits, a
+``judge`` its URL, template and score pattern). The older ``reward.verifiable`` /
+``model_path`` / ``weights`` / ``format_pattern`` / ``length_target_tokens`` fields are refused
+with the same reward written as components.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+
+from postrl.config_base import Section
+
+
+def _check_regex(pattern: str, what: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{what} is not a valid regex: {exc}") from None
+    return pattern
+
+
+class SandboxConfig(Section):
+    wall_s: float = Field(10.0, gt=0.0, description="Wall-clock limit for one program and all its tests.")
+    cpu_s: int = Field(10, ge=1, description="CPU-time limit (RLIMIT_CPU).")
+    memory_mb: int = Field(1024, ge=64, description="Address-space limit (RLIMIT_AS).")
+    processes: int = Field(64, ge=1, description="Process limit for the sandbox user (RLIMIT_NPROC).")
+    file_size_mb: int = Field(16, ge=1, description="Largest file the program may write (RLIMIT_FSIZE).")
+    open_files: int = Field(64, ge=8, description="Open file descriptors (RLIMIT_NOFILE).")
+    output_bytes: int = Field(1 << 20, ge=1024, description="stdout+stderr beyond this fails the run.")
+    python_site: bool = Field(False, description="Let programs import installed packages (slower start).")
+
+
+class _Component(Section):
+    """What every reward term has; the reward is the weighted sum of the components that apply."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Reported as reward/<name>/mean.")
+    weight: float = Field(1.0, description="Multiplies the component's value in the summed reward (any sign).")
+    timeout_s: float | None = Field(None, gt=0.0, description="Per-sample limit; default reward.timeout_s.")
+    applies_to: list[str] | None = Field(
+        None, min_length=1, description="Only rows whose task_type column is one of these are scored by this "
+        "component; None: every row. A row no component applies to is unscorable, naming its task_type.")
+    expected_range: tuple[float, float] | None = Field(
+        None, description="[low, high] the values should lie in; a value outside is kept but flagged "
+        "(reward/flagged metric, the sample's 'flags', a console note).")
+
+    @model_validator(mode="after")
+    def _range_in_order(self) -> _Component:
+        if self.expected_range is not None and self.expected_range[0] > self.expected_range[1]:
+            raise ValueError(f"reward component '{self.name}': expected_range {list(self.expected_range)} has low > high")
+        return self
+
+    def applies(self, task_type: Any) -> bool:
+        return self.applies_to is None or task_type in self.applies_to
+
+
+class ExactMatchComponent(_Component):
+    type: Literal["exact_match"] = Field(description="1 when the answer inside <answer> tags equals the reference.")
+    answer_column: str = Field("answer", description="The column holding the reference answer.")
+
+
+class MathComponent(_Component):
+    type: Literal["math"] = Field(description="math-verify equivalence of the \\boxed{} or <answer> answer.")
+    answer_column: str = Field("answer", description="The column holding the reference answer.")
+
+
+class CustomComponent(_Component):
+    type: Literal["custom"] = Field(description="Your function score(prompt, response, **columns).")
+    function: str = Field(description="'package.module:function' (a module next to the config imports as is).")
+
+    @field_validator("function")
+    @classmethod
+    def _module_and_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[\w.]+:\w+", v):
+            raise ValueError(f"function={v!r} must look like 'package.module:function'")
+        return v
+
+
+class CodeComponent(_Component):
+    type: Literal["code"] = Field(description="The response's program against the row's tests in the sandbox.")
+    tests_column: str = Field("tests", description="The column holding the tests.")
+    code_score: Literal["fraction", "all_or_nothing"] = Field("fraction", description="How passed tests score.")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits of each program run.")
+    timeout_margin_s: float = Field(
+        5.0, ge=0.0, description="Without timeout_s, a sample may take sandbox.wall_s plus this (interpreter start, "
+        "jail set-up) before its worker is killed.")
+
+
+class RewardModelComponent(_Component):
+    type: Literal["reward_model"] = Field(description="A local Hugging Face sequence-classification model.")
+    path: str = Field(min_length=1, description="The reward model folder.")
+    batch_size: int = Field(32, ge=1, description="Samples per forward pass.")
+
+
+class RemoteRewardModelComponent(_Component):
+    type: Literal["remote_reward_model"] = Field(description='POST url {"prompts", "responses"} -> {"scores"}.')
+    url: str = Field(min_length=1, description="The scoring URL.")
+    api_key_env: str | None = Field(None, description="Env var holding a bearer token.")
+    max_concurrency: int = Field(8, ge=1, description="Requests in flight.")
+    request_timeout_s: float = Field(60.0, gt=0.0, description="Per-request timeout.")
+
+
+class JudgeComponent(_Component):
+    type: Literal["judge"] = Field(description="An LLM judge over any OpenAI-compatible chat API.")
+    url: str = Field(min_length=1, description="The API base URL (.../v1).")
+    model: str = Field(min_length=1, description="The model name sent to the chat API.")
+    api_key_env: str | None = Field(None, description="Env var holding a bearer token.")
+    prompt_template: str = Field(
+        "Rate the response to the question from 0 to 10.\nQuestion: {prompt}\nResponse: {response}\n"
+        "Reply with 'Score: N'.",
+        description="str.format template; fields prompt, response and the row's columns.",
+    )
+    score_pattern: str = Field(r"Score:\s*(-?\d+(?:\.\d+)?)", description="Regex whose group 1 is the score.")
+    score_scale: float = Field(10.0, gt=0.0, description="The parsed score is divided by this.")
+    max_concurrency: int = Field(8, ge=1, description="Requests in flight.")
+    request_timeout_s: float = Field(60.0, gt=0.0, description="Per-request timeout.")
+
+    @field_validator("score_pattern")
+    @classmethod
+    def _valid_pattern(cls, v: str) -> str:
+        return _check_regex(v, "judge score_pattern")
+
+
+class FormatComponent(_Component):
+    type: Literal["format"] = Field(description="1 when the whole response matches pattern, else 0.")
+    pattern: str = Field(r"^\s*<answer>.*?</answer>\s*$", description="The regex (DOTALL).")
+
+    @field_validator("pattern")
+    @classmethod
+    def _valid_pattern(cls, v: str) -> str:
+        return _check_regex(v, "format pattern")
+
+
+class LengthComponent(_Component):
+    type: Literal["length"] = Field(description="-max(0, tokens - target) / target: a penalty past a length.")
+    target_tokens: int = Field(ge=1, description="The response length the penalty starts after.")
+
+
+RewardComponentConfig = Annotated[
+    Union[ExactMatchComponent, MathComponent, CustomComponent, CodeComponent, RewardModelComponent,
+          RemoteRewardModelComponent, JudgeComponent, FormatComponent, LengthComponent],
+    Field(discriminator="type"),
+]
+POOLED_TYPES = ("math", "exact_match", "custom", "code")  # run in the killable scoring processes
+LEGACY_FIELDS = ("verifiable", "model_path", "weights", "format_pattern", "length_target_tokens")
+
+
+def legacy_as_components(reward: dict[str, Any]) -> list[dict[str, Any]]:
+    """The components the old verifiable/model_path/weights/format/length fields meant."""
+    weights = reward.get("weights") or {}
+    verifiable = reward.get("verifiable") or {}
+    out: list[dict[str, Any]] = []
+    kind = verifiable.get("type", "exact_match")
+    if kind != "none":
+        comp = {"name": "verifiable", "type": kind, "weight": weights.get("verifiable", 1.0)}
+        if kind == "custom":
+            comp["function"] = verifiable.get("function")
+        elif verifiable.get("answer_column", "answer") != "answer":
+            comp["answer_column"] = verifiable["answer_column"]
+        out.append(comp)
+    if reward.get("model_path"):
+        out.append({"name": "model", "type": "reward_model", "weight": weights.get("model", 0.0),
+                    "path": reward["model_path"]})
+    if weights.get("format", 0.0):
+        comp = {"name": "format", "type": "format", "weight": weights["format"]}
+        if reward.get("format_pattern"):
+            comp["pattern"] = reward["format_pattern"]
+        out.append(comp)
+    if weights.get("length", 0.0) and reward.get("length_target_tokens"):
+        out.append({"name": "length", "type": "length", "weight": weights["length"],
+                    "target_tokens": reward["length_target_tokens"]})
+    return out
+
+
+class RemoteRewardConfig(Section):
+    url: str = Field(description="Base URL of a `postrl serve-reward` server, e.g. http://127.0.0.1:8100.")
+    token_env: str | None = Field(None, description="Env var holding the server's bearer token.")
+    timeout_s: float = Field(120.0, gt=0.0, description="Per-request timeout.")
+    retries: int = Field(4, ge=0, description="Retries on connection errors and 5xx answers.")
+    backoff_s: float = Field(0.5, gt=0.0, description="First retry delay; doubled each retry, with jitter.")
+    max_connections: int = Field(16, ge=1, description="Pooled HTTP connections.")
+    batch_size: int = Field(256, ge=1, description="Samples per request.")
+
+
+class RewardConfig(Section):
+    components: list[RewardComponentConfig] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: [ExactMatchComponent(name="correct", type="exact_match")], min_length=1,
+        description="Named, weighted reward terms summed into the reward, each logged as reward/<name>/mean.",
+    )
+    accuracy_threshold: float = Field(
+        1.0, description="A sample counts as correct (the accuracy metric) when its first math/exact_match "
+        "component reaches this value.")
+    timeout_s: float = Field(5.0, gt=0.0, description="Per-sample scoring timeout; the worker is killed past it.")
+    num_workers: int = Field(2, ge=1, description="Scoring worker processes.")
+    max_workers: int = Field(
+        32, ge=1, description="Most scoring processes at once: a worker stuck on one sample longer than stall_after_s "
+        "stops counting toward num_workers and another starts, so hanging samples time out together.")
+    stall_after_s: float = Field(0.25, gt=0.0, description="When a busy worker counts as stalled (see max_workers).")
+    hang_limit: int = Field(
+        4, ge=1, description="After this many timeouts in one batch with not one result, the batch's remaining "
+        "samples fail at once (the function hangs on everything).")
+    remote: RemoteRewardConfig | None = Field(None, description="Score through a `postrl serve-reward` server.")
+    max_failure_rate: float = Field(
+        0.5, ge=0.0, le=1.0, description="Stop the run when a step has more unscorable samples than this fraction."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_legacy_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(k in data for k in LEGACY_FIELDS):
+            return data
+        old = sorted(k for k in LEGACY_FIELDS if k in data)
+        suggestion = yaml.safe_dump({"reward": {"components": legacy_as_components(data)}}, sort_keys=False)
+        raise ValueError(
+            f"reward.{', reward.'.join(old)}: these fields were replaced by reward.components. The same reward, "
+            f"written as components:\n" + "\n".join("    " + line for line in suggestion.splitlines())
+        )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RewardConfig:
+        names = [c.name for c in self.components]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward.components: duplicate names {dupes}")
+        return self
