@@ -14,7 +14,7 @@ NAN = float("nan")
 
 
 def grpo(rewards, groups, **kw):
-    return ADVANTAGES.get("grpo")(AdvantageInputs(torch.tensor(rewards), torch.tensor(groups), **kw))
+    return ADVANTAGES.get("grpo")(AdvantageInputs(torch.tensor(rewards), torch.tensor(groups)), **kw)
 
 
 def test_grpo_advantage_by_hand():
@@ -45,7 +45,7 @@ def ppo_inputs(ratios, advantages, mask=None):
     old = torch.zeros_like(ratios)
     logp = torch.log(ratios).requires_grad_(True)
     mask = torch.ones_like(ratios) if mask is None else torch.tensor(mask, dtype=torch.float64)
-    return logp, LossInputs(logp, old, torch.tensor(advantages, dtype=torch.float64), mask, 0.2, 0.2)
+    return logp, LossInputs(logp, old, torch.tensor(advantages, dtype=torch.float64), mask)
 
 
 def test_ppo_clip_by_hand_both_sides():

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from postrl.algorithm_config import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config_base import Section
 from postrl.reward_config import (  # noqa: F401 - the config's public names
     POOLED_TYPES,
@@ -66,6 +67,24 @@ class DataConfig(_Section):
         return self
 
 
+class NativeEngineConfig(_Section):
+    max_prefill_tokens: int = Field(
+        2048, ge=1, description="Prompt tokens prefilled together when prompts are admitted (one packed pass); "
+        "a longer prompt still goes alone.")
+    cache_reuse_ratio: float = Field(
+        2.0, ge=1.0, description="A KV cache from an earlier call is reused when it fits and is at most this many "
+        "times longer than the call needs (decode attends over the cache's whole length, so a far too long one "
+        "costs more than a new allocation).")
+
+
+class VLLMEngineConfig(_Section):
+    max_model_len: int = Field(2048, ge=16, description="vLLM's max_model_len: prompt plus response tokens.")
+    memory_fraction: float = Field(0.25, gt=0.0, le=1.0, description="Memory vLLM reserves for its KV cache "
+                                   "(gpu_memory_utilization; on CPU, a fraction of RAM).")
+    startup_timeout_s: float = Field(600.0, gt=0.0, description="How long the server may take to start.")
+    request_timeout_s: float = Field(3600.0, gt=0.0, description="How long one generate request may take.")
+
+
 class RolloutConfig(_Section):
     backend: Literal["auto", "native", "hf", "vllm"] = Field(
         "auto",
@@ -74,22 +93,25 @@ class RolloutConfig(_Section):
     )
     n: int = Field(8, ge=1, description="Responses per prompt (the GRPO group size G).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     max_tokens: int = Field(64, ge=1, description="Maximum new tokens per response.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (kept in the response).")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides EOS.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
+                                                          description="Extra stop tokens besides EOS.")
     max_batch_size: int = Field(256, ge=1, description="Sequences decoded together.")
     dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
         None, description="Engine dtype; None = model.dtype; auto = bfloat16 where the hardware has fast bf16."
     )
     verify_sync: bool = Field(True, description="Checksum every weight sync and compare what arrived with what was sent.")
     weight_sync: Literal["memory", "safetensors"] = Field("memory", description="How new weights reach the engine.")
+    native: NativeEngineConfig = Field(default_factory=NativeEngineConfig, description="The native engine's knobs.")
+    vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="The vLLM backend's knobs.")
 
 
 class RewardServerConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
-    port: int = Field(8100, ge=0, le=65535)
+    port: int = Field(8100, ge=0, le=65535, description="Port to listen on (0: any free port).")
     token_env: str | None = Field(None, description="Env var holding the bearer token requests must carry.")
     max_body_bytes: int = Field(16 << 20, ge=1024, description="Larger request bodies are refused (413).")
     max_batch: int = Field(4096, ge=1, description="Larger batches are refused (413).")
@@ -98,67 +120,20 @@ class RewardServerConfig(_Section):
 class RewardServiceFile(_Section):
     """The file given to `postrl serve-reward --config`: a reward section and a server section."""
 
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    server: RewardServerConfig = Field(default_factory=RewardServerConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="What to score and how (as in a train config).")
+    server: RewardServerConfig = Field(default_factory=RewardServerConfig, description="Where and how to serve it.")
     import_paths: list[str] = Field(
         default_factory=list, description="Folders put on the import path for custom reward functions; the "
         "config file's folder is added when it is loaded.")
 
 
-class AlgorithmConfig(_Section):
-    plugins: list[str] = Field(
-        default_factory=list,
-        description="Modules imported before the names below are looked up, so that their @register_advantage, "
-        "@register_policy_loss and @register_loss_aggregation entries exist (a module next to the config imports "
-        "as is; see import_paths).")
-    advantage: str = Field("grpo", description="Advantage estimator (registry name).")
-    policy_loss: str = Field("ppo_clip", description="Policy loss (registry name).")
-    loss_agg: str = Field("token_mean", description="Loss aggregation (registry name).")
-    clip_eps_low: float = Field(0.2, ge=0.0)
-    clip_eps_high: float = Field(0.2, ge=0.0)
-    kl_beta: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient; 0 loads no reference model.")
-    norm_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
-
-    @field_validator("plugins")
-    @classmethod
-    def _import_plugins(cls, modules: list[str]) -> list[str]:
-        import importlib
-
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except ImportError as exc:
-                raise ValueError(f"algorithm.plugins: cannot import '{name}': {exc}") from None
-        return modules
-
-    @field_validator("advantage")
-    @classmethod
-    def _known_advantage(cls, v: str) -> str:
-        from postrl.algorithms import ADVANTAGES
-
-        return ADVANTAGES.check(v)
-
-    @field_validator("policy_loss")
-    @classmethod
-    def _known_loss(cls, v: str) -> str:
-        from postrl.algorithms import POLICY_LOSSES
-
-        return POLICY_LOSSES.check(v)
-
-    @field_validator("loss_agg")
-    @classmethod
-    def _known_agg(cls, v: str) -> str:
-        from postrl.algorithms import LOSS_AGGREGATIONS
-
-        return LOSS_AGGREGATIONS.check(v)
-
-
 class TrainConfig(_Section):
-    lr: float = Field(1e-5, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (after warmup).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.999), description="AdamW's (beta1, beta2).")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup, in optimizer steps.")
-    grad_clip: float = Field(1.0, gt=0.0)
+    grad_clip: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global norm.")
     mini_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
     epochs: int = Field(1, ge=1, description="Passes over each step's experiences.")
@@ -202,21 +177,21 @@ class LoggingConfig(_Section):
 class RunConfig(_Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
     output_dir: str = Field("runs", description="Runs go to output_dir/name.")
-    seed: int = 0
+    seed: int = Field(0, description="Seeds the sampler, the engine's and the trainer's generators.")
     import_paths: list[str] = Field(
         default_factory=list,
         description="Folders put on the import path for custom reward functions (module:function). The folder "
         "of the config file is added when the config is loaded, so a module next to it imports as is.")
-    steps: int = Field(100, ge=1)
-    prompts_per_step: int = Field(16, ge=1)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=lambda: DataConfig(task="arithmetic"))
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    steps: int = Field(100, ge=1, description="RL steps (generate, score, update, sync) to run in all.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts sampled per step; each gets rollout.n responses.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=lambda: DataConfig(task="arithmetic"), description="The prompts.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="How responses are generated.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="How responses are scored.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, loss and KL.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The optimizer and batching.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
 
     @model_validator(mode="before")
     @classmethod
@@ -231,9 +206,9 @@ class RunConfig(_Section):
     def _groups_need_samples(self) -> RunConfig:
         from postrl.algorithms import ADVANTAGES
 
-        if ADVANTAGES.needs_groups(self.algorithm.advantage) and self.rollout.n < 2:
+        if ADVANTAGES.needs_groups(self.algorithm.advantage.type) and self.rollout.n < 2:
             raise ValueError(
-                f"algorithm.advantage={self.algorithm.advantage} compares the samples of a prompt, so it needs "
+                f"algorithm.advantage={self.algorithm.advantage.type} compares the samples of a prompt, so it needs "
                 f"rollout.n >= 2 (got {self.rollout.n}: every advantage would be 0 and nothing would be learned)"
             )
         return self

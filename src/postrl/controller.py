@@ -207,8 +207,8 @@ class Controller:
     def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult]) -> torch.Tensor:
         reward_tensor = torch.tensor([math.nan if r.reward is None else r.reward for r in rewards], dtype=torch.float32)
         groups = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
-        estimator = ADVANTAGES.get(self.config.algorithm.advantage)
-        return estimator(AdvantageInputs(reward_tensor, groups, norm_by_std=self.config.algorithm.norm_by_std))
+        entry = self.config.algorithm.advantage
+        return ADVANTAGES.get(entry.type)(AdvantageInputs(reward_tensor, groups), **entry.options())
 
     def check_engine(self, when: str) -> None:
         """Stop the run, with the engine's own reason, when the rollout engine cannot serve."""

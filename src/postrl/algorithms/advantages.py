@@ -1,6 +1,7 @@
 """Advantage estimators: pure functions of tensors, registered by name.
 
-Every estimator takes an :class:`AdvantageInputs` and returns one advantage per sample.
+Every estimator takes an :class:`AdvantageInputs` (plus its own options as keyword arguments, from
+its ``algorithm.advantage`` section) and returns one advantage per sample.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ register_advantage = ADVANTAGES.register
 class AdvantageInputs:
     rewards: torch.Tensor  # [N] float; NaN marks an unscorable sample
     group_ids: torch.Tensor  # [N] long; samples of the same prompt share an id
-    norm_by_std: bool = True
-    eps: float = 1e-6
 
 
 @register_advantage("grpo", needs_groups=True)
-def grpo_advantage(inputs: AdvantageInputs) -> torch.Tensor:
+def grpo_advantage(inputs: AdvantageInputs, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO outcome advantage: (r - mean_group) / (std_group + eps).
 
     Unscorable samples (NaN reward) are left out of their group's mean and std and get advantage 0.
@@ -41,6 +40,6 @@ def grpo_advantage(inputs: AdvantageInputs) -> torch.Tensor:
     centered = torch.where(valid, r - mean[groups], torch.zeros_like(r))
     sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, groups, centered**2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    adv = centered / (std[groups] + inputs.eps) if inputs.norm_by_std else centered
+    adv = centered / (std[groups] + eps) if norm_by_std else centered
     adv = torch.where(count[groups] > 1, adv, torch.zeros_like(adv))
     return adv.to(inputs.rewards.dtype)

@@ -1,6 +1,7 @@
 """Policy losses, KL penalties and loss aggregation: pure tensor functions in registries.
 
-A policy loss maps :class:`LossInputs` to per-token losses ``[B, T]`` plus per-token clip
+A policy loss maps :class:`LossInputs` (plus its options as keyword arguments, from its
+``algorithm.policy_loss`` section) to per-token losses ``[B, T]`` plus per-token clip
 indicators; aggregation turns those into one scalar. Aggregation takes the *global* token
 count of the mini-batch, so splitting a mini-batch into micro-batches and summing their
 losses gives the same loss and gradient as the whole mini-batch at once.
@@ -25,9 +26,7 @@ class LossInputs:
     logprobs: torch.Tensor  # [B, T] current policy, with grad
     old_logprobs: torch.Tensor  # [B, T] pi_old from the rollout
     advantages: torch.Tensor  # [B] (broadcast over tokens) or [B, T]
-    mask: torch.Tensor  # [B, T] 1 for response tokens
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
+    mask: torch.Tensor  # [B, T] 1 for trained tokens
 
 
 @dataclass(frozen=True)
@@ -42,12 +41,12 @@ def _token_advantages(inputs: LossInputs) -> torch.Tensor:
 
 
 @register_policy_loss("ppo_clip")
-def ppo_clip_loss(inputs: LossInputs) -> PolicyLossOutput:
+def ppo_clip_loss(inputs: LossInputs, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2) -> PolicyLossOutput:
     """PPO clipped surrogate, per token: -min(ratio * A, clip(ratio, 1-eps_low, 1+eps_high) * A)."""
     adv = _token_advantages(inputs)
     ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - inputs.clip_eps_low, 1.0 + inputs.clip_eps_high) * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
     took_clip = (clipped < unclipped).to(inputs.logprobs.dtype)
     return PolicyLossOutput(per_token=per_token * inputs.mask, clipped=took_clip * inputs.mask)

@@ -41,7 +41,10 @@ def make_rollout_worker(config: RolloutConfig, model_path: str, tokenizer: Any, 
         from postrl.rollout.vllm_backend import VLLMRolloutWorker
 
         dtype = "float32" if engine_dtype(config, model_dtype, torch.device("cpu")) == torch.float32 else "bfloat16"
-        return VLLMRolloutWorker(resolve_model_path(model_path), tokenizer, dtype=dtype, seed=seed)
+        v = config.vllm
+        return VLLMRolloutWorker(resolve_model_path(model_path), tokenizer, dtype=dtype, seed=seed,
+                                 max_model_len=v.max_model_len, memory_fraction=v.memory_fraction,
+                                 startup_timeout_s=v.startup_timeout_s, request_timeout_s=v.request_timeout_s)
     return rollout_worker_for_model(config, load_causal_lm(model_path, "float32"), tokenizer, model_dtype, seed)
 
 
@@ -60,6 +63,7 @@ def rollout_worker_for_model(config: RolloutConfig, model: torch.nn.Module, toke
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"rollout.backend=native supports {SUPPORTED_MODEL_TYPES}, not '{model_type}'")
         return NativeRolloutWorker.from_hf(
-            model, tokenizer, dtype, max_batch_size=config.max_batch_size, seed=seed
+            model, tokenizer, dtype, max_batch_size=config.max_batch_size, seed=seed,
+            max_prefill_tokens=config.native.max_prefill_tokens, cache_reuse_ratio=config.native.cache_reuse_ratio,
         )
     return HFRolloutWorker(model.to(dtype), tokenizer, config.max_batch_size, seed=seed)

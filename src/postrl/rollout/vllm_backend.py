@@ -44,7 +44,8 @@ def _free_port() -> int:
 
 class VLLMRolloutWorker(EngineBase):
     def __init__(self, model_dir: str | Path, tokenizer: Any, *, max_model_len: int = 2048, dtype: str = "bfloat16",
-                 seed: int = 0, startup_timeout_s: float = 600.0, request_timeout_s: float = 3600.0) -> None:
+                 seed: int = 0, startup_timeout_s: float = 600.0, request_timeout_s: float = 3600.0,
+                 memory_fraction: float = 0.25) -> None:
         python = vllm_python()
         if python is None:
             raise FileNotFoundError("no vLLM environment: run scripts/setup_vllm.sh or set POSTRL_VLLM_PYTHON")
@@ -57,6 +58,7 @@ class VLLMRolloutWorker(EngineBase):
         self.proc = subprocess.Popen(
             [str(python), str(SERVER_FILE), "--model", str(model_dir), "--port", str(self.port), "--dtype", dtype,
              "--max-model-len", str(max_model_len), "--seed", str(seed), "--token-env", "POSTRL_VLLM_TOKEN",
+             "--memory-fraction", str(memory_fraction),
              "--weights-dir", str(self.sync_dir)],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "POSTRL_VLLM_TOKEN": token},

@@ -8,6 +8,7 @@ A non-finite gradient norm skips the optimizer step and is counted; too many in 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -111,7 +112,8 @@ class TrainWorker:
         if gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
-        self.policy_loss = POLICY_LOSSES.get(algorithm.policy_loss)
+        self.policy_loss = functools.partial(POLICY_LOSSES.get(algorithm.policy_loss.type),
+                                             **algorithm.policy_loss.options())
         self.aggregate = LOSS_AGGREGATIONS.get(algorithm.loss_agg)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
@@ -219,8 +221,6 @@ class TrainWorker:
                 old_logprobs=micro.old_logprobs,
                 advantages=micro.advantages,
                 mask=mask,
-                clip_eps_low=self.algo.clip_eps_low,
-                clip_eps_high=self.algo.clip_eps_high,
             )
         )
         per_token = out.per_token

@@ -61,9 +61,10 @@ class _Seq:
 
 class NativeRolloutWorker(EngineBase):
     def __init__(self, model: NativeCausalLM, tokenizer: Any, eos: set[int], max_batch_size: int = 256,
-                 seed: int = 0, max_prefill_tokens: int = 2048) -> None:
+                 seed: int = 0, max_prefill_tokens: int = 2048, cache_reuse_ratio: float = 2.0) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
+        self.cache_reuse_ratio = cache_reuse_ratio
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.weight_version = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -135,10 +136,10 @@ class NativeRolloutWorker(EngineBase):
 
     # -- internals -------------------------------------------------------------------------------
     def _ensure_cache(self, slots: int, max_len: int) -> None:
-        """Reuse the cache across calls when it fits and is not more than twice too long (decode
-        attends over its whole length); otherwise allocate it once for this call."""
+        """Reuse the cache across calls when it fits and is at most ``cache_reuse_ratio`` times too long
+        (decode attends over its whole length); otherwise allocate it once for this call."""
         old = self.cache
-        if old is not None and old.fits(slots, max_len) and old.max_len <= 2 * max_len:
+        if old is not None and old.fits(slots, max_len) and old.max_len <= self.cache_reuse_ratio * max_len:
             return
         slots = max(slots, old.slots if old else 0)
         cfg = self.model.cfg
