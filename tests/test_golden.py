@@ -1,0 +1,53 @@
+"""Golden values: a 3-step GRPO run of a tiny model with fixed seeds must reproduce the stored
+loss, reward, KL, grad norm, entropy and final-weight fingerprint (1e-6 on CPU float32), so any change to
+the math or to the data order fails here with the numbers that moved.
+
+Regenerate after an intended change (and say why in the commit):
+
+    POSTRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from postrl.cli import main
+from postrl.metrics import read_metrics
+from tests.test_train_e2e import write_config
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_grpo.json"
+KEYS = ["reward/mean", "actor/loss", "actor/kl", "actor/grad_norm", "actor/entropy", "actor/clip_fraction",
+        "response/length_mean"]
+
+
+def fingerprint(folder: Path) -> dict[str, float]:
+    state = load_file(str(folder / "model.safetensors"))
+    flat = torch.cat([state[k].double().flatten() for k in sorted(state)])
+    return {"sum": float(flat.sum()), "sum_sq": float((flat * flat).sum()),
+            "weighted": float((flat * torch.arange(flat.numel(), dtype=torch.float64).sin()).sum())}
+
+
+def test_three_step_run_matches_golden_values(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=3, seed=7,
+                          reward={"components": [{"name": "len", "type": "custom",
+                                                  "function": "tests.reward_fns:length_score"}], "num_workers": 1},
+                          algorithm={"kl_beta": 0.05}, rollout={"n": 4, "max_tokens": 8, "temperature": 1.0})
+    assert main(["train", config]) == 0
+    run = tmp_path / "runs" / "tiny"
+    got = {"steps": [{k: row[k] for k in KEYS} for row in read_metrics(run / "metrics.jsonl")],
+           "weights": fingerprint(run / "final_model")}
+    if os.environ.get("POSTRL_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert len(got["steps"]) == len(want["steps"]) == 3
+    for step, (g, w) in enumerate(zip(got["steps"], want["steps"]), start=1):
+        for key in KEYS:
+            assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-6), f"step {step} {key}: {g[key]} != {w[key]}"
+    for key, value in want["weights"].items():
+        assert got["weights"][key] == pytest.approx(value, rel=1e-6, abs=1e-6), f"final weights {key}"
