@@ -7,7 +7,8 @@ import re
 from transformers import AutoModelForCausalLM
 
 from postrl.cli import main
-from postrl.tasks.arithmetic import ArithmeticProblem, make_splits, score
+from postrl.reward.verifiers import exact_match
+from postrl.tasks.arithmetic import ArithmeticProblem, make_splits
 
 
 def test_task_splits_are_disjoint_and_seeded():
@@ -16,8 +17,9 @@ def test_task_splits_are_disjoint_and_seeded():
     assert make_splits(seed=0, n_train=500, n_test=50)[1] == test
     p = ArithmeticProblem(347, 285)
     assert p.answer == 632 and p.carry_dropped_answer() == 522
-    assert score(p.prompt, "<answer>632</answer>", answer="632") == 1.0
-    assert score(p.prompt, "<answer>522</answer>", answer="632") == 0.0
+    # the task is scored by the exact_match verifier (its reference is the row's `answer`)
+    assert exact_match(p.prompt, "<answer>632</answer>", **p.to_row()) == 1.0
+    assert exact_match(p.prompt, "<answer>522</answer>", **p.to_row()) == 0.0
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):

@@ -7,6 +7,7 @@ import copy
 import torch
 
 from postrl.config import AlgorithmConfig, TrainConfig
+from postrl.algorithms import register_loss_aggregation
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch
 from tests.conftest import make_tiny_model
@@ -23,11 +24,18 @@ def uneven_batch(tokenizer) -> ExperienceBatch:
     return ExperienceBatch.from_experiences(exps, tokenizer.pad_token_id)
 
 
-def grads_with_micro(model, batch, micro: int, kl_beta: float = 0.0, ref=None) -> tuple[list[torch.Tensor], float]:
+@register_loss_aggregation("test_naive_micro_mean")
+def naive_micro_mean(per_token: torch.Tensor, mask: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+    """Wrong on purpose: each micro-batch's own token mean, ignoring the mini-batch's token count."""
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def grads_with_micro(model, batch, micro: int, kl_beta: float = 0.0, ref=None,
+                     loss_agg: str = "token_mean") -> tuple[list[torch.Tensor], float]:
     worker = TrainWorker(
         model,
         TrainConfig(lr=1e-3, mini_batch_size=6, micro_batch_size=micro),
-        AlgorithmConfig(kl_beta=kl_beta),
+        AlgorithmConfig(kl_beta=kl_beta, loss_agg=loss_agg),
         ref_model=ref,
     )
     model.zero_grad(set_to_none=True)
@@ -50,11 +58,11 @@ def test_gradient_unchanged_by_micro_batch_split(char_tokenizer):
             assert torch.allclose(a, b, atol=1e-10, rtol=1e-8)
 
 
-def test_naive_per_micro_batch_mean_differs(char_tokenizer):
-    """Sanity check that the test above can fail: averaging per-micro-batch token means is wrong."""
+def test_naive_per_micro_batch_mean_changes_the_gradient(char_tokenizer):
+    """The test above can fail: through the same trainer code path, an aggregation that averages each
+    micro-batch on its own gives a gradient that depends on the split."""
     batch = uneven_batch(char_tokenizer)
-    mask = batch.response_mask
-    per_token = torch.arange(mask.numel(), dtype=torch.float64).reshape(mask.shape) * mask
-    whole = per_token.sum() / mask.sum()
-    naive = sum((per_token[i : i + 2].sum() / mask[i : i + 2].sum()) for i in range(0, 6, 2)) / 3
-    assert abs(float(whole - naive)) > 1e-3
+    base = make_tiny_model("llama", char_tokenizer).double()
+    whole, _ = grads_with_micro(copy.deepcopy(base), batch, 6, loss_agg="test_naive_micro_mean")
+    split, _ = grads_with_micro(copy.deepcopy(base), batch, 2, loss_agg="test_naive_micro_mean")
+    assert max(float((a - b).abs().max()) for a, b in zip(whole, split)) > 1e-4

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from postrl.net import free_port  # noqa: F401 - other tests import it from here
 from postrl.config import RemoteRewardConfig
 from postrl.reward.client import RemoteRewardService, RewardServiceError
 from postrl.reward.diagnostics import process_descendants
@@ -22,12 +23,6 @@ from tests.http_stub import LoopbackJSONServer
 
 TOKEN = "test-token-123"
 SECRET = "do-not-leak-42"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(tmp: Path, config: dict, env: dict | None = None) -> tuple[subprocess.Popen, str]:

@@ -28,9 +28,10 @@ def test_greedy_matches_transformers_generate(char_tokenizer, kind):
         ids = torch.tensor([char_tokenizer(text)["input_ids"]])
         ref = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=char_tokenizer.pad_token_id)
         ref_new = ref[0, ids.shape[1]:].tolist()
-        assert r.response_ids == ref_new[: len(r.response_ids)]
-        if r.finish_reason == "length":
-            assert len(r.response_ids) == 12
+        eos = char_tokenizer.eos_token_id
+        expected = ref_new[: ref_new.index(eos) + 1] if eos in ref_new else ref_new
+        assert r.response_ids == expected  # the whole sequence, and where and why it stopped
+        assert r.finish_reason == ("stop" if eos in ref_new else "length") and len(expected) <= 12
 
 
 def test_sampled_logprobs_match_trainer_recompute(char_tokenizer):

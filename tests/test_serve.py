@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -12,18 +11,13 @@ import uvicorn
 from openai import OpenAI
 from safetensors.torch import save_file
 
+from postrl.net import free_port  # noqa: F401 - other tests import it from here
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.serve.batcher import EngineBatcher
 from postrl.serve.openai_server import ServerLimits, build_app
 from postrl.serve.router import LeastOutstandingRouter, build_router_app
 from postrl.weights import dedupe_tied, weight_manifest
-from tests.conftest import make_tiny_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import hf_greedy, make_tiny_model
 
 
 class Server:
@@ -67,10 +61,7 @@ def test_openai_client_completions_and_chat_with_logprobs(rollout_server, char_t
     first = out.choices[0]
     assert len(first.logprobs.token_logprobs) == len(first.logprobs.tokens) >= 1
     assert all(lp <= 0 for lp in first.logprobs.token_logprobs)
-    ids = char_tokenizer("12+34=")["input_ids"]
-    ref = model.generate(__import__("torch").tensor([ids]), max_new_tokens=6, do_sample=False,
-                         pad_token_id=char_tokenizer.pad_token_id)[0, len(ids):].tolist()
-    assert first.model_extra["token_ids"] == ref[: len(first.model_extra["token_ids"])]
+    assert (first.model_extra["token_ids"], first.finish_reason) == hf_greedy(model, char_tokenizer, "12+34=", 6)
 
     chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=5, temperature=1.0, n=3, logprobs=True, seed=1)

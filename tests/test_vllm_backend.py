@@ -9,6 +9,7 @@ from postrl.rollout.vllm_backend import vllm_python
 from postrl.train.logprobs import token_logprobs
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
 from postrl.weights import WeightSyncError, dedupe_tied, weight_manifest
+from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason="no vLLM environment (run scripts/setup_vllm.sh)")
 
@@ -40,9 +41,7 @@ def test_vllm_backend_generates_with_logprobs_and_syncs_weights(vllm_model, char
         prompts = [Prompt(t, char_tokenizer(t)["input_ids"]) for t in texts]
         greedy = worker.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), 0)
         for text, r in zip(texts, greedy):
-            ids = torch.tensor([char_tokenizer(text)["input_ids"]])
-            ref = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=char_tokenizer.pad_token_id)
-            assert r.response_ids == ref[0, ids.shape[1]:].tolist()[: len(r.response_ids)]
+            assert (r.response_ids, r.finish_reason) == hf_greedy(model, char_tokenizer, text, 8)
         sampled = worker.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=1), 0)
         assert len(sampled) == 6
         exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 0) for r in sampled]

@@ -109,18 +109,17 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
     from postrl.config import RewardServiceFile, activate_import_paths, load_config
     from postrl.reward.server import build_reward_app
     from postrl.reward.service import RewardService
-    from postrl.serve.guard import is_loopback
+    from postrl.serve.guard import is_loopback, read_token
     from postrl.serve.run import serve_app
 
     if not args.config:
         raise ConfigError("postrl serve-reward needs --config reward.yaml (sections: reward, server)")
     cfg = load_config(args.config, args.overrides, model=RewardServiceFile)
     server = cfg.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
-    token = None
-    if server.token_env:
-        token = os.environ.get(server.token_env)
-        if not token:
-            raise ConfigError(f"server.token_env={server.token_env}: that environment variable is not set")
+    try:
+        token = read_token(server.token_env, "server.token_env")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if not is_loopback(server.host) and token is None:
         print(f"warning: serving rewards on {server.host} without a token (set server.token_env)", file=sys.stderr)
     activate_import_paths(cfg.import_paths)

@@ -15,6 +15,9 @@ from postrl.config import ConfigError
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "tasks" / "demo_model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# decoder-only models whose logits are exactly lm_head(decoder(x)): the native engine runs them, and
+# training projects to the vocabulary only at trained positions
+PLAIN_HEAD_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 
 

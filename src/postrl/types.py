@@ -53,6 +53,9 @@ class Rollout:
 TokenCallback = Callable[[int, int, int, float, "list[tuple[int, float]] | None", "str | None"], None]
 
 
+Score = tuple["float | None", "str | None"]  # a scorer's (value, error) for one sample
+
+
 @dataclass
 class RewardResult:
     """The score of one (prompt, response). ``reward`` is None when the sample is unscorable."""

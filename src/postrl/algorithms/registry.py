@@ -37,9 +37,3 @@ class Registry(Generic[F]):
 
     def get(self, name: str) -> F:
         return self._entries[self.check(name)]
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries

@@ -9,7 +9,6 @@ service stops the run with a clear message instead of hanging or scoring failure
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ from typing import Any
 import httpx
 
 from postrl.config import RemoteRewardConfig
+from postrl.serve.guard import read_token
 from postrl.types import RewardResult
 
 
@@ -31,10 +31,11 @@ class RemoteRewardService:
         self.base = config.url.rstrip("/")
         self._sleep = sleep
         headers = {}
-        if config.token_env:
-            token = os.environ.get(config.token_env)
-            if not token:
-                raise RewardServiceError(f"reward.remote.token_env={config.token_env}: that environment variable is not set")
+        try:
+            token = read_token(config.token_env, "reward.remote.token_env")
+        except ValueError as exc:
+            raise RewardServiceError(str(exc)) from None
+        if token:
             headers["Authorization"] = f"Bearer {token}"
         limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
         self.client = httpx.Client(timeout=config.timeout_s, headers=headers, limits=limits)

@@ -54,8 +54,6 @@ class JobResult:
 class PoolStats:
     restarts: int = 0
     timeouts: int = 0
-    deaths: int = 0
-    completed: int = 0
 
 
 @dataclass
@@ -431,7 +429,6 @@ class ScoringPool:
                 worker.started = time.monotonic()
                 if not job.future.done():  # done already when its batch was abandoned
                     done.append((job, JobResult(value=msg.get("value"), error=msg.get("error"), reason=msg.get("reason"))))
-            self.stats.completed += len(done)
         for job, result in done:
             job.future.set_result(result)
 
@@ -450,7 +447,6 @@ class ScoringPool:
                 if abandoned:
                     result = JobResult(None, culprit.batch.broken)
                 elif dead:
-                    self.stats.deaths += 1
                     result = JobResult(None, f"scoring process died (exit code {worker.proc.returncode}) in {fn}")
                 elif not worker.ready:
                     result = JobResult(None, f"scoring process did not start within {self.startup_timeout_s:g}s")

@@ -10,23 +10,19 @@ Remote reward model protocol: ``POST url`` with ``{"prompts": [...], "responses"
 
 from __future__ import annotations
 
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
-Score = tuple[float | None, str | None]
+from postrl.serve.guard import read_token
+from postrl.types import Score
 
 
 def _headers(api_key_env: str | None) -> dict[str, str]:
-    if not api_key_env:
-        return {}
-    key = os.environ.get(api_key_env)
-    if not key:
-        raise ValueError(f"environment variable {api_key_env} (api_key_env) is not set")
-    return {"Authorization": f"Bearer {key}"}
+    key = read_token(api_key_env, "api_key_env")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class RemoteRewardModel:

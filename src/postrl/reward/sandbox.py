@@ -101,8 +101,10 @@ def probe_protections() -> Protections:
         "output_cap": True,
         "fresh_working_directory": True,
         **{name: flag in working for name, flag in _NAMESPACE_FLAGS.items()},
-        # as root, programs drop to `user`; otherwise the service's own user already is unprivileged
-        "unprivileged_user": user is not None or not is_root,
+        # only a service started as root can run programs as another user (nobody); otherwise they run
+        # as the service's own user and can read and write what it can: reported as missing
+        "unprivileged_user": user is not None,
+        "dies_with_worker": SETPRIV,
     }
     return Protections(tuple(working), user, active)
 

@@ -1,7 +1,8 @@
 """Runs inside the code sandbox: sets up the jail, then runs a program against its tests.
 
 Started by :mod:`postrl.reward.sandbox` as ``python -I [-S] sandbox_harness.py RESULT_FD`` (inside
-fresh network/PID/mount namespaces when the kernel allows) with a JSON spec on stdin. In order:
+fresh network/PID/mount namespaces when the kernel allows) with a ``marshal``-encoded spec on
+stdin (written by the trusted parent, never by the program). In order:
 a private tmpfs on /tmp (mount namespace only), a fresh working directory, stdin closed, resource
 limits, privileges dropped to an unprivileged user (when started as root), every other file
 descriptor closed. Then, per test, one line ``index<TAB>1|0<TAB>error`` is written to RESULT_FD as soon as that test ends, so a later hang does not lose earlier results.

@@ -20,14 +20,13 @@ from postrl.config import POOLED_TYPES, ConfigError, RewardComponentConfig, Rewa
 from postrl.reward.pool import JobResult, ScoringPool
 from postrl.reward.rules import format_reward, length_penalty
 from postrl.reward.verifiers import VERIFIERS
-from postrl.types import RewardResult
+from postrl.types import RewardResult, Score
 
 if TYPE_CHECKING:
     from postrl.reward.sandbox import Protections
 
 log = logging.getLogger(__name__)
 CODE_REWARD = "postrl.reward.code:code_reward"
-Score = tuple[float | None, str | None]  # (value, error); pooled results may add a reason
 
 
 @dataclass

@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,7 @@ from typing import Any
 import httpx
 import torch
 
+from postrl.net import free_port
 from postrl.rollout.common import EngineBase, Health
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.weights import write_sync_file
@@ -36,12 +36,6 @@ def vllm_python() -> Path | None:
     return path if path.is_file() else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VLLMRolloutWorker(EngineBase):
     def __init__(self, model_dir: str | Path, tokenizer: Any, *, max_model_len: int = 2048, dtype: str = "bfloat16",
                  seed: int = 0, startup_timeout_s: float = 600.0, request_timeout_s: float = 3600.0,
@@ -50,7 +44,7 @@ class VLLMRolloutWorker(EngineBase):
         if python is None:
             raise FileNotFoundError("no vLLM environment: run scripts/setup_vllm.sh or set POSTRL_VLLM_PYTHON")
         self.tokenizer, self.weight_version, self.seed = tokenizer, 0, seed
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="postrl-vllm-", suffix=".log", delete=False)
         self.sync_dir = Path(tempfile.mkdtemp(prefix="postrl-vllm-sync-"))

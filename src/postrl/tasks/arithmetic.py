@@ -8,10 +8,8 @@ disjoint. The prompt is the bare equation (``347+285=``) and a correct response 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
-ANSWER_RE = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 
 
 @dataclass(frozen=True)
@@ -58,14 +56,3 @@ def make_splits(
             seen.add(pair)
             problems.append(ArithmeticProblem(*pair))
     return problems[n_test:], problems[:n_test]
-
-
-def extract_answer(response: str) -> str | None:
-    match = ANSWER_RE.search(response)
-    return match.group(1) if match else None
-
-
-def score(prompt: str, response: str, answer: str = "", **_: object) -> float:
-    """1.0 when the number inside the first ``<answer>`` tags equals ``answer``."""
-    got = extract_answer(response)
-    return 1.0 if got is not None and int(got) == int(answer) else 0.0

@@ -6,9 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-# causal LMs whose logits are exactly lm_head(decoder(x)): for them the vocabulary projection and
-# softmax can be restricted to the positions that are trained on
-_PLAIN_HEAD_MODELS = ("llama", "qwen2", "mistral")
+from postrl.models import PLAIN_HEAD_MODEL_TYPES
 
 
 def token_logprobs(
@@ -24,7 +22,7 @@ def token_logprobs(
     and rows of the same ``group_ids`` entry (samples of one prompt) run their prompt once
     (:func:`pack_shared_prompts`).
     """
-    plain_head = target_mask is not None and getattr(model.config, "model_type", "") in _PLAIN_HEAD_MODELS
+    plain_head = target_mask is not None and getattr(model.config, "model_type", "") in PLAIN_HEAD_MODEL_TYPES
     if plain_head and group_ids is not None:
         packed = pack_shared_prompts(input_ids, attention_mask, target_mask, group_ids)
         if packed is not None:

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+from postrl.models import PLAIN_HEAD_MODEL_TYPES
+
+SUPPORTED_MODEL_TYPES = PLAIN_HEAD_MODEL_TYPES
 
 
 @dataclass(frozen=True)
