@@ -121,3 +121,19 @@ def test_unhealthy_engine_stops_the_run_with_its_reason(tmp_path):
     ctl.step()
     with pytest.raises(EngineUnhealthyError, match="health check after the weight sync to version 2: KV cache holds NaN"):
         ctl.step()
+
+
+def test_per_token_versions_from_the_engine_reach_the_trainer(tmp_path):
+    calls: list = []
+    ctl, parts = controller(tmp_path, calls)
+    generate = parts.rollout.generate
+
+    def across_an_update(prompts, sampling_params, weight_version):
+        out = generate(prompts, sampling_params, weight_version)
+        out[0].logprob_versions = [weight_version - 1, weight_version]  # token 1 came from older weights
+        return out
+
+    parts.rollout.generate = across_an_update
+    ctl.step()
+    versions = parts.trainer.batches[0].logprob_versions
+    assert versions[0][versions[0] >= -1].tolist()[-2:] == [-1, 0] and versions[1].max().item() == 0

@@ -257,6 +257,7 @@ class Controller:
                     weight_version=r.weight_version,
                     metadata=metadata,
                     group_id=r.prompt_index,
+                    logprob_versions=r.logprob_versions,
                     # an unscorable sample stays in the batch (its group's context) but weighs nothing
                     loss_mask=[0] * len(r.response_ids) if res.unscorable else None,
                 )

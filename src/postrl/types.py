@@ -46,6 +46,9 @@ class Rollout:
     finish_reason: FinishReason
     weight_version: int
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, with SamplingParams.top_logprobs
+    # the weight version behind each token's logprob; None: all ``weight_version`` (an engine that
+    # takes new weights in the middle of a response fills it in)
+    logprob_versions: list[int] | None = None
 
 
 # Streaming: called from the engine for every generated token, in order per sample:
