@@ -68,3 +68,8 @@ def hf_greedy(model, tokenizer, text: str, max_new_tokens: int) -> tuple[list[in
     new = out[0, ids.shape[1]:].tolist()
     eos = tokenizer.eos_token_id
     return (new[: new.index(eos) + 1], "stop") if eos in new else (new, "length")
+
+
+def seqs(rollouts) -> list[tuple[int, list[int], str]]:
+    """What a parity test compares: each response's prompt, its whole token sequence, and why it stopped."""
+    return [(r.prompt_index, r.response_ids, r.finish_reason) for r in rollouts]

@@ -10,7 +10,7 @@ from postrl.rollout.native import NativeRolloutWorker
 from postrl.train.logprobs import token_logprobs
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
 from postrl.weights import WeightSyncError, weight_manifest
-from tests.conftest import hf_greedy, make_tiny_model
+from tests.conftest import hf_greedy, make_tiny_model, seqs
 
 TEXTS = ["12+34=", "7+5=", "123+456=", "hello", "a much longer prompt than the others"]
 
@@ -33,10 +33,10 @@ def test_continuous_batching_equals_one_at_a_time(char_tokenizer):
     wide = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=64).generate(prompts_for(char_tokenizer), params, 0)
     narrow = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=2).generate(prompts_for(char_tokenizer), params, 0)
     single = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=1).generate(prompts_for(char_tokenizer), params, 0)
-    assert [r.response_ids for r in wide] == [r.response_ids for r in narrow] == [r.response_ids for r in single]
+    assert seqs(wide) == seqs(narrow) == seqs(single)
     assert [(r.prompt_index) for r in wide] == [i for i in range(len(TEXTS)) for _ in range(3)]
     hf = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer), params, 0)
-    assert [r.response_ids for r in wide] == [r.response_ids for r in hf]
+    assert seqs(wide) == seqs(hf)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -130,7 +130,7 @@ def test_shared_system_prompt_prefilled_once_gives_same_tokens_and_logprobs(char
     shared = engine.generate(prompts_for(char_tokenizer, texts), params, 0)
     assert engine.stats["prefill_tokens"] < sum(len(char_tokenizer(t)["input_ids"]) for t in texts)
     hf = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, texts), params, 0)
-    assert [r.response_ids for r in shared] == [r.response_ids for r in hf]
+    assert seqs(shared) == seqs(hf)
     diff = max(abs(a - b) for r, h in zip(shared, hf) for a, b in zip(r.logprobs, h.logprobs))
     assert diff < 1e-5
 

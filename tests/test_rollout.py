@@ -8,7 +8,7 @@ import torch
 from postrl.rollout import HFRolloutWorker
 from postrl.train.logprobs import token_logprobs
 from postrl.types import ExperienceBatch, Experience, Prompt, SamplingParams
-from tests.conftest import make_tiny_model
+from tests.conftest import hf_greedy, make_tiny_model, seqs
 
 
 def prompts_for(tokenizer, texts):
@@ -25,13 +25,7 @@ def test_greedy_matches_transformers_generate(char_tokenizer, kind):
     params = SamplingParams(n=1, temperature=0.0, max_tokens=12)
     rollouts = engine.generate(prompts_for(char_tokenizer, TEXTS), params, 0)
     for text, r in zip(TEXTS, rollouts):
-        ids = torch.tensor([char_tokenizer(text)["input_ids"]])
-        ref = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=char_tokenizer.pad_token_id)
-        ref_new = ref[0, ids.shape[1]:].tolist()
-        eos = char_tokenizer.eos_token_id
-        expected = ref_new[: ref_new.index(eos) + 1] if eos in ref_new else ref_new
-        assert r.response_ids == expected  # the whole sequence, and where and why it stopped
-        assert r.finish_reason == ("stop" if eos in ref_new else "length") and len(expected) <= 12
+        assert (r.response_ids, r.finish_reason) == hf_greedy(model, char_tokenizer, text, 12)
 
 
 def test_sampled_logprobs_match_trainer_recompute(char_tokenizer):
@@ -52,11 +46,11 @@ def test_seeded_sampling_is_reproducible_and_batching_invariant(char_tokenizer):
     params = SamplingParams(n=2, temperature=0.0, max_tokens=8)
     together = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), params, 0)
     one_by_one = HFRolloutWorker(model, char_tokenizer, max_batch_size=1).generate(prompts_for(char_tokenizer, TEXTS), params, 0)
-    assert [r.response_ids for r in together] == [r.response_ids for r in one_by_one]
+    assert seqs(together) == seqs(one_by_one)
     sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11)
     a = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), sp, 0)
     b = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS), sp, 0)
-    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    assert seqs(a) == seqs(b)
 
 
 def test_top_k_one_is_greedy(char_tokenizer):
@@ -65,7 +59,7 @@ def test_top_k_one_is_greedy(char_tokenizer):
     greedy = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(temperature=0.0, max_tokens=6), 0)
     topk = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(temperature=1.5, top_k=1, max_tokens=6), 0)
     tiny_p = engine.generate(prompts_for(char_tokenizer, TEXTS), SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=6), 0)
-    assert [r.response_ids for r in greedy] == [r.response_ids for r in topk] == [r.response_ids for r in tiny_p]
+    assert seqs(greedy) == seqs(topk) == seqs(tiny_p)
 
 
 def test_stop_strings_stop_tokens_and_max_tokens(char_tokenizer):

@@ -12,17 +12,20 @@ import re
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from postrl.config_base import Section
 
 
-def _check_regex(pattern: str, what: str) -> str:
+def _check_regex(pattern: str) -> str:
     try:
         re.compile(pattern)
     except re.error as exc:
-        raise ValueError(f"{what} is not a valid regex: {exc}") from None
+        raise ValueError(f"{pattern!r} is not a valid regex: {exc}") from None
     return pattern
+
+
+Regex = Annotated[str, AfterValidator(_check_regex)]
 
 
 class SandboxConfig(Section):
@@ -115,25 +118,15 @@ class JudgeComponent(_Component):
         "Reply with 'Score: N'.",
         description="str.format template; fields prompt, response and the row's columns.",
     )
-    score_pattern: str = Field(r"Score:\s*(-?\d+(?:\.\d+)?)", description="Regex whose group 1 is the score.")
+    score_pattern: Regex = Field(r"Score:\s*(-?\d+(?:\.\d+)?)", description="Regex whose group 1 is the score.")
     score_scale: float = Field(10.0, gt=0.0, description="The parsed score is divided by this.")
     max_concurrency: int = Field(8, ge=1, description="Requests in flight.")
     request_timeout_s: float = Field(60.0, gt=0.0, description="Per-request timeout.")
 
-    @field_validator("score_pattern")
-    @classmethod
-    def _valid_pattern(cls, v: str) -> str:
-        return _check_regex(v, "judge score_pattern")
-
 
 class FormatComponent(_Component):
     type: Literal["format"] = Field(description="1 when the whole response matches pattern, else 0.")
-    pattern: str = Field(r"^\s*<answer>.*?</answer>\s*$", description="The regex (DOTALL).")
-
-    @field_validator("pattern")
-    @classmethod
-    def _valid_pattern(cls, v: str) -> str:
-        return _check_regex(v, "format pattern")
+    pattern: Regex = Field(r"^\s*<answer>.*?</answer>\s*$", description="The regex (DOTALL).")
 
 
 class LengthComponent(_Component):
