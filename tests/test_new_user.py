@@ -89,5 +89,5 @@ def test_first_day(tmp_path):
     time.sleep(0.01)
     again = postrl("train", "config.yaml", cwd=work)
     assert again.returncode == 2
-    assert f"run directory runs/first already holds a run" in again.stderr and "--resume runs/first" in again.stderr
+    assert "run directory runs/first already holds a run" in again.stderr and "--resume runs/first" in again.stderr
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before

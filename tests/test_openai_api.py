@@ -4,7 +4,6 @@ around failed backends."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
