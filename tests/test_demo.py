@@ -18,8 +18,10 @@ def test_task_splits_are_disjoint_and_seeded():
     p = ArithmeticProblem(347, 285)
     assert p.answer == 632 and p.carry_dropped_answer() == 522
     # the task is scored by the exact_match verifier (its reference is the row's `answer`)
-    assert exact_match(p.prompt, "<answer>632</answer>", **p.to_row()) == 1.0
-    assert exact_match(p.prompt, "<answer>522</answer>", **p.to_row()) == 0.0
+    row = p.to_row()
+    columns = {k: v for k, v in row.items() if k != "prompt"}  # what the reward sees, as for a dataset row
+    assert exact_match(row["prompt"], "<answer>632</answer>", **columns) == 1.0
+    assert exact_match(row["prompt"], "<answer>522</answer>", **columns) == 0.0
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):

@@ -24,6 +24,15 @@ class Health:
         return self.ok
 
 
+def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the tensors holding a NaN or an inf: one fp32 sum per tensor (a NaN or inf anywhere
+    makes it non-finite), read back from the device once."""
+    if not named:
+        return []
+    sums = torch.stack([t.sum(dtype=torch.float32) for _, t in named])
+    return [name for (name, _), ok in zip(named, torch.isfinite(sums).tolist()) if not ok]
+
+
 class EngineUnhealthyError(RuntimeError):
     """A rollout engine failed its health check; the message is the engine's reason."""
 

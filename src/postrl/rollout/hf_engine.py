@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from postrl.rollout.common import EngineBase, Health
+from postrl.rollout.common import EngineBase, Health, non_finite
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
@@ -79,7 +79,7 @@ class HFRolloutWorker(EngineBase):
         """Finite weights, and one greedy token from a one-token prompt."""
         if self.model.training:
             return Health(False, "the rollout model is in training mode")
-        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        bad = non_finite(list(self.model.named_parameters()))
         if bad:
             return Health(False, f"non-finite weights in {bad[:3]}")
         probe = self._generate_batch([(0, 0, [self.pad_id])], SamplingParams(n=1, temperature=0.0, max_tokens=1))[0]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from postrl.rollout.common import EngineBase, Health
+from postrl.rollout.common import EngineBase, Health, non_finite
 from postrl.rollout.native.kv_cache import KVCache
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.sampling import sample_tokens, top_logprobs
@@ -117,7 +117,7 @@ class NativeRolloutWorker(EngineBase):
     def health_check(self) -> Health:
         """Finite weights, a KV cache that matches the model, and one greedy token generated through
         the real scheduler (into slot 0 of the existing cache, whose contents are scratch between calls)."""
-        bad = [n for n, p in self.model.params.items() if not bool(torch.isfinite(p).all())]
+        bad = non_finite(list(self.model.params.items()))
         if bad:
             return Health(False, f"non-finite weights in {bad[:3]}")
         cfg = self.model.cfg
