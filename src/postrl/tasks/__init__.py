@@ -17,7 +17,7 @@ class Task:
     name: str
     description: str
     rows: Callable[[str, int], list[dict]]  # (split, seed) -> rows
-    verifier: str  # reward.verifiable.type that checks it
+    verifier: str  # the reward component type that checks it (a key of postrl.reward.verifiers.VERIFIERS)
 
 
 def _arithmetic_rows(split: str, seed: int) -> list[dict]:
