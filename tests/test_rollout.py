@@ -113,3 +113,13 @@ def test_bfloat16_engine_takes_fp32_weights_and_stays_close(char_tokenizer):
     with torch.no_grad():
         logp, _ = token_logprobs(fp32, batch.input_ids, batch.attention_mask)
     assert ((logp - batch.old_logprobs) * batch.response_mask).abs().max().item() < 0.1
+
+
+def test_generation_builds_no_autograd_graph(char_tokenizer):
+    """Rollouts never need gradients: a graph would cost memory and time (it once did, silently)."""
+    model = make_tiny_model("llama", char_tokenizer)
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.requires_grad))
+    HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS[:2]),
+                                                    SamplingParams(n=2, temperature=1.0, max_tokens=4), 0)
+    assert seen and not any(seen)

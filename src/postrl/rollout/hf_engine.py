@@ -88,7 +88,6 @@ class HFRolloutWorker(EngineBase):
         return Health(True)
 
     # -- internals -------------------------------------------------------------------------------
-    @torch.no_grad()
     def _left_padded(self, rows: list[tuple[int, int, list[int]]], device: torch.device) -> tuple[torch.Tensor, ...]:
         n, width = len(rows), max(len(ids) for _, _, ids in rows)
         input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
@@ -99,6 +98,7 @@ class HFRolloutWorker(EngineBase):
         input_ids, attention = input_ids.to(device), attention.to(device)
         return input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
 
+    @torch.no_grad()
     def _generate_batch(self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams,
                         on_token: TokenCallback | None = None) -> list[Rollout]:
         device = next(self.model.parameters()).device
