@@ -33,7 +33,22 @@ PLUGIN = textwrap.dedent("""
 """)
 
 
-def test_plugin_module_next_to_the_config_registers_algorithms(tmp_path, tiny_model_dir, arithmetic_jsonl):
+@pytest.fixture
+def scratch_registries(monkeypatch):
+    """The plugin's registrations vanish after the test, so other tests see the built-in registries."""
+    import sys
+
+    from postrl.algorithms import ADVANTAGES, POLICY_LOSSES
+
+    for registry in (ADVANTAGES, POLICY_LOSSES):
+        monkeypatch.setattr(registry, "_entries", dict(registry._entries))
+        monkeypatch.setattr(registry, "_needs_groups", set(registry._needs_groups))
+    yield
+    sys.modules.pop("my_algos", None)
+
+
+def test_plugin_module_next_to_the_config_registers_algorithms(tmp_path, tiny_model_dir, arithmetic_jsonl,
+                                                                scratch_registries):
     (tmp_path / "my_algos.py").write_text(PLUGIN)
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1,
                           algorithm={"plugins": ["my_algos"], "advantage": "centered_plugin",

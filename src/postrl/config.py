@@ -30,16 +30,15 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names every offending field."""
 
 
-_Section = Section
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field("demo", description="A local Hugging Face folder, a hub id, or 'demo' for the shipped model.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for training and rollout.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     task: str | None = Field(None, description="A built-in task name (see postrl.tasks); replaces train_files.")
     train_files: list[str] = Field(default_factory=list, description="JSONL or Parquet prompt files.")
     prompt_column: str = Field("prompt", description="Column holding a prompt string.")
@@ -67,7 +66,7 @@ class DataConfig(_Section):
         return self
 
 
-class NativeEngineConfig(_Section):
+class NativeEngineConfig(Section):
     max_prefill_tokens: int = Field(
         2048, ge=1, description="Prompt tokens prefilled together when prompts are admitted (one packed pass); "
         "a longer prompt still goes alone.")
@@ -77,7 +76,7 @@ class NativeEngineConfig(_Section):
         "costs more than a new allocation).")
 
 
-class VLLMEngineConfig(_Section):
+class VLLMEngineConfig(Section):
     max_model_len: int = Field(2048, ge=16, description="vLLM's max_model_len: prompt plus response tokens.")
     memory_fraction: float = Field(0.25, gt=0.0, le=1.0, description="Memory vLLM reserves for its KV cache "
                                    "(gpu_memory_utilization; on CPU, a fraction of RAM).")
@@ -85,7 +84,7 @@ class VLLMEngineConfig(_Section):
     request_timeout_s: float = Field(3600.0, gt=0.0, description="How long one generate request may take.")
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     backend: Literal["auto", "native", "hf", "vllm"] = Field(
         "auto",
         description="native: postrl's engine (Llama/Qwen2/Mistral); hf: the transformers model; auto: native if "
@@ -109,7 +108,7 @@ class RolloutConfig(_Section):
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="The vLLM backend's knobs.")
 
 
-class RewardServerConfig(_Section):
+class RewardServerConfig(Section):
     host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
     port: int = Field(8100, ge=0, le=65535, description="Port to listen on (0: any free port).")
     token_env: str | None = Field(None, description="Env var holding the bearer token requests must carry.")
@@ -117,7 +116,7 @@ class RewardServerConfig(_Section):
     max_batch: int = Field(4096, ge=1, description="Larger batches are refused (413).")
 
 
-class RewardServiceFile(_Section):
+class RewardServiceFile(Section):
     """The file given to `postrl serve-reward --config`: a reward section and a server section."""
 
     reward: RewardConfig = Field(default_factory=RewardConfig, description="What to score and how (as in a train config).")
@@ -127,7 +126,7 @@ class RewardServiceFile(_Section):
         "config file's folder is added when it is loaded.")
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (after warmup).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
@@ -156,14 +155,14 @@ class TrainConfig(_Section):
         return self
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every_steps: int = Field(10, ge=0, description="Write a checkpoint every k steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
     on_interrupt: bool = Field(
         True, description="On Ctrl-C/SIGTERM, checkpoint the last completed step before exiting (resume from it).")
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     console: bool = Field(True, description="One line of metrics per step on stdout.")
     progress_bar: bool = Field(True, description="A progress bar on a terminal (never when stderr is not a TTY).")
     jsonl: bool = Field(True, description="metrics.jsonl in the run directory.")
@@ -174,7 +173,7 @@ class LoggingConfig(_Section):
     samples_every: int = Field(10, ge=0, description="Also write the samples of every k-th step; 0 = never.")
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
     output_dir: str = Field("runs", description="Runs go to output_dir/name.")
     seed: int = Field(0, description="Seeds the sampler, the engine's and the trainer's generators.")
@@ -197,9 +196,11 @@ class RunConfig(_Section):
     @classmethod
     def _import_paths_first(cls, data: Any) -> Any:
         """Put import_paths on sys.path before the sections are checked: algorithm.plugins and
-        custom reward functions may live next to the config."""
-        if isinstance(data, dict) and isinstance(data.get("import_paths"), list):
-            activate_import_paths([str(p) for p in data["import_paths"]])
+        custom reward functions may live next to the config. The one place this happens: every
+        RunConfig passes here before it is used."""
+        if isinstance(data, dict):
+            paths = data.get("import_paths")
+            activate_import_paths([str(p) for p in paths] if isinstance(paths, list) else [])
         return data
 
     @model_validator(mode="after")

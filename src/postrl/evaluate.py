@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from postrl.config import ConfigError, RewardConfig, RunConfig, activate_import_paths, load_config
+from postrl.config import ConfigError, RewardConfig, RunConfig, load_config
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
@@ -95,6 +95,7 @@ def run_eval(model: str | None, run: str | None, task: str | None, data: list[st
              max_tokens: int | None, out: str | None) -> int:
     """``postrl eval``: prints one line with the held-out accuracy (and mean reward with --data)."""
     from postrl.models import load_causal_lm, load_tokenizer
+    from postrl.runner import DEFAULT_MAX_PROMPT_TOKENS
 
     run_config: RunConfig | None = None
     if run is not None:
@@ -119,11 +120,10 @@ def run_eval(model: str | None, run: str | None, task: str | None, data: list[st
         return 0
     if run_config is None:
         raise ConfigError("postrl eval --data needs the reward to score with: --run runs/NAME or --config CONFIG.yaml")
-    activate_import_paths(run_config.import_paths)
     d = run_config.data
     dataset = load_prompt_dataset(data, tokenizer, prompt_column=d.prompt_column, messages_column=d.messages_column,
                                   apply_chat_template=d.apply_chat_template,
-                                  max_prompt_tokens=d.max_prompt_tokens or 512, on_bad_row=d.on_bad_row)
+                                  max_prompt_tokens=d.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS, on_bad_row=d.on_bad_row)
     name = ", ".join(Path(f).name for f in data)
     result = evaluate_with_rewards(policy, tokenizer, dataset, run_config.reward,
                                    max_tokens or run_config.rollout.max_tokens, name, Path(out) if out else None)

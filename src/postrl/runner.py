@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from postrl.buffer import OnPolicyBuffer
 from postrl.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
-from postrl.config import ConfigError, RewardConfig, activate_import_paths, RunConfig, load_config, save_config
+from postrl.config import ConfigError, RewardConfig, RunConfig, load_config, save_config
 from postrl.controller import Components, Controller
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
@@ -52,7 +52,6 @@ def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
 
 def build_components(config: RunConfig) -> Components:
     torch.manual_seed(config.seed)
-    activate_import_paths(config.import_paths)
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
     policy = load_causal_lm(config.model.path, config.model.dtype)
