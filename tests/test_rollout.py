@@ -123,3 +123,11 @@ def test_generation_builds_no_autograd_graph(char_tokenizer):
     HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer, TEXTS[:2]),
                                                     SamplingParams(n=2, temperature=1.0, max_tokens=4), 0)
     assert seen and not any(seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hf_engine_samples_on_the_models_device(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer).cuda()
+    out = HFRolloutWorker(model, char_tokenizer, seed=3).generate(
+        prompts_for(char_tokenizer, TEXTS[:2]), SamplingParams(n=2, temperature=1.0, max_tokens=4), 0)
+    assert len(out) == 4 and all(1 <= len(r.response_ids) <= 4 for r in out)

@@ -51,7 +51,7 @@ class HFRolloutWorker(EngineBase):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
         self.weight_version = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._eos = eos_ids(model, tokenizer)
