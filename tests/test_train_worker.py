@@ -105,8 +105,16 @@ def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenize
     assert (tmp_path / "ckpt" / "model" / "model.safetensors").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
-    state = torch.load(tmp_path / "ckpt" / "optimizer.pt", weights_only=True)
-    assert state["optimizer"]["state"] and state["counters"][0] == 1
+    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=True)
+    assert state["counters"][0] == 1
+    fresh = TrainWorker(make_tiny_model("llama", char_tokenizer, seed=5),
+                        TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4), AlgorithmConfig())
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), model.state_dict().values()))
+    moments = [(worker.optimizer.state[p]["exp_avg_sq"], fresh.optimizer.state[q]["exp_avg_sq"])
+               for p, q in zip(worker.model.parameters(), fresh.model.parameters())]
+    assert moments and all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in moments)
+    assert fresh.optimizer_steps == 1
 
 
 def test_kl_needs_reference_model(char_tokenizer):

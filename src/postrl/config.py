@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from postrl.algorithm_config import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config_base import Section
+from postrl.devices import DEVICE_PATTERN
 from postrl.reward_config import (  # noqa: F401 - the config's public names
     POOLED_TYPES,
     CodeComponent,
@@ -102,6 +103,8 @@ class RolloutConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
         None, description="Engine dtype; None = model.dtype; auto = bfloat16 where the hardware has fast bf16."
     )
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="Where the engine's weights and KV cache "
+                        "live: auto (CUDA when present), cpu, cuda, cuda:N.")
     verify_sync: bool = Field(True, description="Checksum every weight sync and compare what arrived with what was sent.")
     weight_sync: Literal["memory", "safetensors"] = Field("memory", description="How new weights reach the engine.")
     native: NativeEngineConfig = Field(default_factory=NativeEngineConfig, description="The native engine's knobs.")
@@ -137,9 +140,11 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
     epochs: int = Field(1, ge=1, description="Passes over each step's experiences.")
     max_consecutive_nan: int = Field(3, ge=1, description="Stop the run after this many skipped updates in a row.")
-    precision: Literal["float32", "bf16_autocast"] = Field(
-        "float32", description="bf16_autocast: forward/backward matmuls in bf16, fp32 weights and optimizer state."
-    )
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="Where the policy, the reference model, the "
+                        "batches and the optimizer state live: auto (CUDA when present), cpu, cuda, cuda:N.")
+    precision: Literal["auto", "float32", "bf16_autocast"] = Field(
+        "auto", description="bf16_autocast: forward/backward matmuls in bf16, fp32 master weights and optimizer "
+        "state. auto: bf16_autocast on a GPU with bf16, float32 elsewhere.")
     attention: Literal["auto", "eager", "sdpa"] = Field(
         "auto",
         description="Attention kernel of the trained model. auto: eager on CPU (PyTorch's CPU SDPA backward is "

@@ -21,6 +21,7 @@ from postrl.buffer import OnPolicyBuffer
 from postrl.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.config import ConfigError, RewardConfig, RunConfig, load_config, save_config
 from postrl.controller import Components, Controller
+from postrl.devices import resolve_device
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
@@ -54,8 +55,11 @@ def build_components(config: RunConfig) -> Components:
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
-    policy = load_causal_lm(config.model.path, config.model.dtype)
-    ref_model = load_causal_lm(config.model.path, config.model.dtype) if config.algorithm.kl_beta > 0 else None
+    train_device = resolve_device(config.train.device, "train.device")
+    policy = load_causal_lm(config.model.path, config.model.dtype).to(train_device)
+    ref_model = None
+    if config.algorithm.kl_beta > 0:
+        ref_model = load_causal_lm(config.model.path, config.model.dtype).to(train_device)
     rollout = make_rollout_worker(config.rollout, config.model.path, tokenizer, config.model.dtype, config.seed)
     trainer = TrainWorker(
         policy,

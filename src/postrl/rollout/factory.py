@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from postrl.config import RolloutConfig
+from postrl.devices import resolve_device
 from postrl.models import load_causal_lm, resolve_model_path
 from postrl.rollout.base import RolloutWorker
 from postrl.rollout.hf_engine import HFRolloutWorker
@@ -45,7 +46,9 @@ def make_rollout_worker(config: RolloutConfig, model_path: str, tokenizer: Any, 
         return VLLMRolloutWorker(resolve_model_path(model_path), tokenizer, dtype=dtype, seed=seed,
                                  max_model_len=v.max_model_len, memory_fraction=v.memory_fraction,
                                  startup_timeout_s=v.startup_timeout_s, request_timeout_s=v.request_timeout_s)
-    return rollout_worker_for_model(config, load_causal_lm(model_path, "float32"), tokenizer, model_dtype, seed)
+    device = resolve_device(config.device, "rollout.device")
+    return rollout_worker_for_model(config, load_causal_lm(model_path, "float32").to(device), tokenizer, model_dtype,
+                                    seed)
 
 
 def rollout_worker_for_model(config: RolloutConfig, model: torch.nn.Module, tokenizer: Any, model_dtype: str,

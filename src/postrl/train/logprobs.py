@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from postrl.models import PLAIN_HEAD_MODEL_TYPES
 
@@ -31,9 +32,10 @@ def token_logprobs(
     targets = input_ids[:, 1:]
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
     if plain_head:
-        hidden = model.get_decoder()(**kwargs).last_hidden_state[:, :-1]
         where = target_mask.bool()
-        return _selected_logprobs(model, hidden[where], targets, where, temperature, with_entropy)
+        rows, cols = where.nonzero(as_tuple=True)  # row-major, as masked_scatter fills
+        logits = _selected_logits(model, kwargs, rows, cols)
+        return _selected_logprobs(logits, targets, where, temperature, with_entropy)
     logits = model(**kwargs).logits[:, :-1, :]
     logp, entropy = _logprobs(logits, targets, temperature, with_entropy)
     if target_mask is not None:
@@ -143,15 +145,28 @@ def _block_mask(segments: torch.Tensor) -> torch.Tensor:
 
 
 def _shared_prompt_logprobs(model, packed: PackedPrompts, input_ids, target_mask, temperature, with_entropy):
-    hidden = model.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.position_ids,
-                     use_cache=False).last_hidden_state
-    selected = hidden[packed.target_seq, packed.target_pos]  # [N, H], row-major order of target_mask
-    return _selected_logprobs(model, selected, input_ids[:, 1:], target_mask.bool(), temperature, with_entropy)
+    kwargs = dict(input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.position_ids,
+                  use_cache=False)
+    logits = _selected_logits(model, kwargs, packed.target_seq, packed.target_pos)  # row-major order of target_mask
+    return _selected_logprobs(logits, input_ids[:, 1:], target_mask.bool(), temperature, with_entropy)
 
 
-def _selected_logprobs(model, hidden, targets, where, temperature, with_entropy):
-    """Vocabulary projection of the hidden states that predict ``targets[where]``, scattered back to ``[B, T-1]``."""
-    logits = model.get_output_embeddings()(hidden)  # [N, V]
+def _selected_logits(model, kwargs: dict, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` logits at positions ``(rows[i], cols[i])``, projecting only those hidden states.
+
+    A model sharded with FSDP2 must be called through its own forward (that is where its root
+    parameters are gathered), so there the projection is asked for by ``logits_to_keep`` (the
+    positions any row needs) instead of calling the decoder and the head separately."""
+    if isinstance(model, FSDPModule):
+        keep = torch.unique(cols)
+        logits = model(**kwargs, logits_to_keep=keep).logits  # [S, len(keep), V]
+        return logits[rows, torch.searchsorted(keep, cols)]
+    hidden = model.get_decoder()(**kwargs).last_hidden_state
+    return model.get_output_embeddings()(hidden[rows, cols])
+
+
+def _selected_logprobs(logits, targets, where, temperature, with_entropy):
+    """Logprobs (and entropy) from the ``[N, V]`` logits that predict ``targets[where]``, scattered back to ``[B, T-1]``."""
     logp_sel, ent_sel = _logprobs(logits, targets[where], temperature, with_entropy)
     logp = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=logp_sel.device).masked_scatter(where, logp_sel)
     entropy = None

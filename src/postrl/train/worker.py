@@ -17,8 +17,10 @@ import torch
 
 from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, kl_k3
 from postrl.config import AlgorithmConfig, TrainConfig
+from postrl.devices import bf16_matmul_supported
 from postrl.train.logprobs import token_logprobs
 from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.train.state import full_tensor, load_train_state, save_train_state
 from postrl.weights import load_weights_into, save_weights
 
 
@@ -127,6 +129,8 @@ class TrainWorker:
         self.skipped_steps = 0
         self.consecutive_skips = 0
 
+    is_main = True  # the process that writes files for the whole group
+
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
         self.model.train()
         device = next(self.model.parameters()).device
@@ -190,7 +194,7 @@ class TrainWorker:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
         the device together, once."""
         sums = self.accumulate_gradients(mini)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         stats, norm_value = sums.read(norm)
         if not math.isfinite(norm_value):
             self.optimizer.zero_grad(set_to_none=True)
@@ -242,34 +246,47 @@ class TrainWorker:
             )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.cfg.precision != "bf16_autocast":
+        device = next(self.model.parameters()).device
+        bf16 = self.cfg.precision == "bf16_autocast" or (self.cfg.precision == "auto" and bf16_matmul_supported(device))
+        if not bf16:
             return contextlib.nullcontext()
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
+        """The full weights, by name (a multi-process worker gathers them; see FSDPTrainWorker)."""
         return self.model.state_dict()
 
+    def save_pretrained(self, folder: str | Path) -> None:
+        """The policy as a Hugging Face folder (config + safetensors)."""
+        save_weights(self.model, Path(folder))
+
     def save_checkpoint(self, path: str | Path) -> None:
-        """Weights (safetensors, Hugging Face layout) and optimizer/scheduler/generator state."""
+        """Model and optimizer through torch.distributed.checkpoint (resharded on load, so a run can
+        resume with another number of ranks), the loadable ``model/`` folder, and the scheduler,
+        generator and counters."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_weights(self.model, path / "model")
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "generator": self.generator.get_state(),
-                "counters": [self.optimizer_steps, self.skipped_steps, self.consecutive_skips],
-            },
-            path / "optimizer.pt",
-        )
+        save_train_state(self.model, self.optimizer, path / "dcp")
+        self.save_pretrained(path / "model")
+        if self.is_main:
+            torch.save(self._loop_state(), path / "trainer_state.pt")
 
     def load_checkpoint(self, path: str | Path) -> None:
         path = Path(path)
-        load_weights_into(self.model, path / "model")
-        state = torch.load(path / "optimizer.pt", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if (path / "dcp").is_dir():
+            load_train_state(self.model, self.optimizer, path / "dcp")
+            state = torch.load(path / "trainer_state.pt", weights_only=True)
+        else:  # a checkpoint written before sharded checkpoints: full weights + optimizer.pt
+            load_weights_into(self.model, path / "model")
+            state = torch.load(path / "optimizer.pt", weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         self.optimizer_steps, self.skipped_steps, self.consecutive_skips = state["counters"]
+
+    def _loop_state(self) -> dict:
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "counters": [self.optimizer_steps, self.skipped_steps, self.consecutive_skips],
+        }

@@ -1,0 +1,111 @@
+"""A worker in a child process (spawned, so CUDA and torch.distributed start clean), called over a pipe.
+
+The local scheduler uses it for the ranks of a multi-process train group. Results travel pickled
+over a local pipe between processes of the same user: no trust boundary is crossed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import signal
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from typing import Any
+
+from postrl.scheduling.handles import WorkerDiedError, WorkerTimeoutError, submit
+
+
+def _serve(conn: Any, factory: Any, args: tuple, kwargs: dict) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent
+    except (OSError, AttributeError):
+        pass
+    try:
+        obj = factory(*args, **kwargs)
+    except BaseException:  # noqa: BLE001 - reported to the caller
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        method, call_args, call_kwargs = message
+        try:
+            conn.send(("ok", getattr(obj, method)(*call_args, **call_kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the caller
+            conn.send(("error", traceback.format_exc()))
+
+
+class WorkerCallError(RuntimeError):
+    """A method raised inside the worker; the message carries the worker's traceback."""
+
+
+class ProcessHandle:
+    """``factory(*args, **kwargs)`` built in a new process; methods called by name."""
+
+    def __init__(self, name: str, factory: Any, *args: Any, start_timeout: float = 300.0, **kwargs: Any) -> None:
+        self.name = name
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, factory, args, kwargs), daemon=True, name=name)
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._started = False
+        self._start_timeout = start_timeout
+
+    def _receive(self, what: str, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._conn.poll(0.05):
+            if not self.process.is_alive() and not self._conn.poll(0):
+                raise WorkerDiedError(f"{self.name} (pid {self.process.pid}) died during {what} "
+                                      f"(exit code {self.process.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerTimeoutError(f"{self.name} (pid {self.process.pid}) did not answer {what} "
+                                         f"within {timeout:g} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise WorkerDiedError(f"{self.name} (pid {self.process.pid}) closed its pipe during {what}") from None
+        if status == "error":
+            raise WorkerCallError(f"{self.name} failed in {what}:\n{value}")
+        return value
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        with self._lock:
+            if not self._started:
+                self._receive("start-up", self._start_timeout)
+                self._started = True
+            try:
+                self._conn.send((method, args, kwargs))
+            except (BrokenPipeError, OSError):
+                raise WorkerDiedError(f"{self.name} (pid {self.process.pid}) is gone "
+                                      f"(exit code {self.process.exitcode})") from None
+            return self._receive(method, timeout)
+
+    def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
+        return submit(self.call, method, *args, timeout=timeout, **kwargs)
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=10)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=timeout)
+        self.kill()

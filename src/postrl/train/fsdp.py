@@ -1,0 +1,111 @@
+"""The Train Worker as one rank of an FSDP2 group (``fully_shard`` per decoder layer).
+
+Every rank receives the whole batch and makes the same mini-batches (same seeded generator); each
+trains on its token-balanced share (:func:`split_rows_by_tokens`). The loss normaliser is the
+mini-batch's token count, all-reduced, divided by the number of ranks because FSDP averages the
+ranks' gradients (gloo has no pre-scaled sum), so the update equals the one-process update up to
+float rounding. Ranks run the same number of
+micro-batches (a rank with fewer runs a zero-weight one) because every forward and backward is a
+collective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from postrl.train.sharding import split_rows_by_tokens
+from postrl.train.worker import MicroBatchStats, TrainWorker
+from postrl.types import ExperienceBatch
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face causal LM (``model.model.layers`` and the like)."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        node = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, torch.nn.ModuleList):
+            return list(node)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+
+
+def shard_model(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head). With ``bf16``
+    the forward and backward run in bf16 while the sharded fp32 parameters stay the master copy."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class FSDPTrainWorker(TrainWorker):
+    """A :class:`TrainWorker` whose model is sharded across the ranks of the default process group."""
+
+    def __init__(self, model: torch.nn.Module, *args, bf16: bool = False, ref_model: torch.nn.Module | None = None,
+                 **kwargs) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        shard_model(model, bf16)
+        if ref_model is not None:
+            shard_model(ref_model, bf16)
+        super().__init__(model, *args, ref_model=ref_model, **kwargs)
+        self.is_main = self.rank == 0
+
+    def accumulate_gradients(self, mini: ExperienceBatch) -> MicroBatchStats:
+        part = mini.select(split_rows_by_tokens(mini, self.world)[self.rank].to(mini.input_ids.device))
+        global_tokens = part.loss_mask.sum()
+        dist.all_reduce(global_tokens)
+        micro = self.cfg.micro_batch_size
+        local = [part.select(slice(s, s + micro)) for s in range(0, part.size, micro)]
+        count = torch.tensor(len(local), device=global_tokens.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        stats = MicroBatchStats.zeros(mini.input_ids.device)
+        for i in range(int(count)):
+            self.model.set_requires_gradient_sync(i == int(count) - 1)
+            batch = local[i] if i < len(local) else zero_weight(mini)
+            stats = stats + self._micro_batch_backward(batch, global_tokens / self.world)
+        return reduce_stats(stats)
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The full weights on rank 0 (gathered layer by layer to the CPU); an empty dict elsewhere.
+        Every rank must call it: the gather is a collective."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        state = self.policy_state()
+        if self.is_main:
+            save_full_state(self.model, state, Path(folder))
+
+
+def zero_weight(mini: ExperienceBatch) -> ExperienceBatch:
+    """One row of ``mini`` that trains nothing: it only keeps a rank in step with the collectives."""
+    row = mini.select(slice(0, 1))
+    row.loss_mask = torch.zeros_like(row.loss_mask)
+    return row
+
+
+def reduce_stats(stats: MicroBatchStats) -> MicroBatchStats:
+    """Sum the statistics over the ranks (the largest logprob difference: the maximum)."""
+    names = [n for n in MicroBatchStats.__dataclass_fields__ if n != "logprob_diff_max"]
+    summed = torch.stack([getattr(stats, n).float() for n in names])
+    dist.all_reduce(summed)
+    largest = stats.logprob_diff_max.float().clone()
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return MicroBatchStats(**dict(zip(names, summed.unbind())), logprob_diff_max=largest)
+
+
+def save_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """A Hugging Face folder from gathered weights. ``fully_shard`` renames the model's class
+    (``FSDPLlamaForCausalLM``), so the config names the original architecture."""
+    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    original = type(model).__mro__[1].__name__ if type(model).__name__.startswith("FSDP") else type(model).__name__
+    model.config.architectures = [original]
+    model.config.save_pretrained(folder)

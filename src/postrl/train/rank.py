@@ -1,0 +1,98 @@
+"""One rank of a multi-process train group: joins torch.distributed, loads the policy (and the
+reference model) onto its device, and serves the Train Worker's methods to the driver."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from postrl.config import AlgorithmConfig, TrainConfig
+from postrl.devices import bf16_matmul_supported, resolve_device
+from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.weights import dedupe_tied
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where the ranks meet: the rendezvous address, the size, and the collective timeout."""
+
+    world: int
+    master_addr: str
+    master_port: int
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What each rank builds: the policy from ``model_path`` and how it is trained."""
+
+    model_path: str
+    model_dtype: str
+    train: TrainConfig
+    algorithm: AlgorithmConfig
+    temperature: float
+    seed: int
+    gradient_checkpointing: bool = False
+
+
+def rank_device(name: str, rank: int) -> torch.device:
+    """``auto``/``cuda`` give each rank its own GPU (the local rank modulo the GPUs it can see)."""
+    device = resolve_device(name, "train.device")
+    if device.type == "cuda" and name in ("auto", "cuda"):
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    return device
+
+
+class TrainRank:
+    def __init__(self, rank: int, group: GroupSpec, policy: PolicySpec) -> None:
+        from postrl.models import load_causal_lm
+        from postrl.train.fsdp import FSDPTrainWorker
+
+        self.rank = rank
+        device = rank_device(policy.train.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=group.world,
+                                init_method=f"tcp://{group.master_addr}:{group.master_port}",
+                                timeout=timedelta(seconds=group.timeout_s))
+        torch.manual_seed(policy.seed)
+        model = load_causal_lm(policy.model_path, policy.model_dtype).to(device)
+        ref = None
+        if policy.algorithm.kl_beta > 0:
+            ref = load_causal_lm(policy.model_path, policy.model_dtype).to(device)
+        precision = policy.train.precision
+        bf16 = precision == "bf16_autocast" or (precision == "auto" and bf16_matmul_supported(device))
+        self.worker = FSDPTrainWorker(model, policy.train, policy.algorithm, temperature=policy.temperature,
+                                      ref_model=ref, seed=policy.seed, bf16=bf16,
+                                      gradient_checkpointing=policy.gradient_checkpointing)
+
+    def ready(self) -> int:
+        return self.rank
+
+    def update(self, batch: ExperienceBatch) -> TrainMetrics:
+        return self.worker.update(batch)
+
+    def policy_state(self) -> dict[str, torch.Tensor] | None:
+        """The full weights on rank 0 (tied tensors once), None on the others."""
+        state = self.worker.policy_state()
+        return dedupe_tied(state) if self.rank == 0 else None
+
+    def save_checkpoint(self, path: str) -> None:
+        self.worker.save_checkpoint(Path(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.worker.load_checkpoint(Path(path))
+
+    def save_pretrained(self, folder: str) -> None:
+        self.worker.save_pretrained(Path(folder))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,115 @@
+"""A 2-rank FSDP2 train group (gloo, real processes) against one process: same loss, same
+gradients, same weights after an update; a checkpoint written by 2 ranks resumes in 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from postrl.config import AlgorithmConfig, TrainConfig
+from postrl.models import load_causal_lm
+from postrl.net import free_port
+from postrl.scheduling.process import ProcessHandle
+from postrl.train.group import TrainGroup, TrainWorkerDiedError
+from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
+from postrl.train.sharding import split_rows_by_tokens
+from postrl.train.worker import TrainWorker
+from postrl.types import Experience, ExperienceBatch
+from tests.fsdp_probe import GradProbe
+
+TRAIN = TrainConfig(lr=1e-2, mini_batch_size=12, micro_batch_size=2, device="cpu")
+
+
+def uneven_batch(pad_id: int) -> ExperienceBatch:
+    """12 samples in 4 groups of 3 (a group shares its prompt), of different lengths."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 40, (3 + g * 2,), generator=gen).tolist() for g in range(4)]
+    exps = []
+    for i in range(12):
+        r = 2 + (i * 5) % 7
+        prompt = prompts[i // 3]
+        response = torch.randint(4, 40, (r,), generator=gen).tolist()
+        logprobs = (-torch.rand(r, generator=gen) * 3).tolist()
+        exps.append(Experience(prompt, response, logprobs, 0.0, float(i % 3) - 1.0, 0, group_id=i // 3))
+    return ExperienceBatch.from_experiences(exps, pad_id)
+
+
+def group_of(n: int, model_dir, factory=TrainRank, train: TrainConfig = TRAIN) -> list[ProcessHandle]:
+    spec = GroupSpec(world=n, master_addr="127.0.0.1", master_port=free_port(), timeout_s=60)
+    policy = PolicySpec(str(model_dir), "float32", train, AlgorithmConfig(), temperature=1.0, seed=0)
+    return [ProcessHandle(f"train rank {r}", factory, r, spec, policy) for r in range(n)]
+
+
+def test_token_split_balances_tokens_and_keeps_groups(char_tokenizer):
+    batch = uneven_batch(char_tokenizer.pad_token_id)
+    parts = split_rows_by_tokens(batch, 2)
+    assert sorted(torch.cat(parts).tolist()) == list(range(12))
+    tokens = [int(batch.attention_mask[p].sum()) for p in parts]
+    # groups of 23, 32, 34, 43 tokens: 43 -> rank 0, 34 -> rank 1, 32 -> rank 1, 23 -> rank 0
+    assert tokens == [66, 66] and [p.tolist() for p in parts] == [[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]]
+    for p in parts:
+        assert set(p.tolist()) == {r for g in set(batch.group_ids[p].tolist()) for r in range(g * 3, g * 3 + 3)}
+    # fewer groups than ranks: rows are dealt one by one, heaviest first
+    one_group = batch.select(slice(0, 3))
+    assert [p.tolist() for p in split_rows_by_tokens(one_group, 2)] == [[1], [0, 2]]  # 10 | 8 + 5 tokens
+
+
+def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, char_tokenizer):
+    batch = uneven_batch(char_tokenizer.pad_token_id)
+    single = TrainWorker(load_causal_lm(str(tiny_model_dir)), TRAIN, AlgorithmConfig(), seed=0)
+    single.model.train()
+    stats = single.accumulate_gradients(batch)
+    want_grads = {n: p.grad.clone() for n, p in single.model.named_parameters()}
+    single.optimizer.zero_grad(set_to_none=True)
+    want_loss = float(stats.loss) / float(stats.tokens)
+
+    ranks = group_of(2, tiny_model_dir, GradProbe)
+    try:
+        got = [h.call_async("gradients", batch) for h in ranks]
+        (loss0, tokens0, grads), (loss1, tokens1, _) = [f.result(timeout=120) for f in got]
+        assert loss0 == loss1 and tokens0 == float(stats.tokens)
+        assert abs(loss0 / tokens0 - want_loss) <= 1e-5
+        assert grads.keys() == want_grads.keys()
+        worst = max(float((grads[n] - want_grads[n]).abs().max()) for n in grads)
+        assert worst <= 1e-5, worst
+        assert max(float(g.abs().max()) for g in grads.values()) > 1e-3  # gradients are not trivially zero
+    finally:
+        for h in ranks:
+            h.close()
+
+
+def test_group_update_matches_one_process_and_checkpoint_resumes_in_one(tiny_model_dir, char_tokenizer, tmp_path):
+    batch = uneven_batch(char_tokenizer.pad_token_id)
+    train = TRAIN.model_copy(update={"mini_batch_size": 6})
+    single = TrainWorker(load_causal_lm(str(tiny_model_dir)), train, AlgorithmConfig(), seed=0)
+    want = single.update(batch)
+    group = TrainGroup(group_of(2, tiny_model_dir, train=train))
+    try:
+        got = group.update(batch)
+        assert got.optimizer_steps == want.optimizer_steps == 2
+        assert abs(got.loss - want.loss) <= 1e-5 and abs(got.grad_norm - want.grad_norm) <= 1e-4
+        state = group.policy_state()
+        diff = max(float((state[n] - t).abs().max()) for n, t in single.model.state_dict().items() if n in state)
+        assert diff <= 1e-5, diff
+        group.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        group.close()
+    # the DCP checkpoint of 2 ranks, resumed by one plain process: identical weights and optimizer
+    resumed = TrainWorker(load_causal_lm(str(tiny_model_dir)), train, AlgorithmConfig(), seed=0)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    for name, tensor in resumed.model.state_dict().items():
+        if name in state:
+            assert torch.equal(tensor, state[name]), name
+    assert resumed.optimizer_steps == 2
+    moments = [resumed.optimizer.state[p]["exp_avg"] for p in resumed.model.parameters()]
+    assert all(float(m.abs().sum()) > 0 for m in moments)
+    reloaded = load_causal_lm(str(tmp_path / "ckpt" / "model"))  # the gathered model/ folder loads too
+    assert all(torch.equal(reloaded.state_dict()[n], state[n]) for n in state)
+
+
+def test_a_dead_rank_stops_the_group_naming_it(tiny_model_dir, char_tokenizer):
+    group = TrainGroup(group_of(2, tiny_model_dir))
+    group.ranks[1].kill()
+    with pytest.raises(TrainWorkerDiedError, match="train rank 1"):
+        group.update(uneven_batch(char_tokenizer.pad_token_id))
+    assert not any(h.alive() for h in group.ranks)
