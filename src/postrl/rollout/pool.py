@@ -1,0 +1,179 @@
+"""Several rollout engines behind the one Rollout Worker interface the Controller calls.
+
+Prompts go to the engine with the least outstanding work (a prompt's work: ``n`` x (prompt +
+``max_tokens``) tokens), the G samples of a prompt together on one engine so they share its
+prefix. An engine that dies or stops answering is replaced: the new one gets the current weights
+before it serves, and the dead one's prompts are generated again, so a step loses no prompt and
+counts none twice (a dead engine's partial answers are never used). Engines are added or removed
+between steps with :meth:`scale`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from postrl.rollout.common import Health
+from postrl.rollout.weight_transport import WeightTransport
+from postrl.scheduling import Handle, WorkerDiedError, WorkerTimeoutError
+from postrl.types import Prompt, Rollout, SamplingParams
+
+log = logging.getLogger(__name__)
+LOST = (WorkerDiedError, WorkerTimeoutError)
+
+
+class RolloutPoolError(RuntimeError):
+    """The pool could not keep enough engines alive to finish a step."""
+
+
+@dataclass(eq=False)
+class EngineSlot:
+    index: int
+    handle: Handle
+    outstanding: int = 0  # tokens of prompts sent and not yet answered
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+
+class RolloutPool:
+    def __init__(self, start_engine: Callable[[int], Handle], count: int, transport: WeightTransport,
+                 generate_timeout_s: float | None = None, max_restarts: int = 8) -> None:
+        self._start = start_engine
+        self.transport = transport
+        self.generate_timeout_s = generate_timeout_s
+        self.max_restarts = max_restarts
+        self.engines = [EngineSlot(i, start_engine(i)) for i in range(count)]
+        self._next_index = count
+        self.weight_version = 0
+        self._weights: tuple[Any, int, dict[str, str] | None] | None = None
+        self.restarts = 0
+        self.requeued_prompts = 0
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+        done: dict[int, list[Rollout]] = {}
+        pending = list(range(len(prompts)))
+        while pending:
+            calls = []
+            for slot, indices in self._assign(prompts, pending, sampling_params).items():
+                work = sum(self._work(prompts[i], sampling_params) for i in indices)
+                slot.outstanding += work
+                future = slot.handle.call_async("generate", [prompts[i] for i in indices], sampling_params,
+                                                weight_version, timeout=self.generate_timeout_s)
+                calls.append((slot, indices, work, future))
+            pending = []
+            for slot, indices, work, future in calls:
+                try:
+                    answered = future.result()
+                except LOST as exc:
+                    log.warning("%s was lost during generate (%s); its %d prompts go to the other engines",
+                                slot.name, exc, len(indices))
+                    self.requeued_prompts += len(indices)
+                    self._replace(slot, exc)
+                    pending += indices
+                    continue
+                finally:
+                    slot.outstanding -= work
+                for r in answered:
+                    done.setdefault(indices[r.prompt_index], []).append(
+                        dataclasses.replace(r, prompt_index=indices[r.prompt_index]))
+        return [r for i in range(len(prompts)) for r in done.get(i, [])]
+
+    @staticmethod
+    def _work(prompt: Prompt, sp: SamplingParams) -> int:
+        return sp.n * (len(prompt.prompt_ids) + sp.max_tokens)
+
+    def _assign(self, prompts: list[Prompt], indices: list[int], sp: SamplingParams) -> dict[EngineSlot, list[int]]:
+        """Largest prompts first, each to the engine with the least outstanding work (ties: lowest index)."""
+        load = {slot.index: slot.outstanding for slot in self.engines}
+        plan: dict[int, list[int]] = {}
+        for i in sorted(indices, key=lambda i: (-self._work(prompts[i], sp), i)):
+            target = min(self.engines, key=lambda s: (load[s.index], s.index))
+            load[target.index] += self._work(prompts[i], sp)
+            plan.setdefault(target.index, []).append(i)
+        by_index = {slot.index: slot for slot in self.engines}
+        return {by_index[k]: sorted(v) for k, v in sorted(plan.items())}
+
+    # -- engines come and go ---------------------------------------------------------------------
+    def _replace(self, slot: EngineSlot, cause: BaseException) -> None:
+        """Start a new engine in ``slot``'s place and give it the current weights before it serves."""
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise RolloutPoolError(f"{self.restarts} rollout engines were lost in this run (last: {slot.name}: "
+                                   f"{cause}); stopping instead of restarting more") from cause
+        slot.handle.kill()
+        slot.handle = self._start(slot.index)
+        slot.outstanding = 0
+        if self._weights is not None:
+            self._push([slot], *self._weights)
+
+    def scale(self, count: int) -> None:
+        """Add engines (started with the current weights) or remove the newest ones, between steps."""
+        if count < 1:
+            raise ValueError(f"a rollout pool needs at least one engine, not {count}")
+        while len(self.engines) > count:
+            self.engines.pop().handle.kill()
+        while len(self.engines) < count:
+            slot = EngineSlot(self._next_index, self._start(self._next_index))
+            self._next_index += 1
+            self.engines.append(slot)
+            if self._weights is not None:
+                self._push([slot], *self._weights)
+
+    # -- weights -------------------------------------------------------------------------------
+    def update_weights(self, weights: Any, version: int, manifest: dict[str, str] | None = None) -> None:
+        """Every engine on ``version``; an engine lost during the transfer does not hold up the
+        others: it is replaced and the new one is given the same weights."""
+        self._weights = (weights, version, manifest)
+        self._push(self.engines, weights, version, manifest)
+        self.weight_version = version
+
+    def _push(self, slots: list[EngineSlot], weights: Any, version: int, manifest: dict[str, str] | None) -> None:
+        todo = list(slots)
+        for _ in range(self.max_restarts + 1):
+            lost = self.transport.push([s.handle for s in todo], weights, version, manifest)
+            if not lost:
+                return
+            for slot in todo:
+                if slot.handle.name in lost and not slot.handle.alive():
+                    self._replace_quietly(slot, lost[slot.handle.name])
+            todo = [s for s in todo if s.handle.name in lost or not s.handle.alive()]
+        raise RolloutPoolError(f"could not bring {', '.join(s.name for s in todo)} to weight version {version}")
+
+    def _replace_quietly(self, slot: EngineSlot, cause: str) -> None:
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise RolloutPoolError(f"{self.restarts} rollout engines were lost in this run (last: {slot.name}: {cause})")
+        log.warning("%s was lost during a weight sync (%s); restarting it", slot.name, cause)
+        slot.handle.kill()
+        slot.handle = self._start(slot.index)
+
+    # -- the rest of the Rollout Worker interface -------------------------------------------------
+    def health_check(self) -> Health:
+        for slot in self.engines:
+            try:
+                health = slot.handle.call("health_check", timeout=120)
+            except LOST as exc:
+                return Health(False, f"{slot.name}: {exc}")
+            if not health:
+                return Health(False, f"{slot.name}: {getattr(health, 'reason', '')}")
+        return Health(True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version,
+                "engines": [slot.handle.call("state_dict", timeout=60) for slot in self.engines]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        engines = state.get("engines", [state])  # a one-engine run's checkpoint holds the engine's own state
+        for slot, engine_state in zip(self.engines, engines):
+            slot.handle.call("load_state_dict", engine_state, timeout=60)
+        self.weight_version = int(state["weight_version"])
+
+    def close(self) -> None:
+        for slot in self.engines:
+            slot.handle.kill()

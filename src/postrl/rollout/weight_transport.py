@@ -1,0 +1,85 @@
+"""How new weights reach the engines of a pool: ``direct`` (each engine is handed the state dict or
+the safetensors path; in-process, a child process or an actor) or ``broadcast`` (one
+torch.distributed group, bucket by bucket; see :mod:`postrl.weight_broadcast`).
+
+``push`` answers which engines did not take the version because they were lost (died, timed out,
+or their transfer broke when another engine died); an engine that received weights that do not
+match the manifest refuses them, which is an error, not a loss."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from postrl.net import free_port
+from postrl.scheduling import Handle, WorkerDiedError, WorkerTimeoutError
+from postrl.scheduling.handles import submit
+from postrl.weight_broadcast import open_sender_store, plan_buckets, send_state
+from postrl.weights import WeightSyncError
+
+
+class WeightTransport(Protocol):
+    def push(self, engines: list[Handle], weights: Any, version: int,
+             manifest: dict[str, str] | None) -> dict[str, str]: ...
+
+
+def _outcomes(engines: list[Handle], futures: list[Future], version: int) -> dict[str, str]:
+    lost: dict[str, str] = {}
+    refused: list[str] = []
+    for handle, future in zip(engines, futures):
+        try:
+            future.result()
+        except (WorkerDiedError, WorkerTimeoutError) as exc:
+            lost[handle.name] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - sorted into refused (corrupt) and lost (broken transfer)
+            text = f"{type(exc).__name__}: {exc}"
+            if "WeightSyncError" in text:
+                refused.append(f"{handle.name}: {text.splitlines()[-1]}")
+            else:
+                lost[handle.name] = text.splitlines()[-1] if text.strip() else type(exc).__name__
+    if refused:
+        raise WeightSyncError(f"weight version {version} was refused by {len(refused)} engine(s), which keep "
+                              f"their previous weights: {'; '.join(refused)}")
+    return lost
+
+
+class DirectTransport:
+    def __init__(self, timeout_s: float | None = 600.0) -> None:
+        self.timeout_s = timeout_s
+
+    def push(self, engines: list[Handle], weights: Any, version: int,
+             manifest: dict[str, str] | None) -> dict[str, str]:
+        futures = [h.call_async("update_weights", weights, version, manifest, timeout=self.timeout_s) for h in engines]
+        return _outcomes(engines, futures, version)
+
+
+class BroadcastTransport:
+    """Rank 0 is this process; engine ``i`` of the push is rank ``i + 1``."""
+
+    def __init__(self, host: str = "127.0.0.1", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0,
+                 tamper: Any = None) -> None:
+        self.host, self.bucket_bytes, self.timeout_s, self.tamper = host, bucket_bytes, timeout_s, tamper
+
+    def push(self, engines: list[Handle], weights: Any, version: int,
+             manifest: dict[str, str] | None) -> dict[str, str]:
+        if not isinstance(weights, dict):
+            raise TypeError("the broadcast transport sends a state dict, not a file path")
+        alive = [h for h in engines if h.alive()]
+        lost = {h.name: "not running" for h in engines if h not in alive}
+        if not alive:
+            return lost
+        world = len(alive) + 1
+        plan = plan_buckets(weights, self.bucket_bytes)
+        port = free_port(self.host)
+        store = open_sender_store(self.host, port, world, self.timeout_s)
+        futures = [h.call_async("receive_broadcast", self.host, port, rank, world, plan, version, manifest,
+                                self.timeout_s, timeout=self.timeout_s * 2) for rank, h in enumerate(alive, start=1)]
+        sending = submit(send_state, store, weights, plan, world, self.timeout_s, self.tamper)
+        try:
+            return {**lost, **_outcomes(alive, futures, version)}
+        finally:
+            try:
+                sending.result()
+            except Exception:  # noqa: BLE001 - a broken send shows up as lost receivers above
+                pass
+            del store

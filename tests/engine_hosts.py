@@ -1,0 +1,13 @@
+"""Rollout engine hosts for tests: one that is slow to answer, so it can be killed mid-call."""
+
+from __future__ import annotations
+
+import time
+
+from postrl.rollout.host import RolloutEngineHost
+
+
+class SlowHost(RolloutEngineHost):
+    def generate(self, prompts, sampling_params, weight_version):
+        time.sleep(1.5)
+        return super().generate(prompts, sampling_params, weight_version)

@@ -1,0 +1,117 @@
+"""Several engines in child processes behind one pool: spreading prompts, broadcast weight sync
+with a checksum, and recovery from engines killed mid-generate and mid-transfer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from postrl.config import RolloutConfig
+from postrl.models import load_causal_lm
+from postrl.rollout.pool import RolloutPool
+from postrl.rollout.weight_transport import BroadcastTransport, DirectTransport
+from postrl.scheduling.process import ProcessHandle
+from postrl.types import Prompt, SamplingParams
+from postrl.weights import WeightSyncError, dedupe_tied, weight_manifest
+from tests.engine_hosts import SlowHost
+from postrl.rollout.host import RolloutEngineHost
+
+CONFIG = RolloutConfig(backend="native", device="cpu", max_tokens=6)
+SP = SamplingParams(n=3, temperature=1.0, max_tokens=6)
+
+
+def starter(model_dir, host=RolloutEngineHost, slow=()):
+    def start(i: int) -> ProcessHandle:
+        cls = SlowHost if i in slow else host
+        return ProcessHandle(f"rollout engine {i}", cls, CONFIG, str(model_dir), "float32", 100 + i, 1)
+    return start
+
+
+def prompts(tokenizer, count=6):
+    return [Prompt(t, tokenizer(t)["input_ids"]) for t in [f"{a}+{a}=" for a in range(10, 10 + count)]]
+
+
+def new_weights(model_dir, scale=1.01):
+    model = load_causal_lm(str(model_dir))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    state = dedupe_tied(model.state_dict())
+    return state, weight_manifest(state)
+
+
+def versions(pool):
+    return [slot.handle.call("version") for slot in pool.engines]
+
+
+def test_prompts_spread_by_outstanding_work_and_groups_stay_together(tiny_model_dir, char_tokenizer):
+    pool = RolloutPool(starter(tiny_model_dir), 2, DirectTransport())
+    try:
+        ps = prompts(char_tokenizer)
+        ps[0] = Prompt("1" * 30, char_tokenizer("1" * 30)["input_ids"])  # one large prompt
+        plan = pool._assign(ps, list(range(6)), SP)
+        # work = n x (prompt + max_tokens): 3 x 37 = 111 for the long prompt, 3 x 13 = 39 for the others;
+        # 0 -> e0 (111); 1, 2, 3 -> e1 (39, 78, 117); 4 -> e0 (150); 5 -> e1 (156)
+        assert [len(p.prompt_ids) for p in ps[:2]] == [31, 7]
+        assert list(plan.values()) == [[0, 4], [1, 2, 3, 5]]
+        out = pool.generate(ps, SP, 0)
+        assert [r.prompt_index for r in out] == [i for i in range(6) for _ in range(3)]
+    finally:
+        pool.close()
+
+
+def test_broadcast_sync_reaches_every_engine_and_a_corrupted_tensor_is_refused(tiny_model_dir, char_tokenizer):
+    state, manifest = new_weights(tiny_model_dir)
+    pool = RolloutPool(starter(tiny_model_dir), 2, BroadcastTransport(bucket_bytes=4096, timeout_s=30))
+    try:
+        pool.update_weights(state, 1, manifest)
+        assert versions(pool) == [1, 1]
+        flipped = lambda i, buffer: buffer.__setitem__(7, buffer[7] ^ 0xFF) if i == 2 else None  # noqa: E731
+        pool.transport.tamper = flipped
+        state2, manifest2 = new_weights(tiny_model_dir, 1.02)
+        with pytest.raises(WeightSyncError, match="refused by 2 engine"):
+            pool.update_weights(state2, 2, manifest2)
+        assert versions(pool) == [1, 1]  # both keep serving the version they had
+        assert pool.generate(prompts(char_tokenizer, 2), SP, 1)
+    finally:
+        pool.close()
+
+
+def test_engine_killed_mid_transfer_leaves_others_on_new_version_and_comes_back(tiny_model_dir, char_tokenizer):
+    state, manifest = new_weights(tiny_model_dir)
+    pool = RolloutPool(starter(tiny_model_dir), 3, BroadcastTransport(bucket_bytes=2048, timeout_s=30))
+    try:
+        pool.update_weights(*new_weights(tiny_model_dir, 0.99)[:1], 1, None)
+        victim = pool.engines[1].handle
+        pool.transport.tamper = lambda i, buffer: victim.kill() if i == 3 else None
+        started = time.monotonic()
+        pool.update_weights(state, 2, manifest)
+        assert time.monotonic() - started < 60
+        assert not victim.alive() and pool.restarts == 1
+        assert versions(pool) == [2, 2, 2]
+        # the restarted engine holds exactly the new weights: same greedy answer as the others
+        greedy = SamplingParams(n=1, temperature=1.0, top_k=1, max_tokens=6)
+        answers = [slot.handle.call("generate", prompts(char_tokenizer, 1), greedy, 2)[0].response_ids
+                   for slot in pool.engines]
+        assert answers[0] == answers[1] == answers[2]
+    finally:
+        pool.close()
+
+
+def test_engine_killed_mid_generate_is_replaced_and_its_prompts_requeued(tiny_model_dir, char_tokenizer):
+    state, manifest = new_weights(tiny_model_dir)
+    pool = RolloutPool(starter(tiny_model_dir, slow=(1,)), 2, DirectTransport())
+    try:
+        pool.update_weights(state, 1, manifest)
+        victim = pool.engines[1].handle
+        threading.Timer(0.7, victim.kill).start()
+        out = pool.generate(prompts(char_tokenizer), SP, 1)
+        assert not victim.alive() and pool.restarts == 1 and pool.requeued_prompts == 3
+        assert [r.prompt_index for r in out] == [i for i in range(6) for _ in range(3)]  # none lost, none twice
+        assert all(r.weight_version == 1 for r in out)
+        assert versions(pool) == [1, 1]
+    finally:
+        pool.close()
