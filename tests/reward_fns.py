@@ -91,3 +91,8 @@ def prints_and_scores(prompt, response, **columns):
 def slow_length(prompt, response, **columns):
     time.sleep(0.2)
     return float(len(response))
+
+
+def digit_share(prompt, response, **columns):
+    """The share of digits in the response: varies between samples of a random model."""
+    return sum(ch.isdigit() for ch in response) / max(len(response), 1)

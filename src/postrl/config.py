@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from postrl.algorithm_config import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config_base import Section
 from postrl.devices import DEVICE_PATTERN
+from postrl.scheduler_config import SchedulerConfig
 from postrl.reward_config import (  # noqa: F401 - the config's public names
     POOLED_TYPES,
     CodeComponent,
@@ -106,7 +107,13 @@ class RolloutConfig(Section):
     device: str = Field("auto", pattern=DEVICE_PATTERN, description="Where the engine's weights and KV cache "
                         "live: auto (CUDA when present), cpu, cuda, cuda:N.")
     verify_sync: bool = Field(True, description="Checksum every weight sync and compare what arrived with what was sent.")
-    weight_sync: Literal["memory", "safetensors"] = Field("memory", description="How new weights reach the engine.")
+    weight_sync: Literal["memory", "safetensors", "broadcast"] = Field(
+        "memory", description="How new weights reach the engines: memory (the state dict, handed over or sent to the "
+        "engine's process), safetensors (one file in sync_dir that every engine loads), broadcast (a "
+        "torch.distributed group from the driver to the engines, in buckets of sync_bucket_mb).")
+    sync_dir: str | None = Field(None, description="Folder for weight_sync=safetensors; on a cluster, shared storage "
+                                 "every engine can read. None: a temporary folder on this machine.")
+    sync_bucket_mb: int = Field(64, ge=1, description="weight_sync=broadcast: megabytes per broadcast bucket.")
     native: NativeEngineConfig = Field(default_factory=NativeEngineConfig, description="The native engine's knobs.")
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="The vLLM backend's knobs.")
 
@@ -196,6 +203,8 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="The optimizer and batching.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Where the workers run "
+                                       "(`scheduler: ray` is short for `scheduler: {type: ray}`).")
 
     @model_validator(mode="before")
     @classmethod
@@ -204,9 +213,20 @@ class RunConfig(Section):
         custom reward functions may live next to the config. The one place this happens: every
         RunConfig passes here before it is used."""
         if isinstance(data, dict):
+            if isinstance(data.get("scheduler"), str):
+                data = {**data, "scheduler": {"type": data["scheduler"]}}
             paths = data.get("import_paths")
             activate_import_paths([str(p) for p in paths] if isinstance(paths, list) else [])
         return data
+
+    @model_validator(mode="after")
+    def _broadcast_needs_remote_engines(self) -> RunConfig:
+        s = self.scheduler
+        if self.rollout.weight_sync == "broadcast" and s.type == "local" and s.rollout.workers == 1:
+            raise ValueError("rollout.weight_sync=broadcast sends weights to engines in other processes, but a local "
+                             "run with scheduler.rollout.workers=1 keeps its engine in this process; use "
+                             "weight_sync=memory, scheduler.rollout.workers >= 2, or scheduler: ray")
+        return self
 
     @model_validator(mode="after")
     def _groups_need_samples(self) -> RunConfig:

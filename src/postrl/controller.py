@@ -24,6 +24,7 @@ from postrl.reward import RewardService, ScoreRequest
 from postrl.reward.client import RemoteRewardService, RewardServiceError
 from postrl.rollout import RolloutWorker
 from postrl.rollout.common import EngineUnhealthyError
+from postrl.train.group import TrainGroup
 from postrl.train.worker import TrainWorker
 from postrl.types import (Experience, ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepMetrics,
                           TrainMetrics)
@@ -88,8 +89,9 @@ class Components:
     dataset: PromptDataset
     rollout: RolloutWorker
     reward: RewardService | RemoteRewardService
-    trainer: TrainWorker
+    trainer: TrainWorker | TrainGroup
     buffer: OnPolicyBuffer
+    scheduler: Any = None  # LocalScheduler | RayScheduler: placed the workers; closed last
 
 
 class Controller:
@@ -120,6 +122,7 @@ class Controller:
 
     def step(self) -> StepMetrics:
         """One RL step, a line per stage; the timer records each stage's seconds."""
+        self.apply_rollout_schedule()
         timer = StageTimer()
         self._pre_step_state, self._updating = self.state_dict(), False
         prompts = self.sample_prompts()
@@ -131,6 +134,18 @@ class Controller:
         train_metrics = timer.run("train", self.update, self.parts.buffer.get(None, self.weight_version))
         timer.run("sync", self.sync_weights)
         return self.finish_step(rollouts, rewards, train_metrics, timer.total())
+
+    def scale_rollout(self, engines: int) -> None:
+        """Grow or shrink the rollout pool between steps; new engines start on the current weights."""
+        self.parts.rollout.scale(engines)
+
+    def apply_rollout_schedule(self) -> None:
+        """``scheduler.rollout_schedule``: the engine count of the latest entry at or before this step."""
+        due = [step for step in self.config.scheduler.rollout_schedule if step <= self.step_count + 1]
+        if due:
+            wanted = self.config.scheduler.rollout_schedule[max(due)]
+            if len(getattr(self.parts.rollout, "engines", ())) != wanted:
+                self.scale_rollout(wanted)
 
     def generate(self, prompts: list[Prompt]) -> list[Rollout]:
         return self.parts.rollout.generate(prompts, self.sampling, self.weight_version)

@@ -21,15 +21,14 @@ from postrl.buffer import OnPolicyBuffer
 from postrl.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.config import ConfigError, RewardConfig, RunConfig, load_config, save_config
 from postrl.controller import Components, Controller
-from postrl.devices import resolve_device
+from postrl.devices import DeviceError, resolve_device
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
-from postrl.models import context_length, load_causal_lm, load_tokenizer, save_model_folder
+from postrl.models import context_length, load_causal_lm, load_tokenizer
 from postrl.plots import plot_metrics
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
-from postrl.rollout.factory import make_rollout_worker
 from postrl.tasks import task_rows
 from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
@@ -51,26 +50,59 @@ def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
     return load_prompt_dataset(d.train_files, tokenizer, **options)
 
 
+def make_scheduler(config: RunConfig):
+    """Where the workers run: this process (and child processes), or Ray actors."""
+    if config.scheduler.type == "ray":
+        from postrl.scheduling.ray_scheduler import RayScheduler
+
+        return RayScheduler(config)
+    from postrl.scheduling.local import LocalScheduler
+
+    return LocalScheduler(config)
+
+
+def in_process_trainer(config: RunConfig) -> TrainWorker:
+    device = resolve_device(config.train.device, "train.device")
+    policy = load_causal_lm(config.model.path, config.model.dtype).to(device)
+    ref_model = None
+    if config.algorithm.kl_beta > 0:
+        ref_model = load_causal_lm(config.model.path, config.model.dtype).to(device)
+    return TrainWorker(policy, config.train, config.algorithm, temperature=config.rollout.temperature,
+                       ref_model=ref_model, seed=config.seed, gradient_checkpointing=config.model.gradient_checkpointing)
+
+
 def build_components(config: RunConfig) -> Components:
+    """The parts of a run, placed by the configured scheduler; the step code does not know where."""
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
-    train_device = resolve_device(config.train.device, "train.device")
-    policy = load_causal_lm(config.model.path, config.model.dtype).to(train_device)
-    ref_model = None
-    if config.algorithm.kl_beta > 0:
-        ref_model = load_causal_lm(config.model.path, config.model.dtype).to(train_device)
-    rollout = make_rollout_worker(config.rollout, config.model.path, tokenizer, config.model.dtype, config.seed)
-    trainer = TrainWorker(
-        policy,
-        config.train,
-        config.algorithm,
-        temperature=config.rollout.temperature,
-        ref_model=ref_model,
-        seed=config.seed,
-        gradient_checkpointing=config.model.gradient_checkpointing,
-    )
-    return Components(config, tokenizer, dataset, rollout, make_reward_service(config.reward), trainer, OnPolicyBuffer())
+    scheduler = make_scheduler(config)
+    built: list = []
+    try:
+        local_trainer = config.scheduler.type == "local" and config.scheduler.train.workers == 1
+        built.append(in_process_trainer(config) if local_trainer else scheduler.train_group())
+        built.append(scheduler.rollout_pool(tokenizer))
+        remote = config.reward.remote is not None or config.scheduler.type == "local"
+        built.append(make_reward_service(config.reward) if remote else scheduler.reward_service(make_reward_service))
+    except BaseException:
+        for part in built:
+            getattr(part, "close", lambda: None)()
+        scheduler.close()
+        raise
+    trainer, rollout, reward = built
+    return Components(config, tokenizer, dataset, rollout, reward, trainer, OnPolicyBuffer(), scheduler)
+
+
+def close_components(parts: Components) -> None:
+    """Stop every worker, then the scheduler (a Ray instance started for the run ends here)."""
+    try:
+        for part in (parts.reward, parts.rollout, parts.trainer):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+    finally:
+        if parts.scheduler is not None:
+            parts.scheduler.close()
 
 
 def make_reward_service(config: RewardConfig) -> RewardService | RemoteRewardService:
@@ -147,6 +179,15 @@ def check_context_length(config: RunConfig) -> None:
         )
 
 
+def check_devices(config: RunConfig) -> None:
+    """A CUDA device that is not there is refused before any work (never a silent fall back to the CPU)."""
+    try:
+        resolve_device(config.train.device, "train.device")
+        resolve_device(config.rollout.device, "rollout.device")
+    except DeviceError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def report_skipped_rows(dataset: PromptDataset, run_dir: Path, echo: Callable[[str], None], shown: int = 10) -> None:
     """Print the skipped rows once (file:line and why) and list them all in ``skipped_rows.txt``."""
     if not dataset.skipped:
@@ -176,8 +217,9 @@ def train(
     if not resume:
         check_new_run_dir(config, overwrite)
     check_context_length(config)
+    check_devices(config)
     echo = _stderr_echo
-    with tempfile.TemporaryDirectory(prefix="postrl-sync-") as sync_dir:
+    with tempfile.TemporaryDirectory(prefix="postrl-sync-", dir=config.rollout.sync_dir) as sync_dir:
         parts = build_components(config)
         try:
             if not resume and overwrite:
@@ -192,8 +234,7 @@ def train(
             resume_step = _resume(controller, run_dir, echo) if resume else None
             _run_loop(controller, config, resume_step, on_step)
         finally:
-            parts.reward.close()
-            parts.rollout.close()
+            close_components(parts)
     return controller
 
 
@@ -236,7 +277,9 @@ def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None
                     saved_at = controller.step_count
                 raise RunInterrupted(_stopped_message(run_dir, controller.step_count, saved_at),
                                      stopper.signum or signal.SIGINT)
-        final = save_model_folder(parts.trainer.model, parts.tokenizer, run_dir / "final_model")
+        final = run_dir / "final_model"
+        parts.trainer.save_pretrained(final)
+        parts.tokenizer.save_pretrained(final)
         plot = plot_metrics(run_dir)
         print(f"trained model: {final}" + (f"\nplot: {plot}" if plot else ""))
     finally:

@@ -1,0 +1,232 @@
+"""The Ray scheduler: the same worker classes as actors, placed by placement groups.
+
+An :class:`ActorHost` builds the worker class inside the actor and calls its methods by name, so
+the Controller drives Ray actors through the same handles (and the same step code) as local
+objects. Without ``scheduler.address`` a local Ray instance is started for the run and shut down
+at its end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from concurrent.futures import Future
+from typing import Any
+
+from postrl.config import RunConfig
+from postrl.rollout.host import RolloutEngineHost
+from postrl.rollout.pool import RolloutPool
+from postrl.scheduling.handles import WorkerDiedError, WorkerTimeoutError, submit
+from postrl.scheduling.placement import make_pool
+from postrl.scheduling.process import WorkerCallError
+from postrl.train.group import TrainGroup
+from postrl.train.rank import GroupSpec, TrainRank
+
+
+class ActorHost:
+    """Runs inside a Ray actor: ``factory(*args, **kwargs)``, then its methods by name."""
+
+    def __init__(self, factory: Any, args: tuple, kwargs: dict, threads: int | None) -> None:
+        import torch
+
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.obj = factory(*args, **kwargs)
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            return getattr(self.obj, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the traceback travels as text, naming the actor's failure
+            raise WorkerCallError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+
+    def attribute(self, name: str) -> Any:
+        return getattr(self.obj, name)
+
+    def ping(self) -> bool:
+        return True
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """An address and a free port on the node this runs on (for rank 0 of a train group)."""
+    import ray
+
+    from postrl.net import free_port
+
+    host = ray.util.get_node_ip_address()
+    return host, free_port(host if host != "127.0.0.1" else "127.0.0.1")
+
+
+class RayHandle:
+    def __init__(self, name: str, actor: Any) -> None:
+        self.name, self.actor = name, actor
+        self._killed = False
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        import ray
+
+        if self._killed:
+            raise WorkerDiedError(f"{self.name} was stopped")
+        try:
+            return ray.get(self.actor.call.remote(method, args, kwargs), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerTimeoutError(f"{self.name} did not answer {method} within {timeout:g} s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerDiedError(f"{self.name} died during {method}: {str(exc).splitlines()[0]}") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise WorkerCallError(f"{self.name} failed in {method}: {exc}") from None
+
+    def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
+        return submit(self.call, method, *args, timeout=timeout, **kwargs)
+
+    def attribute(self, name: str) -> Any:
+        import ray
+
+        return ray.get(self.actor.attribute.remote(name), timeout=60)
+
+    def alive(self) -> bool:
+        import ray
+
+        if self._killed:
+            return False
+        try:
+            return ray.get(self.actor.ping.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def kill(self) -> None:
+        import ray
+
+        if not self._killed:
+            self._killed = True
+            if ray.is_initialized():  # after shutdown the actor is gone (and ray.kill would start a new Ray)
+                ray.kill(self.actor, no_restart=True)
+
+
+class RemoteObject:
+    """Method calls on an actor-hosted object, e.g. the Reward Service, with the listed attributes read once."""
+
+    def __init__(self, handle: RayHandle, attributes: tuple[str, ...] = (), timeout: float | None = None) -> None:
+        self._handle, self._timeout = handle, timeout
+        for name in attributes:
+            setattr(self, name, handle.attribute(name))
+
+    def __getattr__(self, method: str) -> Any:
+        handle = self.__dict__["_handle"]
+        return lambda *args, **kwargs: handle.call(method, *args, timeout=self._timeout, **kwargs)
+
+    def close(self) -> None:
+        try:
+            self._handle.call("close", timeout=60)
+        finally:
+            self._handle.kill()
+
+
+class RayScheduler:
+    def __init__(self, config: RunConfig) -> None:
+        import ray
+
+        self.config = config
+        self.started_here = not ray.is_initialized()
+        if self.started_here:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            local = {}
+            if config.scheduler.address is None:  # the loop's stages take turns, so the CPUs may be promised twice
+                local["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(self._cpus_asked())))
+            ray.init(address=config.scheduler.address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, runtime_env={"env_vars": self._actor_env()}, **local)
+        self.groups: dict[str, Any] = {}
+        self._place()
+
+    def _actor_env(self) -> dict[str, str]:
+        """The actors import what the driver imports: the working directory and the config's import paths
+        (custom reward functions, plugins) go on their PYTHONPATH."""
+        paths = [os.getcwd(), *(os.path.abspath(p) for p in self.config.import_paths)]
+        if os.environ.get("PYTHONPATH"):
+            paths.append(os.environ["PYTHONPATH"])
+        return {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(paths)}
+
+    def _cpus_asked(self) -> float:
+        s = self.config.scheduler
+        if s.colocate:
+            return max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus) + s.reward.num_cpus
+        return s.rollout.workers * s.rollout.num_cpus + s.train.workers * s.train.num_cpus + s.reward.num_cpus
+
+    def _bundle(self, *roles: Any) -> dict[str, float]:
+        cpus = sum(r.num_cpus for r in roles)
+        gpus = sum(r.num_gpus for r in roles)
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+    def _place(self) -> None:
+        """Placement groups from the resource spec; waits until they are reserved (or says why not)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        s = self.config.scheduler
+        if s.colocate:
+            n = max(s.rollout.workers, s.train.workers)
+            self.groups["rollout"] = self.groups["train"] = placement_group(
+                [self._bundle(s.rollout, s.train)] * n, strategy="PACK")
+        else:
+            self.groups["rollout"] = placement_group([self._bundle(s.rollout)] * s.rollout.workers, strategy="PACK")
+            self.groups["train"] = placement_group([self._bundle(s.train)] * s.train.workers, strategy="PACK")
+        for role, group in self.groups.items():
+            if not group.wait(timeout_seconds=120):
+                raise RuntimeError(f"Ray could not reserve the {role} placement group {group.bundle_specs} within "
+                                   f"120 s; the cluster has {ray.cluster_resources()}")
+
+    def _actor(self, name: str, role: str, bundle: int, factory: Any, *args: Any, num_cpus: float = 1.0,
+               num_gpus: float = 0.0, threads: int | None = None, **kwargs: Any) -> RayHandle:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = None
+        if role in self.groups:
+            strategy = PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=bundle)
+        cls = ray.remote(ActorHost).options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
+                                             scheduling_strategy=strategy)
+        return RayHandle(name, cls.remote(factory, args, kwargs, threads))
+
+    def rollout_pool(self, tokenizer: Any, host_class: type = RolloutEngineHost) -> RolloutPool:
+        """Engines as actors hosting ``host_class`` (a :class:`RolloutEngineHost` or a subclass of it)."""
+        import ray
+
+        c, r = self.config, self.config.scheduler.rollout
+        n = max(1, len(self.groups["rollout"].bundle_specs))
+
+        def start(i: int) -> RayHandle:
+            return self._actor(f"rollout engine {i}", "rollout", i % n, host_class, c.rollout, c.model.path,
+                               c.model.dtype, c.seed + i, None, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
+                               threads=r.threads)
+
+        return make_pool(c, start, host=ray.util.get_node_ip_address())
+
+    def train_group(self) -> TrainGroup:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from postrl.scheduling.local import policy_spec
+
+        c, t = self.config, self.config.scheduler.train
+        strategy = PlacementGroupSchedulingStrategy(self.groups["train"], placement_group_bundle_index=0)
+        host, port = ray.get(ray.remote(rendezvous_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
+        spec = GroupSpec(world=t.workers, master_addr=host, master_port=port, timeout_s=c.scheduler.call_timeout_s)
+        ranks = [self._actor(f"train rank {r}", "train", r, TrainRank, r, spec, policy_spec(c), num_cpus=t.num_cpus,
+                             num_gpus=t.num_gpus, threads=t.threads) for r in range(t.workers)]
+        return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
+
+    def reward_service(self, make: Any) -> RemoteObject:
+        handle = self._actor("reward service", "reward", 0, make, self.config.reward,
+                             num_cpus=self.config.scheduler.reward.num_cpus)
+        return RemoteObject(handle, attributes=("accuracy_component",), timeout=self.config.scheduler.call_timeout_s)
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for group in {id(g): g for g in self.groups.values()}.values():
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001 - the cluster may already be gone
+                pass
+        if self.started_here:
+            ray.shutdown()

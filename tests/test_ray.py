@@ -1,0 +1,86 @@
+"""The Ray scheduler on a real local Ray cluster: a 3-step run through the same Controller, a
+rollout actor killed in the middle of a step, and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+import torch
+
+os.environ["RAY_AUTH_MODE"] = "disabled"
+ray = pytest.importorskip("ray")
+
+from postrl.config import build_config  # noqa: E402
+from postrl.models import load_causal_lm, load_tokenizer  # noqa: E402
+from postrl.runner import train  # noqa: E402
+from postrl.scheduling.ray_scheduler import RayScheduler  # noqa: E402
+from postrl.types import Prompt, SamplingParams  # noqa: E402
+from postrl.weights import dedupe_tied, weight_manifest  # noqa: E402
+from tests.engine_hosts import SlowHost  # noqa: E402
+
+
+def ray_processes() -> list[str]:
+    """Running Ray processes (zombies already exited: they only wait to be reaped)."""
+    out = subprocess.run(["ps", "-eo", "stat=,pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()
+            if any(k in line for k in ("gcs_server", "raylet", "ray::")) and not line.startswith("Z")]
+
+
+def ray_config(tmp_path, model_dir, data, **scheduler):
+    return build_config({
+        "name": "ray", "output_dir": str(tmp_path), "steps": 3, "prompts_per_step": 4,
+        "model": {"path": str(model_dir)}, "data": {"train_files": [str(data)]},
+        "rollout": {"n": 4, "max_tokens": 8, "device": "cpu"},
+        "reward": {"components": [{"type": "math", "name": "acc"},
+                                  {"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
+        "train": {"mini_batch_size": 16, "micro_batch_size": 8, "device": "cpu"},
+        "checkpoint": {"every_steps": 2}, "logging": {"tensorboard": False},
+        "scheduler": {"type": "ray", "rollout": {"workers": 2, "threads": 1}, "train": {"threads": 1},
+                      **scheduler},
+    })
+
+
+def test_three_step_ray_run_then_nothing_left_running(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    assert not ray.is_initialized() and not ray_processes()
+    config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
+    controller = train(config)
+    assert controller.step_count == 3 and controller.weight_version == 3
+    rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["weight_version"] == r["step"] for r in rows)
+    assert len(controller.parts.rollout.engines) == 2
+    # the trained weights came back from the train actor and load as a model
+    final = load_causal_lm(str(config.run_dir / "final_model"))
+    start = load_causal_lm(str(tiny_model_dir))
+    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), start.state_dict().values()))
+    assert (config.run_dir / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
+    # the run started its own Ray instance and shut it down: no driver connection, no process left
+    assert not ray.is_initialized()
+    assert ray_processes() == []
+
+
+def test_rollout_actor_killed_mid_step_loses_and_duplicates_nothing(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
+    scheduler = RayScheduler(config)
+    try:
+        tokenizer = load_tokenizer(str(tiny_model_dir))
+        pool = scheduler.rollout_pool(tokenizer, host_class=SlowHost)  # answers after 1.5 s
+        state = dedupe_tied(load_causal_lm(str(tiny_model_dir)).state_dict())
+        pool.update_weights(state, 1, weight_manifest(state))
+        prompts = [Prompt(t, tokenizer(t)["input_ids"]) for t in [f"{a}+{a}=" for a in range(10, 26)]]
+        sp = SamplingParams(n=8, temperature=1.0, max_tokens=20)
+        victim = pool.engines[1].handle
+        threading.Timer(0.7, victim.kill).start()
+        out = pool.generate(prompts, sp, 1)
+        assert pool.restarts == 1 and pool.requeued_prompts == 8
+        assert [r.prompt_index for r in out] == [i for i in range(16) for _ in range(8)]
+        assert all(r.weight_version == 1 for r in out)
+        assert [slot.handle.call("version") for slot in pool.engines] == [1, 1]
+        pool.close()
+    finally:
+        scheduler.close()
+    assert not ray.is_initialized()
