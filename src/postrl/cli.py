@@ -20,15 +20,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError("give either CONFIG or --resume RUN_DIR, not both")
         if args.overwrite:
             raise ConfigError("--overwrite starts a new run; it cannot be combined with --resume")
-        overrides = ([args.config] if args.config else []) + args.overrides
+        overrides = ([args.config] if args.config else []) + args.overrides + _ray_overrides(args)
         config = resume_config(args.resume, overrides)
     else:
         if not args.config:
             raise ConfigError("postrl train needs a CONFIG.yaml (or --resume runs/NAME)")
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides + _ray_overrides(args))
     controller = train(config, resume=bool(args.resume), overwrite=args.overwrite)
     print(f"finished {controller.step_count} steps; run directory: {config.run_dir}")
     return 0
+
+
+def _ray_overrides(args: argparse.Namespace) -> list[str]:
+    """``--ray-address ADDR`` is ``scheduler.type=ray scheduler.address=ADDR`` (``local``: a Ray instance
+    started for the run)."""
+    if args.ray_address is None:
+        return []
+    address = "null" if args.ray_address == "local" else args.ray_address
+    return ["scheduler.type=ray", f"scheduler.address={address}"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -173,6 +182,9 @@ def _add_train(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start anew in a run directory that holds a run, moving the old run to NAME.old-<time> "
                    "(never deleted)")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="run the workers as Ray actors on the cluster at ADDR (host:port or ray://...); 'local' "
+                   "starts a Ray instance for the run and shuts it down at the end (same as scheduler: ray)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -293,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     from postrl.interrupt import RunInterrupted
     from postrl.reward.client import RewardServiceError
     from postrl.rollout.common import EngineUnhealthyError
+    from postrl.rollout.pool import RolloutPoolError
+    from postrl.train.group import TrainWorkerDiedError
     from postrl.train.worker import NonFiniteLossError
+    from postrl.weights import WeightSyncError
 
     try:
         return args.func(args)
@@ -304,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npostrl {args.command}: interrupted", file=sys.stderr)
         return 130
     except (ConfigError, DatasetError, EngineUnhealthyError, FileNotFoundError, NonFiniteLossError, RewardFailureError,
-            RewardServiceError) as exc:
+            RewardServiceError, RolloutPoolError, TrainWorkerDiedError, WeightSyncError) as exc:
         print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,7 @@ from postrl.controller import Components, Controller
 from postrl.devices import DeviceError, resolve_device
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
+from postrl.lease import RunLease
 from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
 from postrl.models import context_length, load_causal_lm, load_tokenizer
 from postrl.plots import plot_metrics
@@ -218,6 +219,8 @@ def train(
         check_new_run_dir(config, overwrite)
     check_context_length(config)
     check_devices(config)
+    lease = RunLease(run_dir)
+    lease.check_free()  # a second live controller on this run is refused before any work
     echo = _stderr_echo
     with tempfile.TemporaryDirectory(prefix="postrl-sync-", dir=config.rollout.sync_dir) as sync_dir:
         parts = build_components(config)
@@ -227,6 +230,7 @@ def train(
                 if aside is not None:
                     echo(f"moved the previous run in {run_dir} to {aside}")
             run_dir.mkdir(parents=True, exist_ok=True)
+            lease.acquire(echo)
             save_config(config, run_dir / "config.yaml")
             report_skipped_rows(parts.dataset, run_dir, echo)
             parts.reward.set_log_file(run_dir / "reward_workers.log")
@@ -234,7 +238,10 @@ def train(
             resume_step = _resume(controller, run_dir, echo) if resume else None
             _run_loop(controller, config, resume_step, on_step)
         finally:
-            close_components(parts)
+            try:
+                close_components(parts)
+            finally:
+                lease.release()
     return controller
 
 
