@@ -63,7 +63,7 @@ def arithmetic_jsonl(tmp_path) -> Path:
 def hf_greedy(model, tokenizer, text: str, max_new_tokens: int) -> tuple[list[int], str]:
     """transformers' greedy continuation of ``text``: the whole token sequence (up to and including
     EOS) and why it stopped, as a rollout engine must report them."""
-    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    ids = torch.tensor([tokenizer(text)["input_ids"]], device=model.device)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     new = out[0, ids.shape[1]:].tolist()
     eos = tokenizer.eos_token_id
@@ -73,3 +73,13 @@ def hf_greedy(model, tokenizer, text: str, max_new_tokens: int) -> tuple[list[in
 def seqs(rollouts) -> list[tuple[int, list[int], str]]:
     """What a parity test compares: each response's prompt, its whole token sequence, and why it stopped."""
     return [(r.prompt_index, r.response_ids, r.finish_reason) for r in rollouts]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA; without it they are skipped with the reason (never silently passed)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

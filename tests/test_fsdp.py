@@ -113,3 +113,36 @@ def test_a_dead_rank_stops_the_group_naming_it(tiny_model_dir, char_tokenizer):
     with pytest.raises(TrainWorkerDiedError, match="train rank 1"):
         group.update(uneven_batch(char_tokenizer.pad_token_id))
     assert not any(h.alive() for h in group.ranks)
+
+
+def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    """`scheduler.train.workers=2` through the runner, then `--resume` with one process: the
+    resumed run starts from the 2-rank checkpoint's exact weights."""
+    from postrl.checkpoint import latest_checkpoint
+    from postrl.config import build_config
+    from postrl.runner import resume_config, train
+
+    settings = {
+        "name": "fsdp", "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 4,
+        "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
+        "rollout": {"n": 4, "max_tokens": 8, "device": "cpu"},
+        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
+        "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 4, "device": "cpu"},
+        "checkpoint": {"every_steps": 1}, "logging": {"tensorboard": False},
+        "scheduler": {"train": {"workers": 2}},
+    }
+    controller = train(build_config(settings))
+    assert controller.step_count == 2
+    checkpoint = latest_checkpoint(tmp_path / "fsdp")
+    saved = load_causal_lm(str(checkpoint / "model")).state_dict()
+    final = load_causal_lm(str(tmp_path / "fsdp" / "final_model")).state_dict()
+    assert all(torch.equal(saved[n], final[n]) for n in saved)
+    assert any(not torch.equal(saved[n], t) for n, t in load_causal_lm(str(tiny_model_dir)).state_dict().items())
+    # one process takes the 2-rank checkpoint: with no step left to run, final_model is what it loaded
+    (tmp_path / "fsdp" / "final_model" / "model.safetensors").unlink()
+    same = train(resume_config(tmp_path / "fsdp", ["scheduler.train.workers=1"]), resume=True)
+    assert same.step_count == 2 and isinstance(same.parts.trainer, TrainWorker)
+    reloaded = load_causal_lm(str(tmp_path / "fsdp" / "final_model")).state_dict()
+    assert all(torch.equal(saved[n], reloaded[n]) for n in saved)
+    more = train(resume_config(tmp_path / "fsdp", ["steps=3", "scheduler.train.workers=1"]), resume=True)
+    assert more.step_count == 3

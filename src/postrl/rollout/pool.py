@@ -108,7 +108,6 @@ class RolloutPool:
                                    f"{cause}); stopping instead of restarting more") from cause
         slot.handle.kill()
         slot.handle = self._start(slot.index)
-        slot.outstanding = 0
         if self._weights is not None:
             self._push([slot], *self._weights)
 

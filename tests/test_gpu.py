@@ -1,0 +1,72 @@
+"""CUDA paths (marked ``gpu``; skipped with the reason on a machine without CUDA, run by
+scripts/gpu_check.sh on a GPU machine): the native engine, the Train Worker in bf16, a short run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from postrl.config import AlgorithmConfig, RolloutConfig, TrainConfig, build_config
+from postrl.devices import DeviceError, resolve_device
+from postrl.models import load_causal_lm
+from postrl.rollout.factory import rollout_worker_for_model
+from postrl.train.worker import TrainWorker
+from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
+from tests.conftest import hf_greedy, make_tiny_model
+
+
+def test_a_missing_cuda_device_is_an_error_naming_the_field():
+    wanted = "cuda:99" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(DeviceError, match=f"train.device={wanted}"):
+        resolve_device(wanted, "train.device")
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+def test_native_engine_on_cuda_matches_the_hf_model_greedily(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer).to("cuda")
+    engine = rollout_worker_for_model(RolloutConfig(backend="native", dtype="float32"), model, char_tokenizer,
+                                      "float32", seed=0)
+    assert engine.model.device.type == "cuda"
+    ids = char_tokenizer("12+34=")["input_ids"]
+    out = engine.generate([Prompt("12+34=", ids)], SamplingParams(n=1, top_k=1, max_tokens=12), 0)[0]
+    assert (out.response_ids, out.finish_reason) == hf_greedy(model, char_tokenizer, "12+34=", 12)
+
+
+@pytest.mark.gpu
+def test_train_worker_on_cuda_uses_bf16_autocast_with_fp32_master_weights(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer).to("cuda")
+    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, device="cuda"),
+                         AlgorithmConfig())
+    exps = [Experience([1, 20, 21], [30, 31, 2], [-1.0, -1.2, -0.5], 1.0, a, 0, group_id=0) for a in (1, -1, 1, -1)]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics = worker.update(ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id))
+    assert metrics.optimizer_steps == 1 and torch.isfinite(torch.tensor(metrics.loss))
+    assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in model.parameters())
+    state = worker.optimizer.state[next(model.parameters())]
+    assert state["exp_avg"].dtype == torch.float32 and state["exp_avg"].device.type == "cuda"
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    with worker._autocast():
+        assert torch.get_autocast_dtype("cuda") == torch.bfloat16 and torch.is_autocast_enabled("cuda")
+
+
+@pytest.mark.gpu
+def test_two_step_run_on_cuda(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    from postrl.runner import train
+
+    config = build_config({
+        "name": "cuda", "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 4,
+        "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
+        "rollout": {"n": 4, "max_tokens": 8, "device": "cuda"}, "train": {"device": "cuda", "mini_batch_size": 16},
+        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
+        "logging": {"tensorboard": False},
+    })
+    controller = train(config)
+    assert controller.step_count == 2
+    assert next(controller.parts.trainer.model.parameters()).device.type == "cuda"
+    rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in rows)
+    load_causal_lm(str(config.run_dir / "final_model"))
