@@ -98,3 +98,30 @@ def test_old_style_reward_config_shows_its_components_form():
         {"name": "verifiable", "type": "custom", "weight": 1.0, "function": "my.rewards:score"},
         {"name": "format", "type": "format", "weight": 0.1, "pattern": "<answer>.*</answer>"}]}}
     assert build_config(shown).reward.components[1].pattern == "<answer>.*</answer>"  # and it is a valid config
+
+
+def test_scale_out_fields_are_checked_before_any_work():
+    assert build_config({"scheduler": "ray"}).scheduler.type == "ray"  # `scheduler: ray` is short for {type: ray}
+    with pytest.raises(ConfigError, match="rollout.weight_sync=broadcast sends weights to engines in other processes"):
+        build_config({"rollout": {"weight_sync": "broadcast"}})
+    assert build_config({"rollout": {"weight_sync": "broadcast"}, "scheduler": {"rollout": {"workers": 2}}})
+    with pytest.raises(ConfigError, match="rollout.backend=openai needs rollout.url"):
+        build_config({"rollout": {"backend": "openai"}})
+    with pytest.raises(ConfigError, match="train.device"):
+        build_config({"train": {"device": "gpu0"}})
+    with pytest.raises(ConfigError, match="scheduler.rollout_schedule"):
+        build_config({"scheduler": {"rollout_schedule": {0: 2}}})
+    with pytest.raises(ConfigError, match="scheduler.train.workers"):
+        build_config({"scheduler": {"train": {"workers": 0}}})
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused_by_train(tmp_path):
+    import torch
+
+    from postrl.runner import train
+
+    wanted = "cuda:99" if torch.cuda.is_available() else "cuda"
+    config = build_config({"output_dir": str(tmp_path), "train": {"device": wanted}})
+    with pytest.raises(ConfigError, match=f"train.device={wanted}, but"):
+        train(config)
+    assert not (tmp_path / "run").exists()

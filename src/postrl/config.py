@@ -87,11 +87,14 @@ class VLLMEngineConfig(Section):
 
 
 class RolloutConfig(Section):
-    backend: Literal["auto", "native", "hf", "vllm"] = Field(
+    backend: Literal["auto", "native", "hf", "vllm", "openai"] = Field(
         "auto",
         description="native: postrl's engine (Llama/Qwen2/Mistral); hf: the transformers model; auto: native if "
-        "supported; vllm: a vLLM server in .venv-vllm (scripts/setup_vllm.sh).",
+        "supported; vllm: a vLLM server in .venv-vllm (scripts/setup_vllm.sh); openai: running OpenAI-compatible "
+        "rollout servers at rollout.url (postrl serve-rollout, or postrl route in front of several).",
     )
+    url: str | None = Field(None, description="rollout.backend=openai: the server's (or router's) base URL.")
+    api_key_env: str | None = Field(None, description="rollout.backend=openai: env var holding the servers' token.")
     n: int = Field(8, ge=1, description="Responses per prompt (the GRPO group size G).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
@@ -218,6 +221,14 @@ class RunConfig(Section):
             paths = data.get("import_paths")
             activate_import_paths([str(p) for p in paths] if isinstance(paths, list) else [])
         return data
+
+    @model_validator(mode="after")
+    def _openai_backend_needs_a_url(self) -> RunConfig:
+        r = self.rollout
+        if r.backend == "openai" and (r.url is None or r.sync_dir is None):
+            raise ValueError("rollout.backend=openai needs rollout.url (the server or router) and rollout.sync_dir "
+                             "(the folder the servers read new weights from: their --weights-dir)")
+        return self
 
     @model_validator(mode="after")
     def _broadcast_needs_remote_engines(self) -> RunConfig:

@@ -3,9 +3,9 @@ has several workers) or ray (actors in placement groups), with the resources of 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from postrl.config_base import Section
 
@@ -34,14 +34,7 @@ class SchedulerConfig(Section):
     train: RoleResources = Field(default_factory=RoleResources, description="Train ranks (an FSDP2 group when "
                                  "workers > 1).")
     reward: RewardResources = Field(default_factory=RewardResources, description="The Reward Service (Ray).")
-    rollout_schedule: dict[int, int] = Field(default_factory=dict, description="{step: engines}: before that step the "
+    rollout_schedule: dict[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(default_factory=dict, description="{step: engines}: before that step the "
                                              "pool grows or shrinks to that many engines.")
     call_timeout_s: float = Field(1800.0, gt=0.0, description="Longest any remote call may take (generate, update, "
                                   "weight sync) before its worker is declared lost.")
-
-    @model_validator(mode="after")
-    def _schedule_is_positive(self) -> SchedulerConfig:
-        bad = {k: v for k, v in self.rollout_schedule.items() if k < 1 or v < 1}
-        if bad:
-            raise ValueError(f"scheduler.rollout_schedule entries must be step >= 1: engines >= 1, got {bad}")
-        return self

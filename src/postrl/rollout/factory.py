@@ -38,6 +38,10 @@ def engine_dtype(config: RolloutConfig, model_dtype: str, device: torch.device) 
 def make_rollout_worker(config: RolloutConfig, model_path: str, tokenizer: Any, model_dtype: str, seed: int) -> RolloutWorker:
     """``auto`` uses the native engine for Llama/Qwen2/Mistral and falls back, with a warning,
     to the transformers model for any other architecture; ``vllm`` starts a vLLM server."""
+    if config.backend == "openai":
+        from postrl.rollout.openai_remote import OpenAIRolloutWorker
+
+        return OpenAIRolloutWorker(config.url, tokenizer, config.sync_dir, config.api_key_env)
     if config.backend == "vllm":
         from postrl.rollout.vllm_backend import VLLMRolloutWorker
 
