@@ -120,7 +120,8 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
     resumed run starts from the 2-rank checkpoint's exact weights."""
     from postrl.checkpoint import latest_checkpoint
     from postrl.config import build_config
-    from postrl.runner import resume_config, train
+    from postrl.run_place import resume_config
+    from postrl.runner import train
 
     settings = {
         "name": "fsdp", "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 4,

@@ -13,7 +13,8 @@ from postrl.config import ConfigError
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from postrl.config import load_config
-    from postrl.runner import resume_config, train
+    from postrl.run_place import resume_config
+    from postrl.runner import train
 
     if args.resume:
         if args.config and "=" not in args.config:

@@ -190,7 +190,8 @@ class LoggingConfig(Section):
 
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
-    output_dir: str = Field("runs", description="Runs go to output_dir/name.")
+    output_dir: str = Field("runs", description="Runs go to output_dir/name; a URL (s3://bucket/runs, file://...) "
+                            "keeps the run there through fsspec, working in a local copy.")
     seed: int = Field(0, description="Seeds the sampler, the engine's and the trainer's generators.")
     import_paths: list[str] = Field(
         default_factory=list,
@@ -251,7 +252,17 @@ class RunConfig(Section):
         return self
 
     @property
+    def run_url(self) -> str | None:
+        """The run directory when ``output_dir`` is a URL (s3://, gs://, file://...), else None."""
+        return f"{self.output_dir.rstrip('/')}/{self.name}" if "://" in self.output_dir else None
+
+    @property
     def run_dir(self) -> Path:
+        """Where the run writes on this machine: the run directory, or a URL run's local copy."""
+        if self.run_url is not None:
+            from postrl.run_store import local_copy_dir
+
+            return local_copy_dir(self.run_url, self.name)
         return Path(self.output_dir) / self.name
 
 

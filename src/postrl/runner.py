@@ -5,12 +5,10 @@ The entry point reads like a table of contents: :func:`train` = setup -> loop ->
 
 from __future__ import annotations
 
-import copy
 import logging
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,18 +16,19 @@ import torch
 from tqdm import tqdm
 
 from postrl.buffer import OnPolicyBuffer
-from postrl.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
-from postrl.config import ConfigError, RewardConfig, RunConfig, load_config, save_config
+from postrl.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
+from postrl.config import ConfigError, RewardConfig, RunConfig, save_config
 from postrl.controller import Components, Controller
-from postrl.devices import DeviceError, resolve_device
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
-from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
-from postrl.lease import RunLease
+from postrl.devices import DeviceError, resolve_device
 from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.lease import RunLease
+from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.models import context_length, load_causal_lm, load_tokenizer
 from postrl.plots import plot_metrics
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
+from postrl.run_place import PUBLISHED_AT_END, RunPlace
 from postrl.tasks import task_rows
 from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
@@ -124,40 +123,6 @@ def make_sinks(config: RunConfig, run_dir: Path, resume_step: int | None, echo: 
     return sinks
 
 
-class RunDirectoryError(ConfigError):
-    """A new run asked to write into a directory that already holds a run."""
-
-
-def _run_contents(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-
-
-def check_new_run_dir(config: RunConfig, overwrite: bool) -> None:
-    """Refuse a new run into a directory that holds one, unless ``overwrite`` (which moves it aside)."""
-    run_dir = config.run_dir
-    if not _run_contents(run_dir) or overwrite:
-        return
-    raise RunDirectoryError(
-        f"run directory {run_dir} already holds a run ({', '.join(_run_contents(run_dir)[:6])}). "
-        f"Continue it with `postrl train --resume {run_dir}`, start a new one with a new name (name=NEW), "
-        f"or pass --overwrite to move the old run aside to {run_dir}.old-<time>"
-    )
-
-
-def move_aside(run_dir: Path) -> Path | None:
-    """Rename an existing run directory to ``NAME.old-YYYYmmdd-HHMMSS`` (never deletes it)."""
-    if not _run_contents(run_dir):
-        return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
-    i = 1
-    while target.exists():
-        i += 1
-        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{i}")
-    run_dir.rename(target)
-    return target
-
-
 DEFAULT_MAX_PROMPT_TOKENS = 512  # for models that do not declare a context length
 
 
@@ -201,10 +166,6 @@ def report_skipped_rows(dataset: PromptDataset, run_dir: Path, echo: Callable[[s
         echo(f"  ... and {len(dataset.skipped) - shown} more, all listed in {run_dir / 'skipped_rows.txt'}")
 
 
-def resume_command(run_dir: Path) -> str:
-    return f"postrl train --resume {run_dir}"
-
-
 def train(
     config: RunConfig,
     resume: bool = False,
@@ -214,29 +175,30 @@ def train(
     """Validate, build, then run; nothing is written into the run directory before the config,
     the model and the data have been checked. A signal stops the run after the current step
     (:class:`RunInterrupted`), with a checkpoint of the last completed step."""
-    run_dir = config.run_dir
+    run_dir, place = config.run_dir, RunPlace(config)
     if not resume:
-        check_new_run_dir(config, overwrite)
+        place.check_new(overwrite)
     check_context_length(config)
     check_devices(config)
-    lease = RunLease(run_dir)
+    lease = RunLease(place.location)
     lease.check_free()  # a second live controller on this run is refused before any work
     echo = _stderr_echo
     with tempfile.TemporaryDirectory(prefix="postrl-sync-", dir=config.rollout.sync_dir) as sync_dir:
         parts = build_components(config)
         try:
             if not resume and overwrite:
-                aside = move_aside(run_dir)
+                aside = place.move_aside()
                 if aside is not None:
-                    echo(f"moved the previous run in {run_dir} to {aside}")
-            run_dir.mkdir(parents=True, exist_ok=True)
+                    echo(f"moved the previous run in {place.location} to {aside}")
+            place.prepare(resume)
             lease.acquire(echo)
             save_config(config, run_dir / "config.yaml")
+            place.publish("config.yaml")
             report_skipped_rows(parts.dataset, run_dir, echo)
             parts.reward.set_log_file(run_dir / "reward_workers.log")
             controller = Controller(parts, sync_dir=Path(sync_dir))
-            resume_step = _resume(controller, run_dir, echo) if resume else None
-            _run_loop(controller, config, resume_step, on_step)
+            resume_step = _resume(controller, place, echo) if resume else None
+            _run_loop(controller, config, resume_step, on_step, place)
         finally:
             try:
                 close_components(parts)
@@ -249,8 +211,16 @@ def _stderr_echo(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _checkpoint(controller: Controller, config: RunConfig, place: RunPlace) -> int:
+    parts = controller.parts
+    path = save_checkpoint(config.run_dir, controller.step_count, parts.trainer, controller.state_dict(),
+                           config.checkpoint.keep_last, parts.tokenizer)
+    place.publish_checkpoint(path, list_checkpoints(config.run_dir))
+    return controller.step_count
+
+
 def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None,
-              on_step: Callable[[StepMetrics], None] | None) -> None:
+              on_step: Callable[[StepMetrics], None] | None, place: RunPlace) -> None:
     run_dir, parts = config.run_dir, controller.parts
     show_bar = config.logging.progress_bar and sys.stderr.isatty()
     bar = tqdm(total=config.steps, initial=controller.step_count, disable=not show_bar,
@@ -270,57 +240,44 @@ def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None
                     bar.update(1)
                     every = config.checkpoint.every_steps
                     if controller.step_count == config.steps or (every and controller.step_count % every == 0):
-                        save_checkpoint(run_dir, controller.step_count, parts.trainer, controller.state_dict(),
-                                        config.checkpoint.keep_last, parts.tokenizer)
-                        saved_at = controller.step_count
+                        saved_at = _checkpoint(controller, config, place)
             except StepAbandoned:
                 if not controller.restore_abandoned_step():
-                    raise RunInterrupted(_stopped_message(run_dir, controller.step_count, saved_at, abandoned=True),
-                                         stopper.signum or signal.SIGINT) from None
+                    message = _stopped_message(place.location, controller.step_count, saved_at, abandoned=True)
+                    raise RunInterrupted(message, stopper.signum or signal.SIGINT) from None
             if controller.step_count < config.steps:
                 if config.checkpoint.on_interrupt and saved_at != controller.step_count and controller.step_count > 0:
-                    save_checkpoint(run_dir, controller.step_count, parts.trainer, controller.state_dict(),
-                                    config.checkpoint.keep_last, parts.tokenizer)
-                    saved_at = controller.step_count
-                raise RunInterrupted(_stopped_message(run_dir, controller.step_count, saved_at),
+                    saved_at = _checkpoint(controller, config, place)
+                raise RunInterrupted(_stopped_message(place.location, controller.step_count, saved_at),
                                      stopper.signum or signal.SIGINT)
         final = run_dir / "final_model"
         parts.trainer.save_pretrained(final)
         parts.tokenizer.save_pretrained(final)
         plot = plot_metrics(run_dir)
-        print(f"trained model: {final}" + (f"\nplot: {plot}" if plot else ""))
+        for sink in sinks:
+            sink.close()
+        place.publish(*PUBLISHED_AT_END)
+        where = f"{place.location}/final_model" if place.url else final
+        print(f"trained model: {where}" + (f"\nplot: {plot}" if plot else ""))
     finally:
         bar.close()
         for sink in sinks:
             sink.close()
 
 
-def _stopped_message(run_dir: Path, step: int, saved_at: int | None, abandoned: bool = False) -> str:
+def _stopped_message(run_dir: str, step: int, saved_at: int | None, abandoned: bool = False) -> str:
     what = "abandoned a step that had started updating the weights; " if abandoned else ""
     if saved_at:
         return (f"stopped after step {step}; {what}the last checkpoint is step {saved_at}. "
-                f"Resume with: {resume_command(run_dir)}")
+                f"Resume with: postrl train --resume {run_dir}")
     return f"stopped after step {step}; {what}no checkpoint was written, so there is nothing to resume"
 
 
-def _resume(controller: Controller, run_dir: Path, echo: Callable[[str], None]) -> int:
-    checkpoint = latest_checkpoint(run_dir)
+def _resume(controller: Controller, place: RunPlace, echo: Callable[[str], None]) -> int:
+    checkpoint = latest_checkpoint(place.local)
     if checkpoint is None:
-        raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'} to resume from")
+        raise FileNotFoundError(f"no complete checkpoint under {place.location}/checkpoints to resume from")
     controller.parts.trainer.load_checkpoint(checkpoint)
     controller.load_state_dict(load_run_state(checkpoint))
-    echo(f"resumed {run_dir} from step {controller.step_count} ({checkpoint})")
+    echo(f"resumed {place.location} from step {controller.step_count} ({checkpoint})")
     return controller.step_count
-
-
-def resume_config(run_dir: str | Path, overrides: list[str]) -> RunConfig:
-    """The run's saved config, with overrides (e.g. ``steps=200``) applied on top."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(path, overrides, import_config_dir=False)
-    expected = Path(run_dir).resolve()
-    if config.run_dir.resolve() != expected:
-        config = copy.deepcopy(config)
-        config.output_dir, config.name = str(expected.parent), expected.name
-    return config
