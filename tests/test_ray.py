@@ -16,7 +16,8 @@ ray = pytest.importorskip("ray")
 
 from postrl.config import build_config  # noqa: E402
 from postrl.models import load_causal_lm, load_tokenizer  # noqa: E402
-from postrl.runner import train  # noqa: E402
+from postrl.reward import ScoreRequest  # noqa: E402
+from postrl.runner import make_reward_service, train  # noqa: E402
 from postrl.scheduling.ray_scheduler import RayScheduler  # noqa: E402
 from postrl.types import Prompt, SamplingParams  # noqa: E402
 from postrl.weights import dedupe_tied, weight_manifest  # noqa: E402
@@ -81,6 +82,15 @@ def test_rollout_actor_killed_mid_step_loses_and_duplicates_nothing(tmp_path, ti
         assert all(r.weight_version == 1 for r in out)
         assert [slot.handle.call("version") for slot in pool.engines] == [1, 1]
         pool.close()
+        # the Reward Service actor dies: it is started again and the batch scored again
+        reward = scheduler.reward_service(make_reward_service)
+        requests = [ScoreRequest("1+1=", "22", {}, 2), ScoreRequest("1+1=", "a", {}, 1)]
+        want = [r.components for r in reward.score_batch(requests)]
+        reward._handle.kill()
+        assert [r.components for r in reward.score_batch(requests)] == want == [{"acc": 0.0, "digits": 1.0},
+                                                                              {"acc": 0.0, "digits": 0.0}]
+        assert reward.restarts == 1
+        reward.close()
     finally:
         scheduler.close()
     assert not ray.is_initialized()

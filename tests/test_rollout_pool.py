@@ -115,3 +115,25 @@ def test_engine_killed_mid_generate_is_replaced_and_its_prompts_requeued(tiny_mo
         assert versions(pool) == [1, 1]
     finally:
         pool.close()
+
+
+def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(tmp_path, tiny_model_dir,
+                                                                              arithmetic_jsonl):
+    from postrl.config import build_config
+    from postrl.runner import train
+
+    config = build_config({
+        "name": "scaled", "output_dir": str(tmp_path), "steps": 3, "prompts_per_step": 4,
+        "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
+        "rollout": {"n": 2, "max_tokens": 6},
+        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
+        "train": {"lr": 1e-2, "mini_batch_size": 8, "micro_batch_size": 8}, "logging": {"tensorboard": False},
+        "scheduler": {"rollout_schedule": {2: 3, 3: 2}},
+    })
+    seen = []
+    controller = train(config, on_step=lambda m: seen.append(m.step))
+    pool = controller.parts.rollout
+    assert seen == [1, 2, 3] and len(pool.engines) == 2  # 1 engine, 3 from step 2, 2 from step 3
+    assert [slot.index for slot in pool.engines] == [0, 1] and pool.engines_started == 3
+    # the engine added before step 2 was given that version's weights before it served
+    assert pool.weight_version == 3 and all(slot.handle.obj.weight_version == 3 for slot in pool.engines)

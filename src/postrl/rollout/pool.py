@@ -99,6 +99,11 @@ class RolloutPool:
         by_index = {slot.index: slot for slot in self.engines}
         return {by_index[k]: sorted(v) for k, v in sorted(plan.items())}
 
+    @property
+    def engines_started(self) -> int:
+        """Engines ever added to the pool (replacements of lost ones not counted)."""
+        return self._next_index
+
     # -- engines come and go ---------------------------------------------------------------------
     def _replace(self, slot: EngineSlot, cause: BaseException) -> None:
         """Start a new engine in ``slot``'s place and give it the current weights before it serves."""

@@ -8,6 +8,7 @@ at its end.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import traceback
@@ -22,6 +23,8 @@ from postrl.scheduling.placement import make_pool
 from postrl.scheduling.process import WorkerCallError
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
+
+log = logging.getLogger(__name__)
 
 
 class ActorHost:
@@ -121,6 +124,33 @@ class RemoteObject:
             self._handle.kill()
 
 
+class RestartingRewardService(RemoteObject):
+    """The Reward Service actor; when it dies or stops answering it is started again and the batch
+    is scored again (scoring has no side effects), up to ``max_restarts`` times in a run."""
+
+    def __init__(self, start: Any, timeout: float | None, max_restarts: int = 8) -> None:
+        self._start, self._log_file, self.restarts, self._max_restarts = start, None, 0, max_restarts
+        super().__init__(start(), attributes=("accuracy_component",), timeout=timeout)
+
+    def set_log_file(self, path: Any) -> None:
+        self._log_file = path
+        self._handle.call("set_log_file", path, timeout=self._timeout)
+
+    def score_batch(self, requests: list) -> list:
+        while True:
+            try:
+                return self._handle.call("score_batch", requests, timeout=self._timeout)
+            except (WorkerDiedError, WorkerTimeoutError) as exc:
+                self.restarts += 1
+                if self.restarts > self._max_restarts:
+                    raise
+                log.warning("the reward service actor was lost (%s); starting it again and rescoring", exc)
+                self._handle.kill()
+                self._handle = self._start()
+                if self._log_file is not None:
+                    self._handle.call("set_log_file", self._log_file, timeout=self._timeout)
+
+
 class RayScheduler:
     def __init__(self, config: RunConfig) -> None:
         import ray
@@ -214,10 +244,12 @@ class RayScheduler:
                              num_gpus=t.num_gpus, threads=t.threads) for r in range(t.workers)]
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 
-    def reward_service(self, make: Any) -> RemoteObject:
-        handle = self._actor("reward service", "reward", 0, make, self.config.reward,
-                             num_cpus=self.config.scheduler.reward.num_cpus)
-        return RemoteObject(handle, attributes=("accuracy_component",), timeout=self.config.scheduler.call_timeout_s)
+    def reward_service(self, make: Any) -> RestartingRewardService:
+        def start() -> RayHandle:
+            return self._actor("reward service", "reward", 0, make, self.config.reward,
+                               num_cpus=self.config.scheduler.reward.num_cpus)
+
+        return RestartingRewardService(start, timeout=self.config.scheduler.call_timeout_s)
 
     def close(self) -> None:
         import ray
