@@ -1,7 +1,7 @@
 """Scale-out numbers: the demo under Ray against local mode, two rollout actors against one, a
 2-rank FSDP2 group against one process, and a rollout actor killed in the middle of a step.
 
-    RAY_AUTH_MODE=disabled python benchmarks/ray_scaling.py [--json] [--steps 12]
+    RAY_AUTH_MODE=disabled python benchmarks/ray_scaling.py [--json] [--steps 20]
 
 * overhead_ratio: seconds per demo step under Ray (one rollout actor, one train actor, the
   Reward Service as an actor) over local mode, same config and seed, the first 2 steps not timed,
@@ -155,7 +155,7 @@ def fsdp_loss_diff(updates: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:  # interleaved, best of 2 each: the machine's speed drifts
         runs: dict[str, list[float]] = {"local": [], "ray": []}

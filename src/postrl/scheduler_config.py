@@ -34,7 +34,8 @@ class SchedulerConfig(Section):
     train: RoleResources = Field(default_factory=RoleResources, description="Train ranks (an FSDP2 group when "
                                  "workers > 1).")
     reward: RewardResources = Field(default_factory=RewardResources, description="The Reward Service (Ray).")
-    rollout_schedule: dict[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(default_factory=dict, description="{step: engines}: before that step the "
-                                             "pool grows or shrinks to that many engines.")
+    rollout_schedule: dict[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict, description="{step: engines}: before that step the pool grows or shrinks to that many "
+        "engines.")
     call_timeout_s: float = Field(1800.0, gt=0.0, description="Longest any remote call may take (generate, update, "
                                   "weight sync) before its worker is declared lost.")

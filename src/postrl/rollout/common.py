@@ -33,6 +33,19 @@ def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
     return [name for (name, _), ok in zip(named, torch.isfinite(sums).tolist()) if not ok]
 
 
+def http_health(client: Any, url: str, what: str, timeout: float) -> Health:
+    """Ask a server's ``/health``: healthy on a 200, else the failure in words."""
+    import httpx
+
+    try:
+        answer = client.get(url + "/health", timeout=timeout)
+    except httpx.HTTPError as exc:
+        return Health(False, f"{what} {url} did not answer /health: {type(exc).__name__}: {exc}")
+    if answer.status_code != 200:
+        return Health(False, f"{what} {url} /health answered {answer.status_code}: {answer.text[:200]}")
+    return Health(True)
+
+
 class EngineUnhealthyError(RuntimeError):
     """A rollout engine failed its health check; the message is the engine's reason."""
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import torch
 
-from postrl.rollout.common import EngineBase, Health
+from postrl.rollout.common import EngineBase, Health, http_health
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.weights import WeightSyncError, write_sync_file
 
@@ -94,13 +94,7 @@ class OpenAIRolloutWorker(EngineBase):
         self.weight_version = version
 
     def health_check(self) -> Health:
-        try:
-            response = self.client.get(self.url + "/health", timeout=30)
-        except httpx.HTTPError as exc:
-            return Health(False, f"rollout server {self.url}: {type(exc).__name__}: {exc}")
-        if response.status_code != 200:
-            return Health(False, f"rollout server {self.url}/health answered {response.status_code}: {response.text[:200]}")
-        return Health(True)
+        return http_health(self.client, self.url, "rollout server", timeout=30)
 
     def close(self) -> None:
         self.client.close()

@@ -22,7 +22,7 @@ import httpx
 import torch
 
 from postrl.net import free_port
-from postrl.rollout.common import EngineBase, Health
+from postrl.rollout.common import EngineBase, Health, http_health
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.weights import write_sync_file
 
@@ -123,13 +123,7 @@ class VLLMRolloutWorker(EngineBase):
         """Asks the server; a dead process or a failed /health is unhealthy, with the log's tail."""
         if self.proc.poll() is not None:
             return Health(False, f"vLLM server exited with code {self.proc.returncode}; log {self.log.name}")
-        try:
-            answer = self.client.get(self.url + "/health", timeout=5)
-        except httpx.HTTPError as exc:
-            return Health(False, f"vLLM server {self.url} did not answer /health: {type(exc).__name__}: {exc}")
-        if answer.status_code != 200:
-            return Health(False, f"vLLM server {self.url} /health answered {answer.status_code}: {answer.text[:200]}")
-        return Health(True)
+        return http_health(self.client, self.url, "vLLM server", timeout=5)
 
     def close(self) -> None:
         if self.proc.poll() is None:

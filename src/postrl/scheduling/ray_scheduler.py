@@ -21,6 +21,7 @@ from postrl.rollout.pool import RolloutPool
 from postrl.scheduling.handles import WorkerDiedError, WorkerTimeoutError, submit
 from postrl.scheduling.placement import make_pool
 from postrl.scheduling.process import WorkerCallError
+from postrl.scheduling.wire import pack, unpack
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
 
@@ -38,7 +39,7 @@ class ActorHost:
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         try:
-            return getattr(self.obj, method)(*args, **kwargs)
+            return pack(getattr(self.obj, method)(*unpack(args), **unpack(kwargs)))
         except Exception as exc:  # noqa: BLE001 - the traceback travels as text, naming the actor's failure
             raise WorkerCallError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
 
@@ -70,7 +71,7 @@ class RayHandle:
         if self._killed:
             raise WorkerDiedError(f"{self.name} was stopped")
         try:
-            return ray.get(self.actor.call.remote(method, args, kwargs), timeout=timeout)
+            return unpack(ray.get(self.actor.call.remote(method, pack(args), pack(kwargs)), timeout=timeout))
         except ray.exceptions.GetTimeoutError:
             raise WorkerTimeoutError(f"{self.name} did not answer {method} within {timeout:g} s") from None
         except ray.exceptions.RayActorError as exc:

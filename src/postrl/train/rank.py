@@ -52,15 +52,17 @@ class TrainRank:
     def __init__(self, rank: int, group: GroupSpec, policy: PolicySpec) -> None:
         from postrl.models import load_causal_lm
         from postrl.train.fsdp import FSDPTrainWorker
+        from postrl.train.worker import TrainWorker
 
         self.rank = rank
         device = rank_device(policy.train.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=group.world,
-                                init_method=f"tcp://{group.master_addr}:{group.master_port}",
-                                timeout=timedelta(seconds=group.timeout_s))
+        if group.world > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=group.world,
+                                    init_method=f"tcp://{group.master_addr}:{group.master_port}",
+                                    timeout=timedelta(seconds=group.timeout_s))
         torch.manual_seed(policy.seed)
         model = load_causal_lm(policy.model_path, policy.model_dtype).to(device)
         ref = None
@@ -68,9 +70,12 @@ class TrainRank:
             ref = load_causal_lm(policy.model_path, policy.model_dtype).to(device)
         precision = policy.train.precision
         bf16 = precision == "bf16_autocast" or (precision == "auto" and bf16_matmul_supported(device))
-        self.worker = FSDPTrainWorker(model, policy.train, policy.algorithm, temperature=policy.temperature,
-                                      ref_model=ref, seed=policy.seed, bf16=bf16,
-                                      gradient_checkpointing=policy.gradient_checkpointing)
+        common = dict(temperature=policy.temperature, ref_model=ref, seed=policy.seed,
+                      gradient_checkpointing=policy.gradient_checkpointing)
+        if group.world == 1:  # one rank: a plain Train Worker (no collectives, no sharding)
+            self.worker = TrainWorker(model, policy.train, policy.algorithm, **common)
+        else:
+            self.worker = FSDPTrainWorker(model, policy.train, policy.algorithm, bf16=bf16, **common)
 
     def ready(self) -> int:
         return self.rank
