@@ -180,4 +180,4 @@ class RolloutPool:
 
     def close(self) -> None:
         for slot in self.engines:
-            slot.handle.kill()
+            getattr(slot.handle, "close", slot.handle.kill)()

@@ -34,7 +34,8 @@ def _serve(conn: Any, factory: Any, args: tuple, kwargs: dict) -> None:
             message = conn.recv()
         except EOFError:
             return
-        if message is None:
+        if message is None:  # a clean exit: the worker releases what it holds first
+            getattr(obj, "close", lambda: None)()
             return
         method, call_args, call_kwargs = message
         try:
@@ -102,7 +103,8 @@ class ProcessHandle:
         self.process.join(timeout=10)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ask the worker to exit; kill it if it does not."""
+        """Ask the worker to close and exit; kill it if it does not (a process killed while it exits
+        leaks its semaphores)."""
         try:
             self._conn.send(None)
         except (BrokenPipeError, OSError):

@@ -77,7 +77,8 @@ class TrainGroup:
             gather([h.call_async("close", timeout=30) for h in self.ranks], [h.name for h in self.ranks])
         except Exception:  # noqa: BLE001 - a rank that cannot leave cleanly is killed below
             pass
-        self.kill()
+        for h in self.ranks:  # a child process is let exit on its own (killing it mid-exit leaks its semaphores)
+            getattr(h, "close", h.kill)()
 
     def kill(self) -> None:
         for h in self.ranks:
