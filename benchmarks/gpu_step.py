@@ -71,7 +71,8 @@ def build_model(shape: str, device: torch.device):
         return LlamaForCausalLM(config)
 
 
-def measure(shape: str, device: torch.device, peak_tflops: float) -> dict:
+def measure(shape: str, device: torch.device, peak_tflops: float, prompts_n: int = PROMPTS,
+            new_tokens: int = NEW_TOKENS) -> dict:
     from postrl.config import AlgorithmConfig, RolloutConfig, TrainConfig
     from postrl.rollout.factory import rollout_worker_for_model
     from postrl.train.worker import TrainWorker
@@ -81,15 +82,15 @@ def measure(shape: str, device: torch.device, peak_tflops: float) -> dict:
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())
     tokenizer = synthetic_tokenizer(SHAPES[shape]["vocab_size"])
-    engine = rollout_worker_for_model(RolloutConfig(backend="native", dtype="bfloat16", max_batch_size=PROMPTS * G),
+    engine = rollout_worker_for_model(RolloutConfig(backend="native", dtype="bfloat16", max_batch_size=prompts_n * G),
                                       model, tokenizer, "float32", seed=0)
     engine._eos = set()  # every sample runs to NEW_TOKENS: the same work in every step
-    trainer = TrainWorker(model, TrainConfig(lr=1e-6, mini_batch_size=PROMPTS * G, micro_batch_size=MICRO,
+    trainer = TrainWorker(model, TrainConfig(lr=1e-6, mini_batch_size=prompts_n * G, micro_batch_size=MICRO,
                                              device=str(device)), AlgorithmConfig())
     gen = torch.Generator().manual_seed(0)
     prompts = [Prompt("", torch.randint(3, SHAPES[shape]["vocab_size"], (PROMPT_TOKENS,), generator=gen).tolist())
-               for _ in range(PROMPTS)]
-    sp = SamplingParams(n=G, temperature=1.0, max_tokens=NEW_TOKENS)
+               for _ in range(prompts_n)]
+    sp = SamplingParams(n=G, temperature=1.0, max_tokens=new_tokens)
     steps = []
     for step in range(3):  # the first is a warm-up
         sync(device)
@@ -132,8 +133,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=PROMPTS)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     args = parser.parse_args()
-    global PROMPTS, NEW_TOKENS
-    PROMPTS, NEW_TOKENS = args.prompts, args.new_tokens
     device = torch.device(args.device)
     peak = bf16_matmul_tflops(device)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -141,7 +140,7 @@ def main() -> None:
     print(f"{'shape':14s} {'params M':>9s} {'rollout tok/s':>14s} {'s/step':>8s} {'gen s':>7s} {'train s':>8s} "
           f"{'sync s':>7s} {'MFU':>6s}")
     for shape in args.shapes.split(","):
-        r = measure(shape, device, peak)
+        r = measure(shape, device, peak, args.prompts, args.new_tokens)
         result["shapes"][shape] = r
         print(f"{shape:14s} {r['params_m']:>9.1f} {r['rollout_tokens_per_s']:>14.1f} {r['s_per_grpo_step']:>8.2f} "
               f"{r['generate_s']:>7.2f} {r['train_s']:>8.2f} {r['sync_s']:>7.2f} {r['mfu']:>6.1%}")
