@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from postrl.algorithms import ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES, AdvantageInputs, LossInputs, kl_k3
+from postrl.algorithms import (ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES, AdvantageInputs, LossInputs,
+                               LossNormalizer, kl_k3)
 from postrl.algorithms.registry import Registry
 
 NAN = float("nan")
@@ -65,8 +66,9 @@ def test_ppo_clip_by_hand_both_sides():
 def test_ppo_empty_response_gives_zero_loss_without_nan():
     logp, inputs = ppo_inputs([[1.0, 1.0]], [2.0], mask=[[0.0, 0.0]])
     out = POLICY_LOSSES.get("ppo_clip")(inputs)
-    loss = LOSS_AGGREGATIONS.get("token_mean")(out.per_token, inputs.mask, torch.tensor(1.0))
-    assert loss.item() == 0.0
+    for name in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        loss = LOSS_AGGREGATIONS.get(name)(out.per_token, inputs.mask, LossNormalizer(1.0, 1.0, 4))
+        assert loss.item() == 0.0 and torch.isfinite(loss)
 
 
 def test_kl_k3_by_hand():
@@ -77,14 +79,34 @@ def test_kl_k3_by_hand():
     assert torch.allclose(kl_k3(logp, ref), expected, atol=1e-6)
 
 
-def test_token_mean_uses_global_count_so_split_does_not_matter():
-    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+PER_TOKEN = [[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0]]
+MASK = [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+# sequences: sums 6, 4, 11 over 3, 1, 2 tokens; 6 tokens, 3 sequences, a budget of 4 tokens
+BY_HAND = {"token_mean": 21 / 6, "seq_mean_token_mean": (2 + 4 + 5.5) / 3, "seq_mean_token_sum": 21 / 3,
+           "seq_mean_token_sum_norm": 21 / (3 * 4)}
+
+
+@pytest.mark.parametrize("name", sorted(BY_HAND))
+def test_aggregations_by_hand_and_exact_under_any_split(name):
+    per_token = torch.tensor(PER_TOKEN, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor(MASK, dtype=torch.float64)
+    agg = LOSS_AGGREGATIONS.get(name)
+    norm = LossNormalizer(tokens=mask.sum(), sequences=torch.tensor(3.0, dtype=torch.float64), max_tokens=4)
+    whole = agg(per_token, mask, norm)
+    assert whole.item() == pytest.approx(BY_HAND[name])
+    (grad_whole,) = torch.autograd.grad(whole, per_token)
+    for cut in (1, 2):
+        split = agg(per_token[:cut], mask[:cut], norm) + agg(per_token[cut:], mask[cut:], norm)
+        assert split.item() == pytest.approx(whole.item())
+        (grad_split,) = torch.autograd.grad(split, per_token)
+        assert torch.allclose(grad_split, grad_whole)
+
+
+def test_naive_per_micro_batch_mean_is_not_the_whole_batch_mean():
+    per_token, mask = torch.tensor(PER_TOKEN), torch.tensor(MASK)
     agg = LOSS_AGGREGATIONS.get("token_mean")
-    whole = agg(per_token, mask, mask.sum())
-    split = agg(per_token[:2], mask[:2], mask.sum()) + agg(per_token[2:], mask[2:], mask.sum())
-    assert whole.item() == pytest.approx(21 / 6) and split.item() == pytest.approx(whole.item())
-    naive = (agg(per_token[:2], mask[:2], mask[:2].sum()) + agg(per_token[2:], mask[2:], mask[2:].sum())) / 2
+    local = lambda m: LossNormalizer(m.sum(), 1.0, 4)  # noqa: E731 - each micro-batch's own count
+    naive = (agg(per_token[:2], mask[:2], local(mask[:2])) + agg(per_token[2:], mask[2:], local(mask[2:]))) / 2
     assert naive.item() == pytest.approx(4.0)  # (10/4 + 11/2) / 2, not 3.5
 
 

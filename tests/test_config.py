@@ -36,7 +36,16 @@ def test_bad_literal_lists_allowed_values():
 def test_unknown_algorithm_lists_registered_names():
     with pytest.raises(ConfigError) as err:
         build_config({}, ["algorithm.advantage=gae2"])
-    assert "unknown advantage estimator 'gae2'; registered: grpo" in str(err.value)
+    assert ("unknown advantage estimator 'gae2'; registered: dr_grpo, gae, grpo, reinforce_pp, "
+            "reinforce_pp_baseline, remax, rloo") in str(err.value)
+    with pytest.raises(ConfigError, match="unknown policy loss 'ppo2'; registered: cispo, gspo, ppo_clip, reinforce"):
+        build_config({}, ["algorithm.policy_loss=ppo2"])
+    with pytest.raises(ConfigError, match="algorithm.advantage=gae needs a critic"):
+        build_config({}, ["algorithm.advantage=gae"])
+    chosen = build_config({}, ["algorithm.advantage={type: reinforce_pp_baseline, gamma: 0.99}",
+                               "algorithm.policy_loss={type: ppo_clip, clip_eps_high: 0.28, dual_clip_c: 3}"]).algorithm
+    assert chosen.advantage.options() == {"gamma": 0.99, "eps": 1e-8}
+    assert chosen.policy_loss.options() == {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip_c": 3.0}
 
 
 def test_cross_field_checks():

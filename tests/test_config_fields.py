@@ -80,12 +80,12 @@ def test_every_field_has_a_description_and_numbers_have_bounds(model):
 def test_algorithm_entries_are_typed():
     config = build_config({"algorithm": {"advantage": {"type": "grpo", "norm_by_std": False},
                                          "policy_loss": {"type": "ppo_clip", "clip_eps_high": 0.28}}})
-    assert config.algorithm.advantage.options() == {"norm_by_std": False, "eps": 1e-6}
-    assert config.algorithm.policy_loss.options() == {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
+    assert config.algorithm.advantage.options() == {"norm_by_std": False, "eps": 1e-6, "std": "unbiased"}
+    assert config.algorithm.policy_loss.options() == {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip_c": None}
     assert build_config({"algorithm": {"advantage": "grpo"}}).algorithm.advantage.norm_by_std is True
     with pytest.raises(ConfigError, match="algorithm.clip_eps_high, algorithm.norm_by_std moved into the entry"):
         build_config({"algorithm": {"norm_by_std": False, "clip_eps_high": 0.3}})
     with pytest.raises(ConfigError, match="clip_bound"):
         build_config({"algorithm": {"policy_loss": {"type": "ppo_clip", "clip_bound": 3}}})
-    with pytest.raises(ConfigError, match="unknown policy loss 'dpo'; registered: ppo_clip"):
+    with pytest.raises(ConfigError, match="unknown policy loss 'dpo'; registered: cispo, gspo, ppo_clip, reinforce"):
         build_config({"algorithm": {"policy_loss": "dpo"}})

@@ -15,34 +15,71 @@ def _shorthand(value: Any) -> Any:
     return {"type": value} if isinstance(value, str) else value
 
 
-def _kind(builtin: str) -> Any:
-    """Pick the built-in model for ``builtin``, the plugin model for any other registered name."""
+def _kind(builtins: set[str]) -> Any:
+    """Pick the built-in model named by ``type``, the plugin model for any other registered name."""
 
     def pick(value: Any) -> str:
         value = _shorthand(value)
         kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return "builtin" if kind == builtin else "plugin"
+        return kind if kind in builtins else "plugin"
 
     return Discriminator(pick)
 
 
-class GRPOAdvantage(Section):
+class _Entry(Section):
+    def options(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"type"})
+
+
+class GRPOAdvantage(_Entry):
     type: Literal["grpo"] = Field(description="Group-relative: (r - mean of its group) / (std of its group + eps).")
-    norm_by_std: bool = Field(True, description="Divide by the group's (unbiased) reward std; false: Dr.GRPO-style "
+    norm_by_std: bool = Field(True, description="Divide by the group's reward std; false: Dr.GRPO-style "
                               "mean-centering only.")
     eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing.")
+    std: Literal["unbiased", "biased"] = Field("unbiased", description="The group std: unbiased (n-1, torch and "
+                                               "verl) or biased (n, TRL).")
 
-    def options(self) -> dict[str, Any]:
-        return {"norm_by_std": self.norm_by_std, "eps": self.eps}
+
+class DrGRPOAdvantage(_Entry):
+    type: Literal["dr_grpo"] = Field(description="Dr. GRPO: r - mean of its group (no std division).")
 
 
-class PPOClipLoss(Section):
+class RLOOAdvantage(_Entry):
+    type: Literal["rloo"] = Field(description="RLOO: r - mean of the other samples of its group.")
+
+
+class ReinforcePPAdvantage(_Entry):
+    type: Literal["reinforce_pp", "reinforce_pp_baseline"] = Field(
+        description="REINFORCE++: per-token discounted returns normalised over the batch; _baseline subtracts the "
+        "group mean reward first.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount per token.")
+    eps: float = Field(1e-8, gt=0.0, description="Added to the batch std before dividing.")
+
+
+class PPOClipLoss(_Entry):
     type: Literal["ppo_clip"] = Field(description="PPO's clipped surrogate, per token.")
     clip_eps_low: float = Field(0.2, ge=0.0, le=1.0, description="The ratio is clipped below at 1 - clip_eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0.0, description="The ratio is clipped above at 1 + clip_eps_high.")
+    clip_eps_high: float = Field(0.2, ge=0.0, description="The ratio is clipped above at 1 + clip_eps_high "
+                                 "(DAPO's clip-higher: 0.28).")
+    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual clip: the loss of a negative-advantage token is "
+                                      "at most c * |A| (3 in the paper). Off by default: it matters only far "
+                                      "off-policy, and postrl's default is one on-policy epoch.")
 
-    def options(self) -> dict[str, Any]:
-        return {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high}
+
+class GSPOLoss(_Entry):
+    type: Literal["gspo"] = Field(description="GSPO: one length-normalised importance ratio per sequence, clipped.")
+    clip_eps_low: float = Field(3e-4, ge=0.0, le=1.0, description="Lower clip of the sequence ratio.")
+    clip_eps_high: float = Field(4e-4, ge=0.0, description="Upper clip of the sequence ratio.")
+
+
+class CISPOLoss(_Entry):
+    type: Literal["cispo"] = Field(description="CISPO: REINFORCE weighted by the clipped, stop-gradient ratio.")
+    clip_eps_low: float = Field(1.0, ge=0.0, le=1.0, description="Lower clip of the weight (1: none).")
+    clip_eps_high: float = Field(0.28, ge=0.0, description="Upper clip of the weight.")
+
+
+class ReinforceLoss(_Entry):
+    type: Literal["reinforce"] = Field(description="Plain REINFORCE: -A log pi, no ratio, no clip (on-policy).")
 
 
 class _PluginEntry(Section):
@@ -72,9 +109,15 @@ class PluginLoss(_PluginEntry):
 
 
 AdvantageConfig = Annotated[
-    Union[Annotated[GRPOAdvantage, Tag("builtin")], Annotated[PluginAdvantage, Tag("plugin")]], _kind("grpo")]
+    Union[Annotated[GRPOAdvantage, Tag("grpo")], Annotated[DrGRPOAdvantage, Tag("dr_grpo")],
+          Annotated[RLOOAdvantage, Tag("rloo")], Annotated[ReinforcePPAdvantage, Tag("reinforce_pp")],
+          Annotated[ReinforcePPAdvantage, Tag("reinforce_pp_baseline")], Annotated[PluginAdvantage, Tag("plugin")]],
+    _kind({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"})]
 PolicyLossConfig = Annotated[
-    Union[Annotated[PPOClipLoss, Tag("builtin")], Annotated[PluginLoss, Tag("plugin")]], _kind("ppo_clip")]
+    Union[Annotated[PPOClipLoss, Tag("ppo_clip")], Annotated[GSPOLoss, Tag("gspo")], Annotated[CISPOLoss, Tag("cispo")],
+          Annotated[ReinforceLoss, Tag("reinforce")], Annotated[PluginLoss, Tag("plugin")]],
+    _kind({"ppo_clip", "gspo", "cispo", "reinforce"})]
+NOT_RUNNABLE_YET = {"gae": "a critic", "remax": "the greedy response's reward from the rollout engine"}
 MOVED = {"norm_by_std": "advantage", "clip_eps_low": "policy_loss", "clip_eps_high": "policy_loss"}
 
 
@@ -90,6 +133,12 @@ class AlgorithmConfig(Section):
         default_factory=lambda: PPOClipLoss(type="ppo_clip"), description="The policy loss and its options.")
     loss_agg: str = Field("token_mean", description="Loss aggregation (registry name).")
     kl_beta: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient; 0 loads no reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL(pi || ref) per token: k1 log-ratio, k2 "
+                                                    "half squared log-ratio, k3 exp(-x) + x - 1 (Schulman).")
+    kl_clamp: float | None = Field(None, gt=0.0, description="Clamp the per-token KL to [-c, c] (verl's low-variance "
+                                   "KL uses 10); None: no clamp.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss minus coef x the policy's per-token "
+                                "entropy (0: off).")
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +167,15 @@ class AlgorithmConfig(Section):
             except ImportError as exc:
                 raise ValueError(f"algorithm.plugins: cannot import '{name}': {exc}") from None
         return modules
+
+    @field_validator("advantage")
+    @classmethod
+    def _runnable(cls, v: Any) -> Any:
+        needs = NOT_RUNNABLE_YET.get(getattr(v, "type", ""))
+        if needs:
+            raise ValueError(f"algorithm.advantage={v.type} needs {needs}, which the training loop does not provide "
+                             "yet; the estimator itself is in postrl.algorithms for your own loop")
+        return v
 
     @field_validator("loss_agg")
     @classmethod

@@ -47,7 +47,7 @@ def most_common_error(rewards: list[RewardResult]) -> str | None:
 
 
 def write_samples(path: Path, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
-                  advantages: list[float] | None = None) -> Path:
+                  advantages: list[float | list[float]] | None = None) -> Path:
     """One JSON line per sample: what the model wrote, and what each reward component made of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -170,11 +170,11 @@ class Controller:
         return self.parts.trainer.update(batch)
 
     def record_samples(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
-                       advantages: torch.Tensor) -> None:
+                       advantages: list[float | list[float]]) -> None:
         step = self.step_count + 1
         if self._samples_due(step):
             write_samples(self.config.run_dir / "samples" / f"step_{step}.jsonl", prompts, rollouts, rewards,
-                          advantages.tolist())
+                          advantages)
 
     def finish_step(self, rollouts: list[Rollout], rewards: list[RewardResult], train_metrics: TrainMetrics,
                     timings: dict[str, float]) -> StepMetrics:
@@ -219,11 +219,19 @@ class Controller:
             f"The step's samples are saved in {path}"
         )
 
-    def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult]) -> torch.Tensor:
+    def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult]) -> list[float | list[float]]:
+        """One advantage per sample, or per response token for token-level estimators (REINFORCE++)."""
         reward_tensor = torch.tensor([math.nan if r.reward is None else r.reward for r in rewards], dtype=torch.float32)
         groups = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
+        width = max((len(r.response_ids) for r in rollouts), default=0)
+        mask = torch.zeros(len(rollouts), width, dtype=torch.float32)
+        for i, r in enumerate(rollouts):
+            mask[i, : len(r.response_ids)] = 1.0
         entry = self.config.algorithm.advantage
-        return ADVANTAGES.get(entry.type)(AdvantageInputs(reward_tensor, groups), **entry.options())
+        adv = ADVANTAGES.get(entry.type)(AdvantageInputs(reward_tensor, groups, response_mask=mask), **entry.options())
+        if adv.dim() == 1:
+            return adv.tolist()
+        return [row[: len(r.response_ids)] for row, r in zip(adv.tolist(), rollouts)]
 
     def check_engine(self, when: str) -> None:
         """Stop the run, with the engine's own reason, when the rollout engine cannot serve."""
@@ -248,10 +256,11 @@ class Controller:
 
     # -- helpers -------------------------------------------------------------------------------
     def _experiences(
-        self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult], advantages: torch.Tensor
+        self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
+        advantages: list[float | list[float]]
     ) -> list[Experience]:
         out = []
-        for r, res, adv in zip(rollouts, rewards, advantages.tolist()):
+        for r, res, adv in zip(rollouts, rewards, advantages):
             prompt = prompts[r.prompt_index]
             metadata = {
                 "task_type": prompt.columns.get("task_type"),
@@ -297,6 +306,10 @@ class Controller:
             "actor/kl": train.kl,
             "actor/entropy": train.entropy,
             "actor/clip_fraction": train.clip_fraction,
+            "actor/clip_low": train.clip_low_fraction,
+            "actor/clip_high": train.clip_high_fraction,
+            "actor/dual_clip": train.dual_clip_fraction,
+            "actor/approx_kl": train.approx_kl,
             "actor/grad_norm": train.grad_norm,
             "actor/lr": train.learning_rate,
             "actor/skipped_updates": float(train.skipped_steps),

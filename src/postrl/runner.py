@@ -68,7 +68,8 @@ def in_process_trainer(config: RunConfig) -> TrainWorker:
     if config.algorithm.kl_beta > 0:
         ref_model = load_causal_lm(config.model.path, config.model.dtype).to(device)
     return TrainWorker(policy, config.train, config.algorithm, temperature=config.rollout.temperature,
-                       ref_model=ref_model, seed=config.seed, gradient_checkpointing=config.model.gradient_checkpointing)
+                       ref_model=ref_model, seed=config.seed, gradient_checkpointing=config.model.gradient_checkpointing,
+                       max_response_tokens=config.rollout.max_tokens)
 
 
 def build_components(config: RunConfig) -> Components:

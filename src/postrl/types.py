@@ -205,6 +205,10 @@ class TrainMetrics:
     learning_rate: float
     optimizer_steps: int
     skipped_steps: int
+    clip_low_fraction: float = 0.0
+    clip_high_fraction: float = 0.0
+    dual_clip_fraction: float = 0.0
+    approx_kl: float = 0.0  # KL(pi_old || pi) over the trained tokens, k3
 
 
 @dataclass

@@ -2,11 +2,14 @@
 
 from postrl.algorithms.advantages import ADVANTAGES, AdvantageInputs, register_advantage
 from postrl.algorithms.losses import (
+    KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     LossInputs,
+    LossNormalizer,
     PolicyLossOutput,
     kl_k3,
+    kl_penalty,
     register_loss_aggregation,
     register_policy_loss,
 )
@@ -14,6 +17,9 @@ from postrl.algorithms.losses import (
 __all__ = [
     "ADVANTAGES",
     "AdvantageInputs",
+    "KL_ESTIMATORS",
+    "LossNormalizer",
+    "kl_penalty",
     "LOSS_AGGREGATIONS",
     "LossInputs",
     "POLICY_LOSSES",

@@ -19,7 +19,8 @@ from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
 def policy_spec(config: RunConfig) -> PolicySpec:
     return PolicySpec(config.model.path, config.model.dtype, config.train, config.algorithm,
                       temperature=config.rollout.temperature, seed=config.seed,
-                      gradient_checkpointing=config.model.gradient_checkpointing)
+                      gradient_checkpointing=config.model.gradient_checkpointing,
+                      max_response_tokens=config.rollout.max_tokens)
 
 
 class LocalScheduler:

@@ -2,7 +2,7 @@
 
 Every rank receives the whole batch and makes the same mini-batches (same seeded generator); each
 trains on its token-balanced share (:func:`split_rows_by_tokens`). The loss normaliser is the
-mini-batch's token count, all-reduced, divided by the number of ranks because FSDP averages the
+mini-batch's token (and sequence) count, all-reduced, divided by the number of ranks because FSDP averages the
 ranks' gradients (gloo has no pre-scaled sum), so the update equals the one-process update up to
 float rounding. Ranks run the same number of
 micro-batches (a rank with fewer runs a zero-weight one) because every forward and backward is a
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from postrl.algorithms import LossNormalizer
 from postrl.train.sharding import split_rows_by_tokens
 from postrl.train.worker import MicroBatchStats, TrainWorker
 from postrl.types import ExperienceBatch
@@ -61,17 +62,18 @@ class FSDPTrainWorker(TrainWorker):
 
     def accumulate_gradients(self, mini: ExperienceBatch) -> MicroBatchStats:
         part = mini.select(split_rows_by_tokens(mini, self.world)[self.rank].to(mini.input_ids.device))
-        global_tokens = part.loss_mask.sum()
-        dist.all_reduce(global_tokens)
+        counts = torch.stack([part.loss_mask.sum(), (part.loss_mask.sum(dim=-1) > 0).sum().to(part.loss_mask.dtype)])
+        dist.all_reduce(counts)
+        norm = LossNormalizer(counts[0] / self.world, counts[1] / self.world, self.max_response_tokens)
         micro = self.cfg.micro_batch_size
         local = [part.select(slice(s, s + micro)) for s in range(0, part.size, micro)]
-        count = torch.tensor(len(local), device=global_tokens.device)
+        count = torch.tensor(len(local), device=counts.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         stats = MicroBatchStats.zeros(mini.input_ids.device)
         for i in range(int(count)):
             self.model.set_requires_gradient_sync(i == int(count) - 1)
             batch = local[i] if i < len(local) else zero_weight(mini)
-            stats = stats + self._micro_batch_backward(batch, global_tokens / self.world)
+            stats = stats + self._micro_batch_backward(batch, norm)
         return reduce_stats(stats)
 
     def policy_state(self) -> dict[str, torch.Tensor]:

@@ -51,8 +51,8 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, w
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
-    if with_entropy:
-        with torch.no_grad():
+    if with_entropy:  # "grad": the entropy takes part in the loss (an entropy bonus)
+        with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 

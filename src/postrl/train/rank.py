@@ -38,6 +38,7 @@ class PolicySpec:
     temperature: float
     seed: int
     gradient_checkpointing: bool = False
+    max_response_tokens: int = 64  # rollout.max_tokens: Dr. GRPO's constant normaliser
 
 
 def rank_device(name: str, rank: int) -> torch.device:
@@ -71,7 +72,8 @@ class TrainRank:
         precision = policy.train.precision
         bf16 = precision == "bf16_autocast" or (precision == "auto" and bf16_matmul_supported(device))
         common = dict(temperature=policy.temperature, ref_model=ref, seed=policy.seed,
-                      gradient_checkpointing=policy.gradient_checkpointing)
+                      gradient_checkpointing=policy.gradient_checkpointing,
+                      max_response_tokens=policy.max_response_tokens)
         if group.world == 1:  # one rank: a plain Train Worker (no collectives, no sharding)
             self.worker = TrainWorker(model, policy.train, policy.algorithm, **common)
         else:

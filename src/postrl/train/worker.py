@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, kl_k3
+from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, LossNormalizer, kl_k3, kl_penalty
 from postrl.config import AlgorithmConfig, TrainConfig
 from postrl.devices import bf16_matmul_supported
 from postrl.train.logprobs import token_logprobs
@@ -33,6 +33,10 @@ class MicroBatchStats:
     kl: torch.Tensor
     entropy: torch.Tensor
     clipped: torch.Tensor
+    clip_low: torch.Tensor
+    clip_high: torch.Tensor
+    dual_clip: torch.Tensor
+    approx_kl: torch.Tensor
     tokens: torch.Tensor
     mismatch_kl: torch.Tensor
     logprob_diff_max: torch.Tensor
@@ -60,6 +64,10 @@ class MiniBatchStats:
     kl: float = 0.0
     entropy: float = 0.0
     clipped: float = 0.0
+    clip_low: float = 0.0
+    clip_high: float = 0.0
+    dual_clip: float = 0.0
+    approx_kl: float = 0.0
     tokens: float = 0.0
     mismatch_kl: float = 0.0
     logprob_diff_max: float = 0.0
@@ -104,9 +112,11 @@ class TrainWorker:
         ref_model: torch.nn.Module | None = None,
         seed: int = 0,
         gradient_checkpointing: bool = False,
+        max_response_tokens: int = 64,
     ) -> None:
         self.model, self.cfg, self.algo = model, train, algorithm
         self.temperature = temperature
+        self.max_response_tokens = max_response_tokens  # Dr. GRPO's constant normaliser
         self.ref_model = ref_model.eval() if ref_model is not None else None
         if self.algo.kl_beta > 0 and self.ref_model is None:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
@@ -161,6 +171,10 @@ class TrainWorker:
             kl=total.kl / tokens,
             entropy=total.entropy / tokens,
             clip_fraction=total.clipped / tokens,
+            clip_low_fraction=total.clip_low / tokens,
+            clip_high_fraction=total.clip_high / tokens,
+            dual_clip_fraction=total.dual_clip / tokens,
+            approx_kl=total.approx_kl / tokens,
             grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             learning_rate=self.scheduler.get_last_lr()[0],
             optimizer_steps=self.optimizer_steps,
@@ -183,12 +197,18 @@ class TrainWorker:
     def accumulate_gradients(self, mini: ExperienceBatch) -> MicroBatchStats:
         """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count.
         Returns the summed statistics, still on the device."""
-        global_tokens = mini.loss_mask.sum()
+        norm = self.normalizer(mini.loss_mask)
         stats = MicroBatchStats.zeros(mini.input_ids.device)
         for start in range(0, mini.size, self.cfg.micro_batch_size):
             micro = mini.select(slice(start, start + self.cfg.micro_batch_size))
-            stats = stats + self._micro_batch_backward(micro, global_tokens)
+            stats = stats + self._micro_batch_backward(micro, norm)
         return stats
+
+    def normalizer(self, loss_mask: torch.Tensor, ranks: int = 1) -> LossNormalizer:
+        """The mini-batch's trained tokens and sequences (already summed over ranks), over ``ranks``
+        when the ranks' gradients are averaged."""
+        tokens, sequences = loss_mask.sum(), (loss_mask.sum(dim=-1) > 0).sum().to(loss_mask.dtype)
+        return LossNormalizer(tokens / ranks, sequences / ranks, self.max_response_tokens)
 
     def _mini_batch_step(self, mini: ExperienceBatch) -> tuple[MiniBatchStats, float | None]:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
@@ -213,11 +233,12 @@ class TrainWorker:
         self.consecutive_skips = 0
         return stats, norm_value
 
-    def _micro_batch_backward(self, micro: ExperienceBatch, global_tokens: torch.Tensor) -> MicroBatchStats:
+    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer) -> MicroBatchStats:
         mask = micro.loss_mask
+        bonus = self.algo.entropy_coef
         with self._autocast():
             logp, entropy = token_logprobs(self.model, micro.input_ids, micro.attention_mask, self.temperature,
-                                           with_entropy=True, target_mask=micro.response_mask,
+                                           with_entropy="grad" if bonus else True, target_mask=micro.response_mask,
                                            group_ids=micro.group_ids)
         out = self.policy_loss(
             LossInputs(
@@ -233,14 +254,21 @@ class TrainWorker:
             with torch.no_grad(), self._autocast():
                 ref_logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature,
                                              target_mask=micro.response_mask, group_ids=micro.group_ids)
-            kl = kl_k3(logp, ref_logp) * mask
+            kl = kl_penalty(logp, ref_logp, self.algo.kl_estimator, self.algo.kl_clamp) * mask
             per_token = per_token + self.algo.kl_beta * kl
-        self.aggregate(per_token, mask, global_tokens).backward()
+        if bonus:
+            per_token = per_token - bonus * entropy * mask
+        self.aggregate(per_token, mask, norm).backward()
         with torch.no_grad():
             current = logp.detach().float()
+            zero = torch.zeros((), device=mask.device)
             return MicroBatchStats(
-                loss=(per_token * mask).sum(), kl=kl.sum(), entropy=(entropy * mask).sum(),
+                loss=(per_token * mask).sum(), kl=kl.sum(), entropy=(entropy.detach() * mask).sum(),
                 clipped=out.clipped.sum(), tokens=mask.sum(),
+                clip_low=zero if out.clip_low is None else out.clip_low.sum(),
+                clip_high=zero if out.clip_high is None else out.clip_high.sum(),
+                dual_clip=zero if out.dual_clip is None else out.dual_clip.sum(),
+                approx_kl=zero if out.approx_kl is None else out.approx_kl.sum(),
                 mismatch_kl=(kl_k3(micro.old_logprobs, current) * mask).sum(),
                 logprob_diff_max=((current - micro.old_logprobs) * mask).abs().max(),
             )
