@@ -137,3 +137,46 @@ def test_per_token_versions_from_the_engine_reach_the_trainer(tmp_path):
     ctl.step()
     versions = parts.trainer.batches[0].logprob_versions
     assert versions[0][versions[0] >= -1].tolist()[-2:] == [-1, 0] and versions[1].max().item() == 0
+
+
+def test_dynamic_sampling_drops_uninformative_groups_and_samples_more(tmp_path):
+    """Rewards by position: 1, 0, 1, 0, ... (FakeReward). With n=2 every group is [1, 0] (informative)
+    unless a sample is unscorable: sample 1 of the first batch is, so its group has one score."""
+    calls: list = []
+    ctrl, parts = controller(tmp_path, calls)
+    ctrl.config.algorithm.dynamic_sampling = True
+    metrics = ctrl.step()
+    # round 1: groups [1, None] (dropped) and [1, 0]; one extra round of 2 prompts fills the step
+    assert [c for c in calls if c[0] in ("generate", "score")] == [("generate", 0), ("score", 4),
+                                                                   ("generate", 0), ("score", 4)]
+    assert metrics.values["dapo/extra_rounds"] == 1 and metrics.values["dapo/dropped_groups"] == 2
+    assert metrics.values["dapo/kept_groups"] == 2
+    batch = parts.trainer.batches[0]
+    assert batch.size == 4 and sorted(set(batch.group_ids.tolist())) == [0, 1]
+
+
+def test_dynamic_sampling_stops_after_max_extra_rounds(tmp_path):
+    calls: list = []
+    ctrl, parts = controller(tmp_path, calls, rate=1.0)
+    parts.reward.unscorable = {1, 3}  # every group of every round has a single score: nothing informative
+    ctrl.config.algorithm.dynamic_sampling = True
+    ctrl.config.algorithm.max_extra_rounds = 2
+    metrics = ctrl.step()
+    assert metrics.values["dapo/extra_rounds"] == 2 and metrics.values["dapo/kept_groups"] == 0
+    assert parts.trainer.batches[0].size == 4  # the first batch, all advantages 0
+    assert float(parts.trainer.batches[0].advantages.abs().sum()) == 0.0
+
+
+def test_remax_generates_a_greedy_baseline_per_prompt_in_the_same_step(tmp_path):
+    calls: list = []
+    ctrl, parts = controller(tmp_path, calls)
+    parts.reward.unscorable = set()
+    ctrl.config.algorithm.advantage = build_config({"algorithm": {"advantage": "remax"}}).algorithm.advantage
+    ctrl._greedy_baseline = True
+    ctrl.step()
+    # samples score 1, 0 | 1, 0; the greedy responses of the 2 prompts score 1 and 0
+    assert [c for c in calls if c[0] in ("generate", "score")] == [("generate", 0), ("score", 4),
+                                                                   ("generate", 0), ("score", 2)]
+    batch = parts.trainer.batches[0]
+    per_sample = (batch.advantages.sum(dim=1) / batch.response_mask.sum(dim=1)).tolist()
+    assert per_sample == [0.0, -1.0, 1.0, 0.0]  # r - baseline: 1-1, 0-1, 1-0, 0-0

@@ -56,6 +56,11 @@ class ReinforcePPAdvantage(_Entry):
     eps: float = Field(1e-8, gt=0.0, description="Added to the batch std before dividing.")
 
 
+class ReMaxAdvantage(_Entry):
+    type: Literal["remax"] = Field(description="ReMax: r - the reward of the prompt's greedy response (generated "
+                                   "and scored in the same step).")
+
+
 class PPOClipLoss(_Entry):
     type: Literal["ppo_clip"] = Field(description="PPO's clipped surrogate, per token.")
     clip_eps_low: float = Field(0.2, ge=0.0, le=1.0, description="The ratio is clipped below at 1 - clip_eps_low.")
@@ -111,13 +116,14 @@ class PluginLoss(_PluginEntry):
 AdvantageConfig = Annotated[
     Union[Annotated[GRPOAdvantage, Tag("grpo")], Annotated[DrGRPOAdvantage, Tag("dr_grpo")],
           Annotated[RLOOAdvantage, Tag("rloo")], Annotated[ReinforcePPAdvantage, Tag("reinforce_pp")],
-          Annotated[ReinforcePPAdvantage, Tag("reinforce_pp_baseline")], Annotated[PluginAdvantage, Tag("plugin")]],
-    _kind({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"})]
+          Annotated[ReinforcePPAdvantage, Tag("reinforce_pp_baseline")], Annotated[ReMaxAdvantage, Tag("remax")],
+          Annotated[PluginAdvantage, Tag("plugin")]],
+    _kind({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"})]
 PolicyLossConfig = Annotated[
     Union[Annotated[PPOClipLoss, Tag("ppo_clip")], Annotated[GSPOLoss, Tag("gspo")], Annotated[CISPOLoss, Tag("cispo")],
           Annotated[ReinforceLoss, Tag("reinforce")], Annotated[PluginLoss, Tag("plugin")]],
     _kind({"ppo_clip", "gspo", "cispo", "reinforce"})]
-NOT_RUNNABLE_YET = {"gae": "a critic", "remax": "the greedy response's reward from the rollout engine"}
+NOT_RUNNABLE_YET = {"gae": "a critic"}
 MOVED = {"norm_by_std": "advantage", "clip_eps_low": "policy_loss", "clip_eps_high": "policy_loss"}
 
 
@@ -137,6 +143,10 @@ class AlgorithmConfig(Section):
                                                     "half squared log-ratio, k3 exp(-x) + x - 1 (Schulman).")
     kl_clamp: float | None = Field(None, gt=0.0, description="Clamp the per-token KL to [-c, c] (verl's low-variance "
                                    "KL uses 10); None: no clamp.")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose scorable rewards are all equal (they "
+                                   "teach nothing) and sample more prompts until prompts_per_step groups remain.")
+    max_extra_rounds: int = Field(3, ge=0, description="dynamic_sampling: at most this many extra generate rounds per "
+                                  "step; a step that still lacks groups trains on those it has.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss minus coef x the policy's per-token "
                                 "entropy (0: off).")
 

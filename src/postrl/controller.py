@@ -6,6 +6,7 @@ ExperienceBuffer.put/get -> TrainWorker.update -> sync_weights -> metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -16,7 +17,8 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from postrl.algorithms import ADVANTAGES, AdvantageInputs
+from postrl.advantage_inputs import advantage_inputs, per_sample
+from postrl.algorithms import ADVANTAGES
 from postrl.buffer import OnPolicyBuffer
 from postrl.config import RunConfig
 from postrl.data import PromptDataset, PromptSampler
@@ -60,6 +62,36 @@ def write_samples(path: Path, prompts: list[Prompt], rollouts: list[Rollout], re
                    "prompt_index": r.prompt_index, "source": prompt.source}
             f.write(json.dumps(row, allow_nan=True) + "\n")
     return path
+
+
+class GroupSet:
+    """Groups (a prompt and its samples) gathered over several generate rounds, re-indexed."""
+
+    def __init__(self) -> None:
+        self.prompts: list[Prompt] = []
+        self.rollouts: list[Rollout] = []
+        self.rewards: list[RewardResult] = []
+
+    def add_informative(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]) -> int:
+        """Add the groups whose scorable rewards are not all equal; return how many were dropped."""
+        by_prompt: dict[int, list[int]] = {}
+        for i, r in enumerate(rollouts):
+            by_prompt.setdefault(r.prompt_index, []).append(i)
+        dropped = 0
+        for index, members in sorted(by_prompt.items()):
+            scores = {rewards[i].reward for i in members if rewards[i].reward is not None}
+            if len(scores) < 2:
+                dropped += 1
+                continue
+            new_index = len(self.prompts)
+            self.prompts.append(prompts[index])
+            self.rollouts += [dataclasses.replace(rollouts[i], prompt_index=new_index) for i in members]
+            self.rewards += [rewards[i] for i in members]
+        return dropped
+
+    def first(self, count: int) -> tuple[list[Prompt], list[Rollout], list[RewardResult]]:
+        pairs = [(r, w) for r, w in zip(self.rollouts, self.rewards) if r.prompt_index < count]
+        return self.prompts[:count], [r for r, _ in pairs], [w for _, w in pairs]
 
 
 class StageTimer:
@@ -112,6 +144,8 @@ class Controller:
             stop=tuple(r.stop),
             stop_token_ids=tuple(r.stop_token_ids),
         )
+        self._greedy_baseline = ADVANTAGES.needs_baseline(self.config.algorithm.advantage.type)
+        self.sampling_stats: dict[str, float] = {}  # dynamic sampling's rounds and dropped groups, per step
         self._pre_step_state: dict[str, Any] | None = None
         self._updating = False
         self.sync_weights(bump=False)
@@ -128,7 +162,11 @@ class Controller:
         prompts = self.sample_prompts()
         rollouts = timer.run("generate", self.generate, prompts)
         rewards = timer.run("reward", self.score, prompts, rollouts)
-        advantages = self.compute_advantage(rollouts, rewards)
+        if self.config.algorithm.dynamic_sampling:
+            prompts, rollouts, rewards = timer.run("dynamic_sampling", self.keep_informative_groups, prompts,
+                                                   rollouts, rewards)
+        baseline = timer.run("baseline", self.greedy_baseline, prompts) if self._greedy_baseline else None
+        advantages = self.compute_advantage(rollouts, rewards, baseline)
         self.record_samples(prompts, rollouts, rewards, advantages)
         self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
         train_metrics = timer.run("train", self.update, self.parts.buffer.get(None, self.weight_version))
@@ -146,6 +184,25 @@ class Controller:
             wanted = self.config.scheduler.rollout_schedule[max(due)]
             if len(getattr(self.parts.rollout, "engines", ())) != wanted:
                 self.scale_rollout(wanted)
+
+    def keep_informative_groups(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]
+                                ) -> tuple[list[Prompt], list[Rollout], list[RewardResult]]:
+        """DAPO's dynamic sampling: keep the groups whose scorable rewards differ; generate and score
+        more prompts (up to ``algorithm.max_extra_rounds`` rounds) until ``prompts_per_step`` groups
+        are kept. With none kept at all, the step trains on the first batch (its advantages are 0)."""
+        target, rounds, dropped = len(prompts), 0, 0
+        kept = GroupSet()
+        dropped += kept.add_informative(prompts, rollouts, rewards)
+        while len(kept.prompts) < target and rounds < self.config.algorithm.max_extra_rounds:
+            rounds += 1
+            more = self.sample_prompts()
+            more_rollouts = self.generate(more)
+            dropped += kept.add_informative(more, more_rollouts, self.score(more, more_rollouts))
+        self.sampling_stats = {"dapo/extra_rounds": float(rounds), "dapo/dropped_groups": float(dropped),
+                               "dapo/kept_groups": float(min(len(kept.prompts), target))}
+        if not kept.prompts:
+            return prompts, rollouts, rewards
+        return kept.first(target)
 
     def generate(self, prompts: list[Prompt]) -> list[Rollout]:
         return self.parts.rollout.generate(prompts, self.sampling, self.weight_version)
@@ -180,7 +237,7 @@ class Controller:
                     timings: dict[str, float]) -> StepMetrics:
         self.step_count += 1
         self._updating = False
-        values = self._metrics(rollouts, rewards, train_metrics, timings)
+        values = {**self._metrics(rollouts, rewards, train_metrics, timings), **self.sampling_stats}
         notes = {}
         reason = most_common_error(rewards)
         if reason:
@@ -219,19 +276,22 @@ class Controller:
             f"The step's samples are saved in {path}"
         )
 
-    def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult]) -> list[float | list[float]]:
-        """One advantage per sample, or per response token for token-level estimators (REINFORCE++)."""
-        reward_tensor = torch.tensor([math.nan if r.reward is None else r.reward for r in rewards], dtype=torch.float32)
-        groups = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
-        width = max((len(r.response_ids) for r in rollouts), default=0)
-        mask = torch.zeros(len(rollouts), width, dtype=torch.float32)
-        for i, r in enumerate(rollouts):
-            mask[i, : len(r.response_ids)] = 1.0
+    def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult],
+                          baseline: list[float] | None = None) -> list[float | list[float]]:
+        """One advantage per sample, or per response token for token-level estimators (REINFORCE++);
+        ``baseline``: a reward per prompt (ReMax's greedy response)."""
         entry = self.config.algorithm.advantage
-        adv = ADVANTAGES.get(entry.type)(AdvantageInputs(reward_tensor, groups, response_mask=mask), **entry.options())
-        if adv.dim() == 1:
-            return adv.tolist()
-        return [row[: len(r.response_ids)] for row, r in zip(adv.tolist(), rollouts)]
+        adv = ADVANTAGES.get(entry.type)(advantage_inputs(rollouts, rewards, baseline), **entry.options())
+        return per_sample(adv, rollouts)
+
+    def greedy_baseline(self, prompts: list[Prompt]) -> list[float]:
+        """ReMax's baseline: the reward of each prompt's greedy response, generated by the same
+        engine with the same weights in the same step (NaN when it cannot be scored)."""
+        greedy = dataclasses.replace(self.sampling, n=1, top_k=1)
+        rollouts = self.parts.rollout.generate(prompts, greedy, self.weight_version)
+        rewards = self.score(prompts, rollouts)
+        by_prompt = {r.prompt_index: res.reward for r, res in zip(rollouts, rewards)}
+        return [math.nan if by_prompt.get(i) is None else by_prompt[i] for i in range(len(prompts))]
 
     def check_engine(self, when: str) -> None:
         """Stop the run, with the engine's own reason, when the rollout engine cannot serve."""

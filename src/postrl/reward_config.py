@@ -134,9 +134,22 @@ class LengthComponent(_Component):
     target_tokens: int = Field(ge=1, description="The response length the penalty starts after.")
 
 
+class OverlongComponent(_Component):
+    type: Literal["overlong"] = Field(description="DAPO's soft overlong penalty: 0, then down to -1 over the last "
+                                      "cache_tokens before max_tokens, -1 beyond.")
+    max_tokens: int = Field(ge=1, description="The response budget (usually rollout.max_tokens).")
+    cache_tokens: int = Field(ge=1, description="The length of the soft zone before max_tokens.")
+
+    @model_validator(mode="after")
+    def _zone_fits(self) -> OverlongComponent:
+        if self.cache_tokens > self.max_tokens:
+            raise ValueError(f"cache_tokens={self.cache_tokens} must be <= max_tokens={self.max_tokens}")
+        return self
+
+
 RewardComponentConfig = Annotated[
     Union[ExactMatchComponent, MathComponent, CustomComponent, CodeComponent, RewardModelComponent,
-          RemoteRewardModelComponent, JudgeComponent, FormatComponent, LengthComponent],
+          RemoteRewardModelComponent, JudgeComponent, FormatComponent, LengthComponent, OverlongComponent],
     Field(discriminator="type"),
 ]
 POOLED_TYPES = ("math", "exact_match", "custom", "code")  # run in the killable scoring processes

@@ -82,7 +82,7 @@ def rloo_advantage(inputs: AdvantageInputs) -> torch.Tensor:
     return adv.to(inputs.rewards.dtype)
 
 
-@register_advantage("remax")
+@register_advantage("remax", needs_baseline=True)
 def remax_advantage(inputs: AdvantageInputs) -> torch.Tensor:
     """ReMax (Li et al. 2023): r minus the reward of the greedy response to the same prompt."""
     if inputs.baseline_rewards is None:

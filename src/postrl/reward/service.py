@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from postrl.config import POOLED_TYPES, ConfigError, RewardComponentConfig, RewardConfig
 from postrl.reward.pool import JobResult, ScoringPool
-from postrl.reward.rules import format_reward, length_penalty
+from postrl.reward.rules import format_reward, length_penalty, overlong_penalty
 from postrl.reward.verifiers import VERIFIERS
 from postrl.types import RewardResult, Score
 
@@ -87,6 +87,9 @@ class RewardService:
             return lambda reqs: [(format_reward(pattern, r.response), None) for r in reqs]
         if comp.type == "length":
             return lambda reqs: [(length_penalty(r.response_tokens, comp.target_tokens), None) for r in reqs]
+        if comp.type == "overlong":
+            return lambda reqs: [(overlong_penalty(r.response_tokens, comp.max_tokens, comp.cache_tokens), None)
+                                 for r in reqs]
         if comp.type == "reward_model":
             from postrl.reward.reward_model import RewardModel
 
