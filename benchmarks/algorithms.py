@@ -20,6 +20,8 @@ ALGORITHMS: dict[str, list[str]] = {
     "dr_grpo": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=seq_mean_token_sum_norm"],
     "rloo": ["algorithm.advantage=rloo"],
     "remax": ["algorithm.advantage=remax"],
+    "ppo": ["algorithm.advantage={type: gae, gamma: 1.0, lam: 0.95}",
+            "algorithm.critic={lr: 1.0e-3, micro_batch_size: 128}"],
     "reinforce_pp": ["algorithm.advantage=reinforce_pp"],
     "reinforce_pp_baseline": ["algorithm.advantage=reinforce_pp_baseline"],
     "gspo": ["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq_mean_token_mean"],

@@ -61,6 +61,25 @@ class ReMaxAdvantage(_Entry):
                                    "and scored in the same step).")
 
 
+class GAEAdvantage(_Entry):
+    type: Literal["gae"] = Field(description="GAE over the response tokens with the critic's values (PPO).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount per token.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE's lambda: 1 = Monte-Carlo returns, 0 = one-step TD.")
+
+
+class CriticConfig(Section):
+    path: str | None = Field(None, description="The value model's backbone (a causal LM folder or id); None: a copy "
+                             "of the policy's starting weights. A scalar head is added, initialised to 0.")
+    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate of the critic.")
+    value_clip: float | None = Field(0.2, gt=0.0, description="PPO value clipping around the values at rollout time; "
+                                     "None: the plain squared error.")
+    warmup_steps: int = Field(0, ge=0, description="The first k steps train only the critic (the policy waits for "
+                              "values worth a baseline).")
+    epochs: int = Field(1, ge=1, description="Passes (optimizer steps) of the critic per RL step.")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per critic forward/backward.")
+    grad_clip: float = Field(1.0, gt=0.0, description="The critic's gradient norm clip.")
+
+
 class PPOClipLoss(_Entry):
     type: Literal["ppo_clip"] = Field(description="PPO's clipped surrogate, per token.")
     clip_eps_low: float = Field(0.2, ge=0.0, le=1.0, description="The ratio is clipped below at 1 - clip_eps_low.")
@@ -117,13 +136,12 @@ AdvantageConfig = Annotated[
     Union[Annotated[GRPOAdvantage, Tag("grpo")], Annotated[DrGRPOAdvantage, Tag("dr_grpo")],
           Annotated[RLOOAdvantage, Tag("rloo")], Annotated[ReinforcePPAdvantage, Tag("reinforce_pp")],
           Annotated[ReinforcePPAdvantage, Tag("reinforce_pp_baseline")], Annotated[ReMaxAdvantage, Tag("remax")],
-          Annotated[PluginAdvantage, Tag("plugin")]],
-    _kind({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"})]
+          Annotated[GAEAdvantage, Tag("gae")], Annotated[PluginAdvantage, Tag("plugin")]],
+    _kind({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"})]
 PolicyLossConfig = Annotated[
     Union[Annotated[PPOClipLoss, Tag("ppo_clip")], Annotated[GSPOLoss, Tag("gspo")], Annotated[CISPOLoss, Tag("cispo")],
           Annotated[ReinforceLoss, Tag("reinforce")], Annotated[PluginLoss, Tag("plugin")]],
     _kind({"ppo_clip", "gspo", "cispo", "reinforce"})]
-NOT_RUNNABLE_YET = {"gae": "a critic"}
 MOVED = {"norm_by_std": "advantage", "clip_eps_low": "policy_loss", "clip_eps_high": "policy_loss"}
 
 
@@ -143,6 +161,7 @@ class AlgorithmConfig(Section):
                                                     "half squared log-ratio, k3 exp(-x) + x - 1 (Schulman).")
     kl_clamp: float | None = Field(None, gt=0.0, description="Clamp the per-token KL to [-c, c] (verl's low-variance "
                                    "KL uses 10); None: no clamp.")
+    critic: CriticConfig | None = Field(None, description="PPO's value model (with advantage: gae); None: no critic.")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose scorable rewards are all equal (they "
                                    "teach nothing) and sample more prompts until prompts_per_step groups remain.")
     max_extra_rounds: int = Field(3, ge=0, description="dynamic_sampling: at most this many extra generate rounds per "
@@ -178,14 +197,14 @@ class AlgorithmConfig(Section):
                 raise ValueError(f"algorithm.plugins: cannot import '{name}': {exc}") from None
         return modules
 
-    @field_validator("advantage")
-    @classmethod
-    def _runnable(cls, v: Any) -> Any:
-        needs = NOT_RUNNABLE_YET.get(getattr(v, "type", ""))
-        if needs:
-            raise ValueError(f"algorithm.advantage={v.type} needs {needs}, which the training loop does not provide "
-                             "yet; the estimator itself is in postrl.algorithms for your own loop")
-        return v
+    @model_validator(mode="after")
+    def _gae_and_critic_go_together(self) -> AlgorithmConfig:
+        gae = getattr(self.advantage, "type", "") == "gae"
+        if gae and self.critic is None:
+            raise ValueError("algorithm.advantage=gae needs a critic: set algorithm.critic (e.g. critic: {lr: 1e-4})")
+        if self.critic is not None and not gae:
+            raise ValueError(f"algorithm.critic is only used by advantage=gae, not {self.advantage.type}")
+        return self
 
     @field_validator("loss_agg")
     @classmethod

@@ -27,7 +27,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, trainer: Any, run_state: dict[str, Any], keep_last: int = 2,
-                    tokenizer: Any = None) -> Path:
+                    tokenizer: Any = None, critic: Any = None) -> Path:
     """``tokenizer`` is saved into the checkpoint's ``model/`` folder, which then loads like any model
     folder (``postrl serve-rollout``/``eval``, ``model.path``, ``AutoModelForCausalLM``)."""
     root = run_dir / "checkpoints"
@@ -37,6 +37,8 @@ def save_checkpoint(run_dir: Path, step: int, trainer: Any, run_state: dict[str,
     if tmp.exists():
         shutil.rmtree(tmp)
     trainer.save_checkpoint(tmp)
+    if critic is not None:
+        critic.save_checkpoint(tmp / "critic")
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
     torch.save(run_state, tmp / "run_state.pt")

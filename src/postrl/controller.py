@@ -124,6 +124,7 @@ class Components:
     trainer: TrainWorker | TrainGroup
     buffer: OnPolicyBuffer
     scheduler: Any = None  # LocalScheduler | RayScheduler: placed the workers; closed last
+    critic: Any = None  # CriticWorker (or its actor) when algorithm.critic is set (PPO with GAE)
 
 
 class Controller:
@@ -145,7 +146,7 @@ class Controller:
             stop_token_ids=tuple(r.stop_token_ids),
         )
         self._greedy_baseline = ADVANTAGES.needs_baseline(self.config.algorithm.advantage.type)
-        self.sampling_stats: dict[str, float] = {}  # dynamic sampling's rounds and dropped groups, per step
+        self.step_stats: dict[str, float] = {}  # per step: dynamic sampling's rounds, the critic's loss
         self._pre_step_state: dict[str, Any] | None = None
         self._updating = False
         self.sync_weights(bump=False)
@@ -157,6 +158,7 @@ class Controller:
     def step(self) -> StepMetrics:
         """One RL step, a line per stage; the timer records each stage's seconds."""
         self.apply_rollout_schedule()
+        self.step_stats = {}
         timer = StageTimer()
         self._pre_step_state, self._updating = self.state_dict(), False
         prompts = self.sample_prompts()
@@ -166,10 +168,13 @@ class Controller:
             prompts, rollouts, rewards = timer.run("dynamic_sampling", self.keep_informative_groups, prompts,
                                                    rollouts, rewards)
         baseline = timer.run("baseline", self.greedy_baseline, prompts) if self._greedy_baseline else None
-        advantages = self.compute_advantage(rollouts, rewards, baseline)
+        values = timer.run("values", self.parts.critic.values, rollouts) if self.parts.critic else None
+        advantages = self.compute_advantage(rollouts, rewards, baseline, values)
         self.record_samples(prompts, rollouts, rewards, advantages)
         self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
         train_metrics = timer.run("train", self.update, self.parts.buffer.get(None, self.weight_version))
+        if values is not None:
+            timer.run("critic", self.update_critic, rollouts, advantages, values)
         timer.run("sync", self.sync_weights)
         return self.finish_step(rollouts, rewards, train_metrics, timer.total())
 
@@ -198,7 +203,7 @@ class Controller:
             more = self.sample_prompts()
             more_rollouts = self.generate(more)
             dropped += kept.add_informative(more, more_rollouts, self.score(more, more_rollouts))
-        self.sampling_stats = {"dapo/extra_rounds": float(rounds), "dapo/dropped_groups": float(dropped),
+        self.step_stats = {"dapo/extra_rounds": float(rounds), "dapo/dropped_groups": float(dropped),
                                "dapo/kept_groups": float(min(len(kept.prompts), target))}
         if not kept.prompts:
             return prompts, rollouts, rewards
@@ -222,6 +227,9 @@ class Controller:
         return rewards
 
     def update(self, experiences: list[Experience]) -> TrainMetrics:
+        if self.in_critic_warmup():  # the policy waits while the critic learns values worth a baseline
+            nan = float("nan")
+            return TrainMetrics(nan, nan, nan, nan, nan, nan, nan, nan, 0, 0)
         batch = ExperienceBatch.from_experiences(experiences, self.parts.tokenizer.pad_token_id)
         self._updating = True  # from here on the weights change: an abandoned step cannot be undone
         return self.parts.trainer.update(batch)
@@ -237,7 +245,7 @@ class Controller:
                     timings: dict[str, float]) -> StepMetrics:
         self.step_count += 1
         self._updating = False
-        values = {**self._metrics(rollouts, rewards, train_metrics, timings), **self.sampling_stats}
+        values = {**self._metrics(rollouts, rewards, train_metrics, timings), **self.step_stats}
         notes = {}
         reason = most_common_error(rewards)
         if reason:
@@ -277,12 +285,22 @@ class Controller:
         )
 
     def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult],
-                          baseline: list[float] | None = None) -> list[float | list[float]]:
-        """One advantage per sample, or per response token for token-level estimators (REINFORCE++);
-        ``baseline``: a reward per prompt (ReMax's greedy response)."""
+                          baseline: list[float] | None = None,
+                          values: list[list[float]] | None = None) -> list[float | list[float]]:
+        """One advantage per sample, or per response token for token-level estimators (REINFORCE++,
+        GAE); ``baseline``: a reward per prompt (ReMax's greedy response); ``values``: the critic's."""
         entry = self.config.algorithm.advantage
-        adv = ADVANTAGES.get(entry.type)(advantage_inputs(rollouts, rewards, baseline), **entry.options())
+        adv = ADVANTAGES.get(entry.type)(advantage_inputs(rollouts, rewards, baseline, values), **entry.options())
         return per_sample(adv, rollouts)
+
+    def update_critic(self, rollouts: list[Rollout], advantages: list, values: list[list[float]]) -> None:
+        """Train the critic towards the GAE returns (advantage + value at rollout time)."""
+        returns = [[a + v for a, v in zip(adv, vals)] for adv, vals in zip(advantages, values)]
+        self.step_stats.update(self.parts.critic.update(rollouts, returns, values))
+
+    def in_critic_warmup(self) -> bool:
+        critic = self.config.algorithm.critic
+        return critic is not None and self.step_count < critic.warmup_steps
 
     def greedy_baseline(self, prompts: list[Prompt]) -> list[float]:
         """ReMax's baseline: the reward of each prompt's greedy response, generated by the same

@@ -85,13 +85,16 @@ def build_components(config: RunConfig) -> Components:
         built.append(scheduler.rollout_pool(tokenizer))
         remote = config.reward.remote is not None or config.scheduler.type == "local"
         built.append(make_reward_service(config.reward) if remote else scheduler.reward_service(make_reward_service))
+        if config.algorithm.critic is not None:
+            built.append(scheduler.critic_worker(tokenizer.pad_token_id))
     except BaseException:
         for part in built:
             getattr(part, "close", lambda: None)()
         scheduler.close()
         raise
-    trainer, rollout, reward = built
-    return Components(config, tokenizer, dataset, rollout, reward, trainer, OnPolicyBuffer(), scheduler)
+    trainer, rollout, reward, *critic = built
+    return Components(config, tokenizer, dataset, rollout, reward, trainer, OnPolicyBuffer(), scheduler,
+                      critic[0] if critic else None)
 
 
 def close_components(parts: Components) -> None:
@@ -215,7 +218,7 @@ def _stderr_echo(text: str) -> None:
 def _checkpoint(controller: Controller, config: RunConfig, place: RunPlace) -> int:
     parts = controller.parts
     path = save_checkpoint(config.run_dir, controller.step_count, parts.trainer, controller.state_dict(),
-                           config.checkpoint.keep_last, parts.tokenizer)
+                           config.checkpoint.keep_last, parts.tokenizer, parts.critic)
     place.publish_checkpoint(path, list_checkpoints(config.run_dir))
     return controller.step_count
 
@@ -279,6 +282,8 @@ def _resume(controller: Controller, place: RunPlace, echo: Callable[[str], None]
     if checkpoint is None:
         raise FileNotFoundError(f"no complete checkpoint under {place.location}/checkpoints to resume from")
     controller.parts.trainer.load_checkpoint(checkpoint)
+    if controller.parts.critic is not None:
+        controller.parts.critic.load_checkpoint(checkpoint / "critic")
     controller.load_state_dict(load_run_state(checkpoint))
     echo(f"resumed {place.location} from step {controller.step_count} ({checkpoint})")
     return controller.step_count

@@ -48,6 +48,12 @@ class LocalScheduler:
         ranks = [ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy_spec(c)) for r in range(n)]
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 
+    def critic_worker(self, pad_id: int) -> Any:
+        from postrl.train.critic import CriticWorker
+
+        c = self.config
+        return CriticWorker(c.algorithm.critic, c.model.path, c.model.dtype, pad_id, seed=c.seed, device=c.train.device)
+
     def reward_service(self, make: Any) -> Any:
         return make(self.config.reward)
 

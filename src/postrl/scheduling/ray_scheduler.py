@@ -245,6 +245,16 @@ class RayScheduler:
                              num_gpus=t.num_gpus, threads=t.threads) for r in range(t.workers)]
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 
+    def critic_worker(self, pad_id: int) -> RemoteObject:
+        """The critic as its own actor, with the train role's resources."""
+        from postrl.train.critic import CriticWorker
+
+        c, t = self.config, self.config.scheduler.train
+        handle = self._actor("critic", "critic", 0, CriticWorker, c.algorithm.critic, c.model.path, c.model.dtype,
+                             pad_id, seed=c.seed, device=c.train.device, num_cpus=t.num_cpus, num_gpus=t.num_gpus,
+                             threads=t.threads)
+        return RemoteObject(handle, timeout=c.scheduler.call_timeout_s)
+
     def reward_service(self, make: Any) -> RestartingRewardService:
         def start() -> RayHandle:
             return self._actor("reward service", "reward", 0, make, self.config.reward,

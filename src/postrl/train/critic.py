@@ -1,0 +1,126 @@
+"""The critic of PPO: a value model (a copy of the policy's backbone with a scalar head) trained
+on GAE returns with a clipped value loss, as its own worker (placed like the others).
+
+Values are per response token, aligned like the trainer's ``[B, T-1]`` tensors: the value at a
+position is read from the hidden state that predicts the next token, i.e. the state before that
+token is generated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from postrl.algorithm_config import CriticConfig
+from postrl.train.state import load_train_state, save_train_state
+from postrl.types import Rollout
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                               use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1)[:, :-1].float()  # [B, T-1]: the value before token t+1
+
+
+def response_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input ids, attention mask and the ``[B, T-1]`` response mask of prompt + response rows."""
+    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+    ids = torch.full((len(rollouts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rollouts), width), dtype=torch.long)
+    response = torch.zeros((len(rollouts), width - 1))
+    for i, r in enumerate(rollouts):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids)
+        attention[i, : p + n] = 1
+        response[i, p - 1 : p - 1 + n] = 1.0
+    return ids, attention, response
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old + clamp(v - old, -clip, clip)
+    (PPO's value clipping; None: the plain squared error). Returns the loss and the clipped indicator."""
+    plain = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * plain * mask, torch.zeros_like(mask)
+    bounded = old_values + torch.clamp(values - old_values, -clip, clip)
+    clipped = (bounded - returns) ** 2
+    return 0.5 * torch.maximum(plain, clipped) * mask, (clipped > plain).float() * mask
+
+
+class CriticWorker:
+    def __init__(self, config: CriticConfig, policy_path: str, model_dtype: str, pad_id: int, seed: int = 0,
+                 device: str = "cpu") -> None:
+        from postrl.devices import resolve_device
+        from postrl.models import load_causal_lm
+
+        torch.manual_seed(seed)
+        self.cfg, self.pad_id = config, pad_id
+        self.device = resolve_device(device, "train.device")
+        lm = load_causal_lm(config.path or policy_path, model_dtype)
+        self.model = ValueModel(lm.get_decoder(), lm.config.hidden_size).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+        self.updates = 0
+
+    @torch.no_grad()
+    def values(self, rollouts: list[Rollout]) -> list[list[float]]:
+        """The value of every response token's state, per sample."""
+        self.model.eval()
+        out: list[list[float]] = []
+        for start in range(0, len(rollouts), self.cfg.micro_batch_size):
+            chunk = rollouts[start : start + self.cfg.micro_batch_size]
+            ids, attention, response = (t.to(self.device) for t in response_batch(chunk, self.pad_id))
+            values = self.model(ids, attention)
+            out += [v[m.bool()].tolist() for v, m in zip(values, response)]
+        return out
+
+    def update(self, rollouts: list[Rollout], returns: list[list[float]], old_values: list[list[float]]) -> dict:
+        """``epochs`` passes of the clipped value loss, token-mean over the whole batch per optimizer
+        step (one step per pass)."""
+        self.model.train()
+        total = sum(len(r.response_ids) for r in rollouts)
+        stats = {"critic/value_loss": 0.0, "critic/clip_fraction": 0.0}
+        for _ in range(self.cfg.epochs):
+            for start in range(0, len(rollouts), self.cfg.micro_batch_size):
+                chunk = slice(start, start + self.cfg.micro_batch_size)
+                ids, attention, mask = (t.to(self.device) for t in response_batch(rollouts[chunk], self.pad_id))
+                target, old = (self._spread(x[chunk], mask) for x in (returns, old_values))
+                loss, clipped = clipped_value_loss(self.model(ids, attention), old, target, mask, self.cfg.value_clip)
+                (loss.sum() / max(total, 1)).backward()
+                stats["critic/value_loss"] += float(loss.detach().sum()) / max(total, 1) / self.cfg.epochs
+                stats["critic/clip_fraction"] += float(clipped.sum()) / max(total, 1) / self.cfg.epochs
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.updates += 1
+        self.model.eval()
+        return stats
+
+    @staticmethod
+    def _spread(per_sample: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
+        """Per-sample response lists into the ``[B, T-1]`` layout of ``mask``."""
+        out = torch.zeros_like(mask)
+        for row, values in enumerate(per_sample):
+            out[row, mask[row].bool()] = torch.tensor(values, dtype=out.dtype, device=out.device)
+        return out
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_train_state(self.model, self.optimizer, path / "dcp")
+        torch.save({"updates": self.updates}, path / "critic_state.pt")
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        path = Path(path)
+        load_train_state(self.model, self.optimizer, path / "dcp")
+        self.updates = int(torch.load(path / "critic_state.pt", weights_only=True)["updates"])
