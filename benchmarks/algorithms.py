@@ -6,6 +6,11 @@ of the final model (200 test problems, greedy), the steps and the wall time. Tar
 every entry but plain `reinforce`, within 3 minutes each on 2 cores.
 
     python benchmarks/algorithms.py [--json] [--only grpo,rloo] [--steps 100]
+    python benchmarks/algorithms.py --dpo [--json]
+
+`--dpo`: preference pairs from the shipped model's own samples (8 per training prompt at
+temperature 1; a correct one is chosen, an incorrect one rejected, prompts with both only), then
+`postrl dpo` on them; key `dpo` with `acc_before` (the shipped model) and `acc` (after).
 """
 
 from __future__ import annotations
@@ -45,12 +50,81 @@ def run(name: str, steps: int, out: str) -> dict:
             "wall_s": round(result.wall_s, 1)}
 
 
+def preference_pairs(path: str, prompts_limit: int = 2000, seed: int = 0) -> int:
+    """Write pairs of the demo model's own correct (chosen) and incorrect (rejected) answers."""
+    from postrl.data.dataset import build_prompts
+    from postrl.models import load_causal_lm, load_tokenizer
+    from postrl.reward.verifiers import VERIFIERS
+    from postrl.rollout.factory import rollout_worker_for_model
+    from postrl.config import RolloutConfig
+    from postrl.tasks import get_task, task_rows
+    from postrl.types import SamplingParams
+    from postrl.reward.worker import resolve
+
+    tokenizer = load_tokenizer("demo")
+    rows = list(task_rows("arithmetic", "train"))[:prompts_limit]
+    dataset = build_prompts(iter(rows), tokenizer)
+    engine = rollout_worker_for_model(RolloutConfig(backend="native"), load_causal_lm("demo"), tokenizer, "float32",
+                                      seed=seed)
+    verifier = resolve(VERIFIERS[get_task("arithmetic").verifier])
+    rollouts = engine.generate(dataset.prompts, SamplingParams(n=8, temperature=1.0, max_tokens=16), 0)
+    by_prompt: dict[int, dict[bool, str]] = {}
+    for r in rollouts:
+        prompt = dataset[r.prompt_index]
+        ok = verifier(prompt.text, r.text, **prompt.columns) >= 1.0
+        by_prompt.setdefault(r.prompt_index, {}).setdefault(ok, r.text)
+    written = 0
+    with open(path, "w") as f:
+        for index, answers in sorted(by_prompt.items()):
+            if True in answers and False in answers:
+                f.write(json.dumps({"prompt": dataset[index].text, "chosen": answers[True],
+                                    "rejected": answers[False]}) + "\n")
+                written += 1
+    return written
+
+
+def run_dpo(out: str) -> dict:
+    import time
+
+    from postrl.config import build_config
+    from postrl.dpo_config import DPORunConfig
+    from postrl.dpo_runner import train_dpo
+    from postrl.evaluate import evaluate_model
+    from postrl.models import load_causal_lm, load_tokenizer
+
+    start = time.perf_counter()
+    data = f"{out}/pairs.jsonl"
+    count = preference_pairs(data)
+    config = build_config({"name": "dpo", "output_dir": out, "model": {"path": "demo"},
+                           "data": {"train_files": [data], "max_tokens": 64}, "dpo": {"beta": 0.1},
+                           "train": {"lr": 1e-4, "mini_batch_size": 64, "micro_batch_size": 64}, "epochs": 2,
+                           "checkpoint": {"every_steps": 0},
+                           "logging": {"console": False, "tensorboard": False, "progress_bar": False}},
+                          model=DPORunConfig)
+    train_dpo(config, echo=lambda s: print(f"[dpo] {s}", file=sys.stderr))
+    tokenizer = load_tokenizer("demo")
+    before = evaluate_model(load_causal_lm("demo"), tokenizer, "arithmetic").accuracy
+    after = evaluate_model(load_causal_lm(f"{out}/dpo/final_model"), tokenizer, "arithmetic").accuracy
+    return {"acc_before": round(before, 4), "acc": round(after, 4), "pairs": count,
+            "wall_s": round(time.perf_counter() - start, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", default=",".join(ALGORITHMS))
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--dpo", action="store_true", help="DPO on the demo model's own preference pairs")
     args = parser.parse_args()
+    if args.dpo:
+        with tempfile.TemporaryDirectory() as out:
+            result = {"dpo": run_dpo(out)}
+        r = result["dpo"]
+        print(f"dpo: {r['pairs']} pairs, held-out accuracy {r['acc_before']:.3f} -> {r['acc']:.3f} "
+              f"in {r['wall_s']:.0f} s (target: higher than the shipped model) {'yes' if r['acc'] > r['acc_before'] else 'NO'}")
+        if args.json:
+            print(json.dumps(result))
+        return
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for name in args.only.split(","):

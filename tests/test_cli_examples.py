@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,9 @@ from tests.test_serve import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-TRAIN_EXAMPLES = ["arithmetic_grpo.yaml", "math_jsonl.yaml", "smollm2_grpo.yaml", "mixed_math_code.yaml"]
+TRAIN_EXAMPLES = ["arithmetic_grpo.yaml", "math_jsonl.yaml", "smollm2_grpo.yaml", "mixed_math_code.yaml", "dapo.yaml",
+                  *sorted(f"algorithms/{p.name}" for p in (Path(__file__).resolve().parents[1] / "examples" /
+                                                           "algorithms").glob("*.yaml"))]
 SERVICE_EXAMPLES = ["reward_service.yaml", "code_reward_service.yaml"]
 
 
@@ -76,8 +79,18 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
     assert (run / "final_model" / "config.json").is_file()
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1
+    if name.startswith("algorithms/") or name == "dapo.yaml":
+        assert math.isfinite(first["actor/loss"]) or name == "algorithms/ppo.yaml"
     if name == "mixed_math_code.yaml":  # each component scored its own rows
         assert {"reward/math/mean", "reward/code/mean"} <= set(first)
+
+
+def test_dpo_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["dpo", str(EXAMPLES / "dpo.yaml"), f"output_dir={tmp_path / 'runs'}", "epochs=1",
+                 "train.mini_batch_size=256", "train.micro_batch_size=128", "logging.tensorboard=false"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[-1]["dpo/reward_accuracy"] > 0.5  # 512 pairs, 256 a step
 
 
 def test_progress_output_to_a_file_has_no_carriage_returns(tmp_path):

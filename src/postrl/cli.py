@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from postrl.config import ConfigError
@@ -39,6 +40,26 @@ def _ray_overrides(args: argparse.Namespace) -> list[str]:
         return []
     address = "null" if args.ray_address == "local" else args.ray_address
     return ["scheduler.type=ray", f"scheduler.address={address}"]
+
+
+def _cmd_dpo(args: argparse.Namespace) -> int:
+    from postrl.config import load_config
+    from postrl.dpo_config import DPORunConfig
+    from postrl.dpo_runner import train_dpo
+
+    if args.resume:
+        path = Path(args.resume) / "config.yaml"
+        if not path.is_file():
+            raise ConfigError(f"{args.resume} is not a DPO run directory (no config.yaml)")
+        config = load_config(path, ([args.config] if args.config else []) + args.overrides, model=DPORunConfig,
+                             import_config_dir=False)
+    else:
+        if not args.config:
+            raise ConfigError("postrl dpo needs a CONFIG.yaml (or --resume runs/NAME)")
+        config = load_config(args.config, args.overrides, model=DPORunConfig)
+    train_dpo(config, resume=bool(args.resume), overwrite=args.overwrite)
+    print(f"run directory: {config.run_dir}")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -189,6 +210,19 @@ def _add_train(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_train)
 
 
+def _add_dpo(command: Callable[..., argparse.ArgumentParser]) -> None:
+    p = command("dpo", "train offline on preference pairs (DPO, IPO, cDPO) from a YAML config",
+                epilog="Pairs: JSONL/Parquet rows with prompt, chosen, rejected strings, or chosen/rejected chat "
+                "message lists (see src/postrl/dpo_config.py and docs/algorithms.md).\n\nexamples:\n"
+                "  postrl dpo examples/dpo.yaml dpo.beta=0.2\n  postrl dpo --resume runs/dpo epochs=2")
+    p.add_argument("config", nargs="?", help="CONFIG.yaml (sections: model, data, dpo, train, checkpoint, logging)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. dpo.loss_type=ipo")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start anew in a run directory that holds a run, moving the old one aside (never deleted)")
+    p.set_defaults(func=_cmd_dpo)
+
+
 def _add_demo(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("demo", "GRPO on the built-in arithmetic task with the shipped model (runs/demo, demo-2, ...)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=20")
@@ -277,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=_Formatter,
                               parents=[verbose])
 
-    for add in (_add_train, _add_demo, _add_eval, _add_serve_rollout, _add_route, _add_serve_reward, _add_convert_gguf):
+    for add in (_add_train, _add_dpo, _add_demo, _add_eval, _add_serve_rollout, _add_route, _add_serve_reward, _add_convert_gguf):
         add(command)
     return parser
 

@@ -17,6 +17,9 @@ CONSOLE_KEYS = [
     ("actor/entropy", "ent", "{:.3f}"),
     ("actor/grad_norm", "gnorm", "{:.3f}"),
     ("perf/gen_tokens_per_s", "tok/s", "{:.0f}"),
+    ("dpo/loss", "dpo loss", "{:.4f}"),
+    ("dpo/reward_accuracy", "pref acc", "{:.3f}"),
+    ("dpo/margin", "margin", "{:.3f}"),
     ("time/step_s", "s", "{:.1f}"),
 ]
 

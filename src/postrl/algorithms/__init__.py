@@ -1,5 +1,6 @@
 """Algorithms as pure tensor functions, found only through their registries."""
 
+from postrl.algorithms.preference import DPO_LOSSES
 from postrl.algorithms.advantages import ADVANTAGES, AdvantageInputs, register_advantage
 from postrl.algorithms.losses import (
     KL_ESTIMATORS,
@@ -16,6 +17,7 @@ from postrl.algorithms.losses import (
 
 __all__ = [
     "ADVANTAGES",
+    "DPO_LOSSES",
     "AdvantageInputs",
     "KL_ESTIMATORS",
     "LossNormalizer",

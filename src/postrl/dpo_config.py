@@ -1,0 +1,53 @@
+"""The config of ``postrl dpo``: offline preference training, sharing the model, train,
+checkpoint and logging sections with ``postrl train``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from postrl.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
+from postrl.config_base import Section
+
+
+class PreferenceDataConfig(Section):
+    train_files: list[str] = Field(min_length=1, description="JSONL or Parquet files of preference pairs: prompt, "
+                                   "chosen, rejected strings, or chosen/rejected chat message lists.")
+    max_tokens: int = Field(512, ge=2, description="Longest prompt + completion; longer pairs are errors (or skipped).")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip.")
+
+
+class DPOConfig(Section):
+    beta: float = Field(0.1, gt=0.0, description="Strength of the implicit KL to the reference (DPO's beta).")
+    loss_type: Literal["sigmoid", "ipo", "cdpo"] = Field(
+        "sigmoid", description="sigmoid: DPO; ipo: IPO's squared loss on per-token mean log-ratios; cdpo: "
+        "DPO with label smoothing.")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="cdpo: the assumed rate of flipped labels.")
+
+
+class DPORunConfig(Section):
+    name: str = Field("dpo", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
+    output_dir: str = Field("runs", description="Runs go to output_dir/name.")
+    seed: int = Field(0, description="Seeds the pair order and the trainer.")
+    epochs: int = Field(1, ge=1, description="Passes over the pairs.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy (and, frozen, the reference).")
+    data: PreferenceDataConfig = Field(description="The preference pairs.")
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="The loss.")
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=5e-6, mini_batch_size=32, micro_batch_size=8),
+                               description="Optimizer and batching, in pairs (mini_batch_size pairs per step).")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
+
+    @property
+    def run_url(self) -> str | None:
+        return f"{self.output_dir.rstrip('/')}/{self.name}" if "://" in self.output_dir else None
+
+    @property
+    def run_dir(self) -> Path:
+        if self.run_url is not None:
+            from postrl.run_store import local_copy_dir
+
+            return local_copy_dir(self.run_url, self.name)
+        return Path(self.output_dir) / self.name

@@ -1,0 +1,95 @@
+"""DPO's Train Worker: the policy's sequence log-probabilities of chosen and rejected completions
+against a frozen reference's (computed once and cached), one of the ``DPO_LOSSES``; the optimizer,
+scheduler, checkpoints and saving are the Train Worker's own."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from postrl.algorithm_config import AlgorithmConfig
+from postrl.algorithms import DPO_LOSSES
+from postrl.algorithms.preference import margin
+from postrl.config import TrainConfig
+from postrl.data.preferences import PreferencePair
+from postrl.dpo_config import DPOConfig
+from postrl.train.logprobs import token_logprobs
+from postrl.train.worker import TrainWorker
+
+
+def pair_batch(pairs: list[PreferencePair], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Rows ``prompt + chosen`` then ``prompt + rejected`` (2B rows), with the completion mask
+    ``[2B, T-1]`` and group ids (a pair shares its prompt)."""
+    rows = [(p.prompt_ids, c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+    width = max(len(a) + len(b) for a, b in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width - 1))
+    for i, (prompt, completion) in enumerate(rows):
+        p, n = len(prompt), len(completion)
+        ids[i, : p + n] = torch.tensor(prompt + completion)
+        attention[i, : p + n] = 1
+        mask[i, p - 1 : p - 1 + n] = 1.0
+    groups = torch.arange(len(pairs)).repeat_interleave(2)
+    return ids, attention, mask, groups
+
+
+def sequence_logprobs(model: torch.nn.Module, pairs: list[PreferencePair], pad_id: int,
+                      average: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed (``average``: per-token mean) completion log-probabilities: (chosen [B], rejected [B])."""
+    device = next(model.parameters()).device
+    ids, attention, mask, groups = (t.to(device) for t in pair_batch(pairs, pad_id))
+    logp, _ = token_logprobs(model, ids, attention, target_mask=mask, group_ids=groups)
+    total = (logp * mask).sum(dim=-1)
+    if average:
+        total = total / mask.sum(dim=-1).clamp(min=1)
+    return total[0::2], total[1::2]
+
+
+class DPOWorker(TrainWorker):
+    def __init__(self, model: torch.nn.Module, train: TrainConfig, dpo: DPOConfig, pad_id: int, seed: int = 0,
+                 gradient_checkpointing: bool = False) -> None:
+        super().__init__(model, train, AlgorithmConfig(), seed=seed, gradient_checkpointing=gradient_checkpointing)
+        self.dpo, self.pad_id = dpo, pad_id
+        self.average = dpo.loss_type == "ipo"
+        self.loss = functools.partial(DPO_LOSSES.get(dpo.loss_type), beta=dpo.beta,
+                                      **({"label_smoothing": dpo.label_smoothing} if dpo.loss_type != "ipo" else {}))
+
+    @torch.no_grad()
+    def reference_logprobs(self, pairs: list[PreferencePair]) -> torch.Tensor:
+        """``[N, 2]`` (chosen, rejected) under the current weights: called once, before training,
+        so the reference is the starting policy."""
+        self.model.eval()
+        out = []
+        for start in range(0, len(pairs), self.cfg.micro_batch_size):
+            chosen, rejected = sequence_logprobs(self.model, pairs[start : start + self.cfg.micro_batch_size],
+                                                 self.pad_id, self.average)
+            out.append(torch.stack([chosen, rejected], dim=1).float().cpu())
+        return torch.cat(out)
+
+    def update_pairs(self, pairs: list[PreferencePair], reference: torch.Tensor) -> dict[str, float]:
+        """One optimizer step over ``pairs`` (micro-batches of ``train.micro_batch_size`` pairs, the
+        loss averaged over all of them) and its metrics."""
+        self.model.train()
+        device = next(self.model.parameters()).device
+        sums = torch.zeros(5, device=device)  # loss, accuracy, margin, chosen reward, rejected reward
+        for start in range(0, len(pairs), self.cfg.micro_batch_size):
+            micro = pairs[start : start + self.cfg.micro_batch_size]
+            ref = reference[start : start + len(micro)].to(device)
+            chosen, rejected = sequence_logprobs(self.model, micro, self.pad_id, self.average)
+            z = margin(chosen, rejected, ref[:, 0], ref[:, 1])
+            loss = self.loss(z)
+            (loss.sum() / len(pairs)).backward()
+            with torch.no_grad():
+                r_c, r_r = self.dpo.beta * (chosen - ref[:, 0]), self.dpo.beta * (rejected - ref[:, 1])
+                sums += torch.stack([loss.sum(), (r_c > r_r).float().sum(), (r_c - r_r).sum(), r_c.sum(), r_r.sum()])
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self.model.eval()
+        values = (sums / len(pairs)).tolist()
+        names = ["dpo/loss", "dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward"]
+        return {**dict(zip(names, values)), "actor/grad_norm": float(norm), "actor/lr": self.scheduler.get_last_lr()[0]}
