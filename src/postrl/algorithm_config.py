@@ -159,6 +159,12 @@ class AlgorithmConfig(Section):
     kl_beta: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient; 0 loads no reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL(pi || ref) per token: k1 log-ratio, k2 "
                                                     "half squared log-ratio, k3 exp(-x) + x - 1 (Schulman).")
+    kl_in: Literal["loss", "reward"] = Field("loss", description="Where the KL to the reference goes: a term of the "
+                                             "loss, or a per-token penalty -beta x KL in the reward (token-level "
+                                             "estimators: reinforce_pp, reinforce_pp_baseline, gae).")
+    kl_target: float | None = Field(None, gt=0.0, description="Adapt kl_beta towards this KL per token (Ziegler et "
+                                    "al. 2019), starting from kl_beta; None: a fixed coefficient.")
+    kl_horizon: int = Field(10000, ge=1, description="The adaptive controller's horizon, in samples.")
     kl_clamp: float | None = Field(None, gt=0.0, description="Clamp the per-token KL to [-c, c] (verl's low-variance "
                                    "KL uses 10); None: no clamp.")
     critic: CriticConfig | None = Field(None, description="PPO's value model (with advantage: gae); None: no critic.")
@@ -196,6 +202,17 @@ class AlgorithmConfig(Section):
             except ImportError as exc:
                 raise ValueError(f"algorithm.plugins: cannot import '{name}': {exc}") from None
         return modules
+
+    @model_validator(mode="after")
+    def _kl_settings_fit(self) -> AlgorithmConfig:
+        if self.kl_target is not None and self.kl_beta <= 0:
+            raise ValueError("algorithm.kl_target adapts kl_beta from its starting value: set kl_beta > 0")
+        token_level = {"reinforce_pp", "reinforce_pp_baseline", "gae"}
+        if self.kl_in == "reward" and getattr(self.advantage, "type", "") not in token_level:
+            raise ValueError(f"algorithm.kl_in=reward puts a per-token penalty into the rewards, which "
+                             f"advantage={self.advantage.type} does not take (it uses one reward per sample); use "
+                             f"kl_in=loss, or one of {', '.join(sorted(token_level))}")
+        return self
 
     @model_validator(mode="after")
     def _gae_and_critic_go_together(self) -> AlgorithmConfig:

@@ -18,7 +18,8 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from postrl.advantage_inputs import advantage_inputs, per_sample
-from postrl.algorithms import ADVANTAGES
+from postrl.algorithms import ADVANTAGES, kl_penalty
+from postrl.algorithms.kl_control import adaptive_kl_coef
 from postrl.buffer import OnPolicyBuffer
 from postrl.config import RunConfig
 from postrl.data import PromptDataset, PromptSampler
@@ -146,6 +147,7 @@ class Controller:
             stop_token_ids=tuple(r.stop_token_ids),
         )
         self._greedy_baseline = ADVANTAGES.needs_baseline(self.config.algorithm.advantage.type)
+        self.kl_beta = self.config.algorithm.kl_beta
         self.step_stats: dict[str, float] = {}  # per step: dynamic sampling's rounds, the critic's loss
         self._pre_step_state: dict[str, Any] | None = None
         self._updating = False
@@ -169,12 +171,14 @@ class Controller:
                                                    rollouts, rewards)
         baseline = timer.run("baseline", self.greedy_baseline, prompts) if self._greedy_baseline else None
         values = timer.run("values", self.parts.critic.values, rollouts) if self.parts.critic else None
-        advantages = self.compute_advantage(rollouts, rewards, baseline, values)
+        penalty = timer.run("reference", self.kl_rewards, rollouts) if self.config.algorithm.kl_in == "reward" else None
+        advantages = self.compute_advantage(rollouts, rewards, baseline, values, penalty)
         self.record_samples(prompts, rollouts, rewards, advantages)
         self.parts.buffer.put(self._experiences(prompts, rollouts, rewards, advantages))
         train_metrics = timer.run("train", self.update, self.parts.buffer.get(None, self.weight_version))
         if values is not None:
             timer.run("critic", self.update_critic, rollouts, advantages, values)
+        self.adapt_kl_beta(train_metrics, len(rollouts))
         timer.run("sync", self.sync_weights)
         return self.finish_step(rollouts, rewards, train_metrics, timer.total())
 
@@ -285,13 +289,35 @@ class Controller:
         )
 
     def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult],
-                          baseline: list[float] | None = None,
-                          values: list[list[float]] | None = None) -> list[float | list[float]]:
+                          baseline: list[float] | None = None, values: list[list[float]] | None = None,
+                          token_rewards: list[list[float]] | None = None) -> list[float | list[float]]:
         """One advantage per sample, or per response token for token-level estimators (REINFORCE++,
-        GAE); ``baseline``: a reward per prompt (ReMax's greedy response); ``values``: the critic's."""
+        GAE); ``baseline``: a reward per prompt (ReMax's greedy response); ``values``: the critic's;
+        ``token_rewards``: the per-token KL penalty."""
         entry = self.config.algorithm.advantage
-        adv = ADVANTAGES.get(entry.type)(advantage_inputs(rollouts, rewards, baseline, values), **entry.options())
-        return per_sample(adv, rollouts)
+        inputs = advantage_inputs(rollouts, rewards, baseline, values, token_rewards)
+        return per_sample(ADVANTAGES.get(entry.type)(inputs, **entry.options()), rollouts)
+
+    def kl_rewards(self, rollouts: list[Rollout]) -> list[list[float]]:
+        """``algorithm.kl_in: reward``: -beta x KL(pi_old || ref) for every response token, from the
+        rollout's logprobs and the reference model's."""
+        a = self.config.algorithm
+        batch = ExperienceBatch.from_experiences(
+            [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, r.weight_version) for r in rollouts],
+            self.parts.tokenizer.pad_token_id)
+        ref = self.parts.trainer.reference_logprobs(batch)
+        kl = kl_penalty(batch.old_logprobs, ref, a.kl_estimator, a.kl_clamp) * batch.response_mask
+        self.step_stats["kl/reward_penalty"] = float(kl.sum() / batch.response_mask.sum().clamp(min=1))
+        return [(-self.kl_beta * row[mask.bool()]).tolist() for row, mask in zip(kl, batch.response_mask)]
+
+    def adapt_kl_beta(self, train: TrainMetrics, samples: int) -> None:
+        """``algorithm.kl_target``: move the KL coefficient towards the target (and tell the trainer)."""
+        a = self.config.algorithm
+        if a.kl_target is None:
+            return
+        observed = self.step_stats.get("kl/reward_penalty", train.kl) if a.kl_in == "reward" else train.kl
+        self.kl_beta = adaptive_kl_coef(self.kl_beta, observed, a.kl_target, samples, a.kl_horizon)
+        self.parts.trainer.set_kl_beta(self.kl_beta)
 
     def update_critic(self, rollouts: list[Rollout], advantages: list, values: list[list[float]]) -> None:
         """Train the critic towards the GAE returns (advantage + value at rollout time)."""
@@ -382,6 +408,7 @@ class Controller:
             "response/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
             "actor/loss": train.loss,
             "actor/kl": train.kl,
+            "actor/kl_beta": self.kl_beta,
             "actor/entropy": train.entropy,
             "actor/clip_fraction": train.clip_fraction,
             "actor/clip_low": train.clip_low_fraction,
@@ -416,6 +443,7 @@ class Controller:
             "sampler": self.sampler.state_dict(),
             "rollout": self.parts.rollout.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            "kl_beta": self.kl_beta,
         }
 
     def load_state_dict(self, state: dict[str, Any], sync: bool = True) -> None:
@@ -424,5 +452,8 @@ class Controller:
         self.sampler.load_state_dict(state["sampler"])
         self.parts.rollout.load_state_dict(state["rollout"])
         torch.set_rng_state(state["torch_rng"])
+        if "kl_beta" in state and self.config.algorithm.kl_target is not None:
+            self.kl_beta = float(state["kl_beta"])
+            self.parts.trainer.set_kl_beta(self.kl_beta)
         if sync:
             self.sync_weights(bump=False)

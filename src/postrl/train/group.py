@@ -59,6 +59,12 @@ class TrainGroup:
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
         return self._all("update", batch.to("cpu"))[0]
 
+    def reference_logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        return self._all("reference_logprobs", batch.to("cpu"))[0]
+
+    def set_kl_beta(self, beta: float) -> None:
+        self._all("set_kl_beta", beta)
+
     def policy_state(self) -> dict[str, torch.Tensor]:
         return self._all("policy_state")[0]
 

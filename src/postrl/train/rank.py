@@ -85,6 +85,13 @@ class TrainRank:
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
         return self.worker.update(batch)
 
+    def reference_logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        """Every rank runs the whole batch (the forward is a collective); rank 0's answer is used."""
+        return self.worker.reference_logprobs(batch)
+
+    def set_kl_beta(self, beta: float) -> None:
+        self.worker.set_kl_beta(beta)
+
     def policy_state(self) -> dict[str, torch.Tensor] | None:
         """The full weights on rank 0 (tied tensors once), None on the others."""
         state = self.worker.policy_state()

@@ -120,6 +120,7 @@ class TrainWorker:
         self.ref_model = ref_model.eval() if ref_model is not None else None
         if self.algo.kl_beta > 0 and self.ref_model is None:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
+        self.kl_beta = algorithm.kl_beta  # the adaptive controller moves it (set_kl_beta)
         set_training_attention(model, train.attention)
         if gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -250,12 +251,12 @@ class TrainWorker:
         )
         per_token = out.per_token
         kl = torch.zeros_like(logp)
-        if self.algo.kl_beta > 0:
+        if self.ref_model is not None and self.algo.kl_in == "loss":
             with torch.no_grad(), self._autocast():
                 ref_logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature,
                                              target_mask=micro.response_mask, group_ids=micro.group_ids)
             kl = kl_penalty(logp, ref_logp, self.algo.kl_estimator, self.algo.kl_clamp) * mask
-            per_token = per_token + self.algo.kl_beta * kl
+            per_token = per_token + self.kl_beta * kl
         if bonus:
             per_token = per_token - bonus * entropy * mask
         self.aggregate(per_token, mask, norm).backward()
@@ -279,6 +280,24 @@ class TrainWorker:
         if not bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+    def set_kl_beta(self, beta: float) -> None:
+        self.kl_beta = beta
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        """The reference model's logprob of every response token, ``[B, T-1]`` (0 elsewhere), on the CPU."""
+        if self.ref_model is None:
+            raise ValueError("reference log-probabilities need a reference model (algorithm.kl_beta > 0)")
+        device = next(self.model.parameters()).device
+        out = []
+        for start in range(0, batch.size, self.cfg.micro_batch_size):
+            micro = batch.select(slice(start, start + self.cfg.micro_batch_size)).to(device)
+            with self._autocast():
+                logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature,
+                                         target_mask=micro.response_mask, group_ids=micro.group_ids)
+            out.append(logp.float().cpu())
+        return torch.cat(out)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The full weights, by name (a multi-process worker gathers them; see FSDPTrainWorker)."""
