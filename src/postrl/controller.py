@@ -6,9 +6,7 @@ ExperienceBuffer.put/get -> TrainWorker.update -> sync_weights -> metrics.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -18,8 +16,8 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from postrl.advantage_inputs import advantage_inputs, per_sample
-from postrl.algorithms import ADVANTAGES, kl_penalty
-from postrl.algorithms.kl_control import adaptive_kl_coef
+from postrl.algorithms import ADVANTAGES
+from postrl.algorithm_stages import AlgorithmStages
 from postrl.buffer import OnPolicyBuffer
 from postrl.config import RunConfig
 from postrl.data import PromptDataset, PromptSampler
@@ -65,36 +63,6 @@ def write_samples(path: Path, prompts: list[Prompt], rollouts: list[Rollout], re
     return path
 
 
-class GroupSet:
-    """Groups (a prompt and its samples) gathered over several generate rounds, re-indexed."""
-
-    def __init__(self) -> None:
-        self.prompts: list[Prompt] = []
-        self.rollouts: list[Rollout] = []
-        self.rewards: list[RewardResult] = []
-
-    def add_informative(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]) -> int:
-        """Add the groups whose scorable rewards are not all equal; return how many were dropped."""
-        by_prompt: dict[int, list[int]] = {}
-        for i, r in enumerate(rollouts):
-            by_prompt.setdefault(r.prompt_index, []).append(i)
-        dropped = 0
-        for index, members in sorted(by_prompt.items()):
-            scores = {rewards[i].reward for i in members if rewards[i].reward is not None}
-            if len(scores) < 2:
-                dropped += 1
-                continue
-            new_index = len(self.prompts)
-            self.prompts.append(prompts[index])
-            self.rollouts += [dataclasses.replace(rollouts[i], prompt_index=new_index) for i in members]
-            self.rewards += [rewards[i] for i in members]
-        return dropped
-
-    def first(self, count: int) -> tuple[list[Prompt], list[Rollout], list[RewardResult]]:
-        pairs = [(r, w) for r, w in zip(self.rollouts, self.rewards) if r.prompt_index < count]
-        return self.prompts[:count], [r for r, _ in pairs], [w for _, w in pairs]
-
-
 class StageTimer:
     """Seconds per stage of a step, and the step's total."""
 
@@ -128,7 +96,7 @@ class Components:
     critic: Any = None  # CriticWorker (or its actor) when algorithm.critic is set (PPO with GAE)
 
 
-class Controller:
+class Controller(AlgorithmStages):
     def __init__(self, parts: Components, sync_dir: Any = None) -> None:
         self.parts = parts
         self.config = parts.config
@@ -193,25 +161,6 @@ class Controller:
             wanted = self.config.scheduler.rollout_schedule[max(due)]
             if len(getattr(self.parts.rollout, "engines", ())) != wanted:
                 self.scale_rollout(wanted)
-
-    def keep_informative_groups(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]
-                                ) -> tuple[list[Prompt], list[Rollout], list[RewardResult]]:
-        """DAPO's dynamic sampling: keep the groups whose scorable rewards differ; generate and score
-        more prompts (up to ``algorithm.max_extra_rounds`` rounds) until ``prompts_per_step`` groups
-        are kept. With none kept at all, the step trains on the first batch (its advantages are 0)."""
-        target, rounds, dropped = len(prompts), 0, 0
-        kept = GroupSet()
-        dropped += kept.add_informative(prompts, rollouts, rewards)
-        while len(kept.prompts) < target and rounds < self.config.algorithm.max_extra_rounds:
-            rounds += 1
-            more = self.sample_prompts()
-            more_rollouts = self.generate(more)
-            dropped += kept.add_informative(more, more_rollouts, self.score(more, more_rollouts))
-        self.step_stats = {"dapo/extra_rounds": float(rounds), "dapo/dropped_groups": float(dropped),
-                               "dapo/kept_groups": float(min(len(kept.prompts), target))}
-        if not kept.prompts:
-            return prompts, rollouts, rewards
-        return kept.first(target)
 
     def generate(self, prompts: list[Prompt]) -> list[Rollout]:
         return self.parts.rollout.generate(prompts, self.sampling, self.weight_version)
@@ -297,45 +246,6 @@ class Controller:
         entry = self.config.algorithm.advantage
         inputs = advantage_inputs(rollouts, rewards, baseline, values, token_rewards)
         return per_sample(ADVANTAGES.get(entry.type)(inputs, **entry.options()), rollouts)
-
-    def kl_rewards(self, rollouts: list[Rollout]) -> list[list[float]]:
-        """``algorithm.kl_in: reward``: -beta x KL(pi_old || ref) for every response token, from the
-        rollout's logprobs and the reference model's."""
-        a = self.config.algorithm
-        batch = ExperienceBatch.from_experiences(
-            [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, r.weight_version) for r in rollouts],
-            self.parts.tokenizer.pad_token_id)
-        ref = self.parts.trainer.reference_logprobs(batch)
-        kl = kl_penalty(batch.old_logprobs, ref, a.kl_estimator, a.kl_clamp) * batch.response_mask
-        self.step_stats["kl/reward_penalty"] = float(kl.sum() / batch.response_mask.sum().clamp(min=1))
-        return [(-self.kl_beta * row[mask.bool()]).tolist() for row, mask in zip(kl, batch.response_mask)]
-
-    def adapt_kl_beta(self, train: TrainMetrics, samples: int) -> None:
-        """``algorithm.kl_target``: move the KL coefficient towards the target (and tell the trainer)."""
-        a = self.config.algorithm
-        if a.kl_target is None:
-            return
-        observed = self.step_stats.get("kl/reward_penalty", train.kl) if a.kl_in == "reward" else train.kl
-        self.kl_beta = adaptive_kl_coef(self.kl_beta, observed, a.kl_target, samples, a.kl_horizon)
-        self.parts.trainer.set_kl_beta(self.kl_beta)
-
-    def update_critic(self, rollouts: list[Rollout], advantages: list, values: list[list[float]]) -> None:
-        """Train the critic towards the GAE returns (advantage + value at rollout time)."""
-        returns = [[a + v for a, v in zip(adv, vals)] for adv, vals in zip(advantages, values)]
-        self.step_stats.update(self.parts.critic.update(rollouts, returns, values))
-
-    def in_critic_warmup(self) -> bool:
-        critic = self.config.algorithm.critic
-        return critic is not None and self.step_count < critic.warmup_steps
-
-    def greedy_baseline(self, prompts: list[Prompt]) -> list[float]:
-        """ReMax's baseline: the reward of each prompt's greedy response, generated by the same
-        engine with the same weights in the same step (NaN when it cannot be scored)."""
-        greedy = dataclasses.replace(self.sampling, n=1, top_k=1)
-        rollouts = self.parts.rollout.generate(prompts, greedy, self.weight_version)
-        rewards = self.score(prompts, rollouts)
-        by_prompt = {r.prompt_index: res.reward for r, res in zip(rollouts, rewards)}
-        return [math.nan if by_prompt.get(i) is None else by_prompt[i] for i in range(len(prompts))]
 
     def check_engine(self, when: str) -> None:
         """Stop the run, with the engine's own reason, when the rollout engine cannot serve."""
