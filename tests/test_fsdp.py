@@ -147,3 +147,24 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
     assert all(torch.equal(saved[n], reloaded[n]) for n in saved)
     more = train(resume_config(tmp_path / "fsdp", ["steps=3", "scheduler.train.workers=1"]), resume=True)
     assert more.step_count == 3
+
+
+@pytest.mark.parametrize("loss_agg", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_sequence_aggregations_are_exact_across_ranks(tiny_model_dir, char_tokenizer, loss_agg):
+    """The sequence normalisers are global too: 2 ranks give the one-process update."""
+    batch = uneven_batch(char_tokenizer.pad_token_id)
+    train = TRAIN.model_copy(update={"mini_batch_size": 6})
+    algorithm = AlgorithmConfig(loss_agg=loss_agg)
+    single = TrainWorker(load_causal_lm(str(tiny_model_dir)), train, algorithm, seed=0)
+    want = single.update(batch)
+    spec = GroupSpec(world=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=60)
+    policy = PolicySpec(str(tiny_model_dir), "float32", train, algorithm, temperature=1.0, seed=0)
+    group = TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(2)])
+    try:
+        got = group.update(batch)
+        assert abs(got.grad_norm - want.grad_norm) <= 1e-4
+        state = group.policy_state()
+        diff = max(float((state[n] - t).abs().max()) for n, t in single.model.state_dict().items() if n in state)
+        assert diff <= 1e-5, diff
+    finally:
+        group.close()

@@ -94,3 +94,18 @@ def test_rollout_actor_killed_mid_step_loses_and_duplicates_nothing(tmp_path, ti
     finally:
         scheduler.close()
     assert not ray.is_initialized()
+
+
+def test_ppo_with_critic_and_kl_in_the_reward_under_ray(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    """The critic as its own actor, reference log-probabilities from the train actor, an adaptive KL
+    coefficient sent to it: the algorithm library runs under the Ray scheduler too."""
+    config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
+    config = build_config({**config.model_dump(mode="json"), "steps": 2, "algorithm": {
+        "advantage": "gae", "critic": {"lr": 1e-2}, "kl_beta": 0.1, "kl_in": "reward", "kl_target": 0.01}})
+    controller = train(config)
+    rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["critic/value_loss"] > 0 for r in rows) and rows[1]["kl/reward_penalty"] > 0
+    assert rows[1]["actor/kl_beta"] != 0.1
+    assert (config.run_dir / "checkpoints" / "step_00000002" / "critic" / "critic_state.pt").is_file()
+    assert not ray.is_initialized() and controller.step_count == 2

@@ -153,6 +153,7 @@ class RestartingRewardService(RemoteObject):
 
 
 class RayScheduler:
+    START_TIMEOUT_S = 300.0
     def __init__(self, config: RunConfig) -> None:
         import ray
 
@@ -178,9 +179,11 @@ class RayScheduler:
 
     def _cpus_asked(self) -> float:
         s = self.config.scheduler
+        critic = s.train.num_cpus if self.config.algorithm.critic is not None else 0.0
         if s.colocate:
-            return max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus) + s.reward.num_cpus
-        return s.rollout.workers * s.rollout.num_cpus + s.train.workers * s.train.num_cpus + s.reward.num_cpus
+            pairs = max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus)
+            return pairs + s.reward.num_cpus + critic
+        return s.rollout.workers * s.rollout.num_cpus + s.train.workers * s.train.num_cpus + s.reward.num_cpus + critic
 
     def _bundle(self, *roles: Any) -> dict[str, float]:
         cpus = sum(r.num_cpus for r in roles)
@@ -215,7 +218,15 @@ class RayScheduler:
             strategy = PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=bundle)
         cls = ray.remote(ActorHost).options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
                                              scheduling_strategy=strategy)
-        return RayHandle(name, cls.remote(factory, args, kwargs, threads))
+        actor = cls.remote(factory, args, kwargs, threads)
+        try:  # an actor the cluster cannot place would otherwise make its first call wait out the call timeout
+            ray.get(actor.ping.remote(), timeout=self.START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor, no_restart=True)
+            raise RuntimeError(f"Ray could not start {name} within {self.START_TIMEOUT_S:g} s: it asks for "
+                               f"{num_cpus} CPUs and {num_gpus} GPUs; the cluster has {ray.available_resources()} "
+                               "available (lower scheduler.*.num_cpus / num_gpus or add nodes)") from None
+        return RayHandle(name, actor)
 
     def rollout_pool(self, tokenizer: Any, host_class: type = RolloutEngineHost) -> RolloutPool:
         """Engines as actors hosting ``host_class`` (a :class:`RolloutEngineHost` or a subclass of it)."""
