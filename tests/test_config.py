@@ -84,12 +84,15 @@ def test_example_configs_are_valid():
     from pathlib import Path
 
     from postrl.config import RewardServiceFile
+    from postrl.dpo_config import DPORunConfig
 
-    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
-    assert examples
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
+    assert len(examples) >= 17
     for path in examples:
         if path.name.endswith("_service.yaml"):  # `postrl serve-reward --config` files
             assert load_config(path, model=RewardServiceFile).reward.components
+        elif path.name == "dpo.yaml":  # `postrl dpo`
+            assert load_config(path, model=DPORunConfig).dpo.loss_type == "sigmoid"
         else:
             load_config(path)
 

@@ -78,3 +78,16 @@ def test_postrl_dpo_learns_the_preferences_caches_the_reference_and_resumes(tmp_
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
     assert torch.equal(torch.load(run / "reference_logprobs.pt", weights_only=True)["logprobs"], cached["logprobs"])
+
+
+def test_preference_pairs_from_parquet_name_the_row(tmp_path, char_tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+                                         {"prompt": "", "chosen": "4", "rejected": "5"}]), path)
+    with pytest.raises(DatasetError, match=f"{path}:row 2: 'prompt' must be a non-empty string"):
+        load_preference_pairs([str(path)], char_tokenizer, max_tokens=64)
+    pairs, skipped = load_preference_pairs([str(path)], char_tokenizer, max_tokens=64, on_bad_row="skip")
+    assert len(pairs) == 1 and pairs[0].source == f"{path}:row 1" and len(skipped) == 1
