@@ -348,13 +348,29 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, mod
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        data = loaded or {}
+        data = _data_files_found_near(loaded or {}, path.resolve().parent)
         if import_config_dir and "import_paths" in (model or RunConfig).model_fields:
             here = str(path.resolve().parent)
             paths = data.get("import_paths") or []
             if isinstance(paths, list) and here not in paths:
                 data = {**data, "import_paths": [*paths, here]}
     return build_config(data, overrides, model)
+
+
+def _data_files_found_near(data: dict[str, Any], config_dir: Path) -> dict[str, Any]:
+    """A relative ``data.train_files`` entry that is not under the working directory but is next to
+    the config file means the file next to the config (so an example runs from any directory)."""
+    section = data.get("data")
+    files = section.get("train_files") if isinstance(section, dict) else None
+    if not isinstance(files, list):
+        return data
+    found = []
+    for f in files:
+        if isinstance(f, str) and "://" not in f and not Path(f).is_absolute() and not Path(f).exists():
+            near = config_dir / f
+            f = str(near) if near.exists() else f
+        found.append(f)
+    return {**data, "data": {**section, "train_files": found}}
 
 
 def activate_import_paths(paths: list[str]) -> None:

@@ -48,7 +48,7 @@ def pair_order(n: int, seed: int, epoch: int) -> list[int]:
 def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = False, echo=print) -> DPOWorker:
     place = RunPlace(config)  # type: ignore[arg-type] - the same run-directory fields as RunConfig
     if not resume:
-        place.check_new(overwrite)
+        place.check_new(overwrite, command="dpo")
     tokenizer = load_tokenizer(config.model.path)
     pairs, skipped = load_preference_pairs(config.data.train_files, tokenizer, config.data.max_tokens,
                                            config.data.on_bad_row)

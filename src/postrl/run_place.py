@@ -42,14 +42,14 @@ class RunPlace:
     def contents(self) -> list[str]:
         return self.store.holds_a_run() if self.store else _local_contents(self.local)
 
-    def check_new(self, overwrite: bool) -> None:
+    def check_new(self, overwrite: bool, command: str = "train") -> None:
         """Refuse a new run into a place that holds one, unless ``overwrite`` (which moves it aside)."""
         found = self.contents()
         if not found or overwrite:
             return
         raise RunDirectoryError(
             f"run directory {self.location} already holds a run ({', '.join(found[:6])}). "
-            f"Continue it with `postrl train --resume {self.location}`, start a new one with a new name (name=NEW), "
+            f"Continue it with `postrl {command} --resume {self.location}`, start a new one with a new name (name=NEW), "
             f"or pass --overwrite to move the old run aside to {self.location}.old-<time>"
         )
 
