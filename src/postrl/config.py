@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from postrl.algorithm_config import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config_base import Section
+from postrl.run_store import RunLocation
 from postrl.devices import DEVICE_PATTERN
 from postrl.scheduler_config import SchedulerConfig
 from postrl.reward_config import (  # noqa: F401 - the config's public names
@@ -188,7 +189,7 @@ class LoggingConfig(Section):
     samples_every: int = Field(10, ge=0, description="Also write the samples of every k-th step; 0 = never.")
 
 
-class RunConfig(Section):
+class RunConfig(RunLocation, Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
     output_dir: str = Field("runs", description="Runs go to output_dir/name; a URL (s3://bucket/runs, file://...) "
                             "keeps the run there through fsspec, working in a local copy.")
@@ -250,20 +251,6 @@ class RunConfig(Section):
                 f"rollout.n >= 2 (got {self.rollout.n}: every advantage would be 0 and nothing would be learned)"
             )
         return self
-
-    @property
-    def run_url(self) -> str | None:
-        """The run directory when ``output_dir`` is a URL (s3://, gs://, file://...), else None."""
-        return f"{self.output_dir.rstrip('/')}/{self.name}" if "://" in self.output_dir else None
-
-    @property
-    def run_dir(self) -> Path:
-        """Where the run writes on this machine: the run directory, or a URL run's local copy."""
-        if self.run_url is not None:
-            from postrl.run_store import local_copy_dir
-
-            return local_copy_dir(self.run_url, self.name)
-        return Path(self.output_dir) / self.name
 
 
 def _describe(model: type[BaseModel], loc: tuple[Any, ...]) -> str:

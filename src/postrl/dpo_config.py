@@ -3,13 +3,13 @@ checkpoint and logging sections with ``postrl train``."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from postrl.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
 from postrl.config_base import Section
+from postrl.run_store import RunLocation
 
 
 class PreferenceDataConfig(Section):
@@ -27,7 +27,7 @@ class DPOConfig(Section):
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="cdpo: the assumed rate of flipped labels.")
 
 
-class DPORunConfig(Section):
+class DPORunConfig(RunLocation, Section):
     name: str = Field("dpo", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
     output_dir: str = Field("runs", description="Runs go to output_dir/name.")
     seed: int = Field(0, description="Seeds the pair order and the trainer.")
@@ -39,15 +39,3 @@ class DPORunConfig(Section):
                                description="Optimizer and batching, in pairs (mini_batch_size pairs per step).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
-
-    @property
-    def run_url(self) -> str | None:
-        return f"{self.output_dir.rstrip('/')}/{self.name}" if "://" in self.output_dir else None
-
-    @property
-    def run_dir(self) -> Path:
-        if self.run_url is not None:
-            from postrl.run_store import local_copy_dir
-
-            return local_copy_dir(self.run_url, self.name)
-        return Path(self.output_dir) / self.name
