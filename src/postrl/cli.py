@@ -6,28 +6,32 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Callable
 
 from postrl.config import ConfigError
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _run_config(args: argparse.Namespace, model: type, extra: list[str]) -> object:
+    """A new run's config (CONFIG + overrides) or, with --resume, the run's saved one (+ overrides)."""
     from postrl.config import load_config
     from postrl.run_place import resume_config
-    from postrl.runner import train
 
     if args.resume:
         if args.config and "=" not in args.config:
             raise ConfigError("give either CONFIG or --resume RUN_DIR, not both")
         if args.overwrite:
             raise ConfigError("--overwrite starts a new run; it cannot be combined with --resume")
-        overrides = ([args.config] if args.config else []) + args.overrides + _ray_overrides(args)
-        config = resume_config(args.resume, overrides)
-    else:
-        if not args.config:
-            raise ConfigError("postrl train needs a CONFIG.yaml (or --resume runs/NAME)")
-        config = load_config(args.config, args.overrides + _ray_overrides(args))
+        return resume_config(args.resume, ([args.config] if args.config else []) + args.overrides + extra, model)
+    if not args.config:
+        raise ConfigError(f"postrl {args.command} needs a CONFIG.yaml (or --resume runs/NAME)")
+    return load_config(args.config, args.overrides + extra, model=model)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from postrl.config import RunConfig
+    from postrl.runner import train
+
+    config = _run_config(args, RunConfig, _ray_overrides(args))
     controller = train(config, resume=bool(args.resume), overwrite=args.overwrite)
     print(f"finished {controller.step_count} steps; run directory: {config.run_dir}")
     return 0
@@ -43,20 +47,10 @@ def _ray_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_dpo(args: argparse.Namespace) -> int:
-    from postrl.config import load_config
     from postrl.dpo_config import DPORunConfig
     from postrl.dpo_runner import train_dpo
 
-    if args.resume:
-        path = Path(args.resume) / "config.yaml"
-        if not path.is_file():
-            raise ConfigError(f"{args.resume} is not a DPO run directory (no config.yaml)")
-        config = load_config(path, ([args.config] if args.config else []) + args.overrides, model=DPORunConfig,
-                             import_config_dir=False)
-    else:
-        if not args.config:
-            raise ConfigError("postrl dpo needs a CONFIG.yaml (or --resume runs/NAME)")
-        config = load_config(args.config, args.overrides, model=DPORunConfig)
+    config = _run_config(args, DPORunConfig, [])
     train_dpo(config, resume=bool(args.resume), overwrite=args.overwrite)
     print(f"run directory: {config.run_dir}")
     return 0
@@ -198,16 +192,21 @@ def _add_train(command: Callable[..., argparse.ArgumentParser]) -> None:
                 "already holds one.\nCtrl-C (or SIGTERM) stops after the current step and checkpoints it; a second "
                 "Ctrl-C abandons the step.\n\nexamples:\n  postrl train examples/arithmetic_grpo.yaml train.lr=5e-5 "
                 "steps=20\n  postrl train --resume runs/arithmetic-grpo steps=40")
-    p.add_argument("config", nargs="?", help="CONFIG.yaml (see src/postrl/config.py for every field)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-5 name=try2")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start anew in a run directory that holds a run, moving the old run to NAME.old-<time> "
-                   "(never deleted)")
+    _add_run_arguments(p, "CONFIG.yaml (see src/postrl/config.py for every field)", "train.lr=1e-5 name=try2")
     p.add_argument("--ray-address", metavar="ADDR",
                    help="run the workers as Ray actors on the cluster at ADDR (host:port or ray://...); 'local' "
                    "starts a Ray instance for the run and shuts it down at the end (same as scheduler: ray)")
     p.set_defaults(func=_cmd_train)
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, config_help: str, override_example: str) -> None:
+    """CONFIG, overrides, --resume and --overwrite: the same for every command that starts a run."""
+    p.add_argument("config", nargs="?", help=config_help)
+    p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {override_example}")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start anew in a run directory that holds a run, moving the old run to NAME.old-<time> "
+                   "(never deleted)")
 
 
 def _add_dpo(command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -215,11 +214,8 @@ def _add_dpo(command: Callable[..., argparse.ArgumentParser]) -> None:
                 epilog="Pairs: JSONL/Parquet rows with prompt, chosen, rejected strings, or chosen/rejected chat "
                 "message lists (see src/postrl/dpo_config.py and docs/algorithms.md).\n\nexamples:\n"
                 "  postrl dpo examples/dpo.yaml dpo.beta=0.2\n  postrl dpo --resume runs/dpo epochs=2")
-    p.add_argument("config", nargs="?", help="CONFIG.yaml (sections: model, data, dpo, train, checkpoint, logging)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. dpo.loss_type=ipo")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start anew in a run directory that holds a run, moving the old one aside (never deleted)")
+    _add_run_arguments(p, "CONFIG.yaml (sections: model, data, dpo, train, checkpoint, logging)",
+                       "dpo.loss_type=ipo")
     p.set_defaults(func=_cmd_dpo)
 
 

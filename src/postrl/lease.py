@@ -31,16 +31,15 @@ class LeaseHeldError(ConfigError):
 def process_start_time(pid: int) -> str | None:
     """The kernel's start time of ``pid`` (field 22 of /proc/pid/stat), None when it is not running."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except OSError:  # no /proc (not Linux): only whether the process exists can be told
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return None
         except PermissionError:
-            return "unknown"
+            pass
         return "unknown"
-    return stat.rsplit(")", 1)[1].split()[19]
 
 
 class RunLease:

@@ -87,8 +87,9 @@ class RunPlace:
             self.store.publish("metrics.jsonl", "samples")
 
 
-def resume_config(run_dir: str | Path, overrides: list[str]) -> RunConfig:
-    """The run's saved config (from a folder or a URL), with overrides (e.g. ``steps=200``) on top."""
+def resume_config(run_dir: str | Path, overrides: list[str], model: type = RunConfig) -> RunConfig:
+    """The run's saved config (from a folder or a URL), with overrides (e.g. ``steps=200``) on top,
+    validated as ``model`` (a train or a DPO run)."""
     location = str(run_dir)
     if is_url(location):
         store = RunStore(location, Path(tempfile.gettempdir()))
@@ -98,7 +99,7 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> RunConfig:
             raise FileNotFoundError(f"{location} is not a run directory (no config.yaml)") from None
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.yaml").write_text(text)
-            config = load_config(Path(tmp) / "config.yaml", overrides, import_config_dir=False)
+            config = load_config(Path(tmp) / "config.yaml", overrides, model=model, import_config_dir=False)
         parent, name = location.rstrip("/").rsplit("/", 1)
         if config.run_url != location.rstrip("/"):
             config = copy.deepcopy(config)
@@ -107,7 +108,7 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> RunConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(path, overrides, import_config_dir=False)
+    config = load_config(path, overrides, model=model, import_config_dir=False)
     expected = Path(run_dir).resolve()
     if config.run_dir.resolve() != expected:
         config = copy.deepcopy(config)

@@ -71,17 +71,18 @@ class RunStore:
             if source.is_dir():
                 self._put_folder(source, relative)
             elif source.is_file():
-                self.fs.makedirs(self._remote(str(Path(relative).parent)).rstrip("/."), exist_ok=True)
-                self.fs.put_file(str(source), self._remote(relative))
+                self._put_file(source, self._remote(relative))
 
     def _put_folder(self, source: Path, relative: str, marker_last: bool = False) -> None:
         files = sorted(p for p in source.rglob("*") if p.is_file())
         if marker_last:
             files.sort(key=lambda p: p.name == MARKER)
         for path in files:
-            target = self._remote(f"{relative}/{path.relative_to(source).as_posix()}")
-            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(str(path), target)
+            self._put_file(path, self._remote(f"{relative}/{path.relative_to(source).as_posix()}"))
+
+    def _put_file(self, source: Path, target: str) -> None:
+        self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.put_file(str(source), target)
 
     def publish_checkpoint(self, checkpoint: Path, kept: list[Path]) -> None:
         """A complete checkpoint, marker last; then remove checkpoints pruned locally."""

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from postrl.config import RolloutConfig
-from postrl.devices import resolve_device
+from postrl.devices import bf16_matmul_supported, resolve_device
 from postrl.models import load_causal_lm, resolve_model_path
 from postrl.rollout.base import RolloutWorker
 from postrl.rollout.hf_engine import HFRolloutWorker
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 def bf16_is_fast(device: torch.device) -> bool:
     """bf16 matrix products are native on CUDA (compute capability >= 8) and on CPUs with AMX or AVX512-BF16."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return bf16_matmul_supported(device)
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:

@@ -74,7 +74,9 @@ class RolloutPool:
                     log.warning("%s was lost during generate (%s); its %d prompts go to the other engines",
                                 slot.name, exc, len(indices))
                     self.requeued_prompts += len(indices)
-                    self._replace(slot, exc)
+                    self._replace(slot, str(exc))
+                    if self._weights is not None:
+                        self._push([slot], *self._weights)
                     pending += indices
                     continue
                 finally:
@@ -105,23 +107,21 @@ class RolloutPool:
         return self._next_index
 
     # -- engines come and go ---------------------------------------------------------------------
-    def _replace(self, slot: EngineSlot, cause: BaseException) -> None:
-        """Start a new engine in ``slot``'s place and give it the current weights before it serves."""
+    def _replace(self, slot: EngineSlot, cause: str) -> None:
+        """Start a new engine in ``slot``'s place (the caller gives it the current weights)."""
         self.restarts += 1
         if self.restarts > self.max_restarts:
             raise RolloutPoolError(f"{self.restarts} rollout engines were lost in this run (last: {slot.name}: "
-                                   f"{cause}); stopping instead of restarting more") from cause
+                                   f"{cause}); stopping instead of restarting more")
         slot.handle.kill()
         slot.handle = self._start(slot.index)
-        if self._weights is not None:
-            self._push([slot], *self._weights)
 
     def scale(self, count: int) -> None:
         """Add engines (started with the current weights) or remove the newest ones, between steps."""
         if count < 1:
             raise ValueError(f"a rollout pool needs at least one engine, not {count}")
         while len(self.engines) > count:
-            self.engines.pop().handle.kill()
+            self.engines.pop().handle.close()
         while len(self.engines) < count:
             slot = EngineSlot(self._next_index, self._start(self._next_index))
             self._next_index += 1
@@ -138,24 +138,19 @@ class RolloutPool:
         self.weight_version = version
 
     def _push(self, slots: list[EngineSlot], weights: Any, version: int, manifest: dict[str, str] | None) -> None:
-        todo = list(slots)
+        todo, lost = list(slots), {}
         for _ in range(self.max_restarts + 1):
             lost = self.transport.push([s.handle for s in todo], weights, version, manifest)
             if not lost:
                 return
             for slot in todo:
                 if slot.handle.name in lost and not slot.handle.alive():
-                    self._replace_quietly(slot, lost[slot.handle.name])
+                    log.warning("%s was lost during a weight sync (%s); restarting it", slot.name, lost[slot.name])
+                    self._replace(slot, lost[slot.handle.name])
             todo = [s for s in todo if s.handle.name in lost or not s.handle.alive()]
-        raise RolloutPoolError(f"could not bring {', '.join(s.name for s in todo)} to weight version {version}")
-
-    def _replace_quietly(self, slot: EngineSlot, cause: str) -> None:
-        self.restarts += 1
-        if self.restarts > self.max_restarts:
-            raise RolloutPoolError(f"{self.restarts} rollout engines were lost in this run (last: {slot.name}: {cause})")
-        log.warning("%s was lost during a weight sync (%s); restarting it", slot.name, cause)
-        slot.handle.kill()
-        slot.handle = self._start(slot.index)
+        reasons = "; ".join(f"{name}: {why}" for name, why in lost.items())
+        raise RolloutPoolError(f"could not bring {', '.join(s.name for s in todo)} to weight version {version} "
+                               f"({reasons})")
 
     # -- the rest of the Rollout Worker interface -------------------------------------------------
     def health_check(self) -> Health:
@@ -180,4 +175,4 @@ class RolloutPool:
 
     def close(self) -> None:
         for slot in self.engines:
-            getattr(slot.handle, "close", slot.handle.kill)()
+            slot.handle.close()

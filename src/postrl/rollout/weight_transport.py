@@ -76,10 +76,10 @@ class BroadcastTransport:
                                 self.timeout_s, timeout=self.timeout_s * 2) for rank, h in enumerate(alive, start=1)]
         sending = submit(send_state, store, weights, plan, world, self.timeout_s, self.tamper)
         try:
-            return {**lost, **_outcomes(alive, futures, version)}
+            lost.update(_outcomes(alive, futures, version))
         finally:
-            try:
-                sending.result()
-            except Exception:  # noqa: BLE001 - a broken send shows up as lost receivers above
-                pass
+            failed_send = sending.exception()  # waits for the sender; its connections are closed by then
             del store
+        if failed_send is not None and all(h.alive() for h in alive):  # no engine died: the sender itself failed
+            raise failed_send
+        return lost

@@ -34,7 +34,13 @@ class Handle(Protocol):
 
     def alive(self) -> bool: ...
 
-    def kill(self) -> None: ...
+    def kill(self) -> None:
+        """End the worker at once (it is lost, or hung)."""
+        ...
+
+    def close(self) -> None:
+        """Let the worker release what it holds and end; kill it if it does not."""
+        ...
 
 
 _POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="postrl-call")
@@ -76,6 +82,9 @@ class InProcessHandle:
             close = getattr(self.obj, "close", None)
             if close is not None:
                 close()
+
+    def close(self) -> None:
+        self.kill()  # in this process, ending the worker is closing it
 
 
 def submit(fn: Any, *args: Any, **kwargs: Any) -> Future:

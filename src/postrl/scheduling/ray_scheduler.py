@@ -105,6 +105,14 @@ class RayHandle:
             if ray.is_initialized():  # after shutdown the actor is gone (and ray.kill would start a new Ray)
                 ray.kill(self.actor, no_restart=True)
 
+    def close(self, timeout: float = 30.0) -> None:
+        if not self._killed:
+            try:
+                self.call("close", timeout=timeout)
+            except (WorkerDiedError, WorkerTimeoutError, WorkerCallError):
+                pass  # it is killed below either way
+        self.kill()
+
 
 class RemoteObject:
     """Method calls on an actor-hosted object, e.g. the Reward Service, with the listed attributes read once."""
@@ -119,10 +127,7 @@ class RemoteObject:
         return lambda *args, **kwargs: handle.call(method, *args, timeout=self._timeout, **kwargs)
 
     def close(self) -> None:
-        try:
-            self._handle.call("close", timeout=60)
-        finally:
-            self._handle.kill()
+        self._handle.close()
 
 
 class RestartingRewardService(RemoteObject):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from postrl.scheduling import Handle, WorkerDiedError, WorkerTimeoutError, gather
+from postrl.scheduling.handles import submit
 from postrl.types import ExperienceBatch, TrainMetrics
 
 
@@ -78,13 +79,8 @@ class TrainGroup:
         self._all("save_pretrained", str(folder))
 
     def close(self) -> None:
-        """Leave the process group and end the rank processes."""
-        try:
-            gather([h.call_async("close", timeout=30) for h in self.ranks], [h.name for h in self.ranks])
-        except Exception:  # noqa: BLE001 - a rank that cannot leave cleanly is killed below
-            pass
-        for h in self.ranks:  # a child process is let exit on its own (killing it mid-exit leaks its semaphores)
-            getattr(h, "close", h.kill)()
+        """Every rank leaves the process group and ends, all at once (a rank may wait for its peers)."""
+        gather([submit(h.close) for h in self.ranks], [h.name for h in self.ranks])
 
     def kill(self) -> None:
         for h in self.ranks:
