@@ -313,13 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
-def _quiet_transformers() -> None:
-    """transformers' per-file progress bars drown the step lines; warnings and errors still show."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -328,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    _quiet_transformers()
+    from postrl.models import quiet_transformers
+
+    quiet_transformers()
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from postrl.controller import RewardFailureError

@@ -78,6 +78,14 @@ def _load(loader: Any, path: str, **kwargs: Any) -> Any:
         raise ModelNotFoundError(f"no model folder at {path}, and {path} is not a model id that loads: {first}") from None
 
 
+def quiet_transformers() -> None:
+    """transformers' per-file progress bars drown the step lines (also from worker processes, which
+    call this when they start); warnings and errors still show."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 

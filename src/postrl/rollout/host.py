@@ -15,9 +15,10 @@ from postrl.weight_broadcast import BroadcastPlan, receive_state
 class RolloutEngineHost:
     def __init__(self, config: RolloutConfig, model_path: str, model_dtype: str, seed: int,
                  threads: int | None = None) -> None:
-        from postrl.models import load_tokenizer
+        from postrl.models import load_tokenizer, quiet_transformers
         from postrl.rollout.factory import make_rollout_worker
 
+        quiet_transformers()
         if threads:
             torch.set_num_threads(threads)
         self.engine = make_rollout_worker(config, model_path, load_tokenizer(model_path), model_dtype, seed)

@@ -51,10 +51,11 @@ def rank_device(name: str, rank: int) -> torch.device:
 
 class TrainRank:
     def __init__(self, rank: int, group: GroupSpec, policy: PolicySpec) -> None:
-        from postrl.models import load_causal_lm
+        from postrl.models import load_causal_lm, quiet_transformers
         from postrl.train.fsdp import FSDPTrainWorker
         from postrl.train.worker import TrainWorker
 
+        quiet_transformers()
         self.rank = rank
         device = rank_device(policy.train.device, rank)
         if device.type == "cuda":
