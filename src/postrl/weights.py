@@ -1,8 +1,9 @@
 """Moving weights: saving/loading safetensors folders and syncing the trainer's policy into rollout workers.
 
-Two sync transports, chosen by ``rollout.weight_sync``: ``memory`` hands the state dict to an
-in-process worker (the engine copies it into its own parameters); ``safetensors`` writes one
-file that the worker loads by path (the transport for a worker in another process).
+``rollout.weight_sync`` picks the transport: ``memory`` hands the state dict to each engine (the
+engine copies it into its own parameters), ``safetensors`` writes one file that every engine
+loads by path (see :func:`write_sync_file`), ``broadcast`` sends it over a torch.distributed group
+(:mod:`postrl.weight_broadcast`, :mod:`postrl.rollout.weight_transport`).
 """
 
 from __future__ import annotations
