@@ -50,7 +50,8 @@ class InProcessHandle:
     """The worker object itself, called in this process (the local scheduler's handle). Calls to one
     worker run one at a time, as they would in an actor.
 
-    ``call_async`` runs the call at once, in the calling thread, and returns a finished future: the
+    A call here cannot be abandoned, so ``timeout`` does not apply. ``call_async`` runs the call at
+    once, in the calling thread, and returns a finished future: the
     worker shares this process's cores anyway, and torch work started from a second thread gets a
     second OpenMP thread team whose idle spinning slowed a CPU step by half."""
 
