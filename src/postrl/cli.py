@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     from postrl.reward.client import RewardServiceError
     from postrl.rollout.common import EngineUnhealthyError
     from postrl.rollout.pool import RolloutPoolError
+    from postrl.scheduling.handles import PlacementError
     from postrl.train.group import TrainWorkerDiedError
     from postrl.train.worker import NonFiniteLossError
     from postrl.weights import WeightSyncError
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npostrl {args.command}: interrupted", file=sys.stderr)
         return 130
     except (ConfigError, DatasetError, EngineUnhealthyError, FileNotFoundError, NonFiniteLossError, RewardFailureError,
-            RewardServiceError, RolloutPoolError, TrainWorkerDiedError, WeightSyncError) as exc:
+            PlacementError, RewardServiceError, RolloutPoolError, TrainWorkerDiedError, WeightSyncError) as exc:
         print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -37,5 +37,7 @@ class SchedulerConfig(Section):
     rollout_schedule: dict[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(
         default_factory=dict, description="{step: engines}: before that step the pool grows or shrinks to that many "
         "engines.")
+    connect_timeout_s: float = Field(30.0, gt=0.0, description="Longest connecting to the Ray cluster at "
+                                     "`address` may take before the run stops, naming the address.")
     call_timeout_s: float = Field(1800.0, gt=0.0, description="Longest any remote call may take (generate, update, "
                                   "weight sync) before its worker is declared lost.")

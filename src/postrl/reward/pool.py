@@ -11,9 +11,14 @@ server's request handlers) may submit concurrently.
 Hangs overlap instead of queueing: a worker whose current job has run past ``stall_after_s`` no
 longer counts toward ``num_workers``, so another worker starts for the queued jobs (up to
 ``max_workers`` processes; surplus workers retire when idle). A few hanging samples therefore
-cost about one timeout, not one timeout each. When a batch (one ``submit`` call) has had
-``hang_limit`` timeouts and not one result, its remaining jobs fail at once, naming the function:
-a reward that always hangs stops the step in about one timeout.
+cost about one timeout, not one timeout each. A hang is nearly always caused by the prompt or its
+answer, so the samples of one prompt (the same prompt text and columns: its *siblings*) hang
+together. Three rules keep a whole hanging group at about one timeout: siblings are never
+pipelined behind one another on a worker; the jobs waiting behind a stalled job go back to the
+queue (the stalled worker keeps its copies, and whichever copy answers first counts); and when a
+job stalls, a worker is started for each of its queued siblings at once. When a batch (one
+``submit`` call) has had ``hang_limit`` timeouts and not one result, its remaining jobs fail at
+once, naming the function: a reward that always hangs stops the step in about one timeout.
 
 Workers die with the pool: they are started by the I/O thread with a parent-death signal (Linux)
 and also exit when their parent process goes away; their stderr (what reward functions print)
@@ -72,6 +77,15 @@ class _Job:
     timeout_s: float
     future: Future
     batch: _Batch = field(default_factory=_Batch)
+    key: str = ""  # jobs with the same key are siblings: the same prompt and columns
+    in_queue: bool = True  # False once taken from the queue (the queue drops such entries lazily)
+    holders: int = 0  # workers that hold a copy of it (one, or two after a reclaim)
+
+
+def sibling_key(payload: dict[str, Any]) -> str:
+    """The samples of one prompt share a key: the function, the prompt and its columns."""
+    columns = json.dumps(payload.get("columns"), sort_keys=True, default=str)
+    return f"{payload.get('fn')}\0{payload.get('prompt')}\0{columns}"
 
 
 @dataclass
@@ -83,6 +97,10 @@ class _Worker:
     outgoing: bytearray = field(default_factory=bytearray)  # job lines not yet taken by the pipe
     ready: bool = False  # the process has imported its code; only then do job timeouts run
     stderr: Any = None  # the read end of the worker's stderr pipe
+    reclaimed: bool = False  # the jobs behind its stalled head went back to the queue
+
+    def holds_sibling(self, key: str) -> bool:
+        return any(job.key == key and not job.future.done() for job in self.pending)
 
     def stalled(self, now: float, after_s: float) -> bool:
         return self.ready and bool(self.pending) and now - self.started > after_s
@@ -93,6 +111,8 @@ class PoolClosedError(RuntimeError):
 
 
 class ScoringPool:
+    DISPATCH_WINDOW = 256  # queued jobs looked past (siblings of busy workers) for one a worker may take
+
     def __init__(
         self,
         num_workers: int = 2,
@@ -142,7 +162,9 @@ class ScoringPool:
     @property
     def in_flight(self) -> int:
         with self._lock:
-            return len(self._queue) + sum(len(w.pending) for w in self._workers)
+            jobs = {id(j): j for j in self._queue if j.in_queue}
+            jobs.update((id(j), j) for w in self._workers for j in w.pending)
+            return sum(not j.future.done() for j in jobs.values())
 
     @property
     def num_processes(self) -> int:
@@ -173,7 +195,7 @@ class ScoringPool:
             for payload in jobs:
                 future: Future = Future()
                 timeout = float(payload.get("timeout_s") or self.timeout_s)
-                self._queue.append(_Job(self._next_id, payload, timeout, future, batch))
+                self._queue.append(_Job(self._next_id, payload, timeout, future, batch, sibling_key(payload)))
                 self._next_id += 1
                 futures.append(future)
         self._wake()
@@ -283,7 +305,7 @@ class ScoringPool:
             selector.close()
             with self._lock:
                 self._closed = True
-                leftovers = list(self._queue) + [job for w in self._workers for job in w.pending]
+                leftovers = [job for job in self._queue if job.in_queue] + [job for w in self._workers for job in w.pending]
                 self._queue.clear()
             reason = f"the scoring pool stopped: {failure!r}" if failure else "the scoring pool was closed before this job ran"
             for job in leftovers:
@@ -304,14 +326,22 @@ class ScoringPool:
                 pass
         self._drain_stderr(worker)
         self._kill(worker)
+        for job in worker.pending:
+            job.holders -= 1
+        worker.pending.clear()
         self._workers.remove(worker)
 
     def _scale(self, selector: selectors.BaseSelector) -> None:
-        """Start workers while stalled ones hold the queue up; retire idle surplus workers."""
+        """Start workers while stalled ones hold the queue up (one more for each queued sibling of a
+        stalled job: it will likely hang too); retire idle surplus workers."""
         now = time.monotonic()
-        healthy = sum(not w.stalled(now, self.stall_after_s) for w in self._workers)
-        if self._queue:
-            while healthy < self.num_workers and len(self._workers) < self.max_workers:
+        stalled = [w for w in self._workers if w.stalled(now, self.stall_after_s)]
+        healthy = len(self._workers) - len(stalled)
+        self._reclaim(stalled)
+        if self._has_queued():
+            hanging = {w.pending[0].key for w in stalled}
+            suspects = sum(job.in_queue and job.key in hanging and not job.future.done() for job in self._queue)
+            while healthy < self.num_workers + suspects and len(self._workers) < self.max_workers:
                 self._add_worker(selector)
                 healthy += 1
         elif len(self._workers) > self.num_workers:
@@ -320,25 +350,57 @@ class ScoringPool:
                     break
                 self._remove_worker(worker, selector)
 
+    def _has_queued(self) -> bool:
+        """Whether a job waits in the queue (entries taken or answered meanwhile are dropped here)."""
+        while self._queue and (not self._queue[0].in_queue or self._queue[0].future.done()):
+            self._queue.popleft().in_queue = False
+        return bool(self._queue)
+
+    def _reclaim(self, stalled: list[_Worker]) -> None:
+        """The jobs waiting behind a stalled job go back to the front of the queue, for other workers.
+        The stalled worker keeps its copies (they are already in its pipe): whichever copy answers
+        first sets the result, and when the worker reaches a copy still queued it takes it back."""
+        for worker in stalled:
+            if worker.reclaimed:
+                continue
+            worker.reclaimed = True
+            for job in reversed(list(worker.pending)[1:]):
+                if not job.in_queue and not job.future.done():
+                    job.in_queue = True
+                    self._queue.appendleft(job)
+
     def _dispatch(self) -> None:
         now = time.monotonic()
-        while self._queue:
-            job = self._queue[0]
-            if job.batch.broken is not None:  # the batch's function hangs on everything: fail fast
-                self._queue.popleft()
-                if not job.future.done():
-                    job.future.set_result(JobResult(None, job.batch.broken))
+        healthy = [w for w in self._workers if not w.stalled(now, self.stall_after_s)]
+        window = 0
+        i = 0
+        while i < len(self._queue) and window < self.DISPATCH_WINDOW:
+            job = self._queue[i]
+            if not job.in_queue or job.future.done():  # taken by a worker meanwhile, or answered by a copy
+                job.in_queue = False
+                del self._queue[i]
                 continue
-            healthy = [w for w in self._workers if not w.stalled(now, self.stall_after_s)]
-            if not healthy:
+            if job.batch.broken is not None:  # the batch's function hangs on everything: fail fast
+                del self._queue[i]
+                job.in_queue = False
+                job.future.set_result(JobResult(None, job.batch.broken))
+                continue
+            open_workers = [w for w in healthy if len(w.pending) < self.pipeline_depth]
+            if not open_workers:
                 break
-            worker = min(healthy, key=lambda w: len(w.pending))
-            if len(worker.pending) >= self.pipeline_depth:
-                break
-            self._queue.popleft()
+            # siblings are never queued behind one another: if one hangs, the others would wait it out
+            eligible = [w for w in open_workers if not w.holds_sibling(job.key)]
+            if not eligible:
+                i += 1
+                window += 1
+                continue
+            worker = min(eligible, key=lambda w: len(w.pending))
+            del self._queue[i]
+            job.in_queue = False
             if not worker.pending:
                 worker.started = time.monotonic()
             worker.pending.append(job)
+            job.holders += 1
             worker.outgoing += (json.dumps({**job.payload, "id": job.id}) + "\n").encode()
         for worker in self._workers:
             self._flush(worker)
@@ -368,8 +430,9 @@ class ScoringPool:
             return None
         now = time.monotonic()
         times = [w.started + self._limit(w) - now for w in busy]
-        if self._queue:
-            times += [w.started + self.stall_after_s - now for w in busy if w.ready]
+        if self._has_queued():
+            times += [w.started + self.stall_after_s - now for w in busy
+                      if w.ready and not w.stalled(now, self.stall_after_s)]
         return max(0.0, min(times)) + 0.001
 
     def _read_stderr(self, worker: _Worker) -> None:
@@ -425,9 +488,12 @@ class ScoringPool:
                     log.warning("scoring process %d answered job %r out of turn; ignored", worker.proc.pid, msg["id"])
                     continue
                 job = worker.pending.popleft()
-                job.batch.results += 1
+                job.holders -= 1
                 worker.started = time.monotonic()
-                if not job.future.done():  # done already when its batch was abandoned
+                if worker.pending and worker.pending[0].in_queue:  # a reclaimed copy still queued: run it here
+                    worker.pending[0].in_queue = False
+                if not job.future.done():  # done when its batch was abandoned, or another copy answered
+                    job.batch.results += 1
                     done.append((job, JobResult(value=msg.get("value"), error=msg.get("error"), reason=msg.get("reason"))))
         for job, result in done:
             job.future.set_result(result)
@@ -441,10 +507,14 @@ class ScoringPool:
             abandoned = bool(worker.pending) and worker.pending[0].batch.broken is not None
             if not (dead or overdue or abandoned):
                 continue
+            self.stats.restarts += 1  # counted before any result is set: a caller may read it right after
             if worker.pending:
                 culprit = worker.pending.popleft()
+                culprit.holders -= 1
                 fn = culprit.payload.get("fn", "the reward function")
-                if abandoned:
+                if culprit.future.done() or culprit.holders > 0 or culprit.in_queue:
+                    result = None  # another copy answered, is running, or will run: this one just ends
+                elif abandoned:
                     result = JobResult(None, culprit.batch.broken)
                 elif dead:
                     result = JobResult(None, f"scoring process died (exit code {worker.proc.returncode}) in {fn}")
@@ -454,12 +524,14 @@ class ScoringPool:
                     self.stats.timeouts += 1
                     result = JobResult(None, f"{fn} timed out after {culprit.timeout_s:g}s", timed_out=True)
                     self._count_timeout(culprit, fn)
-                if not culprit.future.done():
+                if result is not None and not culprit.future.done():
                     culprit.future.set_result(result)
-                self._queue.extendleft(reversed(worker.pending))
-                worker.pending.clear()
+                # the jobs behind it start again elsewhere, unless a copy is queued or running already
+                again = [job for job in worker.pending if not job.future.done() and not job.in_queue and job.holders == 1]
+                for job in reversed(again):
+                    job.in_queue = True
+                    self._queue.appendleft(job)
             self._remove_worker(worker, selector)
-            self.stats.restarts += 1
             if len(self._workers) < self.num_workers:
                 self._add_worker(selector)
 

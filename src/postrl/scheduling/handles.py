@@ -17,6 +17,10 @@ class WorkerDiedError(RuntimeError):
     """A worker's process ended while it was being called (or before)."""
 
 
+class PlacementError(RuntimeError):
+    """A scheduler could not place or start a worker; the message names the resource that is short."""
+
+
 class WorkerTimeoutError(TimeoutError):
     """A worker did not answer a call within its timeout."""
 

@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import traceback
 from concurrent.futures import Future
 from typing import Any
 
-from postrl.config import RunConfig
+from postrl.config import ConfigError, RunConfig
+from postrl.net import can_connect, host_port
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
-from postrl.scheduling.handles import WorkerDiedError, WorkerTimeoutError, submit
+from postrl.scheduling.handles import PlacementError, WorkerDiedError, WorkerTimeoutError, submit
 from postrl.scheduling.placement import make_pool
 from postrl.scheduling.process import WorkerCallError
+from postrl.scheduling.reaper import Reaper
 from postrl.scheduling.wire import pack, unpack
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
@@ -157,22 +160,93 @@ class RestartingRewardService(RemoteObject):
                     self._handle.call("set_log_file", self._log_file, timeout=self._timeout)
 
 
+class ClusterUnreachableError(ConfigError):
+    """The Ray cluster at ``scheduler.address`` could not be reached in ``scheduler.connect_timeout_s``."""
+
+
+def connect_ray(address: str | None, timeout_s: float, options: dict[str, Any]) -> None:
+    """``ray.init`` with a bounded wait. Ray itself retries an unreachable address without end, so a
+    TCP probe comes first and the connection itself runs under a watchdog."""
+    import ray
+
+    if address is None:
+        # a local instance: started from this (the main) thread, since Ray ties its processes' lives
+        # to the starting thread (parent-death signal), and nothing here can hang on a network
+        ray.init(**options)
+        return
+    where = f"scheduler.address={address}"
+    endpoint = host_port(address)
+    if endpoint is not None:
+        why = can_connect(*endpoint, timeout_s=min(timeout_s, 10.0))
+        if why is not None:
+            raise ClusterUnreachableError(f"cannot reach the Ray cluster at {address} ({where}): {why}")
+    failure: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            ray.init(address=address, **options)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise ClusterUnreachableError(f"could not connect to the Ray cluster at {address} ({where}) within "
+                                      f"{timeout_s:g} s (scheduler.connect_timeout_s); is a Ray head running there?")
+    if failure:
+        raise ClusterUnreachableError(f"could not connect to the Ray cluster at {address} ({where}): "
+                                      f"{str(failure[0]).splitlines()[0]}") from failure[0]
+
+
+def short_resources(asked: dict[str, float]) -> str:
+    """Which resource the cluster lacks for ``asked`` (e.g. 'short of GPU: asked 2, the cluster has 0')."""
+    import ray
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    short = [f"{key}: asked {value:g}, the cluster has {total.get(key, 0.0):g} ({free.get(key, 0.0):g} free)"
+             for key, value in asked.items() if value and value > free.get(key, 0.0)]
+    if short:
+        return ("short of " + "; ".join(short) + " (lower scheduler.*.num_cpus / num_gpus / workers, or add "
+                "nodes)")
+    return (f"the cluster has the resources ({free} free), so an actor's constructor is slow or stuck "
+            "(see the Ray logs under /tmp/ray/session_latest/logs)")
+
+
 class RayScheduler:
     START_TIMEOUT_S = 300.0
+    PLACE_TIMEOUT_S = 120.0
+
     def __init__(self, config: RunConfig) -> None:
         import ray
 
         self.config = config
         self.started_here = not ray.is_initialized()
+        self.reaper: Reaper | None = None
+        self.groups: dict[str, Any] = {}
         if self.started_here:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             local = {}
             if config.scheduler.address is None:  # the loop's stages take turns, so the CPUs may be promised twice
                 local["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(self._cpus_asked())))
-            ray.init(address=config.scheduler.address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, runtime_env={"env_vars": self._actor_env()}, **local)
-        self.groups: dict[str, Any] = {}
-        self._place()
+                self.reaper = Reaper()  # the Ray instance started for the run dies with this process
+            try:
+                connect_ray(config.scheduler.address, config.scheduler.connect_timeout_s,
+                            dict(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                                 runtime_env={"env_vars": self._actor_env()}, **local))
+            except BaseException:
+                self._end_reaper()
+                raise
+        try:
+            self._place()
+        except BaseException:
+            self.close()
+            raise
+
+    def _end_reaper(self) -> None:
+        if self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None
 
     def _actor_env(self) -> dict[str, str]:
         """The actors import what the driver imports: the working directory and the config's import paths
@@ -208,13 +282,31 @@ class RayScheduler:
         else:
             self.groups["rollout"] = placement_group([self._bundle(s.rollout)] * s.rollout.workers, strategy="PACK")
             self.groups["train"] = placement_group([self._bundle(s.train)] * s.train.workers, strategy="PACK")
+        total = ray.cluster_resources()
         for role, group in self.groups.items():
-            if not group.wait(timeout_seconds=120):
-                raise RuntimeError(f"Ray could not reserve the {role} placement group {group.bundle_specs} within "
-                                   f"120 s; the cluster has {ray.cluster_resources()}")
+            asked: dict[str, float] = {}
+            for bundle in group.bundle_specs:
+                for key, value in bundle.items():
+                    asked[key] = asked.get(key, 0.0) + value
+            lacking = {key: value for key, value in asked.items() if value > total.get(key, 0.0)}
+            if lacking:  # can never be placed: say so now instead of waiting
+                raise PlacementError(f"the {role} workers cannot be placed: " + short_resources(lacking))
+            if not group.wait(timeout_seconds=self.PLACE_TIMEOUT_S):
+                raise PlacementError(f"Ray could not reserve the {role} placement group ({len(group.bundle_specs)} x "
+                                   f"{group.bundle_specs[0]}) within {self.PLACE_TIMEOUT_S:g} s: "
+                                   + short_resources(asked))
 
     def _actor(self, name: str, role: str, bundle: int, factory: Any, *args: Any, num_cpus: float = 1.0,
                num_gpus: float = 0.0, threads: int | None = None, **kwargs: Any) -> RayHandle:
+        """One actor, started and answering."""
+        handle = self._start_actor(name, role, bundle, factory, *args, num_cpus=num_cpus, num_gpus=num_gpus,
+                                   threads=threads, **kwargs)
+        self._await_started([handle], num_cpus, num_gpus)
+        return handle
+
+    def _start_actor(self, name: str, role: str, bundle: int, factory: Any, *args: Any, num_cpus: float = 1.0,
+                     num_gpus: float = 0.0, threads: int | None = None, **kwargs: Any) -> RayHandle:
+        """Ask Ray for an actor; returns at once (the actor may not be placed or built yet)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -223,15 +315,27 @@ class RayScheduler:
             strategy = PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=bundle)
         cls = ray.remote(ActorHost).options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
                                              scheduling_strategy=strategy)
-        actor = cls.remote(factory, args, kwargs, threads)
-        try:  # an actor the cluster cannot place would otherwise make its first call wait out the call timeout
-            ray.get(actor.ping.remote(), timeout=self.START_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            ray.kill(actor, no_restart=True)
-            raise RuntimeError(f"Ray could not start {name} within {self.START_TIMEOUT_S:g} s: it asks for "
-                               f"{num_cpus} CPUs and {num_gpus} GPUs; the cluster has {ray.available_resources()} "
-                               "available (lower scheduler.*.num_cpus / num_gpus or add nodes)") from None
-        return RayHandle(name, actor)
+        return RayHandle(name, cls.remote(factory, args, kwargs, threads))
+
+    def _await_started(self, handles: list[RayHandle], num_cpus: float, num_gpus: float) -> None:
+        """Wait for every actor's constructor at once; an actor the cluster cannot place would
+        otherwise make its first call wait out the call timeout."""
+        import ray
+
+        pings = [h.actor.ping.remote() for h in handles]
+        ready, pending = ray.wait(pings, num_returns=len(pings), timeout=self.START_TIMEOUT_S)
+        try:
+            ray.get(ready)  # a constructor that raised says so here
+        except ray.exceptions.RayActorError as exc:
+            for h in handles:
+                h.kill()
+            raise PlacementError(f"a Ray actor failed to start: {str(exc).splitlines()[0]}") from None
+        if pending:
+            late = [h.name for h, p in zip(handles, pings) if p in pending]
+            for h in handles:
+                h.kill()
+            raise PlacementError(f"Ray could not start {', '.join(late)} within {self.START_TIMEOUT_S:g} s: "
+                               + short_resources({"CPU": num_cpus * len(late), "GPU": num_gpus * len(late)}))
 
     def rollout_pool(self, tokenizer: Any, host_class: type = RolloutEngineHost) -> RolloutPool:
         """Engines as actors hosting ``host_class`` (a :class:`RolloutEngineHost` or a subclass of it)."""
@@ -257,8 +361,11 @@ class RayScheduler:
         strategy = PlacementGroupSchedulingStrategy(self.groups["train"], placement_group_bundle_index=0)
         host, port = ray.get(ray.remote(rendezvous_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
         spec = GroupSpec(world=t.workers, master_addr=host, master_port=port, timeout_s=c.scheduler.call_timeout_s)
-        ranks = [self._actor(f"train rank {r}", "train", r, TrainRank, r, spec, policy_spec(c), num_cpus=t.num_cpus,
-                             num_gpus=t.num_gpus, threads=t.threads) for r in range(t.workers)]
+        # all ranks are asked for together; TrainGroup then joins them into the process group at once
+        ranks = [self._start_actor(f"train rank {r}", "train", r, TrainRank, r, spec, policy_spec(c),
+                                   num_cpus=t.num_cpus, num_gpus=t.num_gpus, threads=t.threads)
+                 for r in range(t.workers)]
+        self._await_started(ranks, t.num_cpus, t.num_gpus)
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 
     def critic_worker(self, pad_id: int) -> RemoteObject:
@@ -287,5 +394,7 @@ class RayScheduler:
                 remove_placement_group(group)
             except Exception:  # noqa: BLE001 - the cluster may already be gone
                 pass
+        self.groups.clear()
         if self.started_here:
             ray.shutdown()
+            self._end_reaper()

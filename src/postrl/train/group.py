@@ -29,7 +29,7 @@ class TrainGroup:
             raise ValueError("a train group needs at least one rank")
         self.ranks = ranks
         self.call_timeout_s = call_timeout_s
-        self._all("ready")
+        self._all("join")  # every rank enters the process group at once (each waits for the others)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         """Call every rank; on any failure stop them all (the others would wait for the failed one in

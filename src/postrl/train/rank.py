@@ -14,6 +14,7 @@ import torch.distributed as dist
 from postrl.config import AlgorithmConfig, TrainConfig
 from postrl.devices import bf16_matmul_supported, resolve_device
 from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.train.worker import TrainWorker
 from postrl.weights import dedupe_tied
 
 
@@ -50,13 +51,29 @@ def rank_device(name: str, rank: int) -> torch.device:
 
 
 class TrainRank:
+    """Built in two phases so that a group can start all its ranks before any of them blocks:
+    the constructor only records what to build; :meth:`join` (called on every rank at once by
+    :class:`~postrl.train.group.TrainGroup`) enters the process group and loads the model."""
+
     def __init__(self, rank: int, group: GroupSpec, policy: PolicySpec) -> None:
+        self.rank, self.group, self.policy = rank, group, policy
+        self._worker: TrainWorker | None = None
+
+    @property
+    def worker(self) -> TrainWorker:
+        if self._worker is None:
+            raise RuntimeError(f"train rank {self.rank} has not joined its group yet (call join first)")
+        return self._worker
+
+    def join(self) -> int:
+        """Enter the process group (waits for every rank) and build the Train Worker; returns the rank."""
         from postrl.models import load_causal_lm, quiet_transformers
         from postrl.train.fsdp import FSDPTrainWorker
-        from postrl.train.worker import TrainWorker
 
+        if self._worker is not None:
+            return self.rank
         quiet_transformers()
-        self.rank = rank
+        rank, group, policy = self.rank, self.group, self.policy
         device = rank_device(policy.train.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -76,11 +93,9 @@ class TrainRank:
                       gradient_checkpointing=policy.gradient_checkpointing,
                       max_response_tokens=policy.max_response_tokens)
         if group.world == 1:  # one rank: a plain Train Worker (no collectives, no sharding)
-            self.worker = TrainWorker(model, policy.train, policy.algorithm, **common)
+            self._worker = TrainWorker(model, policy.train, policy.algorithm, **common)
         else:
-            self.worker = FSDPTrainWorker(model, policy.train, policy.algorithm, bf16=bf16, **common)
-
-    def ready(self) -> int:
+            self._worker = FSDPTrainWorker(model, policy.train, policy.algorithm, bf16=bf16, **common)
         return self.rank
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:

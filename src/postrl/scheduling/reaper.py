@@ -1,0 +1,90 @@
+"""Nothing of a Ray instance started for a run may outlive the run's driver, however it dies.
+
+Ray's own fate sharing covers the GCS server and the raylet, not the agents the raylet starts
+(``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``, which ignore SIGTERM) nor idle workers. So
+before a local Ray instance is started, the driver marks its environment with a token that every
+Ray process inherits, and starts a reaper: a small process in its own session that holds the read
+end of a pipe from the driver. When the pipe closes (the driver exited, crashed or was killed
+with SIGKILL), the reaper kills every process whose environment carries the token.
+
+Run as ``python -m postrl.scheduling.reaper TOKEN DRIVER_PID``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+MARKER = "POSTRL_RAY_OWNER"
+
+
+def marked_processes(token: str, exclude: set[int]) -> list[int]:
+    """PIDs of live processes whose environment holds ``MARKER=token`` (other users' are unreadable)."""
+    needle = f"{MARKER}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in exclude:
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def kill_marked(token: str, exclude: set[int], rounds: int = 20) -> int:
+    """SIGKILL every marked process, again until none is left (a dying raylet may start one more)."""
+    killed = 0
+    for _ in range(rounds):
+        pids = marked_processes(token, exclude)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+        time.sleep(0.25)
+    return killed
+
+
+class Reaper:
+    """The driver's side: marks this process's environment and starts the reaper process."""
+
+    def __init__(self) -> None:
+        self.token = uuid.uuid4().hex
+        env = {k: v for k, v in os.environ.items() if k != MARKER}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "postrl.scheduling.reaper", self.token, str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+        os.environ[MARKER] = self.token  # what Ray starts from here on inherits it
+
+    def close(self) -> None:
+        """After ``ray.shutdown``: let the reaper sweep what is left, and wait for it briefly."""
+        if os.environ.get(MARKER) == self.token:
+            del os.environ[MARKER]
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    token, driver = argv[0], int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the driver is not for the reaper
+    sys.stdin.buffer.read()  # returns when the driver closes the pipe or dies
+    kill_marked(token, exclude={os.getpid(), driver})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
