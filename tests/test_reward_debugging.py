@@ -222,3 +222,42 @@ def test_a_non_finite_in_process_score_is_unscorable():
     finally:
         service.close()
     assert result.unscorable and result.error == "f: returned nan (not finite)"
+
+
+def test_whole_hanging_groups_cost_about_one_timeout():
+    """A hang is caused by the prompt, so all G samples of a prompt hang together: 3 of 16 prompts
+    x G=4 hanging at timeout 3 s used to cost a timeout per sample queued on a worker (~12 s)."""
+    from postrl.config import RewardConfig
+    from postrl.reward.service import RewardService, ScoreRequest
+
+    config = RewardConfig(components=[{"type": "custom", "name": "h", "function": f"{FN}:hangs_on_marked"}],
+                          timeout_s=3.0)
+    service = RewardService(config)
+    try:
+        requests = [ScoreRequest(f"{p}+1=", f"answer {g}", {"hang": p in (2, 7, 11), "answer": str(p)})
+                    for p in range(16) for g in range(4)]
+        service.score_batch(requests[:4])  # workers started
+        start = time.monotonic()
+        results = service.score_batch(requests)
+        elapsed = time.monotonic() - start
+    finally:
+        service.close()
+    assert elapsed < 2 * 3.0, elapsed
+    hung = [i for i, r in enumerate(results) if r.unscorable]
+    assert hung == [p * 4 + g for p in (2, 7, 11) for g in range(4)]
+    assert all(results[i].error == f"h: {FN}:hangs_on_marked timed out after 3s" for i in hung)
+    assert all(r.reward == 1.0 for i, r in enumerate(results) if i not in hung)
+
+
+def test_adjacent_hanging_siblings_time_out_together():
+    """4 adjacent jobs of one prompt hanging at a 2 s timeout: 8.1 s before (queued behind one another)."""
+    jobs = [{"fn": f"{FN}:hangs_on_marked", "prompt": f"p{i // 4}", "response": str(i),
+             "columns": {"hang": i // 4 == 1}} for i in range(16)]
+    with ScoringPool(num_workers=2, timeout_s=2.0, preload=(f"{FN}:hangs_on_marked",)) as pool:
+        pool.map(jobs[:2])
+        start = time.monotonic()
+        results = pool.map(jobs)
+        elapsed = time.monotonic() - start
+    assert elapsed < 2 * 2.0, elapsed
+    assert [r.timed_out for r in results] == [i // 4 == 1 for i in range(16)]
+    assert all(r.value == 1.0 for i, r in enumerate(results) if i // 4 != 1)
