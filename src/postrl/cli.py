@@ -21,7 +21,10 @@ def _run_config(args: argparse.Namespace, model: type, extra: list[str]) -> obje
             raise ConfigError("give either CONFIG or --resume RUN_DIR, not both")
         if args.overwrite:
             raise ConfigError("--overwrite starts a new run; it cannot be combined with --resume")
-        return resume_config(args.resume, ([args.config] if args.config else []) + args.overrides + extra, model)
+        return resume_config(args.resume, ([args.config] if args.config else []) + args.overrides + extra, model,
+                             force_change=args.force_change)
+    if args.force_change:
+        raise ConfigError("--force-change is for --resume (a new run may set any field)")
     if not args.config:
         raise ConfigError(f"postrl {args.command} needs a CONFIG.yaml (or --resume runs/NAME)")
     return load_config(args.config, args.overrides + extra, model=model)
@@ -203,7 +206,11 @@ def _add_run_arguments(p: argparse.ArgumentParser, config_help: str, override_ex
     """CONFIG, overrides, --resume and --overwrite: the same for every command that starts a run."""
     p.add_argument("config", nargs="?", help=config_help)
     p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {override_example}")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint; overrides "
+                   "may lengthen it and change logging, checkpoints, workers and timeouts")
+    p.add_argument("--force-change", metavar="FIELD", action="append", default=[],
+                   help="with --resume: allow an override of a field that defines the run (model, data, algorithm, "
+                   "seed, ...), e.g. --force-change train.lr; repeat for more")
     p.add_argument("--overwrite", action="store_true",
                    help="start anew in a run directory that holds a run, moving the old run to NAME.old-<time> "
                    "(never deleted)")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from postrl.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
-from postrl.config import save_config
+from postrl.config import ConfigError, save_config
 from postrl.data.preferences import PreferencePair, load_preference_pairs
 from postrl.devices import resolve_device
 from postrl.dpo_config import DPORunConfig
@@ -47,7 +47,9 @@ def pair_order(n: int, seed: int, epoch: int) -> list[int]:
 
 def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = False, echo=print) -> DPOWorker:
     place = RunPlace(config)  # type: ignore[arg-type] - the same run-directory fields as RunConfig
-    if not resume:
+    if resume:
+        place.check_resumable()
+    else:
         place.check_new(overwrite, command="dpo")
     tokenizer = load_tokenizer(config.model.path)
     pairs, skipped = load_preference_pairs(config.data.train_files, tokenizer, config.data.max_tokens,
@@ -66,7 +68,6 @@ def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = Fals
 
 def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, resume: bool, echo) -> DPOWorker:
     run_dir = config.run_dir
-    save_config(config, run_dir / "config.yaml")  # type: ignore[arg-type]
     if skipped:
         (run_dir / "skipped_rows.txt").write_text("".join(line + "\n" for line in skipped))
         echo(f"skipped {len(skipped)} bad pairs (data.on_bad_row=skip); listed in {run_dir / 'skipped_rows.txt'}")
@@ -83,7 +84,11 @@ def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, res
             raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'} to resume from")
         worker.load_checkpoint(checkpoint)
         step = int(load_run_state(checkpoint)["step"])
+        if total < step:
+            raise ConfigError(f"epochs={config.epochs} gives {total} steps, below the {step} this run has already "
+                              "done; a resume can only continue it")
         echo(f"resumed {place.location} from step {step} ({checkpoint})")
+    save_config(config, run_dir / "config.yaml")  # type: ignore[arg-type]
     sinks = make_sinks(config, run_dir, step if resume else None, echo)  # type: ignore[arg-type]
     try:
         while step < total:

@@ -98,12 +98,17 @@ class RunStore:
         with self.fs.open(self._remote(relative), "r") as f:
             return f.read()
 
+    def complete_checkpoints(self) -> list[str]:
+        """The names of the run's complete checkpoints there, oldest first."""
+        root = self._remote("checkpoints")
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)] if self.fs.isdir(root) else []
+        return sorted((n for n in names if n.startswith("step_") and self.fs.isfile(f"{root}/{n}/{MARKER}")),
+                      key=lambda n: int(n.split("_")[1]))
+
     def fetch_latest_checkpoint(self) -> str | None:
         """Download the latest complete checkpoint (and metrics.jsonl) into the local copy."""
         root = self._remote("checkpoints")
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)] if self.fs.isdir(root) else []
-        complete = sorted((n for n in names if n.startswith("step_") and self.fs.isfile(f"{root}/{n}/{MARKER}")),
-                          key=lambda n: int(n.split("_")[1]))
+        complete = self.complete_checkpoints()
         for relative in ("metrics.jsonl",):
             if self.fs.isfile(self._remote(relative)):
                 self.local.mkdir(parents=True, exist_ok=True)

@@ -26,9 +26,11 @@ from postrl.lease import RunLease
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.models import context_length, load_causal_lm, load_tokenizer
 from postrl.plots import plot_metrics
+from postrl.net import can_connect, host_port
 from postrl.reward import RewardService
+from postrl.reward.columns import check_columns
 from postrl.reward.client import RemoteRewardService
-from postrl.run_place import PUBLISHED_AT_END, RunPlace
+from postrl.run_place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.tasks import task_rows
 from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
@@ -77,6 +79,7 @@ def build_components(config: RunConfig) -> Components:
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
+    check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
     scheduler = make_scheduler(config)
     built: list = []
     try:
@@ -149,6 +152,20 @@ def check_context_length(config: RunConfig) -> None:
         )
 
 
+def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
+    """The external servers a run depends on answer before anything is written."""
+    urls = []
+    if config.rollout.backend == "openai" and config.rollout.url:
+        urls.append(("rollout.url", config.rollout.url))
+    if config.reward.remote is not None:
+        urls.append(("reward.remote.url", config.reward.remote.url))
+    for field, url in urls:
+        endpoint = host_port(url) or (url.split("://", 1)[-1].split("/", 1)[0], 443 if url.startswith("https") else 80)
+        why = can_connect(*endpoint, timeout_s=timeout_s)
+        if why is not None:
+            raise ConfigError(f"{field}={url} cannot be reached ({why}); start the server first, or fix the URL")
+
+
 def check_devices(config: RunConfig) -> None:
     """A CUDA device that is not there is refused before any work (never a silent fall back to the CPU)."""
     try:
@@ -180,10 +197,13 @@ def train(
     the model and the data have been checked. A signal stops the run after the current step
     (:class:`RunInterrupted`), with a checkpoint of the last completed step."""
     run_dir, place = config.run_dir, RunPlace(config)
-    if not resume:
+    if resume:
+        check_steps_left(config, place.check_resumable())
+    else:
         place.check_new(overwrite)
     check_context_length(config)
     check_devices(config)
+    check_servers(config)
     lease = RunLease(place.location)
     lease.check_free()  # a second live controller on this run is refused before any work
     echo = _stderr_echo
@@ -194,6 +214,8 @@ def train(
                 aside = place.move_aside()
                 if aside is not None:
                     echo(f"moved the previous run in {place.location} to {aside}")
+            if place.reused:
+                echo(f"reusing {place.location}: it held only the leftovers of a launch that completed no step")
             place.prepare(resume)
             lease.acquire(echo)
             save_config(config, run_dir / "config.yaml")

@@ -1,0 +1,114 @@
+"""Issue 15 (a user's second day): what a resume may change, checks that happen before anything is
+written, and a run directory whose launch never completed a step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from postrl.cli import main
+from postrl.config import ConfigError, RewardConfig
+from postrl.metrics import read_metrics
+from postrl.resume_policy import check_resume_changes, flatten
+from postrl.reward.columns import check_columns, function_columns
+from tests.test_train_e2e import write_config
+
+
+def test_flatten_and_the_policy_per_field():
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
+    check_resume_changes([("steps", 3, 6), ("logging.console", True, False), ("scheduler.train.workers", 1, 2),
+                          ("reward.timeout_s", 5.0, 9.0)], [], "runs/x")
+    with pytest.raises(ConfigError) as err:
+        check_resume_changes([("model.path", "a", "b"), ("seed", 1, 2), ("steps", 3, 6)], [], "runs/x")
+    assert str(err.value).splitlines()[:3] == ["--resume runs/x would change what defines the run:",
+                                               "  model.path: 'a' -> 'b'", "  seed: 1 -> 2"]
+    assert "--force-change model.path --force-change seed" in str(err.value)
+    check_resume_changes([("model.path", "a", "b")], ["model"], "runs/x")  # a section name forces all of it
+    with pytest.raises(ConfigError, match="--force-change train.lr: no such change"):
+        check_resume_changes([("steps", 3, 6)], ["train.lr"], "runs/x")
+
+
+def test_resume_refuses_a_new_model_and_fewer_steps(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=2)
+    assert main(["train", config]) == 0
+    run = tmp_path / "runs" / "tiny"
+    saved = (run / "config.yaml").read_text()
+    final = (run / "final_model" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "model.path=demo"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.path: '{tiny_model_dir}' -> 'demo'" in err and "--force-change model.path" in err
+    assert main(["train", "--resume", str(run), "steps=1"]) == 2
+    assert "steps=1 is below the 2 steps this run has already done" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == saved  # nothing was rewritten
+    assert (run / "final_model" / "model.safetensors").read_bytes() == final
+    assert main(["train", "--resume", str(run), "steps=3", "logging.console=false"]) == 0
+    err = capsys.readouterr().err
+    assert "resume changes: logging.console True -> False; steps 2 -> 3" in err
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    # forced on purpose: the change is taken and recorded
+    assert main(["train", "--resume", str(run), "steps=4", "train.lr=0.002", "--force-change", "train.lr"]) == 0
+    assert "train.lr 0.001 -> 0.002" in capsys.readouterr().err
+    assert "lr: 0.002" in (run / "config.yaml").read_text()
+
+
+def _columns(rows):
+    return [(f"data.jsonl:{i + 1}", row) for i, row in enumerate(rows)]
+
+
+def test_reward_columns_are_checked_against_the_data():
+    assert function_columns("tests.reward_fns:digit_share") == []
+    exact = RewardConfig(components=[{"type": "exact_match", "name": "acc"}])
+    check_columns(exact, _columns([{"answer": "1"}]))
+    with pytest.raises(ConfigError) as err:
+        check_columns(exact, _columns([{"answer": "1"}, {"x": 1}, {"x": 2}, {}, {}, {}]))
+    assert ("reward component 'acc' (exact_match): it reads 'answer', missing in data.jsonl:2, data.jsonl:3, "
+            "data.jsonl:4 and 2 more") in str(err.value)
+    scoped = RewardConfig(components=[{"type": "math", "name": "m", "applies_to": ["math"]}])
+    check_columns(scoped, _columns([{"task_type": "code"}]))  # the component does not apply to that row
+
+
+def test_custom_function_parameters_are_columns(tmp_path, monkeypatch):
+    (tmp_path / "subtract_rewards.py").write_text(
+        "def score(prompt, response, answer, *, strict=False):\n    return float(response.strip() == answer)\n"
+        "def loose(prompt, response, **columns):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert function_columns("subtract_rewards:score") == ["answer"]
+    assert function_columns("subtract_rewards:loose") == []
+    config = RewardConfig(components=[{"type": "custom", "name": "s", "function": "subtract_rewards:score"}])
+    with pytest.raises(ConfigError, match="subtract_rewards:score takes 'answer', missing in data.jsonl:1"):
+        check_columns(config, _columns([{"expected": "3"}]))
+
+
+def test_a_failed_launch_writes_nothing_and_a_relaunch_reuses_its_directory(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "sub.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}-{b}=", "result": str(a - b)}) + "\n"
+                            for a in range(20, 24) for b in range(10, 14)))
+    config = write_config(tmp_path, tiny_model_dir, data, steps=1)
+    assert main(["train", config]) == 2
+    assert "it reads 'answer', missing in" in capsys.readouterr().err
+    run = tmp_path / "runs" / "tiny"
+    assert not run.exists()
+    # the leftovers of a launch that died before step 1 (as an older postrl, or a crash, left them)
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(open(config).read())
+    (run / "reward_workers.log").write_text("")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "it never completed a step, so start it again with the same command" in capsys.readouterr().err
+    fixed = ["reward.components=[{name: acc, type: exact_match, answer_column: result}]"]
+    assert main(["train", config, *fixed]) == 0
+    assert f"reusing {run}: it held only the leftovers of a launch that completed no step" in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
+
+
+def test_an_unreachable_rollout_url_is_refused_before_anything_is_written(tmp_path, tiny_model_dir,
+                                                                           arithmetic_jsonl, capsys):
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1)
+    args = ["train", config, "rollout.backend=openai", "rollout.url=http://127.0.0.1:1/v1",
+            f"rollout.sync_dir={tmp_path}"]
+    assert main(args) == 2
+    assert ("rollout.url=http://127.0.0.1:1/v1 cannot be reached (Connection refused); start the server first"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "runs" / "tiny").exists()
