@@ -112,3 +112,23 @@ def test_an_unreachable_rollout_url_is_refused_before_anything_is_written(tmp_pa
     assert ("rollout.url=http://127.0.0.1:1/v1 cannot be reached (Connection refused); start the server first"
             in capsys.readouterr().err)
     assert not (tmp_path / "runs" / "tiny").exists()
+
+
+def test_vllm_max_model_len_defaults_to_what_the_run_needs(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    """The default used to be 2048, which vLLM refuses for a 128-token model only after its start-up."""
+    from postrl.config import build_config
+    from postrl.runner import check_context_length
+
+    base = {"model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
+            "rollout": {"backend": "vllm", "max_tokens": 16}}
+    config = build_config(base)
+    check_context_length(config)
+    assert config.rollout.vllm.max_model_len == 128 and config.data.max_prompt_tokens == 112
+    config = build_config(base, ["data.max_prompt_tokens=40"])
+    check_context_length(config)
+    assert config.rollout.vllm.max_model_len == 56
+    with pytest.raises(ConfigError, match="rollout.vllm.max_model_len=2048 is more than the model's context length "
+                                          "128"):
+        check_context_length(build_config(base, ["rollout.vllm.max_model_len=2048"]))
+    with pytest.raises(ConfigError, match="rollout.vllm.max_model_len=32 is less than"):
+        check_context_length(build_config(base, ["rollout.vllm.max_model_len=32"]))

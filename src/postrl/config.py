@@ -80,7 +80,10 @@ class NativeEngineConfig(Section):
 
 
 class VLLMEngineConfig(Section):
-    max_model_len: int = Field(2048, ge=16, description="vLLM's max_model_len: prompt plus response tokens.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="vLLM's max_model_len: prompt plus response tokens. None: data.max_prompt_tokens + "
+        "rollout.max_tokens (what the run needs, within the model's context); a value over the model's context "
+        "is refused before vLLM starts.")
     memory_fraction: float = Field(0.25, gt=0.0, le=1.0, description="Memory vLLM reserves for its KV cache "
                                    "(gpu_memory_utilization; on CPU, a fraction of RAM).")
     startup_timeout_s: float = Field(600.0, gt=0.0, description="How long the server may take to start.")

@@ -143,13 +143,29 @@ def check_context_length(config: RunConfig) -> None:
             raise ConfigError(f"rollout.max_tokens={config.rollout.max_tokens} leaves no room for a prompt in the "
                               f"model's context length {limit} ({config.model.path})")
         config.data.max_prompt_tokens = DEFAULT_MAX_PROMPT_TOKENS if limit is None else limit - config.rollout.max_tokens
-        return
-    if limit is not None and prompt + config.rollout.max_tokens > limit:
+    elif limit is not None and prompt + config.rollout.max_tokens > limit:
         raise ConfigError(
             f"data.max_prompt_tokens={prompt} + rollout.max_tokens={config.rollout.max_tokens} = "
             f"{prompt + config.rollout.max_tokens} is more than the model's context length {limit} "
             f"({config.model.path}); lower one of them"
         )
+    if config.rollout.backend == "vllm":
+        check_vllm_context(config, limit)
+
+
+def check_vllm_context(config: RunConfig, limit: int | None) -> None:
+    """vLLM refuses a max_model_len over the model's context only after its slow start-up: decide it here.
+    Unset, it is what the run needs (prompt budget plus response tokens)."""
+    vllm = config.rollout.vllm
+    needed = (config.data.max_prompt_tokens or 0) + config.rollout.max_tokens
+    if vllm.max_model_len is None:
+        vllm.max_model_len = needed
+    elif limit is not None and vllm.max_model_len > limit:
+        raise ConfigError(f"rollout.vllm.max_model_len={vllm.max_model_len} is more than the model's context length "
+                          f"{limit} ({config.model.path}); leave it unset (the run needs {needed}) or lower it")
+    elif vllm.max_model_len < needed:
+        raise ConfigError(f"rollout.vllm.max_model_len={vllm.max_model_len} is less than data.max_prompt_tokens + "
+                          f"rollout.max_tokens = {needed}; raise it or leave it unset")
 
 
 def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from postrl.config import RolloutConfig
 from postrl.devices import bf16_matmul_supported, resolve_device
-from postrl.models import load_causal_lm, resolve_model_path
+from postrl.models import context_length, load_causal_lm, resolve_model_path
 from postrl.rollout.base import RolloutWorker
 from postrl.rollout.hf_engine import HFRolloutWorker
 from postrl.rollout.native import SUPPORTED_MODEL_TYPES, NativeRolloutWorker
@@ -48,7 +48,8 @@ def make_rollout_worker(config: RolloutConfig, model_path: str, tokenizer: Any, 
         dtype = "float32" if engine_dtype(config, model_dtype, torch.device("cpu")) == torch.float32 else "bfloat16"
         v = config.vllm
         return VLLMRolloutWorker(resolve_model_path(model_path), tokenizer, dtype=dtype, seed=seed,
-                                 max_model_len=v.max_model_len, memory_fraction=v.memory_fraction,
+                                 max_model_len=v.max_model_len or context_length(model_path) or 2048,
+                                 memory_fraction=v.memory_fraction,
                                  startup_timeout_s=v.startup_timeout_s, request_timeout_s=v.request_timeout_s)
     device = resolve_device(config.device, "rollout.device")
     return rollout_worker_for_model(config, load_causal_lm(model_path, "float32").to(device), tokenizer, model_dtype,
