@@ -260,7 +260,7 @@ def test_router_takes_a_recovered_backend_back(char_tokenizer):
     front = Server(build_router_app(router))
     batcher = EngineBatcher(NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer))
     try:
-        assert httpx.post(front.url + "/v1/completions", json={"prompt": "1", "max_tokens": 2}).status_code == 502
+        assert httpx.post(front.url + "/v1/completions", json={"prompt": "1", "max_tokens": 2}).status_code == 503
         assert not router.state[f"http://127.0.0.1:{port}"].healthy
         backend = Server(build_app(batcher, char_tokenizer, "tiny", limits=ServerLimits(default_max_tokens=2)), port=port)
         import time

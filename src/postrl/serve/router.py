@@ -2,9 +2,10 @@
 around failures.
 
 A backend that fails a health check (``GET /health`` every ``health_interval_s``) or a request
-(no connection, a timeout, a 5xx answer) leaves the rotation until a health check passes again,
-and not before a back-off that doubles with each failure in a row (so a backend whose health
-check passes but whose requests fail does not flap back in at every check);
+(no connection, a timeout, a 5xx answer) leaves the rotation until a health check passes again.
+Failed *requests* add a back-off that doubles with each one in a row (so a backend whose health
+check passes but whose requests fail does not flap back in at every check); failed health checks
+during an outage do not, so a backend that is healthy again rejoins at the next check;
 the failed request is retried once on another backend (for a stream: when the failure comes
 before the first byte). ``/health`` reports every backend; ``/update_weights`` is sent to all of
 them (a sync must reach every engine, or the router reports which did not take it).
@@ -43,7 +44,11 @@ class Backend:
 
 
 class NoBackendError(RuntimeError):
-    """Every backend is out of the rotation, or the request failed on two of them."""
+    """Every backend is out of the rotation (``none_healthy``), or the request failed on two of them."""
+
+    def __init__(self, message: str, none_healthy: bool = False) -> None:
+        super().__init__(message)
+        self.none_healthy = none_healthy
 
 
 class LeastOutstandingRouter:
@@ -70,14 +75,16 @@ class LeastOutstandingRouter:
         live = [s for s in self.state.values() if s.healthy and s.url not in exclude]
         if not live:
             down = "; ".join(f"{s.url}: {s.last_error or 'unhealthy'}" for s in self.state.values())
-            raise NoBackendError(f"no healthy backend to send the request to ({down})")
+            raise NoBackendError(f"no healthy backend to send the request to ({down})", none_healthy=not exclude)
         return min(live, key=lambda s: (s.outstanding, s.served)).url
 
-    def mark_failed(self, url: str, error: str) -> None:
+    def mark_failed(self, url: str, error: str, backoff: bool = True) -> None:
+        """Take a backend out of the rotation; a failed request (``backoff``) also delays its return."""
         backend = self.state[url]
         backend.failures += 1
-        backend.consecutive += 1
-        backend.out_until = time.monotonic() + min(60.0, self.health_interval_s * 2 ** (backend.consecutive - 1))
+        if backoff:
+            backend.consecutive += 1
+            backend.out_until = time.monotonic() + min(60.0, self.health_interval_s * 2 ** (backend.consecutive - 1))
         backend.last_error = error
         if backend.healthy:
             log.warning("backend %s leaves the rotation: %s", url, error)
@@ -99,7 +106,7 @@ class LeastOutstandingRouter:
             ok, error = False, f"health check failed: {type(exc).__name__}: {exc}"
         backend = self.state[url]
         if not ok:
-            self.mark_failed(url, error or "unhealthy")
+            self.mark_failed(url, error or "unhealthy", backoff=False)
         elif not backend.healthy and time.monotonic() >= backend.out_until:
             log.warning("backend %s is healthy again and rejoins the rotation", url)
             backend.healthy, backend.last_error = True, None
@@ -135,14 +142,16 @@ class LeastOutstandingRouter:
             errors.append(f"{url}: {error}")
         raise NoBackendError("the request failed on " + "; then on ".join(errors))
 
-    async def forward(self, path: str, body: bytes, request_headers: Any = None) -> httpx.Response:
-        """POST to the least busy healthy backend; on a failure, once more to another."""
+    async def forward(self, path: str, body: bytes | None, request_headers: Any = None,
+                      method: str = "POST") -> httpx.Response:
+        """Send to the least busy healthy backend; on a failure, once more to another."""
 
         async def attempt(url: str) -> tuple[httpx.Response | None, str | None]:
             backend = self.state[url]
             backend.outstanding += 1
             try:
-                response = await self.client.post(url + path, content=body, headers=self.headers(request_headers))
+                response = await self.client.request(method, url + path, content=body,
+                                                     headers=self.headers(request_headers))
             except httpx.HTTPError as exc:
                 return None, f"{type(exc).__name__}: {exc}"
             finally:
@@ -221,18 +230,18 @@ def build_router_app(router: LeastOutstandingRouter) -> FastAPI:
                 return _relay(router, url, upstream)
             response = await router.forward(f"/v1/{endpoint}", body, request.headers)
         except NoBackendError as exc:
-            return JSONResponse(detail(str(exc)), status_code=502)
+            return _no_backend(exc)
         return Response(response.content, status_code=response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> Response:
         try:
-            url = router.pick()
+            response = await router.forward("/v1/models", None, request.headers, method="GET")
         except NoBackendError as exc:
-            return JSONResponse(detail(str(exc)), status_code=502)
-        response = await router.client.get(url + "/v1/models", headers=router.headers())
-        return JSONResponse(response.json(), status_code=response.status_code)
+            return _no_backend(exc)
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type", "application/json"))
 
     @app.post("/update_weights")
     async def update(request: Request) -> JSONResponse:
@@ -250,6 +259,12 @@ def build_router_app(router: LeastOutstandingRouter) -> FastAPI:
         return JSONResponse(body, status_code=200 if any(states.values()) else 503)
 
     return app
+
+
+def _no_backend(exc: NoBackendError) -> JSONResponse:
+    """503 when no backend is in the rotation, 502 when the request failed on those tried; either way
+    the message names every backend with its last error."""
+    return JSONResponse(detail(str(exc)), status_code=503 if exc.none_healthy else 502)
 
 
 def _relay(router: LeastOutstandingRouter, url: str, upstream: httpx.Response) -> StreamingResponse:
