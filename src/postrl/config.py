@@ -149,6 +149,14 @@ class TrainConfig(Section):
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
         (0.9, 0.999), description="AdamW's (beta1, beta2).")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup, in optimizer steps.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warm-up: constant, or a linear / cosine decay to min_lr_ratio * lr at "
+        "lr_decay_steps (then held).")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="The decayed learning rate, as a fraction of lr.")
+    lr_decay_steps: int | None = Field(
+        None, ge=1, description="Optimizer steps until the decay ends. None: the run's own length (steps x "
+        "optimizer steps per step, estimated from prompts_per_step x rollout.n, mini_batch_size and epochs; "
+        "for dpo and sft, epochs x batches per epoch), recorded in the run's config.yaml.")
     grad_clip: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global norm.")
     mini_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")

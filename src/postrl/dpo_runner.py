@@ -54,6 +54,9 @@ def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = Fals
     tokenizer = load_tokenizer(config.model.path)
     pairs, skipped = load_preference_pairs(config.data.train_files, tokenizer, config.data.max_tokens,
                                            config.data.on_bad_row)
+    t = config.train
+    if t.lr_schedule != "constant" and t.lr_decay_steps is None:
+        t.lr_decay_steps = config.epochs * math.ceil(len(pairs) / t.mini_batch_size)
     lease = RunLease(place.location)
     lease.check_free()
     if not resume and overwrite:

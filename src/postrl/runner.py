@@ -6,6 +6,7 @@ The entry point reads like a table of contents: :func:`train` = setup -> loop ->
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import sys
 import tempfile
@@ -168,6 +169,14 @@ def check_vllm_context(config: RunConfig, limit: int | None) -> None:
                           f"rollout.max_tokens = {needed}; raise it or leave it unset")
 
 
+def resolve_lr_decay(config: RunConfig) -> None:
+    """An unset ``train.lr_decay_steps`` of a decaying schedule becomes the run's optimizer steps."""
+    t = config.train
+    if t.lr_schedule != "constant" and t.lr_decay_steps is None:
+        per_step = math.ceil(config.prompts_per_step * config.rollout.n / t.mini_batch_size) * t.epochs
+        t.lr_decay_steps = config.steps * per_step
+
+
 def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
     """The external servers a run depends on answer before anything is written."""
     urls = []
@@ -220,6 +229,7 @@ def train(
     check_context_length(config)
     check_devices(config)
     check_servers(config)
+    resolve_lr_decay(config)
     lease = RunLease(place.location)
     lease.check_free()  # a second live controller on this run is refused before any work
     echo = _stderr_echo

@@ -18,6 +18,7 @@ import torch
 from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, LossNormalizer, kl_k3, kl_penalty
 from postrl.config import AlgorithmConfig, TrainConfig
 from postrl.devices import bf16_matmul_supported
+from postrl.train.lr_schedule import make_scheduler
 from postrl.train.logprobs import token_logprobs
 from postrl.types import ExperienceBatch, TrainMetrics
 from postrl.train.state import full_tensor, load_train_state, save_train_state
@@ -131,10 +132,8 @@ class TrainWorker:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
         )
-        warmup = train.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-        )
+        self.scheduler = make_scheduler(self.optimizer, train.lr_schedule, train.warmup_steps, train.lr_decay_steps,
+                                        train.min_lr_ratio)
         self.generator = torch.Generator().manual_seed(seed)
         self.optimizer_steps = 0
         self.skipped_steps = 0
