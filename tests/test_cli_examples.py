@@ -102,7 +102,7 @@ def test_progress_output_to_a_file_has_no_carriage_returns(tmp_path):
     text = log.read_text()
     assert done.returncode == 0, text
     assert "\r" not in text
-    assert "step 1 | reward" in text and "step 2 | reward" in text
+    assert "step 1/2 | reward" in text and "step 2/2 | reward" in text
 
 
 @pytest.mark.parametrize("name", SERVICE_EXAMPLES)

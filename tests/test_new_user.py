@@ -53,7 +53,7 @@ def test_first_day(tmp_path):
 
     done = postrl("train", "config.yaml", cwd=work)
     assert done.returncode == 0, done.stderr
-    assert "step 3 | reward" in done.stdout and "\r" not in done.stdout + done.stderr
+    assert "step 3/3 | reward" in done.stdout and "\r" not in done.stdout + done.stderr
     run = work / "runs" / "first"
     assert (run / "final_model" / "model.safetensors").is_file() and (run / "reward_accuracy.png").is_file()
     assert "checking" in (run / "reward_workers.log").read_text()

@@ -130,7 +130,7 @@ def test_signal_stops_after_the_step_and_checkpoints(tmp_path, tiny_model_dir, a
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=200,
                           checkpoint={"every_steps": 0, "keep_last": 1})
     proc = _train_subprocess(config)
-    _wait_for_line(proc, "step 2 |")
+    _wait_for_line(proc, "step 2/")
     assert len(_worker_pids(proc.pid)) >= 1
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
@@ -193,7 +193,7 @@ def test_second_signal_abandons_the_step_and_keeps_the_last_completed_one(tmp_pa
                           reward={"components": [{"name": "slow", "type": "custom",
                                                   "function": "tests.reward_fns:slow_length"}], "num_workers": 2})
     proc = _train_subprocess(config)
-    _wait_for_line(proc, "step 1 |")
+    _wait_for_line(proc, "step 1/")
     time.sleep(0.3)  # inside step 2's scoring, which takes ~1.6 s
     proc.send_signal(signal.SIGINT)
     time.sleep(0.2)

@@ -132,3 +132,48 @@ def test_vllm_max_model_len_defaults_to_what_the_run_needs(tmp_path, tiny_model_
         check_context_length(build_config(base, ["rollout.vllm.max_model_len=2048"]))
     with pytest.raises(ConfigError, match="rollout.vllm.max_model_len=32 is less than"):
         check_context_length(build_config(base, ["rollout.vllm.max_model_len=32"]))
+
+
+def test_validation_progress_and_no_signal_in_a_run(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(30, 35)))
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=3)
+    # exact_match on a random model: every sample wrong, every group without signal
+    assert main(["train", config, f"data.val_files=[{val}]", "logging.eval_every=2"]) == 0
+    out = capsys.readouterr()
+    rows = read_metrics(tmp_path / "runs" / "tiny" / "metrics.jsonl")
+    assert [("val/accuracy" in r) for r in rows] == [False, True, True]  # every 2 steps and at the end
+    assert all(r["val/prompts"] == 5.0 and r["val/accuracy"] == 0.0 for r in rows[1:])
+    assert [r["reward/no_signal_groups"] for r in rows] == [1.0, 1.0, 1.0]
+    lines = [line for line in out.out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert "left" in lines[0] and "elapsed" in lines[2] and "left" not in lines[2]
+    assert "val acc 0.000" in lines[1] and "100% of groups have identical rewards" in lines[0]
+    assert "in the last 3 steps every group's samples got identical rewards" in out.err
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "runs" / "tiny" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/accuracy")] == [2, 3]
+
+
+def test_eval_every_without_held_out_prompts_is_refused(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1)
+    assert main(["train", config, "logging.eval_every=1"]) == 2
+    assert "logging.eval_every=1 needs held-out prompts: set data.val_files" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "tiny").exists()
+
+
+def test_a_data_path_on_the_command_line_is_found_next_to_the_config(tmp_path, tiny_model_dir, arithmetic_jsonl,
+                                                                    monkeypatch, capsys):
+    from postrl.config import load_config
+
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = load_config(config, ["data.train_files=[train.jsonl]"])
+    assert loaded.data.train_files == [str(tmp_path / "train.jsonl")]
+    assert main(["train", config, "data.val_files=[nope.jsonl]", "logging.eval_every=1"]) == 2
+    assert (f"dataset file nope.jsonl does not exist (a relative path is looked up in the working directory "
+            f"{elsewhere}, then next to the config file)") in capsys.readouterr().err

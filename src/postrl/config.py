@@ -52,6 +52,10 @@ class DataConfig(Section):
         "rollout.max_tokens. A value whose sum with rollout.max_tokens exceeds the context is refused at start.")
     on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip+count.")
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded).")
+    val_files: list[str] = Field(default_factory=list, description="Held-out JSONL or Parquet prompt files, scored "
+                                 "greedily with the run's reward components every logging.eval_every steps (val/*). "
+                                 "Empty: a built-in task's test split, else no validation.")
+    val_size: int | None = Field(None, ge=1, description="Validate on the first N held-out prompts (None: all).")
 
     @field_validator("task")
     @classmethod
@@ -198,6 +202,8 @@ class LoggingConfig(Section):
         3, ge=0, description="Write every sample of steps 1..k to samples/step_N.jsonl (prompt, response, reward, "
         "each component and its reason, error).")
     samples_every: int = Field(10, ge=0, description="Also write the samples of every k-th step; 0 = never.")
+    eval_every: int = Field(0, ge=0, description="Validate (data.val_files, or the task's test split) every k steps "
+                            "and after the last one, as val/* metrics in every sink and on the plot; 0 = never.")
 
 
 class RunConfig(RunLocation, Section):
@@ -346,7 +352,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, mod
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        data = _data_files_found_near(loaded or {}, path.resolve().parent)
+        # overrides first, so a data path given on the command line is found the same way as one in the file
+        data = _data_files_found_near(apply_overrides(copy.deepcopy(loaded or {}), overrides or []),
+                                      path.resolve().parent)
+        overrides = []
         if import_config_dir and "import_paths" in (model or RunConfig).model_fields:
             here = str(path.resolve().parent)
             paths = data.get("import_paths") or []
@@ -359,16 +368,24 @@ def _data_files_found_near(data: dict[str, Any], config_dir: Path) -> dict[str, 
     """A relative ``data.train_files`` entry that is not under the working directory but is next to
     the config file means the file next to the config (so an example runs from any directory)."""
     section = data.get("data")
-    files = section.get("train_files") if isinstance(section, dict) else None
-    if not isinstance(files, list):
+    if not isinstance(section, dict):
         return data
-    found = []
-    for f in files:
-        if isinstance(f, str) and "://" not in f and not Path(f).is_absolute() and not Path(f).exists():
-            near = config_dir / f
-            f = str(near) if near.exists() else f
-        found.append(f)
-    return {**data, "data": {**section, "train_files": found}}
+    section = dict(section)
+    for key in ("train_files", "val_files"):
+        files = section.get(key)
+        if isinstance(files, list):
+            section[key] = [find_data_file(f, config_dir) if isinstance(f, str) else f for f in files]
+    return {**data, "data": section}
+
+
+def find_data_file(name: str, config_dir: Path | None) -> str:
+    """A relative path that is not under the working directory but is next to the config file
+    means the file next to the config; otherwise the name is kept (a missing file is reported when
+    the data is loaded, naming both places)."""
+    if "://" in name or Path(name).is_absolute() or Path(name).exists() or config_dir is None:
+        return name
+    near = config_dir / name
+    return str(near) if near.exists() else name
 
 
 def activate_import_paths(paths: list[str]) -> None:

@@ -47,6 +47,17 @@ def most_common_error(rewards: list[RewardResult]) -> str | None:
     return f"{count}x {error}"
 
 
+def no_signal_fraction(rollouts: list[Rollout], rewards: list[RewardResult]) -> float:
+    """The share of prompt groups whose scored rewards are all equal: a group baseline gives each of
+    their samples advantage 0, so they teach nothing."""
+    groups: dict[int, set[float]] = {}
+    for r, res in zip(rollouts, rewards):
+        seen = groups.setdefault(r.prompt_index, set())
+        if res.reward is not None:
+            seen.add(res.reward)
+    return sum(len(v) <= 1 for v in groups.values()) / len(groups) if groups else 0.0
+
+
 def write_samples(path: Path, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
                   advantages: list[float | list[float]] | None = None) -> Path:
     """One JSON line per sample: what the model wrote, and what each reward component made of it."""
@@ -203,6 +214,9 @@ class Controller(AlgorithmStages):
         reason = most_common_error(rewards)
         if reason:
             notes["unscorable_reason"] = reason
+        if values["reward/no_signal_groups"] > 0:
+            notes["no_signal"] = (f"{values['reward/no_signal_groups']:.0%} of groups have identical rewards "
+                                  "(no advantage, no gradient)")
         flags = Counter(f for r in rewards for f in r.flags)
         if flags:
             flag, count = flags.most_common(1)[0]
@@ -313,6 +327,7 @@ class Controller(AlgorithmStages):
             "reward/max": float(scored.max()) if scored.numel() else nan,
             "reward/unscorable": float(sum(r.unscorable for r in rewards)),
             "reward/flagged": float(sum(bool(r.flags) for r in rewards)),
+            "reward/no_signal_groups": no_signal_fraction(rollouts, rewards),
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),

@@ -92,7 +92,7 @@ def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, res
                               "done; a resume can only continue it")
         echo(f"resumed {place.location} from step {step} ({checkpoint})")
     save_config(config, run_dir / "config.yaml")  # type: ignore[arg-type]
-    sinks = make_sinks(config, run_dir, step if resume else None, echo)  # type: ignore[arg-type]
+    sinks = make_sinks(config, run_dir, step if resume else None, echo, total=total)  # type: ignore[arg-type]
     try:
         while step < total:
             began = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -30,8 +31,18 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
-def console_line(metrics: StepMetrics) -> str:
-    parts = [f"step {metrics.step}"]
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def console_line(metrics: StepMetrics, total: int | None = None) -> str:
+    parts = [f"step {metrics.step}" + (f"/{total}" if total else "")]
     for key, label, fmt in CONSOLE_KEYS:
         value = metrics.values.get(key)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
@@ -39,17 +50,34 @@ def console_line(metrics: StepMetrics) -> str:
     if metrics.values.get("reward/unscorable", 0):
         note = metrics.notes.get("unscorable_reason")
         parts.append(f"unscorable {int(metrics.values['reward/unscorable'])}" + (f" (most common: {note})" if note else ""))
-    if metrics.notes.get("flagged"):
-        parts.append(metrics.notes["flagged"])
+    for key, label in (("val/accuracy", "val acc"), ("val/reward_mean", "val reward")):
+        if key in metrics.values:
+            parts.append(f"{label} {metrics.values[key]:.3f}")
+            break
+    for note in ("flagged", "no_signal"):
+        if metrics.notes.get(note):
+            parts.append(metrics.notes[note])
     return " | ".join(parts)
 
 
 class ConsoleSink:
-    def __init__(self, echo=print) -> None:
-        self.echo = echo
+    """One line per step: ``step k/N``, the main metrics, time elapsed and an estimate of the time
+    left (from this process's steps), the same on a terminal and in a log file."""
+
+    def __init__(self, echo=print, total: int | None = None, clock=time.monotonic) -> None:
+        self.echo, self.total, self.clock = echo, total, clock
+        self.started, self.first_step = clock(), None
 
     def write(self, metrics: StepMetrics) -> None:
-        self.echo(console_line(metrics))
+        line = console_line(metrics, self.total)
+        if self.first_step is None:
+            self.first_step = metrics.step - 1
+        elapsed = self.clock() - self.started
+        line += f" | {duration(elapsed)} elapsed"
+        done = metrics.step - self.first_step
+        if self.total and done > 0 and metrics.step < self.total:
+            line += f", ~{duration(elapsed / done * (self.total - metrics.step))} left"
+        self.echo(line)
 
     def close(self) -> None:
         pass

@@ -23,6 +23,11 @@ def plot_metrics(run_dir: Path, held_out: tuple[float, float] | None = None, tit
     ax.plot(steps, [r["reward/mean"] for r in rows], label="reward (train batch mean)")
     if all("accuracy" in r for r in rows):
         ax.plot(steps, [r["accuracy"] for r in rows], "--", label="accuracy (train batch)")
+    for key, label in (("val/accuracy", "validation accuracy (greedy)"), ("val/reward_mean", "validation reward")):
+        val = [r for r in rows if key in r]
+        if val:
+            ax.plot([r["step"] for r in val], [r[key] for r in val], "o-", label=label)
+            break
     if held_out is not None:
         ax.scatter([0, steps[-1]], list(held_out), color="black", zorder=3, label="held-out accuracy (greedy)")
     ax.set_xlabel("step")

@@ -10,8 +10,10 @@ import math
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -35,6 +37,7 @@ from postrl.run_place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.tasks import task_rows
 from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
+from postrl.validation import Validator, load_validation_set
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +123,11 @@ def make_reward_service(config: RewardConfig) -> RewardService | RemoteRewardSer
     return RewardService(config)
 
 
-def make_sinks(config: RunConfig, run_dir: Path, resume_step: int | None, echo: Callable[[str], None]) -> list[MetricSink]:
+def make_sinks(config: RunConfig, run_dir: Path, resume_step: int | None, echo: Callable[[str], None],
+               total: int | None = None) -> list[MetricSink]:
     sinks: list[MetricSink] = []
     if config.logging.console:
-        sinks.append(ConsoleSink(echo))
+        sinks.append(ConsoleSink(echo, total))
     if config.logging.jsonl:
         sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))
     if config.logging.tensorboard:
@@ -175,6 +179,31 @@ def resolve_lr_decay(config: RunConfig) -> None:
     if t.lr_schedule != "constant" and t.lr_decay_steps is None:
         per_step = math.ceil(config.prompts_per_step * config.rollout.n / t.mini_batch_size) * t.epochs
         t.lr_decay_steps = config.steps * per_step
+
+
+def make_validator(config: RunConfig, tokenizer: Any) -> Validator | None:
+    """Validation every logging.eval_every steps, on data.val_files or the task's test split."""
+    if not config.logging.eval_every:
+        return None
+    dataset = load_validation_set(config, tokenizer)
+    if dataset is None or not len(dataset):
+        raise ConfigError(f"logging.eval_every={config.logging.eval_every} needs held-out prompts: set "
+                          "data.val_files (or train on a built-in data.task, whose test split is used)")
+    return Validator(config, dataset)
+
+
+class NoSignalWatch:
+    """Says so plainly when several steps in a row had no group with differing rewards."""
+
+    def __init__(self, echo: Callable[[str], None], limit: int = 3) -> None:
+        self.echo, self.limit, self.streak = echo, limit, 0
+
+    def observe(self, metrics: StepMetrics) -> None:
+        self.streak = self.streak + 1 if metrics.values.get("reward/no_signal_groups", 0.0) >= 1.0 else 0
+        if self.streak == self.limit:
+            self.echo(f"warning: in the last {self.limit} steps every group's samples got identical rewards, so "
+                      "nothing was learned: the reward never varies. Check the reward function (postrl eval --run, "
+                      "samples/step_N.jsonl) or the task's difficulty (every answer right, or every answer wrong)")
 
 
 def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
@@ -236,6 +265,7 @@ def train(
     with tempfile.TemporaryDirectory(prefix="postrl-sync-", dir=config.rollout.sync_dir) as sync_dir:
         parts = build_components(config)
         try:
+            validator = make_validator(config, parts.tokenizer)
             if not resume and overwrite:
                 aside = place.move_aside()
                 if aside is not None:
@@ -250,7 +280,7 @@ def train(
             parts.reward.set_log_file(run_dir / "reward_workers.log")
             controller = Controller(parts, sync_dir=Path(sync_dir))
             resume_step = _resume(controller, place, echo) if resume else None
-            _run_loop(controller, config, resume_step, on_step, place)
+            _run_loop(controller, config, resume_step, on_step, place, validator)
         finally:
             try:
                 close_components(parts)
@@ -272,12 +302,14 @@ def _checkpoint(controller: Controller, config: RunConfig, place: RunPlace) -> i
 
 
 def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None,
-              on_step: Callable[[StepMetrics], None] | None, place: RunPlace) -> None:
+              on_step: Callable[[StepMetrics], None] | None, place: RunPlace,
+              validator: Validator | None = None) -> None:
     run_dir, parts = config.run_dir, controller.parts
     show_bar = config.logging.progress_bar and sys.stderr.isatty()
     bar = tqdm(total=config.steps, initial=controller.step_count, disable=not show_bar,
                desc=config.name, unit="step", leave=False)
-    sinks = make_sinks(config, run_dir, resume_step, echo=bar.write if show_bar else print)
+    sinks = make_sinks(config, run_dir, resume_step, echo=bar.write if show_bar else print, total=config.steps)
+    no_signal = NoSignalWatch(bar.write if show_bar else _stderr_echo)
     saved_at = resume_step
     stopper = GracefulStop(echo=bar.write if show_bar else _stderr_echo)
     try:
@@ -285,6 +317,11 @@ def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None
             try:
                 while controller.step_count < config.steps and not stopper.requested:
                     metrics = controller.step()
+                    if validator is not None and validator.due(controller.step_count):
+                        began = time.perf_counter()
+                        metrics.values.update(validator.run(parts.rollout, parts.reward, controller.weight_version))
+                        metrics.values["time/validate_s"] = time.perf_counter() - began
+                    no_signal.observe(metrics)
                     for sink in sinks:
                         sink.write(metrics)
                     if on_step:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,9 @@ class MalformedRow:
 def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(source, row) pairs, source being "file:line"; unparsable lines come as MalformedRow."""
     if not path.is_file():
-        raise DatasetError(f"dataset file {path} does not exist")
+        where = "" if path.is_absolute() else (f" (a relative path is looked up in the working directory "
+                                              f"{os.getcwd()}, then next to the config file)")
+        raise DatasetError(f"dataset file {path} does not exist{where}")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         with path.open("rb") as fh:

@@ -1,0 +1,70 @@
+"""Validation during training: held-out prompts answered greedily by the rollout engine (which
+holds the current weights) and scored by the run's own reward components, every
+``logging.eval_every`` steps and after the last step, reported as ``val/*`` metrics.
+
+The prompts are ``data.val_files``, or the built-in task's test split when the run trains on a
+task; ``data.val_size`` keeps the first N of them (the same ones every time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from postrl.config import RunConfig
+from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
+from postrl.reward import ScoreRequest
+from postrl.reward.columns import check_columns
+from postrl.tasks import task_rows
+from postrl.types import SamplingParams
+
+
+def load_validation_set(config: RunConfig, tokenizer: Any) -> PromptDataset | None:
+    """The held-out prompts, or None when the run has none (no val_files, no task)."""
+    d = config.data
+    options = dict(prompt_column=d.prompt_column, messages_column=d.messages_column,
+                   apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                   on_bad_row=d.on_bad_row)
+    if d.val_files:
+        dataset = load_prompt_dataset(d.val_files, tokenizer, **options)
+    elif d.task is not None:
+        dataset = build_prompts(iter(task_rows(d.task, "test")), tokenizer, **options)
+    else:
+        return None
+    if d.val_size is not None:
+        dataset.prompts = dataset.prompts[: d.val_size]
+    check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
+    return dataset
+
+
+class Validator:
+    """Scores the held-out prompts with the run's rollout engine and Reward Service."""
+
+    def __init__(self, config: RunConfig, dataset: PromptDataset) -> None:
+        self.config, self.dataset = config, dataset
+        self.sampling = SamplingParams(n=1, temperature=0.0, max_tokens=config.rollout.max_tokens,
+                                       stop=tuple(config.rollout.stop), stop_token_ids=tuple(config.rollout.stop_token_ids))
+
+    def due(self, step: int) -> bool:
+        every = self.config.logging.eval_every
+        return bool(every) and (step % every == 0 or step == self.config.steps)
+
+    def run(self, rollout: Any, reward: Any, weight_version: int) -> dict[str, float]:
+        prompts = self.dataset.prompts
+        rollouts = rollout.generate(prompts, self.sampling, weight_version)
+        results = reward.score_batch([ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns,
+                                                   len(r.response_ids)) for r in rollouts])
+        scored = [res.reward for res in results if res.reward is not None]
+        values = {
+            "val/reward_mean": sum(scored) / len(scored) if scored else float("nan"),
+            "val/unscorable": float(len(results) - len(scored)),
+            "val/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts),
+            "val/prompts": float(len(prompts)),
+        }
+        name = getattr(reward, "accuracy_component", None)
+        if name:
+            hits = [res.components.get(name, float("-inf")) >= self.config.reward.accuracy_threshold for res in results]
+            values["val/accuracy"] = sum(hits) / len(hits)
+        for comp in sorted({k for res in results for k in res.components}):
+            vals = [res.components[comp] for res in results if comp in res.components]
+            values[f"val/{comp}/mean"] = sum(vals) / len(vals)
+        return values
