@@ -121,3 +121,23 @@ def test_a_placement_that_cannot_succeed_names_the_short_resource(tmp_path, tiny
     assert time.monotonic() - start < 60
     assert "the train workers cannot be placed: short of GPU: asked 1, the cluster has 0 (0 free)" in str(err.value)
     assert not ray.is_initialized()
+
+
+def test_sft_runs_its_train_ranks_as_ray_actors(tmp_path, tiny_model_dir):
+    from postrl.config import load_config
+    from postrl.metrics import read_metrics
+    from postrl.sft_config import SFTRunConfig
+    from postrl.sft_runner import train_sft
+
+    rows = [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 18)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "sft.yaml").write_text(json.dumps({
+        "output_dir": str(tmp_path / "runs"), "model": {"path": str(tiny_model_dir)},
+        "data": {"train_files": ["d.jsonl"]}, "logging": {"tensorboard": False},
+        "train": {"mini_batch_size": 4, "micro_batch_size": 2, "device": "cpu"},
+        "scheduler": {"type": "ray", "train": {"workers": 2, "threads": 1}}}))
+    config = load_config(tmp_path / "sft.yaml", model=SFTRunConfig)
+    assert train_sft(config) == 2
+    assert [r["step"] for r in read_metrics(config.run_dir / "metrics.jsonl")] == [1, 2]
+    assert (config.run_dir / "final_model" / "model.safetensors").is_file()
+    assert not ray.is_initialized() and ray_processes() == []

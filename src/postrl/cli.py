@@ -59,6 +59,16 @@ def _cmd_dpo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from postrl.sft_config import SFTRunConfig
+    from postrl.sft_runner import train_sft
+
+    config = _run_config(args, SFTRunConfig, _ray_overrides(args))
+    steps = train_sft(config, resume=bool(args.resume), overwrite=args.overwrite)
+    print(f"finished {steps} steps; run directory: {config.run_url or config.run_dir}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from postrl.demo import run_demo
 
@@ -196,10 +206,14 @@ def _add_train(command: Callable[..., argparse.ArgumentParser]) -> None:
                 "Ctrl-C abandons the step.\n\nexamples:\n  postrl train examples/arithmetic_grpo.yaml train.lr=5e-5 "
                 "steps=20\n  postrl train --resume runs/arithmetic-grpo steps=40")
     _add_run_arguments(p, "CONFIG.yaml (see src/postrl/config.py for every field)", "train.lr=1e-5 name=try2")
+    _add_ray_address(p)
+    p.set_defaults(func=_cmd_train)
+
+
+def _add_ray_address(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", metavar="ADDR",
                    help="run the workers as Ray actors on the cluster at ADDR (host:port or ray://...); 'local' "
                    "starts a Ray instance for the run and shuts it down at the end (same as scheduler: ray)")
-    p.set_defaults(func=_cmd_train)
 
 
 def _add_run_arguments(p: argparse.ArgumentParser, config_help: str, override_example: str) -> None:
@@ -224,6 +238,19 @@ def _add_dpo(command: Callable[..., argparse.ArgumentParser]) -> None:
     _add_run_arguments(p, "CONFIG.yaml (sections: model, data, dpo, train, checkpoint, logging)",
                        "dpo.loss_type=ipo")
     p.set_defaults(func=_cmd_dpo)
+
+
+def _add_sft(command: Callable[..., argparse.ArgumentParser]) -> None:
+    p = command("sft", "supervised fine-tuning on prompt/response or chat rows (loss on the response or the "
+                "assistant turns only)",
+                epilog="Rows: JSONL/Parquet with prompt and response strings, or a messages chat list (see "
+                "src/postrl/sft_config.py). The run directory, checkpoints, --resume, FSDP2 "
+                "(scheduler.train.workers=2) and --ray-address work as in postrl train.\n\nexamples:\n"
+                "  postrl sft examples/sft_format.yaml\n  postrl sft --resume runs/sft-format epochs=3")
+    _add_run_arguments(p, "CONFIG.yaml (sections: model, data, train, checkpoint, logging, scheduler)",
+                       "train.lr=5e-5 epochs=2")
+    _add_ray_address(p)
+    p.set_defaults(func=_cmd_sft)
 
 
 def _add_demo(command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -314,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=_Formatter,
                               parents=[verbose])
 
-    for add in (_add_train, _add_dpo, _add_demo, _add_eval, _add_serve_rollout, _add_route, _add_serve_reward, _add_convert_gguf):
+    for add in (_add_train, _add_sft, _add_dpo, _add_demo, _add_eval, _add_serve_rollout, _add_route, _add_serve_reward, _add_convert_gguf):
         add(command)
     return parser
 

@@ -11,6 +11,7 @@ from typing import Protocol
 from postrl.types import StepMetrics
 
 CONSOLE_KEYS = [
+    ("sft/loss", "loss", "{:.4f}"),
     ("reward/mean", "reward", "{:.3f}"),
     ("accuracy", "acc", "{:.3f}"),
     ("response/length_mean", "len", "{:.1f}"),

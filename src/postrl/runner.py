@@ -354,11 +354,12 @@ def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None
             sink.close()
 
 
-def _stopped_message(run_dir: str, step: int, saved_at: int | None, abandoned: bool = False) -> str:
+def _stopped_message(run_dir: str, step: int, saved_at: int | None, abandoned: bool = False,
+                     command: str = "train") -> str:
     what = "abandoned a step that had started updating the weights; " if abandoned else ""
     if saved_at:
         return (f"stopped after step {step}; {what}the last checkpoint is step {saved_at}. "
-                f"Resume with: postrl train --resume {run_dir}")
+                f"Resume with: postrl {command} --resume {run_dir}")
     return f"stopped after step {step}; {what}no checkpoint was written, so there is nothing to resume"
 
 

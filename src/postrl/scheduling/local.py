@@ -41,11 +41,13 @@ class LocalScheduler:
                                      c.seed + i, c.scheduler.rollout.threads)
         return make_pool(c, start)
 
-    def train_group(self) -> TrainGroup:
+    def train_group(self, policy: PolicySpec | None = None) -> TrainGroup:
+        """The train ranks, each in its own process, building ``policy`` (default: the run's policy)."""
         c = self.config
         n = c.scheduler.train.workers
         spec = GroupSpec(world=n, master_addr="127.0.0.1", master_port=free_port(), timeout_s=c.scheduler.call_timeout_s)
-        ranks = [ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy_spec(c)) for r in range(n)]
+        policy = policy or policy_spec(c)
+        ranks = [ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(n)]
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 
     def critic_worker(self, pad_id: int) -> Any:

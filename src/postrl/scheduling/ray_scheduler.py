@@ -26,7 +26,7 @@ from postrl.scheduling.process import WorkerCallError
 from postrl.scheduling.reaper import Reaper
 from postrl.scheduling.wire import pack, unpack
 from postrl.train.group import TrainGroup
-from postrl.train.rank import GroupSpec, TrainRank
+from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
 
 log = logging.getLogger(__name__)
 
@@ -217,10 +217,11 @@ class RayScheduler:
     START_TIMEOUT_S = 300.0
     PLACE_TIMEOUT_S = 120.0
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, roles: tuple[str, ...] = ("rollout", "train")) -> None:
+        """``roles``: the placement groups to reserve (``postrl sft`` places only train ranks)."""
         import ray
 
-        self.config = config
+        self.config, self.roles = config, roles
         self.started_here = not ray.is_initialized()
         self.reaper: Reaper | None = None
         self.groups: dict[str, Any] = {}
@@ -258,6 +259,8 @@ class RayScheduler:
 
     def _cpus_asked(self) -> float:
         s = self.config.scheduler
+        if "rollout" not in self.roles:
+            return s.train.workers * s.train.num_cpus
         critic = s.train.num_cpus if self.config.algorithm.critic is not None else 0.0
         if s.colocate:
             pairs = max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus)
@@ -280,7 +283,8 @@ class RayScheduler:
             self.groups["rollout"] = self.groups["train"] = placement_group(
                 [self._bundle(s.rollout, s.train)] * n, strategy="PACK")
         else:
-            self.groups["rollout"] = placement_group([self._bundle(s.rollout)] * s.rollout.workers, strategy="PACK")
+            if "rollout" in self.roles:
+                self.groups["rollout"] = placement_group([self._bundle(s.rollout)] * s.rollout.workers, strategy="PACK")
             self.groups["train"] = placement_group([self._bundle(s.train)] * s.train.workers, strategy="PACK")
         total = ray.cluster_resources()
         for role, group in self.groups.items():
@@ -351,7 +355,8 @@ class RayScheduler:
 
         return make_pool(c, start, host=ray.util.get_node_ip_address())
 
-    def train_group(self) -> TrainGroup:
+    def train_group(self, policy: PolicySpec | None = None) -> TrainGroup:
+        """The train ranks as actors, building ``policy`` (default: the run's policy)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -362,7 +367,8 @@ class RayScheduler:
         host, port = ray.get(ray.remote(rendezvous_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
         spec = GroupSpec(world=t.workers, master_addr=host, master_port=port, timeout_s=c.scheduler.call_timeout_s)
         # all ranks are asked for together; TrainGroup then joins them into the process group at once
-        ranks = [self._start_actor(f"train rank {r}", "train", r, TrainRank, r, spec, policy_spec(c),
+        policy = policy or policy_spec(c)
+        ranks = [self._start_actor(f"train rank {r}", "train", r, TrainRank, r, spec, policy,
                                    num_cpus=t.num_cpus, num_gpus=t.num_gpus, threads=t.threads)
                  for r in range(t.workers)]
         self._await_started(ranks, t.num_cpus, t.num_gpus)

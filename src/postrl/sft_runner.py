@@ -1,0 +1,204 @@
+"""``postrl sft``: supervised fine-tuning with the run directory, checkpoints, resume, FSDP2 and Ray
+paths of ``postrl train``.
+
+The loss is the mean negative log-likelihood of the trained tokens over the mini-batch's token
+count. It is the Train Worker's own loss with the ``reinforce`` policy loss at advantage 1 and
+temperature 1 (``-log pi`` per token, ``token_mean`` aggregation), so the same worker, FSDP2 group
+(gradients equal to one process) and Ray train actors run it, with nothing written twice.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from postrl.algorithm_config import AlgorithmConfig
+from postrl.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
+from postrl.config import ConfigError, save_config
+from postrl.data.sft import SFTExample, load_sft_examples
+from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.lease import RunLease
+from postrl.models import load_causal_lm, load_tokenizer
+from postrl.run_place import RunPlace
+from postrl.runner import _stopped_message, make_sinks
+from postrl.sft_config import SFTRunConfig
+from postrl.train.rank import PolicySpec
+from postrl.train.worker import TrainWorker
+from postrl.types import Experience, ExperienceBatch, StepMetrics
+
+# -log pi on the trained tokens: REINFORCE with every advantage 1
+SFT_ALGORITHM = AlgorithmConfig(advantage="grpo", policy_loss="reinforce", loss_agg="token_mean", kl_beta=0.0)
+
+
+def example_order(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+
+
+def sft_batch(examples: list[SFTExample], pad_id: int) -> ExperienceBatch:
+    """The examples as a batch the Train Worker trains on: advantage 1 on the trained tokens."""
+    return ExperienceBatch.from_experiences([
+        Experience(e.prompt_ids, e.response_ids, [0.0] * len(e.response_ids), 0.0, 1.0, 0, group_id=i,
+                   loss_mask=e.loss_mask)
+        for i, e in enumerate(examples)], pad_id)
+
+
+def policy_spec(config: SFTRunConfig) -> PolicySpec:
+    return PolicySpec(config.model.path, config.model.dtype, config.train, SFT_ALGORITHM, temperature=1.0,
+                      seed=config.seed, gradient_checkpointing=config.model.gradient_checkpointing)
+
+
+def make_trainer(config: SFTRunConfig) -> tuple[Any, Any]:
+    """(trainer, scheduler): a Train Worker in this process, an FSDP2 group of processes, or Ray actors."""
+    s = config.scheduler
+    if s.type == "ray":
+        from postrl.scheduling.ray_scheduler import RayScheduler
+
+        scheduler = RayScheduler(config, roles=("train",))  # type: ignore[arg-type] - the fields it reads
+        try:
+            return scheduler.train_group(policy_spec(config)), scheduler
+        except BaseException:
+            scheduler.close()
+            raise
+    if s.train.workers > 1:
+        from postrl.scheduling.local import LocalScheduler
+
+        scheduler = LocalScheduler(config)  # type: ignore[arg-type]
+        return scheduler.train_group(policy_spec(config)), scheduler
+    from postrl.devices import resolve_device
+
+    device = resolve_device(config.train.device, "train.device")
+    model = load_causal_lm(config.model.path, config.model.dtype).to(device)
+    worker = TrainWorker(model, config.train, SFT_ALGORITHM, temperature=1.0, seed=config.seed,
+                         gradient_checkpointing=config.model.gradient_checkpointing)
+    return worker, None
+
+
+def train_sft(config: SFTRunConfig, resume: bool = False, overwrite: bool = False,
+              echo: Callable[[str], None] = print) -> int:
+    """Check, build, run; returns the steps done. Nothing is written before the data is checked."""
+    place = RunPlace(config)  # type: ignore[arg-type] - the same run-directory fields as RunConfig
+    done = place.check_resumable() if resume else 0
+    if not resume:
+        place.check_new(overwrite, command="sft")
+    tokenizer = load_tokenizer(config.model.path)
+    d = config.data
+    examples, skipped = load_sft_examples(d.train_files, tokenizer, d.prompt_column, d.response_column,
+                                          d.messages_column, d.apply_chat_template, d.max_tokens, d.on_bad_row)
+    per_epoch = math.ceil(len(examples) / config.train.mini_batch_size)
+    total = config.epochs * per_epoch
+    if total < done:
+        raise ConfigError(f"epochs={config.epochs} gives {total} steps, below the {done} this run has already done; "
+                          "a resume can only continue it")
+    t = config.train
+    if t.lr_schedule != "constant" and t.lr_decay_steps is None:
+        t.lr_decay_steps = total
+    lease = RunLease(place.location)
+    lease.check_free()
+    trainer, scheduler = make_trainer(config)
+    try:
+        if not resume and overwrite:
+            place.move_aside()
+        if place.reused:
+            echo(f"reusing {place.location}: it held only the leftovers of a launch that completed no step")
+        place.prepare(resume)
+        lease.acquire(echo)
+        return _run(config, place, trainer, tokenizer, examples, skipped, resume, total, per_epoch, echo)
+    finally:
+        try:
+            trainer_close = getattr(trainer, "close", None)
+            if trainer_close is not None:
+                trainer_close()
+            if scheduler is not None:
+                scheduler.close()
+        finally:
+            lease.release()
+
+
+def _run(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, examples: list[SFTExample],
+         skipped: list[str], resume: bool, total: int, per_epoch: int, echo: Callable[[str], None]) -> int:
+    run_dir = config.run_dir
+    step = 0
+    if resume:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise FileNotFoundError(f"no complete checkpoint under {place.location}/checkpoints to resume from")
+        trainer.load_checkpoint(checkpoint)
+        step = int(load_run_state(checkpoint)["step"])
+        echo(f"resumed {place.location} from step {step} ({checkpoint})")
+    save_config(config, run_dir / "config.yaml")  # type: ignore[arg-type]
+    place.publish("config.yaml")
+    if skipped:
+        (run_dir / "skipped_rows.txt").write_text("".join(line + "\n" for line in skipped))
+        echo(f"skipped {len(skipped)} bad rows (data.on_bad_row=skip); listed in {run_dir / 'skipped_rows.txt'}")
+    sinks = make_sinks(config, run_dir, step if resume else None, echo, total=total)  # type: ignore[arg-type]
+    stopper = GracefulStop(echo=echo)
+    try:
+        with stopper:
+            progress = Progress(step)
+            try:
+                _steps(config, place, trainer, tokenizer, examples, sinks, stopper, progress, total, per_epoch)
+            except StepAbandoned:
+                step = progress.step
+                message = _stopped_message(place.location, step, latest_step(run_dir), abandoned=True, command="sft")
+                raise RunInterrupted(message, stopper.signum or signal.SIGINT) from None
+            step, saved_at = progress.step, latest_step(run_dir)
+            if step < total:
+                if config.checkpoint.on_interrupt and saved_at != step and step > 0:
+                    saved_at = _checkpoint(config, place, trainer, tokenizer, step)
+                raise RunInterrupted(_stopped_message(place.location, step, saved_at, command="sft"),
+                                     stopper.signum or signal.SIGINT)
+        final = run_dir / "final_model"
+        trainer.save_pretrained(final)
+        tokenizer.save_pretrained(final)
+    finally:
+        for sink in sinks:
+            sink.close()
+    place.publish("final_model", "metrics.jsonl", "tensorboard", "skipped_rows.txt")
+    echo(f"trained model: {f'{place.location}/final_model' if place.url else final}")
+    return step
+
+
+def latest_step(run_dir) -> int | None:
+    checkpoint = latest_checkpoint(run_dir)
+    return None if checkpoint is None else int(checkpoint.name.split("_")[1])
+
+
+@dataclass
+class Progress:
+    step: int  # steps completed
+
+
+def _steps(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, examples: list[SFTExample],
+           sinks: list, stopper: GracefulStop, progress: Progress, total: int, per_epoch: int) -> None:
+    """Train until the last step or a stop request, counting completed steps in ``progress``."""
+    mini = config.train.mini_batch_size
+    while progress.step < total and not stopper.requested:
+        step = progress.step
+        began = time.perf_counter()
+        order = example_order(len(examples), config.seed, step // per_epoch)
+        chosen = [examples[i] for i in order[(step % per_epoch) * mini: (step % per_epoch + 1) * mini]]
+        metrics = trainer.update(sft_batch(chosen, tokenizer.pad_token_id))
+        step = progress.step = step + 1
+        tokens = sum(sum(e.loss_mask) for e in chosen)
+        values = {"sft/loss": metrics.loss, "sft/perplexity": math.exp(min(metrics.loss, 50.0)),
+                  "sft/tokens": float(tokens), "actor/grad_norm": metrics.grad_norm,
+                  "actor/lr": metrics.learning_rate, "actor/skipped_updates": float(metrics.skipped_steps),
+                  "data/epoch": float((step - 1) // per_epoch), "time/step_s": time.perf_counter() - began}
+        for sink in sinks:
+            sink.write(StepMetrics(step=step, weight_version=step, values=values))
+        every = config.checkpoint.every_steps
+        if step == total or (every and step % every == 0):
+            _checkpoint(config, place, trainer, tokenizer, step)
+
+
+def _checkpoint(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, step: int) -> int:
+    path = save_checkpoint(config.run_dir, step, trainer, {"step": step, "weight_version": step},
+                           config.checkpoint.keep_last, tokenizer)
+    place.publish_checkpoint(path, list_checkpoints(config.run_dir))
+    return step
+
