@@ -27,17 +27,22 @@ ALGORITHMS: dict[str, list[str]] = {
     "dr_grpo": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=seq_mean_token_sum_norm"],
     "rloo": ["algorithm.advantage=rloo"],
     "remax": ["algorithm.advantage=remax"],
-    "ppo": ["algorithm.advantage={type: gae, gamma: 1.0, lam: 0.95}",
-            "algorithm.critic={lr: 1.0e-3, micro_batch_size: 128}"],
+    "ppo": [
+        "algorithm.advantage={type: gae, gamma: 1.0, lam: 0.95}",
+        "algorithm.critic={lr: 1.0e-3, micro_batch_size: 128}",
+    ],
     "reinforce_pp": ["algorithm.advantage=reinforce_pp"],
     "reinforce_pp_baseline": ["algorithm.advantage=reinforce_pp_baseline"],
     "gspo": ["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq_mean_token_mean"],
     "cispo": ["algorithm.policy_loss=cispo"],
     "clip_higher": ["algorithm.policy_loss={type: ppo_clip, clip_eps_high: 0.28}"],
     "reinforce": ["algorithm.advantage=dr_grpo", "algorithm.policy_loss=reinforce"],
-    "dapo": ["algorithm.policy_loss={type: ppo_clip, clip_eps_high: 0.28}", "algorithm.dynamic_sampling=true",
-             "reward.components=[{name: correct, type: exact_match}, "
-             "{name: overlong, type: overlong, max_tokens: 16, cache_tokens: 4}]"],
+    "dapo": [
+        "algorithm.policy_loss={type: ppo_clip, clip_eps_high: 0.28}",
+        "algorithm.dynamic_sampling=true",
+        "reward.components=[{name: correct, type: exact_match}, "
+        "{name: overlong, type: overlong, max_tokens: 16, cache_tokens: 4}]",
+    ],
 }
 TARGET_ACC, BUDGET_S = 0.80, 180.0
 
@@ -45,29 +50,41 @@ TARGET_ACC, BUDGET_S = 0.80, 180.0
 def run(name: str, steps: int, out: str) -> dict:
     from postrl.demo import run_demo
 
-    overrides = [f"output_dir={out}", f"name={name}", f"steps={steps}", "logging.progress_bar=false",
-                 "logging.console=false", "logging.tensorboard=false", *ALGORITHMS[name]]
+    overrides = [
+        f"output_dir={out}",
+        f"name={name}",
+        f"steps={steps}",
+        "logging.progress_bar=false",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        *ALGORITHMS[name],
+    ]
     result = run_demo(overrides, echo=lambda s: print(f"[{name}] {s}", file=sys.stderr))
-    return {"acc": round(result.acc_after, 4), "acc_before": round(result.acc_before, 4), "steps": result.steps,
-            "wall_s": round(result.wall_s, 1)}
+    return {
+        "acc": round(result.acc_after, 4),
+        "acc_before": round(result.acc_before, 4),
+        "steps": result.steps,
+        "wall_s": round(result.wall_s, 1),
+    }
 
 
 def preference_pairs(path: str, prompts_limit: int = 2000, seed: int = 0) -> int:
     """Write pairs of the demo model's own correct (chosen) and incorrect (rejected) answers."""
+    from postrl.config import RolloutConfig
     from postrl.data.dataset import build_prompts
     from postrl.models import load_causal_lm, load_tokenizer
     from postrl.reward.verifiers import VERIFIERS
+    from postrl.reward.worker import resolve
     from postrl.rollout.factory import rollout_worker_for_model
-    from postrl.config import RolloutConfig
     from postrl.tasks import get_task, task_rows
     from postrl.types import SamplingParams
-    from postrl.reward.worker import resolve
 
     tokenizer = load_tokenizer("demo")
     rows = list(task_rows("arithmetic", "train"))[:prompts_limit]
     dataset = build_prompts(iter(rows), tokenizer)
-    engine = rollout_worker_for_model(RolloutConfig(backend="native"), load_causal_lm("demo"), tokenizer, "float32",
-                                      seed=seed)
+    engine = rollout_worker_for_model(
+        RolloutConfig(backend="native"), load_causal_lm("demo"), tokenizer, "float32", seed=seed
+    )
     verifier = resolve(VERIFIERS[get_task("arithmetic").verifier])
     rollouts = engine.generate(dataset.prompts, SamplingParams(n=8, temperature=1.0, max_tokens=16), 0)
     by_prompt: dict[int, dict[bool, str]] = {}
@@ -79,8 +96,10 @@ def preference_pairs(path: str, prompts_limit: int = 2000, seed: int = 0) -> int
     with open(path, "w") as f:
         for index, answers in sorted(by_prompt.items()):
             if True in answers and False in answers:
-                f.write(json.dumps({"prompt": dataset[index].text, "chosen": answers[True],
-                                    "rejected": answers[False]}) + "\n")
+                f.write(
+                    json.dumps({"prompt": dataset[index].text, "chosen": answers[True], "rejected": answers[False]})
+                    + "\n"
+                )
                 written += 1
     return written
 
@@ -97,18 +116,30 @@ def run_dpo(out: str) -> dict:
     start = time.perf_counter()
     data = f"{out}/pairs.jsonl"
     count = preference_pairs(data)
-    config = build_config({"name": "dpo", "output_dir": out, "model": {"path": "demo"},
-                           "data": {"train_files": [data], "max_tokens": 64}, "dpo": {"beta": 0.1},
-                           "train": {"lr": 3e-5, "mini_batch_size": 64, "micro_batch_size": 64}, "epochs": 3,
-                           "checkpoint": {"every_steps": 0},
-                           "logging": {"console": False, "tensorboard": False, "progress_bar": False}},
-                          model=DPORunConfig)
+    config = build_config(
+        {
+            "name": "dpo",
+            "output_dir": out,
+            "model": {"path": "demo"},
+            "data": {"train_files": [data], "max_tokens": 64},
+            "dpo": {"beta": 0.1},
+            "train": {"lr": 3e-5, "mini_batch_size": 64, "micro_batch_size": 64},
+            "epochs": 3,
+            "checkpoint": {"every_steps": 0},
+            "logging": {"console": False, "tensorboard": False, "progress_bar": False},
+        },
+        model=DPORunConfig,
+    )
     train_dpo(config, echo=lambda s: print(f"[dpo] {s}", file=sys.stderr))
     tokenizer = load_tokenizer("demo")
     before = evaluate_model(load_causal_lm("demo"), tokenizer, "arithmetic").accuracy
     after = evaluate_model(load_causal_lm(f"{out}/dpo/final_model"), tokenizer, "arithmetic").accuracy
-    return {"acc_before": round(before, 4), "acc": round(after, 4), "pairs": count,
-            "wall_s": round(time.perf_counter() - start, 1)}
+    return {
+        "acc_before": round(before, 4),
+        "acc": round(after, 4),
+        "pairs": count,
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def main() -> None:
@@ -122,8 +153,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             result = {"dpo": run_dpo(out)}
         r = result["dpo"]
-        print(f"dpo: {r['pairs']} pairs, held-out accuracy {r['acc_before']:.3f} -> {r['acc']:.3f} "
-              f"in {r['wall_s']:.0f} s (target: higher than the shipped model) {'yes' if r['acc'] > r['acc_before'] else 'NO'}")
+        print(
+            f"dpo: {r['pairs']} pairs, held-out accuracy {r['acc_before']:.3f} -> {r['acc']:.3f} "
+            f"in {r['wall_s']:.0f} s (target: higher than the shipped model) {'yes' if r['acc'] > r['acc_before'] else 'NO'}"
+        )
         if args.json:
             print(json.dumps(result))
         return

@@ -33,7 +33,10 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        result = run_demo([f"output_dir={out}", "logging.progress_bar=false", *args.overrides], echo=lambda s: print(s, file=sys.stderr))
+        result = run_demo(
+            [f"output_dir={out}", "logging.progress_bar=false", *args.overrides],
+            echo=lambda s: print(s, file=sys.stderr),
+        )
     row = {
         "acc_before": round(result.acc_before, 4),
         "acc_after": round(result.acc_after, 4),
@@ -47,7 +50,9 @@ def main() -> int:
         op, target = TARGETS.get(key, ("", None))
         ok = target is None or (value <= target if op == "<=" else value >= target)
         ok_all &= ok
-        print(f"{key:<12} {value:>10} {(op + str(target)) if target is not None else '':>10} {'yes' if ok else 'NO':>4}")
+        print(
+            f"{key:<12} {value:>10} {(op + str(target)) if target is not None else '':>10} {'yes' if ok else 'NO':>4}"
+        )
     if args.json:
         print(json.dumps(row))
     return 0 if ok_all else 1

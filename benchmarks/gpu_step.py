@@ -20,12 +20,33 @@ import time
 import torch
 
 SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),  # a smoke test of this script
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=49152, tie_word_embeddings=True),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),  # a smoke test of this script
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
 }
 PROMPTS, PROMPT_TOKENS, G, NEW_TOKENS, MICRO = 64, 64, 8, 128, 16
 
@@ -65,14 +86,14 @@ def build_model(shape: str, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(max_position_embeddings=2048, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-                         **SHAPES[shape])
+    config = LlamaConfig(max_position_embeddings=2048, bos_token_id=2, eos_token_id=1, pad_token_id=0, **SHAPES[shape])
     with torch.device(device):
         return LlamaForCausalLM(config)
 
 
-def measure(shape: str, device: torch.device, peak_tflops: float, prompts_n: int = PROMPTS,
-            new_tokens: int = NEW_TOKENS) -> dict:
+def measure(
+    shape: str, device: torch.device, peak_tflops: float, prompts_n: int = PROMPTS, new_tokens: int = NEW_TOKENS
+) -> dict:
     from postrl.config import AlgorithmConfig, RolloutConfig, TrainConfig
     from postrl.rollout.factory import rollout_worker_for_model
     from postrl.train.worker import TrainWorker
@@ -82,14 +103,24 @@ def measure(shape: str, device: torch.device, peak_tflops: float, prompts_n: int
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())
     tokenizer = synthetic_tokenizer(SHAPES[shape]["vocab_size"])
-    engine = rollout_worker_for_model(RolloutConfig(backend="native", dtype="bfloat16", max_batch_size=prompts_n * G),
-                                      model, tokenizer, "float32", seed=0)
+    engine = rollout_worker_for_model(
+        RolloutConfig(backend="native", dtype="bfloat16", max_batch_size=prompts_n * G),
+        model,
+        tokenizer,
+        "float32",
+        seed=0,
+    )
     engine._eos = set()  # every sample runs to NEW_TOKENS: the same work in every step
-    trainer = TrainWorker(model, TrainConfig(lr=1e-6, mini_batch_size=prompts_n * G, micro_batch_size=MICRO,
-                                             device=str(device)), AlgorithmConfig())
+    trainer = TrainWorker(
+        model,
+        TrainConfig(lr=1e-6, mini_batch_size=prompts_n * G, micro_batch_size=MICRO, device=str(device)),
+        AlgorithmConfig(),
+    )
     gen = torch.Generator().manual_seed(0)
-    prompts = [Prompt("", torch.randint(3, SHAPES[shape]["vocab_size"], (PROMPT_TOKENS,), generator=gen).tolist())
-               for _ in range(prompts_n)]
+    prompts = [
+        Prompt("", torch.randint(3, SHAPES[shape]["vocab_size"], (PROMPT_TOKENS,), generator=gen).tolist())
+        for _ in range(prompts_n)
+    ]
     sp = SamplingParams(n=G, temperature=1.0, max_tokens=new_tokens)
     steps = []
     for step in range(3):  # the first is a warm-up
@@ -98,8 +129,10 @@ def measure(shape: str, device: torch.device, peak_tflops: float, prompts_n: int
         rollouts = engine.generate(prompts, sp, step)
         sync(device)
         t1 = time.perf_counter()
-        exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, float(i % 2) - 0.5, step,
-                           group_id=r.prompt_index) for i, r in enumerate(rollouts)]
+        exps = [
+            Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, float(i % 2) - 0.5, step, group_id=r.prompt_index)
+            for i, r in enumerate(rollouts)
+        ]
         batch = ExperienceBatch.from_experiences(exps, 0)
         trainer.update(batch)
         sync(device)
@@ -119,10 +152,16 @@ def measure(shape: str, device: torch.device, peak_tflops: float, prompts_n: int
     del engine, trainer, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"params_m": round(params / 1e6, 1), "rollout_tokens_per_s": round(tokens / gen_s, 1),
-            "generate_s": round(gen_s, 3), "train_s": round(train_s, 3), "sync_s": round(sync_s, 3),
-            "s_per_grpo_step": round(gen_s + train_s + sync_s, 3), "train_tokens_per_s": round(trained / train_s, 1),
-            "mfu": round(mfu, 4)}
+    return {
+        "params_m": round(params / 1e6, 1),
+        "rollout_tokens_per_s": round(tokens / gen_s, 1),
+        "generate_s": round(gen_s, 3),
+        "train_s": round(train_s, 3),
+        "sync_s": round(sync_s, 3),
+        "s_per_grpo_step": round(gen_s + train_s + sync_s, 3),
+        "train_tokens_per_s": round(trained / train_s, 1),
+        "mfu": round(mfu, 4),
+    }
 
 
 def main() -> None:
@@ -135,15 +174,22 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     peak = bf16_matmul_tflops(device)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "bf16_matmul_tflops": round(peak, 1), "shapes": {}}
-    print(f"{'shape':14s} {'params M':>9s} {'rollout tok/s':>14s} {'s/step':>8s} {'gen s':>7s} {'train s':>8s} "
-          f"{'sync s':>7s} {'MFU':>6s}")
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "bf16_matmul_tflops": round(peak, 1),
+        "shapes": {},
+    }
+    print(
+        f"{'shape':14s} {'params M':>9s} {'rollout tok/s':>14s} {'s/step':>8s} {'gen s':>7s} {'train s':>8s} "
+        f"{'sync s':>7s} {'MFU':>6s}"
+    )
     for shape in args.shapes.split(","):
         r = measure(shape, device, peak, args.prompts, args.new_tokens)
         result["shapes"][shape] = r
-        print(f"{shape:14s} {r['params_m']:>9.1f} {r['rollout_tokens_per_s']:>14.1f} {r['s_per_grpo_step']:>8.2f} "
-              f"{r['generate_s']:>7.2f} {r['train_s']:>8.2f} {r['sync_s']:>7.2f} {r['mfu']:>6.1%}")
+        print(
+            f"{shape:14s} {r['params_m']:>9.1f} {r['rollout_tokens_per_s']:>14.1f} {r['s_per_grpo_step']:>8.2f} "
+            f"{r['generate_s']:>7.2f} {r['train_s']:>8.2f} {r['sync_s']:>7.2f} {r['mfu']:>6.1%}"
+        )
     print(f"bf16 matmul rate measured: {peak:.1f} TFLOP/s on {result['device']}")
     if args.json:
         print(json.dumps(result))

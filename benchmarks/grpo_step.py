@@ -30,19 +30,32 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
     from postrl.config import build_config
     from postrl.runner import train
 
-    config = build_config({
-        "name": "grpo-step", "output_dir": str(out), "seed": 0, "steps": steps, "prompts_per_step": PROMPTS,
-        "model": {"path": str(model_dir)},
-        "data": {"train_files": [str(data)], "max_prompt_tokens": 256},
-        "rollout": {"n": G, "max_tokens": NEW_TOKENS, "temperature": 1.0, "dtype": "auto"},
-        "reward": {"components": [{"name": "correct", "type": "custom", "function": "postrl.tasks.chat_addition:score"}],
-                   "num_workers": 1},
-        "algorithm": {"kl_beta": 0.0},
-        "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "epochs": 1,
-                  "precision": "bf16_autocast"},
-        "checkpoint": {"every_steps": 0},
-        "logging": {"progress_bar": False, "tensorboard": False, "console": False},
-    })
+    config = build_config(
+        {
+            "name": "grpo-step",
+            "output_dir": str(out),
+            "seed": 0,
+            "steps": steps,
+            "prompts_per_step": PROMPTS,
+            "model": {"path": str(model_dir)},
+            "data": {"train_files": [str(data)], "max_prompt_tokens": 256},
+            "rollout": {"n": G, "max_tokens": NEW_TOKENS, "temperature": 1.0, "dtype": "auto"},
+            "reward": {
+                "components": [{"name": "correct", "type": "custom", "function": "postrl.tasks.chat_addition:score"}],
+                "num_workers": 1,
+            },
+            "algorithm": {"kl_beta": 0.0},
+            "train": {
+                "lr": LR,
+                "mini_batch_size": PROMPTS * G,
+                "micro_batch_size": MICRO,
+                "epochs": 1,
+                "precision": "bf16_autocast",
+            },
+            "checkpoint": {"every_steps": 0},
+            "logging": {"progress_bar": False, "tensorboard": False, "console": False},
+        }
+    )
     times, rewards, phases = [], [], []
     last = [time.perf_counter()]
 
@@ -81,15 +94,35 @@ def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> di
 
     dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in data_rows])
     args = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=MICRO, gradient_accumulation_steps=PROMPTS * G // MICRO,
-        num_generations=G, max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
-        num_iterations=1, learning_rate=LR, bf16=True, use_cpu=True, max_steps=steps, logging_steps=1,
-        report_to="none", save_strategy="no", seed=0, shuffle_dataset=True,
+        output_dir=str(out),
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=PROMPTS * G // MICRO,
+        num_generations=G,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.0,
+        num_iterations=1,
+        learning_rate=LR,
+        bf16=True,
+        use_cpu=True,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        shuffle_dataset=True,
     )
     timer = Timer()
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                          reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[timer],
+    )
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"step_s": timer.times, "reward": rewards}
@@ -112,8 +145,10 @@ def main() -> int:
         trl = run_trl(model_dir, chat_addition.rows(2000), Path(tmp) / "trl", steps)
     p_s = sum(postrl["step_s"][1:]) / len(postrl["step_s"][1:])
     t_s = sum(trl["step_s"][1:]) / len(trl["step_s"][1:])
-    print(f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS} prompts x G={G}, {NEW_TOKENS} new tokens, beta=0, "
-          f"micro-batch {MICRO}, {torch.get_num_threads()} threads")
+    print(
+        f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS} prompts x G={G}, {NEW_TOKENS} new tokens, beta=0, "
+        f"micro-batch {MICRO}, {torch.get_num_threads()} threads"
+    )
     print(f"{'framework':<10}{'s/step':>10}  per-step seconds")
     print(f"{'postrl':<10}{p_s:>10.1f}  {[round(x, 1) for x in postrl['step_s']]}")
     print(f"{'TRL':<10}{t_s:>10.1f}  {[round(x, 1) for x in trl['step_s']]}")

@@ -36,9 +36,14 @@ from postrl.demo import DEMO_SETTINGS  # noqa: E402
 def demo_seconds_per_step(scheduler: dict, steps: int, out: Path) -> float:
     from postrl.runner import train
 
-    settings = {**DEMO_SETTINGS, "name": f"bench-{scheduler.get('type', 'local')}", "output_dir": str(out),
-                "steps": steps, "scheduler": scheduler,
-                "logging": {"progress_bar": False, "tensorboard": False, "console": False}}
+    settings = {
+        **DEMO_SETTINGS,
+        "name": f"bench-{scheduler.get('type', 'local')}",
+        "output_dir": str(out),
+        "steps": steps,
+        "scheduler": scheduler,
+        "logging": {"progress_bar": False, "tensorboard": False, "console": False},
+    }
     times: list[float] = []
     train(build_config(settings), on_step=lambda m: times.append(m.values["time/step_s"]))
     timed = times[2:]
@@ -58,8 +63,9 @@ def demo_prompts(count: int):
 def pool_for(workers: int, threads: int | None):
     from postrl.scheduling.ray_scheduler import RayScheduler
 
-    config = build_config({**DEMO_SETTINGS, "scheduler": {"type": "ray", "rollout": {"workers": workers,
-                                                                                       "threads": threads}}})
+    config = build_config(
+        {**DEMO_SETTINGS, "scheduler": {"type": "ray", "rollout": {"workers": workers, "threads": threads}}}
+    )
     return RayScheduler(config)
 
 
@@ -139,8 +145,17 @@ def fsdp_loss_diff(updates: int = 3) -> float:
         prompt = torch.randint(5, 30, (6 + g,), generator=gen).tolist()
         for k in range(4):
             r = 4 + (g * 3 + k) % 9
-            exps.append(Experience(prompt, torch.randint(5, 30, (r,), generator=gen).tolist(),
-                                   (-torch.rand(r, generator=gen) * 2).tolist(), 0.0, float(k % 2) - 0.5, 0, group_id=g))
+            exps.append(
+                Experience(
+                    prompt,
+                    torch.randint(5, 30, (r,), generator=gen).tolist(),
+                    (-torch.rand(r, generator=gen) * 2).tolist(),
+                    0.0,
+                    float(k % 2) - 0.5,
+                    0,
+                    group_id=g,
+                )
+            )
     batch = ExperienceBatch.from_experiences(exps, 0)
     single = TrainWorker(load_causal_lm(path), train, AlgorithmConfig(), seed=0)
     spec = GroupSpec(world=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=120)
@@ -169,16 +184,25 @@ def main() -> None:
     lost, duplicated, restarts = recovery(prompts, tokenizer)
     diff = fsdp_loss_diff()
     result = {
-        "local_s_per_step": round(local, 4), "ray_s_per_step": round(under_ray, 4),
+        "local_s_per_step": round(local, 4),
+        "ray_s_per_step": round(under_ray, 4),
         "overhead_ratio": round(under_ray / local, 3),
-        "tokens_per_s_1_worker": round(one, 1), "tokens_per_s_2_workers": round(two, 1),
+        "tokens_per_s_1_worker": round(one, 1),
+        "tokens_per_s_2_workers": round(two, 1),
         "scaling_2_workers": round(two / one, 3),
         "fsdp_max_loss_diff": diff,
-        "recovery_lost": lost, "recovery_duplicated": duplicated, "recovery_restarts": restarts,
+        "recovery_lost": lost,
+        "recovery_duplicated": duplicated,
+        "recovery_restarts": restarts,
     }
     print(f"{'measure':28s} {'value':>12s} {'target':>10s}")
-    targets = {"overhead_ratio": "<= 1.25", "scaling_2_workers": ">= 1.6", "fsdp_max_loss_diff": "<= 1e-5",
-               "recovery_lost": "0", "recovery_duplicated": "0"}
+    targets = {
+        "overhead_ratio": "<= 1.25",
+        "scaling_2_workers": ">= 1.6",
+        "fsdp_max_loss_diff": "<= 1e-5",
+        "recovery_lost": "0",
+        "recovery_duplicated": "0",
+    }
     for key, value in result.items():
         print(f"{key:28s} {value!s:>12s} {targets.get(key, ''):>10s}")
     if args.json:

@@ -48,8 +48,15 @@ def math_batches(n_batches: int, seed: int = 0) -> list[list[ScoreRequest]]:
         batch = []
         for _ in range(32):
             value = Fraction(rng.randint(-200, 200), rng.choice([1, 1, 2, 3, 4, 8]))
-            gold = str(value.numerator) if value.denominator == 1 else f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
-            forms = [gold, f"{value.numerator}/{value.denominator}" if value.denominator > 1 else f"{value.numerator}.0"]
+            gold = (
+                str(value.numerator)
+                if value.denominator == 1
+                else f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+            )
+            forms = [
+                gold,
+                f"{value.numerator}/{value.denominator}" if value.denominator > 1 else f"{value.numerator}.0",
+            ]
             if value.denominator in (1, 2, 4, 8):
                 forms.append(str(float(value)))
             for _ in range(8):
@@ -66,7 +73,7 @@ def math_batches(n_batches: int, seed: int = 0) -> list[list[ScoreRequest]]:
 def code_programs(n: int, seed: int = 0) -> list[ScoreRequest]:
     rng = random.Random(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         k = rng.randint(1, 9)
         body = f"    return x * {k}" if rng.random() < 0.7 else f"    return x + {k}"
         program = f"```python\ndef scale(x):\n{body}\n```"
@@ -100,7 +107,8 @@ class Server:
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "postrl.cli", "serve-reward", "--config", str(config), "--port", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
@@ -217,8 +225,11 @@ def main() -> int:
         code_batches = [programs[i : i + 64] for i in range(0, len(programs), 64)]
         code_local, code_http, code_same = compare(code_reward, code_batches, tmp)
 
-        soak_reward = {"num_workers": WORKERS, "timeout_s": args.soak_timeout_s,
-                       "components": [{"name": "x", "type": "custom", "function": "postrl.reward.diagnostics:misbehave"}]}
+        soak_reward = {
+            "num_workers": WORKERS,
+            "timeout_s": args.soak_timeout_s,
+            "components": [{"name": "x", "type": "custom", "function": "postrl.reward.diagnostics:misbehave"}],
+        }
         server = Server(soak_reward, tmp)
         try:
             asyncio.run(soak(server.url, 200, args.soak_concurrency, seed=1))  # warm-up
@@ -226,8 +237,11 @@ def main() -> int:
             try:
                 result = asyncio.run(soak(server.url, args.soak_requests, args.soak_concurrency))
             except httpx.HTTPError:
-                print(f"soak failed; server alive: {server.proc.poll() is None}; server log:\n"
-                      + server.log.read_text()[-3000:], file=sys.stderr)
+                print(
+                    f"soak failed; server alive: {server.proc.poll() is None}; server log:\n"
+                    + server.log.read_text()[-3000:],
+                    file=sys.stderr,
+                )
                 raise
             rss_end = server.rss_mb()
             time.sleep(0.5)
@@ -246,18 +260,29 @@ def main() -> int:
     for name, local, http, target, ok in rows:
         print(f"{name:<30}{local:>12.1f}{http:>10.1f}{http / local:>14.2f}  {target:<8} {'yes' if ok else 'NO'}")
     print(f"same rewards in-process and over HTTP: math {math_same}, code {code_same}")
-    print(f"soak: {args.soak_requests} requests at concurrency {args.soak_concurrency} in {result['seconds']:.1f}s "
-          f"({result['timeouts']} timing out, {result['raises']} raising): answered once {result['answered_once']}, "
-          f"answered correctly {result['correct']}, leftover processes {leftover}, "
-          f"server RSS {rss_start:.1f} -> {rss_end:.1f} MB")
+    print(
+        f"soak: {args.soak_requests} requests at concurrency {args.soak_concurrency} in {result['seconds']:.1f}s "
+        f"({result['timeouts']} timing out, {result['raises']} raising): answered once {result['answered_once']}, "
+        f"answered correctly {result['correct']}, leftover processes {leftover}, "
+        f"server RSS {rss_start:.1f} -> {rss_end:.1f} MB"
+    )
     if args.json:
-        print(json.dumps({
-            "math_samples_per_s": round(math_http, 1), "math_in_process_samples_per_s": round(math_local, 1),
-            "code_programs_per_s": round(code_http, 1), "code_in_process_programs_per_s": round(code_local, 1),
-            "soak_requests": args.soak_requests, "soak_answered_once": result["answered_once"],
-            "soak_answered_correctly": result["correct"], "soak_leftover_procs": leftover,
-            "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_end, 1),
-        }))
+        print(
+            json.dumps(
+                {
+                    "math_samples_per_s": round(math_http, 1),
+                    "math_in_process_samples_per_s": round(math_local, 1),
+                    "code_programs_per_s": round(code_http, 1),
+                    "code_in_process_programs_per_s": round(code_local, 1),
+                    "soak_requests": args.soak_requests,
+                    "soak_answered_once": result["answered_once"],
+                    "soak_answered_correctly": result["correct"],
+                    "soak_leftover_procs": leftover,
+                    "rss_start_mb": round(rss_start, 1),
+                    "rss_end_mb": round(rss_end, 1),
+                }
+            )
+        )
     return 0
 
 

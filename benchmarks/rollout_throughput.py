@@ -40,8 +40,9 @@ def make_prompts(tokenizer, count: int, chat: bool) -> list[Prompt]:
         a, b = 10 + (i * 37) % 89, 10 + (i * 53) % 89
         if chat:
             q = f"What is {a} + {b}?"
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         else:
             q = f"{a}{b % 10}+{b}{a % 10}="
             ids = tokenizer(q)["input_ids"]
@@ -77,8 +78,8 @@ def run_hf(model, tokenizer, prompts, n, max_tokens, eos) -> dict:
     ids = torch.full((len(prompts), width), pad)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p.prompt_ids):] = torch.tensor(p.prompt_ids)
-        mask[i, width - len(p.prompt_ids):] = 1
+        ids[i, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
+        mask[i, width - len(p.prompt_ids) :] = 1
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n, pad_token_id=pad)
     torch.manual_seed(0)
     start = time.perf_counter()
@@ -92,13 +93,22 @@ def run_hf(model, tokenizer, prompts, n, max_tokens, eos) -> dict:
 def run_vllm(model_dir, prompts, n, max_tokens, repeats) -> dict | None:
     if not VLLM_PYTHON.exists():
         return None
-    request = {"prompt_ids": [p.prompt_ids for p in prompts], "n": n, "temperature": 1.0, "max_tokens": max_tokens,
-               "repeats": repeats,
-               "max_model_len": max(len(p.prompt_ids) for p in prompts) + max_tokens + 8}
+    request = {
+        "prompt_ids": [p.prompt_ids for p in prompts],
+        "n": n,
+        "temperature": 1.0,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "max_model_len": max(len(p.prompt_ids) for p in prompts) + max_tokens + 8,
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(request, fh)
-    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_generate.py"), str(model_dir), fh.name],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_generate.py"), str(model_dir), fh.name],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(f"vLLM failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -144,7 +154,11 @@ def bench_model(name, model_dir, chat, args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = make_prompts(tokenizer, args.prompts, chat)
-    eos = {tokenizer.eos_token_id} | set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+    eos = {tokenizer.eos_token_id} | set(
+        model.generation_config.eos_token_id
+        if isinstance(model.generation_config.eos_token_id, list)
+        else [model.generation_config.eos_token_id]
+    )
     engine = NativeRolloutWorker.from_hf(model, tokenizer, dtype=torch.bfloat16, max_batch_size=len(prompts) * args.n)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     hf_fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -197,14 +211,20 @@ def main() -> int:
     if not args.skip_demo:
         rows.append(bench_model("demo", DEMO_MODEL_DIR, False, args))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    print(f"{args.prompts} prompts x G={args.n} x {args.max_tokens} new tokens, temperature 1, bf16, "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'model':<24}{'postrl tok/s':>13}{'hf tok/s':>10}{'hf fp32':>9}{'vllm tok/s':>11}{'vs hf':>7}{'vs vllm':>8}"
-          f"{'decode GF/s':>12}{'ceiling GF/s':>13}{'fraction':>9}")
+    print(
+        f"{args.prompts} prompts x G={args.n} x {args.max_tokens} new tokens, temperature 1, bf16, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'model':<24}{'postrl tok/s':>13}{'hf tok/s':>10}{'hf fp32':>9}{'vllm tok/s':>11}{'vs hf':>7}{'vs vllm':>8}"
+        f"{'decode GF/s':>12}{'ceiling GF/s':>13}{'fraction':>9}"
+    )
     for r in rows:
-        print(f"{r['model']:<24}{r['postrl_tok_s']:>13.0f}{r['hf_tok_s']:>10.0f}{r['hf_fp32_tok_s']:>9.0f}{fmt(r['vllm_tok_s'], '.0f'):>11}"
-              f"{r['ratio_vs_hf']:>7.2f}{fmt(r['ratio_vs_vllm'], '.2f'):>8}{r['decode_gflops']:>12.0f}"
-              f"{r['ceiling_gflops']:>13.0f}{r['ceiling_fraction']:>9.2f}")
+        print(
+            f"{r['model']:<24}{r['postrl_tok_s']:>13.0f}{r['hf_tok_s']:>10.0f}{r['hf_fp32_tok_s']:>9.0f}{fmt(r['vllm_tok_s'], '.0f'):>11}"
+            f"{r['ratio_vs_hf']:>7.2f}{fmt(r['ratio_vs_vllm'], '.2f'):>8}{r['decode_gflops']:>12.0f}"
+            f"{r['ceiling_gflops']:>13.0f}{r['ceiling_fraction']:>9.2f}"
+        )
     if args.json:
         head = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[0].items()}
         head["models"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]

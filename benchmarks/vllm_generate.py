@@ -15,10 +15,23 @@ def main() -> None:
 
     model_dir, request_file = sys.argv[1], sys.argv[2]
     req = json.load(open(request_file))
-    llm = LLM(model=model_dir, dtype=req.get("dtype", "bfloat16"), max_model_len=req["max_model_len"], seed=0,
-              enforce_eager=False, gpu_memory_utilization=req.get("memory_fraction", 0.25))
-    params = SamplingParams(n=req["n"], temperature=req["temperature"], top_p=1.0, top_k=-1,
-                            max_tokens=req["max_tokens"], logprobs=0, seed=0)
+    llm = LLM(
+        model=model_dir,
+        dtype=req.get("dtype", "bfloat16"),
+        max_model_len=req["max_model_len"],
+        seed=0,
+        enforce_eager=False,
+        gpu_memory_utilization=req.get("memory_fraction", 0.25),
+    )
+    params = SamplingParams(
+        n=req["n"],
+        temperature=req["temperature"],
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=req["max_tokens"],
+        logprobs=0,
+        seed=0,
+    )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompt_ids"]]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm up
     best = None

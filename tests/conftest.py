@@ -55,7 +55,9 @@ def tiny_model_dir(tmp_path_factory, char_tokenizer) -> Path:
 @pytest.fixture
 def arithmetic_jsonl(tmp_path) -> Path:
     path = tmp_path / "train.jsonl"
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "task_type": "add"} for a in range(10, 14) for b in range(20, 24)]
+    rows = [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b), "task_type": "add"} for a in range(10, 14) for b in range(20, 24)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -65,7 +67,7 @@ def hf_greedy(model, tokenizer, text: str, max_new_tokens: int) -> tuple[list[in
     EOS) and why it stopped, as a rollout engine must report them."""
     ids = torch.tensor([tokenizer(text)["input_ids"]], device=model.device)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    new = out[0, ids.shape[1]:].tolist()
+    new = out[0, ids.shape[1] :].tolist()
     eos = tokenizer.eos_token_id
     return (new[: new.index(eos) + 1], "stop") if eos in new else (new, "length")
 

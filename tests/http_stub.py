@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 Handler = Callable[[str, str, dict], "tuple[int, dict]"]
 
@@ -22,7 +23,9 @@ class LoopbackJSONServer:
             def _answer(self, method: str) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else {}
-                outer.requests.append({"method": method, "path": self.path, "auth": self.headers.get("authorization"), **body})
+                outer.requests.append(
+                    {"method": method, "path": self.path, "auth": self.headers.get("authorization"), **body}
+                )
                 status, answer = handler(method, self.path, body)
                 data = json.dumps(answer).encode()
                 self.send_response(status)

@@ -7,8 +7,15 @@ import math
 import pytest
 import torch
 
-from postrl.algorithms import (ADVANTAGES, LOSS_AGGREGATIONS, POLICY_LOSSES, AdvantageInputs, LossInputs,
-                               LossNormalizer, kl_k3)
+from postrl.algorithms import (
+    ADVANTAGES,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    AdvantageInputs,
+    LossInputs,
+    LossNormalizer,
+    kl_k3,
+)
 from postrl.algorithms.registry import Registry
 
 NAN = float("nan")
@@ -82,8 +89,12 @@ def test_kl_k3_by_hand():
 PER_TOKEN = [[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0]]
 MASK = [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
 # sequences: sums 6, 4, 11 over 3, 1, 2 tokens; 6 tokens, 3 sequences, a budget of 4 tokens
-BY_HAND = {"token_mean": 21 / 6, "seq_mean_token_mean": (2 + 4 + 5.5) / 3, "seq_mean_token_sum": 21 / 3,
-           "seq_mean_token_sum_norm": 21 / (3 * 4)}
+BY_HAND = {
+    "token_mean": 21 / 6,
+    "seq_mean_token_mean": (2 + 4 + 5.5) / 3,
+    "seq_mean_token_sum": 21 / 3,
+    "seq_mean_token_sum_norm": 21 / (3 * 4),
+}
 
 
 @pytest.mark.parametrize("name", sorted(BY_HAND))

@@ -17,9 +17,16 @@ from tests.test_serve import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-TRAIN_EXAMPLES = ["arithmetic_grpo.yaml", "math_jsonl.yaml", "smollm2_grpo.yaml", "mixed_math_code.yaml", "dapo.yaml",
-                  *sorted(f"algorithms/{p.name}" for p in (Path(__file__).resolve().parents[1] / "examples" /
-                                                           "algorithms").glob("*.yaml"))]
+TRAIN_EXAMPLES = [
+    "arithmetic_grpo.yaml",
+    "math_jsonl.yaml",
+    "smollm2_grpo.yaml",
+    "mixed_math_code.yaml",
+    "dapo.yaml",
+    *sorted(
+        f"algorithms/{p.name}" for p in (Path(__file__).resolve().parents[1] / "examples" / "algorithms").glob("*.yaml")
+    ),
+]
 SERVICE_EXAMPLES = ["reward_service.yaml", "code_reward_service.yaml"]
 
 
@@ -43,8 +50,10 @@ def test_every_option_has_help_and_its_default():
                 defaults_checked += 1
     assert defaults_checked >= 10  # the loop above checked real options
     train_help = " ".join(_subcommands()["train"].format_help().split())
-    assert "The run directory is OUTPUT_DIR/NAME (config fields output_dir, default 'runs', and name, default 'run')" \
+    assert (
+        "The run directory is OUTPUT_DIR/NAME (config fields output_dir, default 'runs', and name, default 'run')"
         in train_help
+    )
     eval_help = " ".join(_subcommands()["eval"].format_help().split())
     assert "{arithmetic}" in eval_help and "arithmetic: 3-digit addition" in eval_help
 
@@ -57,8 +66,15 @@ def test_verbose_flag_works_before_and_after_the_subcommand():
 
 
 def _example_overrides(tmp_path: Path) -> list[str]:
-    return [f"output_dir={tmp_path / 'runs'}", "steps=1", "prompts_per_step=2", "rollout.n=2",
-            "train.mini_batch_size=4", "train.micro_batch_size=2", "logging.progress_bar=true"]
+    return [
+        f"output_dir={tmp_path / 'runs'}",
+        "steps=1",
+        "prompts_per_step=2",
+        "rollout.n=2",
+        "train.mini_batch_size=4",
+        "train.micro_batch_size=2",
+        "logging.progress_bar=true",
+    ]
 
 
 @pytest.mark.parametrize("name", TRAIN_EXAMPLES)
@@ -70,8 +86,13 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
 
         data = tmp_path / "addition.jsonl"
         write_jsonl(str(data), 8)
-        extra = [f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.max_prompt_tokens=100",
-                 "rollout.dtype=float32", "rollout.max_tokens=8"]
+        extra = [
+            f"model.path={tiny_model_dir}",
+            f"data.train_files=[{data}]",
+            "data.max_prompt_tokens=100",
+            "rollout.dtype=float32",
+            "rollout.max_tokens=8",
+        ]
     if name == "mixed_math_code.yaml":
         extra += ["prompts_per_step=8", "train.mini_batch_size=16", "train.micro_batch_size=8"]  # every row once
     assert main(["train", str(EXAMPLES / name), *_example_overrides(tmp_path), *extra]) == 0
@@ -87,8 +108,20 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
 
 def test_dpo_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    assert main(["dpo", str(EXAMPLES / "dpo.yaml"), f"output_dir={tmp_path / 'runs'}", "epochs=1",
-                 "train.mini_batch_size=256", "train.micro_batch_size=128", "logging.tensorboard=false"]) == 0
+    assert (
+        main(
+            [
+                "dpo",
+                str(EXAMPLES / "dpo.yaml"),
+                f"output_dir={tmp_path / 'runs'}",
+                "epochs=1",
+                "train.mini_batch_size=256",
+                "train.micro_batch_size=128",
+                "logging.tensorboard=false",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (tmp_path / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and rows[-1]["dpo/reward_accuracy"] > 0.5  # 512 pairs, 256 a step
 
@@ -96,9 +129,21 @@ def test_dpo_example_runs(tmp_path, monkeypatch):
 def test_progress_output_to_a_file_has_no_carriage_returns(tmp_path):
     log = tmp_path / "train.log"
     with log.open("w") as fh:
-        done = subprocess.run([sys.executable, "-m", "postrl.cli", "train", str(EXAMPLES / "arithmetic_grpo.yaml"),
-                               *_example_overrides(tmp_path), "steps=2"], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
-                              timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "postrl.cli",
+                "train",
+                str(EXAMPLES / "arithmetic_grpo.yaml"),
+                *_example_overrides(tmp_path),
+                "steps=2",
+            ],
+            cwd=REPO,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
     text = log.read_text()
     assert done.returncode == 0, text
     assert "\r" not in text
@@ -108,8 +153,13 @@ def test_progress_output_to_a_file_has_no_carriage_returns(tmp_path):
 @pytest.mark.parametrize("name", SERVICE_EXAMPLES)
 def test_reward_service_example_serves(name):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "postrl.cli", "serve-reward", "--config", str(EXAMPLES / name),
-                             "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "postrl.cli", "serve-reward", "--config", str(EXAMPLES / name), "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         while True:
@@ -123,8 +173,11 @@ def test_reward_service_example_serves(name):
             sample = {"prompt": "What is 6*7?", "response": "\\boxed{42}", "columns": {"answer": "42"}}
             expected = 1.1
         else:
-            sample = {"prompt": "p", "response": "```python\ndef f(x):\n    return x + 1\n```",
-                      "columns": {"tests": ["assert f(1) == 2", "assert f(2) == 4"]}}
+            sample = {
+                "prompt": "p",
+                "response": "```python\ndef f(x):\n    return x + 1\n```",
+                "columns": {"tests": ["assert f(1) == 2", "assert f(2) == 4"]},
+            }
             expected = 0.5
         r = httpx.post(f"http://127.0.0.1:{port}/score", json={"samples": [sample]}, timeout=60)
         assert r.status_code == 200 and r.json()["results"][0]["reward"] == pytest.approx(expected)

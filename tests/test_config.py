@@ -36,14 +36,21 @@ def test_bad_literal_lists_allowed_values():
 def test_unknown_algorithm_lists_registered_names():
     with pytest.raises(ConfigError) as err:
         build_config({}, ["algorithm.advantage=gae2"])
-    assert ("unknown advantage estimator 'gae2'; registered: dr_grpo, gae, grpo, reinforce_pp, "
-            "reinforce_pp_baseline, remax, rloo") in str(err.value)
+    assert (
+        "unknown advantage estimator 'gae2'; registered: dr_grpo, gae, grpo, reinforce_pp, "
+        "reinforce_pp_baseline, remax, rloo"
+    ) in str(err.value)
     with pytest.raises(ConfigError, match="unknown policy loss 'ppo2'; registered: cispo, gspo, ppo_clip, reinforce"):
         build_config({}, ["algorithm.policy_loss=ppo2"])
     with pytest.raises(ConfigError, match="algorithm.advantage=gae needs a critic"):
         build_config({}, ["algorithm.advantage=gae"])
-    chosen = build_config({}, ["algorithm.advantage={type: reinforce_pp_baseline, gamma: 0.99}",
-                               "algorithm.policy_loss={type: ppo_clip, clip_eps_high: 0.28, dual_clip_c: 3}"]).algorithm
+    chosen = build_config(
+        {},
+        [
+            "algorithm.advantage={type: reinforce_pp_baseline, gamma: 0.99}",
+            "algorithm.policy_loss={type: ppo_clip, clip_eps_high: 0.28, dual_clip_c: 3}",
+        ],
+    ).algorithm
     assert chosen.advantage.options() == {"gamma": 0.99, "eps": 1e-8}
     assert chosen.policy_loss.options() == {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip_c": 3.0}
 
@@ -98,17 +105,29 @@ def test_example_configs_are_valid():
 
 
 def test_old_style_reward_config_shows_its_components_form():
-    old = {"reward": {"verifiable": {"type": "custom", "function": "my.rewards:score"},
-                      "weights": {"verifiable": 1.0, "format": 0.1}, "format_pattern": "<answer>.*</answer>"}}
+    old = {
+        "reward": {
+            "verifiable": {"type": "custom", "function": "my.rewards:score"},
+            "weights": {"verifiable": 1.0, "format": 0.1},
+            "format_pattern": "<answer>.*</answer>",
+        }
+    }
     with pytest.raises(ConfigError) as err:
         build_config(old)
     message = str(err.value)
-    assert "reward.format_pattern, reward.verifiable, reward.weights: these fields were replaced by " \
-           "reward.components" in message
+    assert (
+        "reward.format_pattern, reward.verifiable, reward.weights: these fields were replaced by "
+        "reward.components" in message
+    )
     shown = yaml.safe_load("\n".join(line[4:] for line in message.splitlines() if line.startswith("    ")))
-    assert shown == {"reward": {"components": [
-        {"name": "verifiable", "type": "custom", "weight": 1.0, "function": "my.rewards:score"},
-        {"name": "format", "type": "format", "weight": 0.1, "pattern": "<answer>.*</answer>"}]}}
+    assert shown == {
+        "reward": {
+            "components": [
+                {"name": "verifiable", "type": "custom", "weight": 1.0, "function": "my.rewards:score"},
+                {"name": "format", "type": "format", "weight": 0.1, "pattern": "<answer>.*</answer>"},
+            ]
+        }
+    }
     assert build_config(shown).reward.components[1].pattern == "<answer>.*</answer>"  # and it is a valid config
 
 

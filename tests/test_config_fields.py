@@ -63,8 +63,19 @@ def all_config_models() -> list[type]:
 
 def test_config_models_are_found():
     names = {m.__name__ for m in all_config_models()}
-    assert {"RunConfig", "RolloutConfig", "RewardConfig", "CodeComponent", "JudgeComponent", "SandboxConfig",
-            "GRPOAdvantage", "PPOClipLoss", "AlgorithmConfig", "VLLMEngineConfig", "RewardServerConfig"} <= names
+    assert {
+        "RunConfig",
+        "RolloutConfig",
+        "RewardConfig",
+        "CodeComponent",
+        "JudgeComponent",
+        "SandboxConfig",
+        "GRPOAdvantage",
+        "PPOClipLoss",
+        "AlgorithmConfig",
+        "VLLMEngineConfig",
+        "RewardServerConfig",
+    } <= names
 
 
 @pytest.mark.parametrize("model", all_config_models(), ids=lambda m: m.__name__)
@@ -73,13 +84,20 @@ def test_every_field_has_a_description_and_numbers_have_bounds(model):
         assert field.description and len(field.description) > 10, f"{model.__name__}.{name} has no description"
         numeric = {int, float} & set(_flatten(field.annotation))
         if numeric and (_owner(model, name), name) not in UNBOUNDED:
-            assert _has_bounds(field.metadata) or _inner_bounds(field.annotation), \
+            assert _has_bounds(field.metadata) or _inner_bounds(field.annotation), (
                 f"{model.__name__}.{name} is a number without bounds"
+            )
 
 
 def test_algorithm_entries_are_typed():
-    config = build_config({"algorithm": {"advantage": {"type": "grpo", "norm_by_std": False},
-                                         "policy_loss": {"type": "ppo_clip", "clip_eps_high": 0.28}}})
+    config = build_config(
+        {
+            "algorithm": {
+                "advantage": {"type": "grpo", "norm_by_std": False},
+                "policy_loss": {"type": "ppo_clip", "clip_eps_high": 0.28},
+            }
+        }
+    )
     assert config.algorithm.advantage.options() == {"norm_by_std": False, "eps": 1e-6, "std": "unbiased"}
     assert config.algorithm.policy_loss.options() == {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip_c": None}
     assert build_config({"algorithm": {"advantage": "grpo"}}).algorithm.advantage.norm_by_std is True

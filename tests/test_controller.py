@@ -22,8 +22,11 @@ class FakeRollout(EngineBase):
     def generate(self, prompts, sampling_params, weight_version):
         self.check_version(weight_version)
         self.calls.append(("generate", weight_version))
-        return [Rollout(i, p.prompt_ids, [10 + k, 2], [-0.5, -0.25], f"{p.text}->{k}", "stop", weight_version)
-                for i, p in enumerate(prompts) for k in range(sampling_params.n)]
+        return [
+            Rollout(i, p.prompt_ids, [10 + k, 2], [-0.5, -0.25], f"{p.text}->{k}", "stop", weight_version)
+            for i, p in enumerate(prompts)
+            for k in range(sampling_params.n)
+        ]
 
     def update_weights(self, weights, version, manifest=None):
         self.calls.append(("update_weights", version))
@@ -47,8 +50,10 @@ class FakeReward:
 
     def score_batch(self, requests):
         self.calls.append(("score", len(requests)))
-        return [RewardResult(None, error="boom") if i in self.unscorable else RewardResult(float(i % 2 == 0))
-                for i in range(len(requests))]
+        return [
+            RewardResult(None, error="boom") if i in self.unscorable else RewardResult(float(i % 2 == 0))
+            for i in range(len(requests))
+        ]
 
     def close(self):
         pass
@@ -72,11 +77,19 @@ class Tokenizer:
 
 
 def controller(tmp_path, calls, **kw) -> tuple[Controller, Components]:
-    config = build_config({"output_dir": str(tmp_path), "prompts_per_step": 2, "rollout": {"n": 2},
-                           "data": {"train_files": ["unused.jsonl"]}, "reward": {"max_failure_rate": kw.pop("rate", 0.5)}})
+    config = build_config(
+        {
+            "output_dir": str(tmp_path),
+            "prompts_per_step": 2,
+            "rollout": {"n": 2},
+            "data": {"train_files": ["unused.jsonl"]},
+            "reward": {"max_failure_rate": kw.pop("rate", 0.5)},
+        }
+    )
     dataset = PromptDataset([Prompt(f"p{i}", [1, 5 + i]) for i in range(4)])
-    parts = Components(config, Tokenizer(), dataset, FakeRollout(calls, **kw), FakeReward(calls), FakeTrainer(calls),
-                       OnPolicyBuffer())
+    parts = Components(
+        config, Tokenizer(), dataset, FakeRollout(calls, **kw), FakeReward(calls), FakeTrainer(calls), OnPolicyBuffer()
+    )
     return Controller(parts), parts
 
 
@@ -103,7 +116,7 @@ def test_unscorable_sample_reaches_the_trainer_with_no_weight(tmp_path):
     assert batch.response_mask[1].sum() == 2  # still in the batch, in its group's context
     # group 1: rewards 1 and 0 -> +/- the same advantage on every response token
     a2, a3 = batch.advantages[2][batch.response_mask[2].bool()], batch.advantages[3][batch.response_mask[3].bool()]
-    assert torch.allclose(a2, -a3) and a2[0] > 0 and math.isclose(float(a2[0]), 1 / (2 ** 0.5 + 1e-6), rel_tol=1e-5)
+    assert torch.allclose(a2, -a3) and a2[0] > 0 and math.isclose(float(a2[0]), 1 / (2**0.5 + 1e-6), rel_tol=1e-5)
     assert metrics.values["reward/unscorable"] == 1.0 and metrics.notes["unscorable_reason"] == "1x boom"
 
 
@@ -119,7 +132,9 @@ def test_unhealthy_engine_stops_the_run_with_its_reason(tmp_path):
     calls: list = []
     ctl, _ = controller(tmp_path, calls, healthy_after=2)
     ctl.step()
-    with pytest.raises(EngineUnhealthyError, match="health check after the weight sync to version 2: KV cache holds NaN"):
+    with pytest.raises(
+        EngineUnhealthyError, match="health check after the weight sync to version 2: KV cache holds NaN"
+    ):
         ctl.step()
 
 
@@ -147,8 +162,12 @@ def test_dynamic_sampling_drops_uninformative_groups_and_samples_more(tmp_path):
     ctrl.config.algorithm.dynamic_sampling = True
     metrics = ctrl.step()
     # round 1: groups [1, None] (dropped) and [1, 0]; one extra round of 2 prompts fills the step
-    assert [c for c in calls if c[0] in ("generate", "score")] == [("generate", 0), ("score", 4),
-                                                                   ("generate", 0), ("score", 4)]
+    assert [c for c in calls if c[0] in ("generate", "score")] == [
+        ("generate", 0),
+        ("score", 4),
+        ("generate", 0),
+        ("score", 4),
+    ]
     assert metrics.values["dapo/extra_rounds"] == 1 and metrics.values["dapo/dropped_groups"] == 2
     assert metrics.values["dapo/kept_groups"] == 2
     batch = parts.trainer.batches[0]
@@ -175,8 +194,12 @@ def test_remax_generates_a_greedy_baseline_per_prompt_in_the_same_step(tmp_path)
     ctrl._greedy_baseline = True
     ctrl.step()
     # samples score 1, 0 | 1, 0; the greedy responses of the 2 prompts score 1 and 0
-    assert [c for c in calls if c[0] in ("generate", "score")] == [("generate", 0), ("score", 4),
-                                                                   ("generate", 0), ("score", 2)]
+    assert [c for c in calls if c[0] in ("generate", "score")] == [
+        ("generate", 0),
+        ("score", 4),
+        ("generate", 0),
+        ("score", 2),
+    ]
     batch = parts.trainer.batches[0]
     per_sample = (batch.advantages.sum(dim=1) / batch.response_mask.sum(dim=1)).tolist()
     assert per_sample == [0.0, -1.0, 1.0, 0.0]  # r - baseline: 1-1, 0-1, 1-0, 0-0

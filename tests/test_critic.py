@@ -28,10 +28,13 @@ def test_clipped_value_loss_by_hand():
 
 
 def test_values_cover_each_response_token_and_the_critic_learns(tiny_model_dir, char_tokenizer):
-    critic = CriticWorker(CriticConfig(lr=1e-2, micro_batch_size=2), str(tiny_model_dir), "float32",
-                          char_tokenizer.pad_token_id)
-    rollouts = [Rollout(0, [1, 20, 21], [30, 31, 2], [0.0] * 3, "", "stop", 0),
-                Rollout(1, [1, 22], [40], [0.0], "", "stop", 0)]
+    critic = CriticWorker(
+        CriticConfig(lr=1e-2, micro_batch_size=2), str(tiny_model_dir), "float32", char_tokenizer.pad_token_id
+    )
+    rollouts = [
+        Rollout(0, [1, 20, 21], [30, 31, 2], [0.0] * 3, "", "stop", 0),
+        Rollout(1, [1, 22], [40], [0.0], "", "stop", 0),
+    ]
     values = critic.values(rollouts)
     assert [len(v) for v in values] == [3, 1] and all(x == 0.0 for v in values for x in v)  # zero-initialised head
     returns = [[1.0, 1.0, 1.0], [-1.0]]
@@ -55,15 +58,24 @@ def test_ppo_run_trains_the_critic_checkpoints_and_resumes_it(tmp_path, tiny_mod
     from postrl.run_place import resume_config
     from postrl.runner import train
 
-    config = build_config({
-        "name": "ppo", "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 4,
-        "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
-        "rollout": {"n": 2, "max_tokens": 6},
-        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
-        "algorithm": {"advantage": "gae", "critic": {"lr": 1e-2, "warmup_steps": 1}},
-        "train": {"lr": 1e-2, "mini_batch_size": 8, "micro_batch_size": 8},
-        "checkpoint": {"every_steps": 1}, "logging": {"tensorboard": False},
-    })
+    config = build_config(
+        {
+            "name": "ppo",
+            "output_dir": str(tmp_path),
+            "steps": 2,
+            "prompts_per_step": 4,
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_files": [str(arithmetic_jsonl)]},
+            "rollout": {"n": 2, "max_tokens": 6},
+            "reward": {
+                "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
+            },
+            "algorithm": {"advantage": "gae", "critic": {"lr": 1e-2, "warmup_steps": 1}},
+            "train": {"lr": 1e-2, "mini_batch_size": 8, "micro_batch_size": 8},
+            "checkpoint": {"every_steps": 1},
+            "logging": {"tensorboard": False},
+        }
+    )
     controller = train(config)
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["critic/value_loss"] > 0 for r in rows)

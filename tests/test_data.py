@@ -20,11 +20,13 @@ def test_jsonl_rows_keep_every_other_column(char_tokenizer, arithmetic_jsonl):
 
 def test_parquet_and_chat_messages(tmp_path, char_tokenizer):
     path = tmp_path / "chat.parquet"
-    table = pa.table({
-        "messages": [[{"role": "user", "content": "1+1="}]],
-        "answer": ["2"],
-        "tests": [["assert f() == 2"]],
-    })
+    table = pa.table(
+        {
+            "messages": [[{"role": "user", "content": "1+1="}]],
+            "answer": ["2"],
+            "tests": [["assert f() == 2"]],
+        }
+    )
     pq.write_table(table, path)
     ds = load_prompt_dataset([str(path)], char_tokenizer)
     assert ds[0].text == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"

@@ -24,7 +24,8 @@ def test_dpo_losses_by_hand():
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     assert DPO_LOSSES.get("sigmoid")(z, beta).item() == pytest.approx(-math.log(sig(1.0)))
     assert DPO_LOSSES.get("cdpo")(z, beta, 0.1).item() == pytest.approx(
-        -0.9 * math.log(sig(1.0)) - 0.1 * math.log(sig(-1.0)))
+        -0.9 * math.log(sig(1.0)) - 0.1 * math.log(sig(-1.0))
+    )
     assert DPO_LOSSES.get("ipo")(z, beta).item() == pytest.approx((2.0 - 1.0) ** 2)  # (z - 1/(2 beta))^2
     with pytest.raises(ValueError, match="label_smoothing > 0"):
         DPO_LOSSES.get("cdpo")(z, beta, 0.0)
@@ -36,18 +37,25 @@ def write(path, rows):
 
 
 def test_preference_rows_strings_messages_and_errors(tmp_path, char_tokenizer):
-    good = write(tmp_path / "p.jsonl", [
-        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
-        {"chosen": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}],
-         "rejected": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "5"}]},
-    ])
+    good = write(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+            {
+                "chosen": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}],
+                "rejected": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "5"}],
+            },
+        ],
+    )
     pairs, skipped = load_preference_pairs([str(good)], char_tokenizer, max_tokens=64)
     assert len(pairs) == 2 and not skipped
     eos = char_tokenizer.eos_token_id
     assert pairs[0].chosen_ids[-1] == eos and pairs[0].chosen_ids != pairs[0].rejected_ids
     assert pairs[1].source == f"{good}:2"
-    bad = write(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
-                                         {"prompt": "1+1=", "chosen": "2"}, "{not json"])
+    bad = write(
+        tmp_path / "bad.jsonl",
+        [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, {"prompt": "1+1=", "chosen": "2"}, "{not json"],
+    )
     with pytest.raises(DatasetError, match=f"{bad}:2: row lacks \\['rejected'\\]"):
         load_preference_pairs([str(bad)], char_tokenizer, max_tokens=64)
     pairs, skipped = load_preference_pairs([str(bad)], char_tokenizer, max_tokens=64, on_bad_row="skip")
@@ -60,10 +68,12 @@ def test_postrl_dpo_learns_the_preferences_caches_the_reference_and_resumes(tmp_
     rows = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(10, 26)]
     data = write(tmp_path / "pairs.jsonl", rows)
     config = tmp_path / "dpo.yaml"
-    config.write_text(f"name: d\noutput_dir: {tmp_path}/runs\nmodel: {{path: {tiny_model_dir}}}\n"
-                      f"data: {{train_files: [{data}]}}\ndpo: {{beta: 0.5}}\n"
-                      "train: {lr: 1.0e-2, mini_batch_size: 8, micro_batch_size: 4}\nepochs: 2\n"
-                      "checkpoint: {every_steps: 2}\nlogging: {tensorboard: false}\n")
+    config.write_text(
+        f"name: d\noutput_dir: {tmp_path}/runs\nmodel: {{path: {tiny_model_dir}}}\n"
+        f"data: {{train_files: [{data}]}}\ndpo: {{beta: 0.5}}\n"
+        "train: {lr: 1.0e-2, mini_batch_size: 8, micro_batch_size: 4}\nepochs: 2\n"
+        "checkpoint: {every_steps: 2}\nlogging: {tensorboard: false}\n"
+    )
     assert main(["dpo", str(config)]) == 0
     run = tmp_path / "runs" / "d"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -85,8 +95,12 @@ def test_preference_pairs_from_parquet_name_the_row(tmp_path, char_tokenizer):
     import pyarrow.parquet as pq
 
     path = tmp_path / "pairs.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
-                                         {"prompt": "", "chosen": "4", "rejected": "5"}]), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, {"prompt": "", "chosen": "4", "rejected": "5"}]
+        ),
+        path,
+    )
     with pytest.raises(DatasetError, match=f"{path}:row 2: 'prompt' must be a non-empty string"):
         load_preference_pairs([str(path)], char_tokenizer, max_tokens=64)
     pairs, skipped = load_preference_pairs([str(path)], char_tokenizer, max_tokens=64, on_bad_row="skip")

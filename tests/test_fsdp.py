@@ -124,12 +124,17 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
     from postrl.runner import train
 
     settings = {
-        "name": "fsdp", "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 4,
-        "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
+        "name": "fsdp",
+        "output_dir": str(tmp_path),
+        "steps": 2,
+        "prompts_per_step": 4,
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_files": [str(arithmetic_jsonl)]},
         "rollout": {"n": 4, "max_tokens": 8, "device": "cpu"},
         "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
         "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 4, "device": "cpu"},
-        "checkpoint": {"every_steps": 1}, "logging": {"tensorboard": False},
+        "checkpoint": {"every_steps": 1},
+        "logging": {"tensorboard": False},
         "scheduler": {"train": {"workers": 2}},
     }
     controller = train(build_config(settings))

@@ -22,26 +22,47 @@ from postrl.metrics import read_metrics
 from tests.test_train_e2e import write_config
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_grpo.json"
-KEYS = ["reward/mean", "actor/loss", "actor/kl", "actor/grad_norm", "actor/entropy", "actor/clip_fraction",
-        "response/length_mean"]
+KEYS = [
+    "reward/mean",
+    "actor/loss",
+    "actor/kl",
+    "actor/grad_norm",
+    "actor/entropy",
+    "actor/clip_fraction",
+    "response/length_mean",
+]
 
 
 def fingerprint(folder: Path) -> dict[str, float]:
     state = load_file(str(folder / "model.safetensors"))
     flat = torch.cat([state[k].double().flatten() for k in sorted(state)])
-    return {"sum": float(flat.sum()), "sum_sq": float((flat * flat).sum()),
-            "weighted": float((flat * torch.arange(flat.numel(), dtype=torch.float64).sin()).sum())}
+    return {
+        "sum": float(flat.sum()),
+        "sum_sq": float((flat * flat).sum()),
+        "weighted": float((flat * torch.arange(flat.numel(), dtype=torch.float64).sin()).sum()),
+    }
 
 
 def test_three_step_run_matches_golden_values(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=3, seed=7,
-                          reward={"components": [{"name": "len", "type": "custom",
-                                                  "function": "tests.reward_fns:length_score"}], "num_workers": 1},
-                          algorithm={"kl_beta": 0.05}, rollout={"n": 4, "max_tokens": 8, "temperature": 1.0})
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        steps=3,
+        seed=7,
+        reward={
+            "components": [{"name": "len", "type": "custom", "function": "tests.reward_fns:length_score"}],
+            "num_workers": 1,
+        },
+        algorithm={"kl_beta": 0.05},
+        rollout={"n": 4, "max_tokens": 8, "temperature": 1.0},
+    )
     assert main(["train", config]) == 0
     run = tmp_path / "runs" / "tiny"
-    got = {"steps": [{k: row[k] for k in KEYS} for row in read_metrics(run / "metrics.jsonl")],
-           "weights": fingerprint(run / "final_model")}
+    got = {
+        "steps": [{k: row[k] for k in KEYS} for row in read_metrics(run / "metrics.jsonl")],
+        "weights": fingerprint(run / "final_model"),
+    }
     if os.environ.get("POSTRL_UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
     want = json.loads(GOLDEN.read_text())

@@ -28,8 +28,9 @@ def test_a_missing_cuda_device_is_an_error_naming_the_field():
 @pytest.mark.gpu
 def test_native_engine_on_cuda_matches_the_hf_model_greedily(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer).to("cuda")
-    engine = rollout_worker_for_model(RolloutConfig(backend="native", dtype="float32"), model, char_tokenizer,
-                                      "float32", seed=0)
+    engine = rollout_worker_for_model(
+        RolloutConfig(backend="native", dtype="float32"), model, char_tokenizer, "float32", seed=0
+    )
     assert engine.model.device.type == "cuda"
     ids = char_tokenizer("12+34=")["input_ids"]
     out = engine.generate([Prompt("12+34=", ids)], SamplingParams(n=1, top_k=1, max_tokens=12), 0)[0]
@@ -39,8 +40,9 @@ def test_native_engine_on_cuda_matches_the_hf_model_greedily(char_tokenizer):
 @pytest.mark.gpu
 def test_train_worker_on_cuda_uses_bf16_autocast_with_fp32_master_weights(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer).to("cuda")
-    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, device="cuda"),
-                         AlgorithmConfig())
+    worker = TrainWorker(
+        model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, device="cuda"), AlgorithmConfig()
+    )
     exps = [Experience([1, 20, 21], [30, 31, 2], [-1.0, -1.2, -0.5], 1.0, a, 0, group_id=0) for a in (1, -1, 1, -1)]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     metrics = worker.update(ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id))
@@ -57,13 +59,22 @@ def test_train_worker_on_cuda_uses_bf16_autocast_with_fp32_master_weights(char_t
 def test_two_step_run_on_cuda(tmp_path, tiny_model_dir, arithmetic_jsonl):
     from postrl.runner import train
 
-    config = build_config({
-        "name": "cuda", "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 4,
-        "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
-        "rollout": {"n": 4, "max_tokens": 8, "device": "cuda"}, "train": {"device": "cuda", "mini_batch_size": 16},
-        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
-        "logging": {"tensorboard": False},
-    })
+    config = build_config(
+        {
+            "name": "cuda",
+            "output_dir": str(tmp_path),
+            "steps": 2,
+            "prompts_per_step": 4,
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_files": [str(arithmetic_jsonl)]},
+            "rollout": {"n": 4, "max_tokens": 8, "device": "cuda"},
+            "train": {"device": "cuda", "mini_batch_size": 16},
+            "reward": {
+                "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
+            },
+            "logging": {"tensorboard": False},
+        }
+    )
     controller = train(config)
     assert controller.step_count == 2
     assert next(controller.parts.trainer.model.parameters()).device.type == "cuda"

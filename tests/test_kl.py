@@ -22,29 +22,45 @@ def test_adaptive_kl_coefficient_by_hand():
 def test_kl_settings_are_checked():
     with pytest.raises(ConfigError, match="kl_target adapts kl_beta from its starting value"):
         build_config({"algorithm": {"kl_target": 0.1}})
-    with pytest.raises(ConfigError, match="kl_in=reward puts a per-token penalty into the rewards, which "
-                                          "advantage=grpo does not take"):
+    with pytest.raises(
+        ConfigError, match="kl_in=reward puts a per-token penalty into the rewards, which advantage=grpo does not take"
+    ):
         build_config({"algorithm": {"kl_in": "reward", "kl_beta": 0.1}})
 
 
 def run(tmp_path, model_dir, data, algorithm, name):
     from postrl.runner import train
 
-    config = build_config({
-        "name": name, "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 4,
-        "model": {"path": str(model_dir)}, "data": {"train_files": [str(data)]},
-        "rollout": {"n": 4, "max_tokens": 6},
-        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
-        "algorithm": algorithm, "train": {"lr": 5e-2, "mini_batch_size": 16, "micro_batch_size": 8},
-        "checkpoint": {"every_steps": 1}, "logging": {"tensorboard": False},
-    })
+    config = build_config(
+        {
+            "name": name,
+            "output_dir": str(tmp_path),
+            "steps": 2,
+            "prompts_per_step": 4,
+            "model": {"path": str(model_dir)},
+            "data": {"train_files": [str(data)]},
+            "rollout": {"n": 4, "max_tokens": 6},
+            "reward": {
+                "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
+            },
+            "algorithm": algorithm,
+            "train": {"lr": 5e-2, "mini_batch_size": 16, "micro_batch_size": 8},
+            "checkpoint": {"every_steps": 1},
+            "logging": {"tensorboard": False},
+        }
+    )
     controller = train(config)
     return controller, [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_kl_penalty_in_the_reward_grows_once_the_policy_moves(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    _, rows = run(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                  {"advantage": "reinforce_pp", "kl_in": "reward", "kl_beta": 0.1}, "kl-reward")
+    _, rows = run(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        {"advantage": "reinforce_pp", "kl_in": "reward", "kl_beta": 0.1},
+        "kl-reward",
+    )
     assert rows[0]["kl/reward_penalty"] < 1e-5  # step 1: the policy is the reference
     assert rows[1]["kl/reward_penalty"] > 1e-4  # after one update it is not
     assert rows[0]["actor/kl"] == 0.0  # not in the loss as well
@@ -54,8 +70,13 @@ def test_adaptive_kl_coefficient_follows_the_observed_kl_and_resumes(tmp_path, t
     from postrl.run_place import resume_config
     from postrl.runner import train
 
-    controller, rows = run(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                           {"kl_beta": 0.1, "kl_target": 0.01, "kl_horizon": 100}, "kl-adaptive")
+    controller, rows = run(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        {"kl_beta": 0.1, "kl_target": 0.01, "kl_horizon": 100},
+        "kl-adaptive",
+    )
     beta = 0.1
     for row in rows:  # the coefficient after each step, from that step's observed KL
         beta = adaptive_kl_coef(beta, row["actor/kl"], 0.01, 16, 100)

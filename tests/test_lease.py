@@ -34,8 +34,10 @@ def test_live_holder_refuses_a_second_controller_and_a_dead_one_is_taken_over(tm
     said = []
     lease = RunLease(run_dir)
     lease.acquire(echo=said.append)
-    assert said == [f"took over {run_dir} from a controller that is no longer running (pid {proc.pid} on host "
-                    f"{os.uname().nodename})"]
+    assert said == [
+        f"took over {run_dir} from a controller that is no longer running (pid {proc.pid} on host "
+        f"{os.uname().nodename})"
+    ]
     assert RunLease(run_dir).holder()["pid"] == os.getpid()
     lease.release()
     assert not (run_dir / LEASE_FILE).exists()
@@ -52,11 +54,16 @@ def test_cli_refuses_a_second_controller_on_a_run(tmp_path, tiny_model_dir, arit
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(
         f"name: busy\noutput_dir: {tmp_path}\nmodel: {{path: {tiny_model_dir}}}\n"
-        f"data: {{train_files: [{arithmetic_jsonl}]}}\nrollout: {{n: 2, max_tokens: 4}}\n")
+        f"data: {{train_files: [{arithmetic_jsonl}]}}\nrollout: {{n: 2, max_tokens: 4}}\n"
+    )
     proc = holder_process(run_dir)
     try:
-        done = subprocess.run([sys.executable, "-m", "postrl", "train", "--resume", str(run_dir)],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "postrl", "train", "--resume", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         proc.kill()
         proc.wait()

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from postrl.config import AlgorithmConfig, TrainConfig
 from postrl.algorithms import register_loss_aggregation
+from postrl.config import AlgorithmConfig, TrainConfig
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch
 from tests.conftest import make_tiny_model
@@ -31,8 +31,9 @@ def naive_micro_mean(per_token: torch.Tensor, mask: torch.Tensor, norm) -> torch
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
-def grads_with_micro(model, batch, micro: int, kl_beta: float = 0.0, ref=None,
-                     loss_agg: str = "token_mean") -> tuple[list[torch.Tensor], float]:
+def grads_with_micro(
+    model, batch, micro: int, kl_beta: float = 0.0, ref=None, loss_agg: str = "token_mean"
+) -> tuple[list[torch.Tensor], float]:
     worker = TrainWorker(
         model,
         TrainConfig(lr=1e-3, mini_batch_size=6, micro_batch_size=micro),
@@ -44,8 +45,9 @@ def grads_with_micro(model, batch, micro: int, kl_beta: float = 0.0, ref=None,
     return [p.grad.detach().clone() for p in model.parameters()], float(sums.loss / sums.tokens)
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                                      "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    "loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+)
 def test_gradient_unchanged_by_micro_batch_split(char_tokenizer, loss_agg):
     batch = uneven_batch(char_tokenizer)
     base = make_tiny_model("llama", char_tokenizer).double()
@@ -53,8 +55,9 @@ def test_gradient_unchanged_by_micro_batch_split(char_tokenizer, loss_agg):
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.01)
-    results = [grads_with_micro(copy.deepcopy(base), batch, m, kl_beta=0.1, ref=ref, loss_agg=loss_agg)
-               for m in (6, 1, 4)]
+    results = [
+        grads_with_micro(copy.deepcopy(base), batch, m, kl_beta=0.1, ref=ref, loss_agg=loss_agg) for m in (6, 1, 4)
+    ]
     (g_full, loss_full), *others = results
     for grads, loss in others:
         assert abs(loss - loss_full) < 1e-10
@@ -79,14 +82,21 @@ def test_entropy_bonus_subtracts_coef_times_the_token_mean_entropy_gradient(char
     base = make_tiny_model("llama", char_tokenizer).double()
     plain, _ = grads_with_micro(copy.deepcopy(base), batch, 2)
     model = copy.deepcopy(base)
-    worker = TrainWorker(model, TrainConfig(lr=1e-3, mini_batch_size=6, micro_batch_size=2),
-                         AlgorithmConfig(entropy_coef=0.05))
+    worker = TrainWorker(
+        model, TrainConfig(lr=1e-3, mini_batch_size=6, micro_batch_size=2), AlgorithmConfig(entropy_coef=0.05)
+    )
     model.zero_grad(set_to_none=True)
     worker.accumulate_gradients(batch)
     bonus = [p.grad.detach().clone() for p in model.parameters()]
     probe = copy.deepcopy(base).train()
-    _, entropy = token_logprobs(probe, batch.input_ids, batch.attention_mask, with_entropy="grad",
-                                target_mask=batch.response_mask, group_ids=batch.group_ids)
+    _, entropy = token_logprobs(
+        probe,
+        batch.input_ids,
+        batch.attention_mask,
+        with_entropy="grad",
+        target_mask=batch.response_mask,
+        group_ids=batch.group_ids,
+    )
     ((entropy * batch.loss_mask).sum() / batch.loss_mask.sum()).backward()
     for with_bonus, without, ent in zip(bonus, plain, (p.grad for p in probe.parameters())):
         assert torch.allclose(with_bonus, without - 0.05 * ent, atol=1e-10)

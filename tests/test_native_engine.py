@@ -23,16 +23,24 @@ def prompts_for(tokenizer, texts=TEXTS):
 def test_greedy_equals_transformers_token_for_token(char_tokenizer, kind):
     model = make_tiny_model(kind, char_tokenizer)
     engine = NativeRolloutWorker.from_hf(model, char_tokenizer)
-    for text, r in zip(TEXTS, engine.generate(prompts_for(char_tokenizer), SamplingParams(temperature=0.0, max_tokens=16), 0)):
+    for text, r in zip(
+        TEXTS, engine.generate(prompts_for(char_tokenizer), SamplingParams(temperature=0.0, max_tokens=16), 0)
+    ):
         assert (r.response_ids, r.finish_reason) == hf_greedy(model, char_tokenizer, text, 16)
 
 
 def test_continuous_batching_equals_one_at_a_time(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=10, stop=("9",))
-    wide = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=64).generate(prompts_for(char_tokenizer), params, 0)
-    narrow = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=2).generate(prompts_for(char_tokenizer), params, 0)
-    single = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=1).generate(prompts_for(char_tokenizer), params, 0)
+    wide = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=64).generate(
+        prompts_for(char_tokenizer), params, 0
+    )
+    narrow = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=2).generate(
+        prompts_for(char_tokenizer), params, 0
+    )
+    single = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=1).generate(
+        prompts_for(char_tokenizer), params, 0
+    )
     assert seqs(wide) == seqs(narrow) == seqs(single)
     assert [(r.prompt_index) for r in wide] == [i for i in range(len(TEXTS)) for _ in range(3)]
     hf = HFRolloutWorker(model, char_tokenizer).generate(prompts_for(char_tokenizer), params, 0)
@@ -54,7 +62,9 @@ def test_sampled_logprobs_match_trainer_within_1e4(char_tokenizer, kind):
 def test_prefix_sharing_samples_differ_but_start_from_one_prefill(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     engine = NativeRolloutWorker.from_hf(model, char_tokenizer, seed=0)
-    rollouts = engine.generate(prompts_for(char_tokenizer, ["12+34="]), SamplingParams(n=8, temperature=1.5, max_tokens=8), 0)
+    rollouts = engine.generate(
+        prompts_for(char_tokenizer, ["12+34="]), SamplingParams(n=8, temperature=1.5, max_tokens=8), 0
+    )
     assert len({tuple(r.response_ids) for r in rollouts}) > 1
     # every sample's first token is drawn from the one prefill's distribution: its logprob is that
     # distribution's, whichever token it drew
@@ -110,7 +120,9 @@ def test_backend_choice_and_fallback_warning(char_tokenizer, caplog):
     from postrl.rollout.factory import rollout_worker_for_model
 
     llama = make_tiny_model("llama", char_tokenizer)
-    assert isinstance(rollout_worker_for_model(RolloutConfig(), llama, char_tokenizer, "float32", 0), NativeRolloutWorker)
+    assert isinstance(
+        rollout_worker_for_model(RolloutConfig(), llama, char_tokenizer, "float32", 0), NativeRolloutWorker
+    )
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(char_tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64))
     with caplog.at_level("WARNING"):
         worker = rollout_worker_for_model(RolloutConfig(), gpt2, char_tokenizer, "float32", 0)
@@ -139,8 +151,9 @@ def test_health_check_generates_and_finds_bad_weights(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     for engine in (NativeRolloutWorker.from_hf(model, char_tokenizer), HFRolloutWorker(model, char_tokenizer)):
         assert engine.health_check()
-        out = engine.generate([Prompt("1+1=", char_tokenizer("1+1=")["input_ids"])],
-                              SamplingParams(n=2, temperature=0.0, max_tokens=4), 0)
+        out = engine.generate(
+            [Prompt("1+1=", char_tokenizer("1+1=")["input_ids"])], SamplingParams(n=2, temperature=0.0, max_tokens=4), 0
+        )
         assert len(out) == 2 and engine.health_check()  # the probe works with a cache already in use
     native = NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer)
     name = next(n for n in native.model.params if "norm" in n)

@@ -20,8 +20,9 @@ from tests.test_serve import free_port
 
 def postrl(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-m", "postrl.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "postrl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_first_day(tmp_path):
@@ -29,9 +30,11 @@ def test_first_day(tmp_path):
     work.mkdir()
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(100, 140, 3) for b in range(200, 240, 7)]
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (work / "heldout.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
-                                                for a in range(300, 310)))
-    (work / "my_rewards.py").write_text(textwrap.dedent("""
+    (work / "heldout.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(300, 310))
+    )
+    (work / "my_rewards.py").write_text(
+        textwrap.dedent("""
         import re
 
         def exact(prompt, response, answer, **columns):
@@ -40,16 +43,26 @@ def test_first_day(tmp_path):
             if got is None:
                 return 0.0, "no <answer> tags"
             return float(got.group(1).strip() == answer), f"answered {got.group(1)!r}, wanted {answer!r}"
-    """))
-    (work / "config.yaml").write_text(yaml.safe_dump({
-        "name": "first", "steps": 3, "prompts_per_step": 8, "model": {"path": "demo"},
-        "data": {"train_files": ["train.jsonl"]},
-        "rollout": {"n": 4, "max_tokens": 16},
-        "reward": {"components": [{"name": "exact", "type": "custom", "function": "my_rewards:exact"}],
-                   "num_workers": 1},
-        "train": {"lr": 1e-4, "mini_batch_size": 32, "micro_batch_size": 16},
-        "checkpoint": {"every_steps": 2},
-    }))
+    """)
+    )
+    (work / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "first",
+                "steps": 3,
+                "prompts_per_step": 8,
+                "model": {"path": "demo"},
+                "data": {"train_files": ["train.jsonl"]},
+                "rollout": {"n": 4, "max_tokens": 16},
+                "reward": {
+                    "components": [{"name": "exact", "type": "custom", "function": "my_rewards:exact"}],
+                    "num_workers": 1,
+                },
+                "train": {"lr": 1e-4, "mini_batch_size": 32, "micro_batch_size": 16},
+                "checkpoint": {"every_steps": 2},
+            }
+        )
+    )
 
     done = postrl("train", "config.yaml", cwd=work)
     assert done.returncode == 0, done.stderr
@@ -65,16 +78,33 @@ def test_first_day(tmp_path):
     assert done.stdout.startswith("heldout.jsonl: accuracy ") and "(" in done.stdout and "/10)" in done.stdout
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "postrl.cli", "serve-rollout", "--model", "runs/first/final_model",
-                               "--port", str(port), "--served-model-name", "first"], cwd=work,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "postrl.cli",
+            "serve-rollout",
+            "--model",
+            "runs/first/final_model",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "first",
+        ],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         banner = server.stdout.readline()
-        assert f"serving first (NativeRolloutWorker, context 128) at http://127.0.0.1:{port}/v1" in banner, \
+        assert f"serving first (NativeRolloutWorker, context 128) at http://127.0.0.1:{port}/v1" in banner, (
             banner + server.stderr.read()
+        )
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        stream = client.completions.create(model="first", prompt="123+456=", max_tokens=16, temperature=0.0,
-                                           logprobs=2, stream=True)
+        stream = client.completions.create(
+            model="first", prompt="123+456=", max_tokens=16, temperature=0.0, logprobs=2, stream=True
+        )
         chunks = [c for c in stream if c.choices]
         streamed = "".join(c.choices[0].text for c in chunks)
         whole = client.completions.create(model="first", prompt="123+456=", max_tokens=16, temperature=0.0, logprobs=2)

@@ -34,8 +34,9 @@ def weights_dir(tmp_path_factory):
 def api(char_tokenizer, weights_dir):
     model = make_tiny_model("llama", char_tokenizer)
     batcher = EngineBatcher(NativeRolloutWorker.from_hf(model, char_tokenizer, seed=0))
-    limits = ServerLimits(default_max_tokens=8, weights_dir=str(weights_dir), max_n=4, max_tokens=64,
-                          max_prompts=3, max_body_bytes=4096)
+    limits = ServerLimits(
+        default_max_tokens=8, weights_dir=str(weights_dir), max_n=4, max_tokens=64, max_prompts=3, max_body_bytes=4096
+    )
     server = Server(build_app(batcher, char_tokenizer, "tiny", max_context=128, limits=limits))
     yield server, model
     server.stop()
@@ -50,8 +51,16 @@ def test_streaming_matches_the_whole_answer(api):
     server, _ = api
     client = client_for(server)
     whole = client.completions.create(model="tiny", prompt="12+34=", max_tokens=12, temperature=0.0)
-    chunks = list(client.completions.create(model="tiny", prompt="12+34=", max_tokens=12, temperature=0.0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="12+34=",
+            max_tokens=12,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len([c for c in chunks if c.choices]) >= 2  # streamed in pieces, not one body
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
@@ -59,8 +68,9 @@ def test_streaming_matches_the_whole_answer(api):
 
     messages = [{"role": "user", "content": "hi"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0.0)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0.0,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0.0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -83,15 +93,29 @@ def test_top_logprobs_on_completions_and_chat(api, char_tokenizer):
     assert all(abs(lp.top_logprobs[0][k] - v) < 1e-4 for k, v in expected.items())
     assert lp.tokens[0] == next(iter(expected)) and abs(lp.token_logprobs[0] - best.values[0].item()) < 1e-4
 
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0.0, logprobs=True, top_logprobs=5)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=5,
+    )
     content = chat.choices[0].logprobs.content
     assert all(len(t.top_logprobs) == 5 for t in content)
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
     assert content[0].token == content[0].top_logprobs[0].token
-    streamed = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                   max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=2,
-                                                   stream=True))
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            temperature=0.0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.token for t in tokens] == [t.token for t in content]
     assert all(len(t.top_logprobs) == 2 for t in tokens)
@@ -103,11 +127,12 @@ def test_context_limit_is_a_400_with_the_numbers(api):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt="1" * 99, max_tokens=40)
     message = err.value.body["message"]
-    assert "maximum context length is 128 tokens. However, you requested 140 tokens (100 in the prompt, 40 for the " \
-           "completion)" in message
+    assert (
+        "maximum context length is 128 tokens. However, you requested 140 tokens (100 in the prompt, 40 for the "
+        "completion)" in message
+    )
     # without max_tokens, the answer is cut at the context instead
-    out = client.completions.create(model="tiny", prompt="1" * 125, temperature=1.0, seed=3,
-                                    extra_body={"top_k": 1})
+    out = client.completions.create(model="tiny", prompt="1" * 125, temperature=1.0, seed=3, extra_body={"top_k": 1})
     assert out.usage.completion_tokens <= 3
 
 
@@ -119,19 +144,33 @@ def test_stop_strings_are_removed_unless_asked_to_keep(api):
     stop = free[3:5]
     cut = client.completions.create(model="tiny", prompt="3+4=", max_tokens=12, temperature=0.0, stop=[stop])
     assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
-    kept = client.completions.create(model="tiny", prompt="3+4=", max_tokens=12, temperature=0.0, stop=[stop],
-                                     extra_body={"include_stop_str_in_output": True})
+    kept = client.completions.create(
+        model="tiny",
+        prompt="3+4=",
+        max_tokens=12,
+        temperature=0.0,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )
     assert kept.choices[0].text == free[: free.index(stop) + len(stop)]
-    streamed = client.completions.create(model="tiny", prompt="3+4=", max_tokens=12, temperature=0.0, stop=[stop],
-                                         stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt="3+4=", max_tokens=12, temperature=0.0, stop=[stop], stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
 
 
-@pytest.mark.parametrize("extra, name", [
-    ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"), ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": 1.0}, "frequency_penalty"), ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"suffix": "x"}, "suffix"), ({"temperatur": 0.5}, "temperatur"),
-])
+@pytest.mark.parametrize(
+    "extra, name",
+    [
+        ({"best_of": 3}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"suffix": "x"}, "suffix"),
+        ({"temperatur": 0.5}, "temperatur"),
+    ],
+)
 def test_unimplemented_parameters_are_refused_by_name(api, extra, name):
     server, _ = api
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "1+1=", **extra})
@@ -142,17 +181,26 @@ def test_chat_refuses_tools_and_accepts_text_parts(api):
     server, _ = api
     client = client_for(server)
     with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}])
-    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
-                                           max_tokens=6, temperature=0.0)
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
+        )
+    plain = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi there"}], max_tokens=6, temperature=0.0
+    )
     parts = client.chat.completions.create(
-        model="tiny", max_tokens=6, temperature=0.0,
-        messages=[{"role": "user", "content": [{"type": "text", "text": "hi there"}]}])
+        model="tiny",
+        max_tokens=6,
+        temperature=0.0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi there"}]}],
+    )
     assert parts.choices[0].message.content == plain.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="type 'image_url' is not supported"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        )
 
 
 def test_wrong_model_is_404(api):
@@ -176,7 +224,9 @@ def test_request_bounds_are_400s_naming_the_bound(api):
 
 def test_update_weights_bad_file_is_400_and_engine_keeps_serving(api, weights_dir, char_tokenizer):
     server, _ = api
-    before = httpx.post(server.url + "/v1/completions", json={"prompt": "2+2=", "max_tokens": 4, "temperature": 0}).json()
+    before = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "2+2=", "max_tokens": 4, "temperature": 0}
+    ).json()
     garbage = weights_dir / "garbage.safetensors"
     garbage.write_bytes(b"this is not a safetensors file")
     r = httpx.post(server.url + "/update_weights", json={"path": str(garbage), "version": 7})
@@ -185,7 +235,9 @@ def test_update_weights_bad_file_is_400_and_engine_keeps_serving(api, weights_di
     save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(wrong))
     r = httpx.post(server.url + "/update_weights", json={"path": str(wrong), "version": 7})
     assert r.status_code == 400 and "model.embed_tokens.weight" in r.json()["error"]["message"]
-    after = httpx.post(server.url + "/v1/completions", json={"prompt": "2+2=", "max_tokens": 4, "temperature": 0}).json()
+    after = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "2+2=", "max_tokens": 4, "temperature": 0}
+    ).json()
     assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"] and after["weight_version"] == 0
 
 
@@ -198,15 +250,22 @@ def test_token_and_weights_folder_protect_the_server(char_tokenizer, tmp_path):
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "w.safetensors"))
     (allowed / "escape.safetensors").symlink_to(outside / "w.safetensors")
     batcher = EngineBatcher(NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer))
-    server = Server(build_app(batcher, char_tokenizer, "tiny", limits=ServerLimits(weights_dir=str(allowed)),
-                              token=TOKEN))
+    server = Server(
+        build_app(batcher, char_tokenizer, "tiny", limits=ServerLimits(weights_dir=str(allowed)), token=TOKEN)
+    )
     try:
-        update = lambda path, headers: httpx.post(server.url + "/update_weights", headers=headers,  # noqa: E731
-                                                  json={"path": str(path), "version": 1})
+
+        def update(path, headers):
+            return httpx.post(server.url + "/update_weights", headers=headers, json={"path": str(path), "version": 1})
+
         good = {"authorization": f"Bearer {TOKEN}"}
         assert update(allowed / "w.safetensors", {}).status_code == 401
         assert update(allowed / "w.safetensors", {"authorization": "Bearer wrong"}).status_code == 401
-        for path in (outside / "w.safetensors", allowed / "escape.safetensors", allowed / ".." / "outside" / "w.safetensors"):
+        for path in (
+            outside / "w.safetensors",
+            allowed / "escape.safetensors",
+            allowed / ".." / "outside" / "w.safetensors",
+        ):
             r = update(path, good)
             assert r.status_code == 403 and "outside the weights folder" in r.json()["error"]["message"], path
         assert batcher.worker.weight_version == 0
@@ -214,7 +273,9 @@ def test_token_and_weights_folder_protect_the_server(char_tokenizer, tmp_path):
         assert httpx.get(server.url + "/health").status_code == 401
         with pytest.raises(openai.AuthenticationError):
             client_for(server).completions.create(model="tiny", prompt="1")
-        ok = OpenAI(base_url=server.url + "/v1", api_key=TOKEN).completions.create(model="tiny", prompt="1", max_tokens=2)
+        ok = OpenAI(base_url=server.url + "/v1", api_key=TOKEN).completions.create(
+            model="tiny", prompt="1", max_tokens=2
+        )
         assert ok.choices[0].text is not None
     finally:
         server.stop()
@@ -222,8 +283,23 @@ def test_token_and_weights_folder_protect_the_server(char_tokenizer, tmp_path):
 
 
 def test_serve_rollout_refuses_a_public_address_without_a_token():
-    done = subprocess.run([sys.executable, "-m", "postrl.cli", "serve-rollout", "--model", "demo", "--host",
-                           "0.0.0.0", "--weights-dir", "/tmp"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "postrl.cli",
+            "serve-rollout",
+            "--model",
+            "demo",
+            "--host",
+            "0.0.0.0",
+            "--weights-dir",
+            "/tmp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "--host 0.0.0.0 is not loopback" in done.stderr and "set --token-env" in done.stderr
 
@@ -242,11 +318,16 @@ def test_router_routes_around_dead_and_failing_backends(char_tokenizer, tmp_path
             assert out.choices[0].text is not None
         assert not router.state[dead].healthy and not router.state[failing.url].healthy
         assert router.state[live.url].served == 6
-        text = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="1+1=", max_tokens=4,
-                                                                            stream=True))
+        text = "".join(
+            c.choices[0].text for c in client.completions.create(model="tiny", prompt="1+1=", max_tokens=4, stream=True)
+        )
         assert isinstance(text, str)
         health = httpx.get(front.url + "/health").json()
-        assert health["status"] == "degraded" and health["backends"] == {dead: False, failing.url: False, live.url: True}
+        assert health["status"] == "degraded" and health["backends"] == {
+            dead: False,
+            failing.url: False,
+            live.url: True,
+        }
         assert router.state[failing.url].failures >= 1 and "HTTP 500" in health["errors"][failing.url]
     finally:
         for s in (front, live, failing):
@@ -262,7 +343,9 @@ def test_router_takes_a_recovered_backend_back(char_tokenizer):
     try:
         assert httpx.post(front.url + "/v1/completions", json={"prompt": "1", "max_tokens": 2}).status_code == 503
         assert not router.state[f"http://127.0.0.1:{port}"].healthy
-        backend = Server(build_app(batcher, char_tokenizer, "tiny", limits=ServerLimits(default_max_tokens=2)), port=port)
+        backend = Server(
+            build_app(batcher, char_tokenizer, "tiny", limits=ServerLimits(default_max_tokens=2)), port=port
+        )
         import time
 
         deadline = time.monotonic() + 10
@@ -321,8 +404,11 @@ def test_engines_that_cannot_stream_still_answer_streams(char_tokenizer):
     try:
         client = client_for(server)
         whole = client.completions.create(model="tiny", prompt=["1+2=", "3+4="], n=2, temperature=0.0, logprobs=1)
-        chunks = list(client.completions.create(model="tiny", prompt=["1+2=", "3+4="], n=2, temperature=0.0,
-                                                logprobs=1, stream=True))
+        chunks = list(
+            client.completions.create(
+                model="tiny", prompt=["1+2=", "3+4="], n=2, temperature=0.0, logprobs=1, stream=True
+            )
+        )
         for choice in whole.choices:
             mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
             assert "".join(c.text for c in mine) == choice.text

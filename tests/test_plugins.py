@@ -47,12 +47,17 @@ def scratch_registries(monkeypatch):
     sys.modules.pop("my_algos", None)
 
 
-def test_plugin_module_next_to_the_config_registers_algorithms(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                                                                scratch_registries):
+def test_plugin_module_next_to_the_config_registers_algorithms(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, scratch_registries
+):
     (tmp_path / "my_algos.py").write_text(PLUGIN)
-    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1,
-                          algorithm={"plugins": ["my_algos"], "advantage": "centered_plugin",
-                                     "policy_loss": "reinforce_plugin"})
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        steps=1,
+        algorithm={"plugins": ["my_algos"], "advantage": "centered_plugin", "policy_loss": "reinforce_plugin"},
+    )
     assert main(["train", config]) == 0
     import my_algos
 

@@ -49,8 +49,7 @@ def test_log_ratio_is_clamped_before_exp():
 
 def test_gspo_sequence_ratio_on_responses_of_different_lengths():
     # seq 0: 3 tokens, log-ratios 0.3, -0.1, 0.1 -> mean 0.1; seq 1: 1 token (+2 masked) log-ratio 0.2
-    logp, x = inputs([[0.3, -0.1, 0.1], [0.2, 9.0, 9.0]], [[0.0] * 3] * 2, [1.0, -1.0],
-                     mask=[[1, 1, 1], [1, 0, 0]])
+    logp, x = inputs([[0.3, -0.1, 0.1], [0.2, 9.0, 9.0]], [[0.0] * 3] * 2, [1.0, -1.0], mask=[[1, 1, 1], [1, 0, 0]])
     out = POLICY_LOSSES.get("gspo")(x, clip_eps_low=0.5, clip_eps_high=0.5)
     s0, s1 = math.exp(0.1), math.exp(0.2)
     assert out.per_token.tolist() == [pytest.approx([-s0] * 3), pytest.approx([s1, 0.0, 0.0])]

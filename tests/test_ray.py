@@ -27,22 +27,35 @@ from tests.engine_hosts import SlowHost  # noqa: E402
 def ray_processes() -> list[str]:
     """Running Ray processes (zombies already exited: they only wait to be reaped)."""
     out = subprocess.run(["ps", "-eo", "stat=,pid=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines()
-            if any(k in line for k in ("gcs_server", "raylet", "ray::")) and not line.startswith("Z")]
+    return [
+        line
+        for line in out.splitlines()
+        if any(k in line for k in ("gcs_server", "raylet", "ray::")) and not line.startswith("Z")
+    ]
 
 
 def ray_config(tmp_path, model_dir, data, **scheduler):
-    return build_config({
-        "name": "ray", "output_dir": str(tmp_path), "steps": 3, "prompts_per_step": 4,
-        "model": {"path": str(model_dir)}, "data": {"train_files": [str(data)]},
-        "rollout": {"n": 4, "max_tokens": 8, "device": "cpu"},
-        "reward": {"components": [{"type": "math", "name": "acc"},
-                                  {"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
-        "train": {"mini_batch_size": 16, "micro_batch_size": 8, "device": "cpu"},
-        "checkpoint": {"every_steps": 2}, "logging": {"tensorboard": False},
-        "scheduler": {"type": "ray", "rollout": {"workers": 2, "threads": 1}, "train": {"threads": 1},
-                      **scheduler},
-    })
+    return build_config(
+        {
+            "name": "ray",
+            "output_dir": str(tmp_path),
+            "steps": 3,
+            "prompts_per_step": 4,
+            "model": {"path": str(model_dir)},
+            "data": {"train_files": [str(data)]},
+            "rollout": {"n": 4, "max_tokens": 8, "device": "cpu"},
+            "reward": {
+                "components": [
+                    {"type": "math", "name": "acc"},
+                    {"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"},
+                ]
+            },
+            "train": {"mini_batch_size": 16, "micro_batch_size": 8, "device": "cpu"},
+            "checkpoint": {"every_steps": 2},
+            "logging": {"tensorboard": False},
+            "scheduler": {"type": "ray", "rollout": {"workers": 2, "threads": 1}, "train": {"threads": 1}, **scheduler},
+        }
+    )
 
 
 def test_three_step_ray_run_then_nothing_left_running(tmp_path, tiny_model_dir, arithmetic_jsonl):
@@ -87,8 +100,11 @@ def test_rollout_actor_killed_mid_step_loses_and_duplicates_nothing(tmp_path, ti
         requests = [ScoreRequest("1+1=", "22", {}, 2), ScoreRequest("1+1=", "a", {}, 1)]
         want = [r.components for r in reward.score_batch(requests)]
         reward._handle.kill()
-        assert [r.components for r in reward.score_batch(requests)] == want == [{"acc": 0.0, "digits": 1.0},
-                                                                              {"acc": 0.0, "digits": 0.0}]
+        assert (
+            [r.components for r in reward.score_batch(requests)]
+            == want
+            == [{"acc": 0.0, "digits": 1.0}, {"acc": 0.0, "digits": 0.0}]
+        )
         assert reward.restarts == 1
         reward.close()
     finally:
@@ -100,8 +116,19 @@ def test_ppo_with_critic_and_kl_in_the_reward_under_ray(tmp_path, tiny_model_dir
     """The critic as its own actor, reference log-probabilities from the train actor, an adaptive KL
     coefficient sent to it: the algorithm library runs under the Ray scheduler too."""
     config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
-    config = build_config({**config.model_dump(mode="json"), "steps": 2, "algorithm": {
-        "advantage": "gae", "critic": {"lr": 1e-2}, "kl_beta": 0.1, "kl_in": "reward", "kl_target": 0.01}})
+    config = build_config(
+        {
+            **config.model_dump(mode="json"),
+            "steps": 2,
+            "algorithm": {
+                "advantage": "gae",
+                "critic": {"lr": 1e-2},
+                "kl_beta": 0.1,
+                "kl_in": "reward",
+                "kl_target": 0.01,
+            },
+        }
+    )
     controller = train(config)
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -29,9 +29,17 @@ POSTRL = [sys.executable, "-m", "postrl.cli"]
 
 def test_two_fsdp_ranks_under_ray_train_two_steps(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
-    config = build_config({**config.model_dump(mode="json"), "steps": 2,
-                           "scheduler": {"type": "ray", "rollout": {"workers": 1, "threads": 1},
-                                         "train": {"workers": 2, "threads": 1}}})
+    config = build_config(
+        {
+            **config.model_dump(mode="json"),
+            "steps": 2,
+            "scheduler": {
+                "type": "ray",
+                "rollout": {"workers": 1, "threads": 1},
+                "train": {"workers": 2, "threads": 1},
+            },
+        }
+    )
     start = time.monotonic()
     controller = train(config)
     assert time.monotonic() - start < 120  # it used to wait out a 300 s start-up timeout and fail
@@ -44,24 +52,38 @@ def test_two_fsdp_ranks_under_ray_train_two_steps(tmp_path, tiny_model_dir, arit
 
 def _write_config(tmp_path, model_dir, data) -> str:
     path = tmp_path / "run.yaml"
-    path.write_text(json.dumps({
-        "name": "r", "output_dir": str(tmp_path / "runs"), "steps": 1, "prompts_per_step": 2,
-        "model": {"path": str(model_dir)}, "data": {"train_files": [str(data)]},
-        "rollout": {"n": 2, "max_tokens": 4, "device": "cpu"}, "train": {"device": "cpu"},
-        "reward": {"components": [{"type": "math", "name": "acc"}]}, "logging": {"tensorboard": False}}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "r",
+                "output_dir": str(tmp_path / "runs"),
+                "steps": 1,
+                "prompts_per_step": 2,
+                "model": {"path": str(model_dir)},
+                "data": {"train_files": [str(data)]},
+                "rollout": {"n": 2, "max_tokens": 4, "device": "cpu"},
+                "train": {"device": "cpu"},
+                "reward": {"components": [{"type": "math", "name": "acc"}]},
+                "logging": {"tensorboard": False},
+            }
+        )
+    )
     return str(path)
 
 
 def test_an_unreachable_cluster_address_fails_fast_naming_it(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = _write_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
     start = time.monotonic()
-    out = subprocess.run([*POSTRL, "train", config, "--ray-address", "127.0.0.1:1"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [*POSTRL, "train", config, "--ray-address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120
+    )
     elapsed = time.monotonic() - start
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("postrl train: error:")]
-    assert errors == ["postrl train: error: cannot reach the Ray cluster at 127.0.0.1:1 "
-                      "(scheduler.address=127.0.0.1:1): Connection refused"], out.stderr[-2000:]
+    assert errors == [
+        "postrl train: error: cannot reach the Ray cluster at 127.0.0.1:1 "
+        "(scheduler.address=127.0.0.1:1): Connection refused"
+    ], out.stderr[-2000:]
     assert elapsed < 30, elapsed
     assert not (tmp_path / "runs" / "r").exists()  # nothing was written
 
@@ -73,12 +95,18 @@ def test_a_port_that_is_not_ray_fails_within_the_connect_timeout(tmp_path, tiny_
         server.listen(16)
         address = f"127.0.0.1:{server.getsockname()[1]}"
         start = time.monotonic()
-        out = subprocess.run([*POSTRL, "train", config, "--ray-address", address, "scheduler.connect_timeout_s=3"],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [*POSTRL, "train", config, "--ray-address", address, "scheduler.connect_timeout_s=3"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         elapsed = time.monotonic() - start
     assert out.returncode == 2, out.stderr[-2000:]
-    assert (f"postrl train: error: could not connect to the Ray cluster at {address} (scheduler.address={address}) "
-            "within 3 s (scheduler.connect_timeout_s)") in out.stderr, out.stderr[-2000:]
+    assert (
+        f"postrl train: error: could not connect to the Ray cluster at {address} (scheduler.address={address}) "
+        "within 3 s (scheduler.connect_timeout_s)"
+    ) in out.stderr, out.stderr[-2000:]
     assert elapsed < 25, elapsed
 
 
@@ -92,7 +120,7 @@ def test_a_killed_driver_leaves_no_ray_process(tmp_path, tiny_model_dir, arithme
         sys.path.insert(0, {os.getcwd()!r})
         from postrl.config import RunConfig
         from postrl.scheduling.ray_scheduler import RayScheduler
-        config = RunConfig.model_validate_json(open({str(tmp_path / 'config.json')!r}).read())
+        config = RunConfig.model_validate_json(open({str(tmp_path / "config.json")!r}).read())
         scheduler = RayScheduler(config)
         print("placed", flush=True)
         time.sleep(600)
@@ -131,11 +159,18 @@ def test_sft_runs_its_train_ranks_as_ray_actors(tmp_path, tiny_model_dir):
 
     rows = [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 18)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "sft.yaml").write_text(json.dumps({
-        "output_dir": str(tmp_path / "runs"), "model": {"path": str(tiny_model_dir)},
-        "data": {"train_files": ["d.jsonl"]}, "logging": {"tensorboard": False},
-        "train": {"mini_batch_size": 4, "micro_batch_size": 2, "device": "cpu"},
-        "scheduler": {"type": "ray", "train": {"workers": 2, "threads": 1}}}))
+    (tmp_path / "sft.yaml").write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path / "runs"),
+                "model": {"path": str(tiny_model_dir)},
+                "data": {"train_files": ["d.jsonl"]},
+                "logging": {"tensorboard": False},
+                "train": {"mini_batch_size": 4, "micro_batch_size": 2, "device": "cpu"},
+                "scheduler": {"type": "ray", "train": {"workers": 2, "threads": 1}},
+            }
+        )
+    )
     config = load_config(tmp_path / "sft.yaml", model=SFTRunConfig)
     assert train_sft(config) == 2
     assert [r["step"] for r in read_metrics(config.run_dir / "metrics.jsonl")] == [1, 2]

@@ -30,13 +30,22 @@ def test_run_trains_with_rollouts_from_servers_behind_the_router(tmp_path, tiny_
         servers.append(Server(build_app(batcher, tokenizer, "tiny", max_context=128, limits=limits)))
     router = Server(build_router_app(LeastOutstandingRouter([s.url for s in servers])))
     try:
-        config = build_config({
-            "name": "remote", "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 4,
-            "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
-            "rollout": {"backend": "openai", "url": router.url, "sync_dir": str(weights), "n": 4, "max_tokens": 8},
-            "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
-            "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 8}, "logging": {"tensorboard": False},
-        })
+        config = build_config(
+            {
+                "name": "remote",
+                "output_dir": str(tmp_path),
+                "steps": 2,
+                "prompts_per_step": 4,
+                "model": {"path": str(tiny_model_dir)},
+                "data": {"train_files": [str(arithmetic_jsonl)]},
+                "rollout": {"backend": "openai", "url": router.url, "sync_dir": str(weights), "n": 4, "max_tokens": 8},
+                "reward": {
+                    "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
+                },
+                "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 8},
+                "logging": {"tensorboard": False},
+            }
+        )
         controller = train(config)
         assert controller.step_count == 2
         rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -46,16 +46,20 @@ def custom(function: str) -> dict:
 
 def test_mixed_reward_weights_and_components():
     svc = service(
-        components=[{"name": "verifiable", "type": "exact_match"},
-                    {"name": "format", "type": "format", "weight": 0.5},
-                    {"name": "length", "type": "length", "weight": 2.0, "target_tokens": 4}],
+        components=[
+            {"name": "verifiable", "type": "exact_match"},
+            {"name": "format", "type": "format", "weight": 0.5},
+            {"name": "length", "type": "length", "weight": 2.0, "target_tokens": 4},
+        ],
         num_workers=1,
     )
     try:
-        out = svc.score_batch([
-            ScoreRequest("1+1=", "<answer>2</answer>", {"answer": "2"}, response_tokens=6),
-            ScoreRequest("1+1=", "3", {"answer": "2"}, response_tokens=2),
-        ])
+        out = svc.score_batch(
+            [
+                ScoreRequest("1+1=", "<answer>2</answer>", {"answer": "2"}, response_tokens=6),
+                ScoreRequest("1+1=", "3", {"answer": "2"}, response_tokens=2),
+            ]
+        )
     finally:
         svc.close()
     assert out[0].components == {"verifiable": 1.0, "format": 1.0, "length": -0.5}

@@ -33,17 +33,23 @@ def test_extract_program_and_parse_tests():
 
 
 def test_code_component_all_or_nothing_and_bad_tests_are_unscorable():
-    svc = RewardService(RewardConfig(num_workers=1, components=[
-        {"name": "code", "type": "code", "code_score": "all_or_nothing", "sandbox": {"wall_s": 3}}]))
+    svc = RewardService(
+        RewardConfig(
+            num_workers=1,
+            components=[{"name": "code", "type": "code", "code_score": "all_or_nothing", "sandbox": {"wall_s": 3}}],
+        )
+    )
     try:
         half = "def f(x):\n    return x if x < 2 else 0"
         tests = ["assert f(1) == 1", "assert f(3) == 3"]
-        out = svc.score_batch([
-            ScoreRequest("", half, {"tests": tests}),
-            ScoreRequest("", "def f(x):\n    return x", {"tests": tests}),
-            ScoreRequest("", half, {"tests": "not json"}),
-            ScoreRequest("", half, {}),
-        ])
+        out = svc.score_batch(
+            [
+                ScoreRequest("", half, {"tests": tests}),
+                ScoreRequest("", "def f(x):\n    return x", {"tests": tests}),
+                ScoreRequest("", half, {"tests": "not json"}),
+                ScoreRequest("", half, {}),
+            ]
+        )
     finally:
         svc.close()
     assert out[0].reward == 0.0 and "test 1: AssertionError" in out[0].reasons["code"]
@@ -58,9 +64,16 @@ def test_local_reward_model_scores_in_batches(tmp_path, char_tokenizer):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(char_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
-                         pad_token_id=char_tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(char_tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=char_tokenizer.pad_token_id,
+    )
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     char_tokenizer.save_pretrained(tmp_path / "rm")
     svc = RewardService(RewardConfig(components=[{"name": "rm", "type": "reward_model", "path": str(tmp_path / "rm")}]))
@@ -73,8 +86,9 @@ def test_local_reward_model_scores_in_batches(tmp_path, char_tokenizer):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
-    text = char_tokenizer.apply_chat_template([{"role": "user", "content": "2+2="},
-                                               {"role": "assistant", "content": "45"}], tokenize=False)
+    text = char_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "45"}], tokenize=False
+    )
     assert "<|im_start|>assistant" in text
     with torch.no_grad():
         expected = model(**char_tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
@@ -83,24 +97,39 @@ def test_local_reward_model_scores_in_batches(tmp_path, char_tokenizer):
 
 
 def test_components_apply_to_their_task_types():
-    svc = RewardService(RewardConfig(num_workers=1, components=[
-        {"name": "math", "type": "math", "applies_to": ["math"]},
-        {"name": "code", "type": "code", "applies_to": ["code"], "sandbox": {"wall_s": 5}},
-        {"name": "format", "type": "format", "weight": 0.5, "pattern": "(?s).+", "applies_to": ["math", "code"]},
-    ]))
+    svc = RewardService(
+        RewardConfig(
+            num_workers=1,
+            components=[
+                {"name": "math", "type": "math", "applies_to": ["math"]},
+                {"name": "code", "type": "code", "applies_to": ["code"], "sandbox": {"wall_s": 5}},
+                {
+                    "name": "format",
+                    "type": "format",
+                    "weight": 0.5,
+                    "pattern": "(?s).+",
+                    "applies_to": ["math", "code"],
+                },
+            ],
+        )
+    )
     try:
-        out = svc.score_batch([
-            ScoreRequest("2*3?", "\\boxed{6}", {"task_type": "math", "answer": "6"}),
-            ScoreRequest("f?", "```python\ndef f():\n    return 1\n```", {"task_type": "code",
-                                                                          "tests": ["assert f() == 1"]}),
-            ScoreRequest("poem?", "roses", {"task_type": "poetry"}),
-        ])
+        out = svc.score_batch(
+            [
+                ScoreRequest("2*3?", "\\boxed{6}", {"task_type": "math", "answer": "6"}),
+                ScoreRequest(
+                    "f?", "```python\ndef f():\n    return 1\n```", {"task_type": "code", "tests": ["assert f() == 1"]}
+                ),
+                ScoreRequest("poem?", "roses", {"task_type": "poetry"}),
+            ]
+        )
     finally:
         svc.close()
     assert out[0].components == {"math": 1.0, "format": 1.0} and out[0].reward == 1.5
     assert out[1].components == {"code": 1.0, "format": 1.0} and out[1].reward == 1.5
-    assert out[2].unscorable and out[2].error == ("no reward component applies to task_type 'poetry' "
-                                                  "(see reward.components[].applies_to)")
+    assert out[2].unscorable and out[2].error == (
+        "no reward component applies to task_type 'poetry' (see reward.components[].applies_to)"
+    )
 
 
 def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
@@ -113,14 +142,29 @@ def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
 
     judge = LoopbackJSONServer(chat)
     monkeypatch.setenv("JUDGE_KEY", "sk-test")
-    svc = RewardService(RewardConfig(components=[
-        {"name": "rm", "type": "remote_reward_model", "url": rm.url + "/rm", "weight": 0.1},
-        {"name": "judge", "type": "judge", "url": judge.url + "/v1", "model": "judge-1", "api_key_env": "JUDGE_KEY",
-         "prompt_template": "Q: {prompt} A: {response} ref {answer}"},
-    ]))
+    svc = RewardService(
+        RewardConfig(
+            components=[
+                {"name": "rm", "type": "remote_reward_model", "url": rm.url + "/rm", "weight": 0.1},
+                {
+                    "name": "judge",
+                    "type": "judge",
+                    "url": judge.url + "/v1",
+                    "model": "judge-1",
+                    "api_key_env": "JUDGE_KEY",
+                    "prompt_template": "Q: {prompt} A: {response} ref {answer}",
+                },
+            ]
+        )
+    )
     try:
-        out = svc.score_batch([ScoreRequest("q1", "GOOD", {"answer": "4"}), ScoreRequest("q2", "bad", {"answer": "5"}),
-                               ScoreRequest("q3", "ODD", {"answer": "6"})])
+        out = svc.score_batch(
+            [
+                ScoreRequest("q1", "GOOD", {"answer": "4"}),
+                ScoreRequest("q2", "bad", {"answer": "5"}),
+                ScoreRequest("q3", "ODD", {"answer": "6"}),
+            ]
+        )
     finally:
         svc.close()
         rm.close()
@@ -136,11 +180,18 @@ def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
 def test_component_config_errors_name_the_field():
     with pytest.raises(ConfigError) as err:
         build_config({"reward": {"components": [{"name": "j", "type": "judge"}]}})
-    assert str(err.value).splitlines()[1:] == ["  config field 'reward.components.0.judge.url' is required",
-                                                "  config field 'reward.components.0.judge.model' is required"]
+    assert str(err.value).splitlines()[1:] == [
+        "  config field 'reward.components.0.judge.url' is required",
+        "  config field 'reward.components.0.judge.model' is required",
+    ]
     with pytest.raises(ConfigError, match=r"duplicate names \['a'\]"):
-        build_config({"reward": {"components": [{"name": "a", "type": "format"},
-                                                {"name": "a", "type": "length", "target_tokens": 4}]}})
+        build_config(
+            {
+                "reward": {
+                    "components": [{"name": "a", "type": "format"}, {"name": "a", "type": "length", "target_tokens": 4}]
+                }
+            }
+        )
     with pytest.raises(ConfigError, match="reward.components.0.*'magic'.*'exact_match'"):
         build_config({"reward": {"components": [{"name": "a", "type": "magic"}]}})
     with pytest.raises(ConfigError, match="function='score' must look like 'package.module:function'"):
@@ -149,9 +200,12 @@ def test_component_config_errors_name_the_field():
 
 def test_pool_shared_by_threads_keeps_each_callers_order():
     with ScoringPool(num_workers=2, timeout_s=2.0) as pool:
+
         def run(t: int) -> list:
-            jobs = [{"fn": "tests.reward_fns:length_score", "prompt": "", "response": "x" * (t * 100 + i), "columns": {}}
-                    for i in range(50)]
+            jobs = [
+                {"fn": "tests.reward_fns:length_score", "prompt": "", "response": "x" * (t * 100 + i), "columns": {}}
+                for i in range(50)
+            ]
             return [r.value for r in pool.map(jobs)]
 
         with ThreadPoolExecutor(8) as ex:
@@ -160,8 +214,11 @@ def test_pool_shared_by_threads_keeps_each_callers_order():
 
 
 def test_failure_rate_stops_the_run_and_keeps_the_samples(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
-    reward = {"components": [{"name": "v", "type": "custom", "function": "tests.reward_fns:raises"}],
-              "num_workers": 1, "max_failure_rate": 0.5}
+    reward = {
+        "components": [{"name": "v", "type": "custom", "function": "tests.reward_fns:raises"}],
+        "num_workers": 1,
+        "max_failure_rate": 0.5,
+    }
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, reward=reward)
     assert main(["train", config]) == 2
     err = capsys.readouterr().err
@@ -172,12 +229,15 @@ def test_failure_rate_stops_the_run_and_keeps_the_samples(tmp_path, tiny_model_d
 
 
 def test_training_through_the_remote_reward_service(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    server_config = {"reward": {"num_workers": 1, "components": [
-        {"name": "answer", "type": "exact_match"}, {"name": "fmt", "type": "format", "weight": 0.1}]}}
+    server_config = {
+        "reward": {
+            "num_workers": 1,
+            "components": [{"name": "answer", "type": "exact_match"}, {"name": "fmt", "type": "format", "weight": 0.1}],
+        }
+    }
     proc, url = start_server(tmp_path, server_config)
     try:
-        config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                              reward={"remote": {"url": url}}, steps=2)
+        config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, reward={"remote": {"url": url}}, steps=2)
         assert main(["train", config]) == 0
     finally:
         stop_server(proc)
@@ -187,7 +247,11 @@ def test_training_through_the_remote_reward_service(tmp_path, tiny_model_dir, ar
 
 
 def test_dead_remote_service_fails_fast_with_the_url(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
-    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                          reward={"remote": {"url": "http://127.0.0.1:9", "retries": 1, "backoff_s": 0.01}})
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        reward={"remote": {"url": "http://127.0.0.1:9", "retries": 1, "backoff_s": 0.01}},
+    )
     assert main(["train", config]) == 2
     assert "http://127.0.0.1:9/health failed after 2 attempts" in capsys.readouterr().err

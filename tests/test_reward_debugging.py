@@ -27,9 +27,11 @@ def _service(*components: dict, **extra) -> RewardService:
 
 
 def test_non_numbers_are_unscorable_with_what_was_returned():
-    service = _service({"name": "s", "type": "custom", "function": f"{FN}:returns_string"},
-                       {"name": "b", "type": "custom", "function": f"{FN}:returns_bool"},
-                       {"name": "n", "type": "custom", "function": f"{FN}:returns_numpy"})
+    service = _service(
+        {"name": "s", "type": "custom", "function": f"{FN}:returns_string"},
+        {"name": "b", "type": "custom", "function": f"{FN}:returns_bool"},
+        {"name": "n", "type": "custom", "function": f"{FN}:returns_numpy"},
+    )
     try:
         result = service.score("p", "r")
     finally:
@@ -82,8 +84,10 @@ def test_every_sample_hanging_ends_within_two_timeouts():
 
 
 def test_a_few_hanging_samples_cost_about_one_timeout():
-    jobs = [{"fn": f"{FN}:hangs_on_marked", "prompt": "p", "response": str(i), "columns": {"hang": i % 10 == 3}}
-            for i in range(80)]
+    jobs = [
+        {"fn": f"{FN}:hangs_on_marked", "prompt": "p", "response": str(i), "columns": {"hang": i % 10 == 3}}
+        for i in range(80)
+    ]
     with ScoringPool(num_workers=2, timeout_s=2.0, preload=(f"{FN}:hangs_on_marked",), max_workers=16) as pool:
         start = time.monotonic()
         results = pool.map(jobs)
@@ -123,9 +127,16 @@ def test_workers_die_with_a_killed_trainer(tmp_path):
 
 
 def test_train_with_an_always_hanging_reward_stops_in_seconds(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
-    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                          reward={"components": [{"name": "slow", "type": "custom", "function": f"{FN}:hangs"}],
-                                  "timeout_s": 2.0, "num_workers": 2})
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        reward={
+            "components": [{"name": "slow", "type": "custom", "function": f"{FN}:hangs"}],
+            "timeout_s": 2.0,
+            "num_workers": 2,
+        },
+    )
     start = time.monotonic()
     assert main(["train", config]) == 2
     elapsed = time.monotonic() - start
@@ -138,25 +149,45 @@ def test_train_with_an_always_hanging_reward_stops_in_seconds(tmp_path, tiny_mod
 def test_own_reward_module_next_to_the_config(tmp_path, tiny_model_dir, arithmetic_jsonl):
     project = tmp_path / "project"
     project.mkdir()
-    (project / "my_rewards.py").write_text(textwrap.dedent("""
+    (project / "my_rewards.py").write_text(
+        textwrap.dedent("""
         def score(prompt, response, answer="", **columns):
             print(f"scored {prompt!r} -> {response!r}")
             return (1.0 if answer in response else 0.0), f"wanted {answer}"
 
         def broken(prompt, response, **columns):
             return "0.5"
-    """))
-    config = Path(write_config(project, tiny_model_dir, arithmetic_jsonl, steps=2, output_dir=str(tmp_path / "runs"),
-                               logging={"progress_bar": False, "samples_first_steps": 1, "samples_every": 2},
-                               reward={"components": [{"name": "mine", "type": "custom", "function": "my_rewards:score"},
-                                                      {"name": "off", "type": "custom", "function": "my_rewards:broken",
-                                                       "weight": 0.0}],
-                                       "max_failure_rate": 1.0, "num_workers": 1}))
+    """)
+    )
+    config = Path(
+        write_config(
+            project,
+            tiny_model_dir,
+            arithmetic_jsonl,
+            steps=2,
+            output_dir=str(tmp_path / "runs"),
+            logging={"progress_bar": False, "samples_first_steps": 1, "samples_every": 2},
+            reward={
+                "components": [
+                    {"name": "mine", "type": "custom", "function": "my_rewards:score"},
+                    {"name": "off", "type": "custom", "function": "my_rewards:broken", "weight": 0.0},
+                ],
+                "max_failure_rate": 1.0,
+                "num_workers": 1,
+            },
+        )
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-m", "postrl.cli", "train", str(config)], cwd=elsewhere, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "postrl.cli", "train", str(config)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     run_dir = tmp_path / "runs" / "tiny"
     assert str(project) in yaml.safe_load((run_dir / "config.yaml").read_text())["import_paths"]
@@ -230,12 +261,16 @@ def test_whole_hanging_groups_cost_about_one_timeout():
     from postrl.config import RewardConfig
     from postrl.reward.service import RewardService, ScoreRequest
 
-    config = RewardConfig(components=[{"type": "custom", "name": "h", "function": f"{FN}:hangs_on_marked"}],
-                          timeout_s=3.0)
+    config = RewardConfig(
+        components=[{"type": "custom", "name": "h", "function": f"{FN}:hangs_on_marked"}], timeout_s=3.0
+    )
     service = RewardService(config)
     try:
-        requests = [ScoreRequest(f"{p}+1=", f"answer {g}", {"hang": p in (2, 7, 11), "answer": str(p)})
-                    for p in range(16) for g in range(4)]
+        requests = [
+            ScoreRequest(f"{p}+1=", f"answer {g}", {"hang": p in (2, 7, 11), "answer": str(p)})
+            for p in range(16)
+            for g in range(4)
+        ]
         service.score_batch(requests[:4])  # workers started
         start = time.monotonic()
         results = service.score_batch(requests)
@@ -251,8 +286,10 @@ def test_whole_hanging_groups_cost_about_one_timeout():
 
 def test_adjacent_hanging_siblings_time_out_together():
     """4 adjacent jobs of one prompt hanging at a 2 s timeout: 8.1 s before (queued behind one another)."""
-    jobs = [{"fn": f"{FN}:hangs_on_marked", "prompt": f"p{i // 4}", "response": str(i),
-             "columns": {"hang": i // 4 == 1}} for i in range(16)]
+    jobs = [
+        {"fn": f"{FN}:hangs_on_marked", "prompt": f"p{i // 4}", "response": str(i), "columns": {"hang": i // 4 == 1}}
+        for i in range(16)
+    ]
     with ScoringPool(num_workers=2, timeout_s=2.0, preload=(f"{FN}:hangs_on_marked",)) as pool:
         pool.map(jobs[:2])
         start = time.monotonic()

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from postrl.net import free_port  # noqa: F401 - other tests import it from here
 from postrl.config import RemoteRewardConfig
+from postrl.net import free_port  # noqa: F401 - other tests import it from here
 from postrl.reward.client import RemoteRewardService, RewardServiceError
 from postrl.reward.diagnostics import process_descendants
 from postrl.reward.service import ScoreRequest
@@ -31,7 +31,10 @@ def start_server(tmp: Path, config: dict, env: dict | None = None) -> tuple[subp
     path.write_text(json.dumps(config))
     proc = subprocess.Popen(
         [sys.executable, "-m", "postrl.cli", "serve-reward", "--config", str(path), "--port", str(port)],
-        env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -78,7 +81,11 @@ def score(url: str, samples: list[dict], token: str | None = TOKEN, timeout: flo
 
 
 def code_sample(program: str, tests: list[str] | None = None) -> dict:
-    return {"prompt": "write code", "response": f"```python\n{program}\n```", "columns": {"tests": tests or ["assert True"]}}
+    return {
+        "prompt": "write code",
+        "response": f"```python\n{program}\n```",
+        "columns": {"tests": tests or ["assert True"]},
+    }
 
 
 def test_good_and_partial_programs_score_their_fraction_in_order(code_server):
@@ -114,14 +121,23 @@ def test_adversarial_programs_are_contained(code_server, tmp_path):
     attacks = {
         "infinite loop": ("while True:\n    pass", "CPU time limit"),
         "sleep": ("import time\ntime.sleep(10**6)", "timed out"),
-        "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timed out"),
+        "fork bomb": (
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            "timed out",
+        ),
         "10 GB": ("x = bytearray(10 * 1024**3)", "MemoryError"),
         "1 GB of output": ("import sys\nfor _ in range(16384):\n    sys.stdout.write('x' * 65536)", "output over"),
-        "network": (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')", "Error"),
+        "network": (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')",
+            "Error",
+        ),
         "write outside": (f"open({str(outside)!r}, 'w').write('escaped')", "Error"),
         "secret": ("import os\nassert os.environ.get('POSTRL_TEST_SECRET') == " + repr(SECRET), "AssertionError"),
-        "kill parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)\n"
-                        "raise SystemExit(1)", ""),
+        "kill parent": (
+            "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)\n"
+            "raise SystemExit(1)",
+            "",
+        ),
     }
     samples = [code_sample(program, ["assert True"]) for program, _ in attacks.values()]
     answer = score(url, samples, timeout=120)
@@ -141,7 +157,9 @@ def test_adversarial_programs_are_contained(code_server, tmp_path):
     # the service survived, and nothing the programs started is left: only the 2 scoring workers
     assert httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["status"] == "ok"
     time.sleep(0.5)
-    assert len(process_descendants(proc.pid)) == 2, [Path(f"/proc/{p}/cmdline").read_bytes() for p in process_descendants(proc.pid)]
+    assert len(process_descendants(proc.pid)) == 2, [
+        Path(f"/proc/{p}/cmdline").read_bytes() for p in process_descendants(proc.pid)
+    ]
     if os.geteuid() == 0:
         nobody = [p for p in os.listdir("/proc") if p.isdigit() and os.stat(f"/proc/{p}").st_uid == 65534]
         assert not nobody, "sandbox processes were left behind"
@@ -178,19 +196,25 @@ def test_token_body_size_and_json_checks(code_server):
     streamed = httpx.post(url + "/score", content=chunks(), headers={**headers, "content-type": "application/json"})
     assert streamed.status_code == 413
     assert httpx.post(url + "/score", content=b"\x80\x04pickle", headers=headers).status_code == 415
-    bad = httpx.post(url + "/score", content=b'{"samples": [{"prompt": 1}]}',
-                     headers={**headers, "content-type": "application/json"})
+    bad = httpx.post(
+        url + "/score", content=b'{"samples": [{"prompt": 1}]}', headers={**headers, "content-type": "application/json"}
+    )
     assert bad.status_code == 422 and "samples.0" in bad.json()["detail"]
     too_many = score(url, [ok] * 65)
     assert too_many.status_code == 413 and "max_batch" in too_many.text
 
 
 def test_remote_client_scores_in_order_against_the_server(tmp_path):
-    config = {"reward": {"num_workers": 2, "components": [
-        {"name": "answer", "type": "exact_match"},
-        {"name": "fmt", "type": "format", "weight": 0.5},
-        {"name": "custom", "type": "custom", "function": "tests.reward_fns:flaky", "weight": 0.0},
-    ]}}
+    config = {
+        "reward": {
+            "num_workers": 2,
+            "components": [
+                {"name": "answer", "type": "exact_match"},
+                {"name": "fmt", "type": "format", "weight": 0.5},
+                {"name": "custom", "type": "custom", "function": "tests.reward_fns:flaky", "weight": 0.0},
+            ],
+        }
+    }
     proc, url = start_server(tmp_path, config)
     try:
         client = RemoteRewardService(RemoteRewardConfig(url=url, batch_size=7))
@@ -219,8 +243,9 @@ def scripted_server(codes: list[int]) -> LoopbackJSONServer:
         code = codes.pop(0) if codes else 503
         if code != 200:
             return code, {"detail": "busy"}
-        return 200, {"results": [{"reward": 1.0, "components": {}, "unscorable": False, "error": None}
-                                 for _ in body["samples"]]}
+        return 200, {
+            "results": [{"reward": 1.0, "components": {}, "unscorable": False, "error": None} for _ in body["samples"]]
+        }
 
     return LoopbackJSONServer(handler)
 

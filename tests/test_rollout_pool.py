@@ -11,13 +11,13 @@ import torch
 
 from postrl.config import RolloutConfig
 from postrl.models import load_causal_lm
+from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
 from postrl.rollout.weight_transport import BroadcastTransport, DirectTransport
 from postrl.scheduling.process import ProcessHandle
 from postrl.types import Prompt, SamplingParams
 from postrl.weights import WeightSyncError, dedupe_tied, weight_manifest
 from tests.engine_hosts import SlowHost
-from postrl.rollout.host import RolloutEngineHost
 
 CONFIG = RolloutConfig(backend="native", device="cpu", max_tokens=6)
 SP = SamplingParams(n=3, temperature=1.0, max_tokens=6)
@@ -27,6 +27,7 @@ def starter(model_dir, host=RolloutEngineHost, slow=()):
     def start(i: int) -> ProcessHandle:
         cls = SlowHost if i in slow else host
         return ProcessHandle(f"rollout engine {i}", cls, CONFIG, str(model_dir), "float32", 100 + i, 1)
+
     return start
 
 
@@ -94,8 +95,9 @@ def test_engine_killed_mid_transfer_leaves_others_on_new_version_and_comes_back(
         assert versions(pool) == [2, 2, 2]
         # the restarted engine holds exactly the new weights: same greedy answer as the others
         greedy = SamplingParams(n=1, temperature=1.0, top_k=1, max_tokens=6)
-        answers = [slot.handle.call("generate", prompts(char_tokenizer, 1), greedy, 2)[0].response_ids
-                   for slot in pool.engines]
+        answers = [
+            slot.handle.call("generate", prompts(char_tokenizer, 1), greedy, 2)[0].response_ids for slot in pool.engines
+        ]
         assert answers[0] == answers[1] == answers[2]
     finally:
         pool.close()
@@ -117,19 +119,29 @@ def test_engine_killed_mid_generate_is_replaced_and_its_prompts_requeued(tiny_mo
         pool.close()
 
 
-def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(tmp_path, tiny_model_dir,
-                                                                              arithmetic_jsonl):
+def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(
+    tmp_path, tiny_model_dir, arithmetic_jsonl
+):
     from postrl.config import build_config
     from postrl.runner import train
 
-    config = build_config({
-        "name": "scaled", "output_dir": str(tmp_path), "steps": 3, "prompts_per_step": 4,
-        "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
-        "rollout": {"n": 2, "max_tokens": 6},
-        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
-        "train": {"lr": 1e-2, "mini_batch_size": 8, "micro_batch_size": 8}, "logging": {"tensorboard": False},
-        "scheduler": {"rollout_schedule": {2: 3, 3: 2}},
-    })
+    config = build_config(
+        {
+            "name": "scaled",
+            "output_dir": str(tmp_path),
+            "steps": 3,
+            "prompts_per_step": 4,
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_files": [str(arithmetic_jsonl)]},
+            "rollout": {"n": 2, "max_tokens": 6},
+            "reward": {
+                "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
+            },
+            "train": {"lr": 1e-2, "mini_batch_size": 8, "micro_batch_size": 8},
+            "logging": {"tensorboard": False},
+            "scheduler": {"rollout_schedule": {2: 3, 3: 2}},
+        }
+    )
     seen = []
     controller = train(config, on_step=lambda m: seen.append(m.step))
     pool = controller.parts.rollout

@@ -37,8 +37,10 @@ def test_models_fail_over_and_all_down_is_a_503_naming_the_backends(char_tokeniz
         out = httpx.get(front.url + "/v1/models")
         assert out.status_code == 502 and live.url in out.json()["detail"]
         assert not router.state[live.url].healthy
-        for request in (lambda: httpx.get(front.url + "/v1/models"),
-                        lambda: httpx.post(front.url + "/v1/completions", json={"prompt": "1", "max_tokens": 2})):
+        for request in (
+            lambda: httpx.get(front.url + "/v1/models"),
+            lambda: httpx.post(front.url + "/v1/completions", json={"prompt": "1", "max_tokens": 2}),
+        ):
             out = request()
             assert out.status_code == 503
             message = out.json()["detail"]

@@ -63,8 +63,13 @@ def test_every_run_leaves_loadable_models(tmp_path, tiny_model_dir, arithmetic_j
     run_dir = tmp_path / "runs" / "tiny"
     final, checkpoint = run_dir / "final_model", run_dir / "checkpoints" / "step_00000002" / "model"
     for folder in (final, checkpoint):
-        for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                     "tokenizer_config.json"):
+        for name in (
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ):
             assert (folder / name).is_file(), folder / name
         tok = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder)
@@ -80,13 +85,16 @@ def test_every_run_leaves_loadable_models(tmp_path, tiny_model_dir, arithmetic_j
 def test_missing_model_path_is_one_line(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"postrl eval: error: no model folder at {tmp_path / 'nope'}, and {tmp_path / 'nope'} is not a model id"
+    assert (
+        err == f"postrl eval: error: no model folder at {tmp_path / 'nope'}, and {tmp_path / 'nope'} is not a model id"
+    )
     start = time.monotonic()
     assert main(["eval", "--model", "surely-not-a-model-xyz"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and time.monotonic() - start < 20
-    assert err.startswith("postrl eval: error: no model folder at surely-not-a-model-xyz, and surely-not-a-model-xyz "
-                          "is not a model id")
+    assert err.startswith(
+        "postrl eval: error: no model folder at surely-not-a-model-xyz, and surely-not-a-model-xyz is not a model id"
+    )
     (tmp_path / "empty").mkdir()
     assert main(["eval", "--model", str(tmp_path / "empty")]) == 2
     assert "is a folder but not a model folder (it has no config.json)" in capsys.readouterr().err
@@ -109,8 +117,14 @@ def test_eval_on_own_data_with_the_runs_rewards(tmp_path, tiny_model_dir, arithm
 
 def _train_subprocess(config: str, *extra: str, cwd=None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.Popen([sys.executable, "-m", "postrl.cli", "train", config, *extra], cwd=cwd or REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "postrl.cli", "train", config, *extra],
+        cwd=cwd or REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 120) -> list[str]:
@@ -127,8 +141,9 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 120) ->
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_after_the_step_and_checkpoints(tmp_path, tiny_model_dir, arithmetic_jsonl, sig):
-    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=200,
-                          checkpoint={"every_steps": 0, "keep_last": 1})
+    config = write_config(
+        tmp_path, tiny_model_dir, arithmetic_jsonl, steps=200, checkpoint={"every_steps": 0, "keep_last": 1}
+    )
     proc = _train_subprocess(config)
     _wait_for_line(proc, "step 2/")
     assert len(_worker_pids(proc.pid)) >= 1
@@ -141,7 +156,10 @@ def test_signal_stops_after_the_step_and_checkpoints(tmp_path, tiny_model_dir, a
     last = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]
     assert 2 <= last < 200
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{last:08d}"]
-    assert f"stopped after step {last}; the last checkpoint is step {last}. Resume with: postrl train --resume {run_dir}" in err
+    assert (
+        f"stopped after step {last}; the last checkpoint is step {last}. Resume with: postrl train --resume {run_dir}"
+        in err
+    )
 
     proc = _train_subprocess("--resume", str(run_dir), f"steps={last + 1}")
     out, err = proc.communicate(timeout=120)
@@ -164,7 +182,10 @@ def test_context_length_is_checked_before_any_work(tmp_path, tiny_model_dir, ari
     err = capsys.readouterr().err
     assert "data.max_prompt_tokens=100 + rollout.max_tokens=40 = 140 is more than the model's context length 128" in err
     assert main(["train", config, "rollout.max_tokens=128"]) == 2
-    assert "rollout.max_tokens=128 leaves no room for a prompt in the model's context length 128" in capsys.readouterr().err
+    assert (
+        "rollout.max_tokens=128 leaves no room for a prompt in the model's context length 128"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -188,10 +209,17 @@ def test_jsonl_errors_name_the_right_column_and_skipped_rows_are_listed(tmp_path
 
 
 def test_second_signal_abandons_the_step_and_keeps_the_last_completed_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=200,
-                          checkpoint={"every_steps": 0, "keep_last": 1},
-                          reward={"components": [{"name": "slow", "type": "custom",
-                                                  "function": "tests.reward_fns:slow_length"}], "num_workers": 2})
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        steps=200,
+        checkpoint={"every_steps": 0, "keep_last": 1},
+        reward={
+            "components": [{"name": "slow", "type": "custom", "function": "tests.reward_fns:slow_length"}],
+            "num_workers": 2,
+        },
+    )
     proc = _train_subprocess(config)
     _wait_for_line(proc, "step 1/")
     time.sleep(0.3)  # inside step 2's scoring, which takes ~1.6 s

@@ -15,18 +15,28 @@ from postrl.runner import train
 
 
 def url_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=2):
-    return build_config({
-        "name": "remote", "output_dir": f"file://{tmp_path}/bucket/runs", "steps": steps, "prompts_per_step": 4,
-        "model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
-        "rollout": {"n": 4, "max_tokens": 8},
-        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
-        "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 8},
-        "checkpoint": {"every_steps": 1, "keep_last": 1}, "logging": {"tensorboard": False},
-    })
+    return build_config(
+        {
+            "name": "remote",
+            "output_dir": f"file://{tmp_path}/bucket/runs",
+            "steps": steps,
+            "prompts_per_step": 4,
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_files": [str(arithmetic_jsonl)]},
+            "rollout": {"n": 4, "max_tokens": 8},
+            "reward": {
+                "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
+            },
+            "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 8},
+            "checkpoint": {"every_steps": 1, "keep_last": 1},
+            "logging": {"tensorboard": False},
+        }
+    )
 
 
-def test_url_run_publishes_refuses_a_second_new_run_and_resumes_elsewhere(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                                                                          monkeypatch):
+def test_url_run_publishes_refuses_a_second_new_run_and_resumes_elsewhere(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch
+):
     monkeypatch.setenv("POSTRL_RUN_CACHE", str(tmp_path / "cache"))
     config = url_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
     assert config.run_url == f"file://{tmp_path}/bucket/runs/remote"

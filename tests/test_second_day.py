@@ -17,12 +17,23 @@ from tests.test_train_e2e import write_config
 
 def test_flatten_and_the_policy_per_field():
     assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
-    check_resume_changes([("steps", 3, 6), ("logging.console", True, False), ("scheduler.train.workers", 1, 2),
-                          ("reward.timeout_s", 5.0, 9.0)], [], "runs/x")
+    check_resume_changes(
+        [
+            ("steps", 3, 6),
+            ("logging.console", True, False),
+            ("scheduler.train.workers", 1, 2),
+            ("reward.timeout_s", 5.0, 9.0),
+        ],
+        [],
+        "runs/x",
+    )
     with pytest.raises(ConfigError) as err:
         check_resume_changes([("model.path", "a", "b"), ("seed", 1, 2), ("steps", 3, 6)], [], "runs/x")
-    assert str(err.value).splitlines()[:3] == ["--resume runs/x would change what defines the run:",
-                                               "  model.path: 'a' -> 'b'", "  seed: 1 -> 2"]
+    assert str(err.value).splitlines()[:3] == [
+        "--resume runs/x would change what defines the run:",
+        "  model.path: 'a' -> 'b'",
+        "  seed: 1 -> 2",
+    ]
     assert "--force-change model.path --force-change seed" in str(err.value)
     check_resume_changes([("model.path", "a", "b")], ["model"], "runs/x")  # a section name forces all of it
     with pytest.raises(ConfigError, match="--force-change train.lr: no such change"):
@@ -63,8 +74,10 @@ def test_reward_columns_are_checked_against_the_data():
     check_columns(exact, _columns([{"answer": "1"}]))
     with pytest.raises(ConfigError) as err:
         check_columns(exact, _columns([{"answer": "1"}, {"x": 1}, {"x": 2}, {}, {}, {}]))
-    assert ("reward component 'acc' (exact_match): it reads 'answer', missing in data.jsonl:2, data.jsonl:3, "
-            "data.jsonl:4 and 2 more") in str(err.value)
+    assert (
+        "reward component 'acc' (exact_match): it reads 'answer', missing in data.jsonl:2, data.jsonl:3, "
+        "data.jsonl:4 and 2 more"
+    ) in str(err.value)
     scoped = RewardConfig(components=[{"type": "math", "name": "m", "applies_to": ["math"]}])
     check_columns(scoped, _columns([{"task_type": "code"}]))  # the component does not apply to that row
 
@@ -72,7 +85,8 @@ def test_reward_columns_are_checked_against_the_data():
 def test_custom_function_parameters_are_columns(tmp_path, monkeypatch):
     (tmp_path / "subtract_rewards.py").write_text(
         "def score(prompt, response, answer, *, strict=False):\n    return float(response.strip() == answer)\n"
-        "def loose(prompt, response, **columns):\n    return 1.0\n")
+        "def loose(prompt, response, **columns):\n    return 1.0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert function_columns("subtract_rewards:score") == ["answer"]
     assert function_columns("subtract_rewards:loose") == []
@@ -83,8 +97,13 @@ def test_custom_function_parameters_are_columns(tmp_path, monkeypatch):
 
 def test_a_failed_launch_writes_nothing_and_a_relaunch_reuses_its_directory(tmp_path, tiny_model_dir, capsys):
     data = tmp_path / "sub.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}-{b}=", "result": str(a - b)}) + "\n"
-                            for a in range(20, 24) for b in range(10, 14)))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}-{b}=", "result": str(a - b)}) + "\n"
+            for a in range(20, 24)
+            for b in range(10, 14)
+        )
+    )
     config = write_config(tmp_path, tiny_model_dir, data, steps=1)
     assert main(["train", config]) == 2
     assert "it reads 'answer', missing in" in capsys.readouterr().err
@@ -103,14 +122,22 @@ def test_a_failed_launch_writes_nothing_and_a_relaunch_reuses_its_directory(tmp_
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
 
 
-def test_an_unreachable_rollout_url_is_refused_before_anything_is_written(tmp_path, tiny_model_dir,
-                                                                           arithmetic_jsonl, capsys):
+def test_an_unreachable_rollout_url_is_refused_before_anything_is_written(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, capsys
+):
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1)
-    args = ["train", config, "rollout.backend=openai", "rollout.url=http://127.0.0.1:1/v1",
-            f"rollout.sync_dir={tmp_path}"]
+    args = [
+        "train",
+        config,
+        "rollout.backend=openai",
+        "rollout.url=http://127.0.0.1:1/v1",
+        f"rollout.sync_dir={tmp_path}",
+    ]
     assert main(args) == 2
-    assert ("rollout.url=http://127.0.0.1:1/v1 cannot be reached (Connection refused); start the server first"
-            in capsys.readouterr().err)
+    assert (
+        "rollout.url=http://127.0.0.1:1/v1 cannot be reached (Connection refused); start the server first"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "runs" / "tiny").exists()
 
 
@@ -119,16 +146,20 @@ def test_vllm_max_model_len_defaults_to_what_the_run_needs(tmp_path, tiny_model_
     from postrl.config import build_config
     from postrl.runner import check_context_length
 
-    base = {"model": {"path": str(tiny_model_dir)}, "data": {"train_files": [str(arithmetic_jsonl)]},
-            "rollout": {"backend": "vllm", "max_tokens": 16}}
+    base = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_files": [str(arithmetic_jsonl)]},
+        "rollout": {"backend": "vllm", "max_tokens": 16},
+    }
     config = build_config(base)
     check_context_length(config)
     assert config.rollout.vllm.max_model_len == 128 and config.data.max_prompt_tokens == 112
     config = build_config(base, ["data.max_prompt_tokens=40"])
     check_context_length(config)
     assert config.rollout.vllm.max_model_len == 56
-    with pytest.raises(ConfigError, match="rollout.vllm.max_model_len=2048 is more than the model's context length "
-                                          "128"):
+    with pytest.raises(
+        ConfigError, match="rollout.vllm.max_model_len=2048 is more than the model's context length 128"
+    ):
         check_context_length(build_config(base, ["rollout.vllm.max_model_len=2048"]))
     with pytest.raises(ConfigError, match="rollout.vllm.max_model_len=32 is less than"):
         check_context_length(build_config(base, ["rollout.vllm.max_model_len=32"]))
@@ -164,8 +195,9 @@ def test_eval_every_without_held_out_prompts_is_refused(tmp_path, tiny_model_dir
     assert not (tmp_path / "runs" / "tiny").exists()
 
 
-def test_a_data_path_on_the_command_line_is_found_next_to_the_config(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                                                                    monkeypatch, capsys):
+def test_a_data_path_on_the_command_line_is_found_next_to_the_config(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch, capsys
+):
     from postrl.config import load_config
 
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1)
@@ -175,5 +207,7 @@ def test_a_data_path_on_the_command_line_is_found_next_to_the_config(tmp_path, t
     loaded = load_config(config, ["data.train_files=[train.jsonl]"])
     assert loaded.data.train_files == [str(tmp_path / "train.jsonl")]
     assert main(["train", config, "data.val_files=[nope.jsonl]", "logging.eval_every=1"]) == 2
-    assert (f"dataset file nope.jsonl does not exist (a relative path is looked up in the working directory "
-            f"{elsewhere}, then next to the config file)") in capsys.readouterr().err
+    assert (
+        f"dataset file nope.jsonl does not exist (a relative path is looked up in the working directory "
+        f"{elsewhere}, then next to the config file)"
+    ) in capsys.readouterr().err

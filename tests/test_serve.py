@@ -56,15 +56,24 @@ def test_openai_client_completions_and_chat_with_logprobs(rollout_server, char_t
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["tiny-llama"]
 
-    out = client.completions.create(model="tiny-llama", prompt=["12+34=", "1+1="], max_tokens=6, temperature=0.0, logprobs=0)
+    out = client.completions.create(
+        model="tiny-llama", prompt=["12+34=", "1+1="], max_tokens=6, temperature=0.0, logprobs=0
+    )
     assert len(out.choices) == 2 and out.usage.completion_tokens > 0
     first = out.choices[0]
     assert len(first.logprobs.token_logprobs) == len(first.logprobs.tokens) >= 1
     assert all(lp <= 0 for lp in first.logprobs.token_logprobs)
     assert (first.model_extra["token_ids"], first.finish_reason) == hf_greedy(model, char_tokenizer, "12+34=", 6)
 
-    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=5, temperature=1.0, n=3, logprobs=True, seed=1)
+    chat = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=1.0,
+        n=3,
+        logprobs=True,
+        seed=1,
+    )
     assert len(chat.choices) == 3
     for choice in chat.choices:
         assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
@@ -77,8 +86,9 @@ def test_concurrent_requests_are_batched_and_answered_in_order(rollout_server):
     results: dict[int, dict] = {}
 
     def ask(i: int) -> None:
-        r = httpx.post(server.url + "/v1/completions",
-                       json={"prompt": prompts[i], "max_tokens": 4, "temperature": 0.0}, timeout=30)
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": prompts[i], "max_tokens": 4, "temperature": 0.0}, timeout=30
+        )
         results[i] = r.json()
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
@@ -86,8 +96,12 @@ def test_concurrent_requests_are_batched_and_answered_in_order(rollout_server):
         t.start()
     for t in threads:
         t.join()
-    solo = {i: httpx.post(server.url + "/v1/completions", json={"prompt": prompts[i], "max_tokens": 4, "temperature": 0.0}).json()
-            for i in (0, 7)}
+    solo = {
+        i: httpx.post(
+            server.url + "/v1/completions", json={"prompt": prompts[i], "max_tokens": 4, "temperature": 0.0}
+        ).json()
+        for i in (0, 7)
+    }
     for i in (0, 7):
         assert results[i]["choices"][0]["token_ids"] == solo[i]["choices"][0]["token_ids"]
 
@@ -99,7 +113,9 @@ def test_update_weights_endpoint_and_bad_requests(rollout_server, char_tokenizer
     state = dedupe_tied(make_tiny_model("llama", char_tokenizer, seed=5).state_dict())
     path = tmp_path / "w.safetensors"
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    r = httpx.post(server.url + "/update_weights", json={"path": str(path), "version": 3, "manifest": weight_manifest(state)})
+    r = httpx.post(
+        server.url + "/update_weights", json={"path": str(path), "version": 3, "manifest": weight_manifest(state)}
+    )
     assert r.status_code == 200 and r.json()["weight_version"] == 3
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "weight_version": 3}
     after = httpx.post(server.url + "/v1/completions", json=body).json()
@@ -108,7 +124,10 @@ def test_update_weights_endpoint_and_bad_requests(rollout_server, char_tokenizer
     bad_manifest["model.norm.weight"] = "float32:32:00000000"
     r = httpx.post(server.url + "/update_weights", json={"path": str(path), "version": 4, "manifest": bad_manifest})
     assert r.status_code == 400 and "model.norm.weight" in r.json()["error"]["message"]
-    assert httpx.post(server.url + "/update_weights", json={"path": str(tmp_path / "nope"), "version": 4}).status_code == 400
+    assert (
+        httpx.post(server.url + "/update_weights", json={"path": str(tmp_path / "nope"), "version": 4}).status_code
+        == 400
+    )
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "temperature": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
@@ -116,7 +135,9 @@ def test_update_weights_endpoint_and_bad_requests(rollout_server, char_tokenizer
 def test_router_spreads_over_servers_and_broadcasts_updates(char_tokenizer, tmp_path):
     servers, batchers = [], []
     for seed in (0, 1):
-        batcher = EngineBatcher(NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer, seed=seed))
+        batcher = EngineBatcher(
+            NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer, seed=seed)
+        )
         batchers.append(batcher)
         limits = ServerLimits(default_max_tokens=4, weights_dir=str(tmp_path))
         servers.append(Server(build_app(batcher, char_tokenizer, "tiny", limits=limits)))

@@ -24,8 +24,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_assistant_turns_carry_the_loss(char_tokenizer):
-    messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
-                {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+    messages = [
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2="},
+        {"role": "assistant", "content": "4"},
+    ]
     ids, mask = conversation_tokens(char_tokenizer, messages)
     text = char_tokenizer.apply_chat_template(messages, tokenize=False)
     assert ids == char_tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -40,8 +44,9 @@ def test_prompt_response_rows_and_bad_rows(tmp_path, char_tokenizer):
     with pytest.raises(DatasetError, match=r"sft.jsonl:2: row needs 'prompt' and 'response', or 'messages'"):
         load_sft_examples([str(data)], char_tokenizer)
     examples, skipped = load_sft_examples([str(data)], char_tokenizer, on_bad_row="skip")
-    assert len(examples) == 1 and skipped == [f"{data}:2: row needs 'prompt' and 'response', or 'messages' "
-                                              "(columns: ['prompt'])"]
+    assert len(examples) == 1 and skipped == [
+        f"{data}:2: row needs 'prompt' and 'response', or 'messages' (columns: ['prompt'])"
+    ]
     e = examples[0]
     assert char_tokenizer.decode(e.prompt_ids, skip_special_tokens=True) == "12+1="
     assert e.response_ids[-1] == char_tokenizer.eos_token_id and e.loss_mask == [1] * len(e.response_ids)
@@ -58,7 +63,7 @@ def test_the_loss_is_the_mean_nll_of_the_trained_tokens(tmp_path, tiny_model_dir
             ids = torch.tensor([e.prompt_ids + e.response_ids])
             logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
             targets = ids[0, 1:]
-            picked = logp[torch.arange(len(targets)), targets][len(e.prompt_ids) - 1:]
+            picked = logp[torch.arange(len(targets)), targets][len(e.prompt_ids) - 1 :]
             nll -= float(picked.sum())
             count += len(e.response_ids)
     train = TrainConfig(lr=1e-3, mini_batch_size=3, micro_batch_size=2, device="cpu")
@@ -75,7 +80,8 @@ def _write_data(folder):
         "name: my-sft\nepochs: 2\nmodel: {path: " + str(folder / "model") + "}\n"
         "data: {train_files: [mine.jsonl]}\n"
         "train: {lr: 1.0e-3, mini_batch_size: 4, micro_batch_size: 2, device: cpu, lr_schedule: linear}\n"
-        "checkpoint: {every_steps: 2}\nlogging: {tensorboard: false}\n")
+        "checkpoint: {every_steps: 2}\nlogging: {tensorboard: false}\n"
+    )
 
 
 def test_a_run_from_another_directory_stopped_and_resumed(tmp_path, tiny_model_dir, capsys, monkeypatch):
@@ -118,9 +124,23 @@ def test_two_fsdp_ranks_give_the_one_process_losses(tmp_path, tiny_model_dir):
     _write_data(tmp_path)
     runs = []
     for name, workers in (("one", 1), ("two", 2)):
-        done = subprocess.run([sys.executable, "-m", "postrl.cli", "sft", str(tmp_path / "sft.yaml"), f"name={name}",
-                               f"output_dir={tmp_path / 'runs'}", "epochs=1", f"scheduler.train.workers={workers}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "postrl.cli",
+                "sft",
+                str(tmp_path / "sft.yaml"),
+                f"name={name}",
+                f"output_dir={tmp_path / 'runs'}",
+                "epochs=1",
+                f"scheduler.train.workers={workers}",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(read_metrics(tmp_path / "runs" / name / "metrics.jsonl"))
     assert [r["sft/loss"] for r in runs[1]] == pytest.approx([r["sft/loss"] for r in runs[0]], abs=1e-5)

@@ -20,8 +20,13 @@ def write_config(tmp_path, model_dir, data_file, **extra) -> str:
         "model": {"path": str(model_dir)},
         "data": {"train_files": [str(data_file)]},
         "rollout": {"n": 4, "max_tokens": 8},
-        "reward": {"components": [{"name": "verifiable", "type": "exact_match"},
-                                  {"name": "format", "type": "format", "weight": 0.1}], "num_workers": 1},
+        "reward": {
+            "components": [
+                {"name": "verifiable", "type": "exact_match"},
+                {"name": "format", "type": "format", "weight": 0.1},
+            ],
+            "num_workers": 1,
+        },
         "train": {"lr": 1e-3, "mini_batch_size": 8, "micro_batch_size": 4},
         "checkpoint": {"every_steps": 2},
         "logging": {"progress_bar": False},
@@ -41,10 +46,26 @@ def test_three_step_train_run(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["weight_version"] for r in rows] == [1, 2, 3]
     for key in [
-        "reward/mean", "reward/std", "reward/min", "reward/max", "reward/unscorable", "accuracy",
-        "response/length_mean", "response/length_max", "response/clip_ratio", "actor/kl", "actor/entropy",
-        "actor/clip_fraction", "actor/grad_norm", "actor/lr", "perf/gen_tokens_per_s", "time/generate_s",
-        "time/reward_s", "time/train_s", "time/sync_s", "reward/format/mean",
+        "reward/mean",
+        "reward/std",
+        "reward/min",
+        "reward/max",
+        "reward/unscorable",
+        "accuracy",
+        "response/length_mean",
+        "response/length_max",
+        "response/clip_ratio",
+        "actor/kl",
+        "actor/entropy",
+        "actor/clip_fraction",
+        "actor/grad_norm",
+        "actor/lr",
+        "perf/gen_tokens_per_s",
+        "time/generate_s",
+        "time/reward_s",
+        "time/train_s",
+        "time/sync_s",
+        "reward/format/mean",
     ]:
         assert key in rows[-1], key
     assert rows[-1]["actor/kl"] >= 0.0

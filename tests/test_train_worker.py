@@ -17,7 +17,10 @@ def batch_of(tokenizer, advantages):
 
 
 def test_experience_batch_alignment(char_tokenizer):
-    exps = [Experience([1, 20], [30, 31, 2], [-1.0, -2.0, -3.0], 1.0, 0.5, 3), Experience([1, 20, 21, 22], [40], [-4.0], 0.0, -0.5, 3)]
+    exps = [
+        Experience([1, 20], [30, 31, 2], [-1.0, -2.0, -3.0], 1.0, 0.5, 3),
+        Experience([1, 20, 21, 22], [40], [-4.0], 0.0, -0.5, 3),
+    ]
     b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
     assert b.input_ids.tolist()[0] == [1, 20, 30, 31, 2]
     # the logprob of response token t sits at the position that predicts it
@@ -33,9 +36,20 @@ def test_experience_batch_alignment(char_tokenizer):
 
 
 def test_experience_batch_carries_token_level_fields(char_tokenizer):
-    exps = [Experience([1, 20], [30, 31, 2], [-1.0, -2.0, -3.0], 1.0, [0.1, 0.2, 0.3], 4, group_id=7,
-                       loss_mask=[1, 0, 1], logprob_versions=[3, 3, 4]),
-            Experience([1, 20], [32], [-4.0], 0.0, -0.5, 4, group_id=7)]
+    exps = [
+        Experience(
+            [1, 20],
+            [30, 31, 2],
+            [-1.0, -2.0, -3.0],
+            1.0,
+            [0.1, 0.2, 0.3],
+            4,
+            group_id=7,
+            loss_mask=[1, 0, 1],
+            logprob_versions=[3, 3, 4],
+        ),
+        Experience([1, 20], [32], [-4.0], 0.0, -0.5, 4, group_id=7),
+    ]
     b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
     assert b.advantages[0].tolist() == pytest.approx([0, 0.1, 0.2, 0.3])
     assert b.loss_mask.tolist() == [[0, 1, 0, 1], [0, 1, 0, 0]] and b.num_tokens == 3
@@ -55,8 +69,18 @@ def test_loss_mask_keeps_tokens_in_context_but_out_of_the_loss(char_tokenizer):
     for masked_advantage in (100.0, -100.0):
         model = make_tiny_model("llama", char_tokenizer).double()
         worker = TrainWorker(model, TrainConfig(mini_batch_size=2, micro_batch_size=2), AlgorithmConfig())
-        exps = [Experience([1, 20, 21], [30, 31, 32], [-1.0, -1.0, -1.0], 1.0, [1.0, masked_advantage, -0.5], 0,
-                           group_id=0, loss_mask=[1, 0, 1])]
+        exps = [
+            Experience(
+                [1, 20, 21],
+                [30, 31, 32],
+                [-1.0, -1.0, -1.0],
+                1.0,
+                [1.0, masked_advantage, -0.5],
+                0,
+                group_id=0,
+                loss_mask=[1, 0, 1],
+            )
+        ]
         model.train()
         worker.accumulate_gradients(ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -78,7 +102,9 @@ def test_group_shuffle_keeps_groups_together(char_tokenizer):
 def test_update_changes_weights_and_reports_metrics(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=1, epochs=2), AlgorithmConfig())
+    worker = TrainWorker(
+        model, TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=1, epochs=2), AlgorithmConfig()
+    )
     metrics = worker.update(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
     assert metrics.optimizer_steps == 4 and metrics.skipped_steps == 0
     assert metrics.grad_norm > 0 and metrics.entropy > 0 and 0 <= metrics.clip_fraction <= 1
@@ -87,7 +113,9 @@ def test_update_changes_weights_and_reports_metrics(char_tokenizer):
 
 def test_non_finite_gradient_skips_step_then_stops_the_run(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
-    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4, max_consecutive_nan=2), AlgorithmConfig())
+    worker = TrainWorker(
+        model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4, max_consecutive_nan=2), AlgorithmConfig()
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     bad = batch_of(char_tokenizer, [float("nan")] * 4)
     metrics = worker.update(bad)
@@ -107,12 +135,17 @@ def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenize
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
     state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=True)
     assert state["counters"][0] == 1
-    fresh = TrainWorker(make_tiny_model("llama", char_tokenizer, seed=5),
-                        TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4), AlgorithmConfig())
+    fresh = TrainWorker(
+        make_tiny_model("llama", char_tokenizer, seed=5),
+        TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4),
+        AlgorithmConfig(),
+    )
     fresh.load_checkpoint(tmp_path / "ckpt")
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), model.state_dict().values()))
-    moments = [(worker.optimizer.state[p]["exp_avg_sq"], fresh.optimizer.state[q]["exp_avg_sq"])
-               for p, q in zip(worker.model.parameters(), fresh.model.parameters())]
+    moments = [
+        (worker.optimizer.state[p]["exp_avg_sq"], fresh.optimizer.state[q]["exp_avg_sq"])
+        for p, q in zip(worker.model.parameters(), fresh.model.parameters())
+    ]
     assert moments and all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in moments)
     assert fresh.optimizer_steps == 1
 
@@ -141,8 +174,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
     grads = []
     for checkpointing in (False, True):
         model = copy.deepcopy(base)
-        worker = TrainWorker(model, TrainConfig(mini_batch_size=4, micro_batch_size=2), AlgorithmConfig(),
-                             gradient_checkpointing=checkpointing)
+        worker = TrainWorker(
+            model,
+            TrainConfig(mini_batch_size=4, micro_batch_size=2),
+            AlgorithmConfig(),
+            gradient_checkpointing=checkpointing,
+        )
         model.train()
         worker.accumulate_gradients(batch)
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -152,8 +189,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
 
 def test_bf16_autocast_training_keeps_fp32_weights_and_learns(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
-    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, precision="bf16_autocast"),
-                         AlgorithmConfig())
+    worker = TrainWorker(
+        model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, precision="bf16_autocast"), AlgorithmConfig()
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     metrics = worker.update(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
     assert metrics.optimizer_steps == 1 and metrics.grad_norm > 0
@@ -165,11 +203,15 @@ def test_masked_logprobs_equal_full_logprobs_on_the_mask(char_tokenizer):
     from postrl.train.logprobs import token_logprobs
 
     model = make_tiny_model("qwen2", char_tokenizer).double()
-    exps = [Experience([1, 20, 21, 22], [30, 31, 2], [-1.0, -1.0, -1.0], 1.0, 1.0, 0),
-            Experience([1, 20], [40, 41, 42, 2], [-1.0] * 4, 1.0, -1.0, 0)]
+    exps = [
+        Experience([1, 20, 21, 22], [30, 31, 2], [-1.0, -1.0, -1.0], 1.0, 1.0, 0),
+        Experience([1, 20], [40, 41, 42, 2], [-1.0] * 4, 1.0, -1.0, 0),
+    ]
     b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
     full, full_ent = token_logprobs(model, b.input_ids, b.attention_mask, 0.9, with_entropy=True)
-    part, part_ent = token_logprobs(model, b.input_ids, b.attention_mask, 0.9, with_entropy=True, target_mask=b.response_mask)
+    part, part_ent = token_logprobs(
+        model, b.input_ids, b.attention_mask, 0.9, with_entropy=True, target_mask=b.response_mask
+    )
     m = b.response_mask.bool()
     assert torch.allclose(full[m], part[m], atol=1e-12) and torch.allclose(full_ent[m], part_ent[m], atol=1e-12)
     assert (part[~m] == 0).all()
@@ -180,7 +222,9 @@ def test_training_attention_kernel_choice_gives_the_same_gradients(char_tokenize
     grads = {}
     for choice in ("sdpa", "auto"):
         model = make_tiny_model("llama", char_tokenizer)
-        worker = TrainWorker(model, TrainConfig(attention=choice, mini_batch_size=4, micro_batch_size=2), AlgorithmConfig())
+        worker = TrainWorker(
+            model, TrainConfig(attention=choice, mini_batch_size=4, micro_batch_size=2), AlgorithmConfig()
+        )
         assert model.config._attn_implementation == ("eager" if choice == "auto" else "sdpa")
         worker.accumulate_gradients(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
         grads[choice] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -206,8 +250,9 @@ def test_shared_prompt_packing_gives_the_unpacked_logprobs_and_gradients(char_to
         model = make_tiny_model("llama", char_tokenizer).float()
         model.set_attn_implementation("eager")
         if name == "packed":
-            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, True, batch.response_mask,
-                                       batch.group_ids)
+            logp, ent = token_logprobs(
+                model, batch.input_ids, batch.attention_mask, 0.7, True, batch.response_mask, batch.group_ids
+            )
         else:
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, True)
             logp, ent = logp * batch.response_mask, ent * batch.response_mask
@@ -219,8 +264,10 @@ def test_shared_prompt_packing_gives_the_unpacked_logprobs_and_gradients(char_to
     torch.testing.assert_close(results["packed"][2], results["plain"][2], atol=1e-5, rtol=1e-4)
     assert (results["packed"][0] != 0).sum() == batch.response_mask.sum()
     # nothing shared, or not a prompt+response layout: no packing
-    assert pack_shared_prompts(batch.input_ids[5:], batch.attention_mask[5:], batch.response_mask[5:],
-                               batch.group_ids[5:]) is None
+    assert (
+        pack_shared_prompts(batch.input_ids[5:], batch.attention_mask[5:], batch.response_mask[5:], batch.group_ids[5:])
+        is None
+    )
     # a group whose rows do not share a prompt is a bug upstream, not something to pack
     wrong = batch.group_ids.clone()
     wrong[5] = 0

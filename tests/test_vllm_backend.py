@@ -19,10 +19,19 @@ def vllm_model(tmp_path_factory, char_tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(char_tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         bos_token_id=char_tokenizer.bos_token_id, eos_token_id=char_tokenizer.eos_token_id,
-                         pad_token_id=char_tokenizer.pad_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(char_tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=char_tokenizer.bos_token_id,
+        eos_token_id=char_tokenizer.eos_token_id,
+        pad_token_id=char_tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     out = tmp_path_factory.mktemp("vllm_tiny")
     model.save_pretrained(out, safe_serialization=True)

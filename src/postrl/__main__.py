@@ -1,4 +1,5 @@
-from postrl.cli import main
 import sys
+
+from postrl.cli import main
 
 sys.exit(main())

@@ -11,9 +11,13 @@ from postrl.algorithms import AdvantageInputs
 from postrl.types import RewardResult, Rollout
 
 
-def advantage_inputs(rollouts: list[Rollout], rewards: list[RewardResult], baseline: list[float] | None = None,
-                     values: list[list[float]] | None = None,
-                     token_rewards: list[list[float]] | None = None) -> AdvantageInputs:
+def advantage_inputs(
+    rollouts: list[Rollout],
+    rewards: list[RewardResult],
+    baseline: list[float] | None = None,
+    values: list[list[float]] | None = None,
+    token_rewards: list[list[float]] | None = None,
+) -> AdvantageInputs:
     """Rewards (NaN: unscorable), group ids, the ``[N, T]`` response mask and, for ReMax, each
     sample's baseline reward (its prompt's), for GAE the critic's ``[N, T]`` values, and per-token
     rewards (the KL penalty)."""
@@ -23,10 +27,15 @@ def advantage_inputs(rollouts: list[Rollout], rewards: list[RewardResult], basel
     mask = torch.zeros(len(rollouts), width, dtype=torch.float32)
     for i, r in enumerate(rollouts):
         mask[i, : len(r.response_ids)] = 1.0
-    base = None if baseline is None else torch.tensor([baseline[r.prompt_index] for r in rollouts],
-                                                      dtype=torch.float32)
-    return AdvantageInputs(reward, groups, response_mask=mask, baseline_rewards=base, values=_padded(values, mask),
-                           token_rewards=_padded(token_rewards, mask))
+    base = None if baseline is None else torch.tensor([baseline[r.prompt_index] for r in rollouts], dtype=torch.float32)
+    return AdvantageInputs(
+        reward,
+        groups,
+        response_mask=mask,
+        baseline_rewards=base,
+        values=_padded(values, mask),
+        token_rewards=_padded(token_rewards, mask),
+    )
 
 
 def _padded(rows: list[list[float]] | None, like: torch.Tensor) -> torch.Tensor | None:

@@ -4,7 +4,7 @@ registered by a plugin module takes its keyword arguments in ``options``."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -33,11 +33,13 @@ class _Entry(Section):
 
 class GRPOAdvantage(_Entry):
     type: Literal["grpo"] = Field(description="Group-relative: (r - mean of its group) / (std of its group + eps).")
-    norm_by_std: bool = Field(True, description="Divide by the group's reward std; false: Dr.GRPO-style "
-                              "mean-centering only.")
+    norm_by_std: bool = Field(
+        True, description="Divide by the group's reward std; false: Dr.GRPO-style mean-centering only."
+    )
     eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing.")
-    std: Literal["unbiased", "biased"] = Field("unbiased", description="The group std: unbiased (n-1, torch and "
-                                               "verl) or biased (n, TRL).")
+    std: Literal["unbiased", "biased"] = Field(
+        "unbiased", description="The group std: unbiased (n-1, torch and verl) or biased (n, TRL)."
+    )
 
 
 class DrGRPOAdvantage(_Entry):
@@ -51,14 +53,16 @@ class RLOOAdvantage(_Entry):
 class ReinforcePPAdvantage(_Entry):
     type: Literal["reinforce_pp", "reinforce_pp_baseline"] = Field(
         description="REINFORCE++: per-token discounted returns normalised over the batch; _baseline subtracts the "
-        "group mean reward first.")
+        "group mean reward first."
+    )
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount per token.")
     eps: float = Field(1e-8, gt=0.0, description="Added to the batch std before dividing.")
 
 
 class ReMaxAdvantage(_Entry):
-    type: Literal["remax"] = Field(description="ReMax: r - the reward of the prompt's greedy response (generated "
-                                   "and scored in the same step).")
+    type: Literal["remax"] = Field(
+        description="ReMax: r - the reward of the prompt's greedy response (generated and scored in the same step)."
+    )
 
 
 class GAEAdvantage(_Entry):
@@ -68,13 +72,18 @@ class GAEAdvantage(_Entry):
 
 
 class CriticConfig(Section):
-    path: str | None = Field(None, description="The value model's backbone (a causal LM folder or id); None: a copy "
-                             "of the policy's starting weights. A scalar head is added, initialised to 0.")
+    path: str | None = Field(
+        None,
+        description="The value model's backbone (a causal LM folder or id); None: a copy "
+        "of the policy's starting weights. A scalar head is added, initialised to 0.",
+    )
     lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate of the critic.")
-    value_clip: float | None = Field(0.2, gt=0.0, description="PPO value clipping around the values at rollout time; "
-                                     "None: the plain squared error.")
-    warmup_steps: int = Field(0, ge=0, description="The first k steps train only the critic (the policy waits for "
-                              "values worth a baseline).")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="PPO value clipping around the values at rollout time; None: the plain squared error."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="The first k steps train only the critic (the policy waits for values worth a baseline)."
+    )
     epochs: int = Field(1, ge=1, description="Passes (optimizer steps) of the critic per RL step.")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per critic forward/backward.")
     grad_clip: float = Field(1.0, gt=0.0, description="The critic's gradient norm clip.")
@@ -83,11 +92,16 @@ class CriticConfig(Section):
 class PPOClipLoss(_Entry):
     type: Literal["ppo_clip"] = Field(description="PPO's clipped surrogate, per token.")
     clip_eps_low: float = Field(0.2, ge=0.0, le=1.0, description="The ratio is clipped below at 1 - clip_eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0.0, description="The ratio is clipped above at 1 + clip_eps_high "
-                                 "(DAPO's clip-higher: 0.28).")
-    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual clip: the loss of a negative-advantage token is "
-                                      "at most c * |A| (3 in the paper). Off by default: it matters only far "
-                                      "off-policy, and postrl's default is one on-policy epoch.")
+    clip_eps_high: float = Field(
+        0.2, ge=0.0, description="The ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28)."
+    )
+    dual_clip_c: float | None = Field(
+        None,
+        gt=1.0,
+        description="Dual clip: the loss of a negative-advantage token is "
+        "at most c * |A| (3 in the paper). Off by default: it matters only far "
+        "off-policy, and postrl's default is one on-policy epoch.",
+    )
 
 
 class GSPOLoss(_Entry):
@@ -133,15 +147,24 @@ class PluginLoss(_PluginEntry):
 
 
 AdvantageConfig = Annotated[
-    Union[Annotated[GRPOAdvantage, Tag("grpo")], Annotated[DrGRPOAdvantage, Tag("dr_grpo")],
-          Annotated[RLOOAdvantage, Tag("rloo")], Annotated[ReinforcePPAdvantage, Tag("reinforce_pp")],
-          Annotated[ReinforcePPAdvantage, Tag("reinforce_pp_baseline")], Annotated[ReMaxAdvantage, Tag("remax")],
-          Annotated[GAEAdvantage, Tag("gae")], Annotated[PluginAdvantage, Tag("plugin")]],
-    _kind({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"})]
+    Annotated[GRPOAdvantage, Tag("grpo")]
+    | Annotated[DrGRPOAdvantage, Tag("dr_grpo")]
+    | Annotated[RLOOAdvantage, Tag("rloo")]
+    | Annotated[ReinforcePPAdvantage, Tag("reinforce_pp")]
+    | Annotated[ReinforcePPAdvantage, Tag("reinforce_pp_baseline")]
+    | Annotated[ReMaxAdvantage, Tag("remax")]
+    | Annotated[GAEAdvantage, Tag("gae")]
+    | Annotated[PluginAdvantage, Tag("plugin")],
+    _kind({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"}),
+]
 PolicyLossConfig = Annotated[
-    Union[Annotated[PPOClipLoss, Tag("ppo_clip")], Annotated[GSPOLoss, Tag("gspo")], Annotated[CISPOLoss, Tag("cispo")],
-          Annotated[ReinforceLoss, Tag("reinforce")], Annotated[PluginLoss, Tag("plugin")]],
-    _kind({"ppo_clip", "gspo", "cispo", "reinforce"})]
+    Annotated[PPOClipLoss, Tag("ppo_clip")]
+    | Annotated[GSPOLoss, Tag("gspo")]
+    | Annotated[CISPOLoss, Tag("cispo")]
+    | Annotated[ReinforceLoss, Tag("reinforce")]
+    | Annotated[PluginLoss, Tag("plugin")],
+    _kind({"ppo_clip", "gspo", "cispo", "reinforce"}),
+]
 MOVED = {"norm_by_std": "advantage", "clip_eps_low": "policy_loss", "clip_eps_high": "policy_loss"}
 
 
@@ -150,30 +173,51 @@ class AlgorithmConfig(Section):
         default_factory=list,
         description="Modules imported before the names below are looked up, so that their @register_advantage, "
         "@register_policy_loss and @register_loss_aggregation entries exist (a module next to the config imports "
-        "as is; see import_paths).")
+        "as is; see import_paths).",
+    )
     advantage: AdvantageConfig = Field(  # type: ignore[valid-type]
-        default_factory=lambda: GRPOAdvantage(type="grpo"), description="The advantage estimator and its options.")
+        default_factory=lambda: GRPOAdvantage(type="grpo"), description="The advantage estimator and its options."
+    )
     policy_loss: PolicyLossConfig = Field(  # type: ignore[valid-type]
-        default_factory=lambda: PPOClipLoss(type="ppo_clip"), description="The policy loss and its options.")
+        default_factory=lambda: PPOClipLoss(type="ppo_clip"), description="The policy loss and its options."
+    )
     loss_agg: str = Field("token_mean", description="Loss aggregation (registry name).")
     kl_beta: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient; 0 loads no reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL(pi || ref) per token: k1 log-ratio, k2 "
-                                                    "half squared log-ratio, k3 exp(-x) + x - 1 (Schulman).")
-    kl_in: Literal["loss", "reward"] = Field("loss", description="Where the KL to the reference goes: a term of the "
-                                             "loss, or a per-token penalty -beta x KL in the reward (token-level "
-                                             "estimators: reinforce_pp, reinforce_pp_baseline, gae).")
-    kl_target: float | None = Field(None, gt=0.0, description="Adapt kl_beta towards this KL per token (Ziegler et "
-                                    "al. 2019), starting from kl_beta; None: a fixed coefficient.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="KL(pi || ref) per token: k1 log-ratio, k2 half squared log-ratio, k3 exp(-x) + x - 1 (Schulman).",
+    )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss",
+        description="Where the KL to the reference goes: a term of the "
+        "loss, or a per-token penalty -beta x KL in the reward (token-level "
+        "estimators: reinforce_pp, reinforce_pp_baseline, gae).",
+    )
+    kl_target: float | None = Field(
+        None,
+        gt=0.0,
+        description="Adapt kl_beta towards this KL per token (Ziegler et "
+        "al. 2019), starting from kl_beta; None: a fixed coefficient.",
+    )
     kl_horizon: int = Field(10000, ge=1, description="The adaptive controller's horizon, in samples.")
-    kl_clamp: float | None = Field(None, gt=0.0, description="Clamp the per-token KL to [-c, c] (verl's low-variance "
-                                   "KL uses 10); None: no clamp.")
+    kl_clamp: float | None = Field(
+        None, gt=0.0, description="Clamp the per-token KL to [-c, c] (verl's low-variance KL uses 10); None: no clamp."
+    )
     critic: CriticConfig | None = Field(None, description="PPO's value model (with advantage: gae); None: no critic.")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose scorable rewards are all equal (they "
-                                   "teach nothing) and sample more prompts until prompts_per_step groups remain.")
-    max_extra_rounds: int = Field(3, ge=0, description="dynamic_sampling: at most this many extra generate rounds per "
-                                  "step; a step that still lacks groups trains on those it has.")
-    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss minus coef x the policy's per-token "
-                                "entropy (0: off).")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose scorable rewards are all equal (they "
+        "teach nothing) and sample more prompts until prompts_per_step groups remain.",
+    )
+    max_extra_rounds: int = Field(
+        3,
+        ge=0,
+        description="dynamic_sampling: at most this many extra generate rounds per "
+        "step; a step that still lacks groups trains on those it has.",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="Entropy bonus: the loss minus coef x the policy's per-token entropy (0: off)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -183,8 +227,10 @@ class AlgorithmConfig(Section):
         moved = sorted(k for k in MOVED if k in data)
         if moved:
             where = ", ".join(f"algorithm.{MOVED[k]}.{k}" for k in moved)
-            raise ValueError(f"algorithm.{', algorithm.'.join(moved)} moved into the entry they belong to: write "
-                             f"{where} (e.g. advantage: {{type: grpo, norm_by_std: false}})")
+            raise ValueError(
+                f"algorithm.{', algorithm.'.join(moved)} moved into the entry they belong to: write "
+                f"{where} (e.g. advantage: {{type: grpo, norm_by_std: false}})"
+            )
         data = dict(data)
         for key in ("advantage", "policy_loss"):
             if key in data:
@@ -209,9 +255,11 @@ class AlgorithmConfig(Section):
             raise ValueError("algorithm.kl_target adapts kl_beta from its starting value: set kl_beta > 0")
         token_level = {"reinforce_pp", "reinforce_pp_baseline", "gae"}
         if self.kl_in == "reward" and getattr(self.advantage, "type", "") not in token_level:
-            raise ValueError(f"algorithm.kl_in=reward puts a per-token penalty into the rewards, which "
-                             f"advantage={self.advantage.type} does not take (it uses one reward per sample); use "
-                             f"kl_in=loss, or one of {', '.join(sorted(token_level))}")
+            raise ValueError(
+                f"algorithm.kl_in=reward puts a per-token penalty into the rewards, which "
+                f"advantage={self.advantage.type} does not take (it uses one reward per sample); use "
+                f"kl_in=loss, or one of {', '.join(sorted(token_level))}"
+            )
         return self
 
     @model_validator(mode="after")

@@ -55,8 +55,9 @@ class AlgorithmStages:
     step_stats: dict[str, float]
     kl_beta: float
 
-    def keep_informative_groups(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]
-                                ) -> tuple[list[Prompt], list[Rollout], list[RewardResult]]:
+    def keep_informative_groups(
+        self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]
+    ) -> tuple[list[Prompt], list[Rollout], list[RewardResult]]:
         """DAPO's dynamic sampling: keep the groups whose scorable rewards differ; generate and score
         more prompts (up to ``algorithm.max_extra_rounds`` rounds) until ``prompts_per_step`` groups
         are kept. With none kept at all, the step trains on the first batch (its advantages are 0)."""
@@ -68,8 +69,11 @@ class AlgorithmStages:
             more = self.sample_prompts()
             more_rollouts = self.generate(more)
             dropped += kept.add_informative(more, more_rollouts, self.score(more, more_rollouts))
-        self.step_stats = {"dapo/extra_rounds": float(rounds), "dapo/dropped_groups": float(dropped),
-                               "dapo/kept_groups": float(min(len(kept.prompts), target))}
+        self.step_stats = {
+            "dapo/extra_rounds": float(rounds),
+            "dapo/dropped_groups": float(dropped),
+            "dapo/kept_groups": float(min(len(kept.prompts), target)),
+        }
         if not kept.prompts:
             return prompts, rollouts, rewards
         return kept.first(target)
@@ -98,7 +102,8 @@ class AlgorithmStages:
         a = self.config.algorithm
         batch = ExperienceBatch.from_experiences(
             [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, r.weight_version) for r in rollouts],
-            self.parts.tokenizer.pad_token_id)
+            self.parts.tokenizer.pad_token_id,
+        )
         ref = self.parts.trainer.reference_logprobs(batch)
         kl = kl_penalty(batch.old_logprobs, ref, a.kl_estimator, a.kl_clamp) * batch.response_mask
         self.step_stats["kl/reward_penalty"] = float(kl.sum() / batch.response_mask.sum().clamp(min=1))

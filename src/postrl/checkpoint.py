@@ -26,8 +26,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, trainer: Any, run_state: dict[str, Any], keep_last: int = 2,
-                    tokenizer: Any = None, critic: Any = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    trainer: Any,
+    run_state: dict[str, Any],
+    keep_last: int = 2,
+    tokenizer: Any = None,
+    critic: Any = None,
+) -> Path:
     """``tokenizer`` is saved into the checkpoint's ``model/`` folder, which then loads like any model
     folder (``postrl serve-rollout``/``eval``, ``model.path``, ``AutoModelForCausalLM``)."""
     root = run_dir / "checkpoints"
@@ -42,7 +49,9 @@ def save_checkpoint(run_dir: Path, step: int, trainer: Any, run_state: dict[str,
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
     torch.save(run_state, tmp / "run_state.pt")
-    (tmp / "run_state.json").write_text(json.dumps({k: v for k, v in run_state.items() if k in ("step", "weight_version", "sampler")}))
+    (tmp / "run_state.json").write_text(
+        json.dumps({k: v for k, v in run_state.items() if k in ("step", "weight_version", "sampler")})
+    )
     (tmp / MARKER).write_text("ok\n")
     _fsync_dir(tmp)
     if final.exists():

@@ -6,12 +6,15 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
+from typing import TypeVar
 
 from postrl.config import ConfigError
 
+ConfigT = TypeVar("ConfigT")
 
-def _run_config(args: argparse.Namespace, model: type, extra: list[str]) -> object:
+
+def _run_config(args: argparse.Namespace, model: type[ConfigT], extra: list[str]) -> ConfigT:
     """A new run's config (CONFIG + overrides) or, with --resume, the run's saved one (+ overrides)."""
     from postrl.config import load_config
     from postrl.run_place import resume_config
@@ -21,8 +24,12 @@ def _run_config(args: argparse.Namespace, model: type, extra: list[str]) -> obje
             raise ConfigError("give either CONFIG or --resume RUN_DIR, not both")
         if args.overwrite:
             raise ConfigError("--overwrite starts a new run; it cannot be combined with --resume")
-        return resume_config(args.resume, ([args.config] if args.config else []) + args.overrides + extra, model,
-                             force_change=args.force_change)
+        return resume_config(
+            args.resume,
+            ([args.config] if args.config else []) + args.overrides + extra,
+            model,
+            force_change=args.force_change,
+        )
     if args.force_change:
         raise ConfigError("--force-change is for --resume (a new run may set any field)")
     if not args.config:
@@ -83,8 +90,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from postrl.evaluate import run_eval
 
-    return run_eval(model=args.model, run=args.run, task=args.task, data=args.data, config=args.config,
-                    max_tokens=args.max_tokens, out=args.out)
+    return run_eval(
+        model=args.model,
+        run=args.run,
+        task=args.task,
+        data=args.data,
+        config=args.config,
+        max_tokens=args.max_tokens,
+        out=args.out,
+    )
 
 
 def _cmd_serve_rollout(args: argparse.Namespace) -> int:
@@ -101,9 +115,11 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if not is_loopback(args.host) and token is None:
-        raise ConfigError(f"--host {args.host} is not loopback: anyone who reaches the port could generate"
-                          + (" and replace the model through /update_weights" if args.weights_dir else "")
-                          + "; set --token-env VAR (a bearer token in that environment variable)")
+        raise ConfigError(
+            f"--host {args.host} is not loopback: anyone who reaches the port could generate"
+            + (" and replace the model through /update_weights" if args.weights_dir else "")
+            + "; set --token-env VAR (a bearer token in that environment variable)"
+        )
     if args.weights_dir and not os.path.isdir(args.weights_dir):
         raise ConfigError(f"--weights-dir {args.weights_dir} is not a folder")
     tokenizer = load_tokenizer(args.model)
@@ -113,14 +129,21 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     batcher = EngineBatcher(worker)
     name = args.served_model_name or args.model
     max_context = getattr(model.config, "max_position_embeddings", None)
-    limits = ServerLimits(max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts,
-                          default_max_tokens=args.default_max_tokens, weights_dir=args.weights_dir,
-                          max_body_bytes=args.max_body_bytes)
+    limits = ServerLimits(
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_limit,
+        max_prompts=args.max_prompts,
+        default_max_tokens=args.default_max_tokens,
+        weights_dir=args.weights_dir,
+        max_body_bytes=args.max_body_bytes,
+    )
     app = build_app(batcher, tokenizer, name, max_context=max_context, limits=limits, token=token)
     engine = type(worker).__name__
-    banner = (f"serving {name} ({engine}, context {max_context}) at http://{args.host}:{args.port}/v1"
-              f"{'; bearer token required' if token else ''}"
-              f"{f'; /update_weights reads {args.weights_dir}' if args.weights_dir else '; /update_weights disabled'}")
+    banner = (
+        f"serving {name} ({engine}, context {max_context}) at http://{args.host}:{args.port}/v1"
+        f"{'; bearer token required' if token else ''}"
+        f"{f'; /update_weights reads {args.weights_dir}' if args.weights_dir else '; /update_weights disabled'}"
+    )
     try:
         serve_app(app, args.host, args.port, banner)
     finally:
@@ -153,7 +176,9 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
     if not args.config:
         raise ConfigError("postrl serve-reward needs --config reward.yaml (sections: reward, server)")
     cfg = load_config(args.config, args.overrides, model=RewardServiceFile)
-    server = cfg.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+    server = cfg.server.model_copy(
+        update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    )
     try:
         token = read_token(server.token_env, "server.token_env")
     except ValueError as exc:
@@ -171,8 +196,13 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
     try:
         # keep-alive longer than uvicorn's 5 s default: a pooled client connection closed by the
         # server just as the client reuses it surfaces as a ReadError on the client
-        serve_app(build_reward_app(service, server, token), server.host, server.port,
-                  f"reward service on http://{server.host}:{server.port} with {names}", timeout_keep_alive=75)
+        serve_app(
+            build_reward_app(service, server, token),
+            server.host,
+            server.port,
+            f"reward service on http://{server.host}:{server.port} with {names}",
+            timeout_keep_alive=75,
+        )
     finally:
         service.close()
     return 0
@@ -192,63 +222,90 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def _verbose_flag() -> argparse.ArgumentParser:
     """-v/--verbose, accepted before or after the subcommand."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="log at INFO level (default: warnings only)")
+    parent.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log at INFO level (default: warnings only)",
+    )
     return parent
 
 
 def _add_train(command: Callable[..., argparse.ArgumentParser]) -> None:
-    p = command("train", "run GRPO/PPO from a YAML config",
-                epilog="The run directory is OUTPUT_DIR/NAME (config fields output_dir, default 'runs', and name, "
-                "default 'run'): it receives config.yaml, metrics.jsonl, tensorboard/, samples/, checkpoints/, "
-                "reward_workers.log, final_model/ and reward_accuracy.png. A new run refuses a directory that "
-                "already holds one.\nCtrl-C (or SIGTERM) stops after the current step and checkpoints it; a second "
-                "Ctrl-C abandons the step.\n\nexamples:\n  postrl train examples/arithmetic_grpo.yaml train.lr=5e-5 "
-                "steps=20\n  postrl train --resume runs/arithmetic-grpo steps=40")
+    p = command(
+        "train",
+        "run GRPO/PPO from a YAML config",
+        epilog="The run directory is OUTPUT_DIR/NAME (config fields output_dir, default 'runs', and name, "
+        "default 'run'): it receives config.yaml, metrics.jsonl, tensorboard/, samples/, checkpoints/, "
+        "reward_workers.log, final_model/ and reward_accuracy.png. A new run refuses a directory that "
+        "already holds one.\nCtrl-C (or SIGTERM) stops after the current step and checkpoints it; a second "
+        "Ctrl-C abandons the step.\n\nexamples:\n  postrl train examples/arithmetic_grpo.yaml train.lr=5e-5 "
+        "steps=20\n  postrl train --resume runs/arithmetic-grpo steps=40",
+    )
     _add_run_arguments(p, "CONFIG.yaml (see src/postrl/config.py for every field)", "train.lr=1e-5 name=try2")
     _add_ray_address(p)
     p.set_defaults(func=_cmd_train)
 
 
 def _add_ray_address(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ray-address", metavar="ADDR",
-                   help="run the workers as Ray actors on the cluster at ADDR (host:port or ray://...); 'local' "
-                   "starts a Ray instance for the run and shuts it down at the end (same as scheduler: ray)")
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="run the workers as Ray actors on the cluster at ADDR (host:port or ray://...); 'local' "
+        "starts a Ray instance for the run and shuts it down at the end (same as scheduler: ray)",
+    )
 
 
 def _add_run_arguments(p: argparse.ArgumentParser, config_help: str, override_example: str) -> None:
     """CONFIG, overrides, --resume and --overwrite: the same for every command that starts a run."""
     p.add_argument("config", nargs="?", help=config_help)
     p.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {override_example}")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue runs/NAME from its latest checkpoint; overrides "
-                   "may lengthen it and change logging, checkpoints, workers and timeouts")
-    p.add_argument("--force-change", metavar="FIELD", action="append", default=[],
-                   help="with --resume: allow an override of a field that defines the run (model, data, algorithm, "
-                   "seed, ...), e.g. --force-change train.lr; repeat for more")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start anew in a run directory that holds a run, moving the old run to NAME.old-<time> "
-                   "(never deleted)")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue runs/NAME from its latest checkpoint; overrides "
+        "may lengthen it and change logging, checkpoints, workers and timeouts",
+    )
+    p.add_argument(
+        "--force-change",
+        metavar="FIELD",
+        action="append",
+        default=[],
+        help="with --resume: allow an override of a field that defines the run (model, data, algorithm, "
+        "seed, ...), e.g. --force-change train.lr; repeat for more",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start anew in a run directory that holds a run, moving the old run to NAME.old-<time> (never deleted)",
+    )
 
 
 def _add_dpo(command: Callable[..., argparse.ArgumentParser]) -> None:
-    p = command("dpo", "train offline on preference pairs (DPO, IPO, cDPO) from a YAML config",
-                epilog="Pairs: JSONL/Parquet rows with prompt, chosen, rejected strings, or chosen/rejected chat "
-                "message lists (see src/postrl/dpo_config.py and docs/algorithms.md).\n\nexamples:\n"
-                "  postrl dpo examples/dpo.yaml dpo.beta=0.2\n  postrl dpo --resume runs/dpo epochs=2")
-    _add_run_arguments(p, "CONFIG.yaml (sections: model, data, dpo, train, checkpoint, logging)",
-                       "dpo.loss_type=ipo")
+    p = command(
+        "dpo",
+        "train offline on preference pairs (DPO, IPO, cDPO) from a YAML config",
+        epilog="Pairs: JSONL/Parquet rows with prompt, chosen, rejected strings, or chosen/rejected chat "
+        "message lists (see src/postrl/dpo_config.py and docs/algorithms.md).\n\nexamples:\n"
+        "  postrl dpo examples/dpo.yaml dpo.beta=0.2\n  postrl dpo --resume runs/dpo epochs=2",
+    )
+    _add_run_arguments(p, "CONFIG.yaml (sections: model, data, dpo, train, checkpoint, logging)", "dpo.loss_type=ipo")
     p.set_defaults(func=_cmd_dpo)
 
 
 def _add_sft(command: Callable[..., argparse.ArgumentParser]) -> None:
-    p = command("sft", "supervised fine-tuning on prompt/response or chat rows (loss on the response or the "
-                "assistant turns only)",
-                epilog="Rows: JSONL/Parquet with prompt and response strings, or a messages chat list (see "
-                "src/postrl/sft_config.py). The run directory, checkpoints, --resume, FSDP2 "
-                "(scheduler.train.workers=2) and --ray-address work as in postrl train.\n\nexamples:\n"
-                "  postrl sft examples/sft_format.yaml\n  postrl sft --resume runs/sft-format epochs=3")
-    _add_run_arguments(p, "CONFIG.yaml (sections: model, data, train, checkpoint, logging, scheduler)",
-                       "train.lr=5e-5 epochs=2")
+    p = command(
+        "sft",
+        "supervised fine-tuning on prompt/response or chat rows (loss on the response or the assistant turns only)",
+        epilog="Rows: JSONL/Parquet with prompt and response strings, or a messages chat list (see "
+        "src/postrl/sft_config.py). The run directory, checkpoints, --resume, FSDP2 "
+        "(scheduler.train.workers=2) and --ray-address work as in postrl train.\n\nexamples:\n"
+        "  postrl sft examples/sft_format.yaml\n  postrl sft --resume runs/sft-format epochs=3",
+    )
+    _add_run_arguments(
+        p, "CONFIG.yaml (sections: model, data, train, checkpoint, logging, scheduler)", "train.lr=5e-5 epochs=2"
+    )
     _add_ray_address(p)
     p.set_defaults(func=_cmd_sft)
 
@@ -262,21 +319,38 @@ def _add_demo(command: Callable[..., argparse.ArgumentParser]) -> None:
 def _add_eval(command: Callable[..., argparse.ArgumentParser]) -> None:
     from postrl.tasks import TASKS
 
-    p = command("eval", "held-out accuracy of a model: a built-in task, or your own prompt file scored by a "
-                "run's reward components",
-                epilog="examples:\n  postrl eval --model runs/demo/final_model --task arithmetic\n"
-                "  postrl eval --run runs/NAME --data heldout.jsonl --out scored.jsonl")
-    p.add_argument("--model", help="a model folder (or 'demo'); default with --run: the run's final_model/ "
-                   "(else its newest checkpoint)")
+    p = command(
+        "eval",
+        "held-out accuracy of a model: a built-in task, or your own prompt file scored by a run's reward components",
+        epilog="examples:\n  postrl eval --model runs/demo/final_model --task arithmetic\n"
+        "  postrl eval --run runs/NAME --data heldout.jsonl --out scored.jsonl",
+    )
+    p.add_argument(
+        "--model",
+        help="a model folder (or 'demo'); default with --run: the run's final_model/ (else its newest checkpoint)",
+    )
     p.add_argument("--run", help="a run directory: its model, and its reward and data settings for --data")
-    p.add_argument("--task", choices=sorted(TASKS), default=None,
-                   help="a built-in task: " + "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
-                   + " (default: the run's task, else arithmetic)")
-    p.add_argument("--data", nargs="+", metavar="FILE", help="JSONL/Parquet prompt files to evaluate on "
-                   "(scored with the reward components of --run or --config)")
+    p.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        default=None,
+        help="a built-in task: "
+        + "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
+        + " (default: the run's task, else arithmetic)",
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        metavar="FILE",
+        help="JSONL/Parquet prompt files to evaluate on (scored with the reward components of --run or --config)",
+    )
     p.add_argument("--config", help="a train CONFIG.yaml whose reward section scores --data (instead of --run)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="new tokens per response (default: the run's rollout.max_tokens, else 16)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="new tokens per response (default: the run's rollout.max_tokens, else 16)",
+    )
     p.add_argument("--out", help="write every scored sample to this JSONL file")
     p.set_defaults(func=_cmd_eval)
 
@@ -291,10 +365,14 @@ def _add_serve_rollout(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences decoded together")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
-    p.add_argument("--token-env", help="environment variable holding a bearer token; when set every request "
-                   "needs 'Authorization: Bearer <token>'")
-    p.add_argument("--weights-dir", help="the only folder /update_weights may read from (default: /update_weights "
-                   "is disabled)")
+    p.add_argument(
+        "--token-env",
+        help="environment variable holding a bearer token; when set every request "
+        "needs 'Authorization: Bearer <token>'",
+    )
+    p.add_argument(
+        "--weights-dir", help="the only folder /update_weights may read from (default: /update_weights is disabled)"
+    )
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--max-n", type=int, default=64, help="largest n (choices per prompt) a request may ask for")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
@@ -304,13 +382,14 @@ def _add_serve_rollout(command: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def _add_route(command: Callable[..., argparse.ArgumentParser]) -> None:
-    p = command("route", "spread requests over rollout servers (least outstanding requests; unhealthy backends "
-                "leave the rotation)")
+    p = command(
+        "route",
+        "spread requests over rollout servers (least outstanding requests; unhealthy backends leave the rotation)",
+    )
     p.add_argument("--backend", action="append", required=True, help="a rollout server URL; repeat for more")
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8200, help="port (serve-rollout uses 8000, serve-reward 8100)")
-    p.add_argument("--health-interval-s", type=float, default=5.0,
-                   help="seconds between health checks of the backends")
+    p.add_argument("--health-interval-s", type=float, default=5.0, help="seconds between health checks of the backends")
     p.add_argument("--token-env", help="environment variable holding the bearer token sent to the backends")
     p.set_defaults(func=_cmd_route)
 
@@ -331,20 +410,41 @@ def _add_convert_gguf(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_convert_gguf)
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("postrl")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     verbose = _verbose_flag()
-    parser = argparse.ArgumentParser(prog="postrl", description="RL post-training of language models.",
-                                     formatter_class=_Formatter, parents=[verbose])
+    parser = argparse.ArgumentParser(
+        prog="postrl", description="RL post-training of language models.", formatter_class=_Formatter, parents=[verbose]
+    )
+    parser.add_argument("--version", action="version", version=f"postrl {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=_Formatter,
-                              parents=[verbose])
+        return sub.add_parser(
+            name, help=help, description=help, epilog=epilog, formatter_class=_Formatter, parents=[verbose]
+        )
 
-    for add in (_add_train, _add_sft, _add_dpo, _add_demo, _add_eval, _add_serve_rollout, _add_route, _add_serve_reward, _add_convert_gguf):
+    for add in (
+        _add_train,
+        _add_sft,
+        _add_dpo,
+        _add_demo,
+        _add_eval,
+        _add_serve_rollout,
+        _add_route,
+        _add_serve_reward,
+        _add_convert_gguf,
+    ):
         add(command)
     return parser
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_transformers()
     verbose = getattr(args, "verbose", False)
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     from postrl.controller import RewardFailureError
     from postrl.data import DatasetError
     from postrl.interrupt import RunInterrupted
@@ -379,8 +481,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before a run's own handler is installed (loading, validating): nothing written yet
         print(f"\npostrl {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, DatasetError, EngineUnhealthyError, FileNotFoundError, NonFiniteLossError, RewardFailureError,
-            PlacementError, RewardServiceError, RolloutPoolError, TrainWorkerDiedError, WeightSyncError) as exc:
+    except (
+        ConfigError,
+        DatasetError,
+        EngineUnhealthyError,
+        FileNotFoundError,
+        NonFiniteLossError,
+        RewardFailureError,
+        PlacementError,
+        RewardServiceError,
+        RolloutPoolError,
+        TrainWorkerDiedError,
+        WeightSyncError,
+    ) as exc:
         print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

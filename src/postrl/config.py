@@ -15,9 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from postrl.algorithm_config import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config_base import Section
-from postrl.run_store import RunLocation
 from postrl.devices import DEVICE_PATTERN
-from postrl.scheduler_config import SchedulerConfig
 from postrl.reward_config import (  # noqa: F401 - the config's public names
     POOLED_TYPES,
     CodeComponent,
@@ -27,12 +25,12 @@ from postrl.reward_config import (  # noqa: F401 - the config's public names
     RewardConfig,
     SandboxConfig,
 )
+from postrl.run_store import RunLocation
+from postrl.scheduler_config import SchedulerConfig
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names every offending field."""
-
-
 
 
 class ModelConfig(Section):
@@ -48,13 +46,19 @@ class DataConfig(Section):
     messages_column: str = Field("messages", description="Column holding a chat message list.")
     apply_chat_template: bool = Field(False, description="Also wrap string prompts as one user message.")
     max_prompt_tokens: int | None = Field(
-        None, ge=1, description="Longer prompts are an error (or skipped). None: the model's context length minus "
-        "rollout.max_tokens. A value whose sum with rollout.max_tokens exceeds the context is refused at start.")
+        None,
+        ge=1,
+        description="Longer prompts are an error (or skipped). None: the model's context length minus "
+        "rollout.max_tokens. A value whose sum with rollout.max_tokens exceeds the context is refused at start.",
+    )
     on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip+count.")
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded).")
-    val_files: list[str] = Field(default_factory=list, description="Held-out JSONL or Parquet prompt files, scored "
-                                 "greedily with the run's reward components every logging.eval_every steps (val/*). "
-                                 "Empty: a built-in task's test split, else no validation.")
+    val_files: list[str] = Field(
+        default_factory=list,
+        description="Held-out JSONL or Parquet prompt files, scored "
+        "greedily with the run's reward components every logging.eval_every steps (val/*). "
+        "Empty: a built-in task's test split, else no validation.",
+    )
     val_size: int | None = Field(None, ge=1, description="Validate on the first N held-out prompts (None: all).")
 
     @field_validator("task")
@@ -75,21 +79,34 @@ class DataConfig(Section):
 
 class NativeEngineConfig(Section):
     max_prefill_tokens: int = Field(
-        2048, ge=1, description="Prompt tokens prefilled together when prompts are admitted (one packed pass); "
-        "a longer prompt still goes alone.")
+        2048,
+        ge=1,
+        description="Prompt tokens prefilled together when prompts are admitted (one packed pass); "
+        "a longer prompt still goes alone.",
+    )
     cache_reuse_ratio: float = Field(
-        2.0, ge=1.0, description="A KV cache from an earlier call is reused when it fits and is at most this many "
+        2.0,
+        ge=1.0,
+        description="A KV cache from an earlier call is reused when it fits and is at most this many "
         "times longer than the call needs (decode attends over the cache's whole length, so a far too long one "
-        "costs more than a new allocation).")
+        "costs more than a new allocation).",
+    )
 
 
 class VLLMEngineConfig(Section):
     max_model_len: int | None = Field(
-        None, ge=16, description="vLLM's max_model_len: prompt plus response tokens. None: data.max_prompt_tokens + "
+        None,
+        ge=16,
+        description="vLLM's max_model_len: prompt plus response tokens. None: data.max_prompt_tokens + "
         "rollout.max_tokens (what the run needs, within the model's context); a value over the model's context "
-        "is refused before vLLM starts.")
-    memory_fraction: float = Field(0.25, gt=0.0, le=1.0, description="Memory vLLM reserves for its KV cache "
-                                   "(gpu_memory_utilization; on CPU, a fraction of RAM).")
+        "is refused before vLLM starts.",
+    )
+    memory_fraction: float = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="Memory vLLM reserves for its KV cache (gpu_memory_utilization; on CPU, a fraction of RAM).",
+    )
     startup_timeout_s: float = Field(600.0, gt=0.0, description="How long the server may take to start.")
     request_timeout_s: float = Field(3600.0, gt=0.0, description="How long one generate request may take.")
 
@@ -109,21 +126,32 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     max_tokens: int = Field(64, ge=1, description="Maximum new tokens per response.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (kept in the response).")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
-                                                          description="Extra stop tokens besides EOS.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="Extra stop tokens besides EOS."
+    )
     max_batch_size: int = Field(256, ge=1, description="Sequences decoded together.")
     dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
         None, description="Engine dtype; None = model.dtype; auto = bfloat16 where the hardware has fast bf16."
     )
-    device: str = Field("auto", pattern=DEVICE_PATTERN, description="Where the engine's weights and KV cache "
-                        "live: auto (CUDA when present), cpu, cuda, cuda:N.")
-    verify_sync: bool = Field(True, description="Checksum every weight sync and compare what arrived with what was sent.")
+    device: str = Field(
+        "auto",
+        pattern=DEVICE_PATTERN,
+        description="Where the engine's weights and KV cache live: auto (CUDA when present), cpu, cuda, cuda:N.",
+    )
+    verify_sync: bool = Field(
+        True, description="Checksum every weight sync and compare what arrived with what was sent."
+    )
     weight_sync: Literal["memory", "safetensors", "broadcast"] = Field(
-        "memory", description="How new weights reach the engines: memory (the state dict, handed over or sent to the "
+        "memory",
+        description="How new weights reach the engines: memory (the state dict, handed over or sent to the "
         "engine's process), safetensors (one file in sync_dir that every engine loads), broadcast (a "
-        "torch.distributed group from the driver to the engines, in buckets of sync_bucket_mb).")
-    sync_dir: str | None = Field(None, description="Folder for weight_sync=safetensors; on a cluster, shared storage "
-                                 "every engine can read. None: a temporary folder on this machine.")
+        "torch.distributed group from the driver to the engines, in buckets of sync_bucket_mb).",
+    )
+    sync_dir: str | None = Field(
+        None,
+        description="Folder for weight_sync=safetensors; on a cluster, shared storage "
+        "every engine can read. None: a temporary folder on this machine.",
+    )
     sync_bucket_mb: int = Field(64, ge=1, description="weight_sync=broadcast: megabytes per broadcast bucket.")
     native: NativeEngineConfig = Field(default_factory=NativeEngineConfig, description="The native engine's knobs.")
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="The vLLM backend's knobs.")
@@ -140,37 +168,53 @@ class RewardServerConfig(Section):
 class RewardServiceFile(Section):
     """The file given to `postrl serve-reward --config`: a reward section and a server section."""
 
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="What to score and how (as in a train config).")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="What to score and how (as in a train config)."
+    )
     server: RewardServerConfig = Field(default_factory=RewardServerConfig, description="Where and how to serve it.")
     import_paths: list[str] = Field(
-        default_factory=list, description="Folders put on the import path for custom reward functions; the "
-        "config file's folder is added when it is loaded.")
+        default_factory=list,
+        description="Folders put on the import path for custom reward functions; the "
+        "config file's folder is added when it is loaded.",
+    )
 
 
 class TrainConfig(Section):
     lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (after warmup).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
-        (0.9, 0.999), description="AdamW's (beta1, beta2).")
+        (0.9, 0.999), description="AdamW's (beta1, beta2)."
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup, in optimizer steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="After warm-up: constant, or a linear / cosine decay to min_lr_ratio * lr at "
-        "lr_decay_steps (then held).")
+        "constant",
+        description="After warm-up: constant, or a linear / cosine decay to min_lr_ratio * lr at "
+        "lr_decay_steps (then held).",
+    )
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="The decayed learning rate, as a fraction of lr.")
     lr_decay_steps: int | None = Field(
-        None, ge=1, description="Optimizer steps until the decay ends. None: the run's own length (steps x "
+        None,
+        ge=1,
+        description="Optimizer steps until the decay ends. None: the run's own length (steps x "
         "optimizer steps per step, estimated from prompts_per_step x rollout.n, mini_batch_size and epochs; "
-        "for dpo and sft, epochs x batches per epoch), recorded in the run's config.yaml.")
+        "for dpo and sft, epochs x batches per epoch), recorded in the run's config.yaml.",
+    )
     grad_clip: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global norm.")
     mini_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
     epochs: int = Field(1, ge=1, description="Passes over each step's experiences.")
     max_consecutive_nan: int = Field(3, ge=1, description="Stop the run after this many skipped updates in a row.")
-    device: str = Field("auto", pattern=DEVICE_PATTERN, description="Where the policy, the reference model, the "
-                        "batches and the optimizer state live: auto (CUDA when present), cpu, cuda, cuda:N.")
+    device: str = Field(
+        "auto",
+        pattern=DEVICE_PATTERN,
+        description="Where the policy, the reference model, the "
+        "batches and the optimizer state live: auto (CUDA when present), cpu, cuda, cuda:N.",
+    )
     precision: Literal["auto", "float32", "bf16_autocast"] = Field(
-        "auto", description="bf16_autocast: forward/backward matmuls in bf16, fp32 master weights and optimizer "
-        "state. auto: bf16_autocast on a GPU with bf16, float32 elsewhere.")
+        "auto",
+        description="bf16_autocast: forward/backward matmuls in bf16, fp32 master weights and optimizer "
+        "state. auto: bf16_autocast on a GPU with bf16, float32 elsewhere.",
+    )
     attention: Literal["auto", "eager", "sdpa"] = Field(
         "auto",
         description="Attention kernel of the trained model. auto: eager on CPU (PyTorch's CPU SDPA backward is "
@@ -190,7 +234,8 @@ class CheckpointConfig(Section):
     every_steps: int = Field(10, ge=0, description="Write a checkpoint every k steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
     on_interrupt: bool = Field(
-        True, description="On Ctrl-C/SIGTERM, checkpoint the last completed step before exiting (resume from it).")
+        True, description="On Ctrl-C/SIGTERM, checkpoint the last completed step before exiting (resume from it)."
+    )
 
 
 class LoggingConfig(Section):
@@ -199,22 +244,33 @@ class LoggingConfig(Section):
     jsonl: bool = Field(True, description="metrics.jsonl in the run directory.")
     tensorboard: bool = Field(True, description="TensorBoard event files under tensorboard/.")
     samples_first_steps: int = Field(
-        3, ge=0, description="Write every sample of steps 1..k to samples/step_N.jsonl (prompt, response, reward, "
-        "each component and its reason, error).")
+        3,
+        ge=0,
+        description="Write every sample of steps 1..k to samples/step_N.jsonl (prompt, response, reward, "
+        "each component and its reason, error).",
+    )
     samples_every: int = Field(10, ge=0, description="Also write the samples of every k-th step; 0 = never.")
-    eval_every: int = Field(0, ge=0, description="Validate (data.val_files, or the task's test split) every k steps "
-                            "and after the last one, as val/* metrics in every sink and on the plot; 0 = never.")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Validate (data.val_files, or the task's test split) every k steps "
+        "and after the last one, as val/* metrics in every sink and on the plot; 0 = never.",
+    )
 
 
 class RunConfig(RunLocation, Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
-    output_dir: str = Field("runs", description="Runs go to output_dir/name; a URL (s3://bucket/runs, file://...) "
-                            "keeps the run there through fsspec, working in a local copy.")
+    output_dir: str = Field(
+        "runs",
+        description="Runs go to output_dir/name; a URL (s3://bucket/runs, file://...) "
+        "keeps the run there through fsspec, working in a local copy.",
+    )
     seed: int = Field(0, description="Seeds the sampler, the engine's and the trainer's generators.")
     import_paths: list[str] = Field(
         default_factory=list,
         description="Folders put on the import path for custom reward functions (module:function). The folder "
-        "of the config file is added when the config is loaded, so a module next to it imports as is.")
+        "of the config file is added when the config is loaded, so a module next to it imports as is.",
+    )
     steps: int = Field(100, ge=1, description="RL steps (generate, score, update, sync) to run in all.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts sampled per step; each gets rollout.n responses.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
@@ -225,8 +281,10 @@ class RunConfig(RunLocation, Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="The optimizer and batching.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Where the workers run "
-                                       "(`scheduler: ray` is short for `scheduler: {type: ray}`).")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig,
+        description="Where the workers run (`scheduler: ray` is short for `scheduler: {type: ray}`).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -245,17 +303,21 @@ class RunConfig(RunLocation, Section):
     def _openai_backend_needs_a_url(self) -> RunConfig:
         r = self.rollout
         if r.backend == "openai" and (r.url is None or r.sync_dir is None):
-            raise ValueError("rollout.backend=openai needs rollout.url (the server or router) and rollout.sync_dir "
-                             "(the folder the servers read new weights from: their --weights-dir)")
+            raise ValueError(
+                "rollout.backend=openai needs rollout.url (the server or router) and rollout.sync_dir "
+                "(the folder the servers read new weights from: their --weights-dir)"
+            )
         return self
 
     @model_validator(mode="after")
     def _broadcast_needs_remote_engines(self) -> RunConfig:
         s = self.scheduler
         if self.rollout.weight_sync == "broadcast" and s.type == "local" and s.rollout.workers == 1:
-            raise ValueError("rollout.weight_sync=broadcast sends weights to engines in other processes, but a local "
-                             "run with scheduler.rollout.workers=1 keeps its engine in this process; use "
-                             "weight_sync=memory, scheduler.rollout.workers >= 2, or scheduler: ray")
+            raise ValueError(
+                "rollout.weight_sync=broadcast sends weights to engines in other processes, but a local "
+                "run with scheduler.rollout.workers=1 keeps its engine in this process; use "
+                "weight_sync=memory, scheduler.rollout.workers >= 2, or scheduler: ray"
+            )
         return self
 
     @model_validator(mode="after")
@@ -325,7 +387,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def build_config(data: dict[str, Any], overrides: list[str] | None = None, model: type[Any] = None) -> Any:
+def build_config(data: dict[str, Any], overrides: list[str] | None = None, model: type[Any] | None = None) -> Any:
     """Validate ``data`` + overrides as ``model`` (default :class:`RunConfig`)."""
     model = model or RunConfig
     data = apply_overrides(copy.deepcopy(data), overrides or [])
@@ -335,8 +397,12 @@ def build_config(data: dict[str, Any], overrides: list[str] | None = None, model
         raise ConfigError(format_validation_error(err, model)) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, model: type[Any] = None,
-                import_config_dir: bool = True) -> Any:
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    model: type[Any] | None = None,
+    import_config_dir: bool = True,
+) -> Any:
     """A YAML file + dotted overrides validated as ``model`` (default :class:`RunConfig`).
 
     With ``import_config_dir``, the file's folder joins ``import_paths`` (when the model has that
@@ -353,8 +419,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, mod
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         # overrides first, so a data path given on the command line is found the same way as one in the file
-        data = _data_files_found_near(apply_overrides(copy.deepcopy(loaded or {}), overrides or []),
-                                      path.resolve().parent)
+        data = _data_files_found_near(
+            apply_overrides(copy.deepcopy(loaded or {}), overrides or []), path.resolve().parent
+        )
         overrides = []
         if import_config_dir and "import_paths" in (model or RunConfig).model_fields:
             here = str(path.resolve().parent)

@@ -9,15 +9,16 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from postrl.advantage_inputs import advantage_inputs, per_sample
-from postrl.algorithms import ADVANTAGES
 from postrl.algorithm_stages import AlgorithmStages
+from postrl.algorithms import ADVANTAGES
 from postrl.buffer import OnPolicyBuffer
 from postrl.config import RunConfig
 from postrl.data import PromptDataset, PromptSampler
@@ -27,8 +28,16 @@ from postrl.rollout import RolloutWorker
 from postrl.rollout.common import EngineUnhealthyError
 from postrl.train.group import TrainGroup
 from postrl.train.worker import TrainWorker
-from postrl.types import (Experience, ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepMetrics,
-                          TrainMetrics)
+from postrl.types import (
+    Experience,
+    ExperienceBatch,
+    Prompt,
+    RewardResult,
+    Rollout,
+    SamplingParams,
+    StepMetrics,
+    TrainMetrics,
+)
 from postrl.weights import dedupe_tied, weight_manifest, write_sync_file
 
 T = TypeVar("T")
@@ -58,18 +67,33 @@ def no_signal_fraction(rollouts: list[Rollout], rewards: list[RewardResult]) -> 
     return sum(len(v) <= 1 for v in groups.values()) / len(groups) if groups else 0.0
 
 
-def write_samples(path: Path, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
-                  advantages: list[float | list[float]] | None = None) -> Path:
+def write_samples(
+    path: Path,
+    prompts: list[Prompt],
+    rollouts: list[Rollout],
+    rewards: list[RewardResult],
+    advantages: list[float | list[float]] | None = None,
+) -> Path:
     """One JSON line per sample: what the model wrote, and what each reward component made of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for i, (r, res) in enumerate(zip(rollouts, rewards)):
             prompt = prompts[r.prompt_index]
-            row = {"prompt": prompt.text, "response": r.text, "reward": res.reward, "components": res.components,
-                   "reasons": res.reasons, "error": res.error, "unscorable": res.unscorable, "flags": res.flags,
-                   "advantage": None if advantages is None else advantages[i],
-                   "finish_reason": r.finish_reason, "response_tokens": len(r.response_ids),
-                   "prompt_index": r.prompt_index, "source": prompt.source}
+            row = {
+                "prompt": prompt.text,
+                "response": r.text,
+                "reward": res.reward,
+                "components": res.components,
+                "reasons": res.reasons,
+                "error": res.error,
+                "unscorable": res.unscorable,
+                "flags": res.flags,
+                "advantage": None if advantages is None else advantages[i],
+                "finish_reason": r.finish_reason,
+                "response_tokens": len(r.response_ids),
+                "prompt_index": r.prompt_index,
+                "source": prompt.source,
+            }
             f.write(json.dumps(row, allow_nan=True) + "\n")
     return path
 
@@ -146,8 +170,9 @@ class Controller(AlgorithmStages):
         rollouts = timer.run("generate", self.generate, prompts)
         rewards = timer.run("reward", self.score, prompts, rollouts)
         if self.config.algorithm.dynamic_sampling:
-            prompts, rollouts, rewards = timer.run("dynamic_sampling", self.keep_informative_groups, prompts,
-                                                   rollouts, rewards)
+            prompts, rollouts, rewards = timer.run(
+                "dynamic_sampling", self.keep_informative_groups, prompts, rollouts, rewards
+            )
         baseline = timer.run("baseline", self.greedy_baseline, prompts) if self._greedy_baseline else None
         values = timer.run("values", self.parts.critic.values, rollouts) if self.parts.critic else None
         penalty = timer.run("reference", self.kl_rewards, rollouts) if self.config.algorithm.kl_in == "reward" else None
@@ -198,15 +223,26 @@ class Controller(AlgorithmStages):
         self._updating = True  # from here on the weights change: an abandoned step cannot be undone
         return self.parts.trainer.update(batch)
 
-    def record_samples(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
-                       advantages: list[float | list[float]]) -> None:
+    def record_samples(
+        self,
+        prompts: list[Prompt],
+        rollouts: list[Rollout],
+        rewards: list[RewardResult],
+        advantages: list[float | list[float]],
+    ) -> None:
         step = self.step_count + 1
         if self._samples_due(step):
-            write_samples(self.config.run_dir / "samples" / f"step_{step}.jsonl", prompts, rollouts, rewards,
-                          advantages)
+            write_samples(
+                self.config.run_dir / "samples" / f"step_{step}.jsonl", prompts, rollouts, rewards, advantages
+            )
 
-    def finish_step(self, rollouts: list[Rollout], rewards: list[RewardResult], train_metrics: TrainMetrics,
-                    timings: dict[str, float]) -> StepMetrics:
+    def finish_step(
+        self,
+        rollouts: list[Rollout],
+        rewards: list[RewardResult],
+        train_metrics: TrainMetrics,
+        timings: dict[str, float],
+    ) -> StepMetrics:
         self.step_count += 1
         self._updating = False
         values = {**self._metrics(rollouts, rewards, train_metrics, timings), **self.step_stats}
@@ -215,8 +251,9 @@ class Controller(AlgorithmStages):
         if reason:
             notes["unscorable_reason"] = reason
         if values["reward/no_signal_groups"] > 0:
-            notes["no_signal"] = (f"{values['reward/no_signal_groups']:.0%} of groups have identical rewards "
-                                  "(no advantage, no gradient)")
+            notes["no_signal"] = (
+                f"{values['reward/no_signal_groups']:.0%} of groups have identical rewards (no advantage, no gradient)"
+            )
         flags = Counter(f for r in rewards for f in r.flags)
         if flags:
             flag, count = flags.most_common(1)[0]
@@ -241,8 +278,9 @@ class Controller(AlgorithmStages):
         limit = self.config.reward.max_failure_rate
         if not rewards or len(failed) / len(rewards) <= limit:
             return
-        path = write_samples(self.config.run_dir / f"unscored_step_{self.step_count + 1}.jsonl",
-                                  prompts, rollouts, rewards)
+        path = write_samples(
+            self.config.run_dir / f"unscored_step_{self.step_count + 1}.jsonl", prompts, rollouts, rewards
+        )
         reasons = Counter(res.error for res in failed).most_common(3)
         listed = "; ".join(f"{n}x {err}" for err, n in reasons)
         raise RewardFailureError(
@@ -251,9 +289,14 @@ class Controller(AlgorithmStages):
             f"The step's samples are saved in {path}"
         )
 
-    def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult],
-                          baseline: list[float] | None = None, values: list[list[float]] | None = None,
-                          token_rewards: list[list[float]] | None = None) -> list[float | list[float]]:
+    def compute_advantage(
+        self,
+        rollouts: list[Rollout],
+        rewards: list[RewardResult],
+        baseline: list[float] | None = None,
+        values: list[list[float]] | None = None,
+        token_rewards: list[list[float]] | None = None,
+    ) -> list[float | list[float]]:
         """One advantage per sample, or per response token for token-level estimators (REINFORCE++,
         GAE); ``baseline``: a reward per prompt (ReMax's greedy response); ``values``: the critic's;
         ``token_rewards``: the per-token KL penalty."""
@@ -265,8 +308,10 @@ class Controller(AlgorithmStages):
         """Stop the run, with the engine's own reason, when the rollout engine cannot serve."""
         health = self.parts.rollout.health_check()
         if not health:
-            raise EngineUnhealthyError(f"the rollout engine failed its health check {when}: "
-                                       f"{getattr(health, 'reason', '') or 'no reason given'}")
+            raise EngineUnhealthyError(
+                f"the rollout engine failed its health check {when}: "
+                f"{getattr(health, 'reason', '') or 'no reason given'}"
+            )
 
     def sync_weights(self, bump: bool = True) -> None:
         """Push the trainer's policy into the rollout worker under a new ``weight_version``, then
@@ -284,8 +329,11 @@ class Controller(AlgorithmStages):
 
     # -- helpers -------------------------------------------------------------------------------
     def _experiences(
-        self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult],
-        advantages: list[float | list[float]]
+        self,
+        prompts: list[Prompt],
+        rollouts: list[Rollout],
+        rewards: list[RewardResult],
+        advantages: list[float | list[float]],
     ) -> list[Experience]:
         out = []
         for r, res, adv in zip(rollouts, rewards, advantages):

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from postrl.config import RunConfig, build_config
 from postrl.evaluate import evaluate_model
 from postrl.models import load_causal_lm, load_tokenizer
@@ -69,4 +68,6 @@ def run_demo(overrides: list[str] | None = None, echo=print) -> DemoResult:
     echo(f"held-out accuracy after  GRPO: {after.accuracy:.3f} ({after.correct}/{after.total})")
     plot = plot_metrics(config.run_dir, (before.accuracy, after.accuracy), "postrl demo: GRPO on 3-digit addition")
     echo(f"plot with held-out accuracy: {plot}")
-    return DemoResult(config.run_dir, before.accuracy, after.accuracy, controller.step_count, time.perf_counter() - start)
+    return DemoResult(
+        config.run_dir, before.accuracy, after.accuracy, controller.step_count, time.perf_counter() - start
+    )

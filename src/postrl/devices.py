@@ -23,8 +23,10 @@ def resolve_device(name: str, field: str = "device") -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceError(f"{field}={name}, but this machine has no usable CUDA device "
-                              f"(torch {torch.__version__} sees none); use {field}=cpu or auto")
+            raise DeviceError(
+                f"{field}={name}, but this machine has no usable CUDA device "
+                f"(torch {torch.__version__} sees none); use {field}=cpu or auto"
+            )
         index = 0 if device.index is None else device.index
         if index >= torch.cuda.device_count():
             raise DeviceError(f"{field}={name}, but only {torch.cuda.device_count()} CUDA devices are visible")

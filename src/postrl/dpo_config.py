@@ -13,8 +13,11 @@ from postrl.run_store import RunLocation
 
 
 class PreferenceDataConfig(Section):
-    train_files: list[str] = Field(min_length=1, description="JSONL or Parquet files of preference pairs: prompt, "
-                                   "chosen, rejected strings, or chosen/rejected chat message lists.")
+    train_files: list[str] = Field(
+        min_length=1,
+        description="JSONL or Parquet files of preference pairs: prompt, "
+        "chosen, rejected strings, or chosen/rejected chat message lists.",
+    )
     max_tokens: int = Field(512, ge=2, description="Longest prompt + completion; longer pairs are errors (or skipped).")
     on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip.")
 
@@ -22,8 +25,10 @@ class PreferenceDataConfig(Section):
 class DPOConfig(Section):
     beta: float = Field(0.1, gt=0.0, description="Strength of the implicit KL to the reference (DPO's beta).")
     loss_type: Literal["sigmoid", "ipo", "cdpo"] = Field(
-        "sigmoid", description="sigmoid: DPO; ipo: IPO's squared loss on per-token mean log-ratios; cdpo: "
-        "DPO with label smoothing.")
+        "sigmoid",
+        description="sigmoid: DPO; ipo: IPO's squared loss on per-token mean log-ratios; cdpo: "
+        "DPO with label smoothing.",
+    )
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="cdpo: the assumed rate of flipped labels.")
 
 
@@ -35,7 +40,9 @@ class DPORunConfig(RunLocation, Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy (and, frozen, the reference).")
     data: PreferenceDataConfig = Field(description="The preference pairs.")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="The loss.")
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=5e-6, mini_batch_size=32, micro_batch_size=8),
-                               description="Optimizer and batching, in pairs (mini_batch_size pairs per step).")
+    train: TrainConfig = Field(
+        default_factory=lambda: TrainConfig(lr=5e-6, mini_batch_size=32, micro_batch_size=8),
+        description="Optimizer and batching, in pairs (mini_batch_size pairs per step).",
+    )
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")

@@ -46,14 +46,15 @@ def pair_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = False, echo=print) -> DPOWorker:
-    place = RunPlace(config)  # type: ignore[arg-type] - the same run-directory fields as RunConfig
+    place = RunPlace(config)
     if resume:
         place.check_resumable()
     else:
         place.check_new(overwrite, command="dpo")
     tokenizer = load_tokenizer(config.model.path)
-    pairs, skipped = load_preference_pairs(config.data.train_files, tokenizer, config.data.max_tokens,
-                                           config.data.on_bad_row)
+    pairs, skipped = load_preference_pairs(
+        config.data.train_files, tokenizer, config.data.max_tokens, config.data.on_bad_row
+    )
     t = config.train
     if t.lr_schedule != "constant" and t.lr_decay_steps is None:
         t.lr_decay_steps = config.epochs * math.ceil(len(pairs) / t.mini_batch_size)
@@ -76,8 +77,14 @@ def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, res
         echo(f"skipped {len(skipped)} bad pairs (data.on_bad_row=skip); listed in {run_dir / 'skipped_rows.txt'}")
     reference = reference_logprobs(config, pairs, tokenizer.pad_token_id, run_dir)
     device = resolve_device(config.train.device, "train.device")
-    worker = DPOWorker(load_causal_lm(config.model.path, config.model.dtype).to(device), config.train, config.dpo,
-                       tokenizer.pad_token_id, seed=config.seed, gradient_checkpointing=config.model.gradient_checkpointing)
+    worker = DPOWorker(
+        load_causal_lm(config.model.path, config.model.dtype).to(device),
+        config.train,
+        config.dpo,
+        tokenizer.pad_token_id,
+        seed=config.seed,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+    )
     mini = config.train.mini_batch_size
     per_epoch = math.ceil(len(pairs) / mini)
     total, step = config.epochs * per_epoch, 0
@@ -88,8 +95,10 @@ def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, res
         worker.load_checkpoint(checkpoint)
         step = int(load_run_state(checkpoint)["step"])
         if total < step:
-            raise ConfigError(f"epochs={config.epochs} gives {total} steps, below the {step} this run has already "
-                              "done; a resume can only continue it")
+            raise ConfigError(
+                f"epochs={config.epochs} gives {total} steps, below the {step} this run has already "
+                "done; a resume can only continue it"
+            )
         echo(f"resumed {place.location} from step {step} ({checkpoint})")
     save_config(config, run_dir / "config.yaml")  # type: ignore[arg-type]
     sinks = make_sinks(config, run_dir, step if resume else None, echo, total=total)  # type: ignore[arg-type]
@@ -105,8 +114,14 @@ def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, res
                 sink.write(StepMetrics(step=step, weight_version=step, values=values))
             every = config.checkpoint.every_steps
             if step == total or (every and step % every == 0):
-                path = save_checkpoint(run_dir, step, worker, {"step": step, "weight_version": step},
-                                       config.checkpoint.keep_last, tokenizer)
+                path = save_checkpoint(
+                    run_dir,
+                    step,
+                    worker,
+                    {"step": step, "weight_version": step},
+                    config.checkpoint.keep_last,
+                    tokenizer,
+                )
                 place.publish_checkpoint(path, list_checkpoints(run_dir))
         final = run_dir / "final_model"
         worker.save_pretrained(final)

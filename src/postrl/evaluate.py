@@ -28,8 +28,9 @@ class EvalResult:
     unscorable: int = 0
 
 
-def greedy_rollouts(model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, max_tokens: int,
-                    batch_size: int = 256) -> list[Rollout]:
+def greedy_rollouts(
+    model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, max_tokens: int, batch_size: int = 256
+) -> list[Rollout]:
     engine = HFRolloutWorker(model, tokenizer, max_batch_size=batch_size)
     was_training = model.training
     try:
@@ -38,7 +39,9 @@ def greedy_rollouts(model: torch.nn.Module, tokenizer: Any, dataset: PromptDatas
         model.train(was_training)
 
 
-def evaluate_model(model: torch.nn.Module, tokenizer: Any, task: str, max_tokens: int = 16, batch_size: int = 256) -> EvalResult:
+def evaluate_model(
+    model: torch.nn.Module, tokenizer: Any, task: str, max_tokens: int = 16, batch_size: int = 256
+) -> EvalResult:
     dataset = build_prompts(iter(task_rows(task, "test")), tokenizer)
     verifier = resolve(VERIFIERS[get_task(task).verifier])
     rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens, batch_size)
@@ -48,8 +51,15 @@ def evaluate_model(model: torch.nn.Module, tokenizer: Any, task: str, max_tokens
     return EvalResult(task=task, accuracy=correct / len(rollouts), correct=int(correct), total=len(rollouts))
 
 
-def evaluate_with_rewards(model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, reward: RewardConfig,
-                          max_tokens: int, name: str, out: Path | None = None) -> EvalResult:
+def evaluate_with_rewards(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    dataset: PromptDataset,
+    reward: RewardConfig,
+    max_tokens: int,
+    name: str,
+    out: Path | None = None,
+) -> EvalResult:
     """Greedy responses scored by ``reward``'s components; accuracy is the share of samples whose
     accuracy component (the first math/exact_match one), else whose reward, reaches
     ``reward.accuracy_threshold``."""
@@ -60,10 +70,12 @@ def evaluate_with_rewards(model: torch.nn.Module, tokenizer: Any, dataset: Promp
     rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens)
     service = make_reward_service(reward)
     try:
-        results = service.score_batch([
-            ScoreRequest(dataset[r.prompt_index].text, r.text, dataset[r.prompt_index].columns, len(r.response_ids))
-            for r in rollouts
-        ])
+        results = service.score_batch(
+            [
+                ScoreRequest(dataset[r.prompt_index].text, r.text, dataset[r.prompt_index].columns, len(r.response_ids))
+                for r in rollouts
+            ]
+        )
         name_acc = getattr(service, "accuracy_component", None)
     finally:
         service.close()
@@ -74,9 +86,14 @@ def evaluate_with_rewards(model: torch.nn.Module, tokenizer: Any, dataset: Promp
     else:
         correct = sum(res.reward is not None and res.reward >= reward.accuracy_threshold for res in results)
     scored = [res.reward for res in results if res.reward is not None]
-    return EvalResult(task=name, accuracy=correct / len(results), correct=int(correct), total=len(results),
-                      mean_reward=sum(scored) / len(scored) if scored else None,
-                      unscorable=len(results) - len(scored))
+    return EvalResult(
+        task=name,
+        accuracy=correct / len(results),
+        correct=int(correct),
+        total=len(results),
+        mean_reward=sum(scored) / len(scored) if scored else None,
+        unscorable=len(results) - len(scored),
+    )
 
 
 def run_model_path(run_dir: Path) -> str:
@@ -91,8 +108,15 @@ def run_model_path(run_dir: Path) -> str:
     return str(checkpoint / "model")
 
 
-def run_eval(model: str | None, run: str | None, task: str | None, data: list[str] | None, config: str | None,
-             max_tokens: int | None, out: str | None) -> int:
+def run_eval(
+    model: str | None,
+    run: str | None,
+    task: str | None,
+    data: list[str] | None,
+    config: str | None,
+    max_tokens: int | None,
+    out: str | None,
+) -> int:
     """``postrl eval``: prints one line with the held-out accuracy (and mean reward with --data)."""
     from postrl.models import load_causal_lm, load_tokenizer
     from postrl.runner import DEFAULT_MAX_PROMPT_TOKENS
@@ -121,15 +145,28 @@ def run_eval(model: str | None, run: str | None, task: str | None, data: list[st
     if run_config is None:
         raise ConfigError("postrl eval --data needs the reward to score with: --run runs/NAME or --config CONFIG.yaml")
     d = run_config.data
-    dataset = load_prompt_dataset(data, tokenizer, prompt_column=d.prompt_column, messages_column=d.messages_column,
-                                  apply_chat_template=d.apply_chat_template,
-                                  max_prompt_tokens=d.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS, on_bad_row=d.on_bad_row)
+    dataset = load_prompt_dataset(
+        data,
+        tokenizer,
+        prompt_column=d.prompt_column,
+        messages_column=d.messages_column,
+        apply_chat_template=d.apply_chat_template,
+        max_prompt_tokens=d.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
+        on_bad_row=d.on_bad_row,
+    )
     name = ", ".join(Path(f).name for f in data)
-    result = evaluate_with_rewards(policy, tokenizer, dataset, run_config.reward,
-                                   max_tokens or run_config.rollout.max_tokens, name, Path(out) if out else None)
+    result = evaluate_with_rewards(
+        policy,
+        tokenizer,
+        dataset,
+        run_config.reward,
+        max_tokens or run_config.rollout.max_tokens,
+        name,
+        Path(out) if out else None,
+    )
     mean = "n/a" if result.mean_reward is None else f"{result.mean_reward:.3f}"
-    print(f"{name}: accuracy {result.accuracy:.3f} ({result.correct}/{result.total}), mean reward {mean}, "
-          f"unscorable {result.unscorable} [{model}]" + (f"; samples in {out}" if out else ""))
+    print(
+        f"{name}: accuracy {result.accuracy:.3f} ({result.correct}/{result.total}), mean reward {mean}, "
+        f"unscorable {result.unscorable} [{model}]" + (f"; samples in {out}" if out else "")
+    )
     return 0
-
-

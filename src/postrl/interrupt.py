@@ -10,8 +10,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 
 class StepAbandoned(BaseException):

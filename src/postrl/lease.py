@@ -14,8 +14,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import fsspec
 
@@ -75,7 +76,8 @@ class RunLease:
             raise LeaseHeldError(
                 f"run directory {self.run_dir} is in use by another postrl controller (pid {holder.get('pid')} on "
                 f"host {holder.get('host')}, since {since}). Wait for it to finish or stop it (Ctrl-C checkpoints "
-                f"and exits); its lease is taken over automatically once that process has ended")
+                f"and exits); its lease is taken over automatically once that process has ended"
+            )
         return holder
 
     def acquire(self, echo: Callable[[str], None] = print) -> None:
@@ -84,15 +86,23 @@ class RunLease:
         if (self.holder() or {}).get("token") != self.token:
             raise LeaseHeldError(f"another controller took run directory {self.run_dir} at the same moment")
         if previous is not None:
-            echo(f"took over {self.run_dir} from a controller that is no longer running "
-                 f"(pid {previous.get('pid')} on host {previous.get('host')})")
+            echo(
+                f"took over {self.run_dir} from a controller that is no longer running "
+                f"(pid {previous.get('pid')} on host {previous.get('host')})"
+            )
         self._thread = threading.Thread(target=self._beat, name="postrl-lease", daemon=True)
         self._thread.start()
 
     def _write(self, since: float) -> None:
         pid = os.getpid()
-        record = {"host": socket.gethostname(), "pid": pid, "started": process_start_time(pid), "token": self.token,
-                  "since": since, "heartbeat": time.time()}
+        record = {
+            "host": socket.gethostname(),
+            "pid": pid,
+            "started": process_start_time(pid),
+            "token": self.token,
+            "since": since,
+            "heartbeat": time.time(),
+        }
         self.fs.makedirs(self.fs._parent(self.fs_path), exist_ok=True)
         with self.fs.open(self.fs_path, "w") as f:
             f.write(json.dumps(record))

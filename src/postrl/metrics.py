@@ -50,7 +50,9 @@ def console_line(metrics: StepMetrics, total: int | None = None) -> str:
             parts.append(f"{label} {fmt.format(value)}")
     if metrics.values.get("reward/unscorable", 0):
         note = metrics.notes.get("unscorable_reason")
-        parts.append(f"unscorable {int(metrics.values['reward/unscorable'])}" + (f" (most common: {note})" if note else ""))
+        parts.append(
+            f"unscorable {int(metrics.values['reward/unscorable'])}" + (f" (most common: {note})" if note else "")
+        )
     for key, label in (("val/accuracy", "val acc"), ("val/reward_mean", "val reward")):
         if key in metrics.values:
             parts.append(f"{label} {metrics.values[key]:.3f}")
@@ -67,7 +69,8 @@ class ConsoleSink:
 
     def __init__(self, echo=print, total: int | None = None, clock=time.monotonic) -> None:
         self.echo, self.total, self.clock = echo, total, clock
-        self.started, self.first_step = clock(), None
+        self.started = clock()
+        self.first_step: int | None = None
 
     def write(self, metrics: StepMetrics) -> None:
         line = console_line(metrics, self.total)
@@ -75,7 +78,7 @@ class ConsoleSink:
             self.first_step = metrics.step - 1
         elapsed = self.clock() - self.started
         line += f" | {duration(elapsed)} elapsed"
-        done = metrics.step - self.first_step
+        done = metrics.step - (self.first_step or 0)
         if self.total and done > 0 and metrics.step < self.total:
             line += f", ~{duration(elapsed / done * (self.total - metrics.step))} left"
         self.echo(line)

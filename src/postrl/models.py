@@ -61,8 +61,9 @@ def _check_hub_id(model_id: str) -> None:
     try:
         answer = httpx.head(f"{constants.ENDPOINT}/api/models/{model_id}", timeout=5.0, follow_redirects=True)
     except httpx.HTTPError as exc:
-        raise ModelNotFoundError(f"{missing} in the local Hugging Face cache, and the hub cannot be reached "
-                                 f"({type(exc).__name__})") from None
+        raise ModelNotFoundError(
+            f"{missing} in the local Hugging Face cache, and the hub cannot be reached ({type(exc).__name__})"
+        ) from None
     if answer.status_code in (401, 404):
         raise ModelNotFoundError(missing)
 
@@ -75,7 +76,9 @@ def _load(loader: Any, path: str, **kwargs: Any) -> Any:
         if resolved != path or os.path.isdir(resolved):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelNotFoundError(f"no model folder at {path}, and {path} is not a model id that loads: {first}") from None
+        raise ModelNotFoundError(
+            f"no model folder at {path}, and {path} is not a model id that loads: {first}"
+        ) from None
 
 
 def quiet_transformers() -> None:

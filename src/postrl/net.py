@@ -27,7 +27,7 @@ def can_connect(host: str, port: int, timeout_s: float) -> str | None:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return None
-    except socket.timeout:
+    except TimeoutError:
         return f"no answer within {timeout_s:g} s"
     except OSError as exc:
         return exc.strerror or type(exc).__name__

@@ -16,15 +16,35 @@ from pydantic import BaseModel
 
 # fields (or whole sections, ending in '.') a resume may change without --force-change
 FREE_TO_CHANGE = (
-    "steps", "epochs", "output_dir", "name", "import_paths",
-    "logging.", "checkpoint.", "scheduler.",
-    "train.device", "train.max_consecutive_nan",
-    "rollout.device", "rollout.max_batch_size", "rollout.url", "rollout.api_key_env", "rollout.sync_dir",
-    "rollout.weight_sync", "rollout.sync_bucket_mb", "rollout.verify_sync",
-    "rollout.vllm.startup_timeout_s", "rollout.vllm.request_timeout_s",
-    "reward.timeout_s", "reward.num_workers", "reward.max_workers", "reward.stall_after_s", "reward.hang_limit",
-    "reward.max_failure_rate", "reward.remote.",
-    "data.val_files", "data.val_size",
+    "steps",
+    "epochs",
+    "output_dir",
+    "name",
+    "import_paths",
+    "logging.",
+    "checkpoint.",
+    "scheduler.",
+    "train.device",
+    "train.max_consecutive_nan",
+    "rollout.device",
+    "rollout.max_batch_size",
+    "rollout.url",
+    "rollout.api_key_env",
+    "rollout.sync_dir",
+    "rollout.weight_sync",
+    "rollout.sync_bucket_mb",
+    "rollout.verify_sync",
+    "rollout.vllm.startup_timeout_s",
+    "rollout.vllm.request_timeout_s",
+    "reward.timeout_s",
+    "reward.num_workers",
+    "reward.max_workers",
+    "reward.stall_after_s",
+    "reward.hang_limit",
+    "reward.max_failure_rate",
+    "reward.remote.",
+    "data.val_files",
+    "data.val_size",
 )
 
 
@@ -60,9 +80,11 @@ def check_resume_changes(changes: list[tuple[str, Any, Any]], force: list[str], 
     if refused:
         lines = "\n  ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
         flags = " ".join(f"--force-change {k}" for k, _, _ in refused)
-        raise ConfigError(f"--resume {run} would change what defines the run:\n  {lines}\nA resumed run keeps its "
-                          f"model, data, algorithm and seed; start a new run (name=NEW), or pass {flags} "
-                          "if you mean it")
+        raise ConfigError(
+            f"--resume {run} would change what defines the run:\n  {lines}\nA resumed run keeps its "
+            f"model, data, algorithm and seed; start a new run (name=NEW), or pass {flags} "
+            "if you mean it"
+        )
     unknown = [f for f in force if not any(_matches(k, [f]) for k, _, _ in changes)]
     if unknown:
         raise ConfigError(f"--force-change {', '.join(unknown)}: no such change in this resume")

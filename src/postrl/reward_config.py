@@ -9,7 +9,7 @@ with the same reward written as components.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, Field, field_validator, model_validator
@@ -46,16 +46,23 @@ class _Component(Section):
     weight: float = Field(1.0, description="Multiplies the component's value in the summed reward (any sign).")
     timeout_s: float | None = Field(None, gt=0.0, description="Per-sample limit; default reward.timeout_s.")
     applies_to: list[str] | None = Field(
-        None, min_length=1, description="Only rows whose task_type column is one of these are scored by this "
-        "component; None: every row. A row no component applies to is unscorable, naming its task_type.")
+        None,
+        min_length=1,
+        description="Only rows whose task_type column is one of these are scored by this "
+        "component; None: every row. A row no component applies to is unscorable, naming its task_type.",
+    )
     expected_range: tuple[float, float] | None = Field(
-        None, description="[low, high] the values should lie in; a value outside is kept but flagged "
-        "(reward/flagged metric, the sample's 'flags', a console note).")
+        None,
+        description="[low, high] the values should lie in; a value outside is kept but flagged "
+        "(reward/flagged metric, the sample's 'flags', a console note).",
+    )
 
     @model_validator(mode="after")
     def _range_in_order(self) -> _Component:
         if self.expected_range is not None and self.expected_range[0] > self.expected_range[1]:
-            raise ValueError(f"reward component '{self.name}': expected_range {list(self.expected_range)} has low > high")
+            raise ValueError(
+                f"reward component '{self.name}': expected_range {list(self.expected_range)} has low > high"
+            )
         return self
 
     def applies(self, task_type: Any) -> bool:
@@ -90,8 +97,11 @@ class CodeComponent(_Component):
     code_score: Literal["fraction", "all_or_nothing"] = Field("fraction", description="How passed tests score.")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Limits of each program run.")
     timeout_margin_s: float = Field(
-        5.0, ge=0.0, description="Without timeout_s, a sample may take sandbox.wall_s plus this (interpreter start, "
-        "jail set-up) before its worker is killed.")
+        5.0,
+        ge=0.0,
+        description="Without timeout_s, a sample may take sandbox.wall_s plus this (interpreter start, "
+        "jail set-up) before its worker is killed.",
+    )
 
 
 class RewardModelComponent(_Component):
@@ -135,8 +145,10 @@ class LengthComponent(_Component):
 
 
 class OverlongComponent(_Component):
-    type: Literal["overlong"] = Field(description="DAPO's soft overlong penalty: 0, then down to -1 over the last "
-                                      "cache_tokens before max_tokens, -1 beyond.")
+    type: Literal["overlong"] = Field(
+        description="DAPO's soft overlong penalty: 0, then down to -1 over the last "
+        "cache_tokens before max_tokens, -1 beyond."
+    )
     max_tokens: int = Field(ge=1, description="The response budget (usually rollout.max_tokens).")
     cache_tokens: int = Field(ge=1, description="The length of the soft zone before max_tokens.")
 
@@ -148,8 +160,16 @@ class OverlongComponent(_Component):
 
 
 RewardComponentConfig = Annotated[
-    Union[ExactMatchComponent, MathComponent, CustomComponent, CodeComponent, RewardModelComponent,
-          RemoteRewardModelComponent, JudgeComponent, FormatComponent, LengthComponent, OverlongComponent],
+    ExactMatchComponent
+    | MathComponent
+    | CustomComponent
+    | CodeComponent
+    | RewardModelComponent
+    | RemoteRewardModelComponent
+    | JudgeComponent
+    | FormatComponent
+    | LengthComponent
+    | OverlongComponent,
     Field(discriminator="type"),
 ]
 POOLED_TYPES = ("math", "exact_match", "custom", "code")  # run in the killable scoring processes
@@ -170,16 +190,23 @@ def legacy_as_components(reward: dict[str, Any]) -> list[dict[str, Any]]:
             comp["answer_column"] = verifiable["answer_column"]
         out.append(comp)
     if reward.get("model_path"):
-        out.append({"name": "model", "type": "reward_model", "weight": weights.get("model", 0.0),
-                    "path": reward["model_path"]})
+        out.append(
+            {"name": "model", "type": "reward_model", "weight": weights.get("model", 0.0), "path": reward["model_path"]}
+        )
     if weights.get("format", 0.0):
         comp = {"name": "format", "type": "format", "weight": weights["format"]}
         if reward.get("format_pattern"):
             comp["pattern"] = reward["format_pattern"]
         out.append(comp)
     if weights.get("length", 0.0) and reward.get("length_target_tokens"):
-        out.append({"name": "length", "type": "length", "weight": weights["length"],
-                    "target_tokens": reward["length_target_tokens"]})
+        out.append(
+            {
+                "name": "length",
+                "type": "length",
+                "weight": weights["length"],
+                "target_tokens": reward["length_target_tokens"],
+            }
+        )
     return out
 
 
@@ -195,21 +222,30 @@ class RemoteRewardConfig(Section):
 
 class RewardConfig(Section):
     components: list[RewardComponentConfig] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: [ExactMatchComponent(name="correct", type="exact_match")], min_length=1,
+        default_factory=lambda: [ExactMatchComponent(name="correct", type="exact_match")],
+        min_length=1,
         description="Named, weighted reward terms summed into the reward, each logged as reward/<name>/mean.",
     )
     accuracy_threshold: float = Field(
-        1.0, description="A sample counts as correct (the accuracy metric) when its first math/exact_match "
-        "component reaches this value.")
+        1.0,
+        description="A sample counts as correct (the accuracy metric) when its first math/exact_match "
+        "component reaches this value.",
+    )
     timeout_s: float = Field(5.0, gt=0.0, description="Per-sample scoring timeout; the worker is killed past it.")
     num_workers: int = Field(2, ge=1, description="Scoring worker processes.")
     max_workers: int = Field(
-        32, ge=1, description="Most scoring processes at once: a worker stuck on one sample longer than stall_after_s "
-        "stops counting toward num_workers and another starts, so hanging samples time out together.")
+        32,
+        ge=1,
+        description="Most scoring processes at once: a worker stuck on one sample longer than stall_after_s "
+        "stops counting toward num_workers and another starts, so hanging samples time out together.",
+    )
     stall_after_s: float = Field(0.25, gt=0.0, description="When a busy worker counts as stalled (see max_workers).")
     hang_limit: int = Field(
-        4, ge=1, description="After this many timeouts in one batch with not one result, the batch's remaining "
-        "samples fail at once (the function hangs on everything).")
+        4,
+        ge=1,
+        description="After this many timeouts in one batch with not one result, the batch's remaining "
+        "samples fail at once (the function hangs on everything).",
+    )
     remote: RemoteRewardConfig | None = Field(None, description="Score through a `postrl serve-reward` server.")
     max_failure_rate: float = Field(
         0.5, ge=0.0, le=1.0, description="Stop the run when a step has more unscorable samples than this fraction."

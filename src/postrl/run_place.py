@@ -18,10 +18,17 @@ from typing import Any
 from postrl.checkpoint import list_checkpoints
 from postrl.config import ConfigError, RunConfig, load_config
 from postrl.resume_policy import check_resume_changes, config_changes, describe_changes
-from postrl.run_store import RunStore, is_url
+from postrl.run_store import RunLocation, RunStore, is_url
 
-PUBLISHED_AT_END = ("final_model", "reward_accuracy.png", "metrics.jsonl", "samples", "tensorboard",
-                    "reward_workers.log", "skipped_rows.txt")
+PUBLISHED_AT_END = (
+    "final_model",
+    "reward_accuracy.png",
+    "metrics.jsonl",
+    "samples",
+    "tensorboard",
+    "reward_workers.log",
+    "skipped_rows.txt",
+)
 
 
 class RunDirectoryError(ConfigError):
@@ -33,7 +40,7 @@ def _local_contents(run_dir: Path) -> list[str]:
 
 
 class RunPlace:
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunLocation) -> None:
         self.local = config.run_dir
         self.url = config.run_url
         self.store = RunStore(self.url, self.local) if self.url else None
@@ -112,9 +119,11 @@ class RunPlace:
         """The step a resume continues from; a run without a complete checkpoint cannot be resumed."""
         done = self.completed_step()
         if done is None:
-            hint = ("it never completed a step, so start it again with the same command (the directory is reused)"
-                    if not self.has_completed_step() else
-                    "none was written before it stopped (checkpoint.every_steps); start it anew with --overwrite")
+            hint = (
+                "it never completed a step, so start it again with the same command (the directory is reused)"
+                if not self.has_completed_step()
+                else "none was written before it stopped (checkpoint.every_steps); start it anew with --overwrite"
+            )
             raise FileNotFoundError(f"no complete checkpoint under {self.location}/checkpoints to resume from: {hint}")
         return done
 
@@ -128,8 +137,9 @@ class RunPlace:
             self.store.publish("metrics.jsonl", "samples")
 
 
-def resume_config(run_dir: str | Path, overrides: list[str], model: type = RunConfig,
-                  force_change: list[str] | None = None) -> RunConfig:
+def resume_config(
+    run_dir: str | Path, overrides: list[str], model: type[Any] = RunConfig, force_change: list[str] | None = None
+) -> Any:
     """The run's saved config (from a folder or a URL), with overrides (e.g. ``steps=200``) on top,
     validated as ``model`` (a train or a DPO run). Overrides that would change what defines the run
     are refused unless named in ``force_change`` (:mod:`postrl.resume_policy`); the changes are printed."""
@@ -176,5 +186,7 @@ def check_steps_left(config: Any, done: int, length_field: str = "steps") -> Non
     final_model/ and record the lower number)."""
     wanted = getattr(config, length_field)
     if wanted < done:
-        raise ConfigError(f"{length_field}={wanted} is below the {done} steps this run has already done; a resume "
-                          f"can only continue it ({length_field} >= {done})")
+        raise ConfigError(
+            f"{length_field}={wanted} is below the {done} steps this run has already done; a resume "
+            f"can only continue it ({length_field} >= {done})"
+        )

@@ -101,9 +101,13 @@ class RunStore:
     def complete_checkpoints(self) -> list[str]:
         """The names of the run's complete checkpoints there, oldest first."""
         root = self._remote("checkpoints")
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)] if self.fs.isdir(root) else []
-        return sorted((n for n in names if n.startswith("step_") and self.fs.isfile(f"{root}/{n}/{MARKER}")),
-                      key=lambda n: int(n.split("_")[1]))
+        names = (
+            [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)] if self.fs.isdir(root) else []
+        )
+        return sorted(
+            (n for n in names if n.startswith("step_") and self.fs.isfile(f"{root}/{n}/{MARKER}")),
+            key=lambda n: int(n.split("_")[1]),
+        )
 
     def fetch_latest_checkpoint(self) -> str | None:
         """Download the latest complete checkpoint (and metrics.jsonl) into the local copy."""
@@ -121,7 +125,7 @@ class RunStore:
                 shutil.rmtree(target)
             prefix = f"{root}/{complete[-1]}/"
             for remote in self.fs.find(prefix):
-                local = target / remote[len(prefix):]
+                local = target / remote[len(prefix) :]
                 local.parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(remote, str(local))
         return complete[-1]

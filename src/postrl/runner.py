@@ -28,11 +28,11 @@ from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
 from postrl.lease import RunLease
 from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.models import context_length, load_causal_lm, load_tokenizer
-from postrl.plots import plot_metrics
 from postrl.net import can_connect, host_port
+from postrl.plots import plot_metrics
 from postrl.reward import RewardService
-from postrl.reward.columns import check_columns
 from postrl.reward.client import RemoteRewardService
+from postrl.reward.columns import check_columns
 from postrl.run_place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.tasks import task_rows
 from postrl.train.worker import TrainWorker
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
     d = config.data
-    options = dict(
+    options: dict[str, Any] = dict(
         prompt_column=d.prompt_column,
         messages_column=d.messages_column,
         apply_chat_template=d.apply_chat_template,
@@ -73,9 +73,16 @@ def in_process_trainer(config: RunConfig) -> TrainWorker:
     ref_model = None
     if config.algorithm.kl_beta > 0:
         ref_model = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    return TrainWorker(policy, config.train, config.algorithm, temperature=config.rollout.temperature,
-                       ref_model=ref_model, seed=config.seed, gradient_checkpointing=config.model.gradient_checkpointing,
-                       max_response_tokens=config.rollout.max_tokens)
+    return TrainWorker(
+        policy,
+        config.train,
+        config.algorithm,
+        temperature=config.rollout.temperature,
+        ref_model=ref_model,
+        seed=config.seed,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+        max_response_tokens=config.rollout.max_tokens,
+    )
 
 
 def build_components(config: RunConfig) -> Components:
@@ -100,8 +107,9 @@ def build_components(config: RunConfig) -> Components:
         scheduler.close()
         raise
     trainer, rollout, reward, *critic = built
-    return Components(config, tokenizer, dataset, rollout, reward, trainer, OnPolicyBuffer(), scheduler,
-                      critic[0] if critic else None)
+    return Components(
+        config, tokenizer, dataset, rollout, reward, trainer, OnPolicyBuffer(), scheduler, critic[0] if critic else None
+    )
 
 
 def close_components(parts: Components) -> None:
@@ -123,8 +131,9 @@ def make_reward_service(config: RewardConfig) -> RewardService | RemoteRewardSer
     return RewardService(config)
 
 
-def make_sinks(config: RunConfig, run_dir: Path, resume_step: int | None, echo: Callable[[str], None],
-               total: int | None = None) -> list[MetricSink]:
+def make_sinks(
+    config: RunConfig, run_dir: Path, resume_step: int | None, echo: Callable[[str], None], total: int | None = None
+) -> list[MetricSink]:
     sinks: list[MetricSink] = []
     if config.logging.console:
         sinks.append(ConsoleSink(echo, total))
@@ -145,9 +154,13 @@ def check_context_length(config: RunConfig) -> None:
     prompt = config.data.max_prompt_tokens
     if prompt is None:
         if limit is not None and limit <= config.rollout.max_tokens:
-            raise ConfigError(f"rollout.max_tokens={config.rollout.max_tokens} leaves no room for a prompt in the "
-                              f"model's context length {limit} ({config.model.path})")
-        config.data.max_prompt_tokens = DEFAULT_MAX_PROMPT_TOKENS if limit is None else limit - config.rollout.max_tokens
+            raise ConfigError(
+                f"rollout.max_tokens={config.rollout.max_tokens} leaves no room for a prompt in the "
+                f"model's context length {limit} ({config.model.path})"
+            )
+        config.data.max_prompt_tokens = (
+            DEFAULT_MAX_PROMPT_TOKENS if limit is None else limit - config.rollout.max_tokens
+        )
     elif limit is not None and prompt + config.rollout.max_tokens > limit:
         raise ConfigError(
             f"data.max_prompt_tokens={prompt} + rollout.max_tokens={config.rollout.max_tokens} = "
@@ -166,11 +179,15 @@ def check_vllm_context(config: RunConfig, limit: int | None) -> None:
     if vllm.max_model_len is None:
         vllm.max_model_len = needed
     elif limit is not None and vllm.max_model_len > limit:
-        raise ConfigError(f"rollout.vllm.max_model_len={vllm.max_model_len} is more than the model's context length "
-                          f"{limit} ({config.model.path}); leave it unset (the run needs {needed}) or lower it")
+        raise ConfigError(
+            f"rollout.vllm.max_model_len={vllm.max_model_len} is more than the model's context length "
+            f"{limit} ({config.model.path}); leave it unset (the run needs {needed}) or lower it"
+        )
     elif vllm.max_model_len < needed:
-        raise ConfigError(f"rollout.vllm.max_model_len={vllm.max_model_len} is less than data.max_prompt_tokens + "
-                          f"rollout.max_tokens = {needed}; raise it or leave it unset")
+        raise ConfigError(
+            f"rollout.vllm.max_model_len={vllm.max_model_len} is less than data.max_prompt_tokens + "
+            f"rollout.max_tokens = {needed}; raise it or leave it unset"
+        )
 
 
 def resolve_lr_decay(config: RunConfig) -> None:
@@ -187,8 +204,10 @@ def make_validator(config: RunConfig, tokenizer: Any) -> Validator | None:
         return None
     dataset = load_validation_set(config, tokenizer)
     if dataset is None or not len(dataset):
-        raise ConfigError(f"logging.eval_every={config.logging.eval_every} needs held-out prompts: set "
-                          "data.val_files (or train on a built-in data.task, whose test split is used)")
+        raise ConfigError(
+            f"logging.eval_every={config.logging.eval_every} needs held-out prompts: set "
+            "data.val_files (or train on a built-in data.task, whose test split is used)"
+        )
     return Validator(config, dataset)
 
 
@@ -201,9 +220,11 @@ class NoSignalWatch:
     def observe(self, metrics: StepMetrics) -> None:
         self.streak = self.streak + 1 if metrics.values.get("reward/no_signal_groups", 0.0) >= 1.0 else 0
         if self.streak == self.limit:
-            self.echo(f"warning: in the last {self.limit} steps every group's samples got identical rewards, so "
-                      "nothing was learned: the reward never varies. Check the reward function (postrl eval --run, "
-                      "samples/step_N.jsonl) or the task's difficulty (every answer right, or every answer wrong)")
+            self.echo(
+                f"warning: in the last {self.limit} steps every group's samples got identical rewards, so "
+                "nothing was learned: the reward never varies. Check the reward function (postrl eval --run, "
+                "samples/step_N.jsonl) or the task's difficulty (every answer right, or every answer wrong)"
+            )
 
 
 def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
@@ -295,19 +316,37 @@ def _stderr_echo(text: str) -> None:
 
 def _checkpoint(controller: Controller, config: RunConfig, place: RunPlace) -> int:
     parts = controller.parts
-    path = save_checkpoint(config.run_dir, controller.step_count, parts.trainer, controller.state_dict(),
-                           config.checkpoint.keep_last, parts.tokenizer, parts.critic)
+    path = save_checkpoint(
+        config.run_dir,
+        controller.step_count,
+        parts.trainer,
+        controller.state_dict(),
+        config.checkpoint.keep_last,
+        parts.tokenizer,
+        parts.critic,
+    )
     place.publish_checkpoint(path, list_checkpoints(config.run_dir))
     return controller.step_count
 
 
-def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None,
-              on_step: Callable[[StepMetrics], None] | None, place: RunPlace,
-              validator: Validator | None = None) -> None:
+def _run_loop(
+    controller: Controller,
+    config: RunConfig,
+    resume_step: int | None,
+    on_step: Callable[[StepMetrics], None] | None,
+    place: RunPlace,
+    validator: Validator | None = None,
+) -> None:
     run_dir, parts = config.run_dir, controller.parts
     show_bar = config.logging.progress_bar and sys.stderr.isatty()
-    bar = tqdm(total=config.steps, initial=controller.step_count, disable=not show_bar,
-               desc=config.name, unit="step", leave=False)
+    bar = tqdm(
+        total=config.steps,
+        initial=controller.step_count,
+        disable=not show_bar,
+        desc=config.name,
+        unit="step",
+        leave=False,
+    )
     sinks = make_sinks(config, run_dir, resume_step, echo=bar.write if show_bar else print, total=config.steps)
     no_signal = NoSignalWatch(bar.write if show_bar else _stderr_echo)
     saved_at = resume_step
@@ -337,8 +376,9 @@ def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None
             if controller.step_count < config.steps:
                 if config.checkpoint.on_interrupt and saved_at != controller.step_count and controller.step_count > 0:
                     saved_at = _checkpoint(controller, config, place)
-                raise RunInterrupted(_stopped_message(place.location, controller.step_count, saved_at),
-                                     stopper.signum or signal.SIGINT)
+                raise RunInterrupted(
+                    _stopped_message(place.location, controller.step_count, saved_at), stopper.signum or signal.SIGINT
+                )
         final = run_dir / "final_model"
         parts.trainer.save_pretrained(final)
         parts.tokenizer.save_pretrained(final)
@@ -354,12 +394,15 @@ def _run_loop(controller: Controller, config: RunConfig, resume_step: int | None
             sink.close()
 
 
-def _stopped_message(run_dir: str, step: int, saved_at: int | None, abandoned: bool = False,
-                     command: str = "train") -> str:
+def _stopped_message(
+    run_dir: str, step: int, saved_at: int | None, abandoned: bool = False, command: str = "train"
+) -> str:
     what = "abandoned a step that had started updating the weights; " if abandoned else ""
     if saved_at:
-        return (f"stopped after step {step}; {what}the last checkpoint is step {saved_at}. "
-                f"Resume with: postrl {command} --resume {run_dir}")
+        return (
+            f"stopped after step {step}; {what}the last checkpoint is step {saved_at}. "
+            f"Resume with: postrl {command} --resume {run_dir}"
+        )
     return f"stopped after step {step}; {what}no checkpoint was written, so there is nothing to resume"
 
 

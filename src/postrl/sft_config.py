@@ -14,14 +14,18 @@ from postrl.scheduler_config import SchedulerConfig
 
 
 class SFTDataConfig(Section):
-    train_files: list[str] = Field(min_length=1, description="JSONL or Parquet files: prompt and response strings, "
-                                   "or a chat message list (its assistant turns are trained).")
+    train_files: list[str] = Field(
+        min_length=1,
+        description="JSONL or Parquet files: prompt and response strings, "
+        "or a chat message list (its assistant turns are trained).",
+    )
     prompt_column: str = Field("prompt", description="Column holding the prompt string.")
     response_column: str = Field("response", description="Column holding the target response string.")
     messages_column: str = Field("messages", description="Column holding a chat message list.")
     apply_chat_template: bool = Field(False, description="Wrap prompt strings as one user message (chat template).")
-    max_tokens: int = Field(512, ge=2, description="Longest example (prompt + response); longer rows are errors "
-                            "(or skipped).")
+    max_tokens: int = Field(
+        512, ge=2, description="Longest example (prompt + response); longer rows are errors (or skipped)."
+    )
     on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip.")
 
 
@@ -29,16 +33,23 @@ class SFTRunConfig(RunLocation, Section):
     name: str = Field("sft", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
     output_dir: str = Field("runs", description="Runs go to output_dir/name (a URL keeps the run there).")
     seed: int = Field(0, description="Seeds the example order and the trainer.")
-    import_paths: list[str] = Field(default_factory=list, description="Folders put on the import path (the config's "
-                                    "folder is added when it is loaded).")
+    import_paths: list[str] = Field(
+        default_factory=list,
+        description="Folders put on the import path (the config's folder is added when it is loaded).",
+    )
     epochs: int = Field(1, ge=1, description="Passes over the examples.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model to fine-tune.")
     data: SFTDataConfig = Field(description="The examples.")
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-4, mini_batch_size=32, micro_batch_size=8),
-                               description="Optimizer and batching, in examples (mini_batch_size per step); the loss "
-                               "is the mean negative log-likelihood over the trained tokens.")
+    train: TrainConfig = Field(
+        default_factory=lambda: TrainConfig(lr=1e-4, mini_batch_size=32, micro_batch_size=8),
+        description="Optimizer and batching, in examples (mini_batch_size per step); the loss "
+        "is the mean negative log-likelihood over the trained tokens.",
+    )
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Where the train ranks run: "
-                                       "scheduler.train.workers > 1 is an FSDP2 group; type: ray places them as "
-                                       "Ray actors.")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig,
+        description="Where the train ranks run: "
+        "scheduler.train.workers > 1 is an FSDP2 group; type: ray places them as "
+        "Ray actors.",
+    )

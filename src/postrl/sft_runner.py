@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,24 +42,44 @@ def example_order(n: int, seed: int, epoch: int) -> list[int]:
 
 def sft_batch(examples: list[SFTExample], pad_id: int) -> ExperienceBatch:
     """The examples as a batch the Train Worker trains on: advantage 1 on the trained tokens."""
-    return ExperienceBatch.from_experiences([
-        Experience(e.prompt_ids, e.response_ids, [0.0] * len(e.response_ids), 0.0, 1.0, 0, group_id=i,
-                   loss_mask=e.loss_mask)
-        for i, e in enumerate(examples)], pad_id)
+    return ExperienceBatch.from_experiences(
+        [
+            Experience(
+                e.prompt_ids,
+                e.response_ids,
+                [0.0] * len(e.response_ids),
+                0.0,
+                1.0,
+                0,
+                group_id=i,
+                loss_mask=e.loss_mask,
+            )
+            for i, e in enumerate(examples)
+        ],
+        pad_id,
+    )
 
 
 def policy_spec(config: SFTRunConfig) -> PolicySpec:
-    return PolicySpec(config.model.path, config.model.dtype, config.train, SFT_ALGORITHM, temperature=1.0,
-                      seed=config.seed, gradient_checkpointing=config.model.gradient_checkpointing)
+    return PolicySpec(
+        config.model.path,
+        config.model.dtype,
+        config.train,
+        SFT_ALGORITHM,
+        temperature=1.0,
+        seed=config.seed,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+    )
 
 
 def make_trainer(config: SFTRunConfig) -> tuple[Any, Any]:
     """(trainer, scheduler): a Train Worker in this process, an FSDP2 group of processes, or Ray actors."""
     s = config.scheduler
+    scheduler: Any
     if s.type == "ray":
         from postrl.scheduling.ray_scheduler import RayScheduler
 
-        scheduler = RayScheduler(config, roles=("train",))  # type: ignore[arg-type] - the fields it reads
+        scheduler = RayScheduler(config, roles=("train",))  # type: ignore[arg-type]  # it reads the fields both configs share
         try:
             return scheduler.train_group(policy_spec(config)), scheduler
         except BaseException:
@@ -73,27 +94,44 @@ def make_trainer(config: SFTRunConfig) -> tuple[Any, Any]:
 
     device = resolve_device(config.train.device, "train.device")
     model = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    worker = TrainWorker(model, config.train, SFT_ALGORITHM, temperature=1.0, seed=config.seed,
-                         gradient_checkpointing=config.model.gradient_checkpointing)
+    worker = TrainWorker(
+        model,
+        config.train,
+        SFT_ALGORITHM,
+        temperature=1.0,
+        seed=config.seed,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+    )
     return worker, None
 
 
-def train_sft(config: SFTRunConfig, resume: bool = False, overwrite: bool = False,
-              echo: Callable[[str], None] = print) -> int:
+def train_sft(
+    config: SFTRunConfig, resume: bool = False, overwrite: bool = False, echo: Callable[[str], None] = print
+) -> int:
     """Check, build, run; returns the steps done. Nothing is written before the data is checked."""
-    place = RunPlace(config)  # type: ignore[arg-type] - the same run-directory fields as RunConfig
+    place = RunPlace(config)
     done = place.check_resumable() if resume else 0
     if not resume:
         place.check_new(overwrite, command="sft")
     tokenizer = load_tokenizer(config.model.path)
     d = config.data
-    examples, skipped = load_sft_examples(d.train_files, tokenizer, d.prompt_column, d.response_column,
-                                          d.messages_column, d.apply_chat_template, d.max_tokens, d.on_bad_row)
+    examples, skipped = load_sft_examples(
+        d.train_files,
+        tokenizer,
+        d.prompt_column,
+        d.response_column,
+        d.messages_column,
+        d.apply_chat_template,
+        d.max_tokens,
+        d.on_bad_row,
+    )
     per_epoch = math.ceil(len(examples) / config.train.mini_batch_size)
     total = config.epochs * per_epoch
     if total < done:
-        raise ConfigError(f"epochs={config.epochs} gives {total} steps, below the {done} this run has already done; "
-                          "a resume can only continue it")
+        raise ConfigError(
+            f"epochs={config.epochs} gives {total} steps, below the {done} this run has already done; "
+            "a resume can only continue it"
+        )
     t = config.train
     if t.lr_schedule != "constant" and t.lr_decay_steps is None:
         t.lr_decay_steps = total
@@ -119,8 +157,18 @@ def train_sft(config: SFTRunConfig, resume: bool = False, overwrite: bool = Fals
             lease.release()
 
 
-def _run(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, examples: list[SFTExample],
-         skipped: list[str], resume: bool, total: int, per_epoch: int, echo: Callable[[str], None]) -> int:
+def _run(
+    config: SFTRunConfig,
+    place: RunPlace,
+    trainer: Any,
+    tokenizer: Any,
+    examples: list[SFTExample],
+    skipped: list[str],
+    resume: bool,
+    total: int,
+    per_epoch: int,
+    echo: Callable[[str], None],
+) -> int:
     run_dir = config.run_dir
     step = 0
     if resume:
@@ -150,8 +198,9 @@ def _run(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, ex
             if step < total:
                 if config.checkpoint.on_interrupt and saved_at != step and step > 0:
                     saved_at = _checkpoint(config, place, trainer, tokenizer, step)
-                raise RunInterrupted(_stopped_message(place.location, step, saved_at, command="sft"),
-                                     stopper.signum or signal.SIGINT)
+                raise RunInterrupted(
+                    _stopped_message(place.location, step, saved_at, command="sft"), stopper.signum or signal.SIGINT
+                )
         final = run_dir / "final_model"
         trainer.save_pretrained(final)
         tokenizer.save_pretrained(final)
@@ -173,22 +222,38 @@ class Progress:
     step: int  # steps completed
 
 
-def _steps(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, examples: list[SFTExample],
-           sinks: list, stopper: GracefulStop, progress: Progress, total: int, per_epoch: int) -> None:
+def _steps(
+    config: SFTRunConfig,
+    place: RunPlace,
+    trainer: Any,
+    tokenizer: Any,
+    examples: list[SFTExample],
+    sinks: list,
+    stopper: GracefulStop,
+    progress: Progress,
+    total: int,
+    per_epoch: int,
+) -> None:
     """Train until the last step or a stop request, counting completed steps in ``progress``."""
     mini = config.train.mini_batch_size
     while progress.step < total and not stopper.requested:
         step = progress.step
         began = time.perf_counter()
         order = example_order(len(examples), config.seed, step // per_epoch)
-        chosen = [examples[i] for i in order[(step % per_epoch) * mini: (step % per_epoch + 1) * mini]]
+        chosen = [examples[i] for i in order[(step % per_epoch) * mini : (step % per_epoch + 1) * mini]]
         metrics = trainer.update(sft_batch(chosen, tokenizer.pad_token_id))
         step = progress.step = step + 1
         tokens = sum(sum(e.loss_mask) for e in chosen)
-        values = {"sft/loss": metrics.loss, "sft/perplexity": math.exp(min(metrics.loss, 50.0)),
-                  "sft/tokens": float(tokens), "actor/grad_norm": metrics.grad_norm,
-                  "actor/lr": metrics.learning_rate, "actor/skipped_updates": float(metrics.skipped_steps),
-                  "data/epoch": float((step - 1) // per_epoch), "time/step_s": time.perf_counter() - began}
+        values = {
+            "sft/loss": metrics.loss,
+            "sft/perplexity": math.exp(min(metrics.loss, 50.0)),
+            "sft/tokens": float(tokens),
+            "actor/grad_norm": metrics.grad_norm,
+            "actor/lr": metrics.learning_rate,
+            "actor/skipped_updates": float(metrics.skipped_steps),
+            "data/epoch": float((step - 1) // per_epoch),
+            "time/step_s": time.perf_counter() - began,
+        }
         for sink in sinks:
             sink.write(StepMetrics(step=step, weight_version=step, values=values))
         every = config.checkpoint.every_steps
@@ -197,8 +262,8 @@ def _steps(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, 
 
 
 def _checkpoint(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, step: int) -> int:
-    path = save_checkpoint(config.run_dir, step, trainer, {"step": step, "weight_version": step},
-                           config.checkpoint.keep_last, tokenizer)
+    path = save_checkpoint(
+        config.run_dir, step, trainer, {"step": step, "weight_version": step}, config.checkpoint.keep_last, tokenizer
+    )
     place.publish_checkpoint(path, list_checkpoints(config.run_dir))
     return step
-

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -141,8 +142,10 @@ class ExperienceBatch:
         n = len(experiences)
         input_ids = torch.full((n, width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((n, width), dtype=torch.long)
-        per_token = {name: torch.zeros((n, width - 1), dtype=torch.float32)
-                     for name in ("response_mask", "loss_mask", "old_logprobs", "advantages")}
+        per_token = {
+            name: torch.zeros((n, width - 1), dtype=torch.float32)
+            for name in ("response_mask", "loss_mask", "old_logprobs", "advantages")
+        }
         logprob_versions = torch.full((n, width - 1), -1, dtype=torch.long)
         given = [e.group_id for e in experiences if e.group_id is not None]
         next_free = max(given, default=-1) + 1  # samples without a group are each a group of one
@@ -164,7 +167,9 @@ class ExperienceBatch:
             else:
                 group_ids.append(e.group_id)
         return ExperienceBatch(
-            input_ids=input_ids, attention_mask=attention_mask, **per_token,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            **per_token,
             group_ids=torch.tensor(group_ids, dtype=torch.long),
             weight_versions=torch.tensor([e.weight_version for e in experiences], dtype=torch.long),
             logprob_versions=logprob_versions,
@@ -183,8 +188,12 @@ def _response_values(row: int, e: Experience) -> dict[str, list]:
         "loss_mask": [1] * r if e.loss_mask is None else list(e.loss_mask),
         "logprob_versions": [e.weight_version] * r if e.logprob_versions is None else list(e.logprob_versions),
     }
-    names = {"old_logprobs": "logprobs", "advantages": "advantages", "loss_mask": "loss_mask entries",
-             "logprob_versions": "logprob_versions"}
+    names = {
+        "old_logprobs": "logprobs",
+        "advantages": "advantages",
+        "loss_mask": "loss_mask entries",
+        "logprob_versions": "logprob_versions",
+    }
     for key, got in values.items():
         if len(got) != r:
             raise ValueError(f"experience {row}: {len(got)} {names[key]} for {r} response tokens")

@@ -21,9 +21,13 @@ from postrl.types import SamplingParams
 def load_validation_set(config: RunConfig, tokenizer: Any) -> PromptDataset | None:
     """The held-out prompts, or None when the run has none (no val_files, no task)."""
     d = config.data
-    options = dict(prompt_column=d.prompt_column, messages_column=d.messages_column,
-                   apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_tokens,
-                   on_bad_row=d.on_bad_row)
+    options: dict[str, Any] = dict(
+        prompt_column=d.prompt_column,
+        messages_column=d.messages_column,
+        apply_chat_template=d.apply_chat_template,
+        max_prompt_tokens=d.max_prompt_tokens,
+        on_bad_row=d.on_bad_row,
+    )
     if d.val_files:
         dataset = load_prompt_dataset(d.val_files, tokenizer, **options)
     elif d.task is not None:
@@ -41,8 +45,13 @@ class Validator:
 
     def __init__(self, config: RunConfig, dataset: PromptDataset) -> None:
         self.config, self.dataset = config, dataset
-        self.sampling = SamplingParams(n=1, temperature=0.0, max_tokens=config.rollout.max_tokens,
-                                       stop=tuple(config.rollout.stop), stop_token_ids=tuple(config.rollout.stop_token_ids))
+        self.sampling = SamplingParams(
+            n=1,
+            temperature=0.0,
+            max_tokens=config.rollout.max_tokens,
+            stop=tuple(config.rollout.stop),
+            stop_token_ids=tuple(config.rollout.stop_token_ids),
+        )
 
     def due(self, step: int) -> bool:
         every = self.config.logging.eval_every
@@ -51,8 +60,12 @@ class Validator:
     def run(self, rollout: Any, reward: Any, weight_version: int) -> dict[str, float]:
         prompts = self.dataset.prompts
         rollouts = rollout.generate(prompts, self.sampling, weight_version)
-        results = reward.score_batch([ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns,
-                                                   len(r.response_ids)) for r in rollouts])
+        results = reward.score_batch(
+            [
+                ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids))
+                for r in rollouts
+            ]
+        )
         scored = [res.reward for res in results if res.reward is not None]
         values = {
             "val/reward_mean": sum(scored) / len(scored) if scored else float("nan"),

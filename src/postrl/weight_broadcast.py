@@ -17,8 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
-                                                       torch.int32, torch.uint8, torch.bool)}
+DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool)
+}
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ def unpack(buffer: torch.Tensor, specs: tuple[TensorSpec, ...]) -> dict[str, tor
     return out
 
 
-def _group(host: str, port: int, rank: int, world: int, timeout_s: float,
-           store: dist.TCPStore | None = None) -> tuple[dist.TCPStore, dist.ProcessGroup]:
+def _group(
+    host: str, port: int, rank: int, world: int, timeout_s: float, store: dist.TCPStore | None = None
+) -> tuple[dist.TCPStore, dist.ProcessGroup]:
     timeout = timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
@@ -86,8 +89,9 @@ def open_sender_store(host: str, port: int, world: int, timeout_s: float) -> dis
     return dist.TCPStore(host, port, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def send_state(store: dist.TCPStore, state: dict[str, torch.Tensor], plan: BroadcastPlan, world: int,
-               timeout_s: float, tamper=None) -> None:
+def send_state(
+    store: dist.TCPStore, state: dict[str, torch.Tensor], plan: BroadcastPlan, world: int, timeout_s: float, tamper=None
+) -> None:
     """Broadcast every bucket from rank 0. ``tamper`` (tests only) may alter a packed bucket."""
     _, group = _group("", 0, 0, world, timeout_s, store)
     options = dist.BroadcastOptions()
@@ -102,8 +106,9 @@ def send_state(store: dist.TCPStore, state: dict[str, torch.Tensor], plan: Broad
         del group  # closes the connections: receivers of a broken transfer fail at once instead of waiting
 
 
-def receive_state(host: str, port: int, rank: int, world: int, plan: BroadcastPlan,
-                  timeout_s: float) -> dict[str, torch.Tensor]:
+def receive_state(
+    host: str, port: int, rank: int, world: int, plan: BroadcastPlan, timeout_s: float
+) -> dict[str, torch.Tensor]:
     """Join the sender's group and receive the whole state (staged on the CPU)."""
     store, group = _group(host, port, rank, world, timeout_s)
     options = dist.BroadcastOptions()

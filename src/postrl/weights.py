@@ -40,7 +40,11 @@ def load_state_checked(model: torch.nn.Module, state: dict[str, torch.Tensor], s
     own = model.state_dict()
     missing = [k for k in own if k not in state and k not in tied_keys(model)]
     unexpected = [k for k in state if k not in own]
-    wrong_shape = [f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state if k in own and state[k].shape != own[k].shape]
+    wrong_shape = [
+        f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}"
+        for k in state
+        if k in own and state[k].shape != own[k].shape
+    ]
     if missing or unexpected or wrong_shape:
         raise RuntimeError(
             f"weights from {source} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "

@@ -1,6 +1,5 @@
 """Algorithms as pure tensor functions, found only through their registries."""
 
-from postrl.algorithms.preference import DPO_LOSSES
 from postrl.algorithms.advantages import ADVANTAGES, AdvantageInputs, register_advantage
 from postrl.algorithms.losses import (
     KL_ESTIMATORS,
@@ -14,6 +13,7 @@ from postrl.algorithms.losses import (
     register_loss_aggregation,
     register_policy_loss,
 )
+from postrl.algorithms.preference import DPO_LOSSES
 
 __all__ = [
     "ADVANTAGES",

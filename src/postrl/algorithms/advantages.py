@@ -48,8 +48,9 @@ def _group_stats(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Ten
 
 
 @register_advantage("grpo", needs_groups=True)
-def grpo_advantage(inputs: AdvantageInputs, norm_by_std: bool = True, eps: float = 1e-6,
-                   std: str = "unbiased") -> torch.Tensor:
+def grpo_advantage(
+    inputs: AdvantageInputs, norm_by_std: bool = True, eps: float = 1e-6, std: str = "unbiased"
+) -> torch.Tensor:
     """GRPO outcome advantage: (r - mean of the group) / (std of the group + eps)."""
     groups = inputs.group_ids
     valid, r, count, total = _group_stats(inputs.rewards, groups)
@@ -153,8 +154,9 @@ def reinforce_pp_baseline_advantage(inputs: AdvantageInputs, gamma: float = 1.0,
     then REINFORCE++'s returns and batch normalisation."""
     centered = dr_grpo_advantage(inputs).double()
     centered = torch.where(torch.isnan(inputs.rewards.double()), torch.full_like(centered, float("nan")), centered)
-    return reinforce_pp_advantage(AdvantageInputs(centered, inputs.group_ids, inputs.response_mask,
-                                                  inputs.token_rewards), gamma=gamma, eps=eps).to(inputs.rewards.dtype)
+    return reinforce_pp_advantage(
+        AdvantageInputs(centered, inputs.group_ids, inputs.response_mask, inputs.token_rewards), gamma=gamma, eps=eps
+    ).to(inputs.rewards.dtype)
 
 
 @register_advantage("gae")

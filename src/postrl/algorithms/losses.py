@@ -69,8 +69,9 @@ def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, low: float, high:
 
 
 @register_policy_loss("ppo_clip")
-def ppo_clip_loss(inputs: LossInputs, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
-                  dual_clip_c: float | None = None) -> PolicyLossOutput:
+def ppo_clip_loss(
+    inputs: LossInputs, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip_c: float | None = None
+) -> PolicyLossOutput:
     """PPO's clipped surrogate, per token, with asymmetric bounds (DAPO's clip-higher: a larger
     ``clip_eps_high``) and an optional dual clip (Ye et al. 2020): the loss of a negative-advantage
     token is bounded by ``-c * A``. The dual clip is off by default: it matters only when the policy
@@ -87,9 +88,14 @@ def ppo_clip_loss(inputs: LossInputs, clip_eps_low: float = 0.2, clip_eps_high: 
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
     f = inputs.logprobs.dtype
-    return PolicyLossOutput(per_token=loss * mask, clipped=(at_low | at_high).to(f) * mask,
-                            clip_low=at_low.to(f) * mask, clip_high=at_high.to(f) * mask,
-                            dual_clip=dual.to(f) * mask, approx_kl=_approx_kl(inputs))
+    return PolicyLossOutput(
+        per_token=loss * mask,
+        clipped=(at_low | at_high).to(f) * mask,
+        clip_low=at_low.to(f) * mask,
+        clip_high=at_high.to(f) * mask,
+        dual_clip=dual.to(f) * mask,
+        approx_kl=_approx_kl(inputs),
+    )
 
 
 @register_policy_loss("gspo")
@@ -105,9 +111,13 @@ def gspo_loss(inputs: LossInputs, clip_eps_low: float = 3e-4, clip_eps_high: flo
     ratio = torch.exp(token_log_ratio)
     loss, at_low, at_high = _clipped_surrogate(ratio, adv, clip_eps_low, clip_eps_high)
     f = inputs.logprobs.dtype
-    return PolicyLossOutput(per_token=loss * mask, clipped=(at_low | at_high).to(f) * mask,
-                            clip_low=at_low.to(f) * mask, clip_high=at_high.to(f) * mask,
-                            approx_kl=_approx_kl(inputs))
+    return PolicyLossOutput(
+        per_token=loss * mask,
+        clipped=(at_low | at_high).to(f) * mask,
+        clip_low=at_low.to(f) * mask,
+        clip_high=at_high.to(f) * mask,
+        approx_kl=_approx_kl(inputs),
+    )
 
 
 @register_policy_loss("cispo")
@@ -121,17 +131,22 @@ def cispo_loss(inputs: LossInputs, clip_eps_low: float = 1.0, clip_eps_high: flo
         weight = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
         at_low, at_high = ratio < 1.0 - clip_eps_low, ratio > 1.0 + clip_eps_high
     f = inputs.logprobs.dtype
-    return PolicyLossOutput(per_token=-weight * adv * inputs.logprobs * mask,
-                            clipped=(at_low | at_high).to(f) * mask, clip_low=at_low.to(f) * mask,
-                            clip_high=at_high.to(f) * mask, approx_kl=_approx_kl(inputs))
+    return PolicyLossOutput(
+        per_token=-weight * adv * inputs.logprobs * mask,
+        clipped=(at_low | at_high).to(f) * mask,
+        clip_low=at_low.to(f) * mask,
+        clip_high=at_high.to(f) * mask,
+        approx_kl=_approx_kl(inputs),
+    )
 
 
 @register_policy_loss("reinforce")
 def reinforce_loss(inputs: LossInputs) -> PolicyLossOutput:
     """Plain REINFORCE: -A * log pi per token, no importance ratio and no clipping (on-policy only)."""
     adv, mask = _token_advantages(inputs), inputs.mask
-    return PolicyLossOutput(per_token=-adv * inputs.logprobs * mask, clipped=torch.zeros_like(mask),
-                            approx_kl=_approx_kl(inputs))
+    return PolicyLossOutput(
+        per_token=-adv * inputs.logprobs * mask, clipped=torch.zeros_like(mask), approx_kl=_approx_kl(inputs)
+    )
 
 
 # -- KL estimators: of KL(pi || ref) per token, from logprobs of the sampled tokens ------------------
@@ -154,8 +169,9 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3",
-               clamp: float | None = None) -> torch.Tensor:
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", clamp: float | None = None
+) -> torch.Tensor:
     """A registered estimator, optionally clamped to [-clamp, clamp] (verl's low-variance KL uses 10)."""
     kl = KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs)
     return kl if clamp is None else torch.clamp(kl, -clamp, clamp)

@@ -14,8 +14,9 @@ from postrl.algorithms.registry import Registry
 DPO_LOSSES: Registry = Registry("DPO loss")
 
 
-def margin(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
-           ref_rejected: torch.Tensor) -> torch.Tensor:
+def margin(
+    chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor
+) -> torch.Tensor:
     return (chosen - ref_chosen) - (rejected - ref_rejected)
 
 

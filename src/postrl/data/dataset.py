@@ -8,9 +8,9 @@ and line, or, with ``on_bad_row: skip``, skipped and counted.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-import os
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,13 @@ class MalformedRow:
 def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(source, row) pairs, source being "file:line"; unparsable lines come as MalformedRow."""
     if not path.is_file():
-        where = "" if path.is_absolute() else (f" (a relative path is looked up in the working directory "
-                                              f"{os.getcwd()}, then next to the config file)")
+        where = (
+            ""
+            if path.is_absolute()
+            else (
+                f" (a relative path is looked up in the working directory {os.getcwd()}, then next to the config file)"
+            )
+        )
         raise DatasetError(f"dataset file {path} does not exist{where}")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
@@ -78,7 +83,7 @@ def _parse_json_line(raw: bytes) -> Any:
         text = line.rstrip("\r\n")
         # colno counts from the start of the string given to json, which is the whole line
         col = exc.pos - text.rfind("\n", 0, exc.pos) if "\n" in text[: exc.pos] else exc.pos + 1
-        near = text[max(0, exc.pos - 20): exc.pos + 20]
+        near = text[max(0, exc.pos - 20) : exc.pos + 20]
         return MalformedRow(f"invalid JSON at column {col}: {exc.msg} (near {near!r})")
 
 
@@ -94,7 +99,9 @@ def _validate_messages(messages: Any) -> str | None:
     return None
 
 
-def tokenize_row(row: Any, tokenizer: Any, prompt_column: str, messages_column: str, chat: bool) -> tuple[str, list[int]]:
+def tokenize_row(
+    row: Any, tokenizer: Any, prompt_column: str, messages_column: str, chat: bool
+) -> tuple[str, list[int]]:
     """The prompt text and ids of one row; raises ValueError with the reason when malformed."""
     if not isinstance(row, dict):
         raise ValueError(f"row must be an object, got {type(row).__name__}")

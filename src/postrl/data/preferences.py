@@ -50,8 +50,11 @@ def pair_from_row(row: Any, tokenizer: Any, max_tokens: int) -> tuple[list[int],
             raise ValueError("'chosen' and 'rejected' must share every message before the last")
         text = tokenizer.apply_chat_template(chosen[:-1], tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        pair = (prompt_ids, _completion_ids(tokenizer, chosen[-1]["content"]),
-                _completion_ids(tokenizer, rejected[-1]["content"]))
+        pair = (
+            prompt_ids,
+            _completion_ids(tokenizer, chosen[-1]["content"]),
+            _completion_ids(tokenizer, rejected[-1]["content"]),
+        )
     else:
         raise ValueError("'chosen' and 'rejected' must both be strings (with 'prompt') or both message lists")
     longest = len(pair[0]) + max(len(pair[1]), len(pair[2]))
@@ -60,8 +63,9 @@ def pair_from_row(row: Any, tokenizer: Any, max_tokens: int) -> tuple[list[int],
     return pair
 
 
-def load_preference_pairs(files: list[str], tokenizer: Any, max_tokens: int,
-                          on_bad_row: str = "error") -> tuple[list[PreferencePair], list[str]]:
+def load_preference_pairs(
+    files: list[str], tokenizer: Any, max_tokens: int, on_bad_row: str = "error"
+) -> tuple[list[PreferencePair], list[str]]:
     pairs: list[PreferencePair] = []
     skipped: list[str] = []
     for file in files:

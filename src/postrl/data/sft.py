@@ -39,21 +39,32 @@ def conversation_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple
         if message["role"] == "assistant":
             before = _chat_ids(tokenizer, messages[:i], generation_prompt=True)
             if before[: len(ids)] != ids:
-                raise ValueError(f"the chat template renders message {i}'s generation prompt without the "
-                                 "conversation before it as a prefix, so the trained tokens cannot be located")
+                raise ValueError(
+                    f"the chat template renders message {i}'s generation prompt without the "
+                    "conversation before it as a prefix, so the trained tokens cannot be located"
+                )
             mask += [0] * (len(before) - len(ids))
             ids = before
         full = _chat_ids(tokenizer, messages[: i + 1], generation_prompt=False)
         if full[: len(ids)] != ids:
-            raise ValueError(f"the chat template rewrites the conversation before message {i} when it is added "
-                             "(e.g. it drops earlier reasoning), so its tokens cannot be trained turn by turn")
+            raise ValueError(
+                f"the chat template rewrites the conversation before message {i} when it is added "
+                "(e.g. it drops earlier reasoning), so its tokens cannot be trained turn by turn"
+            )
         mask += [int(message["role"] == "assistant")] * (len(full) - len(ids))
         ids = full
     return ids, mask
 
 
-def example_from_row(row: Any, tokenizer: Any, prompt_column: str, response_column: str, messages_column: str,
-                     chat: bool, max_tokens: int) -> tuple[list[int], list[int]]:
+def example_from_row(
+    row: Any,
+    tokenizer: Any,
+    prompt_column: str,
+    response_column: str,
+    messages_column: str,
+    chat: bool,
+    max_tokens: int,
+) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of one row; ValueError with the reason when malformed."""
     if not isinstance(row, dict):
         raise ValueError(f"row must be an object, got {type(row).__name__}")
@@ -77,16 +88,24 @@ def example_from_row(row: Any, tokenizer: Any, prompt_column: str, response_colu
         target = _completion_ids(tokenizer, response)
         ids, mask = prompt_ids + target, [0] * len(prompt_ids) + [1] * len(target)
     else:
-        raise ValueError(f"row needs '{prompt_column}' and '{response_column}', or '{messages_column}' "
-                         f"(columns: {sorted(row)})")
+        raise ValueError(
+            f"row needs '{prompt_column}' and '{response_column}', or '{messages_column}' (columns: {sorted(row)})"
+        )
     if len(ids) > max_tokens:
         raise ValueError(f"the example is {len(ids)} tokens, more than data.max_tokens={max_tokens}")
     return ids, mask
 
 
-def load_sft_examples(files: list[str], tokenizer: Any, prompt_column: str = "prompt",
-                      response_column: str = "response", messages_column: str = "messages", chat: bool = False,
-                      max_tokens: int = 512, on_bad_row: str = "error") -> tuple[list[SFTExample], list[str]]:
+def load_sft_examples(
+    files: list[str],
+    tokenizer: Any,
+    prompt_column: str = "prompt",
+    response_column: str = "response",
+    messages_column: str = "messages",
+    chat: bool = False,
+    max_tokens: int = 512,
+    on_bad_row: str = "error",
+) -> tuple[list[SFTExample], list[str]]:
     examples: list[SFTExample] = []
     skipped: list[str] = []
     for file in files:
@@ -96,8 +115,9 @@ def load_sft_examples(files: list[str], tokenizer: Any, prompt_column: str = "pr
             try:
                 if isinstance(row, MalformedRow):
                     raise ValueError(row.reason)
-                ids, mask = example_from_row(row, tokenizer, prompt_column, response_column, messages_column, chat,
-                                             max_tokens)
+                ids, mask = example_from_row(
+                    row, tokenizer, prompt_column, response_column, messages_column, chat, max_tokens
+                )
             except ValueError as exc:
                 if on_bad_row == "skip":
                     skipped.append(f"{source}: {exc}")

@@ -62,16 +62,27 @@ class RemoteRewardService:
         return out
 
     def _score_chunk(self, chunk: list) -> list[RewardResult]:
-        body = {"samples": [{"prompt": r.prompt, "response": r.response, "columns": r.columns,
-                             "response_tokens": r.response_tokens} for r in chunk]}
+        body = {
+            "samples": [
+                {"prompt": r.prompt, "response": r.response, "columns": r.columns, "response_tokens": r.response_tokens}
+                for r in chunk
+            ]
+        }
         answer = self._request("POST", "/score", body)
         results = answer.get("results")
         if not isinstance(results, list) or len(results) != len(chunk):
             got = len(results) if isinstance(results, list) else type(results).__name__
             raise RewardServiceError(f"{self.base}/score: sent {len(chunk)} samples, got {got} results")
-        return [RewardResult(reward=r["reward"], components=r.get("components") or {}, error=r.get("error"),
-                             reasons=r.get("reasons") or {}, flags=r.get("flags") or [])
-                for r in results]
+        return [
+            RewardResult(
+                reward=r["reward"],
+                components=r.get("components") or {},
+                error=r.get("error"),
+                reasons=r.get("reasons") or {},
+                flags=r.get("flags") or [],
+            )
+            for r in results
+        ]
 
     def _request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         url = self.base + path

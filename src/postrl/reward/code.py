@@ -57,8 +57,13 @@ def _sandbox(limits: SandboxLimits, namespaces: tuple[str, ...] | None, user: tu
 
 
 def code_reward(
-    prompt: str, response: str, tests_column: str = "tests", code_score: str = "fraction",
-    sandbox: dict | None = None, protections: dict | None = None, **columns: Any,
+    prompt: str,
+    response: str,
+    tests_column: str = "tests",
+    code_score: str = "fraction",
+    sandbox: dict | None = None,
+    protections: dict | None = None,
+    **columns: Any,
 ) -> tuple[float, str | None]:
     """(fraction of tests passed, or 1/0 with code_score='all_or_nothing'; why tests failed).
 

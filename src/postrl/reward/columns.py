@@ -28,7 +28,7 @@ def function_columns(path: str) -> list[str]:
     except (TypeError, ValueError):  # a builtin or a callable without a signature: nothing to check
         return []
     named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    return [p.name for p in named[len(ALWAYS_PASSED):] if p.default is p.empty]
+    return [p.name for p in named[len(ALWAYS_PASSED) :] if p.default is p.empty]
 
 
 def required_columns(config: RewardConfig) -> dict[str, list[str]]:
@@ -69,5 +69,8 @@ def check_columns(config: RewardConfig, rows: Iterable[tuple[str, dict[str, Any]
             what = f"{comp.function} takes '{col}'" if comp.type == "custom" else f"it reads '{col}'"
             more = f" and {len(sources) - 3} more" if len(sources) > 3 else ""
             lines.append(f"reward component '{name}' ({comp.type}): {what}, missing in {', '.join(sources[:3])}{more}")
-        raise ConfigError("the data lacks columns the reward needs:\n  " + "\n  ".join(lines)
-                          + "\n(add the column to the data, or set the component's answer_column / tests_column)")
+        raise ConfigError(
+            "the data lacks columns the reward needs:\n  "
+            + "\n  ".join(lines)
+            + "\n(add the column to the data, or set the component's answer_column / tests_column)"
+        )

@@ -305,9 +305,15 @@ class ScoringPool:
             selector.close()
             with self._lock:
                 self._closed = True
-                leftovers = [job for job in self._queue if job.in_queue] + [job for w in self._workers for job in w.pending]
+                leftovers = [job for job in self._queue if job.in_queue] + [
+                    job for w in self._workers for job in w.pending
+                ]
                 self._queue.clear()
-            reason = f"the scoring pool stopped: {failure!r}" if failure else "the scoring pool was closed before this job ran"
+            reason = (
+                f"the scoring pool stopped: {failure!r}"
+                if failure
+                else "the scoring pool was closed before this job ran"
+            )
             for job in leftovers:
                 if not job.future.done():
                     job.future.set_exception(PoolClosedError(reason))
@@ -431,8 +437,9 @@ class ScoringPool:
         now = time.monotonic()
         times = [w.started + self._limit(w) - now for w in busy]
         if self._has_queued():
-            times += [w.started + self.stall_after_s - now for w in busy
-                      if w.ready and not w.stalled(now, self.stall_after_s)]
+            times += [
+                w.started + self.stall_after_s - now for w in busy if w.ready and not w.stalled(now, self.stall_after_s)
+            ]
         return max(0.0, min(times)) + 0.001
 
     def _read_stderr(self, worker: _Worker) -> None:
@@ -494,7 +501,9 @@ class ScoringPool:
                     worker.pending[0].in_queue = False
                 if not job.future.done():  # done when its batch was abandoned, or another copy answered
                     job.batch.results += 1
-                    done.append((job, JobResult(value=msg.get("value"), error=msg.get("error"), reason=msg.get("reason"))))
+                    done.append(
+                        (job, JobResult(value=msg.get("value"), error=msg.get("error"), reason=msg.get("reason")))
+                    )
         for job, result in done:
             job.future.set_result(result)
 
@@ -527,7 +536,9 @@ class ScoringPool:
                 if result is not None and not culprit.future.done():
                     culprit.future.set_result(result)
                 # the jobs behind it start again elsewhere, unless a copy is queued or running already
-                again = [job for job in worker.pending if not job.future.done() and not job.in_queue and job.holders == 1]
+                again = [
+                    job for job in worker.pending if not job.future.done() and not job.in_queue and job.holders == 1
+                ]
                 for job in reversed(again):
                     job.in_queue = True
                     self._queue.appendleft(job)
@@ -540,8 +551,10 @@ class ScoringPool:
         batch = job.batch
         batch.timeouts += 1
         if batch.broken is None and batch.results == 0 and batch.timeouts >= self.hang_limit:
-            batch.broken = (f"not run: {fn} timed out on {batch.timeouts} samples of this batch and returned "
-                            f"on none (after {job.timeout_s:g}s each)")
+            batch.broken = (
+                f"not run: {fn} timed out on {batch.timeouts} samples of this batch and returned "
+                f"on none (after {job.timeout_s:g}s each)"
+            )
             for worker in self._workers:  # jobs of the batch waiting behind other jobs: answer now, skip later
                 for queued in list(worker.pending)[1:]:
                     if queued.batch is batch and not queued.future.done():

@@ -56,14 +56,22 @@ class RemoteRewardModel:
 
 class LLMJudge:
     def __init__(
-        self, url: str, model: str, prompt_template: str, score_pattern: str, score_scale: float = 10.0,
-        timeout_s: float = 60.0, api_key_env: str | None = None, max_concurrency: int = 8,
+        self,
+        url: str,
+        model: str,
+        prompt_template: str,
+        score_pattern: str,
+        score_scale: float = 10.0,
+        timeout_s: float = 60.0,
+        api_key_env: str | None = None,
+        max_concurrency: int = 8,
     ) -> None:
         self.endpoint = url.rstrip("/") + "/chat/completions"
         self.model, self.template, self.scale = model, prompt_template, score_scale
         self.pattern = re.compile(score_pattern)
-        self.client = httpx.Client(timeout=timeout_s, headers=_headers(api_key_env),
-                                   limits=httpx.Limits(max_connections=max_concurrency))
+        self.client = httpx.Client(
+            timeout=timeout_s, headers=_headers(api_key_env), limits=httpx.Limits(max_connections=max_concurrency)
+        )
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="postrl-judge")
 
     def score(self, items: list[tuple[str, str, dict[str, Any]]]) -> list[Score]:

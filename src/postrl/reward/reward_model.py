@@ -32,7 +32,8 @@ class RewardModel:
         templated = bool(getattr(self.tokenizer, "chat_template", None))
         for start in range(0, len(pairs), self.batch_size):
             texts = [self.text(p, r) for p, r in pairs[start : start + self.batch_size]]
-            enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                                 add_special_tokens=not templated)
+            enc = self.tokenizer(
+                texts, return_tensors="pt", padding=True, truncation=True, add_special_tokens=not templated
+            )
             scores.extend(self.model(**enc).logits[:, 0].float().tolist())
         return scores

@@ -28,7 +28,12 @@ from functools import lru_cache
 from pathlib import Path
 
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
-SCRUBBED_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+SCRUBBED_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": "/tmp",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,9 @@ def warn_missing_protections(protections: Protections | None = None) -> list[str
     protections = protections or probe_protections()
     missing = protections.missing()
     for name in missing:
-        warnings.warn(f"code sandbox: protection '{name}' is not available on this machine", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"code sandbox: protection '{name}' is not available on this machine", RuntimeWarning, stacklevel=2
+        )
     return missing
 
 
@@ -148,11 +155,22 @@ class Sandbox:
             os.chown(workdir, uid, gid)
         limits = self.limits
         spec = {
-            "program": program, "tests": tests, "mode": mode, "private_tmp": private_tmp, "workdir": workdir,
-            "tmp_size_mb": limits.tmp_size_mb, "uid": uid, "gid": gid,
+            "program": program,
+            "tests": tests,
+            "mode": mode,
+            "private_tmp": private_tmp,
+            "workdir": workdir,
+            "tmp_size_mb": limits.tmp_size_mb,
+            "uid": uid,
+            "gid": gid,
             "case_timeout_s": max(0.1, limits.wall_s / max(1, len(tests))) if mode == "io" else limits.wall_s,
-            "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "processes": limits.processes,
-                       "file_size_mb": limits.file_size_mb, "open_files": limits.open_files},
+            "limits": {
+                "cpu_s": limits.cpu_s,
+                "memory_mb": limits.memory_mb,
+                "processes": limits.processes,
+                "file_size_mb": limits.file_size_mb,
+                "open_files": limits.open_files,
+            },
         }
         try:
             return self._execute(spec, len(tests))
@@ -167,8 +185,14 @@ class Sandbox:
             spec_file.seek(0)
             try:
                 proc = subprocess.Popen(
-                    self._command(result_w), stdin=spec_file, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    pass_fds=(result_w,), start_new_session=True, env=SCRUBBED_ENV, close_fds=True,
+                    self._command(result_w),
+                    stdin=spec_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(result_w,),
+                    start_new_session=True,
+                    env=SCRUBBED_ENV,
+                    close_fds=True,
                 )
             finally:
                 os.close(result_w)

@@ -129,8 +129,10 @@ def build_reward_app(service: RewardService, server: RewardServerConfig, token: 
                 return JSONResponse({"detail": f"bad /score body: {problems}"}, status_code=status)
             if len(body.samples) > server.max_batch:
                 status = 413
-                return JSONResponse({"detail": f"{len(body.samples)} samples is over server.max_batch={server.max_batch}"},
-                                    status_code=status)
+                return JSONResponse(
+                    {"detail": f"{len(body.samples)} samples is over server.max_batch={server.max_batch}"},
+                    status_code=status,
+                )
             requests = [ScoreRequest(s.prompt, s.response, s.columns, s.response_tokens) for s in body.samples]
             results = await run_in_threadpool(service.score_batch, requests)
             with metrics.lock:

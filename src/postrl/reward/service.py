@@ -13,8 +13,9 @@ import dataclasses
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from postrl.config import POOLED_TYPES, ConfigError, RewardComponentConfig, RewardConfig
 from postrl.reward.pool import JobResult, ScoringPool
@@ -51,8 +52,18 @@ class RewardService:
             else:
                 self._local[comp.name] = self._local_scorer(comp)
         preload = tuple(sorted({fn for fn, _, _ in self._pooled.values()}))
-        self.pool = ScoringPool(config.num_workers, config.timeout_s, preload=preload, max_workers=config.max_workers,
-                                stall_after_s=config.stall_after_s, hang_limit=config.hang_limit) if self._pooled else None
+        self.pool = (
+            ScoringPool(
+                config.num_workers,
+                config.timeout_s,
+                preload=preload,
+                max_workers=config.max_workers,
+                stall_after_s=config.stall_after_s,
+                hang_limit=config.hang_limit,
+            )
+            if self._pooled
+            else None
+        )
         self.accuracy_component = next((c.name for c in self.components if c.type in ("math", "exact_match")), None)
 
     # -- building ---------------------------------------------------------------------------------
@@ -64,10 +75,15 @@ class RewardService:
         if comp.type == "code":
             protections = self._check_sandbox()
             # the workers use this probe instead of repeating it at every (re)start
-            options = {"tests_column": comp.tests_column, "code_score": comp.code_score,
-                       "sandbox": comp.sandbox.model_dump(),
-                       "protections": {"namespaces": list(protections.namespaces),
-                                       "user": list(protections.unprivileged_user or []) or None}}
+            options = {
+                "tests_column": comp.tests_column,
+                "code_score": comp.code_score,
+                "sandbox": comp.sandbox.model_dump(),
+                "protections": {
+                    "namespaces": list(protections.namespaces),
+                    "user": list(protections.unprivileged_user or []) or None,
+                },
+            }
             return CODE_REWARD, options, comp.timeout_s or comp.sandbox.wall_s + comp.timeout_margin_s
         return VERIFIERS[comp.type], {"answer_column": comp.answer_column}, timeout
 
@@ -88,8 +104,9 @@ class RewardService:
         if comp.type == "length":
             return lambda reqs: [(length_penalty(r.response_tokens, comp.target_tokens), None) for r in reqs]
         if comp.type == "overlong":
-            return lambda reqs: [(overlong_penalty(r.response_tokens, comp.max_tokens, comp.cache_tokens), None)
-                                 for r in reqs]
+            return lambda reqs: [
+                (overlong_penalty(r.response_tokens, comp.max_tokens, comp.cache_tokens), None) for r in reqs
+            ]
         if comp.type == "reward_model":
             from postrl.reward.reward_model import RewardModel
 
@@ -102,8 +119,16 @@ class RewardService:
             remote = RemoteRewardModel(comp.url, timeout, comp.api_key_env)
             self._closers.append(remote.close)
             return lambda reqs: remote.score([(r.prompt, r.response) for r in reqs])
-        judge = LLMJudge(comp.url, comp.model, comp.prompt_template, comp.score_pattern, comp.score_scale,
-                         timeout, comp.api_key_env, comp.max_concurrency)
+        judge = LLMJudge(
+            comp.url,
+            comp.model,
+            comp.prompt_template,
+            comp.score_pattern,
+            comp.score_scale,
+            timeout,
+            comp.api_key_env,
+            comp.max_concurrency,
+        )
         self._closers.append(judge.close)
         return lambda reqs: judge.score([(r.prompt, r.response, r.columns) for r in reqs])
 
@@ -112,8 +137,10 @@ class RewardService:
         return self.score_batch([ScoreRequest(prompt, response, columns)])[0]
 
     def score_batch(self, requests: list[ScoreRequest]) -> list[RewardResult]:
-        rows = {c.name: [i for i, r in enumerate(requests) if c.applies(r.columns.get("task_type"))]
-                for c in self.components}  # the rows each component scores (reward.components[].applies_to)
+        rows = {
+            c.name: [i for i, r in enumerate(requests) if c.applies(r.columns.get("task_type"))]
+            for c in self.components
+        }  # the rows each component scores (reward.components[].applies_to)
         pending = self._submit_pooled(requests, rows)  # the worker processes run while local scorers do
         scores: dict[str, dict[int, Score]] = {}
         for name, scorer in self._local.items():
@@ -136,18 +163,34 @@ class RewardService:
             return {}
         pending = {}
         for name, (fn, options, timeout) in self._pooled.items():
-            jobs = [{"fn": fn, "prompt": requests[i].prompt, "response": requests[i].response,
-                     "columns": requests[i].columns, "options": options, "timeout_s": timeout} for i in rows[name]]
+            jobs = [
+                {
+                    "fn": fn,
+                    "prompt": requests[i].prompt,
+                    "response": requests[i].response,
+                    "columns": requests[i].columns,
+                    "options": options,
+                    "timeout_s": timeout,
+                }
+                for i in rows[name]
+            ]
             pending[name] = self.pool.submit(jobs) if jobs else []
         return pending
 
-    def _combine(self, i: int, request: ScoreRequest, scores: dict[str, dict[int, Score]],
-                 reasons: dict[str, dict[int, str | None]]) -> RewardResult:
+    def _combine(
+        self,
+        i: int,
+        request: ScoreRequest,
+        scores: dict[str, dict[int, Score]],
+        reasons: dict[str, dict[int, str | None]],
+    ) -> RewardResult:
         applying = [comp for comp in self.components if i in scores[comp.name]]
         if not applying:
             task = request.columns.get("task_type")
-            return RewardResult(reward=None, error=f"no reward component applies to task_type {task!r} "
-                                                   f"(see reward.components[].applies_to)")
+            return RewardResult(
+                reward=None,
+                error=f"no reward component applies to task_type {task!r} (see reward.components[].applies_to)",
+            )
         components: dict[str, float] = {}
         errors: list[str] = []
         why = {name: r[i] for name, r in reasons.items() if r.get(i)}
@@ -159,11 +202,14 @@ class RewardService:
                 errors.append(f"{comp.name}: returned {value} (not finite)")
             else:
                 components[comp.name] = value
-        flags = [f"{comp.name}: value {components[comp.name]:g} outside expected_range "
-                 f"[{comp.expected_range[0]:g}, {comp.expected_range[1]:g}]"
-                 for comp in applying
-                 if comp.expected_range is not None and comp.name in components
-                 and not comp.expected_range[0] <= components[comp.name] <= comp.expected_range[1]]
+        flags = [
+            f"{comp.name}: value {components[comp.name]:g} outside expected_range "
+            f"[{comp.expected_range[0]:g}, {comp.expected_range[1]:g}]"
+            for comp in applying
+            if comp.expected_range is not None
+            and comp.name in components
+            and not comp.expected_range[0] <= components[comp.name] <= comp.expected_range[1]
+        ]
         if errors:
             return RewardResult(reward=None, components=components, error="; ".join(errors), reasons=why, flags=flags)
         total = sum(comp.weight * components[comp.name] for comp in applying)

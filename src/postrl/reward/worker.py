@@ -14,7 +14,8 @@ import math
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _cache: dict[str, Callable[..., Any]] = {}
 

@@ -62,8 +62,9 @@ class EngineBase:
             raise RuntimeError(f"asked to generate with weight_version {asked}, engine holds {self.weight_version}")
 
     @staticmethod
-    def verified_state(weights: dict[str, torch.Tensor] | str | Path,
-                       manifest: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    def verified_state(
+        weights: dict[str, torch.Tensor] | str | Path, manifest: dict[str, str] | None
+    ) -> dict[str, torch.Tensor]:
         """The state dict in ``weights`` (a safetensors file or a dict), checked against ``manifest``."""
         state = load_file(str(weights)) if isinstance(weights, (str, Path)) else weights
         if manifest is not None:

@@ -35,7 +35,9 @@ def engine_dtype(config: RolloutConfig, model_dtype: str, device: torch.device) 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def make_rollout_worker(config: RolloutConfig, model_path: str, tokenizer: Any, model_dtype: str, seed: int) -> RolloutWorker:
+def make_rollout_worker(
+    config: RolloutConfig, model_path: str, tokenizer: Any, model_dtype: str, seed: int
+) -> RolloutWorker:
     """``auto`` uses the native engine for Llama/Qwen2/Mistral and falls back, with a warning,
     to the transformers model for any other architecture; ``vllm`` starts a vLLM server."""
     if config.backend == "openai":
@@ -47,17 +49,25 @@ def make_rollout_worker(config: RolloutConfig, model_path: str, tokenizer: Any, 
 
         dtype = "float32" if engine_dtype(config, model_dtype, torch.device("cpu")) == torch.float32 else "bfloat16"
         v = config.vllm
-        return VLLMRolloutWorker(resolve_model_path(model_path), tokenizer, dtype=dtype, seed=seed,
-                                 max_model_len=v.max_model_len or context_length(model_path) or 2048,
-                                 memory_fraction=v.memory_fraction,
-                                 startup_timeout_s=v.startup_timeout_s, request_timeout_s=v.request_timeout_s)
+        return VLLMRolloutWorker(
+            resolve_model_path(model_path),
+            tokenizer,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=v.max_model_len or context_length(model_path) or 2048,
+            memory_fraction=v.memory_fraction,
+            startup_timeout_s=v.startup_timeout_s,
+            request_timeout_s=v.request_timeout_s,
+        )
     device = resolve_device(config.device, "rollout.device")
-    return rollout_worker_for_model(config, load_causal_lm(model_path, "float32").to(device), tokenizer, model_dtype,
-                                    seed)
+    return rollout_worker_for_model(
+        config, load_causal_lm(model_path, "float32").to(device), tokenizer, model_dtype, seed
+    )
 
 
-def rollout_worker_for_model(config: RolloutConfig, model: torch.nn.Module, tokenizer: Any, model_dtype: str,
-                             seed: int) -> RolloutWorker:
+def rollout_worker_for_model(
+    config: RolloutConfig, model: torch.nn.Module, tokenizer: Any, model_dtype: str, seed: int
+) -> RolloutWorker:
     """A native or transformers Rollout Worker around an already loaded model."""
     device = next(model.parameters()).device
     dtype = engine_dtype(config, model_dtype, device)
@@ -71,7 +81,12 @@ def rollout_worker_for_model(config: RolloutConfig, model: torch.nn.Module, toke
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"rollout.backend=native supports {SUPPORTED_MODEL_TYPES}, not '{model_type}'")
         return NativeRolloutWorker.from_hf(
-            model, tokenizer, dtype, max_batch_size=config.max_batch_size, seed=seed,
-            max_prefill_tokens=config.native.max_prefill_tokens, cache_reuse_ratio=config.native.cache_reuse_ratio,
+            model,
+            tokenizer,
+            dtype,
+            max_batch_size=config.max_batch_size,
+            seed=seed,
+            max_prefill_tokens=config.native.max_prefill_tokens,
+            cache_reuse_ratio=config.native.cache_reuse_ratio,
         )
     return HFRolloutWorker(model.to(dtype), tokenizer, config.max_batch_size, seed=seed)

@@ -58,8 +58,13 @@ class HFRolloutWorker(EngineBase):
         self._cache_arg = cache_argument(model)
 
     # -- RolloutWorker interface -------------------------------------------------------------
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int,
-                 on_token: TokenCallback | None = None) -> list[Rollout]:
+    def generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams,
+        weight_version: int,
+        on_token: TokenCallback | None = None,
+    ) -> list[Rollout]:
         """``on_token`` (optional) sees every token as it is sampled, for streaming."""
         self.check_version(weight_version)
         self.seed(sampling_params.seed)
@@ -69,8 +74,9 @@ class HFRolloutWorker(EngineBase):
             out.extend(self._generate_batch(rows[start : start + self.max_batch_size], sampling_params, on_token))
         return out
 
-    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
-                       manifest: dict[str, str] | None = None) -> None:
+    def update_weights(
+        self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
+    ) -> None:
         source = str(weights) if isinstance(weights, (str, Path)) else "an in-memory state dict"
         load_state_checked(self.model, self.verified_state(weights, manifest), source)
         self.weight_version = version
@@ -99,8 +105,9 @@ class HFRolloutWorker(EngineBase):
         return input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
 
     @torch.no_grad()
-    def _generate_batch(self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams,
-                        on_token: TokenCallback | None = None) -> list[Rollout]:
+    def _generate_batch(
+        self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams, on_token: TokenCallback | None = None
+    ) -> list[Rollout]:
         device = next(self.model.parameters()).device
         input_ids, attention, positions = self._left_padded(rows, device)
         n = len(rows)
@@ -116,13 +123,20 @@ class HFRolloutWorker(EngineBase):
             tokens = torch.where(done, torch.full_like(tokens, self.pad_id), tokens)
             hit_stop_id = (torch.isin(tokens, stop_tensor) & ~done).tolist()
             top = top_logprobs(next_logits, sp.temperature, sp.top_logprobs) if sp.top_logprobs else None
-            for r in record.add(tokens.tolist(), token_lp.tolist(), top, hit_stop_id, (~done).nonzero().flatten().tolist()):
+            for r in record.add(
+                tokens.tolist(), token_lp.tolist(), top, hit_stop_id, (~done).nonzero().flatten().tolist()
+            ):
                 done[r] = True
             if bool(done.all()):
                 break
             attention = torch.cat([attention, attention.new_ones((n, 1))], dim=-1)
-            out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
-                             use_cache=True, **{self._cache_arg: cache})
+            out = self.model(
+                input_ids=tokens.unsqueeze(-1),
+                attention_mask=attention,
+                position_ids=next_pos,
+                use_cache=True,
+                **{self._cache_arg: cache},
+            )
             cache, next_logits = output_cache(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
         return record.rollouts(self.tokenizer, self.weight_version)
@@ -131,16 +145,22 @@ class HFRolloutWorker(EngineBase):
 class _BatchRecord:
     """What one batch has generated so far, row by row, and who to tell about each token."""
 
-    def __init__(self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams, checker: StopChecker,
-                 on_token: TokenCallback | None) -> None:
+    def __init__(
+        self,
+        rows: list[tuple[int, int, list[int]]],
+        sp: SamplingParams,
+        checker: StopChecker,
+        on_token: TokenCallback | None,
+    ) -> None:
         self.rows, self.sp, self.checker, self.on_token = rows, sp, checker, on_token
         self.responses: list[list[int]] = [[] for _ in rows]
         self.logprobs: list[list[float]] = [[] for _ in rows]
         self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in rows]
         self.finish: list[str] = ["length"] * len(rows)
 
-    def add(self, tokens: list[int], lps: list[float], top: list | None, hit_stop_id: list[bool],
-            active: list[int]) -> list[int]:
+    def add(
+        self, tokens: list[int], lps: list[float], top: list | None, hit_stop_id: list[bool], active: list[int]
+    ) -> list[int]:
         """Append this step's token to every active row; returns the rows that stopped."""
         stopped = []
         for r in active:
@@ -160,9 +180,15 @@ class _BatchRecord:
 
     def rollouts(self, tokenizer: Any, weight_version: int) -> list[Rollout]:
         return [
-            Rollout(prompt_index=idx, prompt_ids=list(ids), response_ids=self.responses[r], logprobs=self.logprobs[r],
-                    text=tokenizer.decode(self.responses[r], skip_special_tokens=True),
-                    finish_reason=self.finish[r],  # type: ignore[arg-type]
-                    weight_version=weight_version, top_logprobs=self.tops[r] if self.sp.top_logprobs else None)
+            Rollout(
+                prompt_index=idx,
+                prompt_ids=list(ids),
+                response_ids=self.responses[r],
+                logprobs=self.logprobs[r],
+                text=tokenizer.decode(self.responses[r], skip_special_tokens=True),
+                finish_reason=self.finish[r],  # type: ignore[arg-type]
+                weight_version=weight_version,
+                top_logprobs=self.tops[r] if self.sp.top_logprobs else None,
+            )
             for r, (idx, _, ids) in enumerate(self.rows)
         ]

@@ -13,8 +13,9 @@ from postrl.weight_broadcast import BroadcastPlan, receive_state
 
 
 class RolloutEngineHost:
-    def __init__(self, config: RolloutConfig, model_path: str, model_dtype: str, seed: int,
-                 threads: int | None = None) -> None:
+    def __init__(
+        self, config: RolloutConfig, model_path: str, model_dtype: str, seed: int, threads: int | None = None
+    ) -> None:
         from postrl.models import load_tokenizer, quiet_transformers
         from postrl.rollout.factory import make_rollout_worker
 
@@ -37,8 +38,17 @@ class RolloutEngineHost:
         self.engine.update_weights(weights, version, manifest)
         return version
 
-    def receive_broadcast(self, host: str, port: int, rank: int, world: int, plan: BroadcastPlan, version: int,
-                          manifest: dict[str, str] | None, timeout_s: float) -> int:
+    def receive_broadcast(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world: int,
+        plan: BroadcastPlan,
+        version: int,
+        manifest: dict[str, str] | None,
+        timeout_s: float,
+    ) -> int:
         """Receive the whole state, verify it, then swap it in; on any failure the engine keeps
         serving the version it had."""
         state = receive_state(host, port, rank, world, plan, timeout_s)

@@ -27,8 +27,9 @@ class RemoteEngineError(RuntimeError):
 
 
 class OpenAIRolloutWorker(EngineBase):
-    def __init__(self, url: str, tokenizer: Any, sync_dir: str | None, api_key_env: str | None = None,
-                 timeout_s: float = 3600.0) -> None:
+    def __init__(
+        self, url: str, tokenizer: Any, sync_dir: str | None, api_key_env: str | None = None, timeout_s: float = 3600.0
+    ) -> None:
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
         self.sync_dir = Path(sync_dir) if sync_dir else None
@@ -47,24 +48,33 @@ class OpenAIRolloutWorker(EngineBase):
         except httpx.HTTPError as exc:
             raise RemoteEngineError(f"rollout server {self.url}{path}: {type(exc).__name__}: {exc}") from None
         if response.status_code != 200:
-            raise RemoteEngineError(f"rollout server {self.url}{path} answered {response.status_code}: "
-                                    f"{response.text[:500]}")
+            raise RemoteEngineError(
+                f"rollout server {self.url}{path} answered {response.status_code}: {response.text[:500]}"
+            )
         return response.json()
 
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
         self.check_version(weight_version)
         sp = sampling_params
-        body: dict[str, Any] = {"prompt": [p.prompt_ids for p in prompts], "n": sp.n, "temperature": sp.temperature,
-                                "top_p": sp.top_p, "top_k": sp.top_k, "max_tokens": sp.max_tokens, "logprobs": 0,
-                                "include_stop_str_in_output": True}
+        body: dict[str, Any] = {
+            "prompt": [p.prompt_ids for p in prompts],
+            "n": sp.n,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "max_tokens": sp.max_tokens,
+            "logprobs": 0,
+            "include_stop_str_in_output": True,
+        }
         if sp.stop:
             body["stop"] = list(sp.stop)
         if sp.stop_token_ids:
             body["stop_token_ids"] = list(sp.stop_token_ids)
         choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * sp.n:
-            raise RemoteEngineError(f"rollout server {self.url} returned {len(choices)} completions for "
-                                    f"{len(prompts)} prompts x n={sp.n}")
+            raise RemoteEngineError(
+                f"rollout server {self.url} returned {len(choices)} completions for {len(prompts)} prompts x n={sp.n}"
+            )
         out = []
         for choice in choices:
             prompt_index = choice["index"] // sp.n
@@ -72,22 +82,38 @@ class OpenAIRolloutWorker(EngineBase):
             logprobs = list(choice["logprobs"]["token_logprobs"])
             if len(logprobs) != len(ids):
                 raise RemoteEngineError(f"rollout server {self.url}: {len(logprobs)} logprobs for {len(ids)} tokens")
-            out.append(Rollout(prompt_index, prompts[prompt_index].prompt_ids, ids, logprobs, choice["text"],
-                               choice["finish_reason"], weight_version))
+            out.append(
+                Rollout(
+                    prompt_index,
+                    prompts[prompt_index].prompt_ids,
+                    ids,
+                    logprobs,
+                    choice["text"],
+                    choice["finish_reason"],
+                    weight_version,
+                )
+            )
         return out
 
-    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
-                       manifest: dict[str, str] | None = None) -> None:
+    def update_weights(
+        self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
+    ) -> None:
         if self.sync_dir is None:
-            raise ValueError("rollout.backend=openai needs rollout.sync_dir: a folder the rollout servers read "
-                             "new weights from (their --weights-dir)")
+            raise ValueError(
+                "rollout.backend=openai needs rollout.sync_dir: a folder the rollout servers read "
+                "new weights from (their --weights-dir)"
+            )
         if isinstance(weights, dict):
-            path = write_sync_file(self.verified_state(weights, manifest), self.sync_dir / f"policy-{version}.safetensors")
+            path = write_sync_file(
+                self.verified_state(weights, manifest), self.sync_dir / f"policy-{version}.safetensors"
+            )
         else:
             path = Path(weights)
         answer = self._post("/update_weights", {"path": str(path), "version": version, "manifest": manifest})
         if answer.get("failed"):
-            raise WeightSyncError(f"rollout servers behind {self.url} did not take version {version}: {answer['failed']}")
+            raise WeightSyncError(
+                f"rollout servers behind {self.url} did not take version {version}: {answer['failed']}"
+            )
         for old in self.sync_dir.glob("policy-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)

@@ -41,8 +41,14 @@ class EngineSlot:
 
 
 class RolloutPool:
-    def __init__(self, start_engine: Callable[[int], Handle], count: int, transport: WeightTransport,
-                 generate_timeout_s: float | None = None, max_restarts: int = 8) -> None:
+    def __init__(
+        self,
+        start_engine: Callable[[int], Handle],
+        count: int,
+        transport: WeightTransport,
+        generate_timeout_s: float | None = None,
+        max_restarts: int = 8,
+    ) -> None:
         self._start = start_engine
         self.transport = transport
         self.generate_timeout_s = generate_timeout_s
@@ -63,16 +69,25 @@ class RolloutPool:
             for slot, indices in self._assign(prompts, pending, sampling_params).items():
                 work = sum(self._work(prompts[i], sampling_params) for i in indices)
                 slot.outstanding += work
-                future = slot.handle.call_async("generate", [prompts[i] for i in indices], sampling_params,
-                                                weight_version, timeout=self.generate_timeout_s)
+                future = slot.handle.call_async(
+                    "generate",
+                    [prompts[i] for i in indices],
+                    sampling_params,
+                    weight_version,
+                    timeout=self.generate_timeout_s,
+                )
                 calls.append((slot, indices, work, future))
             pending = []
             for slot, indices, work, future in calls:
                 try:
                     answered = future.result()
                 except LOST as exc:
-                    log.warning("%s was lost during generate (%s); its %d prompts go to the other engines",
-                                slot.name, exc, len(indices))
+                    log.warning(
+                        "%s was lost during generate (%s); its %d prompts go to the other engines",
+                        slot.name,
+                        exc,
+                        len(indices),
+                    )
                     self.requeued_prompts += len(indices)
                     self._replace(slot, str(exc))
                     if self._weights is not None:
@@ -83,7 +98,8 @@ class RolloutPool:
                     slot.outstanding -= work
                 for r in answered:
                     done.setdefault(indices[r.prompt_index], []).append(
-                        dataclasses.replace(r, prompt_index=indices[r.prompt_index]))
+                        dataclasses.replace(r, prompt_index=indices[r.prompt_index])
+                    )
         return [r for i in range(len(prompts)) for r in done.get(i, [])]
 
     @staticmethod
@@ -111,8 +127,10 @@ class RolloutPool:
         """Start a new engine in ``slot``'s place (the caller gives it the current weights)."""
         self.restarts += 1
         if self.restarts > self.max_restarts:
-            raise RolloutPoolError(f"{self.restarts} rollout engines were lost in this run (last: {slot.name}: "
-                                   f"{cause}); stopping instead of restarting more")
+            raise RolloutPoolError(
+                f"{self.restarts} rollout engines were lost in this run (last: {slot.name}: "
+                f"{cause}); stopping instead of restarting more"
+            )
         slot.handle.kill()
         slot.handle = self._start(slot.index)
 
@@ -149,8 +167,9 @@ class RolloutPool:
                     self._replace(slot, lost[slot.handle.name])
             todo = [s for s in todo if s.handle.name in lost or not s.handle.alive()]
         reasons = "; ".join(f"{name}: {why}" for name, why in lost.items())
-        raise RolloutPoolError(f"could not bring {', '.join(s.name for s in todo)} to weight version {version} "
-                               f"({reasons})")
+        raise RolloutPoolError(
+            f"could not bring {', '.join(s.name for s in todo)} to weight version {version} ({reasons})"
+        )
 
     # -- the rest of the Rollout Worker interface -------------------------------------------------
     def health_check(self) -> Health:
@@ -164,8 +183,10 @@ class RolloutPool:
         return Health(True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weight_version": self.weight_version,
-                "engines": [slot.handle.call("state_dict", timeout=60) for slot in self.engines]}
+        return {
+            "weight_version": self.weight_version,
+            "engines": [slot.handle.call("state_dict", timeout=60) for slot in self.engines],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         engines = state.get("engines", [state])  # a one-engine run's checkpoint holds the engine's own state

@@ -37,9 +37,18 @@ def vllm_python() -> Path | None:
 
 
 class VLLMRolloutWorker(EngineBase):
-    def __init__(self, model_dir: str | Path, tokenizer: Any, *, max_model_len: int = 2048, dtype: str = "bfloat16",
-                 seed: int = 0, startup_timeout_s: float = 600.0, request_timeout_s: float = 3600.0,
-                 memory_fraction: float = 0.25) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tokenizer: Any,
+        *,
+        max_model_len: int = 2048,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 3600.0,
+        memory_fraction: float = 0.25,
+    ) -> None:
         python = vllm_python()
         if python is None:
             raise FileNotFoundError("no vLLM environment: run scripts/setup_vllm.sh or set POSTRL_VLLM_PYTHON")
@@ -50,11 +59,29 @@ class VLLMRolloutWorker(EngineBase):
         self.sync_dir = Path(tempfile.mkdtemp(prefix="postrl-vllm-sync-"))
         token = secrets.token_urlsafe(32)  # only this process may drive the server, /update_weights included
         self.proc = subprocess.Popen(
-            [str(python), str(SERVER_FILE), "--model", str(model_dir), "--port", str(self.port), "--dtype", dtype,
-             "--max-model-len", str(max_model_len), "--seed", str(seed), "--token-env", "POSTRL_VLLM_TOKEN",
-             "--memory-fraction", str(memory_fraction),
-             "--weights-dir", str(self.sync_dir)],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                str(python),
+                str(SERVER_FILE),
+                "--model",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                "--dtype",
+                dtype,
+                "--max-model-len",
+                str(max_model_len),
+                "--seed",
+                str(seed),
+                "--token-env",
+                "POSTRL_VLLM_TOKEN",
+                "--memory-fraction",
+                str(memory_fraction),
+                "--weights-dir",
+                str(self.sync_dir),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, "POSTRL_VLLM_TOKEN": token},
         )
         self.client = httpx.Client(timeout=request_timeout_s, headers={"authorization": f"Bearer {token}"})
@@ -64,7 +91,9 @@ class VLLMRolloutWorker(EngineBase):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode}; log: {self.log.name}\n{self._log_tail()}")
+                raise RuntimeError(
+                    f"vLLM server exited with code {self.proc.returncode}; log: {self.log.name}\n{self._log_tail()}"
+                )
             try:
                 if self.client.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -80,22 +109,39 @@ class VLLMRolloutWorker(EngineBase):
     def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
         self.check_version(weight_version)
         sp = sampling_params
-        body = {"prompt": [p.prompt_ids for p in prompts], "n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p,
-                "top_k": sp.top_k, "max_tokens": sp.max_tokens, "stop": list(sp.stop),
-                "stop_token_ids": list(sp.stop_token_ids), "seed": sp.seed}
+        body = {
+            "prompt": [p.prompt_ids for p in prompts],
+            "n": sp.n,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "max_tokens": sp.max_tokens,
+            "stop": list(sp.stop),
+            "stop_token_ids": list(sp.stop_token_ids),
+            "seed": sp.seed,
+        }
         response = self.client.post(self.url + "/v1/completions", json=body)
         if response.status_code != 200:
             raise RuntimeError(f"vLLM server {self.url} answered {response.status_code}: {response.text[:500]}")
         out = []
         for c in response.json()["choices"]:
             i = c["prompt_index"]
-            out.append(Rollout(prompt_index=i, prompt_ids=list(prompts[i].prompt_ids), response_ids=c["token_ids"],
-                               logprobs=c["logprobs"]["token_logprobs"], text=c["text"],
-                               finish_reason=c["finish_reason"], weight_version=self.weight_version))
+            out.append(
+                Rollout(
+                    prompt_index=i,
+                    prompt_ids=list(prompts[i].prompt_ids),
+                    response_ids=c["token_ids"],
+                    logprobs=c["logprobs"]["token_logprobs"],
+                    text=c["text"],
+                    finish_reason=c["finish_reason"],
+                    weight_version=self.weight_version,
+                )
+            )
         return out
 
-    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
-                       manifest: dict[str, str] | None = None) -> None:
+    def update_weights(
+        self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
+    ) -> None:
         if isinstance(weights, (str, Path)):
             path = self._into_sync_dir(Path(weights))
             if manifest is not None:
@@ -138,4 +184,3 @@ class VLLMRolloutWorker(EngineBase):
     def __del__(self) -> None:
         if getattr(self, "proc", None) is not None and self.proc.poll() is None:
             self.close()
-

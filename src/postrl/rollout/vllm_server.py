@@ -19,7 +19,6 @@ on ``n``, ``max_tokens`` and prompts per request, ``/update_weights`` confined t
 ``--weights-dir``; a non-loopback ``--host`` without a token is refused.
 """
 
-
 import argparse
 import importlib.util
 import os
@@ -75,8 +74,17 @@ class UpdateRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-def build_app(llm: Any, model_name: str, *, token: str | None = None, weights_dir: str | None = None,
-              max_body_bytes: int = 64 << 20, max_n: int = 256, max_tokens: int = 32768, max_prompts: int = 4096):
+def build_app(
+    llm: Any,
+    model_name: str,
+    *,
+    token: str | None = None,
+    weights_dir: str | None = None,
+    max_body_bytes: int = 64 << 20,
+    max_n: int = 256,
+    max_tokens: int = 32768,
+    max_prompts: int = 4096,
+):
     from fastapi import FastAPI, HTTPException
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -94,19 +102,33 @@ def build_app(llm: Any, model_name: str, *, token: str | None = None, weights_di
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> dict:
-        for name, value, bound in (("n", req.n, max_n), ("max_tokens", req.max_tokens, max_tokens),
-                                   ("prompts", len(req.prompt), max_prompts)):
+        for name, value, bound in (
+            ("n", req.n, max_n),
+            ("max_tokens", req.max_tokens, max_tokens),
+            ("prompts", len(req.prompt), max_prompts),
+        ):
             if value > bound:
                 raise HTTPException(400, f"{name}={value} is over this server's limit of {bound}")
         params = SamplingParams(
-            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k if req.top_k > 0 else -1,
-            max_tokens=req.max_tokens, stop=req.stop or None, stop_token_ids=req.stop_token_ids or None,
-            seed=req.seed, logprobs=0, include_stop_str_in_output=True,
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k if req.top_k > 0 else -1,
+            max_tokens=req.max_tokens,
+            stop=req.stop or None,
+            stop_token_ids=req.stop_token_ids or None,
+            seed=req.seed,
+            logprobs=0,
+            include_stop_str_in_output=True,
         )
         with lock:
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req.prompt], params, use_tqdm=False)
-        return {"object": "text_completion", "model": model_name, "choices": _choices(outputs),
-                "weight_version": state["weight_version"]}
+        return {
+            "object": "text_completion",
+            "model": model_name,
+            "choices": _choices(outputs),
+            "weight_version": state["weight_version"],
+        }
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict:
@@ -128,9 +150,16 @@ def _choices(outputs: list[Any]) -> list[dict]:
     for i, out in enumerate(outputs):
         for c in out.outputs:
             logprobs = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs or [])]
-            choices.append({"index": len(choices), "prompt_index": i, "text": c.text, "token_ids": list(c.token_ids),
-                            "logprobs": {"token_logprobs": logprobs},
-                            "finish_reason": "stop" if c.finish_reason == "stop" else "length"})
+            choices.append(
+                {
+                    "index": len(choices),
+                    "prompt_index": i,
+                    "text": c.text,
+                    "token_ids": list(c.token_ids),
+                    "logprobs": {"token_logprobs": logprobs},
+                    "finish_reason": "stop" if c.finish_reason == "stop" else "length",
+                }
+            )
     return choices
 
 
@@ -173,10 +202,23 @@ def main() -> None:
     import uvicorn
     from vllm import LLM
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-              gpu_memory_utilization=args.memory_fraction)
-    app = build_app(llm, args.model, token=token, weights_dir=args.weights_dir, max_body_bytes=args.max_body_bytes,
-                    max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        gpu_memory_utilization=args.memory_fraction,
+    )
+    app = build_app(
+        llm,
+        args.model,
+        token=token,
+        weights_dir=args.weights_dir,
+        max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_limit,
+        max_prompts=args.max_prompts,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -19,8 +19,9 @@ from postrl.weights import WeightSyncError
 
 
 class WeightTransport(Protocol):
-    def push(self, engines: list[Handle], weights: Any, version: int,
-             manifest: dict[str, str] | None) -> dict[str, str]: ...
+    def push(
+        self, engines: list[Handle], weights: Any, version: int, manifest: dict[str, str] | None
+    ) -> dict[str, str]: ...
 
 
 def _outcomes(engines: list[Handle], futures: list[Future], version: int) -> dict[str, str]:
@@ -38,8 +39,10 @@ def _outcomes(engines: list[Handle], futures: list[Future], version: int) -> dic
             else:
                 lost[handle.name] = text.splitlines()[-1] if text.strip() else type(exc).__name__
     if refused:
-        raise WeightSyncError(f"weight version {version} was refused by {len(refused)} engine(s), which keep "
-                              f"their previous weights: {'; '.join(refused)}")
+        raise WeightSyncError(
+            f"weight version {version} was refused by {len(refused)} engine(s), which keep "
+            f"their previous weights: {'; '.join(refused)}"
+        )
     return lost
 
 
@@ -47,8 +50,9 @@ class DirectTransport:
     def __init__(self, timeout_s: float | None = 600.0) -> None:
         self.timeout_s = timeout_s
 
-    def push(self, engines: list[Handle], weights: Any, version: int,
-             manifest: dict[str, str] | None) -> dict[str, str]:
+    def push(
+        self, engines: list[Handle], weights: Any, version: int, manifest: dict[str, str] | None
+    ) -> dict[str, str]:
         futures = [h.call_async("update_weights", weights, version, manifest, timeout=self.timeout_s) for h in engines]
         return _outcomes(engines, futures, version)
 
@@ -56,12 +60,14 @@ class DirectTransport:
 class BroadcastTransport:
     """Rank 0 is this process; engine ``i`` of the push is rank ``i + 1``."""
 
-    def __init__(self, host: str = "127.0.0.1", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0,
-                 tamper: Any = None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0, tamper: Any = None
+    ) -> None:
         self.host, self.bucket_bytes, self.timeout_s, self.tamper = host, bucket_bytes, timeout_s, tamper
 
-    def push(self, engines: list[Handle], weights: Any, version: int,
-             manifest: dict[str, str] | None) -> dict[str, str]:
+    def push(
+        self, engines: list[Handle], weights: Any, version: int, manifest: dict[str, str] | None
+    ) -> dict[str, str]:
         if not isinstance(weights, dict):
             raise TypeError("the broadcast transport sends a state dict, not a file path")
         alive = [h for h in engines if h.alive()]
@@ -72,8 +78,21 @@ class BroadcastTransport:
         plan = plan_buckets(weights, self.bucket_bytes)
         port = free_port(self.host)
         store = open_sender_store(self.host, port, world, self.timeout_s)
-        futures = [h.call_async("receive_broadcast", self.host, port, rank, world, plan, version, manifest,
-                                self.timeout_s, timeout=self.timeout_s * 2) for rank, h in enumerate(alive, start=1)]
+        futures = [
+            h.call_async(
+                "receive_broadcast",
+                self.host,
+                port,
+                rank,
+                world,
+                plan,
+                version,
+                manifest,
+                self.timeout_s,
+                timeout=self.timeout_s * 2,
+            )
+            for rank, h in enumerate(alive, start=1)
+        ]
         sending = submit(send_state, store, weights, plan, world, self.timeout_s, self.tamper)
         try:
             lost.update(_outcomes(alive, futures, version))

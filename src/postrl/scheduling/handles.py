@@ -33,8 +33,7 @@ class Handle(Protocol):
         WorkerTimeoutError naming the worker when it cannot answer."""
         ...
 
-    def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
-        ...
+    def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future: ...
 
     def alive(self) -> bool: ...
 
@@ -102,7 +101,7 @@ def gather(futures: list[Future], names: list[str], timeout: float | None = None
     call has ended, so no call is left running against a worker that is being torn down."""
     results: list[Any] = []
     first: BaseException | None = None
-    for future, name in zip(futures, names):
+    for future, _name in zip(futures, names):
         try:
             results.append(future.result(timeout=timeout))
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finished

@@ -17,10 +17,16 @@ from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
 
 
 def policy_spec(config: RunConfig) -> PolicySpec:
-    return PolicySpec(config.model.path, config.model.dtype, config.train, config.algorithm,
-                      temperature=config.rollout.temperature, seed=config.seed,
-                      gradient_checkpointing=config.model.gradient_checkpointing,
-                      max_response_tokens=config.rollout.max_tokens)
+    return PolicySpec(
+        config.model.path,
+        config.model.dtype,
+        config.train,
+        config.algorithm,
+        temperature=config.rollout.temperature,
+        seed=config.seed,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+        max_response_tokens=config.rollout.max_tokens,
+    )
 
 
 class LocalScheduler:
@@ -36,16 +42,27 @@ class LocalScheduler:
                 engine = make_rollout_worker(c.rollout, c.model.path, tokenizer, c.model.dtype, c.seed + i)
                 return InProcessHandle(engine, f"rollout engine {i}")
         else:
+
             def start(i: int) -> ProcessHandle:
-                return ProcessHandle(f"rollout engine {i}", RolloutEngineHost, c.rollout, c.model.path, c.model.dtype,
-                                     c.seed + i, c.scheduler.rollout.threads)
+                return ProcessHandle(
+                    f"rollout engine {i}",
+                    RolloutEngineHost,
+                    c.rollout,
+                    c.model.path,
+                    c.model.dtype,
+                    c.seed + i,
+                    c.scheduler.rollout.threads,
+                )
+
         return make_pool(c, start)
 
     def train_group(self, policy: PolicySpec | None = None) -> TrainGroup:
         """The train ranks, each in its own process, building ``policy`` (default: the run's policy)."""
         c = self.config
         n = c.scheduler.train.workers
-        spec = GroupSpec(world=n, master_addr="127.0.0.1", master_port=free_port(), timeout_s=c.scheduler.call_timeout_s)
+        spec = GroupSpec(
+            world=n, master_addr="127.0.0.1", master_port=free_port(), timeout_s=c.scheduler.call_timeout_s
+        )
         policy = policy or policy_spec(c)
         ranks = [ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(n)]
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)

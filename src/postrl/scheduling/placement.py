@@ -18,5 +18,9 @@ def make_transport(config: RunConfig, host: str = "127.0.0.1") -> WeightTranspor
 
 
 def make_pool(config: RunConfig, start_engine: Callable[[int], Handle], host: str = "127.0.0.1") -> RolloutPool:
-    return RolloutPool(start_engine, config.scheduler.rollout.workers, make_transport(config, host),
-                       generate_timeout_s=config.scheduler.call_timeout_s)
+    return RolloutPool(
+        start_engine,
+        config.scheduler.rollout.workers,
+        make_transport(config, host),
+        generate_timeout_s=config.scheduler.call_timeout_s,
+    )

@@ -66,11 +66,13 @@ class ProcessHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._conn.poll(0.05):
             if not self.process.is_alive() and not self._conn.poll(0):
-                raise WorkerDiedError(f"{self.name} (pid {self.process.pid}) died during {what} "
-                                      f"(exit code {self.process.exitcode})")
+                raise WorkerDiedError(
+                    f"{self.name} (pid {self.process.pid}) died during {what} (exit code {self.process.exitcode})"
+                )
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerTimeoutError(f"{self.name} (pid {self.process.pid}) did not answer {what} "
-                                         f"within {timeout:g} s")
+                raise WorkerTimeoutError(
+                    f"{self.name} (pid {self.process.pid}) did not answer {what} within {timeout:g} s"
+                )
         try:
             status, value = self._conn.recv()
         except EOFError:
@@ -87,8 +89,9 @@ class ProcessHandle:
             try:
                 self._conn.send((method, args, kwargs))
             except (BrokenPipeError, OSError):
-                raise WorkerDiedError(f"{self.name} (pid {self.process.pid}) is gone "
-                                      f"(exit code {self.process.exitcode})") from None
+                raise WorkerDiedError(
+                    f"{self.name} (pid {self.process.pid}) is gone (exit code {self.process.exitcode})"
+                ) from None
             return self._receive(method, timeout)
 
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:

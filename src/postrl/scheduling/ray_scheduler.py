@@ -192,11 +192,14 @@ def connect_ray(address: str | None, timeout_s: float, options: dict[str, Any]) 
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise ClusterUnreachableError(f"could not connect to the Ray cluster at {address} ({where}) within "
-                                      f"{timeout_s:g} s (scheduler.connect_timeout_s); is a Ray head running there?")
+        raise ClusterUnreachableError(
+            f"could not connect to the Ray cluster at {address} ({where}) within "
+            f"{timeout_s:g} s (scheduler.connect_timeout_s); is a Ray head running there?"
+        )
     if failure:
-        raise ClusterUnreachableError(f"could not connect to the Ray cluster at {address} ({where}): "
-                                      f"{str(failure[0]).splitlines()[0]}") from failure[0]
+        raise ClusterUnreachableError(
+            f"could not connect to the Ray cluster at {address} ({where}): {str(failure[0]).splitlines()[0]}"
+        ) from failure[0]
 
 
 def short_resources(asked: dict[str, float]) -> str:
@@ -204,13 +207,17 @@ def short_resources(asked: dict[str, float]) -> str:
     import ray
 
     total, free = ray.cluster_resources(), ray.available_resources()
-    short = [f"{key}: asked {value:g}, the cluster has {total.get(key, 0.0):g} ({free.get(key, 0.0):g} free)"
-             for key, value in asked.items() if value and value > free.get(key, 0.0)]
+    short = [
+        f"{key}: asked {value:g}, the cluster has {total.get(key, 0.0):g} ({free.get(key, 0.0):g} free)"
+        for key, value in asked.items()
+        if value and value > free.get(key, 0.0)
+    ]
     if short:
-        return ("short of " + "; ".join(short) + " (lower scheduler.*.num_cpus / num_gpus / workers, or add "
-                "nodes)")
-    return (f"the cluster has the resources ({free} free), so an actor's constructor is slow or stuck "
-            "(see the Ray logs under /tmp/ray/session_latest/logs)")
+        return "short of " + "; ".join(short) + " (lower scheduler.*.num_cpus / num_gpus / workers, or add nodes)"
+    return (
+        f"the cluster has the resources ({free} free), so an actor's constructor is slow or stuck "
+        "(see the Ray logs under /tmp/ray/session_latest/logs)"
+    )
 
 
 class RayScheduler:
@@ -232,9 +239,17 @@ class RayScheduler:
                 local["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(self._cpus_asked())))
                 self.reaper = Reaper()  # the Ray instance started for the run dies with this process
             try:
-                connect_ray(config.scheduler.address, config.scheduler.connect_timeout_s,
-                            dict(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                                 runtime_env={"env_vars": self._actor_env()}, **local))
+                connect_ray(
+                    config.scheduler.address,
+                    config.scheduler.connect_timeout_s,
+                    dict(
+                        include_dashboard=False,
+                        log_to_driver=False,
+                        configure_logging=False,
+                        runtime_env={"env_vars": self._actor_env()},
+                        **local,
+                    ),
+                )
             except BaseException:
                 self._end_reaper()
                 raise
@@ -281,7 +296,8 @@ class RayScheduler:
         if s.colocate:
             n = max(s.rollout.workers, s.train.workers)
             self.groups["rollout"] = self.groups["train"] = placement_group(
-                [self._bundle(s.rollout, s.train)] * n, strategy="PACK")
+                [self._bundle(s.rollout, s.train)] * n, strategy="PACK"
+            )
         else:
             if "rollout" in self.roles:
                 self.groups["rollout"] = placement_group([self._bundle(s.rollout)] * s.rollout.workers, strategy="PACK")
@@ -296,20 +312,42 @@ class RayScheduler:
             if lacking:  # can never be placed: say so now instead of waiting
                 raise PlacementError(f"the {role} workers cannot be placed: " + short_resources(lacking))
             if not group.wait(timeout_seconds=self.PLACE_TIMEOUT_S):
-                raise PlacementError(f"Ray could not reserve the {role} placement group ({len(group.bundle_specs)} x "
-                                   f"{group.bundle_specs[0]}) within {self.PLACE_TIMEOUT_S:g} s: "
-                                   + short_resources(asked))
+                raise PlacementError(
+                    f"Ray could not reserve the {role} placement group ({len(group.bundle_specs)} x "
+                    f"{group.bundle_specs[0]}) within {self.PLACE_TIMEOUT_S:g} s: " + short_resources(asked)
+                )
 
-    def _actor(self, name: str, role: str, bundle: int, factory: Any, *args: Any, num_cpus: float = 1.0,
-               num_gpus: float = 0.0, threads: int | None = None, **kwargs: Any) -> RayHandle:
+    def _actor(
+        self,
+        name: str,
+        role: str,
+        bundle: int,
+        factory: Any,
+        *args: Any,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        threads: int | None = None,
+        **kwargs: Any,
+    ) -> RayHandle:
         """One actor, started and answering."""
-        handle = self._start_actor(name, role, bundle, factory, *args, num_cpus=num_cpus, num_gpus=num_gpus,
-                                   threads=threads, **kwargs)
+        handle = self._start_actor(
+            name, role, bundle, factory, *args, num_cpus=num_cpus, num_gpus=num_gpus, threads=threads, **kwargs
+        )
         self._await_started([handle], num_cpus, num_gpus)
         return handle
 
-    def _start_actor(self, name: str, role: str, bundle: int, factory: Any, *args: Any, num_cpus: float = 1.0,
-                     num_gpus: float = 0.0, threads: int | None = None, **kwargs: Any) -> RayHandle:
+    def _start_actor(
+        self,
+        name: str,
+        role: str,
+        bundle: int,
+        factory: Any,
+        *args: Any,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        threads: int | None = None,
+        **kwargs: Any,
+    ) -> RayHandle:
         """Ask Ray for an actor; returns at once (the actor may not be placed or built yet)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -317,8 +355,9 @@ class RayScheduler:
         strategy = None
         if role in self.groups:
             strategy = PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=bundle)
-        cls = ray.remote(ActorHost).options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
-                                             scheduling_strategy=strategy)
+        cls = ray.remote(ActorHost).options(
+            name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, scheduling_strategy=strategy
+        )
         return RayHandle(name, cls.remote(factory, args, kwargs, threads))
 
     def _await_started(self, handles: list[RayHandle], num_cpus: float, num_gpus: float) -> None:
@@ -338,8 +377,10 @@ class RayScheduler:
             late = [h.name for h, p in zip(handles, pings) if p in pending]
             for h in handles:
                 h.kill()
-            raise PlacementError(f"Ray could not start {', '.join(late)} within {self.START_TIMEOUT_S:g} s: "
-                               + short_resources({"CPU": num_cpus * len(late), "GPU": num_gpus * len(late)}))
+            raise PlacementError(
+                f"Ray could not start {', '.join(late)} within {self.START_TIMEOUT_S:g} s: "
+                + short_resources({"CPU": num_cpus * len(late), "GPU": num_gpus * len(late)})
+            )
 
     def rollout_pool(self, tokenizer: Any, host_class: type = RolloutEngineHost) -> RolloutPool:
         """Engines as actors hosting ``host_class`` (a :class:`RolloutEngineHost` or a subclass of it)."""
@@ -349,9 +390,20 @@ class RayScheduler:
         n = max(1, len(self.groups["rollout"].bundle_specs))
 
         def start(i: int) -> RayHandle:
-            return self._actor(f"rollout engine {i}", "rollout", i % n, host_class, c.rollout, c.model.path,
-                               c.model.dtype, c.seed + i, None, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
-                               threads=r.threads)
+            return self._actor(
+                f"rollout engine {i}",
+                "rollout",
+                i % n,
+                host_class,
+                c.rollout,
+                c.model.path,
+                c.model.dtype,
+                c.seed + i,
+                None,
+                num_cpus=r.num_cpus,
+                num_gpus=r.num_gpus,
+                threads=r.threads,
+            )
 
         return make_pool(c, start, host=ray.util.get_node_ip_address())
 
@@ -368,9 +420,21 @@ class RayScheduler:
         spec = GroupSpec(world=t.workers, master_addr=host, master_port=port, timeout_s=c.scheduler.call_timeout_s)
         # all ranks are asked for together; TrainGroup then joins them into the process group at once
         policy = policy or policy_spec(c)
-        ranks = [self._start_actor(f"train rank {r}", "train", r, TrainRank, r, spec, policy,
-                                   num_cpus=t.num_cpus, num_gpus=t.num_gpus, threads=t.threads)
-                 for r in range(t.workers)]
+        ranks = [
+            self._start_actor(
+                f"train rank {r}",
+                "train",
+                r,
+                TrainRank,
+                r,
+                spec,
+                policy,
+                num_cpus=t.num_cpus,
+                num_gpus=t.num_gpus,
+                threads=t.threads,
+            )
+            for r in range(t.workers)
+        ]
         self._await_started(ranks, t.num_cpus, t.num_gpus)
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 
@@ -379,15 +443,28 @@ class RayScheduler:
         from postrl.train.critic import CriticWorker
 
         c, t = self.config, self.config.scheduler.train
-        handle = self._actor("critic", "critic", 0, CriticWorker, c.algorithm.critic, c.model.path, c.model.dtype,
-                             pad_id, seed=c.seed, device=c.train.device, num_cpus=t.num_cpus, num_gpus=t.num_gpus,
-                             threads=t.threads)
+        handle = self._actor(
+            "critic",
+            "critic",
+            0,
+            CriticWorker,
+            c.algorithm.critic,
+            c.model.path,
+            c.model.dtype,
+            pad_id,
+            seed=c.seed,
+            device=c.train.device,
+            num_cpus=t.num_cpus,
+            num_gpus=t.num_gpus,
+            threads=t.threads,
+        )
         return RemoteObject(handle, timeout=c.scheduler.call_timeout_s)
 
     def reward_service(self, make: Any) -> RestartingRewardService:
         def start() -> RayHandle:
-            return self._actor("reward service", "reward", 0, make, self.config.reward,
-                               num_cpus=self.config.scheduler.reward.num_cpus)
+            return self._actor(
+                "reward service", "reward", 0, make, self.config.reward, num_cpus=self.config.scheduler.reward.num_cpus
+            )
 
         return RestartingRewardService(start, timeout=self.config.scheduler.call_timeout_s)
 

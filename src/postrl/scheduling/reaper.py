@@ -63,7 +63,11 @@ class Reaper:
         env = {k: v for k, v in os.environ.items() if k != MARKER}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "postrl.scheduling.reaper", self.token, str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         os.environ[MARKER] = self.token  # what Ray starts from here on inherits it
 
     def close(self) -> None:

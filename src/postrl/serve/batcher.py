@@ -11,10 +11,11 @@ import asyncio
 import inspect
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from postrl.rollout.base import RolloutWorker
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
@@ -38,8 +39,9 @@ class EngineBatcher:
         self._thread = threading.Thread(target=self._loop, name="postrl-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompts: list[Prompt], params: SamplingParams,
-                       on_token: Callable[..., None] | None = None) -> list[Rollout]:
+    async def generate(
+        self, prompts: list[Prompt], params: SamplingParams, on_token: Callable[..., None] | None = None
+    ) -> list[Rollout]:
         """Rollouts for ``prompts``. ``on_token(prompt_index, sample_index, token, logprob, top, finish)``
         runs on the caller's event loop for every token (all of them at the end, for engines that do
         not stream), always before this call returns."""
@@ -103,7 +105,8 @@ class EngineBatcher:
             streaming = [job for job in group if job.on_token is not None]
             kwargs: dict[str, Any] = {}
             if streaming and self.streams_tokens:
-                def on_token(prompt_index: int, *rest: Any) -> None:
+
+                def on_token(prompt_index: int, *rest: Any, owners: list[tuple[_Job, int]] = owners) -> None:
                     job, first = owners[prompt_index]
                     if job.on_token is not None:
                         job.on_token(prompt_index - first, *rest)

@@ -11,7 +11,8 @@ import hmac
 import ipaddress
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 
@@ -46,15 +47,22 @@ def confined_path(base_dir: str, path: str) -> str:
 
 async def send_json(send: Any, status: int, payload: dict[str, Any]) -> None:
     body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 def detail(message: str) -> dict[str, Any]:
     """An error body that both FastAPI clients ({"detail"}) and OpenAI clients ({"error"}) read."""
-    return {"detail": message, "error": {"message": message, "type": "invalid_request_error", "param": None,
-                                         "code": None}}
+    return {
+        "detail": message,
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": None},
+    }
 
 
 class TokenMiddleware:
@@ -70,10 +78,19 @@ class TokenMiddleware:
         if scope["type"] == "http" and self.protect(scope.get("path", "")):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                await send_json(send, 401, {**detail("missing or wrong bearer token"),
-                                            "error": {"message": "missing or wrong bearer token",
-                                                      "type": "authentication_error", "param": None,
-                                                      "code": "invalid_api_key"}})
+                await send_json(
+                    send,
+                    401,
+                    {
+                        **detail("missing or wrong bearer token"),
+                        "error": {
+                            "message": "missing or wrong bearer token",
+                            "type": "authentication_error",
+                            "param": None,
+                            "code": "invalid_api_key",
+                        },
+                    },
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -90,7 +107,9 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await send_json(send, 413, detail(f"request body of {int(declared)} bytes is over the {self.limit}-byte limit"))
+            await send_json(
+                send, 413, detail(f"request body of {int(declared)} bytes is over the {self.limit}-byte limit")
+            )
             return
         body = bytearray()
         while True:  # read the body here, stopping at the limit, then hand it on whole

@@ -134,8 +134,11 @@ def check_parameters(req: _Request) -> None:
         if name in NOT_IMPLEMENTED:
             if value in NOT_IMPLEMENTED[name]:
                 continue
-            raise _bad(f"parameter '{name}' is not supported by this server (got {value!r})", name,
-                       code="unsupported_parameter")
+            raise _bad(
+                f"parameter '{name}' is not supported by this server (got {value!r})",
+                name,
+                code="unsupported_parameter",
+            )
         raise _bad(f"unknown parameter '{name}'", name, code="unknown_parameter")
 
 
@@ -179,15 +182,16 @@ class _ChoiceStream:
                 end = min(end, len(text) - 1)
         if end <= self.sent:
             return ""
-        delta, self.sent = text[self.sent:end], end
+        delta, self.sent = text[self.sent : end], end
         return delta
 
 
 class OpenAIServer:
     """The request handling behind the routes: validation, sampling parameters, response bodies."""
 
-    def __init__(self, batcher: EngineBatcher, tokenizer: Any, model_name: str, max_context: int | None,
-                 limits: ServerLimits) -> None:
+    def __init__(
+        self, batcher: EngineBatcher, tokenizer: Any, model_name: str, max_context: int | None, limits: ServerLimits
+    ) -> None:
         self.batcher, self.tokenizer, self.model_name = batcher, tokenizer, model_name
         self.max_context, self.limits = max_context, limits
         self.created = int(time.time())
@@ -196,13 +200,20 @@ class OpenAIServer:
     def check_request(self, req: _Request, prompts: int) -> None:
         check_parameters(req)
         if req.model is not None and req.model != self.model_name:
-            raise _bad(f"The model '{req.model}' does not exist; this server serves '{self.model_name}'", "model", 404,
-                       "model_not_found")
+            raise _bad(
+                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                404,
+                "model_not_found",
+            )
         if req.n > self.limits.max_n:
             raise _bad(f"n={req.n} is over this server's limit of {self.limits.max_n} (--max-n)", "n")
         if prompts > self.limits.max_prompts:
-            raise _bad(f"{prompts} prompts in one request is over this server's limit of {self.limits.max_prompts} "
-                       f"(--max-prompts)", "prompt")
+            raise _bad(
+                f"{prompts} prompts in one request is over this server's limit of {self.limits.max_prompts} "
+                f"(--max-prompts)",
+                "prompt",
+            )
 
     def to_prompts(self, items: list[str] | list[list[int]]) -> list[Prompt]:
         prompts = []
@@ -219,24 +230,37 @@ class OpenAIServer:
         (unset: what the context leaves, up to the server's default)."""
         longest = max(len(p.prompt_ids) for p in prompts)
         if asked is not None and asked > self.limits.max_tokens:
-            raise _bad(f"{field}={asked} is over this server's limit of {self.limits.max_tokens} "
-                       f"(--max-tokens-limit)", field)
+            raise _bad(
+                f"{field}={asked} is over this server's limit of {self.limits.max_tokens} (--max-tokens-limit)", field
+            )
         room = self.limits.max_tokens if self.max_context is None else self.max_context - longest
         if self.max_context is not None and (room <= 0 or (asked is not None and asked > room)):
-            raise _bad(f"This model's maximum context length is {self.max_context} tokens. However, you requested "
-                       f"{longest + (asked or 1)} tokens ({longest} in the prompt, {asked or 1} for the completion). "
-                       f"Please reduce the prompt or {field}.", field, code="context_length_exceeded")
+            raise _bad(
+                f"This model's maximum context length is {self.max_context} tokens. However, you requested "
+                f"{longest + (asked or 1)} tokens ({longest} in the prompt, {asked or 1} for the completion). "
+                f"Please reduce the prompt or {field}.",
+                field,
+                code="context_length_exceeded",
+            )
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                              max_tokens=asked or min(self.limits.default_max_tokens, room), stop=tuple(stop),
-                              seed=req.seed, top_logprobs=top)
+        return SamplingParams(
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            max_tokens=asked or min(self.limits.default_max_tokens, room),
+            stop=tuple(stop),
+            seed=req.seed,
+            top_logprobs=top,
+        )
 
     # -- building answers --------------------------------------------------------------------------
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def completion_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None, k: int,
-                            offset: int = 0) -> dict[str, Any]:
+    def completion_logprobs(
+        self, tokens: list[int], logprobs: list[float], tops: list | None, k: int, offset: int = 0
+    ) -> dict[str, Any]:
         strings = [self.token_text(t) for t in tokens]
         offsets, pos = [], offset
         for text in strings:
@@ -251,23 +275,34 @@ class OpenAIServer:
         content = []
         for i, (t, lp) in enumerate(zip(tokens, logprobs)):
             text = self.token_text(t)
-            alts = [{"token": self.token_text(a), "logprob": alp, "bytes": list(self.token_text(a).encode())}
-                    for a, alp in (tops[i][:k] if tops is not None and k > 0 else [])]
+            alts = [
+                {"token": self.token_text(a), "logprob": alp, "bytes": list(self.token_text(a).encode())}
+                for a, alp in (tops[i][:k] if tops is not None and k > 0 else [])
+            ]
             content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts})
         return {"content": content}
 
     @staticmethod
     def usage(prompts: list[Prompt], completion: int) -> dict[str, int]:
         prompt_tokens = sum(len(p.prompt_ids) for p in prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
 
-    def envelope(self, prefix: str, kind: str, choices: list[dict], prompts: list[Prompt],
-                 rollouts: list[Rollout]) -> dict[str, Any]:
-        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-                "model": self.model_name, "choices": sorted(choices, key=lambda c: c["index"]),
-                "weight_version": self.batcher.worker.weight_version,
-                "usage": self.usage(prompts, sum(len(r.response_ids) for r in rollouts))}
+    def envelope(
+        self, prefix: str, kind: str, choices: list[dict], prompts: list[Prompt], rollouts: list[Rollout]
+    ) -> dict[str, Any]:
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": sorted(choices, key=lambda c: c["index"]),
+            "weight_version": self.batcher.worker.weight_version,
+            "usage": self.usage(prompts, sum(len(r.response_ids) for r in rollouts)),
+        }
 
     # -- the endpoints -----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
@@ -283,17 +318,24 @@ class OpenAIServer:
         choices = []
         for r, sample in numbered(rollouts):
             lp = self.completion_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
-            choices.append({"index": r.prompt_index * params.n + sample, "finish_reason": r.finish_reason,
-                            "text": final_text(r, params, req.include_stop_str_in_output),
-                            "token_ids": r.response_ids, "logprobs": lp})
+            choices.append(
+                {
+                    "index": r.prompt_index * params.n + sample,
+                    "finish_reason": r.finish_reason,
+                    "text": final_text(r, params, req.include_stop_str_in_output),
+                    "token_ids": r.response_ids,
+                    "logprobs": lp,
+                }
+            )
         return self.envelope("cmpl", "text_completion", choices, prompts, rollouts)
 
     async def chat(self, req: ChatRequest) -> dict[str, Any] | StreamingResponse:
         self.check_request(req, 1)
         if req.top_logprobs and not req.logprobs:
             raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": message_text(m)}
-                    for m in req.messages]
+        messages = [
+            {"role": m.role if m.role != "developer" else "system", "content": message_text(m)} for m in req.messages
+        ]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompts = self.to_prompts([self.tokenizer(text, add_special_tokens=False)["input_ids"]])
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -306,8 +348,15 @@ class OpenAIServer:
         for r, sample in numbered(rollouts):
             lp = self.chat_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
             message = {"role": "assistant", "content": final_text(r, params, req.include_stop_str_in_output)}
-            choices.append({"index": sample, "message": message, "finish_reason": r.finish_reason,
-                            "token_ids": r.response_ids, "logprobs": lp})
+            choices.append(
+                {
+                    "index": sample,
+                    "message": message,
+                    "finish_reason": r.finish_reason,
+                    "token_ids": r.response_ids,
+                    "logprobs": lp,
+                }
+            )
         return self.envelope("chatcmpl", "chat.completion", choices, prompts, rollouts)
 
     async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
@@ -343,8 +392,15 @@ def final_text(r: Rollout, params: SamplingParams, keep_stop: bool) -> str:
 class SSEStream:
     """One streamed answer: token events from the engine become OpenAI chunks, then ``data: [DONE]``."""
 
-    def __init__(self, server: OpenAIServer, kind: str, req: _Request, prompts: list[Prompt], params: SamplingParams,
-                 logprob_k: int | None) -> None:
+    def __init__(
+        self,
+        server: OpenAIServer,
+        kind: str,
+        req: _Request,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        logprob_k: int | None,
+    ) -> None:
         self.server, self.req, self.prompts, self.params, self.k = server, req, prompts, params, logprob_k
         self.chat = kind == "chat"
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -356,15 +412,26 @@ class SSEStream:
     def response(self) -> StreamingResponse:
         task = asyncio.ensure_future(self.server.batcher.generate(self.prompts, self.params, self._on_token))
         task.add_done_callback(lambda _: self.events.put_nowait(None))
-        return StreamingResponse(self._body(task), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        return StreamingResponse(
+            self._body(task),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
 
-    def _on_token(self, prompt_index: int, sample: int, token: int, logprob: float, top: Any, finish: str | None) -> None:
+    def _on_token(
+        self, prompt_index: int, sample: int, token: int, logprob: float, top: Any, finish: str | None
+    ) -> None:
         self.events.put_nowait((prompt_index * self.params.n + sample, token, logprob, top, finish))
 
     def _chunk(self, choices: list[dict], **extra: Any) -> str:
-        body = {"id": self.id, "object": self.object, "created": int(time.time()), "model": self.server.model_name,
-                "choices": choices, **extra}
+        body = {
+            "id": self.id,
+            "object": self.object,
+            "created": int(time.time()),
+            "model": self.server.model_name,
+            "choices": choices,
+            **extra,
+        }
         return f"data: {json.dumps(body)}\n\n"
 
     def _logprobs(self, index: int, token: int, logprob: float, top: Any) -> dict[str, Any] | None:
@@ -380,13 +447,22 @@ class SSEStream:
         completion_tokens = 0
         if self.chat:
             for i in range(len(self.prompts) * self.params.n):
-                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}])
+                yield self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
         while (event := await self.events.get()) is not None:
             index, token, logprob, top, finish = event
             completion_tokens += 1
-            choice = self.choices.setdefault(index, _ChoiceStream(self.server.tokenizer, self.params.stop,
-                                                                  self.req.include_stop_str_in_output))
+            choice = self.choices.setdefault(
+                index, _ChoiceStream(self.server.tokenizer, self.params.stop, self.req.include_stop_str_in_output)
+            )
             text = choice.push(token, finish is not None)
             lp = self._logprobs(index, token, logprob, top)
             if not text and lp is None and finish is None:
@@ -407,9 +483,12 @@ class SSEStream:
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     info = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
     kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
-        exc.status_code, "invalid_request_error")
-    body = {"error": {"message": info["message"], "type": kind, "param": info.get("param"), "code": info.get("code")},
-            "detail": info["message"]}
+        exc.status_code, "invalid_request_error"
+    )
+    body = {
+        "error": {"message": info["message"], "type": kind, "param": info.get("param"), "code": info.get("code")},
+        "detail": info["message"],
+    }
     return JSONResponse(body, status_code=exc.status_code)
 
 
@@ -421,12 +500,24 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
         first = first or where or None
         problems.append(f"{where}: {e['msg']}" if where else e["msg"])
     message = "; ".join(problems)
-    return JSONResponse({**detail(message), "error": {"message": message, "type": "invalid_request_error",
-                                                      "param": first, "code": None}}, status_code=400)
+    return JSONResponse(
+        {
+            **detail(message),
+            "error": {"message": message, "type": "invalid_request_error", "param": first, "code": None},
+        },
+        status_code=400,
+    )
 
 
-def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_max_tokens: int = 256,
-              max_context: int | None = None, limits: ServerLimits | None = None, token: str | None = None) -> FastAPI:
+def build_app(
+    batcher: EngineBatcher,
+    tokenizer: Any,
+    model_name: str,
+    default_max_tokens: int = 256,
+    max_context: int | None = None,
+    limits: ServerLimits | None = None,
+    token: str | None = None,
+) -> FastAPI:
     """With ``token``, every request needs ``Authorization: Bearer <token>``."""
     limits = limits or ServerLimits(default_max_tokens=default_max_tokens)
     server = OpenAIServer(batcher, tokenizer, model_name, max_context, limits)
@@ -445,8 +536,10 @@ def build_app(batcher: EngineBatcher, tokenizer: Any, model_name: str, default_m
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list",
-                "data": [{"id": model_name, "object": "model", "created": server.created, "owned_by": "postrl"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": server.created, "owned_by": "postrl"}],
+        }
 
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/v1/chat/completions", response_model=None)(server.chat)

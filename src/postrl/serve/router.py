@@ -52,8 +52,9 @@ class NoBackendError(RuntimeError):
 
 
 class LeastOutstandingRouter:
-    def __init__(self, backends: list[str], timeout_s: float = 600.0, health_interval_s: float = 5.0,
-                 token: str | None = None) -> None:
+    def __init__(
+        self, backends: list[str], timeout_s: float = 600.0, health_interval_s: float = 5.0, token: str | None = None
+    ) -> None:
         if not backends:
             raise ValueError("the router needs at least one backend URL")
         self.state = {b.rstrip("/"): Backend(b.rstrip("/")) for b in backends}
@@ -142,16 +143,18 @@ class LeastOutstandingRouter:
             errors.append(f"{url}: {error}")
         raise NoBackendError("the request failed on " + "; then on ".join(errors))
 
-    async def forward(self, path: str, body: bytes | None, request_headers: Any = None,
-                      method: str = "POST") -> httpx.Response:
+    async def forward(
+        self, path: str, body: bytes | None, request_headers: Any = None, method: str = "POST"
+    ) -> httpx.Response:
         """Send to the least busy healthy backend; on a failure, once more to another."""
 
         async def attempt(url: str) -> tuple[httpx.Response | None, str | None]:
             backend = self.state[url]
             backend.outstanding += 1
             try:
-                response = await self.client.request(method, url + path, content=body,
-                                                     headers=self.headers(request_headers))
+                response = await self.client.request(
+                    method, url + path, content=body, headers=self.headers(request_headers)
+                )
             except httpx.HTTPError as exc:
                 return None, f"{type(exc).__name__}: {exc}"
             finally:
@@ -231,8 +234,11 @@ def build_router_app(router: LeastOutstandingRouter) -> FastAPI:
             response = await router.forward(f"/v1/{endpoint}", body, request.headers)
         except NoBackendError as exc:
             return _no_backend(exc)
-        return Response(response.content, status_code=response.status_code,
-                        media_type=response.headers.get("content-type", "application/json"))
+        return Response(
+            response.content,
+            status_code=response.status_code,
+            media_type=response.headers.get("content-type", "application/json"),
+        )
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -240,8 +246,11 @@ def build_router_app(router: LeastOutstandingRouter) -> FastAPI:
             response = await router.forward("/v1/models", None, request.headers, method="GET")
         except NoBackendError as exc:
             return _no_backend(exc)
-        return Response(response.content, status_code=response.status_code,
-                        media_type=response.headers.get("content-type", "application/json"))
+        return Response(
+            response.content,
+            status_code=response.status_code,
+            media_type=response.headers.get("content-type", "application/json"),
+        )
 
     @app.post("/update_weights")
     async def update(request: Request) -> JSONResponse:
@@ -254,8 +263,12 @@ def build_router_app(router: LeastOutstandingRouter) -> FastAPI:
         await router.check_all()
         states = {b: s.healthy for b, s in router.state.items()}
         ok = all(states.values())
-        body = {"status": "ok" if ok else "degraded", "backends": states, "outstanding": router.outstanding,
-                "errors": {b: s.last_error for b, s in router.state.items() if s.last_error}}
+        body = {
+            "status": "ok" if ok else "degraded",
+            "backends": states,
+            "outstanding": router.outstanding,
+            "errors": {b: s.last_error for b, s in router.state.items() if s.last_error},
+        }
         return JSONResponse(body, status_code=200 if any(states.values()) else 503)
 
     return app
@@ -280,5 +293,6 @@ def _relay(router: LeastOutstandingRouter, url: str, upstream: httpx.Response) -
             router.state[url].served += 1
             await upstream.aclose()
 
-    return StreamingResponse(chunks(), status_code=upstream.status_code,
-                             media_type=upstream.headers.get("content-type", "text/event-stream"))
+    return StreamingResponse(
+        chunks(), status_code=upstream.status_code, media_type=upstream.headers.get("content-type", "text/event-stream")
+    )

@@ -6,8 +6,8 @@ pipeline as a JSONL file does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from postrl.tasks import arithmetic
 

@@ -11,7 +11,6 @@ import random
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class ArithmeticProblem:
     a: int

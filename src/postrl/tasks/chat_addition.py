@@ -19,8 +19,13 @@ def rows(count: int, seed: int = 0) -> list[dict]:
     out = []
     for _ in range(count):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        out.append({"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b),
-                    "task_type": "chat_addition"})
+        out.append(
+            {
+                "messages": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                "answer": str(a + b),
+                "task_type": "chat_addition",
+            }
+        )
     return out
 
 

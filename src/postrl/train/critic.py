@@ -27,8 +27,9 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                               use_cache=False).last_hidden_state
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        ).last_hidden_state
         return self.head(hidden).squeeze(-1)[:, :-1].float()  # [B, T-1]: the value before token t+1
 
 
@@ -46,8 +47,9 @@ def response_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, 
     return ids, attention, response
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old + clamp(v - old, -clip, clip)
     (PPO's value clipping; None: the plain squared error). Returns the loss and the clipped indicator."""
     plain = (values - returns) ** 2
@@ -59,8 +61,9 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
 
 
 class CriticWorker:
-    def __init__(self, config: CriticConfig, policy_path: str, model_dtype: str, pad_id: int, seed: int = 0,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self, config: CriticConfig, policy_path: str, model_dtype: str, pad_id: int, seed: int = 0, device: str = "cpu"
+    ) -> None:
         from postrl.devices import resolve_device
         from postrl.models import load_causal_lm
 

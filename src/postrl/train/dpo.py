@@ -35,8 +35,9 @@ def pair_batch(pairs: list[PreferencePair], pad_id: int) -> tuple[torch.Tensor, 
     return ids, attention, mask, groups
 
 
-def sequence_logprobs(model: torch.nn.Module, pairs: list[PreferencePair], pad_id: int,
-                      average: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(
+    model: torch.nn.Module, pairs: list[PreferencePair], pad_id: int, average: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed (``average``: per-token mean) completion log-probabilities: (chosen [B], rejected [B])."""
     device = next(model.parameters()).device
     ids, attention, mask, groups = (t.to(device) for t in pair_batch(pairs, pad_id))
@@ -48,13 +49,23 @@ def sequence_logprobs(model: torch.nn.Module, pairs: list[PreferencePair], pad_i
 
 
 class DPOWorker(TrainWorker):
-    def __init__(self, model: torch.nn.Module, train: TrainConfig, dpo: DPOConfig, pad_id: int, seed: int = 0,
-                 gradient_checkpointing: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train: TrainConfig,
+        dpo: DPOConfig,
+        pad_id: int,
+        seed: int = 0,
+        gradient_checkpointing: bool = False,
+    ) -> None:
         super().__init__(model, train, AlgorithmConfig(), seed=seed, gradient_checkpointing=gradient_checkpointing)
         self.dpo, self.pad_id = dpo, pad_id
         self.average = dpo.loss_type == "ipo"
-        self.loss = functools.partial(DPO_LOSSES.get(dpo.loss_type), beta=dpo.beta,
-                                      **({"label_smoothing": dpo.label_smoothing} if dpo.loss_type != "ipo" else {}))
+        self.loss = functools.partial(
+            DPO_LOSSES.get(dpo.loss_type),
+            beta=dpo.beta,
+            **({"label_smoothing": dpo.label_smoothing} if dpo.loss_type != "ipo" else {}),
+        )
 
     @torch.no_grad()
     def reference_logprobs(self, pairs: list[PreferencePair]) -> torch.Tensor:
@@ -63,8 +74,9 @@ class DPOWorker(TrainWorker):
         self.model.eval()
         out = []
         for start in range(0, len(pairs), self.cfg.micro_batch_size):
-            chosen, rejected = sequence_logprobs(self.model, pairs[start : start + self.cfg.micro_batch_size],
-                                                 self.pad_id, self.average)
+            chosen, rejected = sequence_logprobs(
+                self.model, pairs[start : start + self.cfg.micro_batch_size], self.pad_id, self.average
+            )
             out.append(torch.stack([chosen, rejected], dim=1).float().cpu())
         return torch.cat(out)
 

@@ -51,8 +51,9 @@ def shard_model(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
 class FSDPTrainWorker(TrainWorker):
     """A :class:`TrainWorker` whose model is sharded across the ranks of the default process group."""
 
-    def __init__(self, model: torch.nn.Module, *args, bf16: bool = False, ref_model: torch.nn.Module | None = None,
-                 **kwargs) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *args, bf16: bool = False, ref_model: torch.nn.Module | None = None, **kwargs
+    ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         shard_model(model, bf16)
         if ref_model is not None:

@@ -44,7 +44,8 @@ class TrainGroup:
                 who = f"{', '.join(dead)} died" if dead else str(exc).splitlines()[0]
                 raise TrainWorkerDiedError(
                     f"{who} during {method}. The train group cannot go on without it, so the run stops; resume "
-                    "it from the last checkpoint with `postrl train --resume RUN_DIR`") from exc
+                    "it from the last checkpoint with `postrl train --resume RUN_DIR`"
+                ) from exc
             raise
 
     def _dead_ranks(self, grace_s: float = 2.0) -> list[str]:

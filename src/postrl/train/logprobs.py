@@ -11,8 +11,13 @@ from postrl.models import PLAIN_HEAD_MODEL_TYPES
 
 
 def token_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-    with_entropy: bool = False, target_mask: torch.Tensor | None = None, group_ids: torch.Tensor | None = None,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    target_mask: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob of ``input_ids[:, 1:]`` under ``log_softmax(logits / T)``, shape ``[B, T-1]``.
 
@@ -129,8 +134,13 @@ def pack_shared_prompts(
         pos_t[s, : len(q)] = torch.tensor(q)
         seg_t[s, : len(g)] = torch.tensor(g)
     device = input_ids.device
-    return PackedPrompts(ids.to(device), pos_t.to(device), _block_mask(seg_t)[:, None].to(device),
-                         torch.tensor(target_seq, device=device), torch.tensor(target_pos, device=device))
+    return PackedPrompts(
+        ids.to(device),
+        pos_t.to(device),
+        _block_mask(seg_t)[:, None].to(device),
+        torch.tensor(target_seq, device=device),
+        torch.tensor(target_pos, device=device),
+    )
 
 
 def _block_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -145,8 +155,9 @@ def _block_mask(segments: torch.Tensor) -> torch.Tensor:
 
 
 def _shared_prompt_logprobs(model, packed: PackedPrompts, input_ids, target_mask, temperature, with_entropy):
-    kwargs = dict(input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.position_ids,
-                  use_cache=False)
+    kwargs = dict(
+        input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.position_ids, use_cache=False
+    )
     logits = _selected_logits(model, kwargs, packed.target_seq, packed.target_pos)  # row-major order of target_mask
     return _selected_logprobs(logits, input_ids[:, 1:], target_mask.bool(), temperature, with_entropy)
 

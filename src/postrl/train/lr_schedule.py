@@ -26,9 +26,14 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, decay_steps: int | No
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, decay_steps: int | None,
-                   min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
     if schedule != "constant" and not decay_steps:
         raise ValueError(f"train.lr_schedule={schedule} needs train.lr_decay_steps (the run sets it from its length)")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, schedule=schedule, warmup_steps=warmup_steps,
-                                                                decay_steps=decay_steps, min_lr_ratio=min_lr_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        partial(
+            lr_factor, schedule=schedule, warmup_steps=warmup_steps, decay_steps=decay_steps, min_lr_ratio=min_lr_ratio
+        ),
+    )

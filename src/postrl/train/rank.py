@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from postrl.config import AlgorithmConfig, TrainConfig
 from postrl.devices import bf16_matmul_supported, resolve_device
-from postrl.types import ExperienceBatch, TrainMetrics
 from postrl.train.worker import TrainWorker
+from postrl.types import ExperienceBatch, TrainMetrics
 from postrl.weights import dedupe_tied
 
 
@@ -79,9 +79,13 @@ class TrainRank:
             torch.cuda.set_device(device)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if group.world > 1:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=group.world,
-                                    init_method=f"tcp://{group.master_addr}:{group.master_port}",
-                                    timeout=timedelta(seconds=group.timeout_s))
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                rank=rank,
+                world_size=group.world,
+                init_method=f"tcp://{group.master_addr}:{group.master_port}",
+                timeout=timedelta(seconds=group.timeout_s),
+            )
         torch.manual_seed(policy.seed)
         model = load_causal_lm(policy.model_path, policy.model_dtype).to(device)
         ref = None
@@ -89,9 +93,13 @@ class TrainRank:
             ref = load_causal_lm(policy.model_path, policy.model_dtype).to(device)
         precision = policy.train.precision
         bf16 = precision == "bf16_autocast" or (precision == "auto" and bf16_matmul_supported(device))
-        common = dict(temperature=policy.temperature, ref_model=ref, seed=policy.seed,
-                      gradient_checkpointing=policy.gradient_checkpointing,
-                      max_response_tokens=policy.max_response_tokens)
+        common = dict(
+            temperature=policy.temperature,
+            ref_model=ref,
+            seed=policy.seed,
+            gradient_checkpointing=policy.gradient_checkpointing,
+            max_response_tokens=policy.max_response_tokens,
+        )
         if group.world == 1:  # one rank: a plain Train Worker (no collectives, no sharding)
             self._worker = TrainWorker(model, policy.train, policy.algorithm, **common)
         else:

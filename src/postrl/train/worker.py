@@ -18,10 +18,10 @@ import torch
 from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, LossNormalizer, kl_k3, kl_penalty
 from postrl.config import AlgorithmConfig, TrainConfig
 from postrl.devices import bf16_matmul_supported
-from postrl.train.lr_schedule import make_scheduler
 from postrl.train.logprobs import token_logprobs
-from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.train.lr_schedule import make_scheduler
 from postrl.train.state import full_tensor, load_train_state, save_train_state
+from postrl.types import ExperienceBatch, TrainMetrics
 from postrl.weights import load_weights_into, save_weights
 
 
@@ -126,14 +126,16 @@ class TrainWorker:
         if gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
-        self.policy_loss = functools.partial(POLICY_LOSSES.get(algorithm.policy_loss.type),
-                                             **algorithm.policy_loss.options())
+        self.policy_loss = functools.partial(
+            POLICY_LOSSES.get(algorithm.policy_loss.type), **algorithm.policy_loss.options()
+        )
         self.aggregate = LOSS_AGGREGATIONS.get(algorithm.loss_agg)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
         )
-        self.scheduler = make_scheduler(self.optimizer, train.lr_schedule, train.warmup_steps, train.lr_decay_steps,
-                                        train.min_lr_ratio)
+        self.scheduler = make_scheduler(
+            self.optimizer, train.lr_schedule, train.warmup_steps, train.lr_decay_steps, train.min_lr_ratio
+        )
         self.generator = torch.Generator().manual_seed(seed)
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -237,9 +239,15 @@ class TrainWorker:
         mask = micro.loss_mask
         bonus = self.algo.entropy_coef
         with self._autocast():
-            logp, entropy = token_logprobs(self.model, micro.input_ids, micro.attention_mask, self.temperature,
-                                           with_entropy="grad" if bonus else True, target_mask=micro.response_mask,
-                                           group_ids=micro.group_ids)
+            logp, entropy = token_logprobs(
+                self.model,
+                micro.input_ids,
+                micro.attention_mask,
+                self.temperature,
+                with_entropy="grad" if bonus else True,
+                target_mask=micro.response_mask,
+                group_ids=micro.group_ids,
+            )
         out = self.policy_loss(
             LossInputs(
                 logprobs=logp,
@@ -252,8 +260,14 @@ class TrainWorker:
         kl = torch.zeros_like(logp)
         if self.ref_model is not None and self.algo.kl_in == "loss":
             with torch.no_grad(), self._autocast():
-                ref_logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature,
-                                             target_mask=micro.response_mask, group_ids=micro.group_ids)
+                ref_logp, _ = token_logprobs(
+                    self.ref_model,
+                    micro.input_ids,
+                    micro.attention_mask,
+                    self.temperature,
+                    target_mask=micro.response_mask,
+                    group_ids=micro.group_ids,
+                )
             kl = kl_penalty(logp, ref_logp, self.algo.kl_estimator, self.algo.kl_clamp) * mask
             per_token = per_token + self.kl_beta * kl
         if bonus:
@@ -263,8 +277,11 @@ class TrainWorker:
             current = logp.detach().float()
             zero = torch.zeros((), device=mask.device)
             return MicroBatchStats(
-                loss=(per_token * mask).sum(), kl=kl.sum(), entropy=(entropy.detach() * mask).sum(),
-                clipped=out.clipped.sum(), tokens=mask.sum(),
+                loss=(per_token * mask).sum(),
+                kl=kl.sum(),
+                entropy=(entropy.detach() * mask).sum(),
+                clipped=out.clipped.sum(),
+                tokens=mask.sum(),
                 clip_low=zero if out.clip_low is None else out.clip_low.sum(),
                 clip_high=zero if out.clip_high is None else out.clip_high.sum(),
                 dual_clip=zero if out.dual_clip is None else out.dual_clip.sum(),
@@ -293,8 +310,14 @@ class TrainWorker:
         for start in range(0, batch.size, self.cfg.micro_batch_size):
             micro = batch.select(slice(start, start + self.cfg.micro_batch_size)).to(device)
             with self._autocast():
-                logp, _ = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask, self.temperature,
-                                         target_mask=micro.response_mask, group_ids=micro.group_ids)
+                logp, _ = token_logprobs(
+                    self.ref_model,
+                    micro.input_ids,
+                    micro.attention_mask,
+                    self.temperature,
+                    target_mask=micro.response_mask,
+                    group_ids=micro.group_ids,
+                )
             out.append(logp.float().cpu())
         return torch.cat(out)
 

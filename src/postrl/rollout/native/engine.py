@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from postrl.rollout.common import EngineBase, Health, non_finite
+from postrl.rollout.hf_engine import eos_ids
 from postrl.rollout.native.kv_cache import KVCache
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
-from postrl.rollout.hf_engine import eos_ids
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
 from postrl.weights import WeightSyncError
 
@@ -60,8 +60,16 @@ class _Seq:
 
 
 class NativeRolloutWorker(EngineBase):
-    def __init__(self, model: NativeCausalLM, tokenizer: Any, eos: set[int], max_batch_size: int = 256,
-                 seed: int = 0, max_prefill_tokens: int = 2048, cache_reuse_ratio: float = 2.0) -> None:
+    def __init__(
+        self,
+        model: NativeCausalLM,
+        tokenizer: Any,
+        eos: set[int],
+        max_batch_size: int = 256,
+        seed: int = 0,
+        max_prefill_tokens: int = 2048,
+        cache_reuse_ratio: float = 2.0,
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.cache_reuse_ratio = cache_reuse_ratio
@@ -73,13 +81,22 @@ class NativeRolloutWorker(EngineBase):
         self.stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
 
     @staticmethod
-    def from_hf(model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype = torch.float32, **kw: Any) -> NativeRolloutWorker:
+    def from_hf(
+        model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype = torch.float32, **kw: Any
+    ) -> NativeRolloutWorker:
         device = next(model.parameters()).device
-        return NativeRolloutWorker(NativeCausalLM.from_hf(model, dtype, device), tokenizer, eos_ids(model, tokenizer), **kw)
+        return NativeRolloutWorker(
+            NativeCausalLM.from_hf(model, dtype, device), tokenizer, eos_ids(model, tokenizer), **kw
+        )
 
     # -- RolloutWorker interface -----------------------------------------------------------------
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int,
-                 on_token: TokenCallback | None = None) -> list[Rollout]:
+    def generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams,
+        weight_version: int,
+        on_token: TokenCallback | None = None,
+    ) -> list[Rollout]:
         """``on_token`` (optional) sees every token as it is sampled, for streaming."""
         self.check_version(weight_version)
         if not prompts:
@@ -103,8 +120,9 @@ class NativeRolloutWorker(EngineBase):
             for s, finish in seqs
         ]
 
-    def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int,
-                       manifest: dict[str, str] | None = None) -> None:
+    def update_weights(
+        self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
+    ) -> None:
         """Copy new weights into the running engine in place; with a manifest, verify what arrived."""
         state = self.verified_state(weights, manifest)
         written = self.model.load(state, strict=True)
@@ -125,8 +143,11 @@ class NativeRolloutWorker(EngineBase):
             self._ensure_cache(1, 2)
         layers, kv_shape = len(self.cache.k), tuple(self.cache.k[0].shape)
         if layers != cfg.layers or kv_shape[1] != cfg.kv_heads or kv_shape[3] != cfg.head_dim:
-            return Health(False, f"KV cache of {layers} layers x {kv_shape} does not match the model "
-                                 f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})")
+            return Health(
+                False,
+                f"KV cache of {layers} layers x {kv_shape} does not match the model "
+                f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})",
+            )
         probe = Prompt(text="", prompt_ids=[self.pad_id])
         seqs = _Scheduler(self, [probe], SamplingParams(n=1, temperature=0.0, max_tokens=1), 1).run()
         tokens, logprobs = seqs[0][0].tokens, seqs[0][0].logprobs
@@ -144,14 +165,22 @@ class NativeRolloutWorker(EngineBase):
         slots = max(slots, old.slots if old else 0)
         cfg = self.model.cfg
         self.cache = None
-        self.cache = KVCache(cfg.layers, slots, cfg.kv_heads, max_len, cfg.head_dim, self.model.dtype, self.model.device)
+        self.cache = KVCache(
+            cfg.layers, slots, cfg.kv_heads, max_len, cfg.head_dim, self.model.dtype, self.model.device
+        )
 
 
 class _Scheduler:
     """One ``generate`` call: admits prompts into free slots and decodes until all are done."""
 
-    def __init__(self, engine: NativeRolloutWorker, prompts: list[Prompt], sp: SamplingParams, slots: int,
-                 on_token: TokenCallback | None = None) -> None:
+    def __init__(
+        self,
+        engine: NativeRolloutWorker,
+        prompts: list[Prompt],
+        sp: SamplingParams,
+        slots: int,
+        on_token: TokenCallback | None = None,
+    ) -> None:
         self.e, self.sp, self.n_slots, self.on_token = engine, sp, slots, on_token
         self.cache = engine.cache
         self.device = engine.model.device
@@ -210,7 +239,9 @@ class _Scheduler:
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             return torch.matmul(probs, self.cache.v[layer][:hi]).reshape(hi, cfg.heads * cfg.head_dim)
 
-        logits = self.e.model.forward(self.last[:hi], positions, self.cache, torch.arange(hi, device=self.device), attend)
+        logits = self.e.model.forward(
+            self.last[:hi], positions, self.cache, torch.arange(hi, device=self.device), attend
+        )
         self.pos[:hi] += live.long()
         active_t = torch.tensor(active, dtype=torch.long, device=self.device)
         return active_t, logits[active_t] if len(active) != hi else logits
@@ -278,8 +309,9 @@ class _Scheduler:
             qp[row, col] = q
             keys = self.cache.k[layer][slots, :, :longest_k]
             values = self.cache.v[layer][slots, :, :longest_k]
-            out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask,
-                                                 enable_gqa=cfg.kv_heads != cfg.heads)
+            out = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=cfg.kv_heads != cfg.heads
+            )
             return out.transpose(1, 2)[row, col].reshape(-1, cfg.heads * cfg.head_dim)
 
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
@@ -291,8 +323,9 @@ class _Scheduler:
         """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""
         return self.sp.n - self.remaining[prompt_index] - now
 
-    def _record(self, slots: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor,
-                top: list[list[tuple[int, float]]] | None) -> None:
+    def _record(
+        self, slots: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, top: list[list[tuple[int, float]]] | None
+    ) -> None:
         self.last[slots] = tokens
         is_stop = torch.isin(tokens, self.stop_ids).tolist()
         for row, (s, tok, lp, stop) in enumerate(zip(slots.tolist(), tokens.tolist(), lps.tolist(), is_stop)):

@@ -10,8 +10,16 @@ import torch
 
 
 class KVCache:
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]

@@ -59,15 +59,25 @@ class NativeConfig:
 
 
 def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 class NativeCausalLM:
     """Fused weights + forward passes over a :class:`~postrl.rollout.native.kv_cache.KVCache`."""
 
-    def __init__(self, cfg: NativeConfig, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        cfg: NativeConfig,
+        inv_freq: torch.Tensor,
+        attention_scaling: float,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         h, d, L = cfg.hidden, cfg.head_dim, cfg.layers
         q_out, kv_out = cfg.heads * d, cfg.kv_heads * d
@@ -96,7 +106,7 @@ class NativeCausalLM:
     # -- weights -------------------------------------------------------------------------------
     def _name_map(self, q_out: int, kv_out: int) -> dict[str, torch.Tensor]:
         """Hugging Face parameter name -> the view of our buffers it lives in."""
-        I = self.cfg.intermediate
+        inter = self.cfg.intermediate
         names: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
         if not self.cfg.tied:
             names["lm_head.weight"] = self.lm_head
@@ -110,8 +120,8 @@ class NativeCausalLM:
                 names[p + "self_attn.k_proj.bias"] = self.bqkv[i][q_out : q_out + kv_out]
                 names[p + "self_attn.v_proj.bias"] = self.bqkv[i][q_out + kv_out :]
             names[p + "self_attn.o_proj.weight"] = self.wo[i]
-            names[p + "mlp.gate_proj.weight"] = self.w_gate_up[i][:I]
-            names[p + "mlp.up_proj.weight"] = self.w_gate_up[i][I:]
+            names[p + "mlp.gate_proj.weight"] = self.w_gate_up[i][:inter]
+            names[p + "mlp.up_proj.weight"] = self.w_gate_up[i][inter:]
             names[p + "mlp.down_proj.weight"] = self.w_down[i]
             names[p + "input_layernorm.weight"] = self.ln1[i]
             names[p + "post_attention_layernorm.weight"] = self.ln2[i]
@@ -121,11 +131,16 @@ class NativeCausalLM:
     def load(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
         """Copy Hugging Face-named tensors into place; returns the names written."""
         unknown = [k for k in state if k not in self.params and not (k == "lm_head.weight" and self.cfg.tied)]
-        wrong = [f"{k} {tuple(v.shape)} != {tuple(self.params[k].shape)}" for k, v in state.items()
-                 if k in self.params and tuple(v.shape) != tuple(self.params[k].shape)]
+        wrong = [
+            f"{k} {tuple(v.shape)} != {tuple(self.params[k].shape)}"
+            for k, v in state.items()
+            if k in self.params and tuple(v.shape) != tuple(self.params[k].shape)
+        ]
         missing = [k for k in self.params if k not in state] if strict else []
         if unknown or wrong or missing:
-            raise RuntimeError(f"weights do not fit the engine: unknown {unknown[:5]}, wrong shape {wrong[:5]}, missing {missing[:5]}")
+            raise RuntimeError(
+                f"weights do not fit the engine: unknown {unknown[:5]}, wrong shape {wrong[:5]}, missing {missing[:5]}"
+            )
         written = []
         for name, tensor in state.items():
             if name in self.params:
@@ -175,8 +190,15 @@ class NativeCausalLM:
         return x * cos + rotated * sin
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, write_slots: torch.Tensor,
-                attend: Any, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        write_slots: torch.Tensor,
+        attend: Any,
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One pass over a flat list of ``T`` tokens (packed prompts, or one token per decoding slot).
 
         ``write_slots[t]`` is the cache slot token ``t`` belongs to; its K/V go to
