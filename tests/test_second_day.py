@@ -211,3 +211,64 @@ def test_a_data_path_on_the_command_line_is_found_next_to_the_config(
         f"dataset file nope.jsonl does not exist (a relative path is looked up in the working directory "
         f"{elsewhere}, then next to the config file)"
     ) in capsys.readouterr().err
+
+
+def test_eval_of_a_run_uses_its_own_held_out_data_and_works_for_url_runs(tmp_path, tiny_model_dir, arithmetic_jsonl,
+                                                                         capsys, monkeypatch):
+    monkeypatch.setenv("POSTRL_RUN_CACHE", str(tmp_path / "cache"))
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(40, 46)))
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1)
+    assert main(["train", config, f"data.val_files=[{val}]"]) == 0
+    capsys.readouterr()
+    run = tmp_path / "runs" / "tiny"
+    assert main(["eval", "--run", str(run)]) == 0
+    assert "val.jsonl: accuracy 0.000 (0/6)" in capsys.readouterr().out
+    # a run on its own files without held-out ones: told what to pass, not scored on the addition task
+    assert main(["train", config, "name=plain"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tmp_path / "runs" / "plain")]) == 2
+    assert f"trained on {arithmetic_jsonl}, which has no built-in held-out split: pass --data FILE" in (
+        capsys.readouterr().err)
+    # a run kept at a URL evaluates like a local one
+    url = f"file://{tmp_path / 'remote'}"
+    assert main(["train", config, f"output_dir={url}", "name=far", f"data.val_files=[{val}]"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run", f"{url}/far"]) == 0
+    assert "val.jsonl: accuracy 0.000 (0/6)" in capsys.readouterr().out
+
+
+def test_errors_name_the_fields_the_user_wrote_and_the_file():
+    from postrl.config import build_config, load_config
+
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["reward.components=[{type: custom, name: a, function: 'x:y', wieght: 1}]"])
+    assert str(err.value).splitlines()[1] == ("  unknown config field 'reward.components.0.wieght' (allowed: "
+                                              "applies_to, expected_range, function, name, timeout_s, type, weight)")
+    with pytest.raises(ConfigError, match=r"config field 'algorithm.advantage.type': unknown advantage estimator"):
+        build_config({}, ["algorithm.advantage={type: my_plugin}"])
+    with pytest.raises(ConfigError, match=r"config field 'reward.components.0.name' is required"):
+        build_config({}, ["reward.components=[{type: math}]"])
+    import os
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
+    with pytest.raises(ConfigError, match=r"is a `postrl train` config \(it has algorithm, prompts_per_step, reward, "
+                                          r"rollout, steps\), not a `postrl dpo` one"):
+        from postrl.dpo_config import DPORunConfig
+
+        load_config(os.path.join(examples, "arithmetic_grpo.yaml"), model=DPORunConfig)
+
+
+def test_a_yaml_syntax_error_and_a_corrupt_parquet_file_name_the_file(tmp_path, tiny_model_dir, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 3\nmodel: {path: demo\n")
+    assert main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"in {bad}, line 2, column 8" in err and "<unicode string>" not in err
+    broken = tmp_path / "rows.parquet"
+    broken.write_bytes(b"PAR1 not really parquet PAR1")
+    config = write_config(tmp_path, tiny_model_dir, broken, steps=1)
+    assert main(["train", config]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"postrl train: error: dataset file {broken} is not a readable Parquet file: ")

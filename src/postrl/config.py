@@ -332,32 +332,84 @@ class RunConfig(RunLocation, Section):
         return self
 
 
-def _describe(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
-    """The allowed field names at ``loc``, for an 'unknown field' message."""
+def _union_members(annotation: Any) -> list[tuple[Any, set[str]]]:
+    """The members of a (possibly Annotated) union with the tags that select each: a ``Tag(...)``
+    or the Literal values of its ``type`` field."""
+    import typing
+
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) not in (typing.Union, __import__("types").UnionType):
+        return []
+    members = []
+    for arg in typing.get_args(annotation):
+        tags: set[str] = set()
+        cls = arg
+        if typing.get_origin(arg) is Annotated:
+            cls, *meta = typing.get_args(arg)
+            tags |= {m.tag for m in meta if hasattr(m, "tag")}
+        type_field = getattr(cls, "model_fields", {}).get("type")
+        if type_field is not None and typing.get_origin(type_field.annotation) is Literal:
+            tags |= set(typing.get_args(type_field.annotation))
+        members.append((cls, tags))
+    return members
+
+
+def _user_location(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Any]:
+    """The field path as the user wrote it (without pydantic's union tags such as ``custom`` in
+    ``reward.components.0.custom.weight``), and the model the last part belongs to."""
+    import typing
+
+    parts: list[str] = []
     current: Any = model
-    for part in loc[:-1]:
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return ""
-        current = field.annotation
-    names = sorted(getattr(current, "model_fields", {}))
+    for part in loc:
+        members = _union_members(current)
+        if members:
+            chosen = next((cls for cls, tags in members if part in tags), None)
+            if chosen is not None:
+                current = chosen
+                continue
+        while typing.get_origin(current) is Annotated:
+            current = typing.get_args(current)[0]
+        if isinstance(part, int) and typing.get_origin(current) in (list, tuple):
+            current = typing.get_args(current)[0] if typing.get_args(current) else None
+        elif isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(part))
+            current = field.annotation if field is not None else None
+        else:
+            current = None
+        parts.append(str(part))
+    return parts, current
+
+
+def _allowed(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """The allowed field names where an unknown field ``loc`` was given."""
+    _, parent = _user_location(model, loc[:-1])
+    members = _union_members(parent)
+    if len(members) == 1:
+        parent = members[0][0]
+    names = sorted(getattr(parent, "model_fields", {})) if isinstance(parent, type) else []
     return f" (allowed: {', '.join(names)})" if names else ""
 
 
 def format_validation_error(err: ValidationError, model: type[BaseModel] = RunConfig) -> str:
     lines = []
+    seen = set()
     for e in err.errors():
         loc = tuple(e["loc"])
-        where = ".".join(str(p) for p in loc) or "<config>"
+        where = ".".join(_user_location(model, loc)[0]) or "<config>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config field '{where}'{_describe(model, loc)}")
+            line = f"unknown config field '{where}'{_allowed(model, loc)}"
         elif e["type"] == "missing":
-            lines.append(f"config field '{where}' is required")
+            line = f"config field '{where}' is required"
         elif e["type"] == "value_error":  # our own validators: the message names the fields
             message = e["msg"].removeprefix("Value error, ")
-            lines.append(message if not loc else f"config field '{where}': {message}")
+            line = message if not loc else f"config field '{where}': {message}"
         else:
-            lines.append(f"config field '{where}': got {e.get('input')!r}: {e['msg']}")
+            line = f"config field '{where}': got {e.get('input')!r}: {e['msg']}"
+        if line not in seen:
+            seen.add(line)
+            lines.append(line)
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
@@ -415,9 +467,11 @@ def load_config(
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+            where = str(exc).replace('"<unicode string>"', str(path))
+            raise ConfigError(f"config file {path} is not valid YAML: {where}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        check_command(loaded or {}, model or RunConfig, path)
         # overrides first, so a data path given on the command line is found the same way as one in the file
         data = _data_files_found_near(
             apply_overrides(copy.deepcopy(loaded or {}), overrides or []), path.resolve().parent
@@ -429,6 +483,28 @@ def load_config(
             if isinstance(paths, list) and here not in paths:
                 data = {**data, "import_paths": [*paths, here]}
     return build_config(data, overrides, model)
+
+
+def command_models() -> dict[str, type[BaseModel]]:
+    """The config model of each command that starts a run."""
+    from postrl.dpo_config import DPORunConfig
+    from postrl.sft_config import SFTRunConfig
+
+    return {"train": RunConfig, "dpo": DPORunConfig, "sft": SFTRunConfig}
+
+
+def check_command(data: dict[str, Any], model: type[BaseModel], path: Path) -> None:
+    """A config written for another command (a GRPO config given to ``postrl dpo``) says so."""
+    unknown = set(data) - set(model.model_fields)
+    if not unknown:
+        return
+    models = command_models()
+    mine = next((name for name, m in models.items() if m is model), None)
+    fits = [name for name, other in models.items() if other is not model and unknown <= set(other.model_fields)]
+    if fits:
+        which = " or ".join(f"`postrl {name}`" for name in fits)
+        raise ConfigError(f"{path} is a {which} config (it has {', '.join(sorted(unknown))}), not a `postrl {mine}` "
+                          f"one: run it with {' or '.join(f'postrl {name}' for name in fits)} {path}")
 
 
 def _data_files_found_near(data: dict[str, Any], config_dir: Path) -> dict[str, Any]:

@@ -108,6 +108,18 @@ def run_model_path(run_dir: Path) -> str:
     return str(checkpoint / "model")
 
 
+def _local_run(config: RunConfig) -> Path:
+    """The run's folder on this machine; a URL run's final model (or latest checkpoint) is fetched first."""
+    if config.run_url is None:
+        return config.run_dir
+    from postrl.run_store import RunStore
+
+    store = RunStore(config.run_url, config.run_dir)
+    if store.fetch_folder("final_model") is None:
+        store.fetch_latest_checkpoint()
+    return config.run_dir
+
+
 def run_eval(
     model: str | None,
     run: str | None,
@@ -123,20 +135,26 @@ def run_eval(
 
     run_config: RunConfig | None = None
     if run is not None:
-        path = Path(run) / "config.yaml"
-        if not path.is_file():
-            raise ConfigError(f"{run} is not a run directory (no config.yaml)")
-        run_config = load_config(path, import_config_dir=False)
+        from postrl.run_place import resume_config
+
+        run_config = resume_config(run, [])  # a folder or a URL, as train --resume reads it
+        if model is None:
+            model = run_model_path(_local_run(run_config))
     elif config is not None:
         run_config = load_config(config)
     if model is None:
-        if run is None:
-            raise ConfigError("postrl eval needs --model PATH or --run runs/NAME")
-        model = run_model_path(Path(run))
+        raise ConfigError("postrl eval needs --model PATH or --run runs/NAME")
     if task and data:
         raise ConfigError("give either --task or --data, not both")
     tokenizer = load_tokenizer(model)
     policy = load_causal_lm(model)
+    if not data and not task and run is not None and run_config is not None:
+        if run_config.data.val_files:  # the run's own held-out prompts
+            data = list(run_config.data.val_files)
+        elif run_config.data.task is None:
+            raise ConfigError(f"{run} trained on {', '.join(run_config.data.train_files)}, which has no built-in "
+                              "held-out split: pass --data FILE (held-out prompts, scored with the run's reward) or "
+                              "--task NAME")
     if not data:
         task = task or (run_config.data.task if run_config and run_config.data.task else "arithmetic")
         result = evaluate_model(policy, tokenizer, task, max_tokens=max_tokens or 16)

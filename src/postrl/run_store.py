@@ -80,6 +80,18 @@ class RunStore:
         for path in files:
             self._put_file(path, self._remote(f"{relative}/{path.relative_to(source).as_posix()}"))
 
+    def fetch_folder(self, relative: str) -> Path | None:
+        """Download a folder of the run (e.g. ``final_model``) into the local copy; None when absent."""
+        prefix = self._remote(relative)
+        if not self.fs.isdir(prefix):
+            return None
+        target = self.local / relative
+        for remote in self.fs.find(prefix):
+            local = target / remote[len(prefix) :].lstrip("/")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(remote, str(local))
+        return target
+
     def _put_file(self, source: Path, target: str) -> None:
         self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
         self.fs.put_file(str(source), target)

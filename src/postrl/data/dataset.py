@@ -59,9 +59,15 @@ def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
                     raw = raw[3:]  # a UTF-8 byte-order mark, as some editors write
                 yield f"{path}:{lineno}", _parse_json_line(raw)
     elif suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise DatasetError(f"dataset file {path} is not a readable Parquet file: {reason}") from None
+        for i, row in enumerate(table.to_pylist(), start=1):
             yield f"{path}:row {i}", row
     else:
         raise DatasetError(f"dataset file {path}: unsupported extension '{suffix}' (use .jsonl or .parquet)")
