@@ -213,8 +213,9 @@ def test_a_data_path_on_the_command_line_is_found_next_to_the_config(
     ) in capsys.readouterr().err
 
 
-def test_eval_of_a_run_uses_its_own_held_out_data_and_works_for_url_runs(tmp_path, tiny_model_dir, arithmetic_jsonl,
-                                                                         capsys, monkeypatch):
+def test_eval_of_a_run_uses_its_own_held_out_data_and_works_for_url_runs(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, capsys, monkeypatch
+):
     monkeypatch.setenv("POSTRL_RUN_CACHE", str(tmp_path / "cache"))
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(40, 46)))
@@ -229,7 +230,8 @@ def test_eval_of_a_run_uses_its_own_held_out_data_and_works_for_url_runs(tmp_pat
     capsys.readouterr()
     assert main(["eval", "--run", str(tmp_path / "runs" / "plain")]) == 2
     assert f"trained on {arithmetic_jsonl}, which has no built-in held-out split: pass --data FILE" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     # a run kept at a URL evaluates like a local one
     url = f"file://{tmp_path / 'remote'}"
     assert main(["train", config, f"output_dir={url}", "name=far", f"data.val_files=[{val}]"]) == 0
@@ -243,8 +245,10 @@ def test_errors_name_the_fields_the_user_wrote_and_the_file():
 
     with pytest.raises(ConfigError) as err:
         build_config({}, ["reward.components=[{type: custom, name: a, function: 'x:y', wieght: 1}]"])
-    assert str(err.value).splitlines()[1] == ("  unknown config field 'reward.components.0.wieght' (allowed: "
-                                              "applies_to, expected_range, function, name, timeout_s, type, weight)")
+    assert str(err.value).splitlines()[1] == (
+        "  unknown config field 'reward.components.0.wieght' (allowed: "
+        "applies_to, expected_range, function, name, timeout_s, type, weight)"
+    )
     with pytest.raises(ConfigError, match=r"config field 'algorithm.advantage.type': unknown advantage estimator"):
         build_config({}, ["algorithm.advantage={type: my_plugin}"])
     with pytest.raises(ConfigError, match=r"config field 'reward.components.0.name' is required"):
@@ -252,8 +256,11 @@ def test_errors_name_the_fields_the_user_wrote_and_the_file():
     import os
 
     examples = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
-    with pytest.raises(ConfigError, match=r"is a `postrl train` config \(it has algorithm, prompts_per_step, reward, "
-                                          r"rollout, steps\), not a `postrl dpo` one"):
+    with pytest.raises(
+        ConfigError,
+        match=r"is a `postrl train` config \(it has algorithm, prompts_per_step, reward, "
+        r"rollout, steps\), not a `postrl dpo` one",
+    ):
         from postrl.dpo_config import DPORunConfig
 
         load_config(os.path.join(examples, "arithmetic_grpo.yaml"), model=DPORunConfig)
@@ -271,4 +278,45 @@ def test_a_yaml_syntax_error_and_a_corrupt_parquet_file_name_the_file(tmp_path, 
     assert main(["train", config]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        f"postrl train: error: dataset file {broken} is not a readable Parquet file: ")
+        f"postrl train: error: dataset file {broken} is not a readable Parquet file: "
+    )
+
+
+def test_a_large_logprob_mismatch_is_warned_once_naming_both_dtypes():
+    from postrl.config import build_config
+    from postrl.run_watch import MismatchWatch
+    from postrl.types import StepMetrics
+
+    config = build_config({}, ["rollout.backend=openai", "rollout.url=http://127.0.0.1:8200", "rollout.sync_dir=/tmp"])
+    said: list[str] = []
+    watch = MismatchWatch(config, said.append)
+    watch.observe(StepMetrics(1, 1, {"rollout/logprob_diff_max": 0.2, "rollout/mismatch_kl": 0.001}))
+    assert said == []
+    watch.observe(StepMetrics(2, 2, {"rollout/logprob_diff_max": 1.17, "rollout/mismatch_kl": 0.03}))
+    watch.observe(StepMetrics(3, 3, {"rollout/logprob_diff_max": 1.5, "rollout/mismatch_kl": 0.05}))
+    assert said == [
+        "warning: at step 2 the rollout's logprobs differ from the trainer's by up to 1.17 (mismatch KL 0.0300): "
+        "rollouts come from the rollout servers at http://127.0.0.1:8200 (in the dtype they were started with: "
+        "serve-rollout --dtype), the trainer computes in float32 (bf16 autocast on a GPU). The policy ratio then "
+        "mixes two policies; start the servers with `postrl serve-rollout --dtype float32` (or "
+        "train.precision=bf16_autocast) so both compute alike"
+    ]
+
+
+def test_the_console_says_where_workers_run_and_a_url_run_drops_its_working_copy(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, capsys, monkeypatch
+):
+    monkeypatch.setenv("POSTRL_RUN_CACHE", str(tmp_path / "cache"))
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1)
+    url = f"file://{tmp_path / 'bucket'}"
+    assert main(["train", config, f"output_dir={url}"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "workers: train 1 rank in this process, device auto; rollout 1 auto engine in this process, device auto; "
+        "reward 1 scoring processes"
+    ) in err
+    copies = list((tmp_path / "cache").iterdir())
+    assert f"run: {url}/tiny (working copy on this machine: " in err and "removed the working copy" in err
+    assert copies == [] and (tmp_path / "bucket" / "tiny" / "final_model" / "config.json").is_file()
+    assert main(["train", config, f"output_dir={url}", "name=kept", "keep_local_copy=true"]) == 0
+    assert len(list((tmp_path / "cache").iterdir())) == 1

@@ -265,6 +265,11 @@ class RunConfig(RunLocation, Section):
         description="Runs go to output_dir/name; a URL (s3://bucket/runs, file://...) "
         "keeps the run there through fsspec, working in a local copy.",
     )
+    keep_local_copy: bool = Field(
+        False,
+        description="A URL run (output_dir s3://...) works in a local copy, "
+        "removed once the run has ended well and everything is published; true keeps it.",
+    )
     seed: int = Field(0, description="Seeds the sampler, the engine's and the trainer's generators.")
     import_paths: list[str] = Field(
         default_factory=list,
@@ -503,8 +508,10 @@ def check_command(data: dict[str, Any], model: type[BaseModel], path: Path) -> N
     fits = [name for name, other in models.items() if other is not model and unknown <= set(other.model_fields)]
     if fits:
         which = " or ".join(f"`postrl {name}`" for name in fits)
-        raise ConfigError(f"{path} is a {which} config (it has {', '.join(sorted(unknown))}), not a `postrl {mine}` "
-                          f"one: run it with {' or '.join(f'postrl {name}' for name in fits)} {path}")
+        raise ConfigError(
+            f"{path} is a {which} config (it has {', '.join(sorted(unknown))}), not a `postrl {mine}` "
+            f"one: run it with {' or '.join(f'postrl {name}' for name in fits)} {path}"
+        )
 
 
 def _data_files_found_near(data: dict[str, Any], config_dir: Path) -> dict[str, Any]:

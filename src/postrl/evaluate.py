@@ -152,9 +152,11 @@ def run_eval(
         if run_config.data.val_files:  # the run's own held-out prompts
             data = list(run_config.data.val_files)
         elif run_config.data.task is None:
-            raise ConfigError(f"{run} trained on {', '.join(run_config.data.train_files)}, which has no built-in "
-                              "held-out split: pass --data FILE (held-out prompts, scored with the run's reward) or "
-                              "--task NAME")
+            raise ConfigError(
+                f"{run} trained on {', '.join(run_config.data.train_files)}, which has no built-in "
+                "held-out split: pass --data FILE (held-out prompts, scored with the run's reward) or "
+                "--task NAME"
+            )
     if not data:
         task = task or (run_config.data.task if run_config and run_config.data.task else "arithmetic")
         result = evaluate_model(policy, tokenizer, task, max_tokens=max_tokens or 16)

@@ -127,6 +127,12 @@ class RunPlace:
             raise FileNotFoundError(f"no complete checkpoint under {self.location}/checkpoints to resume from: {hint}")
         return done
 
+    def drop_local_copy(self, echo: Any = print) -> None:
+        """After a URL run ended well: everything is published, so the working copy goes."""
+        if self.store and self.local.exists():
+            shutil.rmtree(self.local, ignore_errors=True)
+            echo(f"removed the working copy {self.local} (everything is at {self.url}; keep_local_copy=true keeps it)")
+
     def publish(self, *relatives: str) -> None:
         if self.store:
             self.store.publish(*relatives)

@@ -34,6 +34,7 @@ from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
 from postrl.run_place import PUBLISHED_AT_END, RunPlace, check_steps_left
+from postrl.run_watch import describe_placement, run_watches
 from postrl.tasks import task_rows
 from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
@@ -211,22 +212,6 @@ def make_validator(config: RunConfig, tokenizer: Any) -> Validator | None:
     return Validator(config, dataset)
 
 
-class NoSignalWatch:
-    """Says so plainly when several steps in a row had no group with differing rewards."""
-
-    def __init__(self, echo: Callable[[str], None], limit: int = 3) -> None:
-        self.echo, self.limit, self.streak = echo, limit, 0
-
-    def observe(self, metrics: StepMetrics) -> None:
-        self.streak = self.streak + 1 if metrics.values.get("reward/no_signal_groups", 0.0) >= 1.0 else 0
-        if self.streak == self.limit:
-            self.echo(
-                f"warning: in the last {self.limit} steps every group's samples got identical rewards, so "
-                "nothing was learned: the reward never varies. Check the reward function (postrl eval --run, "
-                "samples/step_N.jsonl) or the task's difficulty (every answer right, or every answer wrong)"
-            )
-
-
 def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
     """The external servers a run depends on answer before anything is written."""
     urls = []
@@ -299,6 +284,9 @@ def train(
             place.publish("config.yaml")
             report_skipped_rows(parts.dataset, run_dir, echo)
             parts.reward.set_log_file(run_dir / "reward_workers.log")
+            echo(describe_placement(config))
+            if place.url:
+                echo(f"run: {place.url} (working copy on this machine: {run_dir})")
             controller = Controller(parts, sync_dir=Path(sync_dir))
             resume_step = _resume(controller, place, echo) if resume else None
             _run_loop(controller, config, resume_step, on_step, place, validator)
@@ -307,6 +295,8 @@ def train(
                 close_components(parts)
             finally:
                 lease.release()
+    if place.url and not config.keep_local_copy:
+        place.drop_local_copy(echo)
     return controller
 
 
@@ -348,7 +338,7 @@ def _run_loop(
         leave=False,
     )
     sinks = make_sinks(config, run_dir, resume_step, echo=bar.write if show_bar else print, total=config.steps)
-    no_signal = NoSignalWatch(bar.write if show_bar else _stderr_echo)
+    watches = run_watches(config, bar.write if show_bar else _stderr_echo)
     saved_at = resume_step
     stopper = GracefulStop(echo=bar.write if show_bar else _stderr_echo)
     try:
@@ -360,7 +350,8 @@ def _run_loop(
                         began = time.perf_counter()
                         metrics.values.update(validator.run(parts.rollout, parts.reward, controller.weight_version))
                         metrics.values["time/validate_s"] = time.perf_counter() - began
-                    no_signal.observe(metrics)
+                    for watch in watches:
+                        watch.observe(metrics)
                     for sink in sinks:
                         sink.write(metrics)
                     if on_step:

@@ -1,0 +1,103 @@
+"""What the run says on the console besides the per-step line: where its workers were placed, and
+warnings about steps that teach nothing or about a rollout engine whose logprobs disagree with the
+trainer's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from postrl.config import RunConfig
+from postrl.types import StepMetrics
+
+
+class Watch(Protocol):
+    def observe(self, metrics: StepMetrics) -> None: ...
+
+
+class NoSignalWatch:
+    """Says so plainly when several steps in a row had no group with differing rewards."""
+
+    def __init__(self, echo: Callable[[str], None], limit: int = 3) -> None:
+        self.echo, self.limit, self.streak = echo, limit, 0
+
+    def observe(self, metrics: StepMetrics) -> None:
+        self.streak = self.streak + 1 if metrics.values.get("reward/no_signal_groups", 0.0) >= 1.0 else 0
+        if self.streak == self.limit:
+            self.echo(
+                f"warning: in the last {self.limit} steps every group's samples got identical rewards, so nothing "
+                "was learned: the reward never varies. Check the reward function (postrl eval --run, "
+                "samples/step_N.jsonl) or the task's difficulty (every answer right, or every answer wrong)"
+            )
+
+
+def engine_precision(config: RunConfig) -> str:
+    r = config.rollout
+    if r.backend == "openai":
+        return f"the rollout servers at {r.url} (in the dtype they were started with: serve-rollout --dtype)"
+    dtype = r.dtype or config.model.dtype
+    return f"the {r.backend} engine in {dtype}" + (
+        " (bf16 where the hardware has fast bf16)" if dtype == "auto" else ""
+    )
+
+
+def trainer_precision(config: RunConfig) -> str:
+    p = config.train.precision
+    return {"float32": "float32", "bf16_autocast": "bf16 autocast", "auto": "float32 (bf16 autocast on a GPU)"}[p]
+
+
+class MismatchWatch:
+    """Warns once when the engine's logprobs of the sampled tokens differ from the trainer's by more
+    than ``max_diff``: the PPO ratio then compares two different policies."""
+
+    def __init__(
+        self, config: RunConfig, echo: Callable[[str], None], max_diff: float = 0.5, max_kl: float = 0.01
+    ) -> None:
+        self.config, self.echo, self.max_diff, self.max_kl, self.warned = config, echo, max_diff, max_kl, False
+
+    def observe(self, metrics: StepMetrics) -> None:
+        diff = metrics.values.get("rollout/logprob_diff_max", float("nan"))
+        kl = metrics.values.get("rollout/mismatch_kl", float("nan"))
+        if self.warned or not (diff > self.max_diff or kl > self.max_kl):
+            return
+        self.warned = True
+        fix = (
+            "start the servers with `postrl serve-rollout --dtype float32`"
+            if self.config.rollout.backend == "openai"
+            else "set rollout.dtype=float32"
+        )
+        self.echo(
+            f"warning: at step {metrics.step} the rollout's logprobs differ from the trainer's by up to {diff:.2f} "
+            f"(mismatch KL {kl:.4f}): rollouts come from {engine_precision(self.config)}, the trainer computes in "
+            f"{trainer_precision(self.config)}. The policy ratio then mixes two policies; {fix} (or "
+            "train.precision=bf16_autocast) so both compute alike"
+        )
+
+
+def run_watches(config: RunConfig, echo: Callable[[str], None]) -> list[Watch]:
+    return [NoSignalWatch(echo), MismatchWatch(config, echo)]
+
+
+def describe_placement(config: RunConfig) -> str:
+    """One line: where the train ranks, rollout engines and reward scoring run."""
+    s, r = config.scheduler, config.rollout
+    ray = s.type == "ray"
+    where = f"Ray actors ({s.address or 'a local Ray instance'})" if ray else None
+    if s.train.workers > 1:
+        train = f"{s.train.workers} FSDP2 ranks as " + (where or "child processes")
+    else:
+        train = "1 rank " + ("as a Ray actor" if ray else "in this process")
+    train += f", device {config.train.device}"
+    if r.backend == "openai":
+        rollout = f"servers at {r.url}"
+    else:
+        engines = s.rollout.workers
+        rollout = f"{engines} {r.backend} engine{'s' if engines > 1 else ''} " + (
+            "as Ray actors" if ray else ("in this process" if engines == 1 else "in child processes")
+        )
+        rollout += f", device {r.device}"
+    if config.reward.remote is not None:
+        reward = f"the Reward Service at {config.reward.remote.url}"
+    else:
+        reward = f"{config.reward.num_workers} scoring processes" + (" in the Reward Service actor" if ray else "")
+    return f"workers: train {train}; rollout {rollout}; reward {reward}"
