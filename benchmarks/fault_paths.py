@@ -28,14 +28,14 @@ from pathlib import Path
 TIMEOUT_S = 5.0
 HANGING = (2, 7, 11)
 
-REWARD_MODULE = '''
+REWARD_MODULE = """
 import time
 
 def score(prompt, response, answer, hang=False):
     if hang:
         time.sleep(3600)
     return float(answer in response)
-'''
+"""
 
 STEP_SCRIPT = textwrap.dedent("""
     import json, sys, time
@@ -54,11 +54,19 @@ def write_run(folder: Path) -> Path:
     rows = [{"prompt": f"{10 + p}+{20 + p}=", "answer": str(30 + 2 * p), "hang": p in HANGING} for p in range(16)]
     (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = {
-        "name": "hang", "output_dir": str(folder / "runs"), "steps": 1, "prompts_per_step": 16,
-        "data": {"train_files": ["data.jsonl"], "shuffle": False}, "rollout": {"n": 4, "max_tokens": 8},
-        "reward": {"components": [{"type": "custom", "name": "h", "function": "hang_rewards:score"}],
-                   "timeout_s": TIMEOUT_S, "max_failure_rate": 1.0},
-        "train": {"mini_batch_size": 64, "micro_batch_size": 64}, "checkpoint": {"every_steps": 0},
+        "name": "hang",
+        "output_dir": str(folder / "runs"),
+        "steps": 1,
+        "prompts_per_step": 16,
+        "data": {"train_files": ["data.jsonl"], "shuffle": False},
+        "rollout": {"n": 4, "max_tokens": 8},
+        "reward": {
+            "components": [{"type": "custom", "name": "h", "function": "hang_rewards:score"}],
+            "timeout_s": TIMEOUT_S,
+            "max_failure_rate": 1.0,
+        },
+        "train": {"mini_batch_size": 64, "micro_batch_size": 64},
+        "checkpoint": {"every_steps": 0},
         "logging": {"tensorboard": False, "console": False},
     }
     path = folder / "hang.yaml"
@@ -70,8 +78,14 @@ def hanging_step(src: str | None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         config = write_run(Path(tmp))
         env = {**os.environ, **({"PYTHONPATH": src} if src else {})}
-        out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(config)], capture_output=True, text=True,
-                             cwd=tmp, env=env, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", STEP_SCRIPT, str(config)],
+            capture_output=True,
+            text=True,
+            cwd=tmp,
+            env=env,
+            timeout=600,
+        )
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-3000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -79,8 +93,9 @@ def hanging_step(src: str | None) -> dict[str, float]:
 
 def time_to_error(args: list[str], cwd: str) -> tuple[float, str]:
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "postrl.cli", *args], capture_output=True, text=True, cwd=cwd,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "postrl.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
     elapsed = time.monotonic() - start
     line = next((x for x in out.stderr.splitlines() if x.startswith("postrl train: error:")), out.stderr[-300:])
     return elapsed, line
@@ -94,10 +109,15 @@ def unreachable() -> dict[str, float | str]:
             server.bind(("127.0.0.1", 0))
             server.listen(16)
             address = f"127.0.0.1:{server.getsockname()[1]}"
-            silent_s, silent = time_to_error(["train", config, "--ray-address", address,
-                                              f"scheduler.connect_timeout_s={TIMEOUT_S:g}"], tmp)
-    return {"refused_s": round(refused_s, 2), "refused_error": refused, "not_ray_s": round(silent_s, 2),
-            "not_ray_error": silent}
+            silent_s, silent = time_to_error(
+                ["train", config, "--ray-address", address, f"scheduler.connect_timeout_s={TIMEOUT_S:g}"], tmp
+            )
+    return {
+        "refused_s": round(refused_s, 2),
+        "refused_error": refused,
+        "not_ray_s": round(silent_s, 2),
+        "not_ray_error": silent,
+    }
 
 
 def main() -> None:
@@ -125,11 +145,18 @@ def main() -> None:
         ("unscorable samples", result["hang_unscorable"], "12"),
     ]
     if "baseline_hang_reward_s" in result:
-        rows += [("previous pool, reward stage (s)", result["baseline_hang_reward_s"], ""),
-                 ("  speed-up", result["speedup_vs_baseline"], "")]
-    rows += [("--ray-address 127.0.0.1:1 -> error (s)", result["refused_s"], "bounded"),
-             (f"not-Ray port, connect_timeout_s={TIMEOUT_S:g} -> error (s)", result["not_ray_s"],
-              f"~{TIMEOUT_S:g} + start-up")]
+        rows += [
+            ("previous pool, reward stage (s)", result["baseline_hang_reward_s"], ""),
+            ("  speed-up", result["speedup_vs_baseline"], ""),
+        ]
+    rows += [
+        ("--ray-address 127.0.0.1:1 -> error (s)", result["refused_s"], "bounded"),
+        (
+            f"not-Ray port, connect_timeout_s={TIMEOUT_S:g} -> error (s)",
+            result["not_ray_s"],
+            f"~{TIMEOUT_S:g} + start-up",
+        ),
+    ]
     print(f"{'measure':52s} {'value':>10s}  target")
     for name, value, target in rows:
         print(f"{name:52s} {value!s:>10s}  {target}")

@@ -92,6 +92,7 @@ def test_example_configs_are_valid():
 
     from postrl.config import RewardServiceFile
     from postrl.dpo_config import DPORunConfig
+    from postrl.sft_config import SFTRunConfig
 
     examples = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
     assert len(examples) >= 17
@@ -100,6 +101,8 @@ def test_example_configs_are_valid():
             assert load_config(path, model=RewardServiceFile).reward.components
         elif path.name == "dpo.yaml":  # `postrl dpo`
             assert load_config(path, model=DPORunConfig).dpo.loss_type == "sigmoid"
+        elif path.name.startswith("sft"):  # `postrl sft`
+            assert load_config(path, model=SFTRunConfig).data.train_files
         else:
             load_config(path)
 

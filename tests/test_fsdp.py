@@ -65,6 +65,7 @@ def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, ch
 
     ranks = group_of(2, tiny_model_dir, GradProbe)
     try:
+        assert [f.result(timeout=120) for f in [h.call_async("join") for h in ranks]] == [0, 1]  # together
         got = [h.call_async("gradients", batch) for h in ranks]
         (loss0, tokens0, grads), (loss1, tokens1, _) = [f.result(timeout=120) for f in got]
         assert loss0 == loss1 and tokens0 == float(stats.tokens)

@@ -181,8 +181,8 @@ def test_component_config_errors_name_the_field():
     with pytest.raises(ConfigError) as err:
         build_config({"reward": {"components": [{"name": "j", "type": "judge"}]}})
     assert str(err.value).splitlines()[1:] == [
-        "  config field 'reward.components.0.judge.url' is required",
-        "  config field 'reward.components.0.judge.model' is required",
+        "  config field 'reward.components.0.url' is required",
+        "  config field 'reward.components.0.model' is required",
     ]
     with pytest.raises(ConfigError, match=r"duplicate names \['a'\]"):
         build_config(
@@ -254,4 +254,6 @@ def test_dead_remote_service_fails_fast_with_the_url(tmp_path, tiny_model_dir, a
         reward={"remote": {"url": "http://127.0.0.1:9", "retries": 1, "backoff_s": 0.01}},
     )
     assert main(["train", config]) == 2
-    assert "http://127.0.0.1:9/health failed after 2 attempts" in capsys.readouterr().err
+    # refused before anything is written, naming the URL
+    assert "reward.remote.url=http://127.0.0.1:9 cannot be reached (Connection refused)" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "tiny").exists()

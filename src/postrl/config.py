@@ -61,6 +61,16 @@ class DataConfig(Section):
     )
     val_size: int | None = Field(None, ge=1, description="Validate on the first N held-out prompts (None: all).")
 
+    def prompt_options(self) -> dict[str, Any]:
+        """How rows become prompts: the keyword arguments of the dataset loaders."""
+        return dict(
+            prompt_column=self.prompt_column,
+            messages_column=self.messages_column,
+            apply_chat_template=self.apply_chat_template,
+            max_prompt_tokens=self.max_prompt_tokens,
+            on_bad_row=self.on_bad_row,
+        )
+
     @field_validator("task")
     @classmethod
     def _known_task(cls, v: str | None) -> str | None:

@@ -45,13 +45,7 @@ log = logging.getLogger(__name__)
 
 def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
     d = config.data
-    options: dict[str, Any] = dict(
-        prompt_column=d.prompt_column,
-        messages_column=d.messages_column,
-        apply_chat_template=d.apply_chat_template,
-        max_prompt_tokens=d.max_prompt_tokens,
-        on_bad_row=d.on_bad_row,
-    )
+    options = d.prompt_options()
     if d.task is not None:
         return build_prompts(iter(task_rows(d.task, "train")), tokenizer, **options)
     return load_prompt_dataset(d.train_files, tokenizer, **options)
@@ -257,6 +251,8 @@ def train(
     the model and the data have been checked. A signal stops the run after the current step
     (:class:`RunInterrupted`), with a checkpoint of the last completed step."""
     run_dir, place = config.run_dir, RunPlace(config)
+    lease = RunLease(place.location)
+    lease.check_free()  # a second live controller on this run is refused before any work
     if resume:
         check_steps_left(config, place.check_resumable())
     else:
@@ -265,8 +261,6 @@ def train(
     check_devices(config)
     check_servers(config)
     resolve_lr_decay(config)
-    lease = RunLease(place.location)
-    lease.check_free()  # a second live controller on this run is refused before any work
     echo = _stderr_echo
     with tempfile.TemporaryDirectory(prefix="postrl-sync-", dir=config.rollout.sync_dir) as sync_dir:
         parts = build_components(config)

@@ -110,6 +110,8 @@ def train_sft(
 ) -> int:
     """Check, build, run; returns the steps done. Nothing is written before the data is checked."""
     place = RunPlace(config)
+    lease = RunLease(place.location)
+    lease.check_free()
     done = place.check_resumable() if resume else 0
     if not resume:
         place.check_new(overwrite, command="sft")
@@ -135,8 +137,6 @@ def train_sft(
     t = config.train
     if t.lr_schedule != "constant" and t.lr_decay_steps is None:
         t.lr_decay_steps = total
-    lease = RunLease(place.location)
-    lease.check_free()
     trainer, scheduler = make_trainer(config)
     try:
         if not resume and overwrite:

@@ -21,13 +21,7 @@ from postrl.types import SamplingParams
 def load_validation_set(config: RunConfig, tokenizer: Any) -> PromptDataset | None:
     """The held-out prompts, or None when the run has none (no val_files, no task)."""
     d = config.data
-    options: dict[str, Any] = dict(
-        prompt_column=d.prompt_column,
-        messages_column=d.messages_column,
-        apply_chat_template=d.apply_chat_template,
-        max_prompt_tokens=d.max_prompt_tokens,
-        on_bad_row=d.on_bad_row,
-    )
+    options = d.prompt_options()
     if d.val_files:
         dataset = load_prompt_dataset(d.val_files, tokenizer, **options)
     elif d.task is not None:

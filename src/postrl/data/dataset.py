@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from postrl.types import Prompt
 
@@ -129,6 +129,37 @@ def tokenize_row(
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+T = TypeVar("T")
+
+
+def file_rows(files: list[str]) -> Iterator[tuple[str, Any]]:
+    """``(source, row)`` of every row of the files, in order."""
+    for file in files:
+        yield from iter_rows(Path(file))
+
+
+def parse_rows(
+    rows: Iterable[tuple[str, Any]], parse: Callable[[str, Any], T], on_bad_row: str = "error"
+) -> tuple[list[T], list[str]]:
+    """``parse(source, row)`` over the rows (blank lines skipped); a row it refuses with a
+    ValueError is a :class:`DatasetError` naming ``file:line``, or with ``on_bad_row="skip"``, one
+    ``"file:line: reason"`` in the second list."""
+    items: list[T] = []
+    skipped: list[str] = []
+    for source, row in rows:
+        if row is _BLANK:
+            continue
+        try:
+            if isinstance(row, MalformedRow):
+                raise ValueError(row.reason)
+            items.append(parse(source, row))
+        except ValueError as exc:
+            if on_bad_row != "skip":
+                raise DatasetError(f"{source}: {exc}") from None
+            skipped.append(f"{source}: {exc}")
+    return items, skipped
+
+
 def build_prompts(
     rows: Iterator[tuple[str, Any]],
     tokenizer: Any,
@@ -139,33 +170,20 @@ def build_prompts(
     max_prompt_tokens: int = 512,
     on_bad_row: str = "error",
 ) -> PromptDataset:
-    dataset = PromptDataset(prompts=[])
-    for source, row in rows:
-        if row is _BLANK:
-            continue
-        try:
-            if isinstance(row, MalformedRow):
-                raise ValueError(row.reason)
-            text, ids = tokenize_row(row, tokenizer, prompt_column, messages_column, apply_chat_template)
-            if len(ids) > max_prompt_tokens:
-                raise ValueError(f"prompt has {len(ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
-        except ValueError as exc:
-            message = f"{source}: {exc}"
-            if on_bad_row == "error":
-                raise DatasetError(message) from None
-            dataset.skipped.append(message)
-            continue
+    def parse(source: str, row: Any) -> Prompt:
+        text, ids = tokenize_row(row, tokenizer, prompt_column, messages_column, apply_chat_template)
+        if len(ids) > max_prompt_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
         columns = {k: v for k, v in row.items() if k not in (prompt_column, messages_column)}
-        dataset.prompts.append(Prompt(text=text, prompt_ids=ids, columns=columns, source=source))
+        return Prompt(text=text, prompt_ids=ids, columns=columns, source=source)
+
+    prompts, skipped = parse_rows(rows, parse, on_bad_row)
+    dataset = PromptDataset(prompts=prompts, skipped=skipped)
     return dataset
 
 
 def load_prompt_dataset(files: list[str], tokenizer: Any, **options: Any) -> PromptDataset:
-    def all_rows() -> Iterator[tuple[str, Any]]:
-        for f in files:
-            yield from iter_rows(Path(f))
-
-    dataset = build_prompts(all_rows(), tokenizer, **options)
+    dataset = build_prompts(file_rows(files), tokenizer, **options)
     if not dataset.prompts:
         raise DatasetError(f"no usable prompts in {', '.join(files)} ({len(dataset.skipped)} rows skipped)")
     return dataset

@@ -5,10 +5,9 @@ answer). Bad rows get the same ``file:line`` errors as prompt datasets."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from postrl.data.dataset import _BLANK, DatasetError, MalformedRow, _validate_messages, iter_rows
+from postrl.data.dataset import DatasetError, _validate_messages, file_rows, parse_rows
 
 
 @dataclass(frozen=True)
@@ -66,22 +65,10 @@ def pair_from_row(row: Any, tokenizer: Any, max_tokens: int) -> tuple[list[int],
 def load_preference_pairs(
     files: list[str], tokenizer: Any, max_tokens: int, on_bad_row: str = "error"
 ) -> tuple[list[PreferencePair], list[str]]:
-    pairs: list[PreferencePair] = []
-    skipped: list[str] = []
-    for file in files:
-        for source, row in iter_rows(Path(file)):
-            if row is _BLANK:
-                continue
-            try:
-                if isinstance(row, MalformedRow):
-                    raise ValueError(row.reason)
-                prompt, chosen, rejected = pair_from_row(row, tokenizer, max_tokens)
-            except ValueError as exc:
-                if on_bad_row == "skip":
-                    skipped.append(f"{source}: {exc}")
-                    continue
-                raise DatasetError(f"{source}: {exc}") from None
-            pairs.append(PreferencePair(prompt, chosen, rejected, source))
+    def parse(source: str, row: Any) -> PreferencePair:
+        return PreferencePair(*pair_from_row(row, tokenizer, max_tokens), source)
+
+    pairs, skipped = parse_rows(file_rows(files), parse, on_bad_row)
     if not pairs:
         raise DatasetError(f"no usable preference pairs in {files}")
     return pairs, skipped

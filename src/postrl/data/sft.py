@@ -11,10 +11,9 @@ does not render a conversation as an extension of its own prefix is refused, nam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from postrl.data.dataset import _BLANK, DatasetError, MalformedRow, _validate_messages, iter_rows
+from postrl.data.dataset import DatasetError, _validate_messages, file_rows, parse_rows
 from postrl.data.preferences import _completion_ids
 
 
@@ -106,25 +105,12 @@ def load_sft_examples(
     max_tokens: int = 512,
     on_bad_row: str = "error",
 ) -> tuple[list[SFTExample], list[str]]:
-    examples: list[SFTExample] = []
-    skipped: list[str] = []
-    for file in files:
-        for source, row in iter_rows(Path(file)):
-            if row is _BLANK:
-                continue
-            try:
-                if isinstance(row, MalformedRow):
-                    raise ValueError(row.reason)
-                ids, mask = example_from_row(
-                    row, tokenizer, prompt_column, response_column, messages_column, chat, max_tokens
-                )
-            except ValueError as exc:
-                if on_bad_row == "skip":
-                    skipped.append(f"{source}: {exc}")
-                    continue
-                raise DatasetError(f"{source}: {exc}") from None
-            first = mask.index(1)
-            examples.append(SFTExample(ids[:first], ids[first:], mask[first:], source))
+    def parse(source: str, row: Any) -> SFTExample:
+        ids, mask = example_from_row(row, tokenizer, prompt_column, response_column, messages_column, chat, max_tokens)
+        first = mask.index(1)
+        return SFTExample(ids[:first], ids[first:], mask[first:], source)
+
+    examples, skipped = parse_rows(file_rows(files), parse, on_bad_row)
     if not examples:
         raise DatasetError(f"no usable examples in {files}")
     return examples, skipped

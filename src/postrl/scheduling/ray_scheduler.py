@@ -317,23 +317,10 @@ class RayScheduler:
                     f"{group.bundle_specs[0]}) within {self.PLACE_TIMEOUT_S:g} s: " + short_resources(asked)
                 )
 
-    def _actor(
-        self,
-        name: str,
-        role: str,
-        bundle: int,
-        factory: Any,
-        *args: Any,
-        num_cpus: float = 1.0,
-        num_gpus: float = 0.0,
-        threads: int | None = None,
-        **kwargs: Any,
-    ) -> RayHandle:
-        """One actor, started and answering."""
-        handle = self._start_actor(
-            name, role, bundle, factory, *args, num_cpus=num_cpus, num_gpus=num_gpus, threads=threads, **kwargs
-        )
-        self._await_started([handle], num_cpus, num_gpus)
+    def _actor(self, *args: Any, **kwargs: Any) -> RayHandle:
+        """One actor (the arguments of :meth:`_start_actor`), started and answering."""
+        handle = self._start_actor(*args, **kwargs)
+        self._await_started([handle], kwargs.get("num_cpus", 1.0), kwargs.get("num_gpus", 0.0))
         return handle
 
     def _start_actor(

@@ -7,6 +7,7 @@ into those fused buffers, so a weight update copies in place: no rebuild, no rea
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,19 @@ def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
         and device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _cpu_prepacks_bf16()
     )
+
+
+@functools.cache
+def _cpu_prepacks_bf16() -> bool:
+    """oneDNN's bf16 weight packing needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; a CPU without them
+    refuses it, and the engine then uses plain bf16 matmuls."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+    except RuntimeError:
+        return False
+    return True
 
 
 class NativeCausalLM:
