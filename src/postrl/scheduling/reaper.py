@@ -4,8 +4,10 @@ Ray's own fate sharing covers the GCS server and the raylet, not the agents the 
 (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``, which ignore SIGTERM) nor idle workers. So
 before a local Ray instance is started, the driver marks its environment with a token that every
 Ray process inherits, and starts a reaper: a small process in its own session that holds the read
-end of a pipe from the driver. When the pipe closes (the driver exited, crashed or was killed
-with SIGKILL), the reaper kills every process whose environment carries the token.
+end of a pipe from the driver and notes, twice a second, every process below the driver. When the
+pipe closes (the driver exited, crashed or was killed with SIGKILL), the reaper kills every
+process whose environment carries the token or that it saw below the driver, and everything
+below those.
 
 Run as ``python -m postrl.scheduling.reaper TOKEN DRIVER_PID``.
 """
@@ -13,6 +15,7 @@ Run as ``python -m postrl.scheduling.reaper TOKEN DRIVER_PID``.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -38,11 +41,45 @@ def marked_processes(token: str, exclude: set[int]) -> list[int]:
     return found
 
 
-def kill_marked(token: str, exclude: set[int], rounds: int = 20) -> int:
-    """SIGKILL every marked process, again until none is left (a dying raylet may start one more)."""
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process, None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(roots: set[int]) -> dict[int, int]:
+    """``{pid: start time}`` of every live process below ``roots`` (the roots included)."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None:
+                table[int(entry.name)] = stat
+    found = {pid: table[pid][1] for pid in roots if pid in table}
+    grew = True
+    while grew:
+        grew = False
+        for pid, (parent, start) in table.items():
+            if parent in found and pid not in found:
+                found[pid] = start
+                grew = True
+    return found
+
+
+def kill_marked(token: str, exclude: set[int], known: dict[int, int] | None = None, rounds: int = 20) -> int:
+    """SIGKILL every marked process and every process seen below the driver (``known``: pid ->
+    start time, so a reused pid is spared) with what runs below them, again until none is left
+    (a dying raylet may start one more)."""
     killed = 0
     for _ in range(rounds):
-        pids = marked_processes(token, exclude)
+        alive = {pid for pid, start in (known or {}).items() if (_stat(pid) or (0, -1))[1] == start}
+        pids = set(marked_processes(token, exclude)) | alive
+        pids = set(descendants(pids)) - exclude
         if not pids:
             break
         for pid in pids:
@@ -85,8 +122,17 @@ class Reaper:
 def main(argv: list[str]) -> int:
     token, driver = argv[0], int(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the driver is not for the reaper
-    sys.stdin.buffer.read()  # returns when the driver closes the pipe or dies
-    kill_marked(token, exclude={os.getpid(), driver})
+    known: dict[int, int] = {}  # every process seen below the driver: a second net besides the token
+    me = os.getpid()
+    while True:  # until the driver closes the pipe or dies
+        ready, _, _ = select.select([sys.stdin.buffer], [], [], 0.5)
+        if ready and not os.read(sys.stdin.fileno(), 4096):
+            break
+        known.update((pid, start) for pid, start in descendants({driver}).items() if pid not in (driver, me))
+    # after a clean close (the driver lives on) only the marked processes are Ray's; once the driver
+    # is dead, everything it left below it goes too
+    driver_died = _stat(driver) is None
+    kill_marked(token, exclude={me, driver}, known=known if driver_died else None)
     return 0
 
 
