@@ -108,6 +108,17 @@ def run_model_path(run_dir: Path) -> str:
     return str(checkpoint / "model")
 
 
+def _is_offline_run(run: str) -> bool:
+    """Whether a local run directory holds a ``postrl sft`` or ``postrl dpo`` run (no reward section)."""
+    import yaml
+
+    path = Path(run) / "config.yaml"
+    if "://" in run or not path.is_file():
+        return False
+    saved = yaml.safe_load(path.read_text()) or {}
+    return "reward" not in saved and "epochs" in saved
+
+
 def _local_run(config: RunConfig) -> Path:
     """The run's folder on this machine; a URL run's final model (or latest checkpoint) is fetched first."""
     if config.run_url is None:
@@ -137,9 +148,17 @@ def run_eval(
     if run is not None:
         from postrl.run_place import resume_config
 
-        run_config = resume_config(run, [])  # a folder or a URL, as train --resume reads it
-        if model is None:
-            model = run_model_path(_local_run(run_config))
+        if _is_offline_run(run):  # an sft or dpo run: its model, with a task, or --data and --config
+            model = model or run_model_path(Path(run))
+            if config is None and not task:
+                raise ConfigError(f"{run} is a supervised or preference run with no reward to score with: pass "
+                                  "--task NAME, or --data FILE with --config CONFIG.yaml (whose reward scores it)")
+            if config is not None:
+                run_config = load_config(config)
+        else:
+            run_config = resume_config(run, [])  # a folder or a URL, as train --resume reads it
+            if model is None:
+                model = run_model_path(_local_run(run_config))
     elif config is not None:
         run_config = load_config(config)
     if model is None:

@@ -213,6 +213,12 @@ def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
         urls.append(("rollout.url", config.rollout.url))
     if config.reward.remote is not None:
         urls.append(("reward.remote.url", config.reward.remote.url))
+    address = config.scheduler.address if config.scheduler.type == "ray" else None
+    endpoint = host_port(address) if address else None
+    if endpoint is not None:  # the scheduler bounds the whole connection; a closed port is known now
+        why = can_connect(*endpoint, timeout_s=timeout_s)
+        if why is not None:
+            raise ConfigError(f"cannot reach the Ray cluster at {address} (scheduler.address={address}): {why}")
     for field, url in urls:
         endpoint = host_port(url) or (url.split("://", 1)[-1].split("/", 1)[0], 443 if url.startswith("https") else 80)
         why = can_connect(*endpoint, timeout_s=timeout_s)
