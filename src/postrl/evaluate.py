@@ -151,8 +151,10 @@ def run_eval(
         if _is_offline_run(run):  # an sft or dpo run: its model, with a task, or --data and --config
             model = model or run_model_path(Path(run))
             if config is None and not task:
-                raise ConfigError(f"{run} is a supervised or preference run with no reward to score with: pass "
-                                  "--task NAME, or --data FILE with --config CONFIG.yaml (whose reward scores it)")
+                raise ConfigError(
+                    f"{run} is a supervised or preference run with no reward to score with: pass "
+                    "--task NAME, or --data FILE with --config CONFIG.yaml (whose reward scores it)"
+                )
             if config is not None:
                 run_config = load_config(config)
         else:
