@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,8 +99,21 @@ class _Worker:
     stderr: Any = None  # the read end of the worker's stderr pipe
     reclaimed: bool = False  # the jobs behind its stalled head went back to the queue
 
+    keys: Counter = field(default_factory=Counter)  # the sibling keys of the jobs in pending
+
     def holds_sibling(self, key: str) -> bool:
-        return any(job.key == key and not job.future.done() for job in self.pending)
+        return self.keys[key] > 0
+
+    def push(self, job: _Job) -> None:
+        self.pending.append(job)
+        self.keys[job.key] += 1
+        job.holders += 1
+
+    def pop_head(self) -> _Job:
+        job = self.pending.popleft()
+        self.keys[job.key] -= 1
+        job.holders -= 1
+        return job
 
     def stalled(self, now: float, after_s: float) -> bool:
         return self.ready and bool(self.pending) and now - self.started > after_s
@@ -332,9 +345,8 @@ class ScoringPool:
                 pass
         self._drain_stderr(worker)
         self._kill(worker)
-        for job in worker.pending:
-            job.holders -= 1
-        worker.pending.clear()
+        while worker.pending:
+            worker.pop_head()
         self._workers.remove(worker)
 
     def _scale(self, selector: selectors.BaseSelector) -> None:
@@ -377,10 +389,12 @@ class ScoringPool:
 
     def _dispatch(self) -> None:
         now = time.monotonic()
-        healthy = [w for w in self._workers if not w.stalled(now, self.stall_after_s)]
+        open_workers = [
+            w for w in self._workers if not w.stalled(now, self.stall_after_s) and len(w.pending) < self.pipeline_depth
+        ]
         window = 0
         i = 0
-        while i < len(self._queue) and window < self.DISPATCH_WINDOW:
+        while open_workers and i < len(self._queue) and window < self.DISPATCH_WINDOW:
             job = self._queue[i]
             if not job.in_queue or job.future.done():  # taken by a worker meanwhile, or answered by a copy
                 job.in_queue = False
@@ -391,9 +405,6 @@ class ScoringPool:
                 job.in_queue = False
                 job.future.set_result(JobResult(None, job.batch.broken))
                 continue
-            open_workers = [w for w in healthy if len(w.pending) < self.pipeline_depth]
-            if not open_workers:
-                break
             # siblings are never queued behind one another: if one hangs, the others would wait it out
             eligible = [w for w in open_workers if not w.holds_sibling(job.key)]
             if not eligible:
@@ -405,8 +416,9 @@ class ScoringPool:
             job.in_queue = False
             if not worker.pending:
                 worker.started = time.monotonic()
-            worker.pending.append(job)
-            job.holders += 1
+            worker.push(job)
+            if len(worker.pending) >= self.pipeline_depth:
+                open_workers.remove(worker)
             worker.outgoing += (json.dumps({**job.payload, "id": job.id}) + "\n").encode()
         for worker in self._workers:
             self._flush(worker)
@@ -494,8 +506,7 @@ class ScoringPool:
                 if not worker.pending or worker.pending[0].id != msg["id"]:
                     log.warning("scoring process %d answered job %r out of turn; ignored", worker.proc.pid, msg["id"])
                     continue
-                job = worker.pending.popleft()
-                job.holders -= 1
+                job = worker.pop_head()
                 worker.started = time.monotonic()
                 if worker.pending and worker.pending[0].in_queue:  # a reclaimed copy still queued: run it here
                     worker.pending[0].in_queue = False
@@ -518,8 +529,7 @@ class ScoringPool:
                 continue
             self.stats.restarts += 1  # counted before any result is set: a caller may read it right after
             if worker.pending:
-                culprit = worker.pending.popleft()
-                culprit.holders -= 1
+                culprit = worker.pop_head()
                 fn = culprit.payload.get("fn", "the reward function")
                 if culprit.future.done() or culprit.holders > 0 or culprit.in_queue:
                     result = None  # another copy answered, is running, or will run: this one just ends
