@@ -92,12 +92,15 @@ def describe_placement(config: RunConfig) -> str:
         rollout = f"servers at {r.url}"
     else:
         engines = s.rollout.workers
-        rollout = f"{engines} {r.backend} engine{'s' if engines > 1 else ''} " + (
-            "as Ray actors" if ray else ("in this process" if engines == 1 else "in child processes")
-        )
+        if ray:
+            place = "as Ray actors" if engines > 1 else "as a Ray actor"
+        else:
+            place = "in this process" if engines == 1 else "in child processes"
+        rollout = f"{engines} {r.backend} engine{'s' if engines > 1 else ''} {place}"
         rollout += f", device {r.device}"
     if config.reward.remote is not None:
         reward = f"the Reward Service at {config.reward.remote.url}"
     else:
-        reward = f"{config.reward.num_workers} scoring processes" + (" in the Reward Service actor" if ray else "")
+        n = config.reward.num_workers
+        reward = f"{n} scoring process{'es' if n > 1 else ''}" + (" in the Reward Service actor" if ray else "")
     return f"workers: train {train}; rollout {rollout}; reward {reward}"
