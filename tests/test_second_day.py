@@ -313,7 +313,7 @@ def test_the_console_says_where_workers_run_and_a_url_run_drops_its_working_copy
     err = capsys.readouterr().err
     assert (
         "workers: train 1 rank in this process, device auto; rollout 1 auto engine in this process, device auto; "
-        "reward 1 scoring processes"
+        "reward 1 scoring process"
     ) in err
     copies = list((tmp_path / "cache").iterdir())
     assert f"run: {url}/tiny (working copy on this machine: " in err and "removed the working copy" in err
