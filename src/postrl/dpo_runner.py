@@ -20,6 +20,7 @@ from postrl.models import load_causal_lm, load_tokenizer
 from postrl.run_place import RunPlace
 from postrl.runner import make_sinks
 from postrl.train.dpo import DPOWorker
+from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import StepMetrics
 
 REFERENCE_FILE = "reference_logprobs.pt"
@@ -55,9 +56,7 @@ def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = Fals
     pairs, skipped = load_preference_pairs(
         config.data.train_files, tokenizer, config.data.max_tokens, config.data.on_bad_row
     )
-    t = config.train
-    if t.lr_schedule != "constant" and t.lr_decay_steps is None:
-        t.lr_decay_steps = config.epochs * math.ceil(len(pairs) / t.mini_batch_size)
+    default_decay_steps(config.train, config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size))
     lease = RunLease(place.location)
     lease.check_free()
     if not resume and overwrite:

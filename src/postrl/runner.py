@@ -36,6 +36,7 @@ from postrl.reward.columns import check_columns
 from postrl.run_place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run_watch import describe_placement, run_watches
 from postrl.tasks import task_rows
+from postrl.train.lr_schedule import default_decay_steps
 from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
 from postrl.validation import Validator, load_validation_set
@@ -188,9 +189,8 @@ def check_vllm_context(config: RunConfig, limit: int | None) -> None:
 def resolve_lr_decay(config: RunConfig) -> None:
     """An unset ``train.lr_decay_steps`` of a decaying schedule becomes the run's optimizer steps."""
     t = config.train
-    if t.lr_schedule != "constant" and t.lr_decay_steps is None:
-        per_step = math.ceil(config.prompts_per_step * config.rollout.n / t.mini_batch_size) * t.epochs
-        t.lr_decay_steps = config.steps * per_step
+    per_step = math.ceil(config.prompts_per_step * config.rollout.n / t.mini_batch_size) * t.epochs
+    default_decay_steps(t, config.steps * per_step)
 
 
 def make_validator(config: RunConfig, tokenizer: Any) -> Validator | None:

@@ -28,6 +28,7 @@ from postrl.models import load_causal_lm, load_tokenizer
 from postrl.run_place import RunPlace
 from postrl.runner import _stopped_message, make_sinks
 from postrl.sft_config import SFTRunConfig
+from postrl.train.lr_schedule import default_decay_steps
 from postrl.train.rank import PolicySpec
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch, StepMetrics
@@ -134,9 +135,7 @@ def train_sft(
             f"epochs={config.epochs} gives {total} steps, below the {done} this run has already done; "
             "a resume can only continue it"
         )
-    t = config.train
-    if t.lr_schedule != "constant" and t.lr_decay_steps is None:
-        t.lr_decay_steps = total
+    default_decay_steps(config.train, total)
     trainer, scheduler = make_trainer(config)
     try:
         if not resume and overwrite:
@@ -172,9 +171,8 @@ def _run(
     run_dir = config.run_dir
     step = 0
     if resume:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise FileNotFoundError(f"no complete checkpoint under {place.location}/checkpoints to resume from")
+        checkpoint = latest_checkpoint(run_dir)  # there: train_sft checked the run is resumable
+        assert checkpoint is not None
         trainer.load_checkpoint(checkpoint)
         step = int(load_run_state(checkpoint)["step"])
         echo(f"resumed {place.location} from step {step} ({checkpoint})")

@@ -358,7 +358,11 @@ class ScoringPool:
         self._reclaim(stalled)
         if self._has_queued():
             hanging = {w.pending[0].key for w in stalled}
-            suspects = sum(job.in_queue and job.key in hanging and not job.future.done() for job in self._queue)
+            suspects = (
+                sum(job.in_queue and job.key in hanging and not job.future.done() for job in self._queue)
+                if hanging
+                else 0
+            )  # the queue is scanned only while a job hangs
             while healthy < self.num_workers + suspects and len(self._workers) < self.max_workers:
                 self._add_worker(selector)
                 healthy += 1
