@@ -26,7 +26,7 @@ from tests.engine_hosts import SlowHost  # noqa: E402
 
 def ray_processes() -> list[str]:
     """Running Ray processes (zombies already exited: they only wait to be reaped)."""
-    out = subprocess.run(["ps", "-eo", "stat=,pid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "stat=,pid=,args="], capture_output=True, text=True).stdout
     return [
         line
         for line in out.splitlines()
