@@ -48,7 +48,7 @@ TARGET_ACC, BUDGET_S = 0.80, 180.0
 
 
 def run(name: str, steps: int, out: str) -> dict:
-    from postrl.demo import run_demo
+    from postrl.run.demo import run_demo
 
     overrides = [
         f"output_dir={out}",
@@ -70,9 +70,9 @@ def run(name: str, steps: int, out: str) -> dict:
 
 def preference_pairs(path: str, prompts_limit: int = 2000, seed: int = 0) -> int:
     """Write pairs of the demo model's own correct (chosen) and incorrect (rejected) answers."""
-    from postrl.config import RolloutConfig
+    from postrl.config.run import RolloutConfig
     from postrl.data.dataset import build_prompts
-    from postrl.models import load_causal_lm, load_tokenizer
+    from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.reward.verifiers import VERIFIERS
     from postrl.reward.worker import resolve
     from postrl.rollout.factory import rollout_worker_for_model
@@ -107,11 +107,11 @@ def preference_pairs(path: str, prompts_limit: int = 2000, seed: int = 0) -> int
 def run_dpo(out: str) -> dict:
     import time
 
-    from postrl.config import build_config
-    from postrl.dpo_config import DPORunConfig
-    from postrl.dpo_runner import train_dpo
-    from postrl.evaluate import evaluate_model
-    from postrl.models import load_causal_lm, load_tokenizer
+    from postrl.config.dpo import DPORunConfig
+    from postrl.config.run import build_config
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.run.dpo_runner import train_dpo
+    from postrl.run.evaluate import evaluate_model
 
     start = time.perf_counter()
     data = f"{out}/pairs.jsonl"

@@ -15,7 +15,7 @@ import resource
 import sys
 import tempfile
 
-from postrl.demo import run_demo
+from postrl.run.demo import run_demo
 
 TARGETS = {"acc_before": ("<=", 0.5), "acc_after": (">=", 0.85), "wall_s": ("<=", 600), "peak_rss_mb": ("<=", 4096)}
 

@@ -39,8 +39,8 @@ def score(prompt, response, answer, hang=False):
 
 STEP_SCRIPT = textwrap.dedent("""
     import json, sys, time
-    from postrl.config import load_config
-    from postrl.runner import train
+    from postrl.config.run import load_config
+    from postrl.run.train_runner import train
     config = load_config(sys.argv[1])
     train(config)
     rows = [json.loads(l) for l in open(config.run_dir / "metrics.jsonl")]

@@ -94,11 +94,11 @@ def build_model(shape: str, device: torch.device):
 def measure(
     shape: str, device: torch.device, peak_tflops: float, prompts_n: int = PROMPTS, new_tokens: int = NEW_TOKENS
 ) -> dict:
-    from postrl.config import AlgorithmConfig, RolloutConfig, TrainConfig
+    from postrl.config.run import AlgorithmConfig, RolloutConfig, TrainConfig
+    from postrl.models.weights import dedupe_tied
     from postrl.rollout.factory import rollout_worker_for_model
     from postrl.train.worker import TrainWorker
     from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
-    from postrl.weights import dedupe_tied
 
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())

@@ -27,8 +27,8 @@ PROMPTS, G, NEW_TOKENS, MICRO, LR = 16, 8, 64, 16, 1e-6
 
 
 def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
-    from postrl.config import build_config
-    from postrl.runner import train
+    from postrl.config.run import build_config
+    from postrl.run.train_runner import train
 
     config = build_config(
         {
@@ -136,7 +136,7 @@ def main() -> int:
     args = parser.parse_args()
     steps = 30 if args.curve else max(2, args.steps)
 
-    from postrl.gguf import smollm2_dir
+    from postrl.models.gguf import smollm2_dir
 
     model_dir = smollm2_dir()
     with tempfile.TemporaryDirectory() as tmp:

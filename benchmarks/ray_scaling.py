@@ -29,12 +29,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import torch  # noqa: E402
 
-from postrl.config import build_config  # noqa: E402
-from postrl.demo import DEMO_SETTINGS  # noqa: E402
+from postrl.config.run import build_config  # noqa: E402
+from postrl.run.demo import DEMO_SETTINGS  # noqa: E402
 
 
 def demo_seconds_per_step(scheduler: dict, steps: int, out: Path) -> float:
-    from postrl.runner import train
+    from postrl.run.train_runner import train
 
     settings = {
         **DEMO_SETTINGS,
@@ -52,7 +52,7 @@ def demo_seconds_per_step(scheduler: dict, steps: int, out: Path) -> float:
 
 def demo_prompts(count: int):
     from postrl.data.dataset import build_prompts
-    from postrl.models import load_tokenizer
+    from postrl.models.loading import load_tokenizer
     from postrl.tasks import task_rows
 
     tokenizer = load_tokenizer("demo")
@@ -70,9 +70,9 @@ def pool_for(workers: int, threads: int | None):
 
 
 def rollout_tokens_per_s(workers: int, prompts, tokenizer, rounds: int = 3) -> float:
-    from postrl.models import load_causal_lm
+    from postrl.models.loading import load_causal_lm
+    from postrl.models.weights import dedupe_tied
     from postrl.types import SamplingParams
-    from postrl.weights import dedupe_tied
 
     scheduler = pool_for(workers, threads=1)
     try:
@@ -91,9 +91,9 @@ def rollout_tokens_per_s(workers: int, prompts, tokenizer, rounds: int = 3) -> f
 
 
 def recovery(prompts, tokenizer) -> tuple[int, int, int]:
-    from postrl.models import load_causal_lm
+    from postrl.models.loading import load_causal_lm
+    from postrl.models.weights import dedupe_tied
     from postrl.types import SamplingParams
-    from postrl.weights import dedupe_tied
 
     scheduler = pool_for(2, threads=1)
     try:
@@ -128,14 +128,14 @@ def recovery(prompts, tokenizer) -> tuple[int, int, int]:
 
 
 def fsdp_loss_diff(updates: int = 3) -> float:
-    from postrl.config import AlgorithmConfig, TrainConfig
-    from postrl.models import load_causal_lm, resolve_model_path
-    from postrl.net import free_port
-    from postrl.scheduling.process import ProcessHandle
+    from postrl.config.run import AlgorithmConfig, TrainConfig
+    from postrl.models.loading import load_causal_lm, resolve_model_path
     from postrl.train.group import TrainGroup
     from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
     from postrl.train.worker import TrainWorker
     from postrl.types import Experience, ExperienceBatch
+    from postrl.workers.net import free_port
+    from postrl.workers.process import ProcessHandle
 
     path = str(resolve_model_path("demo"))
     train = TrainConfig(lr=1e-4, mini_batch_size=32, micro_batch_size=8, device="cpu")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from postrl.config import RemoteRewardConfig, RewardConfig
+from postrl.config.run import RemoteRewardConfig, RewardConfig
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.diagnostics import process_descendants
 from postrl.reward.service import RewardService, ScoreRequest

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from postrl.models import DEMO_MODEL_DIR
+from postrl.models.loading import DEMO_MODEL_DIR
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.types import Prompt, SamplingParams
 
@@ -205,7 +205,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    from postrl.gguf import smollm2_dir
+    from postrl.models.gguf import smollm2_dir
 
     rows = [bench_model("SmolLM2-135M-Instruct", smollm2_dir(), True, args)]
     if not args.skip_demo:

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from postrl.cli import main
-from postrl.config import ConfigError, build_config, load_config
+from postrl.config.run import ConfigError, build_config, load_config
 
 
 def test_defaults_and_dotted_overrides():
@@ -90,9 +90,9 @@ def test_cli_reports_config_error_before_any_work(tmp_path, capsys):
 def test_example_configs_are_valid():
     from pathlib import Path
 
-    from postrl.config import RewardServiceFile
-    from postrl.dpo_config import DPORunConfig
-    from postrl.sft_config import SFTRunConfig
+    from postrl.config.dpo import DPORunConfig
+    from postrl.config.run import RewardServiceFile
+    from postrl.config.sft import SFTRunConfig
 
     examples = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
     assert len(examples) >= 17
@@ -152,7 +152,7 @@ def test_scale_out_fields_are_checked_before_any_work():
 def test_a_cuda_device_this_machine_lacks_is_refused_by_train(tmp_path):
     import torch
 
-    from postrl.runner import train
+    from postrl.run.train_runner import train
 
     wanted = "cuda:99" if torch.cuda.is_available() else "cuda"
     config = build_config({"output_dir": str(tmp_path), "train": {"device": wanted}})

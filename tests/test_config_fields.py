@@ -7,7 +7,7 @@ import typing
 import pytest
 from pydantic import BaseModel
 
-from postrl.config import ConfigError, RewardServiceFile, RunConfig, build_config
+from postrl.config.run import ConfigError, RewardServiceFile, RunConfig, build_config
 
 # numeric fields that are unbounded on purpose
 UNBOUNDED = {

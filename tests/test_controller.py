@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from postrl.buffer import OnPolicyBuffer
-from postrl.config import build_config
-from postrl.controller import Components, Controller, RewardFailureError
+from postrl.config.run import build_config
+from postrl.controller.controller import Components, Controller, RewardFailureError
 from postrl.data.dataset import PromptDataset
 from postrl.rollout.common import EngineBase, EngineUnhealthyError, Health
 from postrl.types import Prompt, RewardResult, Rollout, TrainMetrics

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from postrl.algorithm_config import CriticConfig
-from postrl.config import ConfigError, build_config
+from postrl.config.algorithm import CriticConfig
+from postrl.config.run import ConfigError, build_config
 from postrl.train.critic import CriticWorker, clipped_value_loss
 from postrl.types import Rollout
 
@@ -54,9 +54,9 @@ def test_gae_needs_a_critic_and_the_critic_needs_gae():
 
 
 def test_ppo_run_trains_the_critic_checkpoints_and_resumes_it(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    from postrl.checkpoint import latest_checkpoint
-    from postrl.run_place import resume_config
-    from postrl.runner import train
+    from postrl.run.checkpoint import latest_checkpoint
+    from postrl.run.place import resume_config
+    from postrl.run.train_runner import train
 
     config = build_config(
         {

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from postrl.config import AlgorithmConfig, TrainConfig
-from postrl.models import load_causal_lm
-from postrl.net import free_port
-from postrl.scheduling.process import ProcessHandle
+from postrl.config.run import AlgorithmConfig, TrainConfig
+from postrl.models.loading import load_causal_lm
 from postrl.train.group import TrainGroup, TrainWorkerDiedError
 from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
 from postrl.train.sharding import split_rows_by_tokens
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch
+from postrl.workers.net import free_port
+from postrl.workers.process import ProcessHandle
 from tests.fsdp_probe import GradProbe
 
 TRAIN = TrainConfig(lr=1e-2, mini_batch_size=12, micro_batch_size=2, device="cpu")
@@ -119,10 +119,10 @@ def test_a_dead_rank_stops_the_group_naming_it(tiny_model_dir, char_tokenizer):
 def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
     """`scheduler.train.workers=2` through the runner, then `--resume` with one process: the
     resumed run starts from the 2-rank checkpoint's exact weights."""
-    from postrl.checkpoint import latest_checkpoint
-    from postrl.config import build_config
-    from postrl.run_place import resume_config
-    from postrl.runner import train
+    from postrl.config.run import build_config
+    from postrl.run.checkpoint import latest_checkpoint
+    from postrl.run.place import resume_config
+    from postrl.run.train_runner import train
 
     settings = {
         "name": "fsdp",

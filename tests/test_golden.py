@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from postrl.cli import main
-from postrl.metrics import read_metrics
+from postrl.run.metrics import read_metrics
 from tests.test_train_e2e import write_config
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_grpo.json"

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from postrl.config import AlgorithmConfig, RolloutConfig, TrainConfig, build_config
-from postrl.devices import DeviceError, resolve_device
-from postrl.models import load_causal_lm
+from postrl.config.run import AlgorithmConfig, RolloutConfig, TrainConfig, build_config
+from postrl.models.devices import DeviceError, resolve_device
+from postrl.models.loading import load_causal_lm
 from postrl.rollout.factory import rollout_worker_for_model
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
@@ -57,7 +57,7 @@ def test_train_worker_on_cuda_uses_bf16_autocast_with_fp32_master_weights(char_t
 
 @pytest.mark.gpu
 def test_two_step_run_on_cuda(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    from postrl.runner import train
+    from postrl.run.train_runner import train
 
     config = build_config(
         {

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from postrl.algorithms.kl_control import adaptive_kl_coef
-from postrl.config import ConfigError, build_config
+from postrl.config.run import ConfigError, build_config
 
 
 def test_adaptive_kl_coefficient_by_hand():
@@ -29,7 +29,7 @@ def test_kl_settings_are_checked():
 
 
 def run(tmp_path, model_dir, data, algorithm, name):
-    from postrl.runner import train
+    from postrl.run.train_runner import train
 
     config = build_config(
         {
@@ -67,8 +67,8 @@ def test_kl_penalty_in_the_reward_grows_once_the_policy_moves(tmp_path, tiny_mod
 
 
 def test_adaptive_kl_coefficient_follows_the_observed_kl_and_resumes(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    from postrl.run_place import resume_config
-    from postrl.runner import train
+    from postrl.run.place import resume_config
+    from postrl.run.train_runner import train
 
     controller, rows = run(
         tmp_path,

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from postrl.lease import LEASE_FILE, LeaseHeldError, RunLease
+from postrl.run.lease import LEASE_FILE, LeaseHeldError, RunLease
 
-HOLD = "import sys, time; from postrl.lease import RunLease; RunLease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
+HOLD = "import sys, time; from postrl.run.lease import RunLease; RunLease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
 
 
 def holder_process(run_dir):

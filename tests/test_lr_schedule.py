@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from postrl.cli import main
-from postrl.metrics import read_metrics
+from postrl.run.metrics import read_metrics
 from postrl.train.lr_schedule import lr_factor, make_scheduler
 from tests.test_train_e2e import write_config
 

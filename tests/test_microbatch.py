@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from postrl.algorithms import register_loss_aggregation
-from postrl.config import AlgorithmConfig, TrainConfig
+from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch
 from tests.conftest import make_tiny_model

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from postrl.models.weights import WeightSyncError, weight_manifest
 from postrl.rollout import HFRolloutWorker
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.train.logprobs import token_logprobs
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
-from postrl.weights import WeightSyncError, weight_manifest
 from tests.conftest import hf_greedy, make_tiny_model, seqs
 
 TEXTS = ["12+34=", "7+5=", "123+456=", "hello", "a much longer prompt than the others"]
@@ -116,7 +116,7 @@ def test_bf16_engine_logprobs_close_to_fp32_trainer(char_tokenizer):
 def test_backend_choice_and_fallback_warning(char_tokenizer, caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from postrl.config import RolloutConfig
+    from postrl.config.run import RolloutConfig
     from postrl.rollout.factory import rollout_worker_for_model
 
     llama = make_tiny_model("llama", char_tokenizer)

@@ -14,11 +14,11 @@ import torch
 from openai import OpenAI
 from safetensors.torch import save_file
 
+from postrl.models.weights import dedupe_tied
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.serve.batcher import EngineBatcher
 from postrl.serve.openai_server import ServerLimits, build_app
 from postrl.serve.router import LeastOutstandingRouter, build_router_app
-from postrl.weights import dedupe_tied
 from tests.conftest import make_tiny_model
 from tests.test_serve import Server, free_port
 
@@ -360,7 +360,7 @@ def test_router_takes_a_recovered_backend_back(char_tokenizer):
 
 def test_route_and_reward_service_default_ports_differ():
     from postrl.cli import build_parser
-    from postrl.config import RewardServerConfig
+    from postrl.config.run import RewardServerConfig
 
     args = build_parser().parse_args(["route", "--backend", "http://x"])
     assert args.port not in (RewardServerConfig().port, 8000)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from postrl.cli import main
-from postrl.config import ConfigError, load_config
+from postrl.config.run import ConfigError, load_config
 from tests.test_train_e2e import write_config
 
 PLUGIN = textwrap.dedent("""

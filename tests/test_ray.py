@@ -14,13 +14,13 @@ import torch
 os.environ["RAY_AUTH_MODE"] = "disabled"
 ray = pytest.importorskip("ray")
 
-from postrl.config import build_config  # noqa: E402
-from postrl.models import load_causal_lm, load_tokenizer  # noqa: E402
+from postrl.config.run import build_config  # noqa: E402
+from postrl.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from postrl.models.weights import dedupe_tied, weight_manifest  # noqa: E402
 from postrl.reward import ScoreRequest  # noqa: E402
-from postrl.runner import make_reward_service, train  # noqa: E402
+from postrl.run.train_runner import make_reward_service, train  # noqa: E402
 from postrl.scheduling.ray_scheduler import RayScheduler  # noqa: E402
 from postrl.types import Prompt, SamplingParams  # noqa: E402
-from postrl.weights import dedupe_tied, weight_manifest  # noqa: E402
 from tests.engine_hosts import SlowHost  # noqa: E402
 
 

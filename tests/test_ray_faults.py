@@ -18,10 +18,10 @@ import pytest
 os.environ["RAY_AUTH_MODE"] = "disabled"
 ray = pytest.importorskip("ray")
 
-from postrl.config import build_config  # noqa: E402
-from postrl.runner import train  # noqa: E402
-from postrl.scheduling.handles import PlacementError  # noqa: E402
+from postrl.config.run import build_config  # noqa: E402
+from postrl.run.train_runner import train  # noqa: E402
 from postrl.scheduling.ray_scheduler import RayScheduler  # noqa: E402
+from postrl.workers.handles import PlacementError  # noqa: E402
 from tests.test_ray import ray_config, ray_processes  # noqa: E402
 
 POSTRL = [sys.executable, "-m", "postrl.cli"]
@@ -118,7 +118,7 @@ def test_a_killed_driver_leaves_no_ray_process(tmp_path, tiny_model_dir, arithme
         import os, sys, time
         os.environ["RAY_AUTH_MODE"] = "disabled"
         sys.path.insert(0, {os.getcwd()!r})
-        from postrl.config import RunConfig
+        from postrl.config.run import RunConfig
         from postrl.scheduling.ray_scheduler import RayScheduler
         config = RunConfig.model_validate_json(open({str(tmp_path / "config.json")!r}).read())
         scheduler = RayScheduler(config)
@@ -152,10 +152,10 @@ def test_a_placement_that_cannot_succeed_names_the_short_resource(tmp_path, tiny
 
 
 def test_sft_runs_its_train_ranks_as_ray_actors(tmp_path, tiny_model_dir):
-    from postrl.config import load_config
-    from postrl.metrics import read_metrics
-    from postrl.sft_config import SFTRunConfig
-    from postrl.sft_runner import train_sft
+    from postrl.config.run import load_config
+    from postrl.config.sft import SFTRunConfig
+    from postrl.run.metrics import read_metrics
+    from postrl.run.sft_runner import train_sft
 
     rows = [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 18)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -8,10 +8,10 @@ import json
 import httpx
 import torch
 
-from postrl.config import build_config
-from postrl.models import load_causal_lm, load_tokenizer
+from postrl.config.run import build_config
+from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.rollout.native import NativeRolloutWorker
-from postrl.runner import train
+from postrl.run.train_runner import train
 from postrl.serve.batcher import EngineBatcher
 from postrl.serve.openai_server import ServerLimits, build_app
 from postrl.serve.router import LeastOutstandingRouter, build_router_app

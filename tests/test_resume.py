@@ -11,9 +11,9 @@ import textwrap
 import torch
 from safetensors.torch import load_file
 
-from postrl.checkpoint import latest_checkpoint, list_checkpoints
 from postrl.cli import main
-from postrl.metrics import read_metrics
+from postrl.run.checkpoint import latest_checkpoint, list_checkpoints
+from postrl.run.metrics import read_metrics
 from tests.test_train_e2e import write_config
 
 SIGNAL = ["reward.components=[{name: length, type: custom, function: 'tests.reward_fns:length_score'}]"]
@@ -66,7 +66,7 @@ KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from postrl.checkpoint import save_checkpoint
+    from postrl.run.checkpoint import save_checkpoint
 
     class SlowTrainer:
         def save_checkpoint(self, path):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from postrl.config import RewardConfig
+from postrl.config.run import RewardConfig
 from postrl.reward import RewardService, ScoreRequest, ScoringPool
 from postrl.reward.rules import format_reward, length_penalty
 from postrl.reward.verifiers import exact_match, extract_final_answer, math_equal

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from postrl.cli import main
-from postrl.config import ConfigError, RewardConfig, build_config
+from postrl.config.run import ConfigError, RewardConfig, build_config
 from postrl.reward.code import extract_program, parse_tests
 from postrl.reward.pool import ScoringPool
 from postrl.reward.service import RewardService, ScoreRequest

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from postrl.cli import main
-from postrl.config import RewardConfig
+from postrl.config.run import RewardConfig
 from postrl.reward import RewardService
 from postrl.reward.pool import ScoringPool
 from tests.test_train_e2e import write_config
@@ -221,7 +221,7 @@ def test_a_killed_trainer_leaves_no_sandboxed_program_behind():
     assert _sandbox_pids() == []
     script = textwrap.dedent("""
         import threading, time
-        from postrl.config import RewardConfig
+        from postrl.config.run import RewardConfig
         from postrl.reward import RewardService
         service = RewardService(RewardConfig(num_workers=1, components=[
             {"name": "code", "type": "code", "timeout_s": 600, "sandbox": {"wall_s": 500, "cpu_s": 500}}]))
@@ -258,7 +258,7 @@ def test_a_non_finite_in_process_score_is_unscorable():
 def test_whole_hanging_groups_cost_about_one_timeout():
     """A hang is caused by the prompt, so all G samples of a prompt hang together: 3 of 16 prompts
     x G=4 hanging at timeout 3 s used to cost a timeout per sample queued on a worker (~12 s)."""
-    from postrl.config import RewardConfig
+    from postrl.config.run import RewardConfig
     from postrl.reward.service import RewardService, ScoreRequest
 
     config = RewardConfig(

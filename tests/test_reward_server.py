@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from postrl.config import RemoteRewardConfig
-from postrl.net import free_port  # noqa: F401 - other tests import it from here
+from postrl.config.run import RemoteRewardConfig
 from postrl.reward.client import RemoteRewardService, RewardServiceError
 from postrl.reward.diagnostics import process_descendants
 from postrl.reward.service import ScoreRequest
+from postrl.workers.net import free_port  # noqa: F401 - other tests import it from here
 from tests.http_stub import LoopbackJSONServer
 
 TOKEN = "test-token-123"

@@ -9,14 +9,14 @@ import time
 import pytest
 import torch
 
-from postrl.config import RolloutConfig
-from postrl.models import load_causal_lm
+from postrl.config.run import RolloutConfig
+from postrl.models.loading import load_causal_lm
+from postrl.models.weights import WeightSyncError, dedupe_tied, weight_manifest
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
 from postrl.rollout.weight_transport import BroadcastTransport, DirectTransport
-from postrl.scheduling.process import ProcessHandle
 from postrl.types import Prompt, SamplingParams
-from postrl.weights import WeightSyncError, dedupe_tied, weight_manifest
+from postrl.workers.process import ProcessHandle
 from tests.engine_hosts import SlowHost
 
 CONFIG = RolloutConfig(backend="native", device="cpu", max_tokens=6)
@@ -122,8 +122,8 @@ def test_engine_killed_mid_generate_is_replaced_and_its_prompts_requeued(tiny_mo
 def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(
     tmp_path, tiny_model_dir, arithmetic_jsonl
 ):
-    from postrl.config import build_config
-    from postrl.runner import train
+    from postrl.config.run import build_config
+    from postrl.run.train_runner import train
 
     config = build_config(
         {

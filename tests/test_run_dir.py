@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from postrl.cli import main
-from postrl.metrics import read_metrics
+from postrl.run.metrics import read_metrics
 from tests.test_reward_debugging import _worker_pids
 from tests.test_train_e2e import write_config
 

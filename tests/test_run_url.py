@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from postrl.config import build_config
-from postrl.run_place import RunDirectoryError, resume_config
-from postrl.runner import train
+from postrl.config.run import build_config
+from postrl.run.place import RunDirectoryError, resume_config
+from postrl.run.train_runner import train
 
 
 def url_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=2):

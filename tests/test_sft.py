@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from postrl.cli import main
-from postrl.config import TrainConfig
+from postrl.config.run import TrainConfig
 from postrl.data.dataset import DatasetError
 from postrl.data.sft import conversation_tokens, load_sft_examples
-from postrl.metrics import read_metrics
-from postrl.models import load_causal_lm
-from postrl.sft_runner import SFT_ALGORITHM, sft_batch
+from postrl.models.loading import load_causal_lm
+from postrl.run.metrics import read_metrics
+from postrl.run.sft_runner import SFT_ALGORITHM, sft_batch
 from postrl.train.worker import TrainWorker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import json
 import yaml
 
 from postrl.cli import main
-from postrl.metrics import read_metrics
+from postrl.run.metrics import read_metrics
 
 
 def write_config(tmp_path, model_dir, data_file, **extra) -> str:

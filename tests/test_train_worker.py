@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from postrl.buffer import OnPolicyBuffer
-from postrl.config import AlgorithmConfig, TrainConfig
+from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.train.worker import NonFiniteLossError, TrainWorker
 from postrl.types import Experience, ExperienceBatch
 from tests.conftest import make_tiny_model

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from postrl.models.weights import WeightSyncError, dedupe_tied, weight_manifest
 from postrl.rollout.vllm_backend import vllm_python
 from postrl.train.logprobs import token_logprobs
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
-from postrl.weights import WeightSyncError, dedupe_tied, weight_manifest
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason="no vLLM environment (run scripts/setup_vllm.sh)")

@@ -9,15 +9,15 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from postrl.config import ConfigError
+from postrl.config.run import ConfigError
 
 ConfigT = TypeVar("ConfigT")
 
 
 def _run_config(args: argparse.Namespace, model: type[ConfigT], extra: list[str]) -> ConfigT:
     """A new run's config (CONFIG + overrides) or, with --resume, the run's saved one (+ overrides)."""
-    from postrl.config import load_config
-    from postrl.run_place import resume_config
+    from postrl.config.run import load_config
+    from postrl.run.place import resume_config
 
     if args.resume:
         if args.config and "=" not in args.config:
@@ -38,8 +38,8 @@ def _run_config(args: argparse.Namespace, model: type[ConfigT], extra: list[str]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from postrl.config import RunConfig
-    from postrl.runner import train
+    from postrl.config.run import RunConfig
+    from postrl.run.train_runner import train
 
     config = _run_config(args, RunConfig, _ray_overrides(args))
     controller = train(config, resume=bool(args.resume), overwrite=args.overwrite)
@@ -57,8 +57,8 @@ def _ray_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_dpo(args: argparse.Namespace) -> int:
-    from postrl.dpo_config import DPORunConfig
-    from postrl.dpo_runner import train_dpo
+    from postrl.config.dpo import DPORunConfig
+    from postrl.run.dpo_runner import train_dpo
 
     config = _run_config(args, DPORunConfig, [])
     train_dpo(config, resume=bool(args.resume), overwrite=args.overwrite)
@@ -67,8 +67,8 @@ def _cmd_dpo(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from postrl.sft_config import SFTRunConfig
-    from postrl.sft_runner import train_sft
+    from postrl.config.sft import SFTRunConfig
+    from postrl.run.sft_runner import train_sft
 
     config = _run_config(args, SFTRunConfig, _ray_overrides(args))
     steps = train_sft(config, resume=bool(args.resume), overwrite=args.overwrite)
@@ -77,7 +77,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from postrl.demo import run_demo
+    from postrl.run.demo import run_demo
 
     result = run_demo(args.overrides)
     print(
@@ -88,7 +88,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from postrl.evaluate import run_eval
+    from postrl.run.evaluate import run_eval
 
     return run_eval(
         model=args.model,
@@ -102,13 +102,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_rollout(args: argparse.Namespace) -> int:
-    from postrl.config import RolloutConfig
-    from postrl.models import load_causal_lm, load_tokenizer
+    from postrl.config.run import RolloutConfig
+    from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.factory import rollout_worker_for_model
     from postrl.serve.batcher import EngineBatcher
-    from postrl.serve.guard import is_loopback, read_token
     from postrl.serve.openai_server import ServerLimits, build_app
     from postrl.serve.run import serve_app
+    from postrl.workers.http_guard import is_loopback, read_token
 
     try:
         token = read_token(args.token_env)
@@ -152,9 +152,9 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
-    from postrl.serve.guard import read_token
     from postrl.serve.router import LeastOutstandingRouter, build_router_app
     from postrl.serve.run import serve_app
+    from postrl.workers.http_guard import read_token
 
     try:
         token = read_token(args.token_env)
@@ -167,11 +167,11 @@ def _cmd_route(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_reward(args: argparse.Namespace) -> int:
-    from postrl.config import RewardServiceFile, activate_import_paths, load_config
+    from postrl.config.run import RewardServiceFile, activate_import_paths, load_config
     from postrl.reward.server import build_reward_app
     from postrl.reward.service import RewardService
-    from postrl.serve.guard import is_loopback, read_token
     from postrl.serve.run import serve_app
+    from postrl.workers.http_guard import is_loopback, read_token
 
     if not args.config:
         raise ConfigError("postrl serve-reward needs --config reward.yaml (sections: reward, server)")
@@ -209,7 +209,7 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert_gguf(args: argparse.Namespace) -> int:
-    from postrl.gguf import convert_gguf
+    from postrl.models.gguf import convert_gguf
 
     print(f"wrote {convert_gguf(args.file, args.out_dir)}")
     return 0
@@ -243,7 +243,7 @@ def _add_train(command: Callable[..., argparse.ArgumentParser]) -> None:
         "Ctrl-C abandons the step.\n\nexamples:\n  postrl train examples/arithmetic_grpo.yaml train.lr=5e-5 "
         "steps=20\n  postrl train --resume runs/arithmetic-grpo steps=40",
     )
-    _add_run_arguments(p, "CONFIG.yaml (see src/postrl/config.py for every field)", "train.lr=1e-5 name=try2")
+    _add_run_arguments(p, "CONFIG.yaml (see src/postrl/config/run.py for every field)", "train.lr=1e-5 name=try2")
     _add_ray_address(p)
     p.set_defaults(func=_cmd_train)
 
@@ -287,7 +287,7 @@ def _add_dpo(command: Callable[..., argparse.ArgumentParser]) -> None:
         "dpo",
         "train offline on preference pairs (DPO, IPO, cDPO) from a YAML config",
         epilog="Pairs: JSONL/Parquet rows with prompt, chosen, rejected strings, or chosen/rejected chat "
-        "message lists (see src/postrl/dpo_config.py and docs/algorithms.md).\n\nexamples:\n"
+        "message lists (see src/postrl/config/dpo.py and docs/algorithms.md).\n\nexamples:\n"
         "  postrl dpo examples/dpo.yaml dpo.beta=0.2\n  postrl dpo --resume runs/dpo epochs=2",
     )
     _add_run_arguments(p, "CONFIG.yaml (sections: model, data, dpo, train, checkpoint, logging)", "dpo.loss_type=ipo")
@@ -299,7 +299,7 @@ def _add_sft(command: Callable[..., argparse.ArgumentParser]) -> None:
         "sft",
         "supervised fine-tuning on prompt/response or chat rows (loss on the response or the assistant turns only)",
         epilog="Rows: JSONL/Parquet with prompt and response strings, or a messages chat list (see "
-        "src/postrl/sft_config.py). The run directory, checkpoints, --resume, FSDP2 "
+        "src/postrl/config/sft.py). The run directory, checkpoints, --resume, FSDP2 "
         "(scheduler.train.workers=2) and --ray-address work as in postrl train.\n\nexamples:\n"
         "  postrl sft examples/sft_format.yaml\n  postrl sft --resume runs/sft-format epochs=3",
     )
@@ -455,23 +455,23 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from postrl.models import quiet_transformers
+    from postrl.models.loading import quiet_transformers
 
     quiet_transformers()
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    from postrl.controller import RewardFailureError
+    from postrl.controller.controller import RewardFailureError
     from postrl.data import DatasetError
-    from postrl.interrupt import RunInterrupted
+    from postrl.models.weights import WeightSyncError
     from postrl.reward.client import RewardServiceError
     from postrl.rollout.common import EngineUnhealthyError
     from postrl.rollout.pool import RolloutPoolError
-    from postrl.scheduling.handles import PlacementError
+    from postrl.run.interrupt import RunInterrupted
     from postrl.train.group import TrainWorkerDiedError
     from postrl.train.worker import NonFiniteLossError
-    from postrl.weights import WeightSyncError
+    from postrl.workers.handles import PlacementError
 
     try:
         return args.func(args)

@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 
-from postrl.config import RemoteRewardConfig
-from postrl.serve.guard import read_token
+from postrl.config.run import RemoteRewardConfig
 from postrl.types import RewardResult
+from postrl.workers.http_guard import read_token
 
 
 class RewardServiceError(RuntimeError):

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
-from postrl.config import ConfigError, RewardConfig
+from postrl.config.run import ConfigError, RewardConfig
 
 ALWAYS_PASSED = ("prompt", "response")
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from postrl.serve.guard import read_token
 from postrl.types import Score
+from postrl.workers.http_guard import read_token
 
 
 def _headers(api_key_env: str | None) -> dict[str, str]:

@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from postrl.config import RewardServerConfig
+from postrl.config.run import RewardServerConfig
 from postrl.reward.service import RewardService, ScoreRequest, result_to_json
-from postrl.serve.guard import BodyLimitMiddleware, TokenMiddleware
+from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from postrl.config import POOLED_TYPES, ConfigError, RewardComponentConfig, RewardConfig
+from postrl.config.run import POOLED_TYPES, ConfigError, RewardComponentConfig, RewardConfig
 from postrl.reward.pool import JobResult, ScoringPool
 from postrl.reward.rules import format_reward, length_penalty, overlong_penalty
 from postrl.reward.verifiers import VERIFIERS

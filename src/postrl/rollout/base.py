@@ -27,7 +27,7 @@ class RolloutWorker(Protocol):
     def update_weights(
         self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
     ) -> None:
-        """Load new weights in place; with a manifest (see postrl.weights), verify what arrived."""
+        """Load new weights in place; with a manifest (see postrl.models.weights), verify what arrived."""
         ...
 
     def health_check(self) -> Health:

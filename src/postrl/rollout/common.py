@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from postrl.weights import verify_manifest
+from postrl.models.weights import verify_manifest
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from postrl.config import RolloutConfig
-from postrl.devices import bf16_matmul_supported, resolve_device
-from postrl.models import context_length, load_causal_lm, resolve_model_path
+from postrl.config.run import RolloutConfig
+from postrl.models.devices import bf16_matmul_supported, resolve_device
+from postrl.models.loading import context_length, load_causal_lm, resolve_model_path
 from postrl.rollout.base import RolloutWorker
 from postrl.rollout.hf_engine import HFRolloutWorker
 from postrl.rollout.native import SUPPORTED_MODEL_TYPES, NativeRolloutWorker

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from postrl.models.weights import load_state_checked
 from postrl.rollout.common import EngineBase, Health, non_finite
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
-from postrl.weights import load_state_checked
 
 log = logging.getLogger(__name__)
 

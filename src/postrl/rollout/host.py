@@ -7,16 +7,16 @@ from typing import Any
 
 import torch
 
-from postrl.config import RolloutConfig
+from postrl.config.run import RolloutConfig
+from postrl.rollout.broadcast import BroadcastPlan, receive_state
 from postrl.types import Prompt, Rollout, SamplingParams
-from postrl.weight_broadcast import BroadcastPlan, receive_state
 
 
 class RolloutEngineHost:
     def __init__(
         self, config: RolloutConfig, model_path: str, model_dtype: str, seed: int, threads: int | None = None
     ) -> None:
-        from postrl.models import load_tokenizer, quiet_transformers
+        from postrl.models.loading import load_tokenizer, quiet_transformers
         from postrl.rollout.factory import make_rollout_worker
 
         quiet_transformers()

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import torch
 
+from postrl.models.weights import WeightSyncError, write_sync_file
 from postrl.rollout.common import EngineBase, Health, http_health
 from postrl.types import Prompt, Rollout, SamplingParams
-from postrl.weights import WeightSyncError, write_sync_file
 
 
 class RemoteEngineError(RuntimeError):

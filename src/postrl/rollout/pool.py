@@ -18,8 +18,8 @@ from typing import Any
 
 from postrl.rollout.common import Health
 from postrl.rollout.weight_transport import WeightTransport
-from postrl.scheduling import Handle, WorkerDiedError, WorkerTimeoutError
 from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.workers import Handle, WorkerDiedError, WorkerTimeoutError
 
 log = logging.getLogger(__name__)
 LOST = (WorkerDiedError, WorkerTimeoutError)

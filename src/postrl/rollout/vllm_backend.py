@@ -21,10 +21,10 @@ from typing import Any
 import httpx
 import torch
 
-from postrl.net import free_port
+from postrl.models.weights import write_sync_file
 from postrl.rollout.common import EngineBase, Health, http_health
 from postrl.types import Prompt, Rollout, SamplingParams
-from postrl.weights import write_sync_file
+from postrl.workers.net import free_port
 
 SERVER_FILE = Path(__file__).with_name("vllm_server.py")
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"

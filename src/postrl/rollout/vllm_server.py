@@ -13,7 +13,7 @@ Runs inside the vLLM virtual environment (``scripts/setup_vllm.sh``), started by
   works.
 - ``GET /health``: ``{status, weight_version}``.
 
-Protected like postrl's other servers (:mod:`postrl.serve.guard`, loaded by path since postrl is
+Protected like postrl's other servers (:mod:`postrl.workers.http_guard`, loaded by path since postrl is
 not installed here): a bearer token from ``--token-env`` on every endpoint, a body limit, bounds
 on ``n``, ``max_tokens`` and prompts per request, ``/update_weights`` confined to
 ``--weights-dir``; a non-loopback ``--host`` without a token is refused.

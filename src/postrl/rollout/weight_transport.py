@@ -1,6 +1,6 @@
 """How new weights reach the engines of a pool: ``direct`` (each engine is handed the state dict or
 the safetensors path; in-process, a child process or an actor) or ``broadcast`` (one
-torch.distributed group, bucket by bucket; see :mod:`postrl.weight_broadcast`).
+torch.distributed group, bucket by bucket; see :mod:`postrl.rollout.broadcast`).
 
 ``push`` answers which engines did not take the version because they were lost (died, timed out,
 or their transfer broke when another engine died); an engine that received weights that do not
@@ -11,11 +11,11 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from postrl.net import free_port
-from postrl.scheduling import Handle, WorkerDiedError, WorkerTimeoutError
-from postrl.scheduling.handles import submit
-from postrl.weight_broadcast import open_sender_store, plan_buckets, send_state
-from postrl.weights import WeightSyncError
+from postrl.models.weights import WeightSyncError
+from postrl.rollout.broadcast import open_sender_store, plan_buckets, send_state
+from postrl.workers import Handle, WorkerDiedError, WorkerTimeoutError
+from postrl.workers.handles import submit
+from postrl.workers.net import free_port
 
 
 class WeightTransport(Protocol):

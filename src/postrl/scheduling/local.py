@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from postrl.config import RunConfig
-from postrl.net import free_port
+from postrl.config.run import RunConfig
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
-from postrl.scheduling.handles import InProcessHandle
 from postrl.scheduling.placement import make_pool
-from postrl.scheduling.process import ProcessHandle
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
+from postrl.workers.handles import InProcessHandle
+from postrl.workers.net import free_port
+from postrl.workers.process import ProcessHandle
 
 
 def policy_spec(config: RunConfig) -> PolicySpec:

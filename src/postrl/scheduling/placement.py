@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from postrl.config import RunConfig
+from postrl.config.run import RunConfig
 from postrl.rollout.pool import RolloutPool
 from postrl.rollout.weight_transport import BroadcastTransport, DirectTransport, WeightTransport
-from postrl.scheduling.handles import Handle
+from postrl.workers.handles import Handle
 
 
 def make_transport(config: RunConfig, host: str = "127.0.0.1") -> WeightTransport:

@@ -16,17 +16,17 @@ import traceback
 from concurrent.futures import Future
 from typing import Any
 
-from postrl.config import ConfigError, RunConfig
-from postrl.net import can_connect, host_port
+from postrl.config.run import ConfigError, RunConfig
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
-from postrl.scheduling.handles import PlacementError, WorkerDiedError, WorkerTimeoutError, submit
 from postrl.scheduling.placement import make_pool
-from postrl.scheduling.process import WorkerCallError
 from postrl.scheduling.reaper import Reaper
-from postrl.scheduling.wire import pack, unpack
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
+from postrl.workers.handles import PlacementError, WorkerDiedError, WorkerTimeoutError, submit
+from postrl.workers.net import can_connect, host_port
+from postrl.workers.process import WorkerCallError
+from postrl.workers.wire import pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def rendezvous_address() -> tuple[str, int]:
     """An address and a free port on the node this runs on (for rank 0 of a train group)."""
     import ray
 
-    from postrl.net import free_port
+    from postrl.workers.net import free_port
 
     host = ray.util.get_node_ip_address()
     return host, free_port(host if host != "127.0.0.1" else "127.0.0.1")

@@ -6,7 +6,7 @@
 named at start-up, a version, optionally a checksum manifest). Errors use OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` body. Parameters the server does not implement
 are refused by name, never ignored. Binds loopback unless told otherwise; see
-:class:`ServerLimits` for the bounds on each request and :mod:`postrl.serve.guard` for the token
+:class:`ServerLimits` for the bounds on each request and :mod:`postrl.workers.http_guard` for the token
 and body limit.
 """
 
@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from postrl.serve.batcher import EngineBatcher
-from postrl.serve.guard import BodyLimitMiddleware, TokenMiddleware, confined_path, detail
 from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware, confined_path, detail
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from postrl.serve.guard import detail
+from postrl.workers.http_guard import detail
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from postrl.algorithm_config import CriticConfig
+from postrl.config.algorithm import CriticConfig
 from postrl.train.state import load_train_state, save_train_state
 from postrl.types import Rollout
 
@@ -64,8 +64,8 @@ class CriticWorker:
     def __init__(
         self, config: CriticConfig, policy_path: str, model_dtype: str, pad_id: int, seed: int = 0, device: str = "cpu"
     ) -> None:
-        from postrl.devices import resolve_device
-        from postrl.models import load_causal_lm
+        from postrl.models.devices import resolve_device
+        from postrl.models.loading import load_causal_lm
 
         torch.manual_seed(seed)
         self.cfg, self.pad_id = config, pad_id

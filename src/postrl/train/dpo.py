@@ -8,12 +8,12 @@ import functools
 
 import torch
 
-from postrl.algorithm_config import AlgorithmConfig
 from postrl.algorithms import DPO_LOSSES
 from postrl.algorithms.preference import margin
-from postrl.config import TrainConfig
+from postrl.config.algorithm import AlgorithmConfig
+from postrl.config.dpo import DPOConfig
+from postrl.config.run import TrainConfig
 from postrl.data.preferences import PreferencePair
-from postrl.dpo_config import DPOConfig
 from postrl.train.logprobs import token_logprobs
 from postrl.train.worker import TrainWorker
 

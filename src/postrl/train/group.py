@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from postrl.scheduling import Handle, WorkerDiedError, WorkerTimeoutError, gather
-from postrl.scheduling.handles import submit
 from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.workers import Handle, WorkerDiedError, WorkerTimeoutError, gather
+from postrl.workers.handles import submit
 
 
 class TrainWorkerDiedError(RuntimeError):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from postrl.models import PLAIN_HEAD_MODEL_TYPES
+from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
 
 
 def token_logprobs(

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from postrl.config import TrainConfig
+from postrl.config.run import TrainConfig
 
 
 def lr_factor(step: int, schedule: str, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float) -> float:

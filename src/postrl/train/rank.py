@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from postrl.config import AlgorithmConfig, TrainConfig
-from postrl.devices import bf16_matmul_supported, resolve_device
+from postrl.config.run import AlgorithmConfig, TrainConfig
+from postrl.models.devices import bf16_matmul_supported, resolve_device
+from postrl.models.weights import dedupe_tied
 from postrl.train.worker import TrainWorker
 from postrl.types import ExperienceBatch, TrainMetrics
-from postrl.weights import dedupe_tied
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class TrainRank:
 
     def join(self) -> int:
         """Enter the process group (waits for every rank) and build the Train Worker; returns the rank."""
-        from postrl.models import load_causal_lm, quiet_transformers
+        from postrl.models.loading import load_causal_lm, quiet_transformers
         from postrl.train.fsdp import FSDPTrainWorker
 
         if self._worker is not None:

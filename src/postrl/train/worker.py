@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, LossNormalizer, kl_k3, kl_penalty
-from postrl.config import AlgorithmConfig, TrainConfig
-from postrl.devices import bf16_matmul_supported
+from postrl.config.run import AlgorithmConfig, TrainConfig
+from postrl.models.devices import bf16_matmul_supported
+from postrl.models.weights import load_weights_into, save_weights
 from postrl.train.logprobs import token_logprobs
 from postrl.train.lr_schedule import make_scheduler
 from postrl.train.state import full_tensor, load_train_state, save_train_state
 from postrl.types import ExperienceBatch, TrainMetrics
-from postrl.weights import load_weights_into, save_weights
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from postrl.models.weights import WeightSyncError
 from postrl.rollout.common import EngineBase, Health, non_finite
 from postrl.rollout.hf_engine import eos_ids
 from postrl.rollout.native.kv_cache import KVCache
@@ -31,7 +32,6 @@ from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
-from postrl.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from postrl.models import PLAIN_HEAD_MODEL_TYPES
+from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
 
 SUPPORTED_MODEL_TYPES = PLAIN_HEAD_MODEL_TYPES
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from postrl.config import ConfigError
+from postrl.config.run import ConfigError
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parent / "tasks" / "demo_model"
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "tasks" / "demo_model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # decoder-only models whose logits are exactly lm_head(decoder(x)): the native engine runs them, and
 # training projects to the vocabulary only at trained positions

@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from postrl.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
-from postrl.config_base import Section
-from postrl.run_store import RunLocation
+from postrl.config.base import Section
+from postrl.config.location import RunLocation
+from postrl.config.run import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
 
 
 class PreferenceDataConfig(Section):

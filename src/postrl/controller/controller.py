@@ -16,12 +16,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from postrl.advantage_inputs import advantage_inputs, per_sample
-from postrl.algorithm_stages import AlgorithmStages
 from postrl.algorithms import ADVANTAGES
 from postrl.buffer import OnPolicyBuffer
-from postrl.config import RunConfig
+from postrl.config.run import RunConfig
+from postrl.controller.advantage_inputs import advantage_inputs, per_sample
+from postrl.controller.stages import AlgorithmStages
 from postrl.data import PromptDataset, PromptSampler
+from postrl.models.weights import dedupe_tied, weight_manifest, write_sync_file
 from postrl.reward import RewardService, ScoreRequest
 from postrl.reward.client import RemoteRewardService, RewardServiceError
 from postrl.rollout import RolloutWorker
@@ -38,7 +39,6 @@ from postrl.types import (
     StepMetrics,
     TrainMetrics,
 )
-from postrl.weights import dedupe_tied, weight_manifest, write_sync_file
 
 T = TypeVar("T")
 
@@ -118,7 +118,7 @@ class StageTimer:
 
 @dataclass
 class Components:
-    """Everything a Controller drives; built by :func:`postrl.runner.build_components`."""
+    """Everything a Controller drives; built by :func:`postrl.run.train_runner.build_components`."""
 
     config: RunConfig
     tokenizer: Any

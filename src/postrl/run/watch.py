@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from postrl.config import RunConfig
+from postrl.config.run import RunConfig
 from postrl.types import StepMetrics
 
 

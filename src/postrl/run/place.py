@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from postrl.checkpoint import list_checkpoints
-from postrl.config import ConfigError, RunConfig, load_config
-from postrl.resume_policy import check_resume_changes, config_changes, describe_changes
-from postrl.run_store import RunLocation, RunStore, is_url
+from postrl.config.location import RunLocation, is_url
+from postrl.config.resume_policy import check_resume_changes, config_changes, describe_changes
+from postrl.config.run import ConfigError, RunConfig, load_config
+from postrl.run.checkpoint import list_checkpoints
+from postrl.run.store import RunStore
 
 PUBLISHED_AT_END = (
     "final_model",
@@ -148,7 +149,7 @@ def resume_config(
 ) -> Any:
     """The run's saved config (from a folder or a URL), with overrides (e.g. ``steps=200``) on top,
     validated as ``model`` (a train or a DPO run). Overrides that would change what defines the run
-    are refused unless named in ``force_change`` (:mod:`postrl.resume_policy`); the changes are printed."""
+    are refused unless named in ``force_change`` (:mod:`postrl.config.resume_policy`); the changes are printed."""
     location = str(run_dir)
     if is_url(location):
         store = RunStore(location, Path(tempfile.gettempdir()))

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+from postrl.config.base import DEVICE_PATTERN
 
 
 class DeviceError(ValueError):

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from postrl.config_base import Section
+from postrl.config.base import Section
 
 
 class RoleResources(Section):

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from postrl.config_base import Section
+from postrl.config.base import Section
 
 
 def _shorthand(value: Any) -> Any:

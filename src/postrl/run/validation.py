@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from postrl.config import RunConfig
+from postrl.config.run import RunConfig
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.reward import ScoreRequest
 from postrl.reward.columns import check_columns

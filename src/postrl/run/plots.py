@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from postrl.metrics import read_metrics
+from postrl.run.metrics import read_metrics
 
 
 def plot_metrics(run_dir: Path, held_out: tuple[float, float] | None = None, title: str | None = None) -> Path | None:

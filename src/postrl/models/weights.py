@@ -3,7 +3,7 @@
 ``rollout.weight_sync`` picks the transport: ``memory`` hands the state dict to each engine (the
 engine copies it into its own parameters), ``safetensors`` writes one file that every engine
 loads by path (see :func:`write_sync_file`), ``broadcast`` sends it over a torch.distributed group
-(:mod:`postrl.weight_broadcast`, :mod:`postrl.rollout.weight_transport`).
+(:mod:`postrl.rollout.broadcast`, :mod:`postrl.rollout.weight_transport`).
 """
 
 from __future__ import annotations

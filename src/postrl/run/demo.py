@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from postrl.config import RunConfig, build_config
-from postrl.evaluate import evaluate_model
-from postrl.models import load_causal_lm, load_tokenizer
-from postrl.plots import plot_metrics
-from postrl.runner import train
+from postrl.config.run import RunConfig, build_config
+from postrl.models.loading import load_causal_lm, load_tokenizer
+from postrl.run.evaluate import evaluate_model
+from postrl.run.plots import plot_metrics
+from postrl.run.train_runner import train
 
 DEMO_SETTINGS: dict = {
     "name": "demo",

@@ -15,7 +15,7 @@ import traceback
 from concurrent.futures import Future
 from typing import Any
 
-from postrl.scheduling.handles import WorkerDiedError, WorkerTimeoutError, submit
+from postrl.workers.handles import WorkerDiedError, WorkerTimeoutError, submit
 
 
 def _serve(conn: Any, factory: Any, args: tuple, kwargs: dict) -> None:

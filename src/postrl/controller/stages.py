@@ -44,7 +44,7 @@ class GroupSet:
 
 
 class AlgorithmStages:
-    """Mixed into :class:`postrl.controller.Controller`, whose state (config, parts, sampling,
+    """Mixed into :class:`postrl.controller.controller.Controller`, whose state (config, parts, sampling,
     weight_version, step_stats, kl_beta) these methods use."""
 
     config: Any

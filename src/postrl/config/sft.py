@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from postrl.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
-from postrl.config_base import Section
-from postrl.run_store import RunLocation
-from postrl.scheduler_config import SchedulerConfig
+from postrl.config.base import Section
+from postrl.config.location import RunLocation
+from postrl.config.run import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
+from postrl.config.scheduler import SchedulerConfig
 
 
 class SFTDataConfig(Section):

@@ -20,7 +20,7 @@ from typing import Any
 
 import fsspec
 
-from postrl.config import ConfigError
+from postrl.config.run import ConfigError
 
 LEASE_FILE = "controller.lease"
 

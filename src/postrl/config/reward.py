@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from postrl.config_base import Section
+from postrl.config.base import Section
 
 
 def _check_regex(pattern: str) -> str:

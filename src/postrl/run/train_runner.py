@@ -19,27 +19,27 @@ import torch
 from tqdm import tqdm
 
 from postrl.buffer import OnPolicyBuffer
-from postrl.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
-from postrl.config import ConfigError, RewardConfig, RunConfig, save_config
-from postrl.controller import Components, Controller
+from postrl.config.run import ConfigError, RewardConfig, RunConfig, save_config
+from postrl.controller.controller import Components, Controller
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
-from postrl.devices import DeviceError, resolve_device
-from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
-from postrl.lease import RunLease
-from postrl.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
-from postrl.models import context_length, load_causal_lm, load_tokenizer
-from postrl.net import can_connect, host_port
-from postrl.plots import plot_metrics
+from postrl.models.devices import DeviceError, resolve_device
+from postrl.models.loading import context_length, load_causal_lm, load_tokenizer
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
-from postrl.run_place import PUBLISHED_AT_END, RunPlace, check_steps_left
-from postrl.run_watch import describe_placement, run_watches
+from postrl.run.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
+from postrl.run.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.run.lease import RunLease
+from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
+from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
+from postrl.run.plots import plot_metrics
+from postrl.run.validation import Validator, load_validation_set
+from postrl.run.watch import describe_placement, run_watches
 from postrl.tasks import task_rows
 from postrl.train.lr_schedule import default_decay_steps
 from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
-from postrl.validation import Validator, load_validation_set
+from postrl.workers.net import can_connect, host_port
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from postrl.config import ConfigError, RewardConfig, RunConfig, load_config
+from postrl.config.run import ConfigError, RewardConfig, RunConfig, load_config
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
@@ -63,9 +63,9 @@ def evaluate_with_rewards(
     """Greedy responses scored by ``reward``'s components; accuracy is the share of samples whose
     accuracy component (the first math/exact_match one), else whose reward, reaches
     ``reward.accuracy_threshold``."""
-    from postrl.controller import write_samples
+    from postrl.controller.controller import write_samples
     from postrl.reward import ScoreRequest
-    from postrl.runner import make_reward_service
+    from postrl.run.train_runner import make_reward_service
 
     rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens)
     service = make_reward_service(reward)
@@ -98,7 +98,7 @@ def evaluate_with_rewards(
 
 def run_model_path(run_dir: Path) -> str:
     """A run's trained model: ``final_model/``, else the newest checkpoint's model folder."""
-    from postrl.checkpoint import latest_checkpoint
+    from postrl.run.checkpoint import latest_checkpoint
 
     if (run_dir / "final_model" / "config.json").is_file():
         return str(run_dir / "final_model")
@@ -123,7 +123,7 @@ def _local_run(config: RunConfig) -> Path:
     """The run's folder on this machine; a URL run's final model (or latest checkpoint) is fetched first."""
     if config.run_url is None:
         return config.run_dir
-    from postrl.run_store import RunStore
+    from postrl.run.store import RunStore
 
     store = RunStore(config.run_url, config.run_dir)
     if store.fetch_folder("final_model") is None:
@@ -141,12 +141,12 @@ def run_eval(
     out: str | None,
 ) -> int:
     """``postrl eval``: prints one line with the held-out accuracy (and mean reward with --data)."""
-    from postrl.models import load_causal_lm, load_tokenizer
-    from postrl.runner import DEFAULT_MAX_PROMPT_TOKENS
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.run.train_runner import DEFAULT_MAX_PROMPT_TOKENS
 
     run_config: RunConfig | None = None
     if run is not None:
-        from postrl.run_place import resume_config
+        from postrl.run.place import resume_config
 
         if _is_offline_run(run):  # an sft or dpo run: its model, with a task, or --data and --config
             model = model or run_model_path(Path(run))

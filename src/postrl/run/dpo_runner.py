@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
-from postrl.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
-from postrl.config import ConfigError, save_config
+from postrl.config.dpo import DPORunConfig
+from postrl.config.run import ConfigError, save_config
 from postrl.data.preferences import PreferencePair, load_preference_pairs
-from postrl.devices import resolve_device
-from postrl.dpo_config import DPORunConfig
-from postrl.lease import RunLease
-from postrl.models import load_causal_lm, load_tokenizer
-from postrl.run_place import RunPlace
-from postrl.runner import make_sinks
+from postrl.models.devices import resolve_device
+from postrl.models.loading import load_causal_lm, load_tokenizer
+from postrl.run.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
+from postrl.run.lease import RunLease
+from postrl.run.place import RunPlace
+from postrl.run.train_runner import make_sinks
 from postrl.train.dpo import DPOWorker
 from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import StepMetrics

@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from postrl.algorithm_config import AlgorithmConfig
-from postrl.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
-from postrl.config import ConfigError, save_config
+from postrl.config.algorithm import AlgorithmConfig
+from postrl.config.run import ConfigError, save_config
+from postrl.config.sft import SFTRunConfig
 from postrl.data.sft import SFTExample, load_sft_examples
-from postrl.interrupt import GracefulStop, RunInterrupted, StepAbandoned
-from postrl.lease import RunLease
-from postrl.models import load_causal_lm, load_tokenizer
-from postrl.run_place import RunPlace
-from postrl.runner import _stopped_message, make_sinks
-from postrl.sft_config import SFTRunConfig
+from postrl.models.loading import load_causal_lm, load_tokenizer
+from postrl.run.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
+from postrl.run.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.run.lease import RunLease
+from postrl.run.place import RunPlace
+from postrl.run.train_runner import _stopped_message, make_sinks
 from postrl.train.lr_schedule import default_decay_steps
 from postrl.train.rank import PolicySpec
 from postrl.train.worker import TrainWorker
@@ -91,7 +91,7 @@ def make_trainer(config: SFTRunConfig) -> tuple[Any, Any]:
 
         scheduler = LocalScheduler(config)  # type: ignore[arg-type]
         return scheduler.train_group(policy_spec(config)), scheduler
-    from postrl.devices import resolve_device
+    from postrl.models.devices import resolve_device
 
     device = resolve_device(config.train.device, "train.device")
     model = load_causal_lm(config.model.path, config.model.dtype).to(device)

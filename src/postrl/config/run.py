@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from postrl.algorithm_config import AlgorithmConfig  # noqa: F401 - the config's public names
-from postrl.config_base import Section
-from postrl.devices import DEVICE_PATTERN
-from postrl.reward_config import (  # noqa: F401 - the config's public names
+from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's public names
+from postrl.config.base import DEVICE_PATTERN, Section
+from postrl.config.location import RunLocation
+from postrl.config.reward import (  # noqa: F401 - the config's public names
     POOLED_TYPES,
     CodeComponent,
     CustomComponent,
@@ -25,8 +25,7 @@ from postrl.reward_config import (  # noqa: F401 - the config's public names
     RewardConfig,
     SandboxConfig,
 )
-from postrl.run_store import RunLocation
-from postrl.scheduler_config import SchedulerConfig
+from postrl.config.scheduler import SchedulerConfig
 
 
 class ConfigError(ValueError):
@@ -502,8 +501,8 @@ def load_config(
 
 def command_models() -> dict[str, type[BaseModel]]:
     """The config model of each command that starts a run."""
-    from postrl.dpo_config import DPORunConfig
-    from postrl.sft_config import SFTRunConfig
+    from postrl.config.dpo import DPORunConfig
+    from postrl.config.sft import SFTRunConfig
 
     return {"train": RunConfig, "dpo": DPORunConfig, "sft": SFTRunConfig}
 

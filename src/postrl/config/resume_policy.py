@@ -74,7 +74,7 @@ def config_changes(saved: BaseModel, new: BaseModel) -> list[tuple[str, Any, Any
 
 def check_resume_changes(changes: list[tuple[str, Any, Any]], force: list[str], run: str) -> None:
     """Refuse changes to what defines the run, unless forced (a field or a section name)."""
-    from postrl.config import ConfigError
+    from postrl.config.run import ConfigError
 
     refused = [(k, a, b) for k, a, b in changes if not _matches(k, FREE_TO_CHANGE) and not _matches(k, force)]
     if refused:

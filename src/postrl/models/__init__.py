@@ -1,0 +1,1 @@
+"""Models: loading, weights and sync manifests, GGUF, devices."""

@@ -1,0 +1,105 @@
+"""The package's shape, read from the source with ``ast``: the sub-packages import each other in one
+direction only, the top level stays small enough to show the five modules, and no file or
+function grows past what a reader can hold."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "postrl"
+
+
+def unit_of(path: Path) -> str:
+    """The top-level entry a source file belongs to: its sub-package, or the module itself."""
+    parts = path.relative_to(SRC).parts
+    return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+
+
+def imported_units(tree: ast.AST) -> set[str]:
+    """Every top-level postrl entry the module imports, at module level or inside a function."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "postrl":
+                names = [f"postrl.{a.name}" for a in node.names]
+        found |= {n.split(".")[1] for n in names if n.startswith("postrl.")}
+    return found
+
+
+def import_graph(root: Path = SRC) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        unit = unit_of(path)
+        graph.setdefault(unit, set()).update(imported_units(ast.parse(path.read_text())) - {unit})
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle between units, as the path that closes it; None when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(unit: str) -> list[str] | None:
+        state[unit] = 1
+        path.append(unit)
+        for nxt in sorted(graph.get(unit, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[unit] = 2
+        return None
+
+    for unit in sorted(graph):
+        if unit not in state and (cycle := visit(unit)):
+            return cycle
+    return None
+
+
+def test_find_cycle_sees_a_cycle_through_a_function_level_import():
+    a = ast.parse("def f():\n    from postrl.train.worker import TrainWorker\n")
+    b = ast.parse("from postrl.scheduling import local\n")
+    graph = {"scheduling": imported_units(a), "train": imported_units(b)}
+    assert find_cycle(graph) == ["scheduling", "train", "scheduling"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_two_sub_packages_import_each_other():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_workers_is_a_leaf_every_role_may_import():
+    assert import_graph()["workers"] <= {"types"}
+
+
+def test_top_level_shows_the_modules():
+    entries = sorted(p.name for p in SRC.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 18, entries
+    for role in ("controller", "rollout", "reward", "train", "buffer.py", "workers", "scheduling", "config"):
+        assert role in entries
+
+
+@pytest.mark.parametrize("limit", [500])
+def test_no_file_over_the_limit(limit):
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > limit}
+    assert not long, f"files over {limit} lines: {long}"
+
+
+def test_no_function_over_60_lines():
+    long = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, long
