@@ -68,7 +68,7 @@ def test_gae_by_hand_and_masked_values_do_not_matter():
     # one sample, response at positions 1..3, gamma 0.9, lambda 0.8, outcome 1 on the last token
     mask = [[0, 1, 1, 1, 0]]
     values = [[99.0, 0.5, 0.4, 0.2, -99.0]]
-    out = adv("gae", [1.0], [0], response_mask=mask, values=values, gamma=0.9, lam=0.8)
+    out = adv("gae", [1.0], [0], response_mask=mask, values=values, gamma=0.9, lam=0.8, whiten=False)
     d3 = 1.0 + 0.9 * 0.0 - 0.2  # 0.8
     d2 = 0.0 + 0.9 * 0.2 - 0.4  # -0.22
     d1 = 0.0 + 0.9 * 0.4 - 0.5  # -0.14
@@ -76,11 +76,36 @@ def test_gae_by_hand_and_masked_values_do_not_matter():
     a2 = d2 + 0.72 * a3
     a1 = d1 + 0.72 * a2
     assert out.tolist() == [pytest.approx([0.0, a1, a2, a3, 0.0])]
-    other = adv("gae", [1.0], [0], response_mask=mask, values=[[-5.0, 0.5, 0.4, 0.2, 1e6]], gamma=0.9, lam=0.8)
+    other = adv(
+        "gae", [1.0], [0], response_mask=mask, values=[[-5.0, 0.5, 0.4, 0.2, 1e6]], gamma=0.9, lam=0.8, whiten=False
+    )
     assert torch.equal(out, other)
     # a hole in the mask (a tool's output, say) is skipped: its value never enters the result
-    holed = adv("gae", [1.0], [0], response_mask=[[1, 0, 1]], values=[[0.5, 123.0, 0.2]], gamma=1.0, lam=1.0)
+    holed = adv(
+        "gae", [1.0], [0], response_mask=[[1, 0, 1]], values=[[0.5, 123.0, 0.2]], gamma=1.0, lam=1.0, whiten=False
+    )
     assert holed.tolist() == [pytest.approx([1.0 - 0.5, 0.0, 1.0 - 0.2])]
+
+
+def test_gae_whitens_over_the_batch_by_default_and_its_returns_stay_raw():
+    # two samples: raw GAE (gamma = lambda = 1, values 0) gives each token the outcome: [2, 2] and [0, -]
+    mask = [[1, 1], [1, 0]]
+    values = [[0.0, 0.0], [0.0, 0.0]]
+    out = adv("gae", [2.0, 0.0], [0, 1], response_mask=mask, values=values, gamma=1.0, lam=1.0)
+    # masked tokens 2, 2, 0: mean 4/3, unbiased var ((2/3)^2 * 2 + (4/3)^2) / 2 = 4/3
+    scale = (4 / 3 + 1e-8) ** -0.5
+    assert out.tolist() == [pytest.approx([2 / 3 * scale] * 2), pytest.approx([-4 / 3 * scale, 0.0])]
+    from postrl.algorithms import VALUE_TARGETS, AdvantageInputs
+
+    inputs = AdvantageInputs(
+        torch.tensor([2.0, 0.0]),
+        torch.tensor([0, 1]),
+        response_mask=torch.tensor(mask, dtype=torch.float32),
+        values=torch.tensor([[0.5, 0.25], [0.1, 9.0]]),
+    )
+    # returns = raw advantage + value = the outcome on every token (gamma = lambda = 1), whitened or not
+    returns = VALUE_TARGETS.get("gae")(inputs, gamma=1.0, lam=1.0, whiten=True)
+    assert returns.tolist() == [pytest.approx([2.0, 2.0]), pytest.approx([0.0, 0.0])]
 
 
 def test_estimators_are_finite_on_equal_rewards_single_samples_and_all_unscorable():

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from postrl.cli import main
 from postrl.config.run import ConfigError, build_config, load_config
@@ -107,31 +106,9 @@ def test_example_configs_are_valid():
             load_config(path)
 
 
-def test_old_style_reward_config_shows_its_components_form():
-    old = {
-        "reward": {
-            "verifiable": {"type": "custom", "function": "my.rewards:score"},
-            "weights": {"verifiable": 1.0, "format": 0.1},
-            "format_pattern": "<answer>.*</answer>",
-        }
-    }
-    with pytest.raises(ConfigError) as err:
-        build_config(old)
-    message = str(err.value)
-    assert (
-        "reward.format_pattern, reward.verifiable, reward.weights: these fields were replaced by "
-        "reward.components" in message
-    )
-    shown = yaml.safe_load("\n".join(line[4:] for line in message.splitlines() if line.startswith("    ")))
-    assert shown == {
-        "reward": {
-            "components": [
-                {"name": "verifiable", "type": "custom", "weight": 1.0, "function": "my.rewards:score"},
-                {"name": "format", "type": "format", "weight": 0.1, "pattern": "<answer>.*</answer>"},
-            ]
-        }
-    }
-    assert build_config(shown).reward.components[1].pattern == "<answer>.*</answer>"  # and it is a valid config
+def test_a_field_outside_reward_components_is_named_with_the_allowed_ones():
+    with pytest.raises(ConfigError, match=r"unknown config field 'reward.verifiable' \(allowed: .*components"):
+        build_config({"reward": {"verifiable": {"type": "math"}}})
 
 
 def test_scale_out_fields_are_checked_before_any_work():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from postrl.buffer import OnPolicyBuffer
+from postrl.buffer import ExperienceBuffer
 from postrl.config.run import build_config
 from postrl.controller.controller import Components, Controller, RewardFailureError
 from postrl.data.dataset import PromptDataset
@@ -18,6 +18,10 @@ from postrl.types import Prompt, RewardResult, Rollout, TrainMetrics
 class FakeRollout(EngineBase):
     def __init__(self, calls: list, healthy_after: int = 10**9) -> None:
         self.calls, self.healthy_after, self.syncs = calls, healthy_after, []
+        self.engines = [self]
+
+    def scale(self, engines):
+        raise AssertionError("the fake rollout worker has one engine")
 
     def generate(self, prompts, sampling_params, weight_version):
         self.check_version(weight_version)
@@ -71,12 +75,15 @@ class FakeTrainer:
     def policy_state(self):
         return {"w": torch.ones(2)}
 
+    def set_kl_beta(self, beta):
+        self.calls.append(("set_kl_beta", beta))
+
 
 class Tokenizer:
     pad_token_id = 0
 
 
-def controller(tmp_path, calls, **kw) -> tuple[Controller, Components]:
+def controller(tmp_path, calls, algorithm=None, **kw) -> tuple[Controller, Components]:
     config = build_config(
         {
             "output_dir": str(tmp_path),
@@ -84,13 +91,22 @@ def controller(tmp_path, calls, **kw) -> tuple[Controller, Components]:
             "rollout": {"n": 2},
             "data": {"train_files": ["unused.jsonl"]},
             "reward": {"max_failure_rate": kw.pop("rate", 0.5)},
+            "algorithm": algorithm or {},
         }
     )
     dataset = PromptDataset([Prompt(f"p{i}", [1, 5 + i]) for i in range(4)])
     parts = Components(
-        config, Tokenizer(), dataset, FakeRollout(calls, **kw), FakeReward(calls), FakeTrainer(calls), OnPolicyBuffer()
+        config,
+        Tokenizer(),
+        dataset,
+        FakeRollout(calls, **kw),
+        FakeReward(calls),
+        FakeTrainer(calls),
+        ExperienceBuffer(),
     )
-    return Controller(parts), parts
+    ctl = Controller(parts)
+    ctl.start()
+    return ctl, parts
 
 
 def test_step_calls_each_stage_once_in_order(tmp_path):
@@ -158,8 +174,7 @@ def test_dynamic_sampling_drops_uninformative_groups_and_samples_more(tmp_path):
     """Rewards by position: 1, 0, 1, 0, ... (FakeReward). With n=2 every group is [1, 0] (informative)
     unless a sample is unscorable: sample 1 of the first batch is, so its group has one score."""
     calls: list = []
-    ctrl, parts = controller(tmp_path, calls)
-    ctrl.config.algorithm.dynamic_sampling = True
+    ctrl, parts = controller(tmp_path, calls, algorithm={"dynamic_sampling": True})
     metrics = ctrl.step()
     # round 1: groups [1, None] (dropped) and [1, 0]; one extra round of 2 prompts fills the step
     assert [c for c in calls if c[0] in ("generate", "score")] == [
@@ -176,10 +191,8 @@ def test_dynamic_sampling_drops_uninformative_groups_and_samples_more(tmp_path):
 
 def test_dynamic_sampling_stops_after_max_extra_rounds(tmp_path):
     calls: list = []
-    ctrl, parts = controller(tmp_path, calls, rate=1.0)
+    ctrl, parts = controller(tmp_path, calls, algorithm={"dynamic_sampling": True, "max_extra_rounds": 2}, rate=1.0)
     parts.reward.unscorable = {1, 3}  # every group of every round has a single score: nothing informative
-    ctrl.config.algorithm.dynamic_sampling = True
-    ctrl.config.algorithm.max_extra_rounds = 2
     metrics = ctrl.step()
     assert metrics.values["dapo/extra_rounds"] == 2 and metrics.values["dapo/kept_groups"] == 0
     assert parts.trainer.batches[0].size == 4  # the first batch, all advantages 0
@@ -188,10 +201,8 @@ def test_dynamic_sampling_stops_after_max_extra_rounds(tmp_path):
 
 def test_remax_generates_a_greedy_baseline_per_prompt_in_the_same_step(tmp_path):
     calls: list = []
-    ctrl, parts = controller(tmp_path, calls)
+    ctrl, parts = controller(tmp_path, calls, algorithm={"advantage": "remax"})
     parts.reward.unscorable = set()
-    ctrl.config.algorithm.advantage = build_config({"algorithm": {"advantage": "remax"}}).algorithm.advantage
-    ctrl._greedy_baseline = True
     ctrl.step()
     # samples score 1, 0 | 1, 0; the greedy responses of the 2 prompts score 1 and 0
     assert [c for c in calls if c[0] in ("generate", "score")] == [

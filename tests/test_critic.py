@@ -11,7 +11,7 @@ import torch
 from postrl.config.algorithm import CriticConfig
 from postrl.config.run import ConfigError, build_config
 from postrl.train.critic import CriticWorker, clipped_value_loss
-from postrl.types import Rollout
+from postrl.types import Experience, ExperienceBatch
 
 
 def test_clipped_value_loss_by_hand():
@@ -31,19 +31,25 @@ def test_values_cover_each_response_token_and_the_critic_learns(tiny_model_dir, 
     critic = CriticWorker(
         CriticConfig(lr=1e-2, micro_batch_size=2), str(tiny_model_dir), "float32", char_tokenizer.pad_token_id
     )
-    rollouts = [
-        Rollout(0, [1, 20, 21], [30, 31, 2], [0.0] * 3, "", "stop", 0),
-        Rollout(1, [1, 22], [40], [0.0], "", "stop", 0),
-    ]
-    values = critic.values(rollouts)
-    assert [len(v) for v in values] == [3, 1] and all(x == 0.0 for v in values for x in v)  # zero-initialised head
     returns = [[1.0, 1.0, 1.0], [-1.0]]
-    first = critic.update(rollouts, returns, values)["critic/value_loss"]
+
+    def batch(values: torch.Tensor | None = None) -> ExperienceBatch:
+        rows = [([1, 20, 21], [30, 31, 2]), ([1, 22], [40])]
+        exps = [Experience(p, r, [0.0] * len(r), 0.0, 0.0, 0, returns=ret) for (p, r), ret in zip(rows, returns)]
+        b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+        b.values = values
+        return b
+
+    values = critic.values(batch())
+    assert values.shape == (2, 5) and values.abs().sum() == 0  # zero-initialised head
+    first = critic.update(batch(values))["critic/value_loss"]
     for _ in range(30):
-        last = critic.update(rollouts, returns, critic.values(rollouts))["critic/value_loss"]
+        last = critic.update(batch(critic.values(batch())))["critic/value_loss"]
     assert first == pytest.approx(0.5 * (3 * 1 + 1) / 4) and last < first / 4
-    after = critic.values(rollouts)
-    assert after[0][0] > 0.3 and after[1][0] < -0.3
+    after = critic.values(batch())
+    b = batch()
+    assert (after * (1 - b.response_mask)).abs().sum() == 0  # 0 outside the response
+    assert after[0, 2] > 0.3 and after[1, 1] < -0.3  # the first response token of each row
 
 
 def test_gae_needs_a_critic_and_the_critic_needs_gae():
@@ -86,3 +92,9 @@ def test_ppo_run_trains_the_critic_checkpoints_and_resumes_it(tmp_path, tiny_mod
     assert (checkpoint / "critic" / "critic_state.pt").is_file()
     resumed = train(resume_config(config.run_dir, ["steps=3"]), resume=True)
     assert resumed.parts.critic.updates == 3  # 2 restored from the checkpoint + 1
+    # the same 3 steps without a stop: the resumed critic's weights (and so its optimizer) match exactly
+    straight = train(config.model_copy(update={"name": "straight", "steps": 3}))
+    for (name, a), (_, b) in zip(
+        resumed.parts.critic.model.state_dict().items(), straight.parts.critic.model.state_dict().items()
+    ):
+        assert torch.equal(a, b), name

@@ -83,4 +83,4 @@ def test_adaptive_kl_coefficient_follows_the_observed_kl_and_resumes(tmp_path, t
         assert row["actor/kl_beta"] == pytest.approx(beta)
     assert rows[-1]["actor/kl_beta"] != 0.1 and controller.parts.trainer.kl_beta == pytest.approx(beta)
     resumed = train(resume_config(tmp_path / "kl-adaptive", ["steps=2"]), resume=True)
-    assert resumed.kl_beta == pytest.approx(beta) and resumed.parts.trainer.kl_beta == pytest.approx(beta)
+    assert resumed.kl.beta == pytest.approx(beta) and resumed.parts.trainer.kl_beta == pytest.approx(beta)

@@ -38,11 +38,11 @@ def scratch_registries(monkeypatch):
     """The plugin's registrations vanish after the test, so other tests see the built-in registries."""
     import sys
 
-    from postrl.algorithms import ADVANTAGES, POLICY_LOSSES
+    from postrl.algorithms import ADVANTAGES, POLICY_LOSSES, STAGES
 
-    for registry in (ADVANTAGES, POLICY_LOSSES):
+    for registry in (ADVANTAGES, POLICY_LOSSES, STAGES):
         monkeypatch.setattr(registry, "_entries", dict(registry._entries))
-        monkeypatch.setattr(registry, "_needs_groups", set(registry._needs_groups))
+        monkeypatch.setattr(registry, "_needs", dict(registry._needs))
     yield
     sys.modules.pop("my_algos", None)
 
@@ -73,4 +73,62 @@ def test_a_plugin_that_does_not_import_is_named(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"algorithm": {"plugins": ["no_such_algos"], "advantage": "x"}}))
     with pytest.raises(ConfigError, match="algorithm.plugins: cannot import 'no_such_algos'"):
+        load_config(path)
+
+
+STAGE_PLUGIN = textwrap.dedent("""
+    from postrl.algorithms import register_stage
+    from postrl.controller.stages import Stage
+
+    @register_stage("response_share")
+    class ResponseShare(Stage):
+        '''The share of the step's tokens that are response tokens, and a running count of steps.'''
+
+        name = "response_share"
+        phases = ("prepare", "after_update")
+
+        def __init__(self, context, scale=1.0):
+            self.scale, self.steps = scale, 0
+
+        def prepare(self, step):
+            b = step.batch
+            return {"stage/response_share": self.scale * float(b.response_mask.sum() / b.attention_mask.sum())}
+
+        def after_update(self, batch, train):
+            self.steps += 1
+            return {"stage/steps_seen": float(self.steps)}
+
+        def state_dict(self):
+            return {"steps": self.steps}
+
+        def load_state_dict(self, state):
+            self.steps = state["steps"]
+""")
+
+
+def test_a_stage_from_a_users_module_runs_in_the_step_and_resumes(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, scratch_registries
+):
+    (tmp_path / "my_stages.py").write_text(STAGE_PLUGIN)
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        steps=2,
+        algorithm={"plugins": ["my_stages"], "stages": [{"type": "response_share", "options": {"scale": 100.0}}]},
+    )
+    assert main(["train", config]) == 0
+    run = tmp_path / "runs" / "tiny"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage/steps_seen"] for r in rows] == [1.0, 2.0]
+    assert all(0 < r["stage/response_share"] < 100 for r in rows) and "time/response_share_s" in rows[0]
+    assert main(["train", "--resume", str(run), "steps=3"]) == 0  # the stage's count comes back from the checkpoint
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage/steps_seen"] for r in rows] == [1.0, 2.0, 3.0]
+
+
+def test_an_unknown_stage_is_named_with_the_registered_ones(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": {"stages": [{"type": "nope"}]}}))
+    with pytest.raises(ConfigError, match=r"algorithm.stages\[0\]: unknown stage 'nope'"):
         load_config(path)

@@ -96,4 +96,5 @@ def test_kl_estimators_by_hand_and_clamp():
     assert KL_ESTIMATORS.get("k1")(logp, ref).tolist() == pytest.approx(x)
     assert KL_ESTIMATORS.get("k2")(logp, ref).tolist() == pytest.approx([v * v / 2 for v in x])
     assert KL_ESTIMATORS.get("k3")(logp, ref).tolist() == pytest.approx([math.exp(-v) + v - 1 for v in x])
+    assert KL_ESTIMATORS.get("abs")(logp, ref).tolist() == pytest.approx([math.log(2.0), math.log(2.0)])  # |x|
     assert kl_penalty(logp, ref, "k1", clamp=0.5).tolist() == pytest.approx([0.5, -0.5])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -17,6 +18,16 @@ class Prompt:
     prompt_ids: list[int]
     columns: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # "file:line", for error messages
+
+    @property
+    def task_type(self) -> str | None:
+        """The row's ``task_type`` column (e.g. math, code), None when absent."""
+        return self.columns.get("task_type")
+
+    @property
+    def answer(self) -> Any:
+        """The row's ``answer`` column (what a verifier compares against), None when absent."""
+        return self.columns.get("answer")
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,7 @@ class Rollout:
     # the weight version behind each token's logprob; None: all ``weight_version`` (an engine that
     # takes new weights in the middle of a response fills it in)
     logprob_versions: list[int] | None = None
+    engine: str | None = None  # the engine that generated it (a pool's engine name)
 
 
 # Streaming: called from the engine for every generated token, in order per sample:
@@ -58,6 +70,16 @@ TokenCallback = Callable[[int, int, int, float, "list[tuple[int, float]] | None"
 
 
 Score = tuple["float | None", "str | None"]  # a scorer's (value, error) for one sample
+
+
+@dataclass
+class ScoreRequest:
+    """One (prompt, response) to score, with the dataset row's other columns."""
+
+    prompt: str
+    response: str
+    columns: dict[str, Any]
+    response_tokens: int = 0
 
 
 @dataclass
@@ -77,7 +99,7 @@ class RewardResult:
 
 @dataclass
 class Experience:
-    """One sample as the trainer sees it.
+    """One sample as the Experience Buffer stores it: the per-sample view of a step.
 
     ``advantage`` is one number (broadcast over the response) or one per response token; None is
     an error when a batch is built, never a silent 0. ``group_id`` names the prompt the sample
@@ -85,6 +107,10 @@ class Experience:
     ``loss_mask`` (per response token, default all 1) excludes tokens from the loss while keeping
     them in the context (tool output in a multi-turn rollout). ``logprob_versions`` (per response
     token, default all ``weight_version``) says which weights produced each behaviour logprob.
+    ``values`` are the critic's, per response token, at rollout time, and ``returns`` its targets
+    (PPO with GAE).
+    ``metadata``: ``task_type``, ``source``, ``engine``, ``finish_reason``, ``generated_at`` and
+    ``scored_at`` (Unix seconds), the reward's ``components``, ``reasons`` and ``error``.
     """
 
     prompt_ids: list[int]
@@ -97,6 +123,33 @@ class Experience:
     group_id: int | None = None
     loss_mask: list[int] | None = None
     logprob_versions: list[int] | None = None
+    values: list[float] | None = None
+    returns: list[float] | None = None
+
+
+OPTIONAL_PER_TOKEN = ("values", "returns")  # per-token floats only some algorithms have (the critic's)
+
+
+def pad_sequences(
+    rows: list[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[slice]]:
+    """Right-padded ``[B, T]`` ids and attention mask of ``prompt + completion`` rows, the
+    ``[B, T-1]`` completion mask aligned with the shifted targets, and each row's completion span
+    in that layout. The one place a step's data is padded."""
+    if not rows:
+        raise ValueError("cannot pad zero rows")
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    completion = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    spans = []
+    for i, (prompt, response) in enumerate(rows):
+        p, n = len(prompt), len(response)
+        ids[i, : p + n] = torch.tensor(prompt + response, dtype=torch.long)
+        attention[i, : p + n] = 1
+        spans.append(slice(p - 1, p - 1 + n))
+        completion[i, spans[-1]] = 1.0
+    return ids, attention, completion, spans
 
 
 @dataclass
@@ -106,7 +159,8 @@ class ExperienceBatch:
 
     ``response_mask`` marks response tokens (their logprobs are recomputed); ``loss_mask`` the
     subset that is trained on. ``old_logprobs`` are the behaviour logprobs and
-    ``logprob_versions`` the weight version that produced each of them.
+    ``logprob_versions`` the weight version that produced each of them; ``values`` and ``returns``
+    the critic's values at rollout time and its targets.
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -118,6 +172,8 @@ class ExperienceBatch:
     group_ids: torch.Tensor  # [B] long
     weight_versions: torch.Tensor  # [B] long, the version the sample was generated under
     logprob_versions: torch.Tensor  # [B, T-1] long, -1 outside the response
+    values: torch.Tensor | None = None  # [B, T-1] float, the critic's at rollout time (PPO with GAE)
+    returns: torch.Tensor | None = None  # [B, T-1] float, the critic's targets
 
     @property
     def size(self) -> int:
@@ -128,52 +184,81 @@ class ExperienceBatch:
         """Tokens the loss is computed over."""
         return int(self.loss_mask.sum().item())
 
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ExperienceBatch:
+        return ExperienceBatch(**{f.name: _maybe(fn, getattr(self, f.name)) for f in fields(self)})
+
     def select(self, index: torch.Tensor | slice) -> ExperienceBatch:
-        return ExperienceBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return self._map(lambda t: t[index])
 
     def to(self, device: torch.device | str) -> ExperienceBatch:
-        return ExperienceBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return self._map(lambda t: t.to(device))
+
+    def split(self, mini_batch_size: int) -> list[ExperienceBatch]:
+        """Consecutive batches of ``mini_batch_size`` rows (the last may be smaller)."""
+        if mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
+        return [self.select(slice(s, s + mini_batch_size)) for s in range(0, self.size, mini_batch_size)]
+
+    def trimmed(self) -> ExperienceBatch:
+        """The same rows without the padding columns no row uses (e.g. a slice of a wider batch)."""
+        width = int(self.attention_mask.sum(dim=1).max().item()) if self.size else 0
+        if width >= self.input_ids.shape[1]:
+            return self
+        full = {"input_ids", "attention_mask"}  # [B, T]; the other 2-d fields are [B, T-1]
+        trimmed = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value.dim() == 2:
+                value = value[:, : width if f.name in full else width - 1]
+            trimmed[f.name] = value
+        return ExperienceBatch(**trimmed)
 
     @staticmethod
     def from_experiences(experiences: list[Experience], pad_id: int) -> ExperienceBatch:
+        """Collate a batch from the buffer's experiences."""
         if not experiences:
             raise ValueError("cannot build an ExperienceBatch from zero experiences")
-        width = max(len(e.prompt_ids) + len(e.response_ids) for e in experiences)
-        n = len(experiences)
-        input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        per_token = {
-            name: torch.zeros((n, width - 1), dtype=torch.float32)
-            for name in ("response_mask", "loss_mask", "old_logprobs", "advantages")
-        }
-        logprob_versions = torch.full((n, width - 1), -1, dtype=torch.long)
-        given = [e.group_id for e in experiences if e.group_id is not None]
-        next_free = max(given, default=-1) + 1  # samples without a group are each a group of one
-        group_ids = []
-        for row, e in enumerate(experiences):
-            values = _response_values(row, e)
-            p, r = len(e.prompt_ids), len(e.response_ids)
-            input_ids[row, : p + r] = torch.tensor(e.prompt_ids + e.response_ids, dtype=torch.long)
-            attention_mask[row, : p + r] = 1
-            if r:
-                span = slice(p - 1, p - 1 + r)
-                per_token["response_mask"][row, span] = 1.0
-                for name in ("loss_mask", "old_logprobs", "advantages"):
-                    per_token[name][row, span] = torch.tensor(values[name], dtype=torch.float32)
-                logprob_versions[row, span] = torch.tensor(values["logprob_versions"], dtype=torch.long)
-            if e.group_id is None:
-                group_ids.append(next_free)
-                next_free += 1
-            else:
-                group_ids.append(e.group_id)
+        input_ids, attention_mask, response_mask, spans = pad_sequences(
+            [(e.prompt_ids, e.response_ids) for e in experiences], pad_id
+        )
+        n, width = response_mask.shape
+        names = ["loss_mask", "old_logprobs", "advantages"]
+        names += [name for name in OPTIONAL_PER_TOKEN if any(getattr(e, name) is not None for e in experiences)]
+        per_token = {name: torch.zeros((n, width), dtype=torch.float32) for name in names}
+        logprob_versions = torch.full((n, width), -1, dtype=torch.long)
+        for row, (e, span) in enumerate(zip(experiences, spans)):
+            given = _response_values(row, e)
+            if e.response_ids:
+                for name in names:
+                    per_token[name][row, span] = torch.tensor(given[name], dtype=torch.float32)
+                logprob_versions[row, span] = torch.tensor(given["logprob_versions"], dtype=torch.long)
         return ExperienceBatch(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            response_mask=response_mask,
             **per_token,
-            group_ids=torch.tensor(group_ids, dtype=torch.long),
+            group_ids=group_ids_of(experiences),
             weight_versions=torch.tensor([e.weight_version for e in experiences], dtype=torch.long),
             logprob_versions=logprob_versions,
         )
+
+
+def _maybe(fn: Callable[[torch.Tensor], torch.Tensor], value: torch.Tensor | None) -> torch.Tensor | None:
+    return None if value is None else fn(value)
+
+
+def group_ids_of(experiences: list[Experience]) -> torch.Tensor:
+    """Each experience's group; those without one are each a group of their own (new ids)."""
+    given = [e.group_id for e in experiences if e.group_id is not None]
+    next_free = max(given, default=-1) + 1
+    ids = []
+    for e in experiences:
+        if e.group_id is None:
+            ids.append(next_free)
+            next_free += 1
+        else:
+            ids.append(e.group_id)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _response_values(row: int, e: Experience) -> dict[str, list]:
@@ -188,11 +273,16 @@ def _response_values(row: int, e: Experience) -> dict[str, list]:
         "loss_mask": [1] * r if e.loss_mask is None else list(e.loss_mask),
         "logprob_versions": [e.weight_version] * r if e.logprob_versions is None else list(e.logprob_versions),
     }
+    for name in OPTIONAL_PER_TOKEN:
+        given = getattr(e, name)
+        values[name] = [0.0] * r if given is None else list(given)
     names = {
         "old_logprobs": "logprobs",
         "advantages": "advantages",
         "loss_mask": "loss_mask entries",
         "logprob_versions": "logprob_versions",
+        "values": "values",
+        "returns": "returns",
     }
     for key, got in values.items():
         if len(got) != r:
@@ -200,6 +290,116 @@ def _response_values(row: int, e: Experience) -> dict[str, list]:
     if any(m not in (0, 1) for m in values["loss_mask"]):
         raise ValueError(f"experience {row}: loss_mask entries must be 0 or 1")
     return values
+
+
+@dataclass
+class StepBatch:
+    """One step's data after scoring, in the training layout, built once (:meth:`build`).
+
+    ``batch`` holds the ``[B, T-1]`` token tensors the trainer reads (an unscorable sample's loss
+    mask is all 0: it stays in its group's context but weighs nothing); ``rewards`` (NaN:
+    unscorable) and ``unscorable`` are per sample. The stages add what they compute:
+    ``batch.values`` (the critic), ``kl_penalty`` (``[B, T-1]`` -beta x KL, KL in the reward),
+    ``baseline`` (``[B]``, the greedy response's reward of each sample's prompt) and, last, the
+    advantages (``batch.advantages``). ``prompts``, ``rollouts`` and ``results`` are the records
+    the batch was built from, for metrics and the samples file.
+    """
+
+    prompts: list[Prompt]
+    rollouts: list[Rollout]
+    results: list[RewardResult]
+    batch: ExperienceBatch
+    rewards: torch.Tensor  # [B] float32, NaN: unscorable
+    unscorable: torch.Tensor  # [B] bool
+    spans: list[slice]  # each row's response positions in the [B, T-1] layout
+    times: dict[str, float] = field(default_factory=dict)  # generated_at, scored_at (Unix seconds)
+    kl_penalty: torch.Tensor | None = None
+    baseline: torch.Tensor | None = None
+    token_level: bool = False  # the advantages are per token (else one per sample, broadcast)
+
+    @staticmethod
+    def build(
+        prompts: list[Prompt], rollouts: list[Rollout], results: list[RewardResult], pad_id: int, **times: float
+    ) -> StepBatch:
+        input_ids, attention_mask, response_mask, spans = pad_sequences(
+            [(r.prompt_ids, r.response_ids) for r in rollouts], pad_id
+        )
+        unscorable = torch.tensor([res.unscorable for res in results], dtype=torch.bool)
+        old_logprobs = torch.zeros_like(response_mask)
+        logprob_versions = torch.full(response_mask.shape, -1, dtype=torch.long)
+        for row, (r, span) in enumerate(zip(rollouts, spans)):
+            if len(r.logprobs) != len(r.response_ids):
+                raise ValueError(f"rollout {row}: {len(r.logprobs)} logprobs for {len(r.response_ids)} response tokens")
+            old_logprobs[row, span] = torch.tensor(r.logprobs, dtype=torch.float32)
+            versions = r.logprob_versions or [r.weight_version] * len(r.response_ids)
+            logprob_versions[row, span] = torch.tensor(versions, dtype=torch.long)
+        batch = ExperienceBatch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            loss_mask=response_mask * (~unscorable).unsqueeze(1).float(),
+            old_logprobs=old_logprobs,
+            advantages=torch.zeros_like(response_mask),
+            group_ids=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
+            weight_versions=torch.tensor([r.weight_version for r in rollouts], dtype=torch.long),
+            logprob_versions=logprob_versions,
+        )
+        rewards = torch.tensor([math.nan if res.reward is None else res.reward for res in results], dtype=torch.float32)
+        return StepBatch(prompts, rollouts, results, batch, rewards, unscorable, spans, dict(times))
+
+    @property
+    def size(self) -> int:
+        return self.batch.size
+
+    def set_advantages(self, advantages: torch.Tensor) -> None:
+        """An estimator's ``[B]`` (broadcast over each response) or ``[B, T-1]`` advantages."""
+        self.token_level = advantages.dim() == 2
+        per_token = advantages if self.token_level else advantages.unsqueeze(1).expand_as(self.batch.response_mask)
+        on = self.batch.response_mask > 0
+        self.batch.advantages = torch.where(on, per_token.to(torch.float32), torch.zeros_like(self.batch.advantages))
+
+    def advantage_of(self, row: int) -> float | list[float]:
+        """Row ``row``'s advantage: one number, or one per response token."""
+        per_token = self.batch.advantages[row, self.spans[row]]
+        if not self.token_level:
+            return float(per_token[0]) if per_token.numel() else 0.0
+        return per_token.tolist()
+
+    def experiences(self) -> list[Experience]:
+        """The per-sample views the Experience Buffer stores."""
+        out = []
+        for row, (r, res, span) in enumerate(zip(self.rollouts, self.results, self.spans)):
+            out.append(
+                Experience(
+                    prompt_ids=r.prompt_ids,
+                    response_ids=r.response_ids,
+                    logprobs=r.logprobs,
+                    reward=0.0 if res.reward is None else res.reward,
+                    advantage=self.batch.advantages[row, span].tolist(),
+                    weight_version=r.weight_version,
+                    metadata=self.metadata(row),
+                    group_id=r.prompt_index,
+                    logprob_versions=r.logprob_versions,
+                    loss_mask=[0] * len(r.response_ids) if res.unscorable else None,
+                    values=None if self.batch.values is None else self.batch.values[row, span].tolist(),
+                    returns=None if self.batch.returns is None else self.batch.returns[row, span].tolist(),
+                )
+            )
+        return out
+
+    def metadata(self, row: int) -> dict[str, Any]:
+        r, res = self.rollouts[row], self.results[row]
+        prompt = self.prompts[r.prompt_index]
+        return {
+            "task_type": prompt.task_type,
+            "source": prompt.source,
+            "engine": r.engine,
+            "finish_reason": r.finish_reason,
+            **self.times,
+            "components": res.components,
+            "reasons": res.reasons,
+            "error": res.error,
+        }
 
 
 @dataclass
@@ -218,6 +418,12 @@ class TrainMetrics:
     clip_high_fraction: float = 0.0
     dual_clip_fraction: float = 0.0
     approx_kl: float = 0.0  # KL(pi_old || pi) over the trained tokens, k3
+
+    @staticmethod
+    def skipped() -> TrainMetrics:
+        """A step whose policy update did not run (the critic's warm-up): NaN, no optimizer step."""
+        nan = float("nan")
+        return TrainMetrics(nan, nan, nan, nan, nan, nan, nan, nan, 0, 0)
 
 
 @dataclass

@@ -1,6 +1,12 @@
 """Algorithms as pure tensor functions, found only through their registries."""
 
-from postrl.algorithms.advantages import ADVANTAGES, AdvantageInputs, register_advantage
+from postrl.algorithms.advantages import (
+    ADVANTAGES,
+    VALUE_TARGETS,
+    AdvantageInputs,
+    register_advantage,
+    register_value_target,
+)
 from postrl.algorithms.losses import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -14,9 +20,12 @@ from postrl.algorithms.losses import (
     register_policy_loss,
 )
 from postrl.algorithms.preference import DPO_LOSSES
+from postrl.algorithms.stages import STAGES, register_stage
 
 __all__ = [
     "ADVANTAGES",
+    "STAGES",
+    "VALUE_TARGETS",
     "DPO_LOSSES",
     "AdvantageInputs",
     "KL_ESTIMATORS",
@@ -28,6 +37,8 @@ __all__ = [
     "PolicyLossOutput",
     "kl_k3",
     "register_advantage",
+    "register_stage",
+    "register_value_target",
     "register_loss_aggregation",
     "register_policy_loss",
 ]

@@ -24,6 +24,9 @@ from postrl.algorithms.registry import Registry
 
 ADVANTAGES: Registry = Registry("advantage estimator")
 register_advantage = ADVANTAGES.register
+# the critic's regression targets of an estimator that declares needs_values, by the same name
+VALUE_TARGETS: Registry = Registry("value target")
+register_value_target = VALUE_TARGETS.register
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ def _batch_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tens
     return (x - mean) / (var.sqrt() + eps) * mask
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", token_level=True)
 def reinforce_pp_advantage(inputs: AdvantageInputs, gamma: float = 1.0, eps: float = 1e-8) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): per-token discounted returns of the outcome plus the per-token rewards
     (the KL penalty), normalised over all response tokens of the batch. Unscorable samples: 0."""
@@ -148,7 +151,7 @@ def reinforce_pp_advantage(inputs: AdvantageInputs, gamma: float = 1.0, eps: flo
     return _batch_whiten(returns, mask, eps).to(inputs.rewards.dtype)
 
 
-@register_advantage("reinforce_pp_baseline", needs_groups=True)
+@register_advantage("reinforce_pp_baseline", needs_groups=True, token_level=True)
 def reinforce_pp_baseline_advantage(inputs: AdvantageInputs, gamma: float = 1.0, eps: float = 1e-8) -> torch.Tensor:
     """REINFORCE++-baseline: the outcome minus its group's mean first (as GRPO without the std),
     then REINFORCE++'s returns and batch normalisation."""
@@ -159,11 +162,8 @@ def reinforce_pp_baseline_advantage(inputs: AdvantageInputs, gamma: float = 1.0,
     ).to(inputs.rewards.dtype)
 
 
-@register_advantage("gae")
-def gae_advantage(inputs: AdvantageInputs, gamma: float = 1.0, lam: float = 0.95) -> torch.Tensor:
-    """GAE (Schulman et al. 2016) over the response tokens: delta_t = r_t + gamma V_{t+1} - V_t,
-    A_t = delta_t + gamma lambda A_{t+1}, with V after the last token = 0. Positions outside the
-    response are skipped (their values never enter the result). Unscorable samples: 0."""
+def _gae(inputs: AdvantageInputs, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages, values, mask) in float64; see :func:`gae_advantage`."""
     if inputs.values is None:
         raise ValueError("gae needs values: the critic's value of every response position")
     valid = ~torch.isnan(inputs.rewards.double())
@@ -180,4 +180,36 @@ def gae_advantage(inputs: AdvantageInputs, gamma: float = 1.0, lam: float = 0.95
         running = torch.where(on, delta + gamma * lam * running, running)
         next_value = torch.where(on, values[:, t], next_value)
         adv[:, t] = torch.where(on, running, torch.zeros_like(running))
+    return adv, values, mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries of the whole batch, unbiased variance,
+    0 elsewhere (verl's ``masked_whiten``, OpenRLHF's advantage normalisation)."""
+    n = mask.sum()
+    if n < 2:
+        return torch.zeros_like(x)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+@register_advantage("gae", needs_values=True, token_level=True)
+def gae_advantage(inputs: AdvantageInputs, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True) -> torch.Tensor:
+    """GAE (Schulman et al. 2016) over the response tokens: delta_t = r_t + gamma V_{t+1} - V_t,
+    A_t = delta_t + gamma lambda A_{t+1}, with V after the last token = 0. Positions outside the
+    response are skipped (their values never enter the result). Unscorable samples: 0.
+    ``whiten``: normalised over the batch's scorable response tokens (:func:`masked_whiten`), as
+    verl and OpenRLHF do; the critic's targets (:func:`gae_returns`) use the raw advantages."""
+    adv, _, mask = _gae(inputs, gamma, lam)
+    if whiten:
+        adv = masked_whiten(adv, mask)
     return adv.to(inputs.rewards.dtype)
+
+
+@register_value_target("gae")
+def gae_returns(inputs: AdvantageInputs, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True) -> torch.Tensor:
+    """The critic's targets: the raw GAE advantage plus the value, per response token (``whiten``
+    applies to the policy's advantages only, as in verl)."""
+    adv, values, _ = _gae(inputs, gamma, lam)
+    return (adv.to(inputs.rewards.dtype) + values.to(inputs.rewards.dtype)) * _mask(inputs).to(inputs.rewards.dtype)

@@ -169,6 +169,12 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
+@KL_ESTIMATORS.register("abs")
+def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """|logp - ref| (verl's ``abs``): k1's magnitude, >= 0 but biased (not an estimate of the KL)."""
+    return (logprobs - ref_logprobs).abs()
+
+
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", clamp: float | None = None
 ) -> torch.Tensor:

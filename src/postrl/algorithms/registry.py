@@ -1,42 +1,65 @@
-"""Name -> function registries. The registry is the only way the training loop finds an algorithm."""
+"""Name -> function registries. The registry is the only way the training loop finds an algorithm,
+and each entry declares, where it is registered, what it needs from the step (:class:`Needs`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an entry needs from the step.
+
+    ``groups``: it compares samples of the same prompt (a group baseline), so a run with one sample
+    per prompt would learn nothing from it. ``baseline``: it takes the reward of each prompt's
+    greedy response (the step generates one per prompt). ``values``: the critic's value of every
+    response position (the run needs a critic). ``token_level``: it returns one advantage per
+    response token and takes per-token rewards (such as the KL penalty in the reward).
+    """
+
+    groups: bool = False
+    baseline: bool = False
+    values: bool = False
+    token_level: bool = False
 
 
 class Registry(Generic[F]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, F] = {}
-        self._needs_groups: set[str] = set()
-        self._needs_baseline: set[str] = set()
+        self._needs: dict[str, Needs] = {}
 
-    def register(self, name: str, needs_groups: bool = False, needs_baseline: bool = False) -> Callable[[F], F]:
-        """``needs_groups``: the entry compares samples of the same prompt (a group baseline), so a
-        run with one sample per prompt would learn nothing from it. ``needs_baseline``: it takes the
-        reward of each prompt's greedy response (the loop generates one per prompt)."""
+    def register(
+        self,
+        name: str,
+        *,
+        needs_groups: bool = False,
+        needs_baseline: bool = False,
+        needs_values: bool = False,
+        token_level: bool = False,
+    ) -> Callable[[F], F]:
+        """Register ``name``; the flags are the entry's :class:`Needs`."""
+        needs = Needs(groups=needs_groups, baseline=needs_baseline, values=needs_values, token_level=token_level)
 
         def decorator(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is already registered (by {self._entries[name].__module__})")
             self._entries[name] = fn
-            if needs_groups:
-                self._needs_groups.add(name)
-            if needs_baseline:
-                self._needs_baseline.add(name)
+            self._needs[name] = needs
             return fn
 
         return decorator
 
-    def needs_groups(self, name: str) -> bool:
-        return name in self._needs_groups
+    def needs(self, name: str) -> Needs:
+        return self._needs[self.check(name)]
 
-    def needs_baseline(self, name: str) -> bool:
-        return name in self._needs_baseline
+    def names(self, where: Callable[[Needs], bool] = lambda needs: True) -> list[str]:
+        """The registered names, sorted; with ``where``, those whose needs match."""
+        return sorted(n for n in self._entries if where(self._needs[n]))
 
     def check(self, name: str) -> str:
         if name not in self._entries:

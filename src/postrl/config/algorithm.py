@@ -69,6 +69,11 @@ class GAEAdvantage(_Entry):
     type: Literal["gae"] = Field(description="GAE over the response tokens with the critic's values (PPO).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount per token.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE's lambda: 1 = Monte-Carlo returns, 0 = one-step TD.")
+    whiten: bool = Field(
+        True,
+        description="Normalise the advantages over the batch's response tokens (mean 0, variance 1), as verl and "
+        "OpenRLHF do; the critic's targets use the raw advantages. false: the raw GAE advantages.",
+    )
 
 
 class CriticConfig(Section):
@@ -165,7 +170,11 @@ PolicyLossConfig = Annotated[
     | Annotated[PluginLoss, Tag("plugin")],
     _kind({"ppo_clip", "gspo", "cispo", "reinforce"}),
 ]
-MOVED = {"norm_by_std": "advantage", "clip_eps_low": "policy_loss", "clip_eps_high": "policy_loss"}
+
+
+class StageEntry(Section):
+    type: str = Field(description="The stage's registered name (postrl.algorithms.register_stage).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the stage's factory.")
 
 
 class AlgorithmConfig(Section):
@@ -183,9 +192,10 @@ class AlgorithmConfig(Section):
     )
     loss_agg: str = Field("token_mean", description="Loss aggregation (registry name).")
     kl_beta: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient; 0 loads no reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = Field(
         "k3",
-        description="KL(pi || ref) per token: k1 log-ratio, k2 half squared log-ratio, k3 exp(-x) + x - 1 (Schulman).",
+        description="KL(pi || ref) per token: k1 log-ratio, k2 half squared log-ratio, k3 exp(-x) + x - 1 "
+        "(Schulman), abs |log-ratio| (verl's 'abs').",
     )
     kl_in: Literal["loss", "reward"] = Field(
         "loss",
@@ -215,6 +225,11 @@ class AlgorithmConfig(Section):
         description="dynamic_sampling: at most this many extra generate rounds per "
         "step; a step that still lacks groups trains on those it has.",
     )
+    stages: list[StageEntry] = Field(
+        default_factory=list,
+        description="Stages from your own modules (registered with postrl.algorithms.register_stage in a module "
+        "of plugins), run after the built-in ones in the order listed.",
+    )
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Entropy bonus: the loss minus coef x the policy's per-token entropy (0: off)."
     )
@@ -224,13 +239,6 @@ class AlgorithmConfig(Section):
     def _typed_entries(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        moved = sorted(k for k in MOVED if k in data)
-        if moved:
-            where = ", ".join(f"algorithm.{MOVED[k]}.{k}" for k in moved)
-            raise ValueError(
-                f"algorithm.{', algorithm.'.join(moved)} moved into the entry they belong to: write "
-                f"{where} (e.g. advantage: {{type: grpo, norm_by_std: false}})"
-            )
         data = dict(data)
         for key in ("advantage", "policy_loss"):
             if key in data:
@@ -253,23 +261,48 @@ class AlgorithmConfig(Section):
     def _kl_settings_fit(self) -> AlgorithmConfig:
         if self.kl_target is not None and self.kl_beta <= 0:
             raise ValueError("algorithm.kl_target adapts kl_beta from its starting value: set kl_beta > 0")
-        token_level = {"reinforce_pp", "reinforce_pp_baseline", "gae"}
-        if self.kl_in == "reward" and getattr(self.advantage, "type", "") not in token_level:
+        from postrl.algorithms import ADVANTAGES
+
+        token_level = ADVANTAGES.names(lambda needs: needs.token_level)
+        if self.kl_in == "reward" and not ADVANTAGES.needs(self.advantage.type).token_level:
             raise ValueError(
                 f"algorithm.kl_in=reward puts a per-token penalty into the rewards, which "
                 f"advantage={self.advantage.type} does not take (it uses one reward per sample); use "
-                f"kl_in=loss, or one of {', '.join(sorted(token_level))}"
+                f"kl_in=loss, or one of {', '.join(token_level)}"
             )
         return self
 
     @model_validator(mode="after")
-    def _gae_and_critic_go_together(self) -> AlgorithmConfig:
-        gae = getattr(self.advantage, "type", "") == "gae"
-        if gae and self.critic is None:
-            raise ValueError("algorithm.advantage=gae needs a critic: set algorithm.critic (e.g. critic: {lr: 1e-4})")
-        if self.critic is not None and not gae:
-            raise ValueError(f"algorithm.critic is only used by advantage=gae, not {self.advantage.type}")
+    def _values_and_critic_go_together(self) -> AlgorithmConfig:
+        from postrl.algorithms import ADVANTAGES
+
+        wants_values = ADVANTAGES.needs(self.advantage.type).values
+        if wants_values and self.critic is None:
+            raise ValueError(
+                f"algorithm.advantage={self.advantage.type} needs a critic: set algorithm.critic (e.g. critic: {{lr: 1e-4}})"
+            )
+        if self.critic is not None and not wants_values:
+            users = ", ".join(ADVANTAGES.names(lambda needs: needs.values))
+            raise ValueError(f"algorithm.critic is only used by advantage={users}, not {self.advantage.type}")
         return self
+
+    @model_validator(mode="after")
+    def _known_stages(self) -> AlgorithmConfig:
+        from postrl.algorithms.stages import STAGES
+
+        for i, entry in enumerate(self.stages):
+            try:
+                STAGES.check(entry.type)
+            except ValueError as exc:
+                raise ValueError(
+                    f"algorithm.stages[{i}]: {exc} (register it in a module of algorithm.plugins)"
+                ) from None
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL to the reference model (in the loss or in the reward) needs the reference model loaded."""
+        return self.kl_beta > 0
 
     @field_validator("loss_agg")
     @classmethod

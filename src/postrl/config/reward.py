@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from postrl.config.base import Section
@@ -173,41 +172,6 @@ RewardComponentConfig = Annotated[
     Field(discriminator="type"),
 ]
 POOLED_TYPES = ("math", "exact_match", "custom", "code")  # run in the killable scoring processes
-LEGACY_FIELDS = ("verifiable", "model_path", "weights", "format_pattern", "length_target_tokens")
-
-
-def legacy_as_components(reward: dict[str, Any]) -> list[dict[str, Any]]:
-    """The components the old verifiable/model_path/weights/format/length fields meant."""
-    weights = reward.get("weights") or {}
-    verifiable = reward.get("verifiable") or {}
-    out: list[dict[str, Any]] = []
-    kind = verifiable.get("type", "exact_match")
-    if kind != "none":
-        comp = {"name": "verifiable", "type": kind, "weight": weights.get("verifiable", 1.0)}
-        if kind == "custom":
-            comp["function"] = verifiable.get("function")
-        elif verifiable.get("answer_column", "answer") != "answer":
-            comp["answer_column"] = verifiable["answer_column"]
-        out.append(comp)
-    if reward.get("model_path"):
-        out.append(
-            {"name": "model", "type": "reward_model", "weight": weights.get("model", 0.0), "path": reward["model_path"]}
-        )
-    if weights.get("format", 0.0):
-        comp = {"name": "format", "type": "format", "weight": weights["format"]}
-        if reward.get("format_pattern"):
-            comp["pattern"] = reward["format_pattern"]
-        out.append(comp)
-    if weights.get("length", 0.0) and reward.get("length_target_tokens"):
-        out.append(
-            {
-                "name": "length",
-                "type": "length",
-                "weight": weights["length"],
-                "target_tokens": reward["length_target_tokens"],
-            }
-        )
-    return out
 
 
 class RemoteRewardConfig(Section):
@@ -250,18 +214,6 @@ class RewardConfig(Section):
     max_failure_rate: float = Field(
         0.5, ge=0.0, le=1.0, description="Stop the run when a step has more unscorable samples than this fraction."
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_legacy_fields(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not any(k in data for k in LEGACY_FIELDS):
-            return data
-        old = sorted(k for k in LEGACY_FIELDS if k in data)
-        suggestion = yaml.safe_dump({"reward": {"components": legacy_as_components(data)}}, sort_keys=False)
-        raise ValueError(
-            f"reward.{', reward.'.join(old)}: these fields were replaced by reward.components. The same reward, "
-            f"written as components:\n" + "\n".join("    " + line for line in suggestion.splitlines())
-        )
 
     @model_validator(mode="after")
     def _unique_names(self) -> RewardConfig:

@@ -338,7 +338,7 @@ class RunConfig(RunLocation, Section):
     def _groups_need_samples(self) -> RunConfig:
         from postrl.algorithms import ADVANTAGES
 
-        if ADVANTAGES.needs_groups(self.algorithm.advantage.type) and self.rollout.n < 2:
+        if ADVANTAGES.needs(self.algorithm.advantage.type).groups and self.rollout.n < 2:
             raise ValueError(
                 f"algorithm.advantage={self.algorithm.advantage.type} compares the samples of a prompt, so it needs "
                 f"rollout.n >= 2 (got {self.rollout.n}: every advantage would be 0 and nothing would be learned)"

@@ -110,12 +110,3 @@ def context_length(path: str) -> int | None:
 
     config = _load(AutoConfig, path)
     return getattr(config, "max_position_embeddings", None)
-
-
-def save_model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> Path:
-    """Weights (safetensors), config, generation config, tokenizer and chat template in one folder:
-    what ``postrl serve-rollout``/``eval``, ``model.path`` and ``AutoModelForCausalLM`` load."""
-    folder = Path(folder)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return folder

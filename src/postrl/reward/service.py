@@ -14,28 +14,19 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from postrl.config.run import POOLED_TYPES, ConfigError, RewardComponentConfig, RewardConfig
 from postrl.reward.pool import JobResult, ScoringPool
 from postrl.reward.rules import format_reward, length_penalty, overlong_penalty
 from postrl.reward.verifiers import VERIFIERS
-from postrl.types import RewardResult, Score
+from postrl.types import RewardResult, Score, ScoreRequest
 
 if TYPE_CHECKING:
     from postrl.reward.sandbox import Protections
 
 log = logging.getLogger(__name__)
 CODE_REWARD = "postrl.reward.code:code_reward"
-
-
-@dataclass
-class ScoreRequest:
-    prompt: str
-    response: str
-    columns: dict[str, Any]
-    response_tokens: int = 0
 
 
 class RewardService:

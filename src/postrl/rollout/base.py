@@ -42,3 +42,17 @@ class RolloutWorker(Protocol):
     def close(self) -> None:
         """Release processes and memory; the worker is not used afterwards."""
         ...
+
+
+class ScalableRolloutWorker(RolloutWorker, Protocol):
+    """The Rollout Worker the Controller drives: one or more engines behind one interface
+    (:class:`postrl.rollout.pool.RolloutPool`), which can grow and shrink between steps."""
+
+    @property
+    def engines(self) -> list[Any]:
+        """The engines' handles."""
+        ...
+
+    def scale(self, engines: int) -> None:
+        """Start or stop engines until there are ``engines``; new ones start on the current weights."""
+        ...

@@ -98,7 +98,7 @@ class RolloutPool:
                     slot.outstanding -= work
                 for r in answered:
                     done.setdefault(indices[r.prompt_index], []).append(
-                        dataclasses.replace(r, prompt_index=indices[r.prompt_index])
+                        dataclasses.replace(r, prompt_index=indices[r.prompt_index], engine=slot.name)
                     )
         return [r for i in range(len(prompts)) for r in done.get(i, [])]
 

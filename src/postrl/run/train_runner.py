@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from postrl.buffer import OnPolicyBuffer
+from postrl.buffer import ExperienceBuffer
 from postrl.config.run import ConfigError, RewardConfig, RunConfig, save_config
 from postrl.controller.controller import Components, Controller
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
@@ -82,7 +82,9 @@ def in_process_trainer(config: RunConfig) -> TrainWorker:
 
 
 def build_components(config: RunConfig) -> Components:
-    """The parts of a run, placed by the configured scheduler; the step code does not know where."""
+    """The parts of a run, placed by the configured scheduler; the step code does not know where.
+    Settings decided from the model (an unset ``data.max_prompt_tokens``) are decided here first."""
+    check_context_length(config)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
@@ -104,17 +106,24 @@ def build_components(config: RunConfig) -> Components:
         raise
     trainer, rollout, reward, *critic = built
     return Components(
-        config, tokenizer, dataset, rollout, reward, trainer, OnPolicyBuffer(), scheduler, critic[0] if critic else None
+        config,
+        tokenizer,
+        dataset,
+        rollout,
+        reward,
+        trainer,
+        ExperienceBuffer(),
+        scheduler,
+        critic[0] if critic else None,
     )
 
 
 def close_components(parts: Components) -> None:
     """Stop every worker, then the scheduler (a Ray instance started for the run ends here)."""
     try:
-        for part in (parts.reward, parts.rollout, parts.trainer):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()
+        for part in (parts.reward, parts.rollout, parts.trainer, parts.critic):
+            if part is not None:
+                part.close()
     finally:
         if parts.scheduler is not None:
             parts.scheduler.close()
@@ -288,7 +297,11 @@ def train(
             if place.url:
                 echo(f"run: {place.url} (working copy on this machine: {run_dir})")
             controller = Controller(parts, sync_dir=Path(sync_dir))
-            resume_step = _resume(controller, place, echo) if resume else None
+            resume_step = None
+            if resume:
+                resume_step = _resume(controller, place, echo)
+            else:
+                controller.start()
             _run_loop(controller, config, resume_step, on_step, place, validator)
         finally:
             try:
@@ -404,6 +417,6 @@ def _resume(controller: Controller, place: RunPlace, echo: Callable[[str], None]
     controller.parts.trainer.load_checkpoint(checkpoint)
     if controller.parts.critic is not None:
         controller.parts.critic.load_checkpoint(checkpoint / "critic")
-    controller.load_state_dict(load_run_state(checkpoint))
+    controller.start(load_run_state(checkpoint))
     echo(f"resumed {place.location} from step {controller.step_count} ({checkpoint})")
     return controller.step_count

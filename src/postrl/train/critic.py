@@ -14,7 +14,7 @@ import torch
 
 from postrl.config.algorithm import CriticConfig
 from postrl.train.state import load_train_state, save_train_state
-from postrl.types import Rollout
+from postrl.types import ExperienceBatch
 
 
 class ValueModel(torch.nn.Module):
@@ -31,20 +31,6 @@ class ValueModel(torch.nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
         ).last_hidden_state
         return self.head(hidden).squeeze(-1)[:, :-1].float()  # [B, T-1]: the value before token t+1
-
-
-def response_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input ids, attention mask and the ``[B, T-1]`` response mask of prompt + response rows."""
-    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
-    ids = torch.full((len(rollouts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rollouts), width), dtype=torch.long)
-    response = torch.zeros((len(rollouts), width - 1))
-    for i, r in enumerate(rollouts):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-        attention[i, : p + n] = 1
-        response[i, p - 1 : p - 1 + n] = 1.0
-    return ids, attention, response
 
 
 def clipped_value_loss(
@@ -76,46 +62,40 @@ class CriticWorker:
         self.updates = 0
 
     @torch.no_grad()
-    def values(self, rollouts: list[Rollout]) -> list[list[float]]:
-        """The value of every response token's state, per sample."""
+    def values(self, batch: ExperienceBatch) -> torch.Tensor:
+        """``[B, T-1]``: the value of every response position's state, 0 elsewhere (on the CPU)."""
         self.model.eval()
-        out: list[list[float]] = []
-        for start in range(0, len(rollouts), self.cfg.micro_batch_size):
-            chunk = rollouts[start : start + self.cfg.micro_batch_size]
-            ids, attention, response = (t.to(self.device) for t in response_batch(chunk, self.pad_id))
-            values = self.model(ids, attention)
-            out += [v[m.bool()].tolist() for v, m in zip(values, response)]
-        return out
+        out = []
+        for micro in batch.split(self.cfg.micro_batch_size):
+            micro = micro.trimmed().to(self.device)
+            values = self.model(micro.input_ids, micro.attention_mask) * micro.response_mask
+            out.append(torch.nn.functional.pad(values, (0, batch.response_mask.shape[1] - values.shape[1])).cpu())
+        return torch.cat(out)
 
-    def update(self, rollouts: list[Rollout], returns: list[list[float]], old_values: list[list[float]]) -> dict:
-        """``epochs`` passes of the clipped value loss, token-mean over the whole batch per optimizer
-        step (one step per pass)."""
+    def update(self, batch: ExperienceBatch) -> dict[str, float]:
+        """``epochs`` passes of the clipped value loss towards ``batch.returns`` (around the values
+        at rollout time, ``batch.values``), token-mean over the whole batch per optimizer step (one
+        step per pass)."""
+        if batch.values is None or batch.returns is None:
+            raise ValueError("the critic's update needs the batch's values and returns (advantage: gae)")
         self.model.train()
-        total = sum(len(r.response_ids) for r in rollouts)
+        total = max(float(batch.response_mask.sum()), 1.0)
         stats = {"critic/value_loss": 0.0, "critic/clip_fraction": 0.0}
         for _ in range(self.cfg.epochs):
-            for start in range(0, len(rollouts), self.cfg.micro_batch_size):
-                chunk = slice(start, start + self.cfg.micro_batch_size)
-                ids, attention, mask = (t.to(self.device) for t in response_batch(rollouts[chunk], self.pad_id))
-                target, old = (self._spread(x[chunk], mask) for x in (returns, old_values))
-                loss, clipped = clipped_value_loss(self.model(ids, attention), old, target, mask, self.cfg.value_clip)
-                (loss.sum() / max(total, 1)).backward()
-                stats["critic/value_loss"] += float(loss.detach().sum()) / max(total, 1) / self.cfg.epochs
-                stats["critic/clip_fraction"] += float(clipped.sum()) / max(total, 1) / self.cfg.epochs
+            for micro in batch.split(self.cfg.micro_batch_size):
+                micro = micro.trimmed().to(self.device)
+                mask = micro.response_mask
+                values = self.model(micro.input_ids, micro.attention_mask)
+                loss, clipped = clipped_value_loss(values, micro.values, micro.returns, mask, self.cfg.value_clip)
+                (loss.sum() / total).backward()
+                stats["critic/value_loss"] += float(loss.detach().sum()) / total / self.cfg.epochs
+                stats["critic/clip_fraction"] += float(clipped.sum()) / total / self.cfg.epochs
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.updates += 1
         self.model.eval()
         return stats
-
-    @staticmethod
-    def _spread(per_sample: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
-        """Per-sample response lists into the ``[B, T-1]`` layout of ``mask``."""
-        out = torch.zeros_like(mask)
-        for row, values in enumerate(per_sample):
-            out[row, mask[row].bool()] = torch.tensor(values, dtype=out.dtype, device=out.device)
-        return out
 
     def save_checkpoint(self, path: str | Path) -> None:
         path = Path(path)
@@ -127,3 +107,6 @@ class CriticWorker:
         path = Path(path)
         load_train_state(self.model, self.optimizer, path / "dcp")
         self.updates = int(torch.load(path / "critic_state.pt", weights_only=True)["updates"])
+
+    def close(self) -> None:
+        """Nothing to release beyond the model's memory, which goes with the object."""

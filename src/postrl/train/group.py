@@ -22,8 +22,6 @@ class TrainWorkerDiedError(RuntimeError):
 
 
 class TrainGroup:
-    is_main = True
-
     def __init__(self, ranks: list[Handle], call_timeout_s: float | None = None) -> None:
         if not ranks:
             raise ValueError("a train group needs at least one rank")

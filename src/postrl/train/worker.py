@@ -353,6 +353,9 @@ class TrainWorker:
         self.generator.set_state(state["generator"])
         self.optimizer_steps, self.skipped_steps, self.consecutive_skips = state["counters"]
 
+    def close(self) -> None:
+        """Nothing to release beyond the model's memory, which goes with the object."""
+
     def _loop_state(self) -> dict:
         return {
             "scheduler": self.scheduler.state_dict(),

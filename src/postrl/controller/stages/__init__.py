@@ -1,0 +1,76 @@
+"""The stages some algorithms add to a step, chosen once from the config (:func:`build_stages`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from postrl.algorithms import ADVANTAGES
+from postrl.algorithms.stages import STAGES
+from postrl.config.run import ConfigError, RunConfig
+from postrl.controller.stages.base import Groups, Phase, Stage, StepServices
+from postrl.controller.stages.critic import CriticStage
+from postrl.controller.stages.dynamic_sampling import DynamicSampling
+from postrl.controller.stages.greedy_baseline import GreedyBaseline
+from postrl.controller.stages.kl import AdaptiveKL, KLCoefficient, KLPenalty
+from postrl.workers.roles import Critic, TrainWorker
+
+__all__ = ["Groups", "Phase", "Stage", "StageContext", "StagePlan", "StepServices", "build_stages"]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage's factory may use: the run's config, the step's services and the workers."""
+
+    config: RunConfig
+    services: StepServices
+    trainer: TrainWorker
+    critic: Critic | None
+    kl: KLCoefficient
+
+
+class StagePlan:
+    """The run's stages in order, and for each phase the stages that act in it."""
+
+    def __init__(self, stages: list[Stage]) -> None:
+        names = [s.name for s in stages]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ConfigError(f"algorithm.stages: more than one stage named {', '.join(duplicated)}")
+        self.stages = stages
+        self.select = [s for s in stages if "select" in s.phases]
+        self.prepare = [s for s in stages if "prepare" in s.phases]
+        self.after_update = [s for s in stages if "after_update" in s.phases]
+
+    def policy_waits(self, completed_steps: int) -> bool:
+        return any(s.policy_waits(completed_steps) for s in self.stages)
+
+    def state_dict(self) -> dict[str, dict]:
+        return {s.name: s.state_dict() for s in self.stages}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        for stage in self.stages:
+            if stage.name in state:
+                stage.load_state_dict(state[stage.name])
+
+
+def build_stages(context: StageContext) -> StagePlan:
+    """The built-in stages the config asks for, in the order a step runs them, then the user's
+    (``algorithm.stages``), in the order listed."""
+    a = context.config.algorithm
+    stages: list[Stage] = []
+    if a.dynamic_sampling:
+        stages.append(DynamicSampling(context.services, a.max_extra_rounds))
+    if ADVANTAGES.needs(a.advantage.type).baseline:
+        stages.append(GreedyBaseline(context.services))
+    if a.critic is not None:
+        if context.critic is None:
+            raise ConfigError("algorithm.critic is set but the run has no critic worker")
+        stages.append(CriticStage(context.critic, a.critic.warmup_steps))
+    penalty = KLPenalty(context.trainer, context.kl, a.kl_estimator, a.kl_clamp) if a.kl_in == "reward" else None
+    if penalty is not None:
+        stages.append(penalty)
+    if a.kl_target is not None:
+        stages.append(AdaptiveKL(context.kl, a.kl_target, a.kl_horizon, penalty))
+    for entry in a.stages:
+        stages.append(STAGES.get(entry.type)(context, **entry.options))
+    return StagePlan(stages)

@@ -1,0 +1,65 @@
+"""The KL penalty in the reward (``algorithm.kl_in: reward``) and the adaptive KL coefficient
+(``algorithm.kl_target``), with the coefficient they share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from postrl.algorithms import kl_penalty
+from postrl.algorithms.kl_control import adaptive_kl_coef
+from postrl.controller.stages.base import Stage
+from postrl.types import ExperienceBatch, StepBatch, TrainMetrics
+from postrl.workers.roles import TrainWorker
+
+
+class KLCoefficient:
+    """The run's KL coefficient beta; the trainer holds a copy (for ``kl_in: loss``), kept equal."""
+
+    def __init__(self, beta: float, trainer: TrainWorker) -> None:
+        self.beta, self.trainer = beta, trainer
+
+    def set(self, beta: float) -> None:
+        self.beta = beta
+        self.trainer.set_kl_beta(beta)
+
+
+class KLPenalty(Stage):
+    """-beta x KL(pi_old || ref) on every response token, from the behaviour logprobs and the
+    reference model's; sets ``step.kl_penalty`` (the token-level estimators add it to the outcome)."""
+
+    name = "reference"
+    phases = ("prepare",)
+
+    def __init__(self, trainer: TrainWorker, coef: KLCoefficient, estimator: str, clamp: float | None) -> None:
+        self.trainer, self.coef, self.estimator, self.clamp = trainer, coef, estimator, clamp
+        self.last_mean = float("nan")  # the step's mean per-token KL, which the adaptive coefficient follows
+
+    def prepare(self, step: StepBatch) -> dict[str, float]:
+        batch = step.batch
+        ref = self.trainer.reference_logprobs(batch)
+        kl = kl_penalty(batch.old_logprobs, ref, self.estimator, self.clamp) * batch.response_mask
+        self.last_mean = float(kl.sum() / batch.response_mask.sum().clamp(min=1))
+        step.kl_penalty = -self.coef.beta * kl
+        return {"kl/reward_penalty": self.last_mean}
+
+
+class AdaptiveKL(Stage):
+    """Moves beta towards ``target`` (Ziegler et al. 2019) after every update, from the KL in the
+    reward when there is one, else the trainer's KL in the loss."""
+
+    name = "adaptive_kl"
+    phases = ("after_update",)
+
+    def __init__(self, coef: KLCoefficient, target: float, horizon: int, penalty: KLPenalty | None) -> None:
+        self.coef, self.target, self.horizon, self.penalty = coef, target, horizon, penalty
+
+    def after_update(self, batch: ExperienceBatch, train: TrainMetrics) -> dict[str, float]:
+        observed = self.penalty.last_mean if self.penalty is not None else train.kl
+        self.coef.set(adaptive_kl_coef(self.coef.beta, observed, self.target, batch.size, self.horizon))
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.coef.beta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.coef.set(float(state["beta"]))

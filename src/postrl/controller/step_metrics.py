@@ -1,0 +1,154 @@
+"""What a step reports: its metrics, notes for the console, the samples file, stage timings."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from postrl.types import Prompt, RewardResult, Rollout, StepBatch, TrainMetrics
+
+T = TypeVar("T")
+
+
+class StageTimer:
+    """Seconds per stage of a step, and the step's total."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def run(self, stage: str, fn: Callable[..., T], *args: object) -> T:
+        began = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - began
+
+    def total(self) -> dict[str, float]:
+        return {**self.seconds, "step": time.perf_counter() - self.start}
+
+
+def most_common_error(rewards: list[RewardResult]) -> str | None:
+    """The most frequent unscorable reason of a step, with its count."""
+    errors = Counter(res.error or "no score" for res in rewards if res.unscorable)
+    if not errors:
+        return None
+    error, count = errors.most_common(1)[0]
+    return f"{count}x {error}"
+
+
+def no_signal_fraction(rollouts: list[Rollout], rewards: list[RewardResult]) -> float:
+    """The share of prompt groups whose scored rewards are all equal: a group baseline gives each of
+    their samples advantage 0, so they teach nothing."""
+    groups: dict[int, set[float]] = {}
+    for r, res in zip(rollouts, rewards):
+        seen = groups.setdefault(r.prompt_index, set())
+        if res.reward is not None:
+            seen.add(res.reward)
+    return sum(len(v) <= 1 for v in groups.values()) / len(groups) if groups else 0.0
+
+
+def write_samples(
+    path: Path,
+    prompts: list[Prompt],
+    rollouts: list[Rollout],
+    rewards: list[RewardResult],
+    step: StepBatch | None = None,
+) -> Path:
+    """One JSON line per sample: what the model wrote, what each reward component made of it and,
+    once advantages are computed (``step``), its advantage and metadata."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i, (r, res) in enumerate(zip(rollouts, rewards)):
+            prompt = prompts[r.prompt_index]
+            row = {
+                "prompt": prompt.text,
+                "response": r.text,
+                "reward": res.reward,
+                "components": res.components,
+                "reasons": res.reasons,
+                "error": res.error,
+                "unscorable": res.unscorable,
+                "flags": res.flags,
+                "advantage": None if step is None else step.advantage_of(i),
+                "finish_reason": r.finish_reason,
+                "response_tokens": len(r.response_ids),
+                "prompt_index": r.prompt_index,
+                "source": prompt.source,
+                "metadata": None if step is None else _plain_metadata(step, i),
+            }
+            f.write(json.dumps(row, allow_nan=True) + "\n")
+    return path
+
+
+def _plain_metadata(step: StepBatch, row: int) -> dict:
+    """The sample's metadata without what the row already shows (the reward's parts)."""
+    skip = {"components", "reasons", "error", "source", "finish_reason"}
+    return {k: v for k, v in step.metadata(row).items() if k not in skip}
+
+
+def step_notes(rewards: list[RewardResult], no_signal: float) -> dict[str, str]:
+    """Text for the console: the top unscorable reason, groups without signal, flagged samples."""
+    notes = {}
+    reason = most_common_error(rewards)
+    if reason:
+        notes["unscorable_reason"] = reason
+    if no_signal > 0:
+        notes["no_signal"] = f"{no_signal:.0%} of groups have identical rewards (no advantage, no gradient)"
+    flags = Counter(f for r in rewards for f in r.flags)
+    if flags:
+        flag, count = flags.most_common(1)[0]
+        notes["flagged"] = f"{sum(bool(r.flags) for r in rewards)} samples flagged, e.g. {count}x {flag}"
+    return notes
+
+
+def reward_values(rollouts: list[Rollout], rewards: list[RewardResult]) -> dict[str, float]:
+    scored = torch.tensor([r.reward for r in rewards if r.reward is not None], dtype=torch.float64)
+    lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
+    nan = float("nan")
+    values = {
+        "reward/mean": float(scored.mean()) if scored.numel() else nan,
+        "reward/std": float(scored.std(unbiased=False)) if scored.numel() else nan,
+        "reward/min": float(scored.min()) if scored.numel() else nan,
+        "reward/max": float(scored.max()) if scored.numel() else nan,
+        "reward/unscorable": float(sum(r.unscorable for r in rewards)),
+        "reward/flagged": float(sum(bool(r.flags) for r in rewards)),
+        "reward/no_signal_groups": no_signal_fraction(rollouts, rewards),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+    }
+    for name in sorted({k for r in rewards for k in r.components}):
+        vals = [r.components[name] for r in rewards if name in r.components]
+        values[f"reward/{name}/mean"] = sum(vals) / len(vals)
+    return values
+
+
+def accuracy(rewards: list[RewardResult], component: str | None, threshold: float) -> dict[str, float]:
+    """``accuracy``: the share of samples whose verifiable component reaches ``threshold``."""
+    verified = [r.components[component] for r in rewards if component is not None and component in r.components]
+    return {"accuracy": sum(x >= threshold for x in verified) / len(rewards)} if verified else {}
+
+
+def train_values(train: TrainMetrics) -> dict[str, float]:
+    return {
+        "actor/loss": train.loss,
+        "actor/kl": train.kl,
+        "actor/entropy": train.entropy,
+        "actor/clip_fraction": train.clip_fraction,
+        "actor/clip_low": train.clip_low_fraction,
+        "actor/clip_high": train.clip_high_fraction,
+        "actor/dual_clip": train.dual_clip_fraction,
+        "actor/approx_kl": train.approx_kl,
+        "actor/grad_norm": train.grad_norm,
+        "actor/lr": train.learning_rate,
+        "actor/skipped_updates": float(train.skipped_steps),
+        "rollout/mismatch_kl": train.mismatch_kl,
+        "rollout/logprob_diff_max": train.logprob_diff_max,
+    }
