@@ -162,7 +162,9 @@ def fsdp_loss_diff(updates: int = 3) -> float:
     policy = PolicySpec(path, "float32", train, AlgorithmConfig(), temperature=1.0, seed=0)
     group = TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(2)])
     try:
-        return max(abs(single.update(batch).loss - group.update(batch).loss) for _ in range(updates))
+        return max(
+            abs(single.update(batch).get("actor/loss") - group.update(batch).get("actor/loss")) for _ in range(updates)
+        )
     finally:
         group.close()
 

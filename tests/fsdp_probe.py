@@ -18,4 +18,4 @@ class GradProbe(TrainRank):
         stats = worker.accumulate_gradients(batch)
         grads = {name: full_tensor(p.grad).detach().clone() for name, p in worker.model.named_parameters()}
         worker.optimizer.zero_grad(set_to_none=True)
-        return float(stats.loss), float(stats.tokens), grads
+        return float(stats.value("actor/loss")), float(stats.value("tokens")), grads

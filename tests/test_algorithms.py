@@ -62,7 +62,7 @@ def test_ppo_clip_by_hand_both_sides():
     expected = torch.tensor([[-1.2, -0.5, -1.0, -1.1], [1.5, 0.8, 1.0, 1.1]], dtype=torch.float64)
     assert torch.allclose(out.per_token, expected)
     # A>0 clips above 1+eps; A<0 clips below 1-eps
-    assert out.clipped.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0]]
+    assert out.metrics["actor/clip_fraction"].per_token.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0]]
     out.per_token.sum().backward()
     grad = logp.grad
     assert grad[0, 0] == 0 and grad[1, 1] == 0  # no gradient through the clipped branch

@@ -70,7 +70,7 @@ class FakeTrainer:
     def update(self, batch):
         self.calls.append(("update", batch.size))
         self.batches.append(batch)
-        return TrainMetrics(0.0, 0.0, 0.1, 0.0, 1.0, 0.0, 0.5, 1e-5, 1, 0)
+        return TrainMetrics({"actor/loss": 0.1, "actor/kl": 0.0, "actor/grad_norm": 0.5, "actor/lr": 1e-5}, 1, 0)
 
     def policy_state(self):
         return {"w": torch.ones(2)}

@@ -46,7 +46,7 @@ def test_train_worker_on_cuda_uses_bf16_autocast_with_fp32_master_weights(char_t
     exps = [Experience([1, 20, 21], [30, 31, 2], [-1.0, -1.2, -0.5], 1.0, a, 0, group_id=0) for a in (1, -1, 1, -1)]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     metrics = worker.update(ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id))
-    assert metrics.optimizer_steps == 1 and torch.isfinite(torch.tensor(metrics.loss))
+    assert metrics.optimizer_steps == 1 and torch.isfinite(torch.tensor(metrics.get("actor/loss")))
     assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in model.parameters())
     state = worker.optimizer.state[next(model.parameters())]
     assert state["exp_avg"].dtype == torch.float32 and state["exp_avg"].device.type == "cuda"

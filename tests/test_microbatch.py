@@ -42,7 +42,7 @@ def grads_with_micro(
     )
     model.zero_grad(set_to_none=True)
     sums = worker.accumulate_gradients(batch)
-    return [p.grad.detach().clone() for p in model.parameters()], float(sums.loss / sums.tokens)
+    return [p.grad.detach().clone() for p in model.parameters()], float(sums.value("actor/loss") / sums.value("tokens"))
 
 
 @pytest.mark.parametrize(

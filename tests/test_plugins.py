@@ -14,7 +14,7 @@ from tests.test_train_e2e import write_config
 
 PLUGIN = textwrap.dedent("""
     import torch
-    from postrl.algorithms import register_advantage, register_policy_loss, PolicyLossOutput
+    from postrl.algorithms import register_advantage, register_policy_loss, PolicyLossOutput, TokenMetric
 
     CALLS = []
 
@@ -29,7 +29,7 @@ PLUGIN = textwrap.dedent("""
         CALLS.append("loss")
         adv = inputs.advantages if inputs.advantages.dim() == 2 else inputs.advantages[:, None]
         return PolicyLossOutput(per_token=-inputs.logprobs * adv * inputs.mask,
-                                clipped=torch.zeros_like(inputs.logprobs))
+                                metrics={"plugin/tokens": TokenMetric(inputs.mask, "sum")})
 """)
 
 
@@ -63,7 +63,8 @@ def test_plugin_module_next_to_the_config_registers_algorithms(
 
     assert my_algos.CALLS[0] == "advantage" and "loss" in my_algos.CALLS
     row = json.loads((tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["actor/clip_fraction"] == 0.0
+    # the loss's own metric, summed over the update: every trained token (4 prompts x 4 samples)
+    assert row["plugin/tokens"] == row["response/length_mean"] * 16
     # the estimator was registered as a group baseline, so n=1 is refused like GRPO
     with pytest.raises(ConfigError, match="algorithm.advantage=centered_plugin compares the samples of a prompt"):
         load_config(config, ["rollout.n=1"])

@@ -27,18 +27,18 @@ def test_ppo_asymmetric_clip_and_dual_clip_by_hand():
     out = POLICY_LOSSES.get("ppo_clip")(x, clip_eps_low=0.2, clip_eps_high=0.28)
     # A = +1: -min(r, clip(r)) = -1.28, -0.5, -1.25, -1.28 ; A = -1: max(r, clip(r)) = 1.5, 0.8, 1.25, 4.0
     assert out.per_token.tolist() == [pytest.approx([-1.28, -0.5, -1.25, -1.28]), pytest.approx([1.5, 0.8, 1.25, 4.0])]
-    assert out.clip_high.tolist() == [[1, 0, 0, 1], [0, 0, 0, 0]]
-    assert out.clip_low.tolist() == [[0, 0, 0, 0], [0, 1, 0, 0]]
-    assert out.clipped.tolist() == [[1, 0, 0, 1], [0, 1, 0, 0]]
+    assert out.metrics["actor/clip_high"].per_token.tolist() == [[1, 0, 0, 1], [0, 0, 0, 0]]
+    assert out.metrics["actor/clip_low"].per_token.tolist() == [[0, 0, 0, 0], [0, 1, 0, 0]]
+    assert out.metrics["actor/clip_fraction"].per_token.tolist() == [[1, 0, 0, 1], [0, 1, 0, 0]]
     dual = POLICY_LOSSES.get("ppo_clip")(x, clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0)
     # the negative-advantage token with ratio 4 has loss 4 > c |A| = 3: bounded to 3
     assert dual.per_token[1].tolist() == pytest.approx([1.5, 0.8, 1.25, 3.0])
-    assert dual.dual_clip.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1]]
+    assert dual.metrics["actor/dual_clip"].per_token.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1]]
     dual.per_token.sum().backward()
     assert logp.grad[1, 3] == 0 and logp.grad[0, 0] == 0  # no gradient through either bound
     assert logp.grad[1, 2].item() == pytest.approx(1.25)  # d(-A r)/dlogp = -A r
     # approx KL(pi_old || pi) from samples of pi_old, k3 with x = pi/pi_old = r: (r - 1) - log r
-    assert out.approx_kl[0].tolist() == pytest.approx([r - 1 - L(r) for r in ratios])
+    assert out.metrics["actor/approx_kl"].per_token[0].tolist() == pytest.approx([r - 1 - L(r) for r in ratios])
 
 
 def test_log_ratio_is_clamped_before_exp():
@@ -58,9 +58,11 @@ def test_gspo_sequence_ratio_on_responses_of_different_lengths():
     assert logp.grad[0].tolist() == pytest.approx([-s0] * 3)
     assert logp.grad[1].tolist() == pytest.approx([s1, 0.0, 0.0])
     tight = POLICY_LOSSES.get("gspo")(x)  # 3e-4 / 4e-4: both sequences are clipped
-    assert tight.clip_high[0].tolist() == [1, 1, 1] and tight.clip_low[1].tolist() == [0, 0, 0]
+    assert tight.metrics["actor/clip_high"].per_token[0].tolist() == [1, 1, 1] and tight.metrics[
+        "actor/clip_low"
+    ].per_token[1].tolist() == [0, 0, 0]
     # A < 0 with the ratio above the bound: the unclipped loss is the larger, so it stays (pessimistic bound)
-    assert tight.clipped[1].tolist() == [0, 0, 0]
+    assert tight.metrics["actor/clip_fraction"].per_token[1].tolist() == [0, 0, 0]
 
 
 def test_cispo_clipped_stop_gradient_weight_on_reinforce():
@@ -71,7 +73,9 @@ def test_cispo_clipped_stop_gradient_weight_on_reinforce():
     assert out.per_token[0].tolist() == pytest.approx([-w * 2.0 * L(r) for w, r in zip(weights, ratios)])
     out.per_token.sum().backward()
     assert logp.grad[0].tolist() == pytest.approx([-w * 2.0 for w in weights])  # every token keeps a gradient
-    assert out.clip_low.tolist() == [[1, 0, 0]] and out.clip_high.tolist() == [[0, 0, 1]]
+    assert out.metrics["actor/clip_low"].per_token.tolist() == [[1, 0, 0]] and out.metrics[
+        "actor/clip_high"
+    ].per_token.tolist() == [[0, 0, 1]]
 
 
 def test_reinforce_by_hand():

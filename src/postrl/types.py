@@ -404,26 +404,23 @@ class StepBatch:
 
 @dataclass
 class TrainMetrics:
-    mismatch_kl: float  # KL(pi_rollout || pi_trainer) on the rollout's tokens, before any update
-    logprob_diff_max: float
-    loss: float
-    kl: float
-    entropy: float
-    clip_fraction: float
-    grad_norm: float
-    learning_rate: float
+    """One update's metrics by name (``actor/loss``, ``actor/clip_fraction``, ``rollout/mismatch_kl``
+    ...: what the loss and the trainer reported, reduced once) and the optimizer's counters."""
+
+    values: dict[str, float]
     optimizer_steps: int
     skipped_steps: int
-    clip_low_fraction: float = 0.0
-    clip_high_fraction: float = 0.0
-    dual_clip_fraction: float = 0.0
-    approx_kl: float = 0.0  # KL(pi_old || pi) over the trained tokens, k3
+
+    def get(self, name: str) -> float:
+        """A metric's value; NaN when this update did not report it."""
+        return self.values.get(name, math.nan)
 
     @staticmethod
     def skipped() -> TrainMetrics:
-        """A step whose policy update did not run (the critic's warm-up): NaN, no optimizer step."""
-        nan = float("nan")
-        return TrainMetrics(nan, nan, nan, nan, nan, nan, nan, nan, 0, 0)
+        """A step whose policy update did not run (the critic's warm-up): NaN metrics, no step."""
+        nan = math.nan
+        names = ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/lr", "rollout/mismatch_kl")
+        return TrainMetrics({**{name: nan for name in names}, "actor/skipped_updates": 0.0}, 0, 0)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Policy losses, KL estimators and loss aggregation: pure tensor functions in registries.
 
 A policy loss maps :class:`LossInputs` (plus its options as keyword arguments, from its
-``algorithm.policy_loss`` section) to per-token losses ``[B, T]`` and per-token indicators of
-which branch was taken (for the clip fractions). The log-ratio is clamped to +-20 before ``exp``.
+``algorithm.policy_loss`` section) to per-token losses ``[B, T]`` and the metrics it reports, by
+name, each per token with its reduction (:class:`TokenMetric`: e.g. which branch was taken, for
+the clip fractions); the trainer reduces them over the whole update. The log-ratio is clamped to +-20 before ``exp``.
 Aggregation turns per-token losses into one scalar with *global* normalisers
 (:class:`LossNormalizer`: the mini-batch's tokens and sequences over every micro-batch and rank),
 so any micro-batch split (and any number of ranks) gives the same loss and gradient.
@@ -10,7 +11,8 @@ so any micro-batch split (and any number of ranks) gives the same loss and gradi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -32,14 +34,42 @@ class LossInputs:
     mask: torch.Tensor  # [B, T] 1 for trained tokens
 
 
+Reduction = Literal["token_mean", "sum", "max"]
+
+
+@dataclass(frozen=True)
+class TokenMetric:
+    """A loss's metric per token (``[B, T]``, 0 outside the mask) and its reduction over the update:
+    ``token_mean`` (summed, divided by the trained tokens), ``sum`` or ``max``."""
+
+    per_token: torch.Tensor
+    reduce: Reduction = "token_mean"
+
+    def reduced(self) -> torch.Tensor:
+        """This micro-batch's part: the sum, or the maximum."""
+        return self.per_token.max() if self.reduce == "max" else self.per_token.sum()
+
+
 @dataclass(frozen=True)
 class PolicyLossOutput:
     per_token: torch.Tensor  # [B, T]
-    clipped: torch.Tensor  # [B, T] float, 1 where a clipped (or truncated) branch was taken
-    clip_low: torch.Tensor | None = None  # [B, T] the ratio was clipped at its lower bound
-    clip_high: torch.Tensor | None = None  # [B, T] ... at its upper bound
-    dual_clip: torch.Tensor | None = None  # [B, T] the dual clip bounded a negative-advantage token's loss
-    approx_kl: torch.Tensor | None = None  # [B, T] k3 estimate of KL(pi_old || pi) per token
+    metrics: dict[str, TokenMetric] = field(default_factory=dict)  # by metric name, e.g. actor/clip_fraction
+
+
+def clip_metrics(
+    at_low: torch.Tensor, at_high: torch.Tensor, inputs: LossInputs, dual: torch.Tensor | None = None
+) -> dict[str, TokenMetric]:
+    """The clip fractions (either bound, each bound, the dual clip) and k3 KL(pi_old || pi)."""
+    f, mask = inputs.logprobs.dtype, inputs.mask
+    metrics = {
+        "actor/clip_fraction": TokenMetric((at_low | at_high).to(f) * mask),
+        "actor/clip_low": TokenMetric(at_low.to(f) * mask),
+        "actor/clip_high": TokenMetric(at_high.to(f) * mask),
+        "actor/approx_kl": TokenMetric(_approx_kl(inputs)),
+    }
+    if dual is not None:
+        metrics["actor/dual_clip"] = TokenMetric(dual.to(f) * mask)
+    return metrics
 
 
 def _token_advantages(inputs: LossInputs) -> torch.Tensor:
@@ -87,15 +117,7 @@ def ppo_clip_loss(
         bound = -adv * dual_clip_c
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
-    f = inputs.logprobs.dtype
-    return PolicyLossOutput(
-        per_token=loss * mask,
-        clipped=(at_low | at_high).to(f) * mask,
-        clip_low=at_low.to(f) * mask,
-        clip_high=at_high.to(f) * mask,
-        dual_clip=dual.to(f) * mask,
-        approx_kl=_approx_kl(inputs),
-    )
+    return PolicyLossOutput(per_token=loss * mask, metrics=clip_metrics(at_low, at_high, inputs, dual))
 
 
 @register_policy_loss("gspo")
@@ -110,14 +132,7 @@ def gspo_loss(inputs: LossInputs, clip_eps_low: float = 3e-4, clip_eps_high: flo
     token_log_ratio = seq.detach().unsqueeze(-1) + inputs.logprobs - inputs.logprobs.detach()
     ratio = torch.exp(token_log_ratio)
     loss, at_low, at_high = _clipped_surrogate(ratio, adv, clip_eps_low, clip_eps_high)
-    f = inputs.logprobs.dtype
-    return PolicyLossOutput(
-        per_token=loss * mask,
-        clipped=(at_low | at_high).to(f) * mask,
-        clip_low=at_low.to(f) * mask,
-        clip_high=at_high.to(f) * mask,
-        approx_kl=_approx_kl(inputs),
-    )
+    return PolicyLossOutput(per_token=loss * mask, metrics=clip_metrics(at_low, at_high, inputs))
 
 
 @register_policy_loss("cispo")
@@ -130,13 +145,8 @@ def cispo_loss(inputs: LossInputs, clip_eps_low: float = 1.0, clip_eps_high: flo
         ratio = torch.exp(_log_ratio(inputs))
         weight = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
         at_low, at_high = ratio < 1.0 - clip_eps_low, ratio > 1.0 + clip_eps_high
-    f = inputs.logprobs.dtype
     return PolicyLossOutput(
-        per_token=-weight * adv * inputs.logprobs * mask,
-        clipped=(at_low | at_high).to(f) * mask,
-        clip_low=at_low.to(f) * mask,
-        clip_high=at_high.to(f) * mask,
-        approx_kl=_approx_kl(inputs),
+        per_token=-weight * adv * inputs.logprobs * mask, metrics=clip_metrics(at_low, at_high, inputs)
     )
 
 
@@ -145,7 +155,7 @@ def reinforce_loss(inputs: LossInputs) -> PolicyLossOutput:
     """Plain REINFORCE: -A * log pi per token, no importance ratio and no clipping (on-policy only)."""
     adv, mask = _token_advantages(inputs), inputs.mask
     return PolicyLossOutput(
-        per_token=-adv * inputs.logprobs * mask, clipped=torch.zeros_like(mask), approx_kl=_approx_kl(inputs)
+        per_token=-adv * inputs.logprobs * mask, metrics={"actor/approx_kl": TokenMetric(_approx_kl(inputs))}
     )
 
 

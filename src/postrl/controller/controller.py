@@ -26,7 +26,6 @@ from postrl.controller.step_metrics import (
     accuracy,
     reward_values,
     step_notes,
-    train_values,
     write_samples,
 )
 from postrl.data import PromptDataset, PromptSampler
@@ -192,7 +191,7 @@ class Controller:
         rollouts, rewards = step.rollouts, step.results
         values = {
             **reward_values(rollouts, rewards),
-            **train_values(train),
+            **train.values,
             "actor/kl_beta": self.kl.beta,
             "perf/gen_tokens_per_s": sum(len(r.response_ids) for r in rollouts) / max(timings["generate"], 1e-9),
             "data/epoch": float(self.sampler.epoch),

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import torch
 
-from postrl.types import Prompt, RewardResult, Rollout, StepBatch, TrainMetrics
+from postrl.types import Prompt, RewardResult, Rollout, StepBatch
 
 T = TypeVar("T")
 
@@ -134,21 +134,3 @@ def accuracy(rewards: list[RewardResult], component: str | None, threshold: floa
     """``accuracy``: the share of samples whose verifiable component reaches ``threshold``."""
     verified = [r.components[component] for r in rewards if component is not None and component in r.components]
     return {"accuracy": sum(x >= threshold for x in verified) / len(rewards)} if verified else {}
-
-
-def train_values(train: TrainMetrics) -> dict[str, float]:
-    return {
-        "actor/loss": train.loss,
-        "actor/kl": train.kl,
-        "actor/entropy": train.entropy,
-        "actor/clip_fraction": train.clip_fraction,
-        "actor/clip_low": train.clip_low_fraction,
-        "actor/clip_high": train.clip_high_fraction,
-        "actor/dual_clip": train.dual_clip_fraction,
-        "actor/approx_kl": train.approx_kl,
-        "actor/grad_norm": train.grad_norm,
-        "actor/lr": train.learning_rate,
-        "actor/skipped_updates": float(train.skipped_steps),
-        "rollout/mismatch_kl": train.mismatch_kl,
-        "rollout/logprob_diff_max": train.logprob_diff_max,
-    }

@@ -242,12 +242,13 @@ def _steps(
         metrics = trainer.update(sft_batch(chosen, tokenizer.pad_token_id))
         step = progress.step = step + 1
         tokens = sum(sum(e.loss_mask) for e in chosen)
+        loss = metrics.get("actor/loss")
         values = {
-            "sft/loss": metrics.loss,
-            "sft/perplexity": math.exp(min(metrics.loss, 50.0)),
+            "sft/loss": loss,
+            "sft/perplexity": math.exp(min(loss, 50.0)),
             "sft/tokens": float(tokens),
-            "actor/grad_norm": metrics.grad_norm,
-            "actor/lr": metrics.learning_rate,
+            "actor/grad_norm": metrics.get("actor/grad_norm"),
+            "actor/lr": metrics.get("actor/lr"),
             "actor/skipped_updates": float(metrics.skipped_steps),
             "data/epoch": float((step - 1) // per_epoch),
             "time/step_s": time.perf_counter() - began,

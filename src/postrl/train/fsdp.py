@@ -20,7 +20,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from postrl.algorithms import LossNormalizer
 from postrl.train.sharding import split_rows_by_tokens
-from postrl.train.worker import MicroBatchStats, TrainWorker
+from postrl.train.stats import Stats
+from postrl.train.worker import TrainWorker
 from postrl.types import ExperienceBatch
 
 
@@ -61,7 +62,7 @@ class FSDPTrainWorker(TrainWorker):
         super().__init__(model, *args, ref_model=ref_model, **kwargs)
         self.is_main = self.rank == 0
 
-    def accumulate_gradients(self, mini: ExperienceBatch) -> MicroBatchStats:
+    def accumulate_gradients(self, mini: ExperienceBatch) -> Stats:
         part = mini.select(split_rows_by_tokens(mini, self.world)[self.rank].to(mini.input_ids.device))
         counts = torch.stack([part.loss_mask.sum(), (part.loss_mask.sum(dim=-1) > 0).sum().to(part.loss_mask.dtype)])
         dist.all_reduce(counts)
@@ -70,12 +71,12 @@ class FSDPTrainWorker(TrainWorker):
         local = [part.select(slice(s, s + micro)) for s in range(0, part.size, micro)]
         count = torch.tensor(len(local), device=counts.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        stats = MicroBatchStats.zeros(mini.input_ids.device)
+        stats = Stats()
         for i in range(int(count)):
             self.model.set_requires_gradient_sync(i == int(count) - 1)
             batch = local[i] if i < len(local) else zero_weight(mini)
-            stats = stats + self._micro_batch_backward(batch, norm)
-        return reduce_stats(stats)
+            stats = stats.merge(self._micro_batch_backward(batch, norm))
+        return stats.all_reduce()
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0 (gathered layer by layer to the CPU); an empty dict elsewhere.
@@ -93,16 +94,6 @@ def zero_weight(mini: ExperienceBatch) -> ExperienceBatch:
     row = mini.select(slice(0, 1))
     row.loss_mask = torch.zeros_like(row.loss_mask)
     return row
-
-
-def reduce_stats(stats: MicroBatchStats) -> MicroBatchStats:
-    """Sum the statistics over the ranks (the largest logprob difference: the maximum)."""
-    names = [n for n in MicroBatchStats.__dataclass_fields__ if n != "logprob_diff_max"]
-    summed = torch.stack([getattr(stats, n).float() for n in names])
-    dist.all_reduce(summed)
-    largest = stats.logprob_diff_max.float().clone()
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return MicroBatchStats(**dict(zip(names, summed.unbind())), logprob_diff_max=largest)
 
 
 def save_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -22,65 +21,11 @@ from postrl.models.weights import load_weights_into, save_weights
 from postrl.train.logprobs import token_logprobs
 from postrl.train.lr_schedule import make_scheduler
 from postrl.train.state import full_tensor, load_train_state, save_train_state
+from postrl.train.stats import TOKENS, Stats
 from postrl.types import ExperienceBatch, TrainMetrics
 
-
-@dataclass(frozen=True)
-class MicroBatchStats:
-    """Sums over a micro-batch's trained tokens (and the largest |logprob - behaviour logprob|),
-    as 0-d tensors on the device: adding them costs no device-to-host copy."""
-
-    loss: torch.Tensor
-    kl: torch.Tensor
-    entropy: torch.Tensor
-    clipped: torch.Tensor
-    clip_low: torch.Tensor
-    clip_high: torch.Tensor
-    dual_clip: torch.Tensor
-    approx_kl: torch.Tensor
-    tokens: torch.Tensor
-    mismatch_kl: torch.Tensor
-    logprob_diff_max: torch.Tensor
-
-    @staticmethod
-    def zeros(device: torch.device) -> MicroBatchStats:
-        return MicroBatchStats(*(torch.zeros((), device=device) for _ in fields(MicroBatchStats)))
-
-    def __add__(self, other: MicroBatchStats) -> MicroBatchStats:
-        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        sums["logprob_diff_max"] = torch.maximum(self.logprob_diff_max, other.logprob_diff_max)
-        return MicroBatchStats(**sums)
-
-    def read(self, grad_norm: torch.Tensor) -> tuple[MiniBatchStats, float]:
-        """Everything, and the gradient norm, in one copy from the device."""
-        values = torch.stack([grad_norm.float(), *(getattr(self, f.name).float() for f in fields(self))]).tolist()
-        return MiniBatchStats(*values[1:]), values[0]
-
-
-@dataclass(frozen=True)
-class MiniBatchStats:
-    """:class:`MicroBatchStats` read back as numbers, summed across mini-batches."""
-
-    loss: float = 0.0
-    kl: float = 0.0
-    entropy: float = 0.0
-    clipped: float = 0.0
-    clip_low: float = 0.0
-    clip_high: float = 0.0
-    dual_clip: float = 0.0
-    approx_kl: float = 0.0
-    tokens: float = 0.0
-    mismatch_kl: float = 0.0
-    logprob_diff_max: float = 0.0
-
-    @staticmethod
-    def empty() -> MiniBatchStats:
-        return MiniBatchStats()
-
-    def __add__(self, other: MiniBatchStats) -> MiniBatchStats:
-        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        sums["logprob_diff_max"] = max(self.logprob_diff_max, other.logprob_diff_max)
-        return MiniBatchStats(**sums)
+# measured on the update's first optimizer step only: the behaviour policy against pi_old
+MEASURED_BEFORE_UPDATE = ("rollout/mismatch_kl", "rollout/logprob_diff_max")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -147,8 +92,7 @@ class TrainWorker:
         self.model.train()
         device = next(self.model.parameters()).device
         batch = batch.to(device)
-        total = MiniBatchStats.empty()
-        before_update = MiniBatchStats.empty()  # pi_old vs the rollout: only before the first optimizer step
+        total, before_update = Stats(), Stats()  # before_update: pi_old vs the rollout, before the first step
         grad_norms: list[float] = []
         steps_at_start = self.optimizer_steps
         for _ in range(self.cfg.epochs):
@@ -159,29 +103,18 @@ class TrainWorker:
                     continue
                 still_pi_old = self.optimizer_steps == steps_at_start
                 stats, norm = self._mini_batch_step(mini)
-                total = total + stats
+                total = total.merge(stats)
                 if still_pi_old:
-                    before_update = before_update + stats
+                    before_update = before_update.merge(stats)
                 if norm is not None:
                     grad_norms.append(norm)
         self.model.eval()
-        tokens = max(total.tokens, 1.0)
-        return TrainMetrics(
-            mismatch_kl=before_update.mismatch_kl / before_update.tokens if before_update.tokens else float("nan"),
-            logprob_diff_max=before_update.logprob_diff_max if before_update.tokens else float("nan"),
-            loss=total.loss / tokens,
-            kl=total.kl / tokens,
-            entropy=total.entropy / tokens,
-            clip_fraction=total.clipped / tokens,
-            clip_low_fraction=total.clip_low / tokens,
-            clip_high_fraction=total.clip_high / tokens,
-            dual_clip_fraction=total.dual_clip / tokens,
-            approx_kl=total.approx_kl / tokens,
-            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            learning_rate=self.scheduler.get_last_lr()[0],
-            optimizer_steps=self.optimizer_steps,
-            skipped_steps=self.skipped_steps,
-        )
+        values = {k: v for k, v in total.finish(empty=0.0).items() if k not in MEASURED_BEFORE_UPDATE}
+        values.update({k: v for k, v in before_update.finish().items() if k in MEASURED_BEFORE_UPDATE})
+        values["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        values["actor/lr"] = self.scheduler.get_last_lr()[0]
+        values["actor/skipped_updates"] = float(self.skipped_steps)
+        return TrainMetrics(values, self.optimizer_steps, self.skipped_steps)
 
     def _group_shuffled_order(self, batch: ExperienceBatch) -> torch.Tensor:
         """A random order of the rows that keeps the samples of one group (one prompt) together.
@@ -196,14 +129,13 @@ class TrainWorker:
         shuffled = torch.randperm(len(members), generator=self.generator).tolist()
         return torch.tensor([row for g in shuffled for row in members[g]], dtype=torch.long)
 
-    def accumulate_gradients(self, mini: ExperienceBatch) -> MicroBatchStats:
+    def accumulate_gradients(self, mini: ExperienceBatch) -> Stats:
         """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count.
         Returns the summed statistics, still on the device."""
         norm = self.normalizer(mini.loss_mask)
-        stats = MicroBatchStats.zeros(mini.input_ids.device)
-        for start in range(0, mini.size, self.cfg.micro_batch_size):
-            micro = mini.select(slice(start, start + self.cfg.micro_batch_size))
-            stats = stats + self._micro_batch_backward(micro, norm)
+        stats = Stats()
+        for micro in mini.split(self.cfg.micro_batch_size):
+            stats = stats.merge(self._micro_batch_backward(micro, norm))
         return stats
 
     def normalizer(self, loss_mask: torch.Tensor, ranks: int = 1) -> LossNormalizer:
@@ -212,12 +144,12 @@ class TrainWorker:
         tokens, sequences = loss_mask.sum(), (loss_mask.sum(dim=-1) > 0).sum().to(loss_mask.dtype)
         return LossNormalizer(tokens / ranks, sequences / ranks, self.max_response_tokens)
 
-    def _mini_batch_step(self, mini: ExperienceBatch) -> tuple[MiniBatchStats, float | None]:
+    def _mini_batch_step(self, mini: ExperienceBatch) -> tuple[Stats, float | None]:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
         the device together, once."""
         sums = self.accumulate_gradients(mini)
         norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
-        stats, norm_value = sums.read(norm)
+        stats, (norm_value,) = sums.read(norm)
         if not math.isfinite(norm_value):
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
@@ -235,7 +167,7 @@ class TrainWorker:
         self.consecutive_skips = 0
         return stats, norm_value
 
-    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer) -> MicroBatchStats:
+    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer) -> Stats:
         mask = micro.loss_mask
         bonus = self.algo.entropy_coef
         with self._autocast():
@@ -249,46 +181,40 @@ class TrainWorker:
                 group_ids=micro.group_ids,
             )
         out = self.policy_loss(
-            LossInputs(
-                logprobs=logp,
-                old_logprobs=micro.old_logprobs,
-                advantages=micro.advantages,
-                mask=mask,
-            )
+            LossInputs(logprobs=logp, old_logprobs=micro.old_logprobs, advantages=micro.advantages, mask=mask)
         )
         per_token = out.per_token
         kl = torch.zeros_like(logp)
         if self.ref_model is not None and self.algo.kl_in == "loss":
-            with torch.no_grad(), self._autocast():
-                ref_logp, _ = token_logprobs(
-                    self.ref_model,
-                    micro.input_ids,
-                    micro.attention_mask,
-                    self.temperature,
-                    target_mask=micro.response_mask,
-                    group_ids=micro.group_ids,
-                )
-            kl = kl_penalty(logp, ref_logp, self.algo.kl_estimator, self.algo.kl_clamp) * mask
+            kl = kl_penalty(logp, self._reference(micro), self.algo.kl_estimator, self.algo.kl_clamp) * mask
             per_token = per_token + self.kl_beta * kl
         if bonus:
             per_token = per_token - bonus * entropy * mask
         self.aggregate(per_token, mask, norm).backward()
         with torch.no_grad():
             current = logp.detach().float()
-            zero = torch.zeros((), device=mask.device)
-            return MicroBatchStats(
-                loss=(per_token * mask).sum(),
-                kl=kl.sum(),
-                entropy=(entropy.detach() * mask).sum(),
-                clipped=out.clipped.sum(),
-                tokens=mask.sum(),
-                clip_low=zero if out.clip_low is None else out.clip_low.sum(),
-                clip_high=zero if out.clip_high is None else out.clip_high.sum(),
-                dual_clip=zero if out.dual_clip is None else out.dual_clip.sum(),
-                approx_kl=zero if out.approx_kl is None else out.approx_kl.sum(),
-                mismatch_kl=(kl_k3(micro.old_logprobs, current) * mask).sum(),
-                logprob_diff_max=((current - micro.old_logprobs) * mask).abs().max(),
+            stats = Stats()
+            stats.add(TOKENS, "sum", mask.sum())
+            stats.add("actor/loss", "token_mean", (per_token * mask).sum())
+            stats.add("actor/kl", "token_mean", kl.sum())
+            stats.add("actor/entropy", "token_mean", (entropy.detach() * mask).sum())
+            for name, metric in out.metrics.items():
+                stats.add(name, metric.reduce, metric.reduced())
+            stats.add("rollout/mismatch_kl", "token_mean", (kl_k3(micro.old_logprobs, current) * mask).sum())
+            stats.add("rollout/logprob_diff_max", "max", ((current - micro.old_logprobs) * mask).abs().max())
+            return stats
+
+    def _reference(self, micro: ExperienceBatch) -> torch.Tensor:
+        with torch.no_grad(), self._autocast():
+            ref_logp, _ = token_logprobs(
+                self.ref_model,
+                micro.input_ids,
+                micro.attention_mask,
+                self.temperature,
+                target_mask=micro.response_mask,
+                group_ids=micro.group_ids,
             )
+        return ref_logp
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         device = next(self.model.parameters()).device

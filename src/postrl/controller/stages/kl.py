@@ -54,7 +54,7 @@ class AdaptiveKL(Stage):
         self.coef, self.target, self.horizon, self.penalty = coef, target, horizon, penalty
 
     def after_update(self, batch: ExperienceBatch, train: TrainMetrics) -> dict[str, float]:
-        observed = self.penalty.last_mean if self.penalty is not None else train.kl
+        observed = self.penalty.last_mean if self.penalty is not None else train.get("actor/kl")
         self.coef.set(adaptive_kl_coef(self.coef.beta, observed, self.target, batch.size, self.horizon))
         return {}
 
