@@ -130,8 +130,9 @@ def recovery(prompts, tokenizer) -> tuple[int, int, int]:
 def fsdp_loss_diff(updates: int = 3) -> float:
     from postrl.config.run import AlgorithmConfig, TrainConfig
     from postrl.models.loading import load_causal_lm, resolve_model_path
+    from postrl.train.factory import PolicySpec
     from postrl.train.group import TrainGroup
-    from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
+    from postrl.train.rank import GroupSpec, TrainRank
     from postrl.train.worker import TrainWorker
     from postrl.types import Experience, ExperienceBatch
     from postrl.workers.net import free_port

@@ -17,5 +17,5 @@ class GradProbe(TrainRank):
         worker.model.train()
         stats = worker.accumulate_gradients(batch)
         grads = {name: full_tensor(p.grad).detach().clone() for name, p in worker.model.named_parameters()}
-        worker.optimizer.zero_grad(set_to_none=True)
+        worker.optimization.optimizer.zero_grad(set_to_none=True)
         return float(stats.value("actor/loss")), float(stats.value("tokens")), grads

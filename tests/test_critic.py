@@ -89,7 +89,7 @@ def test_ppo_run_trains_the_critic_checkpoints_and_resumes_it(tmp_path, tiny_mod
     assert rows[1]["actor/grad_norm"] > 0
     assert controller.parts.critic.updates == 2
     checkpoint = latest_checkpoint(config.run_dir)
-    assert (checkpoint / "critic" / "critic_state.pt").is_file()
+    assert (checkpoint / "critic" / "optimization.pt").is_file() and (checkpoint / "critic" / "dcp").is_dir()
     resumed = train(resume_config(config.run_dir, ["steps=3"]), resume=True)
     assert resumed.parts.critic.updates == 3  # 2 restored from the checkpoint + 1
     # the same 3 steps without a stop: the resumed critic's weights (and so its optimizer) match exactly

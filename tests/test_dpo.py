@@ -105,3 +105,40 @@ def test_preference_pairs_from_parquet_name_the_row(tmp_path, char_tokenizer):
         load_preference_pairs([str(path)], char_tokenizer, max_tokens=64)
     pairs, skipped = load_preference_pairs([str(path)], char_tokenizer, max_tokens=64, on_bad_row="skip")
     assert len(pairs) == 1 and pairs[0].source == f"{path}:row 1" and len(skipped) == 1
+
+
+def test_postrl_dpo_stops_cleanly_on_ctrl_c_and_resumes(tmp_path, tiny_model_dir):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_run_dir import REPO, _wait_for_line
+
+    rows = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(10, 90)]
+    data = write(tmp_path / "pairs.jsonl", rows)
+    config = tmp_path / "dpo.yaml"
+    config.write_text(
+        f"name: d\noutput_dir: {tmp_path}/runs\nmodel: {{path: {tiny_model_dir}}}\n"
+        f"data: {{train_files: [{data}]}}\ntrain: {{lr: 1.0e-3, mini_batch_size: 2, micro_batch_size: 2}}\n"
+        "epochs: 50\ncheckpoint: {every_steps: 0, keep_last: 1}\nlogging: {tensorboard: false}\n"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO}
+    command = [sys.executable, "-m", "postrl.cli", "dpo"]
+    proc = subprocess.Popen([*command, str(config)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_line(proc, "step 2/")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    run = tmp_path / "runs" / "d"
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
+    assert (
+        f"stopped after step {last}; the last checkpoint is step {last}. Resume with: postrl dpo --resume {run}" in err
+    )
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{last:08d}"]
+    done = subprocess.run(
+        [*command, "--resume", str(run), "epochs=1"], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert last < 40 and done.returncode == 0, done.stderr  # one epoch is 40 steps: the resume finishes it
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 41))

@@ -8,8 +8,9 @@ import torch
 
 from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.models.loading import load_causal_lm
+from postrl.train.factory import PolicySpec
 from postrl.train.group import TrainGroup, TrainWorkerDiedError
-from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
+from postrl.train.rank import GroupSpec, TrainRank
 from postrl.train.sharding import split_rows_by_tokens
 from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch
@@ -60,7 +61,7 @@ def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, ch
     single.model.train()
     stats = single.accumulate_gradients(batch)
     want_grads = {n: p.grad.clone() for n, p in single.model.named_parameters()}
-    single.optimizer.zero_grad(set_to_none=True)
+    single.optimization.optimizer.zero_grad(set_to_none=True)
     want_loss = float(stats.value("actor/loss")) / float(stats.value("tokens"))
 
     ranks = group_of(2, tiny_model_dir, GradProbe)
@@ -102,8 +103,8 @@ def test_group_update_matches_one_process_and_checkpoint_resumes_in_one(tiny_mod
     for name, tensor in resumed.model.state_dict().items():
         if name in state:
             assert torch.equal(tensor, state[name]), name
-    assert resumed.optimizer_steps == 2
-    moments = [resumed.optimizer.state[p]["exp_avg"] for p in resumed.model.parameters()]
+    assert resumed.optimization.steps == 2
+    moments = [resumed.optimization.optimizer.state[p]["exp_avg"] for p in resumed.model.parameters()]
     assert all(float(m.abs().sum()) > 0 for m in moments)
     reloaded = load_causal_lm(str(tmp_path / "ckpt" / "model"))  # the gathered model/ folder loads too
     assert all(torch.equal(reloaded.state_dict()[n], state[n]) for n in state)

@@ -48,7 +48,7 @@ def test_train_worker_on_cuda_uses_bf16_autocast_with_fp32_master_weights(char_t
     metrics = worker.update(ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id))
     assert metrics.optimizer_steps == 1 and torch.isfinite(torch.tensor(metrics.get("actor/loss")))
     assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in model.parameters())
-    state = worker.optimizer.state[next(model.parameters())]
+    state = worker.optimization.optimizer.state[next(model.parameters())]
     assert state["exp_avg"].dtype == torch.float32 and state["exp_avg"].device.type == "cuda"
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     with worker._autocast():

@@ -6,7 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from postrl.buffer import ExperienceBuffer, StaleExperienceError
 from postrl.config.run import AlgorithmConfig, TrainConfig
-from postrl.train.worker import NonFiniteLossError, TrainWorker
+from postrl.train.optimization import NonFiniteLossError
+from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch
 from tests.conftest import make_tiny_model
 
@@ -134,8 +135,8 @@ def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenize
     assert (tmp_path / "ckpt" / "model" / "model.safetensors").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
-    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=True)
-    assert state["counters"][0] == 1
+    state = torch.load(tmp_path / "ckpt" / "optimization.pt", weights_only=True)
+    assert state["counters"] == [1, 0, 0]  # steps, skipped, skipped in a row
     fresh = TrainWorker(
         make_tiny_model("llama", char_tokenizer, seed=5),
         TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4),
@@ -144,11 +145,11 @@ def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenize
     fresh.load_checkpoint(tmp_path / "ckpt")
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), model.state_dict().values()))
     moments = [
-        (worker.optimizer.state[p]["exp_avg_sq"], fresh.optimizer.state[q]["exp_avg_sq"])
+        (worker.optimization.optimizer.state[p]["exp_avg_sq"], fresh.optimization.optimizer.state[q]["exp_avg_sq"])
         for p, q in zip(worker.model.parameters(), fresh.model.parameters())
     ]
     assert moments and all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in moments)
-    assert fresh.optimizer_steps == 1
+    assert fresh.optimization.steps == 1
 
 
 def test_kl_needs_reference_model(char_tokenizer):

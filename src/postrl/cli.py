@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     from postrl.rollout.pool import RolloutPoolError
     from postrl.run.interrupt import RunInterrupted
     from postrl.train.group import TrainWorkerDiedError
-    from postrl.train.worker import NonFiniteLossError
+    from postrl.train.optimization import NonFiniteLossError
     from postrl.workers.handles import PlacementError
 
     try:

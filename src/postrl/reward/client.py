@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 
 from postrl.config.run import RemoteRewardConfig
-from postrl.types import RewardResult
+from postrl.reward.components import accuracy_component
+from postrl.types import RewardResult, ScoreRequest
 from postrl.workers.http_guard import read_token
 
 
@@ -43,13 +44,9 @@ class RemoteRewardService:
         self.retries_done = 0
         self.info = self._request("GET", "/health")
         self.components = self.info.get("components", [])
-        self.accuracy_component = next(
-            (c["name"] for c in self.components if c.get("type") in ("math", "exact_match")), None
-        )
+        self.accuracy_component = accuracy_component([(c["name"], c.get("type", "")) for c in self.components])
 
     def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
-        from postrl.reward.service import ScoreRequest
-
         return self.score_batch([ScoreRequest(prompt, response, columns)])[0]
 
     def score_batch(self, requests: list) -> list[RewardResult]:

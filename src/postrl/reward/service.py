@@ -12,21 +12,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from postrl.config.run import POOLED_TYPES, ConfigError, RewardComponentConfig, RewardConfig
+from postrl.config.run import ConfigError, RewardConfig
+from postrl.reward.components import PooledScorer, accuracy_component, component_type
 from postrl.reward.pool import JobResult, ScoringPool
-from postrl.reward.rules import format_reward, length_penalty, overlong_penalty
-from postrl.reward.verifiers import VERIFIERS
 from postrl.types import RewardResult, Score, ScoreRequest
 
-if TYPE_CHECKING:
-    from postrl.reward.sandbox import Protections
-
 log = logging.getLogger(__name__)
-CODE_REWARD = "postrl.reward.code:code_reward"
 
 
 class RewardService:
@@ -38,10 +32,13 @@ class RewardService:
         self._local: dict[str, Callable[[list[ScoreRequest]], list[Score]]] = {}
         self._closers: list[Callable[[], None]] = []
         for comp in self.components:
-            if comp.type in POOLED_TYPES:
-                self._pooled[comp.name] = self._pooled_spec(comp)
+            kind = component_type(comp)
+            scorer = kind.build(comp, self)
+            if kind.pooled:
+                assert isinstance(scorer, PooledScorer)
+                self._pooled[comp.name] = (scorer.function, scorer.options, scorer.timeout_s)
             else:
-                self._local[comp.name] = self._local_scorer(comp)
+                self._local[comp.name] = scorer  # type: ignore[assignment]
         preload = tuple(sorted({fn for fn, _, _ in self._pooled.values()}))
         self.pool = (
             ScoringPool(
@@ -55,30 +52,18 @@ class RewardService:
             if self._pooled
             else None
         )
-        self.accuracy_component = next((c.name for c in self.components if c.type in ("math", "exact_match")), None)
+        self.accuracy_component = accuracy_component([(c.name, c.type) for c in self.components])
 
-    # -- building ---------------------------------------------------------------------------------
-    def _pooled_spec(self, comp: RewardComponentConfig) -> tuple[str, dict[str, Any], float]:
-        timeout = comp.timeout_s or self.config.timeout_s
-        if comp.type == "custom":
-            _check_importable(comp.function)
-            return comp.function, {}, timeout
-        if comp.type == "code":
-            protections = self._check_sandbox()
-            # the workers use this probe instead of repeating it at every (re)start
-            options = {
-                "tests_column": comp.tests_column,
-                "code_score": comp.code_score,
-                "sandbox": comp.sandbox.model_dump(),
-                "protections": {
-                    "namespaces": list(protections.namespaces),
-                    "user": list(protections.unprivileged_user or []) or None,
-                },
-            }
-            return CODE_REWARD, options, comp.timeout_s or comp.sandbox.wall_s + comp.timeout_margin_s
-        return VERIFIERS[comp.type], {"answer_column": comp.answer_column}, timeout
+    # -- what a component's builder may ask (postrl.reward.components.BuildContext) ----------------
+    @property
+    def default_timeout_s(self) -> float:
+        return self.config.timeout_s
 
-    def _check_sandbox(self) -> Protections:
+    def on_close(self, close: Callable[[], None]) -> None:
+        self._closers.append(close)
+
+    def sandbox_options(self) -> dict[str, Any]:
+        """Probe the code sandbox's protections once; log and warn about the missing ones."""
         from postrl.reward.sandbox import probe_protections, warn_missing_protections
 
         protections = probe_protections()
@@ -86,42 +71,7 @@ class RewardService:
         on = ", ".join(name for name, active in protections.active.items() if active)
         log.info("code sandbox protections active: %s", on)
         warn_missing_protections(protections)
-        return protections
-
-    def _local_scorer(self, comp: RewardComponentConfig) -> Callable[[list[ScoreRequest]], list[Score]]:
-        if comp.type == "format":
-            pattern = re.compile(comp.pattern, re.DOTALL)
-            return lambda reqs: [(format_reward(pattern, r.response), None) for r in reqs]
-        if comp.type == "length":
-            return lambda reqs: [(length_penalty(r.response_tokens, comp.target_tokens), None) for r in reqs]
-        if comp.type == "overlong":
-            return lambda reqs: [
-                (overlong_penalty(r.response_tokens, comp.max_tokens, comp.cache_tokens), None) for r in reqs
-            ]
-        if comp.type == "reward_model":
-            from postrl.reward.reward_model import RewardModel
-
-            model = RewardModel(comp.path, comp.batch_size)
-            return lambda reqs: [(s, None) for s in model.score([(r.prompt, r.response) for r in reqs])]
-        from postrl.reward.remote_scorers import LLMJudge, RemoteRewardModel
-
-        timeout = comp.timeout_s or comp.request_timeout_s
-        if comp.type == "remote_reward_model":
-            remote = RemoteRewardModel(comp.url, timeout, comp.api_key_env)
-            self._closers.append(remote.close)
-            return lambda reqs: remote.score([(r.prompt, r.response) for r in reqs])
-        judge = LLMJudge(
-            comp.url,
-            comp.model,
-            comp.prompt_template,
-            comp.score_pattern,
-            comp.score_scale,
-            timeout,
-            comp.api_key_env,
-            comp.max_concurrency,
-        )
-        self._closers.append(judge.close)
-        return lambda reqs: judge.score([(r.prompt, r.response, r.columns) for r in reqs])
+        return {"namespaces": list(protections.namespaces), "user": list(protections.unprivileged_user or []) or None}
 
     # -- scoring ----------------------------------------------------------------------------------
     def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
@@ -227,7 +177,7 @@ def result_to_json(result: RewardResult) -> dict[str, Any]:
     return {**dataclasses.asdict(result), "unscorable": result.unscorable}
 
 
-def _check_importable(path: str) -> None:
+def check_importable(path: str) -> None:
     """Fail at start-up, not at the first step, when the reward function cannot be imported."""
     import importlib
 

@@ -1,6 +1,7 @@
 """``postrl dpo``: validate, cache the reference log-probabilities once, train over the pairs,
 checkpoint, resume, save the final model. Shares the run directory handling, the lease, the
-metric sinks, the checkpoints and the Train Worker with ``postrl train``."""
+metric sinks, the checkpoints, the graceful stop and the final model with ``postrl train``
+(:class:`~postrl.run.lifecycle.StepLoop`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from postrl.config.run import ConfigError, save_config
 from postrl.data.preferences import PreferencePair, load_preference_pairs
 from postrl.models.devices import resolve_device
 from postrl.models.loading import load_causal_lm, load_tokenizer
-from postrl.run.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
+from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.run.lease import RunLease
+from postrl.run.lifecycle import StepLoop
 from postrl.run.place import RunPlace
 from postrl.run.train_runner import make_sinks
 from postrl.train.dpo import DPOWorker
@@ -36,7 +38,7 @@ def reference_logprobs(config: DPORunConfig, pairs: list[PreferencePair], pad_id
             return cached["logprobs"]
     device = resolve_device(config.train.device, "train.device")
     reference = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    worker = DPOWorker(reference, config.train, config.dpo, pad_id, seed=config.seed)
+    worker = DPOWorker(reference, config.train, config.dpo, pad_id)
     logprobs = worker.reference_logprobs(pairs)
     torch.save({"sources": [p.source for p in pairs], "logprobs": logprobs}, path)
     return logprobs
@@ -69,6 +71,46 @@ def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = Fals
         lease.release()
 
 
+class DPOJob:
+    """``postrl dpo`` as the step loop sees it: one optimizer step over a mini-batch of pairs, in
+    a seeded order per epoch."""
+
+    command = "dpo"
+
+    def __init__(self, config: DPORunConfig, worker: DPOWorker, tokenizer, pairs, reference, step: int) -> None:
+        self.config, self.worker, self.tokenizer = config, worker, tokenizer
+        self.pairs, self.reference, self.step_count = pairs, reference, step
+        self.per_epoch = math.ceil(len(pairs) / config.train.mini_batch_size)
+        self._updating = False
+
+    @property
+    def completed_steps(self) -> int:
+        return self.step_count
+
+    def step(self) -> StepMetrics:
+        began, mini, step = time.perf_counter(), self.config.train.mini_batch_size, self.step_count
+        order = pair_order(len(self.pairs), self.config.seed, step // self.per_epoch)
+        chosen = order[(step % self.per_epoch) * mini : (step % self.per_epoch + 1) * mini]
+        self._updating = True
+        values = self.worker.update_pairs([self.pairs[i] for i in chosen], self.reference[chosen])
+        self.step_count, self._updating = step + 1, False
+        values.update({"data/epoch": float(step // self.per_epoch), "time/step_s": time.perf_counter() - began})
+        return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
+
+    def restore_abandoned_step(self) -> bool:
+        """Only before the step started: a DPO step changes the weights as it goes."""
+        return not self._updating
+
+    def checkpoint(self) -> Path:
+        state = {"step": self.step_count, "weight_version": self.step_count}
+        c = self.config
+        return save_checkpoint(c.run_dir, self.step_count, self.worker, state, c.checkpoint.keep_last, self.tokenizer)
+
+    def save_final(self, folder: Path) -> None:
+        self.worker.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+
+
 def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, resume: bool, echo) -> DPOWorker:
     run_dir = config.run_dir
     if skipped:
@@ -76,58 +118,34 @@ def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, res
         echo(f"skipped {len(skipped)} bad pairs (data.on_bad_row=skip); listed in {run_dir / 'skipped_rows.txt'}")
     reference = reference_logprobs(config, pairs, tokenizer.pad_token_id, run_dir)
     device = resolve_device(config.train.device, "train.device")
-    worker = DPOWorker(
-        load_causal_lm(config.model.path, config.model.dtype).to(device),
-        config.train,
-        config.dpo,
-        tokenizer.pad_token_id,
-        seed=config.seed,
-        gradient_checkpointing=config.model.gradient_checkpointing,
-    )
-    mini = config.train.mini_batch_size
-    per_epoch = math.ceil(len(pairs) / mini)
-    total, step = config.epochs * per_epoch, 0
+    model = load_causal_lm(config.model.path, config.model.dtype).to(device)
+    worker = DPOWorker(model, config.train, config.dpo, tokenizer.pad_token_id, config.model.gradient_checkpointing)
+    total, step = config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size), 0
     if resume:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'} to resume from")
-        worker.load_checkpoint(checkpoint)
-        step = int(load_run_state(checkpoint)["step"])
-        if total < step:
-            raise ConfigError(
-                f"epochs={config.epochs} gives {total} steps, below the {step} this run has already "
-                "done; a resume can only continue it"
-            )
-        echo(f"resumed {place.location} from step {step} ({checkpoint})")
+        step = _resume(config, place, worker, total, echo)
     save_config(config, run_dir / "config.yaml")  # type: ignore[arg-type]
-    sinks = make_sinks(config, run_dir, step if resume else None, echo, total=total)  # type: ignore[arg-type]
-    try:
-        while step < total:
-            began = time.perf_counter()
-            order = pair_order(len(pairs), config.seed, step // per_epoch)
-            chosen = order[(step % per_epoch) * mini : (step % per_epoch + 1) * mini]
-            values = worker.update_pairs([pairs[i] for i in chosen], reference[chosen])
-            step += 1
-            values.update({"data/epoch": float((step - 1) // per_epoch), "time/step_s": time.perf_counter() - began})
-            for sink in sinks:
-                sink.write(StepMetrics(step=step, weight_version=step, values=values))
-            every = config.checkpoint.every_steps
-            if step == total or (every and step % every == 0):
-                path = save_checkpoint(
-                    run_dir,
-                    step,
-                    worker,
-                    {"step": step, "weight_version": step},
-                    config.checkpoint.keep_last,
-                    tokenizer,
-                )
-                place.publish_checkpoint(path, list_checkpoints(run_dir))
-        final = run_dir / "final_model"
-        worker.save_pretrained(final)
-        tokenizer.save_pretrained(final)
-        echo(f"trained model: {final}")
-    finally:
-        for sink in sinks:
-            sink.close()
-    place.publish("final_model", "metrics.jsonl", "tensorboard", REFERENCE_FILE)
+    place.publish("config.yaml")
+    loop = StepLoop(
+        config,
+        place,
+        total,
+        sinks=lambda out: make_sinks(config, run_dir, step if resume else None, out, total=total),  # type: ignore[arg-type]
+        published_at_end=("final_model", "metrics.jsonl", "tensorboard", REFERENCE_FILE, "skipped_rows.txt"),
+    )
+    loop.run(DPOJob(config, worker, tokenizer, pairs, reference, step))
     return worker
+
+
+def _resume(config: DPORunConfig, place: RunPlace, worker: DPOWorker, total: int, echo) -> int:
+    checkpoint = latest_checkpoint(config.run_dir)
+    if checkpoint is None:
+        raise FileNotFoundError(f"no complete checkpoint under {config.run_dir / 'checkpoints'} to resume from")
+    worker.load_checkpoint(checkpoint)
+    step = int(load_run_state(checkpoint)["step"])
+    if total < step:
+        raise ConfigError(
+            f"epochs={config.epochs} gives {total} steps, below the {step} this run has already "
+            "done; a resume can only continue it"
+        )
+    echo(f"resumed {place.location} from step {step} ({checkpoint})")
+    return step

@@ -63,7 +63,7 @@ def evaluate_with_rewards(
     """Greedy responses scored by ``reward``'s components; accuracy is the share of samples whose
     accuracy component (the first math/exact_match one), else whose reward, reaches
     ``reward.accuracy_threshold``."""
-    from postrl.controller.controller import write_samples
+    from postrl.controller.step_metrics import write_samples
     from postrl.reward import ScoreRequest
     from postrl.run.train_runner import make_reward_service
 
@@ -76,7 +76,7 @@ def evaluate_with_rewards(
                 for r in rollouts
             ]
         )
-        name_acc = getattr(service, "accuracy_component", None)
+        name_acc = service.accuracy_component
     finally:
         service.close()
     if out is not None:

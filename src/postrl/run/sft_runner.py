@@ -10,10 +10,9 @@ temperature 1 (``-log pi`` per token, ``token_mean`` aggregation), so the same w
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,15 +21,14 @@ from postrl.config.algorithm import AlgorithmConfig
 from postrl.config.run import ConfigError, save_config
 from postrl.config.sft import SFTRunConfig
 from postrl.data.sft import SFTExample, load_sft_examples
-from postrl.models.loading import load_causal_lm, load_tokenizer
-from postrl.run.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
-from postrl.run.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.models.loading import load_tokenizer
+from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.run.lease import RunLease
+from postrl.run.lifecycle import StepLoop
 from postrl.run.place import RunPlace
-from postrl.run.train_runner import _stopped_message, make_sinks
+from postrl.run.train_runner import make_sinks
+from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.lr_schedule import default_decay_steps
-from postrl.train.rank import PolicySpec
-from postrl.train.worker import TrainWorker
 from postrl.types import Experience, ExperienceBatch, StepMetrics
 
 # -log pi on the trained tokens: REINFORCE with every advantage 1
@@ -93,16 +91,7 @@ def make_trainer(config: SFTRunConfig) -> tuple[Any, Any]:
         return scheduler.train_group(policy_spec(config)), scheduler
     from postrl.models.devices import resolve_device
 
-    device = resolve_device(config.train.device, "train.device")
-    model = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    worker = TrainWorker(
-        model,
-        config.train,
-        SFT_ALGORITHM,
-        temperature=1.0,
-        seed=config.seed,
-        gradient_checkpointing=config.model.gradient_checkpointing,
-    )
+    worker = build_train_worker(policy_spec(config), resolve_device(config.train.device, "train.device"))
     return worker, None
 
 
@@ -144,7 +133,7 @@ def train_sft(
             echo(f"reusing {place.location}: it held only the leftovers of a launch that completed no step")
         place.prepare(resume)
         lease.acquire(echo)
-        return _run(config, place, trainer, tokenizer, examples, skipped, resume, total, per_epoch, echo)
+        return _run(config, place, trainer, tokenizer, examples, skipped, resume, total, echo)
     finally:
         try:
             trainer_close = getattr(trainer, "close", None)
@@ -156,6 +145,57 @@ def train_sft(
             lease.release()
 
 
+class SFTJob:
+    """``postrl sft`` as the step loop sees it: one optimizer step over a mini-batch of examples,
+    in a seeded order per epoch."""
+
+    command = "sft"
+
+    def __init__(
+        self, config: SFTRunConfig, trainer: Any, tokenizer: Any, examples: list[SFTExample], step: int
+    ) -> None:
+        self.config, self.trainer, self.tokenizer, self.examples = config, trainer, tokenizer, examples
+        self.step_count = step
+        self.per_epoch = math.ceil(len(examples) / config.train.mini_batch_size)
+        self._updating = False
+
+    @property
+    def completed_steps(self) -> int:
+        return self.step_count
+
+    def step(self) -> StepMetrics:
+        began, mini, step = time.perf_counter(), self.config.train.mini_batch_size, self.step_count
+        order = example_order(len(self.examples), self.config.seed, step // self.per_epoch)
+        chosen = [self.examples[i] for i in order[(step % self.per_epoch) * mini : (step % self.per_epoch + 1) * mini]]
+        self._updating = True
+        metrics = self.trainer.update(sft_batch(chosen, self.tokenizer.pad_token_id))
+        self.step_count, self._updating = step + 1, False
+        loss = metrics.get("actor/loss")
+        values = {
+            "sft/loss": loss,
+            "sft/perplexity": math.exp(min(loss, 50.0)),
+            "sft/tokens": float(sum(sum(e.loss_mask) for e in chosen)),
+            "actor/grad_norm": metrics.get("actor/grad_norm"),
+            "actor/lr": metrics.get("actor/lr"),
+            "actor/skipped_updates": float(metrics.skipped_steps),
+            "data/epoch": float(step // self.per_epoch),
+            "time/step_s": time.perf_counter() - began,
+        }
+        return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
+
+    def restore_abandoned_step(self) -> bool:
+        return not self._updating
+
+    def checkpoint(self) -> Path:
+        state = {"step": self.step_count, "weight_version": self.step_count}
+        c = self.config
+        return save_checkpoint(c.run_dir, self.step_count, self.trainer, state, c.checkpoint.keep_last, self.tokenizer)
+
+    def save_final(self, folder: Path) -> None:
+        self.trainer.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+
+
 def _run(
     config: SFTRunConfig,
     place: RunPlace,
@@ -165,7 +205,6 @@ def _run(
     skipped: list[str],
     resume: bool,
     total: int,
-    per_epoch: int,
     echo: Callable[[str], None],
 ) -> int:
     run_dir = config.run_dir
@@ -181,88 +220,13 @@ def _run(
     if skipped:
         (run_dir / "skipped_rows.txt").write_text("".join(line + "\n" for line in skipped))
         echo(f"skipped {len(skipped)} bad rows (data.on_bad_row=skip); listed in {run_dir / 'skipped_rows.txt'}")
-    sinks = make_sinks(config, run_dir, step if resume else None, echo, total=total)  # type: ignore[arg-type]
-    stopper = GracefulStop(echo=echo)
-    try:
-        with stopper:
-            progress = Progress(step)
-            try:
-                _steps(config, place, trainer, tokenizer, examples, sinks, stopper, progress, total, per_epoch)
-            except StepAbandoned:
-                step = progress.step
-                message = _stopped_message(place.location, step, latest_step(run_dir), abandoned=True, command="sft")
-                raise RunInterrupted(message, stopper.signum or signal.SIGINT) from None
-            step, saved_at = progress.step, latest_step(run_dir)
-            if step < total:
-                if config.checkpoint.on_interrupt and saved_at != step and step > 0:
-                    saved_at = _checkpoint(config, place, trainer, tokenizer, step)
-                raise RunInterrupted(
-                    _stopped_message(place.location, step, saved_at, command="sft"), stopper.signum or signal.SIGINT
-                )
-        final = run_dir / "final_model"
-        trainer.save_pretrained(final)
-        tokenizer.save_pretrained(final)
-    finally:
-        for sink in sinks:
-            sink.close()
-    place.publish("final_model", "metrics.jsonl", "tensorboard", "skipped_rows.txt")
-    echo(f"trained model: {f'{place.location}/final_model' if place.url else final}")
-    return step
-
-
-def latest_step(run_dir) -> int | None:
-    checkpoint = latest_checkpoint(run_dir)
-    return None if checkpoint is None else int(checkpoint.name.split("_")[1])
-
-
-@dataclass
-class Progress:
-    step: int  # steps completed
-
-
-def _steps(
-    config: SFTRunConfig,
-    place: RunPlace,
-    trainer: Any,
-    tokenizer: Any,
-    examples: list[SFTExample],
-    sinks: list,
-    stopper: GracefulStop,
-    progress: Progress,
-    total: int,
-    per_epoch: int,
-) -> None:
-    """Train until the last step or a stop request, counting completed steps in ``progress``."""
-    mini = config.train.mini_batch_size
-    while progress.step < total and not stopper.requested:
-        step = progress.step
-        began = time.perf_counter()
-        order = example_order(len(examples), config.seed, step // per_epoch)
-        chosen = [examples[i] for i in order[(step % per_epoch) * mini : (step % per_epoch + 1) * mini]]
-        metrics = trainer.update(sft_batch(chosen, tokenizer.pad_token_id))
-        step = progress.step = step + 1
-        tokens = sum(sum(e.loss_mask) for e in chosen)
-        loss = metrics.get("actor/loss")
-        values = {
-            "sft/loss": loss,
-            "sft/perplexity": math.exp(min(loss, 50.0)),
-            "sft/tokens": float(tokens),
-            "actor/grad_norm": metrics.get("actor/grad_norm"),
-            "actor/lr": metrics.get("actor/lr"),
-            "actor/skipped_updates": float(metrics.skipped_steps),
-            "data/epoch": float((step - 1) // per_epoch),
-            "time/step_s": time.perf_counter() - began,
-        }
-        for sink in sinks:
-            sink.write(StepMetrics(step=step, weight_version=step, values=values))
-        every = config.checkpoint.every_steps
-        if step == total or (every and step % every == 0):
-            _checkpoint(config, place, trainer, tokenizer, step)
-
-
-def _checkpoint(config: SFTRunConfig, place: RunPlace, trainer: Any, tokenizer: Any, step: int) -> int:
-    path = save_checkpoint(
-        config.run_dir, step, trainer, {"step": step, "weight_version": step}, config.checkpoint.keep_last, tokenizer
+    job = SFTJob(config, trainer, tokenizer, examples, step)
+    loop = StepLoop(
+        config,
+        place,
+        total,
+        sinks=lambda out: make_sinks(config, run_dir, step if resume else None, out, total=total),  # type: ignore[arg-type]
+        published_at_end=("final_model", "metrics.jsonl", "tensorboard", "skipped_rows.txt"),
     )
-    place.publish_checkpoint(path, list_checkpoints(config.run_dir))
-    return step
+    loop.run(job)
+    return job.completed_steps

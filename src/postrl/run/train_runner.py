@@ -7,29 +7,25 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from postrl.buffer import ExperienceBuffer
 from postrl.config.run import ConfigError, RewardConfig, RunConfig, save_config
 from postrl.controller.controller import Components, Controller
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.models.devices import DeviceError, resolve_device
-from postrl.models.loading import context_length, load_causal_lm, load_tokenizer
+from postrl.models.loading import context_length, load_tokenizer
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
-from postrl.run.checkpoint import latest_checkpoint, list_checkpoints, load_run_state, save_checkpoint
-from postrl.run.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.run.lease import RunLease
+from postrl.run.lifecycle import StepLoop, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plots import plot_metrics
@@ -37,7 +33,6 @@ from postrl.run.validation import Validator, load_validation_set
 from postrl.run.watch import describe_placement, run_watches
 from postrl.tasks import task_rows
 from postrl.train.lr_schedule import default_decay_steps
-from postrl.train.worker import TrainWorker
 from postrl.types import StepMetrics
 from postrl.workers.net import can_connect, host_port
 
@@ -63,24 +58,6 @@ def make_scheduler(config: RunConfig):
     return LocalScheduler(config)
 
 
-def in_process_trainer(config: RunConfig) -> TrainWorker:
-    device = resolve_device(config.train.device, "train.device")
-    policy = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    ref_model = None
-    if config.algorithm.kl_beta > 0:
-        ref_model = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    return TrainWorker(
-        policy,
-        config.train,
-        config.algorithm,
-        temperature=config.rollout.temperature,
-        ref_model=ref_model,
-        seed=config.seed,
-        gradient_checkpointing=config.model.gradient_checkpointing,
-        max_response_tokens=config.rollout.max_tokens,
-    )
-
-
 def build_components(config: RunConfig) -> Components:
     """The parts of a run, placed by the configured scheduler; the step code does not know where.
     Settings decided from the model (an unset ``data.max_prompt_tokens``) are decided here first."""
@@ -92,11 +69,9 @@ def build_components(config: RunConfig) -> Components:
     scheduler = make_scheduler(config)
     built: list = []
     try:
-        local_trainer = config.scheduler.type == "local" and config.scheduler.train.workers == 1
-        built.append(in_process_trainer(config) if local_trainer else scheduler.train_group())
+        built.append(scheduler.train_group())
         built.append(scheduler.rollout_pool(tokenizer))
-        remote = config.reward.remote is not None or config.scheduler.type == "local"
-        built.append(make_reward_service(config.reward) if remote else scheduler.reward_service(make_reward_service))
+        built.append(scheduler.reward_service(make_reward_service))
         if config.algorithm.critic is not None:
             built.append(scheduler.critic_worker(tokenizer.pad_token_id))
     except BaseException:
@@ -276,7 +251,7 @@ def train(
     check_devices(config)
     check_servers(config)
     resolve_lr_decay(config)
-    echo = _stderr_echo
+    echo = stderr_echo
     with tempfile.TemporaryDirectory(prefix="postrl-sync-", dir=config.rollout.sync_dir) as sync_dir:
         parts = build_components(config)
         try:
@@ -313,23 +288,34 @@ def train(
     return controller
 
 
-def _stderr_echo(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+class TrainJob:
+    """``postrl train`` as the step loop sees it: the Controller's steps, and its checkpoints."""
 
+    command = "train"
 
-def _checkpoint(controller: Controller, config: RunConfig, place: RunPlace) -> int:
-    parts = controller.parts
-    path = save_checkpoint(
-        config.run_dir,
-        controller.step_count,
-        parts.trainer,
-        controller.state_dict(),
-        config.checkpoint.keep_last,
-        parts.tokenizer,
-        parts.critic,
-    )
-    place.publish_checkpoint(path, list_checkpoints(config.run_dir))
-    return controller.step_count
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    @property
+    def completed_steps(self) -> int:
+        return self.controller.step_count
+
+    def step(self) -> StepMetrics:
+        return self.controller.step()
+
+    def restore_abandoned_step(self) -> bool:
+        return self.controller.restore_abandoned_step()
+
+    def checkpoint(self) -> Path:
+        c, parts = self.controller, self.controller.parts
+        keep = c.config.checkpoint.keep_last
+        return save_checkpoint(
+            c.config.run_dir, c.step_count, parts.trainer, c.state_dict(), keep, parts.tokenizer, parts.critic
+        )
+
+    def save_final(self, folder: Path) -> None:
+        self.controller.parts.trainer.save_pretrained(folder)
+        self.controller.parts.tokenizer.save_pretrained(folder)
 
 
 def _run_loop(
@@ -340,74 +326,23 @@ def _run_loop(
     place: RunPlace,
     validator: Validator | None = None,
 ) -> None:
-    run_dir, parts = config.run_dir, controller.parts
-    show_bar = config.logging.progress_bar and sys.stderr.isatty()
-    bar = tqdm(
-        total=config.steps,
-        initial=controller.step_count,
-        disable=not show_bar,
-        desc=config.name,
-        unit="step",
-        leave=False,
+    parts = controller.parts
+    observers: list[Callable[[StepMetrics], None]] = []
+    if validator is not None:
+        observers.append(lambda m: validator.observe(m, parts.rollout, parts.reward, controller.weight_version))
+    observers += [watch.observe for watch in run_watches(config, stderr_echo)]
+    if on_step is not None:
+        observers.append(on_step)
+    loop = StepLoop(
+        config,
+        place,
+        config.steps,
+        sinks=lambda echo: make_sinks(config, config.run_dir, resume_step, echo=echo, total=config.steps),
+        observers=observers,
+        published_at_end=PUBLISHED_AT_END,
+        at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else None,
     )
-    sinks = make_sinks(config, run_dir, resume_step, echo=bar.write if show_bar else print, total=config.steps)
-    watches = run_watches(config, bar.write if show_bar else _stderr_echo)
-    saved_at = resume_step
-    stopper = GracefulStop(echo=bar.write if show_bar else _stderr_echo)
-    try:
-        with stopper:
-            try:
-                while controller.step_count < config.steps and not stopper.requested:
-                    metrics = controller.step()
-                    if validator is not None and validator.due(controller.step_count):
-                        began = time.perf_counter()
-                        metrics.values.update(validator.run(parts.rollout, parts.reward, controller.weight_version))
-                        metrics.values["time/validate_s"] = time.perf_counter() - began
-                    for watch in watches:
-                        watch.observe(metrics)
-                    for sink in sinks:
-                        sink.write(metrics)
-                    if on_step:
-                        on_step(metrics)
-                    bar.update(1)
-                    every = config.checkpoint.every_steps
-                    if controller.step_count == config.steps or (every and controller.step_count % every == 0):
-                        saved_at = _checkpoint(controller, config, place)
-            except StepAbandoned:
-                if not controller.restore_abandoned_step():
-                    message = _stopped_message(place.location, controller.step_count, saved_at, abandoned=True)
-                    raise RunInterrupted(message, stopper.signum or signal.SIGINT) from None
-            if controller.step_count < config.steps:
-                if config.checkpoint.on_interrupt and saved_at != controller.step_count and controller.step_count > 0:
-                    saved_at = _checkpoint(controller, config, place)
-                raise RunInterrupted(
-                    _stopped_message(place.location, controller.step_count, saved_at), stopper.signum or signal.SIGINT
-                )
-        final = run_dir / "final_model"
-        parts.trainer.save_pretrained(final)
-        parts.tokenizer.save_pretrained(final)
-        plot = plot_metrics(run_dir)
-        for sink in sinks:
-            sink.close()
-        place.publish(*PUBLISHED_AT_END)
-        where = f"{place.location}/final_model" if place.url else final
-        print(f"trained model: {where}" + (f"\nplot: {plot}" if plot else ""))
-    finally:
-        bar.close()
-        for sink in sinks:
-            sink.close()
-
-
-def _stopped_message(
-    run_dir: str, step: int, saved_at: int | None, abandoned: bool = False, command: str = "train"
-) -> str:
-    what = "abandoned a step that had started updating the weights; " if abandoned else ""
-    if saved_at:
-        return (
-            f"stopped after step {step}; {what}the last checkpoint is step {saved_at}. "
-            f"Resume with: postrl {command} --resume {run_dir}"
-        )
-    return f"stopped after step {step}; {what}no checkpoint was written, so there is nothing to resume"
+    loop.run(TrainJob(controller))
 
 
 def _resume(controller: Controller, place: RunPlace, echo: Callable[[str], None]) -> int:

@@ -8,14 +8,14 @@ task; ``data.val_size`` keeps the first N of them (the same ones every time).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from postrl.config.run import RunConfig
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
-from postrl.reward import ScoreRequest
 from postrl.reward.columns import check_columns
 from postrl.tasks import task_rows
-from postrl.types import SamplingParams
+from postrl.types import SamplingParams, ScoreRequest, StepMetrics
 
 
 def load_validation_set(config: RunConfig, tokenizer: Any) -> PromptDataset | None:
@@ -51,6 +51,13 @@ class Validator:
         every = self.config.logging.eval_every
         return bool(every) and (step % every == 0 or step == self.config.steps)
 
+    def observe(self, metrics: StepMetrics, rollout: Any, reward: Any, weight_version: int) -> None:
+        """After a step: when validation is due, its metrics (and seconds) join the step's."""
+        if self.due(metrics.step):
+            began = time.perf_counter()
+            metrics.values.update(self.run(rollout, reward, weight_version))
+            metrics.values["time/validate_s"] = time.perf_counter() - began
+
     def run(self, rollout: Any, reward: Any, weight_version: int) -> dict[str, float]:
         prompts = self.dataset.prompts
         rollouts = rollout.generate(prompts, self.sampling, weight_version)
@@ -67,7 +74,7 @@ class Validator:
             "val/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts),
             "val/prompts": float(len(prompts)),
         }
-        name = getattr(reward, "accuracy_component", None)
+        name = reward.accuracy_component
         if name:
             hits = [res.components.get(name, float("-inf")) >= self.config.reward.accuracy_threshold for res in results]
             values["val/accuracy"] = sum(hits) / len(hits)

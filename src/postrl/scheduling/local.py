@@ -6,27 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 from postrl.config.run import RunConfig
+from postrl.models.devices import resolve_device
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
 from postrl.scheduling.placement import make_pool
+from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.group import TrainGroup
-from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
+from postrl.train.rank import GroupSpec, TrainRank
+from postrl.train.worker import TrainWorker
 from postrl.workers.handles import InProcessHandle
 from postrl.workers.net import free_port
 from postrl.workers.process import ProcessHandle
-
-
-def policy_spec(config: RunConfig) -> PolicySpec:
-    return PolicySpec(
-        config.model.path,
-        config.model.dtype,
-        config.train,
-        config.algorithm,
-        temperature=config.rollout.temperature,
-        seed=config.seed,
-        gradient_checkpointing=config.model.gradient_checkpointing,
-        max_response_tokens=config.rollout.max_tokens,
-    )
 
 
 class LocalScheduler:
@@ -56,14 +46,17 @@ class LocalScheduler:
 
         return make_pool(c, start)
 
-    def train_group(self, policy: PolicySpec | None = None) -> TrainGroup:
-        """The train ranks, each in its own process, building ``policy`` (default: the run's policy)."""
+    def train_group(self, policy: PolicySpec | None = None) -> TrainWorker | TrainGroup:
+        """The trainer of ``policy`` (default: the run's policy): with one worker in this process,
+        with several as the ranks of an FSDP2 group, each in its own process."""
         c = self.config
         n = c.scheduler.train.workers
+        policy = policy or PolicySpec.of_run(c)
+        if n == 1:
+            return build_train_worker(policy, resolve_device(c.train.device, "train.device"))
         spec = GroupSpec(
             world=n, master_addr="127.0.0.1", master_port=free_port(), timeout_s=c.scheduler.call_timeout_s
         )
-        policy = policy or policy_spec(c)
         ranks = [ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(n)]
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 

@@ -21,8 +21,9 @@ from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
 from postrl.scheduling.placement import make_pool
 from postrl.scheduling.reaper import Reaper
+from postrl.train.factory import PolicySpec
 from postrl.train.group import TrainGroup
-from postrl.train.rank import GroupSpec, PolicySpec, TrainRank
+from postrl.train.rank import GroupSpec, TrainRank
 from postrl.workers.handles import PlacementError, WorkerDiedError, WorkerTimeoutError, submit
 from postrl.workers.net import can_connect, host_port
 from postrl.workers.process import WorkerCallError
@@ -399,14 +400,12 @@ class RayScheduler:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from postrl.scheduling.local import policy_spec
-
         c, t = self.config, self.config.scheduler.train
         strategy = PlacementGroupSchedulingStrategy(self.groups["train"], placement_group_bundle_index=0)
         host, port = ray.get(ray.remote(rendezvous_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
         spec = GroupSpec(world=t.workers, master_addr=host, master_port=port, timeout_s=c.scheduler.call_timeout_s)
         # all ranks are asked for together; TrainGroup then joins them into the process group at once
-        policy = policy or policy_spec(c)
+        policy = policy or PolicySpec.of_run(c)
         ranks = [
             self._start_actor(
                 f"train rank {r}",
@@ -447,7 +446,12 @@ class RayScheduler:
         )
         return RemoteObject(handle, timeout=c.scheduler.call_timeout_s)
 
-    def reward_service(self, make: Any) -> RestartingRewardService:
+    def reward_service(self, make: Any) -> Any:
+        """The Reward Service as an actor (started again when it dies); a remote service by URL
+        (``reward.remote``) is called from the driver."""
+        if self.config.reward.remote is not None:
+            return make(self.config.reward)
+
         def start() -> RayHandle:
             return self._actor(
                 "reward service", "reward", 0, make, self.config.reward, num_cpus=self.config.scheduler.reward.num_cpus

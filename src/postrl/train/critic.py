@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from postrl.config.algorithm import CriticConfig
-from postrl.train.state import load_train_state, save_train_state
+from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.types import ExperienceBatch
 
 
@@ -58,8 +58,13 @@ class CriticWorker:
         self.device = resolve_device(device, "train.device")
         lm = load_causal_lm(config.path or policy_path, model_dtype)
         self.model = ValueModel(lm.get_decoder(), lm.config.hidden_size).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
-        self.updates = 0
+        settings = OptimizerSettings(lr=config.lr, grad_clip=config.grad_clip, what="algorithm.critic")
+        self.optimization = Optimization(self.model, settings)
+
+    @property
+    def updates(self) -> int:
+        """The critic's optimizer steps so far."""
+        return self.optimization.steps
 
     @torch.no_grad()
     def values(self, batch: ExperienceBatch) -> torch.Tensor:
@@ -90,23 +95,15 @@ class CriticWorker:
                 (loss.sum() / total).backward()
                 stats["critic/value_loss"] += float(loss.detach().sum()) / total / self.cfg.epochs
                 stats["critic/clip_fraction"] += float(clipped.sum()) / total / self.cfg.epochs
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.updates += 1
+            self.optimization.step(float(self.optimization.clip_gradients()))
         self.model.eval()
         return stats
 
     def save_checkpoint(self, path: str | Path) -> None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_train_state(self.model, self.optimizer, path / "dcp")
-        torch.save({"updates": self.updates}, path / "critic_state.pt")
+        self.optimization.save(Path(path))
 
     def load_checkpoint(self, path: str | Path) -> None:
-        path = Path(path)
-        load_train_state(self.model, self.optimizer, path / "dcp")
-        self.updates = int(torch.load(path / "critic_state.pt", weights_only=True)["updates"])
+        self.optimization.load(Path(path))
 
     def close(self) -> None:
         """Nothing to release beyond the model's memory, which goes with the object."""

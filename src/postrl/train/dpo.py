@@ -1,36 +1,32 @@
 """DPO's Train Worker: the policy's sequence log-probabilities of chosen and rejected completions
-against a frozen reference's (computed once and cached), one of the ``DPO_LOSSES``; the optimizer,
-scheduler, checkpoints and saving are the Train Worker's own."""
+against a frozen reference's (computed once and cached), one of the ``DPO_LOSSES``. The optimizer,
+schedule, clipping, non-finite-gradient guard and checkpoints are the shared
+:class:`~postrl.train.optimization.Optimization`."""
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 
 from postrl.algorithms import DPO_LOSSES
 from postrl.algorithms.preference import margin
-from postrl.config.algorithm import AlgorithmConfig
 from postrl.config.dpo import DPOConfig
 from postrl.config.run import TrainConfig
 from postrl.data.preferences import PreferencePair
+from postrl.models.weights import save_weights
 from postrl.train.logprobs import token_logprobs
-from postrl.train.worker import TrainWorker
+from postrl.train.optimization import Optimization, OptimizerSettings
+from postrl.train.worker import prepare_for_training
+from postrl.types import pad_sequences
 
 
 def pair_batch(pairs: list[PreferencePair], pad_id: int) -> tuple[torch.Tensor, ...]:
     """Rows ``prompt + chosen`` then ``prompt + rejected`` (2B rows), with the completion mask
     ``[2B, T-1]`` and group ids (a pair shares its prompt)."""
     rows = [(p.prompt_ids, c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
-    width = max(len(a) + len(b) for a, b in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width - 1))
-    for i, (prompt, completion) in enumerate(rows):
-        p, n = len(prompt), len(completion)
-        ids[i, : p + n] = torch.tensor(prompt + completion)
-        attention[i, : p + n] = 1
-        mask[i, p - 1 : p - 1 + n] = 1.0
+    ids, attention, mask, _ = pad_sequences(rows, pad_id)
     groups = torch.arange(len(pairs)).repeat_interleave(2)
     return ids, attention, mask, groups
 
@@ -48,18 +44,18 @@ def sequence_logprobs(
     return total[0::2], total[1::2]
 
 
-class DPOWorker(TrainWorker):
+class DPOWorker:
     def __init__(
         self,
         model: torch.nn.Module,
         train: TrainConfig,
         dpo: DPOConfig,
         pad_id: int,
-        seed: int = 0,
         gradient_checkpointing: bool = False,
     ) -> None:
-        super().__init__(model, train, AlgorithmConfig(), seed=seed, gradient_checkpointing=gradient_checkpointing)
-        self.dpo, self.pad_id = dpo, pad_id
+        self.model, self.cfg, self.dpo, self.pad_id = model, train, dpo, pad_id
+        prepare_for_training(model, train.attention, gradient_checkpointing)
+        self.optimization = Optimization(model, OptimizerSettings.of_train(train))
         self.average = dpo.loss_type == "ipo"
         self.loss = functools.partial(
             DPO_LOSSES.get(dpo.loss_type),
@@ -96,12 +92,25 @@ class DPOWorker(TrainWorker):
             with torch.no_grad():
                 r_c, r_r = self.dpo.beta * (chosen - ref[:, 0]), self.dpo.beta * (rejected - ref[:, 1])
                 sums += torch.stack([loss.sum(), (r_c > r_r).float().sum(), (r_c - r_r).sum(), r_c.sum(), r_r.sum()])
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
+        norm = float(self.optimization.clip_gradients())
+        self.optimization.step(norm)
         self.model.eval()
         values = (sums / len(pairs)).tolist()
         names = ["dpo/loss", "dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward"]
-        return {**dict(zip(names, values)), "actor/grad_norm": float(norm), "actor/lr": self.scheduler.get_last_lr()[0]}
+        return {
+            **dict(zip(names, values)),
+            "actor/grad_norm": norm,
+            "actor/lr": self.optimization.lr,
+            "actor/skipped_updates": float(self.optimization.skipped),
+        }
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """The policy as a Hugging Face folder (config + safetensors)."""
+        save_weights(self.model, Path(folder))
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        self.optimization.save(Path(path))
+        self.save_pretrained(Path(path) / "model")
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        self.optimization.load(Path(path))

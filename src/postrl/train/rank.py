@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from postrl.config.run import AlgorithmConfig, TrainConfig
-from postrl.models.devices import bf16_matmul_supported, resolve_device
+from postrl.models.devices import resolve_device
 from postrl.models.weights import dedupe_tied
+from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.worker import TrainWorker
 from postrl.types import ExperienceBatch, TrainMetrics
 
@@ -26,20 +26,6 @@ class GroupSpec:
     master_addr: str
     master_port: int
     timeout_s: float = 600.0
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """What each rank builds: the policy from ``model_path`` and how it is trained."""
-
-    model_path: str
-    model_dtype: str
-    train: TrainConfig
-    algorithm: AlgorithmConfig
-    temperature: float
-    seed: int
-    gradient_checkpointing: bool = False
-    max_response_tokens: int = 64  # rollout.max_tokens: Dr. GRPO's constant normaliser
 
 
 def rank_device(name: str, rank: int) -> torch.device:
@@ -67,8 +53,7 @@ class TrainRank:
 
     def join(self) -> int:
         """Enter the process group (waits for every rank) and build the Train Worker; returns the rank."""
-        from postrl.models.loading import load_causal_lm, quiet_transformers
-        from postrl.train.fsdp import FSDPTrainWorker
+        from postrl.models.loading import quiet_transformers
 
         if self._worker is not None:
             return self.rank
@@ -87,23 +72,7 @@ class TrainRank:
                 timeout=timedelta(seconds=group.timeout_s),
             )
         torch.manual_seed(policy.seed)
-        model = load_causal_lm(policy.model_path, policy.model_dtype).to(device)
-        ref = None
-        if policy.algorithm.kl_beta > 0:
-            ref = load_causal_lm(policy.model_path, policy.model_dtype).to(device)
-        precision = policy.train.precision
-        bf16 = precision == "bf16_autocast" or (precision == "auto" and bf16_matmul_supported(device))
-        common = dict(
-            temperature=policy.temperature,
-            ref_model=ref,
-            seed=policy.seed,
-            gradient_checkpointing=policy.gradient_checkpointing,
-            max_response_tokens=policy.max_response_tokens,
-        )
-        if group.world == 1:  # one rank: a plain Train Worker (no collectives, no sharding)
-            self._worker = TrainWorker(model, policy.train, policy.algorithm, **common)
-        else:
-            self._worker = FSDPTrainWorker(model, policy.train, policy.algorithm, bf16=bf16, **common)
+        self._worker = build_train_worker(policy, device, group.world)
         return self.rank
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:

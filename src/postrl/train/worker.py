@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from pathlib import Path
 
 import torch
@@ -17,10 +16,9 @@ import torch
 from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, LossNormalizer, kl_k3, kl_penalty
 from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
-from postrl.models.weights import load_weights_into, save_weights
+from postrl.models.weights import save_weights
 from postrl.train.logprobs import token_logprobs
-from postrl.train.lr_schedule import make_scheduler
-from postrl.train.state import full_tensor, load_train_state, save_train_state
+from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.stats import TOKENS, Stats
 from postrl.types import ExperienceBatch, TrainMetrics
 
@@ -28,8 +26,13 @@ from postrl.types import ExperienceBatch, TrainMetrics
 MEASURED_BEFORE_UPDATE = ("rollout/mismatch_kl", "rollout/logprob_diff_max")
 
 
-class NonFiniteLossError(RuntimeError):
-    """Raised after ``train.max_consecutive_nan`` skipped updates in a row."""
+def prepare_for_training(model: torch.nn.Module, attention: str, gradient_checkpointing: bool) -> None:
+    """The attention kernel for training (:func:`set_training_attention`) and, when asked,
+    activation checkpointing."""
+    set_training_attention(model, attention)
+    if gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
 
 
 def set_training_attention(model: torch.nn.Module, choice: str) -> str:
@@ -64,27 +67,16 @@ class TrainWorker:
         self.temperature = temperature
         self.max_response_tokens = max_response_tokens  # Dr. GRPO's constant normaliser
         self.ref_model = ref_model.eval() if ref_model is not None else None
-        if self.algo.kl_beta > 0 and self.ref_model is None:
+        if self.algo.needs_reference and self.ref_model is None:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
         self.kl_beta = algorithm.kl_beta  # the adaptive controller moves it (set_kl_beta)
-        set_training_attention(model, train.attention)
-        if gradient_checkpointing:
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
+        prepare_for_training(model, train.attention, gradient_checkpointing)
         self.policy_loss = functools.partial(
             POLICY_LOSSES.get(algorithm.policy_loss.type), **algorithm.policy_loss.options()
         )
         self.aggregate = LOSS_AGGREGATIONS.get(algorithm.loss_agg)
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
-        )
-        self.scheduler = make_scheduler(
-            self.optimizer, train.lr_schedule, train.warmup_steps, train.lr_decay_steps, train.min_lr_ratio
-        )
+        self.optimization = Optimization(model, OptimizerSettings.of_train(train))
         self.generator = torch.Generator().manual_seed(seed)
-        self.optimizer_steps = 0
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
 
     is_main = True  # the process that writes files for the whole group
 
@@ -94,14 +86,14 @@ class TrainWorker:
         batch = batch.to(device)
         total, before_update = Stats(), Stats()  # before_update: pi_old vs the rollout, before the first step
         grad_norms: list[float] = []
-        steps_at_start = self.optimizer_steps
+        steps_at_start = self.optimization.steps
         for _ in range(self.cfg.epochs):
             order = self._group_shuffled_order(batch)
             for start in range(0, batch.size, self.cfg.mini_batch_size):
                 mini = batch.select(order[start : start + self.cfg.mini_batch_size].to(device))
                 if mini.num_tokens == 0:
                     continue
-                still_pi_old = self.optimizer_steps == steps_at_start
+                still_pi_old = self.optimization.steps == steps_at_start
                 stats, norm = self._mini_batch_step(mini)
                 total = total.merge(stats)
                 if still_pi_old:
@@ -112,9 +104,9 @@ class TrainWorker:
         values = {k: v for k, v in total.finish(empty=0.0).items() if k not in MEASURED_BEFORE_UPDATE}
         values.update({k: v for k, v in before_update.finish().items() if k in MEASURED_BEFORE_UPDATE})
         values["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-        values["actor/lr"] = self.scheduler.get_last_lr()[0]
-        values["actor/skipped_updates"] = float(self.skipped_steps)
-        return TrainMetrics(values, self.optimizer_steps, self.skipped_steps)
+        values["actor/lr"] = self.optimization.lr
+        values["actor/skipped_updates"] = float(self.optimization.skipped)
+        return TrainMetrics(values, self.optimization.steps, self.optimization.skipped)
 
     def _group_shuffled_order(self, batch: ExperienceBatch) -> torch.Tensor:
         """A random order of the rows that keeps the samples of one group (one prompt) together.
@@ -148,24 +140,8 @@ class TrainWorker:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
         the device together, once."""
         sums = self.accumulate_gradients(mini)
-        norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
-        stats, (norm_value,) = sums.read(norm)
-        if not math.isfinite(norm_value):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-            if self.consecutive_skips >= self.cfg.max_consecutive_nan:
-                raise NonFiniteLossError(
-                    f"{self.consecutive_skips} updates in a row had a non-finite gradient norm; stopping "
-                    "(lower train.lr, check rewards for inf/NaN, or raise train.max_consecutive_nan)"
-                )
-            return stats, None
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
-        self.consecutive_skips = 0
-        return stats, norm_value
+        stats, (norm,) = sums.read(self.optimization.clip_gradients())
+        return stats, norm if self.optimization.step(norm) else None
 
     def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer) -> Stats:
         mask = micro.loss_mask
@@ -257,34 +233,18 @@ class TrainWorker:
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Model and optimizer through torch.distributed.checkpoint (resharded on load, so a run can
-        resume with another number of ranks), the loadable ``model/`` folder, and the scheduler,
-        generator and counters."""
+        resume with another number of ranks), the schedule and counters, the loadable ``model/``
+        folder, and the shuffling generator."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_train_state(self.model, self.optimizer, path / "dcp")
+        self.optimization.save(path, write_state=self.is_main)
         self.save_pretrained(path / "model")
         if self.is_main:
-            torch.save(self._loop_state(), path / "trainer_state.pt")
+            torch.save({"generator": self.generator.get_state()}, path / "trainer_state.pt")
 
     def load_checkpoint(self, path: str | Path) -> None:
         path = Path(path)
-        if (path / "dcp").is_dir():
-            load_train_state(self.model, self.optimizer, path / "dcp")
-            state = torch.load(path / "trainer_state.pt", weights_only=True)
-        else:  # a checkpoint written before sharded checkpoints: full weights + optimizer.pt
-            load_weights_into(self.model, path / "model")
-            state = torch.load(path / "optimizer.pt", weights_only=True)
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.generator.set_state(state["generator"])
-        self.optimizer_steps, self.skipped_steps, self.consecutive_skips = state["counters"]
+        self.optimization.load(path)
+        self.generator.set_state(torch.load(path / "trainer_state.pt", weights_only=True)["generator"])
 
     def close(self) -> None:
         """Nothing to release beyond the model's memory, which goes with the object."""
-
-    def _loop_state(self) -> dict:
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "generator": self.generator.get_state(),
-            "counters": [self.optimizer_steps, self.skipped_steps, self.consecutive_skips],
-        }

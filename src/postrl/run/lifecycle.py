@@ -1,0 +1,143 @@
+"""The step loop every training command shares (``postrl train``, ``dpo``, ``sft``): steps until
+the last one or a stop request, metrics to the sinks, checkpoints every ``checkpoint.every_steps``
+and on a stop, a clear message with the resume command, and the final model at the end.
+
+A first Ctrl-C (or SIGTERM) stops after the step in progress; a second abandons it, and a job whose
+step had not yet changed the weights is put back to its last completed step.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+from postrl.run.checkpoint import latest_checkpoint
+from postrl.run.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.run.metrics import MetricSink
+from postrl.run.place import RunPlace
+from postrl.types import StepMetrics
+
+
+class SteppedJob(Protocol):
+    """A training job the loop drives one step at a time."""
+
+    command: str  # the CLI command, for the resume message
+
+    @property
+    def completed_steps(self) -> int: ...
+
+    def step(self) -> StepMetrics: ...
+
+    def checkpoint(self) -> Path:
+        """Write a complete checkpoint of the last completed step; its folder."""
+        ...
+
+    def restore_abandoned_step(self) -> bool:
+        """After an abandoned step, back to the last completed one; False when the weights had changed."""
+        ...
+
+    def save_final(self, folder: Path) -> None:
+        """The trained model (and tokenizer) as a loadable folder."""
+        ...
+
+
+def stopped_message(location: str, step: int, saved_at: int | None, command: str, abandoned: bool = False) -> str:
+    what = "abandoned a step that had started updating the weights; " if abandoned else ""
+    if saved_at:
+        return (
+            f"stopped after step {step}; {what}the last checkpoint is step {saved_at}. "
+            f"Resume with: postrl {command} --resume {location}"
+        )
+    return f"stopped after step {step}; {what}no checkpoint was written, so there is nothing to resume"
+
+
+def stderr_echo(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class StepLoop:
+    """``run(job)``: the loop; ``observers`` see each step's metrics before the sinks do (validation,
+    watches) and may add to them; ``published_at_end`` are the run-directory entries published last."""
+
+    def __init__(
+        self,
+        config: Any,
+        place: RunPlace,
+        total: int,
+        sinks: Callable[[Callable[[str], None]], list[MetricSink]],
+        observers: Sequence[Callable[[StepMetrics], None]] = (),
+        published_at_end: Sequence[str] = ("final_model", "metrics.jsonl", "tensorboard"),
+        at_end: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.config, self.place, self.total = config, place, total
+        self.make_sinks, self.observers, self.published_at_end = sinks, list(observers), published_at_end
+        self.at_end = at_end
+
+    def run(self, job: SteppedJob) -> None:
+        show_bar = self.config.logging.progress_bar and sys.stderr.isatty()
+        bar = tqdm(
+            total=self.total,
+            initial=job.completed_steps,
+            disable=not show_bar,
+            desc=self.config.name,
+            unit="step",
+            leave=False,
+        )
+        echo = bar.write if show_bar else stderr_echo
+        sinks = self.make_sinks(bar.write if show_bar else print)
+        stopper = GracefulStop(echo=echo)
+        try:
+            with stopper:
+                self._steps(job, stopper, sinks, bar)
+            final = self.config.run_dir / "final_model"
+            job.save_final(final)
+            extra = self.at_end() if self.at_end is not None else None
+            for sink in sinks:
+                sink.close()
+            self.place.publish(*self.published_at_end)
+            where = f"{self.place.location}/final_model" if self.place.url else final
+            print(f"trained model: {where}" + (f"\n{extra}" if extra else ""))
+        finally:
+            bar.close()
+            for sink in sinks:
+                sink.close()
+
+    def _steps(self, job: SteppedJob, stopper: GracefulStop, sinks: list[MetricSink], bar: tqdm) -> None:
+        saved_at = self._latest_saved()
+        try:
+            while job.completed_steps < self.total and not stopper.requested:
+                metrics = job.step()
+                for observe in self.observers:
+                    observe(metrics)
+                for sink in sinks:
+                    sink.write(metrics)
+                bar.update(1)
+                every, done = self.config.checkpoint.every_steps, job.completed_steps
+                if done == self.total or (every and done % every == 0):
+                    saved_at = self._checkpoint(job)
+        except StepAbandoned:
+            if not job.restore_abandoned_step():
+                message = stopped_message(self.place.location, job.completed_steps, saved_at, job.command, True)
+                raise RunInterrupted(message, stopper.signum or signal.SIGINT) from None
+        done = job.completed_steps
+        if done < self.total:
+            if self.config.checkpoint.on_interrupt and saved_at != done and done > 0:
+                saved_at = self._checkpoint(job)
+            message = stopped_message(self.place.location, done, saved_at, job.command)
+            raise RunInterrupted(message, stopper.signum or signal.SIGINT)
+
+    def _checkpoint(self, job: SteppedJob) -> int:
+        from postrl.run.checkpoint import list_checkpoints
+
+        path = job.checkpoint()
+        self.place.publish_checkpoint(path, list_checkpoints(self.config.run_dir))
+        return job.completed_steps
+
+    def _latest_saved(self) -> int | None:
+        checkpoint = latest_checkpoint(self.config.run_dir)
+        return None if checkpoint is None else int(checkpoint.name.split("_")[1])
