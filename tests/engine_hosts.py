@@ -11,3 +11,17 @@ class SlowHost(RolloutEngineHost):
     def generate(self, prompts, sampling_params, weight_version):
         time.sleep(1.5)
         return super().generate(prompts, sampling_params, weight_version)
+
+
+class Refusing:
+    """A worker whose calls raise: a registered error type, and an unregistered one."""
+
+    accuracy_component = "acc"
+
+    def update_weights(self, *args):
+        from postrl.models.weights import WeightSyncError
+
+        raise WeightSyncError("manifest mismatch: 1 tensors altered")
+
+    def broken(self):
+        raise KeyError("no such tensor")

@@ -87,14 +87,15 @@ def test_ppo_run_trains_the_critic_checkpoints_and_resumes_it(tmp_path, tiny_mod
     assert all(r["critic/value_loss"] > 0 for r in rows)
     assert rows[0]["actor/grad_norm"] != rows[0]["actor/grad_norm"]  # NaN: step 1 is the critic's warm-up
     assert rows[1]["actor/grad_norm"] > 0
-    assert controller.parts.critic.updates == 2
+    assert controller.parts.critic.handle.obj.updates == 2
     checkpoint = latest_checkpoint(config.run_dir)
     assert (checkpoint / "critic" / "optimization.pt").is_file() and (checkpoint / "critic" / "dcp").is_dir()
     resumed = train(resume_config(config.run_dir, ["steps=3"]), resume=True)
-    assert resumed.parts.critic.updates == 3  # 2 restored from the checkpoint + 1
+    assert resumed.parts.critic.handle.obj.updates == 3  # 2 restored from the checkpoint + 1
     # the same 3 steps without a stop: the resumed critic's weights (and so its optimizer) match exactly
     straight = train(config.model_copy(update={"name": "straight", "steps": 3}))
     for (name, a), (_, b) in zip(
-        resumed.parts.critic.model.state_dict().items(), straight.parts.critic.model.state_dict().items()
+        resumed.parts.critic.handle.obj.model.state_dict().items(),
+        straight.parts.critic.handle.obj.model.state_dict().items(),
     ):
         assert torch.equal(a, b), name

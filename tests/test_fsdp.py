@@ -150,7 +150,7 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
     # one process takes the 2-rank checkpoint: with no step left to run, final_model is what it loaded
     (tmp_path / "fsdp" / "final_model" / "model.safetensors").unlink()
     same = train(resume_config(tmp_path / "fsdp", ["scheduler.train.workers=1"]), resume=True)
-    assert same.step_count == 2 and isinstance(same.parts.trainer, TrainWorker)
+    assert same.step_count == 2 and isinstance(same.parts.trainer.handle.obj, TrainWorker)  # one in-process worker
     reloaded = load_causal_lm(str(tmp_path / "fsdp" / "final_model")).state_dict()
     assert all(torch.equal(saved[n], reloaded[n]) for n in saved)
     more = train(resume_config(tmp_path / "fsdp", ["steps=3", "scheduler.train.workers=1"]), resume=True)

@@ -77,7 +77,7 @@ def test_two_step_run_on_cuda(tmp_path, tiny_model_dir, arithmetic_jsonl):
     )
     controller = train(config)
     assert controller.step_count == 2
-    assert next(controller.parts.trainer.model.parameters()).device.type == "cuda"
+    assert next(controller.parts.trainer.handle.obj.model.parameters()).device.type == "cuda"
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in rows)
     load_causal_lm(str(config.run_dir / "final_model"))

@@ -81,6 +81,6 @@ def test_adaptive_kl_coefficient_follows_the_observed_kl_and_resumes(tmp_path, t
     for row in rows:  # the coefficient after each step, from that step's observed KL
         beta = adaptive_kl_coef(beta, row["actor/kl"], 0.01, 16, 100)
         assert row["actor/kl_beta"] == pytest.approx(beta)
-    assert rows[-1]["actor/kl_beta"] != 0.1 and controller.parts.trainer.kl_beta == pytest.approx(beta)
+    assert rows[-1]["actor/kl_beta"] != 0.1 and controller.parts.trainer.handle.obj.kl_beta == pytest.approx(beta)
     resumed = train(resume_config(tmp_path / "kl-adaptive", ["steps=2"]), resume=True)
-    assert resumed.kl.beta == pytest.approx(beta) and resumed.parts.trainer.kl_beta == pytest.approx(beta)
+    assert resumed.kl.beta == pytest.approx(beta) and resumed.parts.trainer.handle.obj.kl_beta == pytest.approx(beta)

@@ -123,3 +123,20 @@ def test_bf16_autocast_computes_the_forward_in_bf16(char_tokenizer):
         seen[precision] = dtypes
         assert next(model.parameters()).dtype == torch.float32  # the master weights stay fp32
     assert seen == {"float32": {torch.float32}, "bf16_autocast": {torch.bfloat16}}
+
+
+def test_remote_errors_arrive_typed_from_a_child_process():
+    from postrl.models.weights import WeightSyncError
+    from postrl.workers.errors import WorkerCallError
+    from postrl.workers.process import ProcessHandle
+    from tests.engine_hosts import Refusing
+
+    handle = ProcessHandle("rollout engine 3", Refusing)
+    try:
+        with pytest.raises(WeightSyncError, match="^rollout engine 3 in update_weights: manifest mismatch"):
+            handle.call("update_weights", {}, 1, timeout=60)
+        with pytest.raises(WorkerCallError, match="(?s)rollout engine 3 failed in broken:.*KeyError: 'no such tensor'"):
+            handle.call("broken", timeout=60)
+        assert handle.attribute("accuracy_component") == "acc" and handle.alive()  # still serving
+    finally:
+        handle.close()

@@ -99,7 +99,7 @@ def test_rollout_actor_killed_mid_step_loses_and_duplicates_nothing(tmp_path, ti
         reward = scheduler.reward_service(make_reward_service)
         requests = [ScoreRequest("1+1=", "22", {}, 2), ScoreRequest("1+1=", "a", {}, 1)]
         want = [r.components for r in reward.score_batch(requests)]
-        reward._handle.kill()
+        reward.handle.kill()
         assert (
             [r.components for r in reward.score_batch(requests)]
             == want
@@ -134,5 +134,5 @@ def test_ppo_with_critic_and_kl_in_the_reward_under_ray(tmp_path, tiny_model_dir
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["critic/value_loss"] > 0 for r in rows) and rows[1]["kl/reward_penalty"] > 0
     assert rows[1]["actor/kl_beta"] != 0.1
-    assert (config.run_dir / "checkpoints" / "step_00000002" / "critic" / "critic_state.pt").is_file()
+    assert (config.run_dir / "checkpoints" / "step_00000002" / "critic" / "optimization.pt").is_file()
     assert not ray.is_initialized() and controller.step_count == 2

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from postrl.workers.errors import remote_error
+
 
 def tied_keys(model: torch.nn.Module) -> set[str]:
     config = getattr(model, "config", None)
@@ -73,6 +75,7 @@ def write_sync_file(state: dict[str, torch.Tensor], path: Path) -> Path:
     return path
 
 
+@remote_error
 class WeightSyncError(RuntimeError):
     """The weights that reached a rollout worker are not the weights that were sent."""
 

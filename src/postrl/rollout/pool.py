@@ -179,7 +179,7 @@ class RolloutPool:
             except LOST as exc:
                 return Health(False, f"{slot.name}: {exc}")
             if not health:
-                return Health(False, f"{slot.name}: {getattr(health, 'reason', '')}")
+                return Health(False, f"{slot.name}: {health.reason}")
         return Health(True)
 
     def state_dict(self) -> dict[str, Any]:

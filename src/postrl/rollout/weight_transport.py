@@ -25,19 +25,20 @@ class WeightTransport(Protocol):
 
 
 def _outcomes(engines: list[Handle], futures: list[Future], version: int) -> dict[str, str]:
+    """The engines lost during the push (name -> why); raise when any engine refused the weights
+    (a :class:`WeightSyncError`, wherever the engine lives: the refusing engines keep their weights)."""
     lost: dict[str, str] = {}
     refused: list[str] = []
     for handle, future in zip(engines, futures):
         try:
             future.result()
+        except WeightSyncError as exc:
+            refused.append(f"{handle.name}: {str(exc).splitlines()[-1]}")
         except (WorkerDiedError, WorkerTimeoutError) as exc:
             lost[handle.name] = str(exc)
-        except Exception as exc:  # noqa: BLE001 - sorted into refused (corrupt) and lost (broken transfer)
+        except Exception as exc:  # noqa: BLE001 - a broken transfer: the engine is replaced
             text = f"{type(exc).__name__}: {exc}"
-            if "WeightSyncError" in text:
-                refused.append(f"{handle.name}: {text.splitlines()[-1]}")
-            else:
-                lost[handle.name] = text.splitlines()[-1] if text.strip() else type(exc).__name__
+            lost[handle.name] = text.splitlines()[-1] if text.strip() else type(exc).__name__
     if refused:
         raise WeightSyncError(
             f"weight version {version} was refused by {len(refused)} engine(s), which keep "

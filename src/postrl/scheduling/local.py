@@ -13,7 +13,7 @@ from postrl.scheduling.placement import make_pool
 from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
-from postrl.train.worker import TrainWorker
+from postrl.workers.clients import CriticClient, RewardServiceClient, TrainWorkerClient
 from postrl.workers.handles import InProcessHandle
 from postrl.workers.net import free_port
 from postrl.workers.process import ProcessHandle
@@ -46,28 +46,32 @@ class LocalScheduler:
 
         return make_pool(c, start)
 
-    def train_group(self, policy: PolicySpec | None = None) -> TrainWorker | TrainGroup:
+    def train_group(self, policy: PolicySpec | None = None) -> TrainWorkerClient | TrainGroup:
         """The trainer of ``policy`` (default: the run's policy): with one worker in this process,
         with several as the ranks of an FSDP2 group, each in its own process."""
         c = self.config
         n = c.scheduler.train.workers
         policy = policy or PolicySpec.of_run(c)
         if n == 1:
-            return build_train_worker(policy, resolve_device(c.train.device, "train.device"))
+            worker = build_train_worker(policy, resolve_device(c.train.device, "train.device"))
+            return TrainWorkerClient(InProcessHandle(worker, "train worker"))
         spec = GroupSpec(
             world=n, master_addr="127.0.0.1", master_port=free_port(), timeout_s=c.scheduler.call_timeout_s
         )
         ranks = [ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(n)]
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 
-    def critic_worker(self, pad_id: int) -> Any:
+    def critic_worker(self, pad_id: int) -> CriticClient:
         from postrl.train.critic import CriticWorker
 
         c = self.config
-        return CriticWorker(c.algorithm.critic, c.model.path, c.model.dtype, pad_id, seed=c.seed, device=c.train.device)
+        critic = CriticWorker(
+            c.algorithm.critic, c.model.path, c.model.dtype, pad_id, seed=c.seed, device=c.train.device
+        )
+        return CriticClient(InProcessHandle(critic, "critic"))
 
-    def reward_service(self, make: Any) -> Any:
-        return make(self.config.reward)
+    def reward_service(self, make: Any) -> RewardServiceClient:
+        return RewardServiceClient(InProcessHandle(make(self.config.reward), "reward service"))
 
     def close(self) -> None:
         """Nothing to shut down beyond the workers, which the run closes."""

@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import threading
-import traceback
 from concurrent.futures import Future
 from typing import Any
 
@@ -24,9 +23,10 @@ from postrl.scheduling.reaper import Reaper
 from postrl.train.factory import PolicySpec
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
-from postrl.workers.handles import PlacementError, WorkerDiedError, WorkerTimeoutError, submit
+from postrl.workers.clients import CriticClient, RewardServiceClient
+from postrl.workers.errors import RemoteFailure, WorkerCallError
+from postrl.workers.handles import InProcessHandle, PlacementError, WorkerDiedError, WorkerTimeoutError, submit
 from postrl.workers.net import can_connect, host_port
-from postrl.workers.process import WorkerCallError
 from postrl.workers.wire import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,12 @@ class ActorHost:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.obj = factory(*args, **kwargs)
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def call(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
+        """("ok", the packed result), or ("error", a RemoteFailure) when the method raised."""
         try:
-            return pack(getattr(self.obj, method)(*unpack(args), **unpack(kwargs)))
-        except Exception as exc:  # noqa: BLE001 - the traceback travels as text, naming the actor's failure
-            raise WorkerCallError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+            return "ok", pack(getattr(self.obj, method)(*unpack(args), **unpack(kwargs)))
+        except Exception as exc:  # noqa: BLE001 - sent back typed, raised again on the caller's side
+            return "error", RemoteFailure.of(exc)
 
     def attribute(self, name: str) -> Any:
         return getattr(self.obj, name)
@@ -75,13 +76,16 @@ class RayHandle:
         if self._killed:
             raise WorkerDiedError(f"{self.name} was stopped")
         try:
-            return unpack(ray.get(self.actor.call.remote(method, pack(args), pack(kwargs)), timeout=timeout))
+            status, value = ray.get(self.actor.call.remote(method, pack(args), pack(kwargs)), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise WorkerTimeoutError(f"{self.name} did not answer {method} within {timeout:g} s") from None
         except ray.exceptions.RayActorError as exc:
             raise WorkerDiedError(f"{self.name} died during {method}: {str(exc).splitlines()[0]}") from None
         except ray.exceptions.RayTaskError as exc:
             raise WorkerCallError(f"{self.name} failed in {method}: {exc}") from None
+        if status == "error":
+            raise value.error(self.name, method)
+        return unpack(value)
 
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
         return submit(self.call, method, *args, timeout=timeout, **kwargs)
@@ -116,49 +120,6 @@ class RayHandle:
             except (WorkerDiedError, WorkerTimeoutError, WorkerCallError):
                 pass  # it is killed below either way
         self.kill()
-
-
-class RemoteObject:
-    """Method calls on an actor-hosted object, e.g. the Reward Service, with the listed attributes read once."""
-
-    def __init__(self, handle: RayHandle, attributes: tuple[str, ...] = (), timeout: float | None = None) -> None:
-        self._handle, self._timeout = handle, timeout
-        for name in attributes:
-            setattr(self, name, handle.attribute(name))
-
-    def __getattr__(self, method: str) -> Any:
-        handle = self.__dict__["_handle"]
-        return lambda *args, **kwargs: handle.call(method, *args, timeout=self._timeout, **kwargs)
-
-    def close(self) -> None:
-        self._handle.close()
-
-
-class RestartingRewardService(RemoteObject):
-    """The Reward Service actor; when it dies or stops answering it is started again and the batch
-    is scored again (scoring has no side effects), up to ``max_restarts`` times in a run."""
-
-    def __init__(self, start: Any, timeout: float | None, max_restarts: int = 8) -> None:
-        self._start, self._log_file, self.restarts, self._max_restarts = start, None, 0, max_restarts
-        super().__init__(start(), attributes=("accuracy_component",), timeout=timeout)
-
-    def set_log_file(self, path: Any) -> None:
-        self._log_file = path
-        self._handle.call("set_log_file", path, timeout=self._timeout)
-
-    def score_batch(self, requests: list) -> list:
-        while True:
-            try:
-                return self._handle.call("score_batch", requests, timeout=self._timeout)
-            except (WorkerDiedError, WorkerTimeoutError) as exc:
-                self.restarts += 1
-                if self.restarts > self._max_restarts:
-                    raise
-                log.warning("the reward service actor was lost (%s); starting it again and rescoring", exc)
-                self._handle.kill()
-                self._handle = self._start()
-                if self._log_file is not None:
-                    self._handle.call("set_log_file", self._log_file, timeout=self._timeout)
 
 
 class ClusterUnreachableError(ConfigError):
@@ -424,7 +385,7 @@ class RayScheduler:
         self._await_started(ranks, t.num_cpus, t.num_gpus)
         return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
 
-    def critic_worker(self, pad_id: int) -> RemoteObject:
+    def critic_worker(self, pad_id: int) -> CriticClient:
         """The critic as its own actor, with the train role's resources."""
         from postrl.train.critic import CriticWorker
 
@@ -444,20 +405,20 @@ class RayScheduler:
             num_gpus=t.num_gpus,
             threads=t.threads,
         )
-        return RemoteObject(handle, timeout=c.scheduler.call_timeout_s)
+        return CriticClient(handle, timeout=c.scheduler.call_timeout_s)
 
-    def reward_service(self, make: Any) -> Any:
+    def reward_service(self, make: Any) -> RewardServiceClient:
         """The Reward Service as an actor (started again when it dies); a remote service by URL
         (``reward.remote``) is called from the driver."""
         if self.config.reward.remote is not None:
-            return make(self.config.reward)
+            return RewardServiceClient(InProcessHandle(make(self.config.reward), "reward service"))
 
         def start() -> RayHandle:
             return self._actor(
                 "reward service", "reward", 0, make, self.config.reward, num_cpus=self.config.scheduler.reward.num_cpus
             )
 
-        return RestartingRewardService(start, timeout=self.config.scheduler.call_timeout_s)
+        return RewardServiceClient(start(), timeout=self.config.scheduler.call_timeout_s, restart=start)
 
     def close(self) -> None:
         import ray

@@ -13,8 +13,10 @@ import torch
 
 from postrl.train.lr_schedule import make_scheduler
 from postrl.train.state import full_tensor, load_train_state, save_train_state
+from postrl.workers.errors import remote_error
 
 
+@remote_error
 class NonFiniteLossError(RuntimeError):
     """Raised after ``max_consecutive_nan`` skipped updates in a row."""
 

@@ -35,6 +35,10 @@ class Handle(Protocol):
 
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future: ...
 
+    def attribute(self, name: str) -> Any:
+        """An attribute of the worker (read once by a client, e.g. the reward's accuracy component)."""
+        ...
+
     def alive(self) -> bool: ...
 
     def kill(self) -> None:
@@ -76,6 +80,9 @@ class InProcessHandle:
         except BaseException as exc:  # noqa: BLE001 - delivered through the future, as from a remote worker
             future.set_exception(exc)
         return future
+
+    def attribute(self, name: str) -> Any:
+        return getattr(self.obj, name)
 
     def alive(self) -> bool:
         return not self._killed

@@ -11,10 +11,10 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-import traceback
 from concurrent.futures import Future
 from typing import Any
 
+from postrl.workers.errors import RemoteFailure
 from postrl.workers.handles import WorkerDiedError, WorkerTimeoutError, submit
 
 
@@ -25,8 +25,8 @@ def _serve(conn: Any, factory: Any, args: tuple, kwargs: dict) -> None:
         pass
     try:
         obj = factory(*args, **kwargs)
-    except BaseException:  # noqa: BLE001 - reported to the caller
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        conn.send(("error", RemoteFailure.of(exc)))
         return
     conn.send(("ok", None))
     while True:
@@ -39,13 +39,15 @@ def _serve(conn: Any, factory: Any, args: tuple, kwargs: dict) -> None:
             return
         method, call_args, call_kwargs = message
         try:
-            conn.send(("ok", getattr(obj, method)(*call_args, **call_kwargs)))
-        except BaseException:  # noqa: BLE001 - reported to the caller
-            conn.send(("error", traceback.format_exc()))
+            if method == ATTRIBUTE:
+                conn.send(("ok", getattr(obj, call_args[0])))
+            else:
+                conn.send(("ok", getattr(obj, method)(*call_args, **call_kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            conn.send(("error", RemoteFailure.of(exc)))
 
 
-class WorkerCallError(RuntimeError):
-    """A method raised inside the worker; the message carries the worker's traceback."""
+ATTRIBUTE = "__attribute__"  # the message that reads an attribute of the worker instead of calling it
 
 
 class ProcessHandle:
@@ -78,7 +80,7 @@ class ProcessHandle:
         except EOFError:
             raise WorkerDiedError(f"{self.name} (pid {self.process.pid}) closed its pipe during {what}") from None
         if status == "error":
-            raise WorkerCallError(f"{self.name} failed in {what}:\n{value}")
+            raise value.error(self.name, what)
         return value
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -96,6 +98,9 @@ class ProcessHandle:
 
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
         return submit(self.call, method, *args, timeout=timeout, **kwargs)
+
+    def attribute(self, name: str) -> Any:
+        return self.call(ATTRIBUTE, name, timeout=60.0)
 
     def alive(self) -> bool:
         return self.process.is_alive()
