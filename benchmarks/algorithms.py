@@ -108,7 +108,7 @@ def run_dpo(out: str) -> dict:
     import time
 
     from postrl.config.dpo import DPORunConfig
-    from postrl.config.run import build_config
+    from postrl.config.loading import build_config
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.run.dpo_runner import train_dpo
     from postrl.run.evaluate import evaluate_model

@@ -39,7 +39,7 @@ def score(prompt, response, answer, hang=False):
 
 STEP_SCRIPT = textwrap.dedent("""
     import json, sys, time
-    from postrl.config.run import load_config
+    from postrl.config.loading import load_config
     from postrl.run.train_runner import train
     config = load_config(sys.argv[1])
     train(config)

@@ -27,7 +27,7 @@ PROMPTS, G, NEW_TOKENS, MICRO, LR = 16, 8, 64, 16, 1e-6
 
 
 def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
-    from postrl.config.run import build_config
+    from postrl.config.loading import build_config
     from postrl.run.train_runner import train
 
     config = build_config(

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from postrl.cli import main
-from postrl.config.run import ConfigError, build_config, load_config
+from postrl.config.loading import build_config, load_config
+from postrl.config.run import ConfigError
 
 
 def test_defaults_and_dotted_overrides():

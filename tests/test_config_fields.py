@@ -7,7 +7,8 @@ import typing
 import pytest
 from pydantic import BaseModel
 
-from postrl.config.run import ConfigError, RewardServiceFile, RunConfig, build_config
+from postrl.config.loading import build_config
+from postrl.config.run import ConfigError, RewardServiceFile, RunConfig
 
 # numeric fields that are unbounded on purpose
 UNBOUNDED = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from postrl.buffer import ExperienceBuffer
-from postrl.config.run import build_config
+from postrl.config.loading import build_config
 from postrl.controller.controller import Components, Controller, RewardFailureError
 from postrl.data.dataset import PromptDataset
 from postrl.rollout.common import EngineBase, EngineUnhealthyError, Health

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from postrl.config.algorithm import CriticConfig
-from postrl.config.run import ConfigError, build_config
+from postrl.config.loading import build_config
+from postrl.config.run import ConfigError
 from postrl.train.critic import CriticWorker, clipped_value_loss
 from postrl.types import Experience, ExperienceBatch
 

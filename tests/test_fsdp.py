@@ -121,7 +121,7 @@ def test_a_dead_rank_stops_the_group_naming_it(tiny_model_dir, char_tokenizer):
 def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
     """`scheduler.train.workers=2` through the runner, then `--resume` with one process: the
     resumed run starts from the 2-rank checkpoint's exact weights."""
-    from postrl.config.run import build_config
+    from postrl.config.loading import build_config
     from postrl.run.checkpoint import latest_checkpoint
     from postrl.run.place import resume_config
     from postrl.run.train_runner import train

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from postrl.config.run import AlgorithmConfig, RolloutConfig, TrainConfig, build_config
+from postrl.config.loading import build_config
+from postrl.config.run import AlgorithmConfig, RolloutConfig, TrainConfig
 from postrl.models.devices import DeviceError, resolve_device
 from postrl.models.loading import load_causal_lm
 from postrl.rollout.factory import rollout_worker_for_model

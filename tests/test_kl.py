@@ -8,7 +8,8 @@ import json
 import pytest
 
 from postrl.algorithms.kl_control import adaptive_kl_coef
-from postrl.config.run import ConfigError, build_config
+from postrl.config.loading import build_config
+from postrl.config.run import ConfigError
 
 
 def test_adaptive_kl_coefficient_by_hand():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from postrl.config.run import AlgorithmConfig, TrainConfig, build_config
+from postrl.config.loading import build_config
+from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.rollout.common import Health
 from postrl.train.logprobs import token_logprobs
 from postrl.train.worker import TrainWorker

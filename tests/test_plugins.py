@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from postrl.cli import main
-from postrl.config.run import ConfigError, load_config
+from postrl.config.loading import load_config
+from postrl.config.run import ConfigError
 from tests.test_train_e2e import write_config
 
 PLUGIN = textwrap.dedent("""

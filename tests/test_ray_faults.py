@@ -152,7 +152,7 @@ def test_a_placement_that_cannot_succeed_names_the_short_resource(tmp_path, tiny
 
 
 def test_sft_runs_its_train_ranks_as_ray_actors(tmp_path, tiny_model_dir):
-    from postrl.config.run import load_config
+    from postrl.config.loading import load_config
     from postrl.config.sft import SFTRunConfig
     from postrl.run.metrics import read_metrics
     from postrl.run.sft_runner import train_sft

@@ -8,7 +8,7 @@ import json
 import httpx
 import torch
 
-from postrl.config.run import build_config
+from postrl.config.loading import build_config
 from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.run.train_runner import train

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from postrl.cli import main
-from postrl.config.run import ConfigError, RewardConfig, build_config
+from postrl.config.loading import build_config
+from postrl.config.run import ConfigError, RewardConfig
 from postrl.reward.code import extract_program, parse_tests
 from postrl.reward.pool import ScoringPool
 from postrl.reward.service import RewardService, ScoreRequest

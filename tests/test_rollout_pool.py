@@ -122,7 +122,7 @@ def test_engine_killed_mid_generate_is_replaced_and_its_prompts_requeued(tiny_mo
 def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(
     tmp_path, tiny_model_dir, arithmetic_jsonl
 ):
-    from postrl.config.run import build_config
+    from postrl.config.loading import build_config
     from postrl.run.train_runner import train
 
     config = build_config(

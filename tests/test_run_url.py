@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from postrl.config.run import build_config
+from postrl.config.loading import build_config
 from postrl.run.place import RunDirectoryError, resume_config
 from postrl.run.train_runner import train
 

@@ -143,7 +143,7 @@ def test_an_unreachable_rollout_url_is_refused_before_anything_is_written(
 
 def test_vllm_max_model_len_defaults_to_what_the_run_needs(tmp_path, tiny_model_dir, arithmetic_jsonl):
     """The default used to be 2048, which vLLM refuses for a 128-token model only after its start-up."""
-    from postrl.config.run import build_config
+    from postrl.config.loading import build_config
     from postrl.run.train_runner import check_context_length
 
     base = {
@@ -198,7 +198,7 @@ def test_eval_every_without_held_out_prompts_is_refused(tmp_path, tiny_model_dir
 def test_a_data_path_on_the_command_line_is_found_next_to_the_config(
     tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch, capsys
 ):
-    from postrl.config.run import load_config
+    from postrl.config.loading import load_config
 
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=1)
     elsewhere = tmp_path / "elsewhere"
@@ -241,7 +241,7 @@ def test_eval_of_a_run_uses_its_own_held_out_data_and_works_for_url_runs(
 
 
 def test_errors_name_the_fields_the_user_wrote_and_the_file():
-    from postrl.config.run import build_config, load_config
+    from postrl.config.loading import build_config, load_config
 
     with pytest.raises(ConfigError) as err:
         build_config({}, ["reward.components=[{type: custom, name: a, function: 'x:y', wieght: 1}]"])
@@ -283,7 +283,7 @@ def test_a_yaml_syntax_error_and_a_corrupt_parquet_file_name_the_file(tmp_path, 
 
 
 def test_a_large_logprob_mismatch_is_warned_once_naming_both_dtypes():
-    from postrl.config.run import build_config
+    from postrl.config.loading import build_config
     from postrl.run.watch import MismatchWatch
     from postrl.types import StepMetrics
 

@@ -1,3 +1,3 @@
 """postrl: RL post-training of language models."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -39,88 +39,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
+from postrl.reward.pool_jobs import Batch, Job, JobResult, PoolClosedError, PoolStats, Worker, sibling_key
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class JobResult:
-    value: float | None
-    error: str | None = None
-    timed_out: bool = False
-    reason: str | None = None  # why a scored sample got its score, when the function says
-
-
-@dataclass
-class PoolStats:
-    restarts: int = 0
-    timeouts: int = 0
-
-
-@dataclass
-class _Batch:
-    """The jobs of one ``submit`` call, for the hang breaker."""
-
-    results: int = 0
-    timeouts: int = 0
-    broken: str | None = None  # set when the breaker has tripped: the error every remaining job gets
-
-
-@dataclass
-class _Job:
-    id: int
-    payload: dict[str, Any]
-    timeout_s: float
-    future: Future
-    batch: _Batch = field(default_factory=_Batch)
-    key: str = ""  # jobs with the same key are siblings: the same prompt and columns
-    in_queue: bool = True  # False once taken from the queue (the queue drops such entries lazily)
-    holders: int = 0  # workers that hold a copy of it (one, or two after a reclaim)
-
-
-def sibling_key(payload: dict[str, Any]) -> str:
-    """The samples of one prompt share a key: the function, the prompt and its columns."""
-    columns = json.dumps(payload.get("columns"), sort_keys=True, default=str)
-    return f"{payload.get('fn')}\0{payload.get('prompt')}\0{columns}"
-
-
-@dataclass
-class _Worker:
-    proc: subprocess.Popen
-    pending: deque = field(default_factory=deque)  # _Jobs sent and not yet answered, in order
-    started: float = 0.0  # when the head-of-line job started (the previous answer's arrival)
-    buffer: bytes = b""
-    outgoing: bytearray = field(default_factory=bytearray)  # job lines not yet taken by the pipe
-    ready: bool = False  # the process has imported its code; only then do job timeouts run
-    stderr: Any = None  # the read end of the worker's stderr pipe
-    reclaimed: bool = False  # the jobs behind its stalled head went back to the queue
-
-    keys: Counter = field(default_factory=Counter)  # the sibling keys of the jobs in pending
-
-    def holds_sibling(self, key: str) -> bool:
-        return self.keys[key] > 0
-
-    def push(self, job: _Job) -> None:
-        self.pending.append(job)
-        self.keys[job.key] += 1
-        job.holders += 1
-
-    def pop_head(self) -> _Job:
-        job = self.pending.popleft()
-        self.keys[job.key] -= 1
-        job.holders -= 1
-        return job
-
-    def stalled(self, now: float, after_s: float) -> bool:
-        return self.ready and bool(self.pending) and now - self.started > after_s
-
-
-class PoolClosedError(RuntimeError):
-    """Raised for jobs submitted to, or still queued in, a closed pool."""
 
 
 class ScoringPool:
@@ -154,14 +79,14 @@ class ScoringPool:
             self.set_log_file(log_file)
         self.preload = preload  # functions imported before a worker reports ready
         self.stats = PoolStats()
-        self._queue: deque[_Job] = deque()
+        self._queue: deque[Job] = deque()
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False  # no more jobs (close() was called, or the I/O thread failed)
         self._shut_down = False  # close() has run: processes killed, pipes closed
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._workers: list[_Worker] = []  # started by the I/O thread, so they die with it
+        self._workers: list[Worker] = []  # started by the I/O thread, so they die with it
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="postrl-scoring-pool", daemon=True)
         self._thread.start()
@@ -201,14 +126,14 @@ class ScoringPool:
     def submit(self, jobs: list[dict[str, Any]]) -> list[Future]:
         """Queue jobs (dicts with fn, prompt, response, columns, options and optionally timeout_s)."""
         futures: list[Future] = []
-        batch = _Batch()
+        batch = Batch()
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the scoring pool is closed")
             for payload in jobs:
                 future: Future = Future()
                 timeout = float(payload.get("timeout_s") or self.timeout_s)
-                self._queue.append(_Job(self._next_id, payload, timeout, future, batch, sibling_key(payload)))
+                self._queue.append(Job(self._next_id, payload, timeout, future, batch, sibling_key(payload)))
                 self._next_id += 1
                 futures.append(future)
         self._wake()
@@ -243,7 +168,7 @@ class ScoringPool:
         self.close()
 
     # -- processes ------------------------------------------------------------------------------
-    def _spawn(self) -> _Worker:
+    def _spawn(self) -> Worker:
         # the worker sees the same import path as the driver, so 'my_pkg.rewards:score' resolves alike
         path = os.pathsep.join(p or os.getcwd() for p in sys.path)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "POSTRL_POOL_PID": str(os.getpid())}
@@ -257,10 +182,10 @@ class ScoringPool:
         )
         for stream in (proc.stdout, proc.stdin, proc.stderr):
             os.set_blocking(stream.fileno(), False)
-        return _Worker(proc=proc, started=time.monotonic(), stderr=proc.stderr)
+        return Worker(proc=proc, started=time.monotonic(), stderr=proc.stderr)
 
     @staticmethod
-    def _kill(worker: _Worker) -> None:
+    def _kill(worker: Worker) -> None:
         try:
             os.killpg(worker.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -337,7 +262,7 @@ class ScoringPool:
         selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
         selector.register(worker.stderr, selectors.EVENT_READ, ("stderr", worker))
 
-    def _remove_worker(self, worker: _Worker, selector: selectors.BaseSelector) -> None:
+    def _remove_worker(self, worker: Worker, selector: selectors.BaseSelector) -> None:
         for stream in (worker.proc.stdout, worker.stderr):
             try:
                 selector.unregister(stream)
@@ -378,7 +303,7 @@ class ScoringPool:
             self._queue.popleft().in_queue = False
         return bool(self._queue)
 
-    def _reclaim(self, stalled: list[_Worker]) -> None:
+    def _reclaim(self, stalled: list[Worker]) -> None:
         """The jobs waiting behind a stalled job go back to the front of the queue, for other workers.
         The stalled worker keeps its copies (they are already in its pipe): whichever copy answers
         first sets the result, and when the worker reaches a copy still queued it takes it back."""
@@ -428,7 +353,7 @@ class ScoringPool:
             self._flush(worker)
 
     @staticmethod
-    def _flush(worker: _Worker) -> None:
+    def _flush(worker: Worker) -> None:
         """Write what the pipe takes without blocking (a stuck worker must not stall this thread)."""
         while worker.outgoing:
             try:
@@ -440,7 +365,7 @@ class ScoringPool:
                 return
             del worker.outgoing[:n]
 
-    def _limit(self, worker: _Worker) -> float:
+    def _limit(self, worker: Worker) -> float:
         if not worker.ready:
             return self.startup_timeout_s
         return worker.pending[0].timeout_s
@@ -458,7 +383,7 @@ class ScoringPool:
             ]
         return max(0.0, min(times)) + 0.001
 
-    def _read_stderr(self, worker: _Worker) -> None:
+    def _read_stderr(self, worker: Worker) -> None:
         try:
             chunk = os.read(worker.stderr.fileno(), 1 << 16)
         except (BlockingIOError, ValueError, OSError):
@@ -466,7 +391,7 @@ class ScoringPool:
         if chunk:
             self._write_log(chunk)
 
-    def _drain_stderr(self, worker: _Worker) -> None:
+    def _drain_stderr(self, worker: Worker) -> None:
         while True:
             try:
                 chunk = os.read(worker.stderr.fileno(), 1 << 16)
@@ -484,7 +409,7 @@ class ScoringPool:
             elif len(self._early_log) < 1 << 20:
                 self._early_log += chunk[: (1 << 20) - len(self._early_log)]
 
-    def _read(self, worker: _Worker) -> None:
+    def _read(self, worker: Worker) -> None:
         try:
             chunk = os.read(worker.proc.stdout.fileno(), 1 << 16)
         except (BlockingIOError, ValueError, OSError):
@@ -493,7 +418,7 @@ class ScoringPool:
             return
         worker.buffer += chunk
         *lines, worker.buffer = worker.buffer.split(b"\n")
-        done: list[tuple[_Job, JobResult]] = []
+        done: list[tuple[Job, JobResult]] = []
         with self._lock:
             for line in lines:
                 try:
@@ -560,7 +485,7 @@ class ScoringPool:
             if len(self._workers) < self.num_workers:
                 self._add_worker(selector)
 
-    def _count_timeout(self, job: _Job, fn: str) -> None:
+    def _count_timeout(self, job: Job, fn: str) -> None:
         """Trip the batch's breaker when its function has only ever timed out."""
         batch = job.batch
         batch.timeouts += 1

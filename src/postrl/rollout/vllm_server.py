@@ -102,25 +102,15 @@ def build_app(
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> dict:
-        for name, value, bound in (
+        limits = (
             ("n", req.n, max_n),
             ("max_tokens", req.max_tokens, max_tokens),
             ("prompts", len(req.prompt), max_prompts),
-        ):
+        )
+        for name, value, bound in limits:
             if value > bound:
                 raise HTTPException(400, f"{name}={value} is over this server's limit of {bound}")
-        params = SamplingParams(
-            n=req.n,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k if req.top_k > 0 else -1,
-            max_tokens=req.max_tokens,
-            stop=req.stop or None,
-            stop_token_ids=req.stop_token_ids or None,
-            seed=req.seed,
-            logprobs=0,
-            include_stop_str_in_output=True,
-        )
+        params = _sampling_params(req, SamplingParams)
         with lock:
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req.prompt], params, use_tqdm=False)
         return {
@@ -142,6 +132,22 @@ def build_app(
         return {"status": "ok", "weight_version": req.version}
 
     return app
+
+
+def _sampling_params(req: CompletionRequest, sampling_params: Any) -> Any:
+    """vLLM's SamplingParams of a request: sampled-token logprobs, stop strings kept in the text."""
+    return sampling_params(
+        n=req.n,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k if req.top_k > 0 else -1,
+        max_tokens=req.max_tokens,
+        stop=req.stop or None,
+        stop_token_ids=req.stop_token_ids or None,
+        seed=req.seed,
+        logprobs=0,
+        include_stop_str_in_output=True,
+    )
 
 
 def _choices(outputs: list[Any]) -> list[dict]:

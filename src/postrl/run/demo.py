@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from postrl.config.run import RunConfig, build_config
+from postrl.config.loading import build_config
+from postrl.config.run import RunConfig
 from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.run.evaluate import evaluate_model
 from postrl.run.plots import plot_metrics

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from postrl.config.dpo import DPORunConfig
-from postrl.config.run import ConfigError, save_config
+from postrl.config.loading import save_config
+from postrl.config.run import ConfigError
 from postrl.data.preferences import PreferencePair, load_preference_pairs
 from postrl.models.devices import resolve_device
 from postrl.models.loading import load_causal_lm, load_tokenizer

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from postrl.config.run import ConfigError, RewardConfig, RunConfig, load_config
+from postrl.config.loading import load_config
+from postrl.config.run import ConfigError, RewardConfig, RunConfig
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
@@ -131,19 +132,10 @@ def _local_run(config: RunConfig) -> Path:
     return config.run_dir
 
 
-def run_eval(
-    model: str | None,
-    run: str | None,
-    task: str | None,
-    data: list[str] | None,
-    config: str | None,
-    max_tokens: int | None,
-    out: str | None,
-) -> int:
-    """``postrl eval``: prints one line with the held-out accuracy (and mean reward with --data)."""
-    from postrl.models.loading import load_causal_lm, load_tokenizer
-    from postrl.run.train_runner import DEFAULT_MAX_PROMPT_TOKENS
-
+def _resolve_run(
+    model: str | None, run: str | None, task: str | None, config: str | None
+) -> tuple[str, RunConfig | None]:
+    """The model to evaluate and the config whose data and reward apply (from --run or --config)."""
     run_config: RunConfig | None = None
     if run is not None:
         from postrl.run.place import resume_config
@@ -165,19 +157,44 @@ def run_eval(
         run_config = load_config(config)
     if model is None:
         raise ConfigError("postrl eval needs --model PATH or --run runs/NAME")
+    return model, run_config
+
+
+def _held_out_files(run: str | None, run_config: RunConfig | None) -> list[str] | None:
+    """A run's own held-out prompts (data.val_files); None when its task has a built-in test split."""
+    if run is None or run_config is None:
+        return None
+    if run_config.data.val_files:
+        return list(run_config.data.val_files)
+    if run_config.data.task is None:
+        raise ConfigError(
+            f"{run} trained on {', '.join(run_config.data.train_files)}, which has no built-in "
+            "held-out split: pass --data FILE (held-out prompts, scored with the run's reward) or "
+            "--task NAME"
+        )
+    return None
+
+
+def run_eval(
+    model: str | None,
+    run: str | None,
+    task: str | None,
+    data: list[str] | None,
+    config: str | None,
+    max_tokens: int | None,
+    out: str | None,
+) -> int:
+    """``postrl eval``: prints one line with the held-out accuracy (and mean reward with --data)."""
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.run.train_runner import DEFAULT_MAX_PROMPT_TOKENS
+
+    model, run_config = _resolve_run(model, run, task, config)
     if task and data:
         raise ConfigError("give either --task or --data, not both")
     tokenizer = load_tokenizer(model)
     policy = load_causal_lm(model)
-    if not data and not task and run is not None and run_config is not None:
-        if run_config.data.val_files:  # the run's own held-out prompts
-            data = list(run_config.data.val_files)
-        elif run_config.data.task is None:
-            raise ConfigError(
-                f"{run} trained on {', '.join(run_config.data.train_files)}, which has no built-in "
-                "held-out split: pass --data FILE (held-out prompts, scored with the run's reward) or "
-                "--task NAME"
-            )
+    if not data and not task:
+        data = _held_out_files(run, run_config)
     if not data:
         task = task or (run_config.data.task if run_config and run_config.data.task else "arithmetic")
         result = evaluate_model(policy, tokenizer, task, max_tokens=max_tokens or 16)

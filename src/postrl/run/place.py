@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from postrl.config.loading import load_config
 from postrl.config.location import RunLocation, is_url
 from postrl.config.resume_policy import check_resume_changes, config_changes, describe_changes
-from postrl.config.run import ConfigError, RunConfig, load_config
+from postrl.config.run import ConfigError, RunConfig
 from postrl.run.checkpoint import list_checkpoints
 from postrl.run.store import RunStore
 

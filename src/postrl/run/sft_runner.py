@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from postrl.config.algorithm import AlgorithmConfig
-from postrl.config.run import ConfigError, save_config
+from postrl.config.loading import save_config
+from postrl.config.run import ConfigError
 from postrl.config.sft import SFTRunConfig
 from postrl.data.sft import SFTExample, load_sft_examples
 from postrl.models.loading import load_tokenizer

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from postrl.buffer import ExperienceBuffer
-from postrl.config.run import ConfigError, RewardConfig, RunConfig, save_config
+from postrl.config.loading import save_config
+from postrl.config.run import ConfigError, RewardConfig, RunConfig
 from postrl.controller.controller import Components, Controller
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.models.devices import DeviceError, resolve_device

@@ -19,15 +19,24 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from postrl.serve.batcher import EngineBatcher
+from postrl.serve.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    SamplingRequest,
+    UpdateWeightsRequest,
+    bad_request,
+    check_parameters,
+    cut_at_stop,
+    message_text,
+)
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware, confined_path, detail
 
@@ -42,121 +51,6 @@ class ServerLimits:
     default_max_tokens: int = 256
     weights_dir: str | None = None  # /update_weights reads only files under it; None disables it
     max_body_bytes: int = 4 << 20
-
-
-# OpenAI parameters this server does not implement, with the values that mean "not used";
-# any other value is a 400 naming the parameter.
-NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
-    "min_tokens": (None, 0),
-    "prediction": (None,),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "reasoning_effort": (None,),
-    "web_search_options": (None,),
-}
-# Accepted and without effect on generation: request metadata.
-METADATA = ("user", "metadata", "store", "service_tier")
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1: off")
-    n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    include_stop_str_in_output: bool = False
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
-
-
-class TextPart(BaseModel):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-
-class ChatRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class UpdateWeightsRequest(BaseModel):
-    path: str
-    version: int = Field(ge=0)
-    manifest: dict[str, str] | None = None
-
-
-def _bad(message: str, param: str | None = None, status: int = 400, code: str | None = None) -> HTTPException:
-    return HTTPException(status, {"message": message, "param": param, "code": code})
-
-
-def check_parameters(req: _Request) -> None:
-    """A 400 for any parameter this server does not implement (or does not know), naming it."""
-    for name, value in (req.model_extra or {}).items():
-        if name in METADATA:
-            continue
-        if name in NOT_IMPLEMENTED:
-            if value in NOT_IMPLEMENTED[name]:
-                continue
-            raise _bad(
-                f"parameter '{name}' is not supported by this server (got {value!r})",
-                name,
-                code="unsupported_parameter",
-            )
-        raise _bad(f"unknown parameter '{name}'", name, code="unknown_parameter")
-
-
-def message_text(message: ChatMessage) -> str:
-    if isinstance(message.content, str):
-        return message.content
-    texts = []
-    for i, part in enumerate(message.content):
-        if part.type != "text" or part.text is None:
-            raise _bad(f"content part {i} of type '{part.type}' is not supported (only text parts)", "messages")
-        texts.append(part.text)
-    return "\n".join(texts)
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """``text`` up to the first stop string, and whether one was found."""
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
 
 
 class _ChoiceStream:
@@ -197,19 +91,19 @@ class OpenAIServer:
         self.created = int(time.time())
 
     # -- checking a request ------------------------------------------------------------------------
-    def check_request(self, req: _Request, prompts: int) -> None:
+    def check_request(self, req: SamplingRequest, prompts: int) -> None:
         check_parameters(req)
         if req.model is not None and req.model != self.model_name:
-            raise _bad(
+            raise bad_request(
                 f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                 "model",
                 404,
                 "model_not_found",
             )
         if req.n > self.limits.max_n:
-            raise _bad(f"n={req.n} is over this server's limit of {self.limits.max_n} (--max-n)", "n")
+            raise bad_request(f"n={req.n} is over this server's limit of {self.limits.max_n} (--max-n)", "n")
         if prompts > self.limits.max_prompts:
-            raise _bad(
+            raise bad_request(
                 f"{prompts} prompts in one request is over this server's limit of {self.limits.max_prompts} "
                 f"(--max-prompts)",
                 "prompt",
@@ -220,22 +114,24 @@ class OpenAIServer:
         for item in items:
             ids = list(item) if isinstance(item, list) else self.tokenizer(item)["input_ids"]
             if not ids:
-                raise _bad("prompt is empty", "prompt")
+                raise bad_request("prompt is empty", "prompt")
             text = item if isinstance(item, str) else self.tokenizer.decode(ids)
             prompts.append(Prompt(text=text, prompt_ids=ids))
         return prompts
 
-    def sampling(self, req: _Request, prompts: list[Prompt], asked: int | None, top: int, field: str) -> SamplingParams:
+    def sampling(
+        self, req: SamplingRequest, prompts: list[Prompt], asked: int | None, top: int, field: str
+    ) -> SamplingParams:
         """Sampling parameters, with ``max_tokens`` checked against the server's bound and the context
         (unset: what the context leaves, up to the server's default)."""
         longest = max(len(p.prompt_ids) for p in prompts)
         if asked is not None and asked > self.limits.max_tokens:
-            raise _bad(
+            raise bad_request(
                 f"{field}={asked} is over this server's limit of {self.limits.max_tokens} (--max-tokens-limit)", field
             )
         room = self.limits.max_tokens if self.max_context is None else self.max_context - longest
         if self.max_context is not None and (room <= 0 or (asked is not None and asked > room)):
-            raise _bad(
+            raise bad_request(
                 f"This model's maximum context length is {self.max_context} tokens. However, you requested "
                 f"{longest + (asked or 1)} tokens ({longest} in the prompt, {asked or 1} for the completion). "
                 f"Please reduce the prompt or {field}.",
@@ -332,7 +228,7 @@ class OpenAIServer:
     async def chat(self, req: ChatRequest) -> dict[str, Any] | StreamingResponse:
         self.check_request(req, 1)
         if req.top_logprobs and not req.logprobs:
-            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         messages = [
             {"role": m.role if m.role != "developer" else "system", "content": message_text(m)} for m in req.messages
         ]
@@ -361,17 +257,19 @@ class OpenAIServer:
 
     async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
         if self.limits.weights_dir is None:
-            raise _bad("/update_weights is disabled: start the server with --weights-dir DIR to enable it", "path", 403)
+            raise bad_request(
+                "/update_weights is disabled: start the server with --weights-dir DIR to enable it", "path", 403
+            )
         try:
             path = confined_path(self.limits.weights_dir, req.path)
         except ValueError as exc:
-            raise _bad(str(exc), "path", 403) from None
+            raise bad_request(str(exc), "path", 403) from None
         if not Path(path).is_file():
-            raise _bad(f"no weights file at {req.path}", "path")
+            raise bad_request(f"no weights file at {req.path}", "path")
         try:
             await self.batcher.update_weights(path, req.version, req.manifest)
         except Exception as exc:  # noqa: BLE001 - a bad file is the client's error; the engine keeps its weights
-            raise _bad(f"could not load {req.path}: {type(exc).__name__}: {exc}", "path") from None
+            raise bad_request(f"could not load {req.path}: {type(exc).__name__}: {exc}", "path") from None
         return {"status": "ok", "weight_version": self.batcher.worker.weight_version}
 
 
@@ -396,7 +294,7 @@ class SSEStream:
         self,
         server: OpenAIServer,
         kind: str,
-        req: _Request,
+        req: SamplingRequest,
         prompts: list[Prompt],
         params: SamplingParams,
         logprob_k: int | None,

@@ -78,6 +78,24 @@ class PackedPrompts:
     target_pos: torch.Tensor  # [N] position in that row whose hidden state predicts the target
 
 
+def _prompt_response_spans(attention_mask: torch.Tensor, target_mask: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Each row's (prompt length, response length) when every row is prompt + one contiguous
+    response, right-padded; None otherwise."""
+    mask = target_mask.bool()
+    counts = mask.sum(1).tolist()
+    firsts = mask.float().argmax(1).tolist()
+    lengths = attention_mask.sum(1).tolist()
+    spans = []
+    for b in range(mask.shape[0]):
+        n, first = int(counts[b]), int(firsts[b])
+        if n == 0 or not bool(mask[b, first : first + n].all()) or first + 1 + n > lengths[b]:
+            return None
+        if int(attention_mask[b, : first + 1 + n].sum()) != first + 1 + n:
+            return None  # left padding or holes: not this layout
+        spans.append((first + 1, n))
+    return spans
+
+
 def pack_shared_prompts(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, group_ids: torch.Tensor
 ) -> PackedPrompts | None:
@@ -85,20 +103,13 @@ def pack_shared_prompts(
     when no group has two rows or the layout is not prompt + contiguous response (the caller then
     runs the rows as they are). Rows of a group must share their prompt, which is checked."""
     rows = input_ids.shape[0]
-    mask = target_mask.bool()
-    counts = mask.sum(1).tolist()
-    firsts = mask.float().argmax(1).tolist()
-    lengths = attention_mask.sum(1).tolist()
+    layout = _prompt_response_spans(attention_mask, target_mask)
+    if layout is None:
+        return None
     groups: dict[int, list[int]] = {}
-    spans = []
     for b in range(rows):
-        n, first = int(counts[b]), int(firsts[b])
-        if n == 0 or not bool(mask[b, first : first + n].all()) or first + 1 + n > lengths[b]:
-            return None
-        if int(attention_mask[b, : first + 1 + n].sum()) != first + 1 + n:
-            return None  # left padding or holes: not this layout
-        spans.append((first + 1, n))  # prompt length, response length
         groups.setdefault(int(group_ids[b]), []).append(b)
+    spans = layout
     if len(groups) == rows:
         return None  # no prompt is shared
     for group, members in groups.items():

@@ -1,0 +1,214 @@
+"""The ``postrl`` commands, one function each: check the arguments, then run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TypeVar
+
+from postrl.config.run import ConfigError
+
+ConfigT = TypeVar("ConfigT")
+
+
+def _run_config(args: argparse.Namespace, model: type[ConfigT], extra: list[str]) -> ConfigT:
+    """A new run's config (CONFIG + overrides) or, with --resume, the run's saved one (+ overrides)."""
+    from postrl.config.loading import load_config
+    from postrl.run.place import resume_config
+
+    if args.resume:
+        if args.config and "=" not in args.config:
+            raise ConfigError("give either CONFIG or --resume RUN_DIR, not both")
+        if args.overwrite:
+            raise ConfigError("--overwrite starts a new run; it cannot be combined with --resume")
+        return resume_config(
+            args.resume,
+            ([args.config] if args.config else []) + args.overrides + extra,
+            model,
+            force_change=args.force_change,
+        )
+    if args.force_change:
+        raise ConfigError("--force-change is for --resume (a new run may set any field)")
+    if not args.config:
+        raise ConfigError(f"postrl {args.command} needs a CONFIG.yaml (or --resume runs/NAME)")
+    return load_config(args.config, args.overrides + extra, model=model)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from postrl.config.run import RunConfig
+    from postrl.run.train_runner import train
+
+    config = _run_config(args, RunConfig, _ray_overrides(args))
+    controller = train(config, resume=bool(args.resume), overwrite=args.overwrite)
+    print(f"finished {controller.step_count} steps; run directory: {config.run_dir}")
+    return 0
+
+
+def _ray_overrides(args: argparse.Namespace) -> list[str]:
+    """``--ray-address ADDR`` is ``scheduler.type=ray scheduler.address=ADDR`` (``local``: a Ray instance
+    started for the run)."""
+    if args.ray_address is None:
+        return []
+    address = "null" if args.ray_address == "local" else args.ray_address
+    return ["scheduler.type=ray", f"scheduler.address={address}"]
+
+
+def _cmd_dpo(args: argparse.Namespace) -> int:
+    from postrl.config.dpo import DPORunConfig
+    from postrl.run.dpo_runner import train_dpo
+
+    config = _run_config(args, DPORunConfig, [])
+    train_dpo(config, resume=bool(args.resume), overwrite=args.overwrite)
+    print(f"run directory: {config.run_dir}")
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from postrl.config.sft import SFTRunConfig
+    from postrl.run.sft_runner import train_sft
+
+    config = _run_config(args, SFTRunConfig, _ray_overrides(args))
+    steps = train_sft(config, resume=bool(args.resume), overwrite=args.overwrite)
+    print(f"finished {steps} steps; run directory: {config.run_url or config.run_dir}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from postrl.run.demo import run_demo
+
+    result = run_demo(args.overrides)
+    print(
+        f"demo done in {result.wall_s:.0f}s: held-out accuracy {result.acc_before:.3f} -> {result.acc_after:.3f} "
+        f"after {result.steps} GRPO steps ({result.run_dir})"
+    )
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from postrl.run.evaluate import run_eval
+
+    return run_eval(
+        model=args.model,
+        run=args.run,
+        task=args.task,
+        data=args.data,
+        config=args.config,
+        max_tokens=args.max_tokens,
+        out=args.out,
+    )
+
+
+def _cmd_serve_rollout(args: argparse.Namespace) -> int:
+    from postrl.config.run import RolloutConfig
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.factory import rollout_worker_for_model
+    from postrl.serve.batcher import EngineBatcher
+    from postrl.serve.openai_server import ServerLimits, build_app
+    from postrl.serve.run import serve_app
+    from postrl.workers.http_guard import is_loopback, read_token
+
+    try:
+        token = read_token(args.token_env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not is_loopback(args.host) and token is None:
+        raise ConfigError(
+            f"--host {args.host} is not loopback: anyone who reaches the port could generate"
+            + (" and replace the model through /update_weights" if args.weights_dir else "")
+            + "; set --token-env VAR (a bearer token in that environment variable)"
+        )
+    if args.weights_dir and not os.path.isdir(args.weights_dir):
+        raise ConfigError(f"--weights-dir {args.weights_dir} is not a folder")
+    tokenizer = load_tokenizer(args.model)
+    model = load_causal_lm(args.model)
+    rollout = RolloutConfig(backend=args.backend, dtype=args.dtype, max_batch_size=args.max_batch_size)
+    worker = rollout_worker_for_model(rollout, model, tokenizer, "float32", seed=args.seed)
+    batcher = EngineBatcher(worker)
+    name = args.served_model_name or args.model
+    max_context = getattr(model.config, "max_position_embeddings", None)
+    limits = ServerLimits(
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_limit,
+        max_prompts=args.max_prompts,
+        default_max_tokens=args.default_max_tokens,
+        weights_dir=args.weights_dir,
+        max_body_bytes=args.max_body_bytes,
+    )
+    app = build_app(batcher, tokenizer, name, max_context=max_context, limits=limits, token=token)
+    engine = type(worker).__name__
+    banner = (
+        f"serving {name} ({engine}, context {max_context}) at http://{args.host}:{args.port}/v1"
+        f"{'; bearer token required' if token else ''}"
+        f"{f'; /update_weights reads {args.weights_dir}' if args.weights_dir else '; /update_weights disabled'}"
+    )
+    try:
+        serve_app(app, args.host, args.port, banner)
+    finally:
+        batcher.close()
+    return 0
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    from postrl.serve.router import LeastOutstandingRouter, build_router_app
+    from postrl.serve.run import serve_app
+    from postrl.workers.http_guard import read_token
+
+    try:
+        token = read_token(args.token_env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    router = LeastOutstandingRouter(args.backend, health_interval_s=args.health_interval_s, token=token)
+    banner = f"routing http://{args.host}:{args.port}/v1 over {', '.join(router.backends)}"
+    serve_app(build_router_app(router), args.host, args.port, banner)
+    return 0
+
+
+def _cmd_serve_reward(args: argparse.Namespace) -> int:
+    from postrl.config.loading import load_config
+    from postrl.config.run import RewardServiceFile, activate_import_paths
+    from postrl.reward.server import build_reward_app
+    from postrl.reward.service import RewardService
+    from postrl.serve.run import serve_app
+    from postrl.workers.http_guard import is_loopback, read_token
+
+    if not args.config:
+        raise ConfigError("postrl serve-reward needs --config reward.yaml (sections: reward, server)")
+    cfg = load_config(args.config, args.overrides, model=RewardServiceFile)
+    server = cfg.server.model_copy(
+        update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    )
+    try:
+        token = read_token(server.token_env, "server.token_env")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not is_loopback(server.host) and token is None:
+        print(f"warning: serving rewards on {server.host} without a token (set server.token_env)", file=sys.stderr)
+    activate_import_paths(cfg.import_paths)
+    service = RewardService(cfg.reward)
+    service.set_log_stream(sys.stderr.buffer)
+    if service.sandbox_protections is not None:
+        on = [k for k, v in service.sandbox_protections.items() if v]
+        off = [k for k, v in service.sandbox_protections.items() if not v]
+        print(f"code sandbox protections active: {', '.join(on)}" + (f"; MISSING: {', '.join(off)}" if off else ""))
+    names = ", ".join(f"{c.name} ({c.type}, weight {c.weight:g})" for c in service.components)
+    try:
+        # keep-alive longer than uvicorn's 5 s default: a pooled client connection closed by the
+        # server just as the client reuses it surfaces as a ReadError on the client
+        serve_app(
+            build_reward_app(service, server, token),
+            server.host,
+            server.port,
+            f"reward service on http://{server.host}:{server.port} with {names}",
+            timeout_keep_alive=75,
+        )
+    finally:
+        service.close()
+    return 0
+
+
+def _cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from postrl.models.gguf import convert_gguf
+
+    print(f"wrote {convert_gguf(args.file, args.out_dir)}")
+    return 0

@@ -1,0 +1,125 @@
+"""The request bodies of the OpenAI-compatible server, validated by pydantic, and the checks and
+text helpers they need. Parameters the server does not implement are refused by name."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI parameters this server does not implement, with the values that mean "not used";
+# any other value is a 400 naming the parameter.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "min_tokens": (None, 0),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+
+
+# Accepted and without effect on generation: request metadata.
+METADATA = ("user", "metadata", "store", "service_tier")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: off")
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class TextPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class UpdateWeightsRequest(BaseModel):
+    path: str
+    version: int = Field(ge=0)
+    manifest: dict[str, str] | None = None
+
+
+def bad_request(message: str, param: str | None = None, status: int = 400, code: str | None = None) -> HTTPException:
+    return HTTPException(status, {"message": message, "param": param, "code": code})
+
+
+def check_parameters(req: SamplingRequest) -> None:
+    """A 400 for any parameter this server does not implement (or does not know), naming it."""
+    for name, value in (req.model_extra or {}).items():
+        if name in METADATA:
+            continue
+        if name in NOT_IMPLEMENTED:
+            if value in NOT_IMPLEMENTED[name]:
+                continue
+            raise bad_request(
+                f"parameter '{name}' is not supported by this server (got {value!r})",
+                name,
+                code="unsupported_parameter",
+            )
+        raise bad_request(f"unknown parameter '{name}'", name, code="unknown_parameter")
+
+
+def message_text(message: ChatMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for i, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"content part {i} of type '{part.type}' is not supported (only text parts)", "messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """``text`` up to the first stop string, and whether one was found."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
