@@ -29,7 +29,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import torch  # noqa: E402
 
-from postrl.config.run import build_config  # noqa: E402
+from postrl.config.loading import build_config  # noqa: E402
 from postrl.run.demo import DEMO_SETTINGS  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import torch
 os.environ["RAY_AUTH_MODE"] = "disabled"
 ray = pytest.importorskip("ray")
 
-from postrl.config.run import build_config  # noqa: E402
+from postrl.config.loading import build_config  # noqa: E402
 from postrl.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from postrl.models.weights import dedupe_tied, weight_manifest  # noqa: E402
 from postrl.reward import ScoreRequest  # noqa: E402

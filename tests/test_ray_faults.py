@@ -18,7 +18,7 @@ import pytest
 os.environ["RAY_AUTH_MODE"] = "disabled"
 ray = pytest.importorskip("ray")
 
-from postrl.config.run import build_config  # noqa: E402
+from postrl.config.loading import build_config  # noqa: E402
 from postrl.run.train_runner import train  # noqa: E402
 from postrl.scheduling.ray_scheduler import RayScheduler  # noqa: E402
 from postrl.workers.handles import PlacementError  # noqa: E402
