@@ -31,6 +31,10 @@ ALGORITHMS: dict[str, list[str]] = {
         "algorithm.advantage={type: gae, gamma: 1.0, lam: 0.95}",
         "algorithm.critic={lr: 1.0e-3, micro_batch_size: 128}",
     ],
+    "ppo_unwhitened": [  # GAE without the batch whitening (the default before the pipeline issue)
+        "algorithm.advantage={type: gae, gamma: 1.0, lam: 0.95, whiten: false}",
+        "algorithm.critic={lr: 1.0e-3, micro_batch_size: 128}",
+    ],
     "reinforce_pp": ["algorithm.advantage=reinforce_pp"],
     "reinforce_pp_baseline": ["algorithm.advantage=reinforce_pp_baseline"],
     "gspo": ["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq_mean_token_mean"],

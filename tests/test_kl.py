@@ -27,6 +27,8 @@ def test_kl_settings_are_checked():
         ConfigError, match="kl_in=reward puts a per-token penalty into the rewards, which advantage=grpo does not take"
     ):
         build_config({"algorithm": {"kl_in": "reward", "kl_beta": 0.1}})
+    with pytest.raises(ConfigError, match="kl_in=reward puts -kl_beta x KL in the reward: set kl_beta > 0"):
+        build_config({"algorithm": {"kl_in": "reward", "advantage": "reinforce_pp"}})
 
 
 def run(tmp_path, model_dir, data, algorithm, name):

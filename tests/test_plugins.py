@@ -117,7 +117,7 @@ def test_a_stage_from_a_users_module_runs_in_the_step_and_resumes(
         tiny_model_dir,
         arithmetic_jsonl,
         steps=2,
-        algorithm={"plugins": ["my_stages"], "stages": [{"type": "response_share", "options": {"scale": 100.0}}]},
+        algorithm={"plugins": ["my_stages"], "stages": [{"type": "response_share", "params": {"scale": 100.0}}]},
     )
     assert main(["train", config]) == 0
     run = tmp_path / "runs" / "tiny"
@@ -134,3 +134,24 @@ def test_an_unknown_stage_is_named_with_the_registered_ones(tmp_path):
     path.write_text(yaml.safe_dump({"algorithm": {"stages": [{"type": "nope"}]}}))
     with pytest.raises(ConfigError, match=r"algorithm.stages\[0\]: unknown stage 'nope'"):
         load_config(path)
+
+
+def test_a_stage_whose_needs_the_run_lacks_is_refused_by_name(scratch_registries):
+    from postrl.algorithms import register_stage
+    from postrl.config.loading import build_config
+    from postrl.controller.stages import Stage, StageContext, build_stages
+    from postrl.controller.stages.kl import KLCoefficient
+
+    @register_stage("value_report")
+    class ValueReport(Stage):
+        name = "value_report"
+        phases = ("prepare",)
+        needs = frozenset({"critic"})
+
+        def __init__(self, context):
+            pass
+
+    config = build_config({"algorithm": {"stages": [{"type": "value_report"}]}})
+    context = StageContext(config, None, None, None, KLCoefficient(0.0, None))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="the value_report stage needs critic: set algorithm.critic"):
+        build_stages(context)

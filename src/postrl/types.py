@@ -185,7 +185,7 @@ class ExperienceBatch:
         return int(self.loss_mask.sum().item())
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ExperienceBatch:
-        return ExperienceBatch(**{f.name: _maybe(fn, getattr(self, f.name)) for f in fields(self)})
+        return ExperienceBatch(**{f.name: _maybe(fn, getattr(self, f.name)) for f in fields(self)})  # type: ignore[arg-type]
 
     def select(self, index: torch.Tensor | slice) -> ExperienceBatch:
         return self._map(lambda t: t[index])
@@ -267,7 +267,7 @@ def _response_values(row: int, e: Experience) -> dict[str, list]:
     if e.advantage is None:
         raise ValueError(f"experience {row} has no advantage: compute advantages before building a batch")
     advantages = [float(e.advantage)] * r if isinstance(e.advantage, (int, float)) else list(e.advantage)
-    values = {
+    values: dict[str, list[Any]] = {
         "old_logprobs": list(e.logprobs),
         "advantages": advantages,
         "loss_mask": [1] * r if e.loss_mask is None else list(e.loss_mask),

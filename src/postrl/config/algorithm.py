@@ -174,7 +174,7 @@ PolicyLossConfig = Annotated[
 
 class StageEntry(Section):
     type: str = Field(description="The stage's registered name (postrl.algorithms.register_stage).")
-    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the stage's factory.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the stage's factory.")
 
 
 class AlgorithmConfig(Section):
@@ -261,6 +261,8 @@ class AlgorithmConfig(Section):
     def _kl_settings_fit(self) -> AlgorithmConfig:
         if self.kl_target is not None and self.kl_beta <= 0:
             raise ValueError("algorithm.kl_target adapts kl_beta from its starting value: set kl_beta > 0")
+        if self.kl_in == "reward" and self.kl_beta <= 0:
+            raise ValueError("algorithm.kl_in=reward puts -kl_beta x KL in the reward: set kl_beta > 0")
         from postrl.algorithms import ADVANTAGES
 
         token_level = ADVANTAGES.names(lambda needs: needs.token_level)

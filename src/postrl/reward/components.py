@@ -34,7 +34,8 @@ class PooledScorer:
 class BuildContext(Protocol):
     """What a component's builder may ask of the service that builds it."""
 
-    default_timeout_s: float
+    @property
+    def default_timeout_s(self) -> float: ...
 
     def sandbox_options(self) -> dict[str, Any]:
         """The code sandbox's protections, probed once per service."""

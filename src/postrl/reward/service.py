@@ -134,7 +134,7 @@ class RewardService:
             )
         components: dict[str, float] = {}
         errors: list[str] = []
-        why = {name: r[i] for name, r in reasons.items() if r.get(i)}
+        why = {name: reason for name, r in reasons.items() if (reason := r.get(i))}
         for comp in applying:
             value, error = scores[comp.name][i]
             if value is None:

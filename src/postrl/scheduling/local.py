@@ -14,7 +14,7 @@ from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
 from postrl.workers.clients import CriticClient, RewardServiceClient, TrainWorkerClient
-from postrl.workers.handles import InProcessHandle
+from postrl.workers.handles import Handle, InProcessHandle
 from postrl.workers.net import free_port
 from postrl.workers.process import ProcessHandle
 
@@ -28,12 +28,12 @@ class LocalScheduler:
         if c.scheduler.rollout.workers == 1:
             from postrl.rollout.factory import make_rollout_worker
 
-            def start(i: int) -> InProcessHandle:
+            def start(i: int) -> Handle:
                 engine = make_rollout_worker(c.rollout, c.model.path, tokenizer, c.model.dtype, c.seed + i)
                 return InProcessHandle(engine, f"rollout engine {i}")
         else:
 
-            def start(i: int) -> ProcessHandle:
+            def start(i: int) -> Handle:
                 return ProcessHandle(
                     f"rollout engine {i}",
                     RolloutEngineHost,
@@ -65,6 +65,8 @@ class LocalScheduler:
         from postrl.train.critic import CriticWorker
 
         c = self.config
+        if c.algorithm.critic is None:
+            raise ValueError("a critic worker needs algorithm.critic")
         critic = CriticWorker(
             c.algorithm.critic, c.model.path, c.model.dtype, pad_id, seed=c.seed, device=c.train.device
         )

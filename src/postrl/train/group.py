@@ -7,6 +7,7 @@ then stopped too, since they would wait for it in their next collective."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,10 @@ class TrainWorkerDiedError(RuntimeError):
 
 
 class TrainGroup:
-    def __init__(self, ranks: list[Handle], call_timeout_s: float | None = None) -> None:
+    def __init__(self, ranks: Sequence[Handle], call_timeout_s: float | None = None) -> None:
         if not ranks:
             raise ValueError("a train group needs at least one rank")
-        self.ranks = ranks
+        self.ranks = list(ranks)
         self.call_timeout_s = call_timeout_s
         self._all("join")  # every rank enters the process group at once (each waits for the others)
 

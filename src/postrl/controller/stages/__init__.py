@@ -62,15 +62,28 @@ def build_stages(context: StageContext) -> StagePlan:
         stages.append(DynamicSampling(context.services, a.max_extra_rounds))
     if ADVANTAGES.needs(a.advantage.type).baseline:
         stages.append(GreedyBaseline(context.services))
-    if a.critic is not None:
-        if context.critic is None:
-            raise ConfigError("algorithm.critic is set but the run has no critic worker")
+    if a.critic is not None and context.critic is not None:
         stages.append(CriticStage(context.critic, a.critic.warmup_steps))
+    elif a.critic is not None:
+        raise ConfigError("algorithm.critic is set but the run has no critic worker")
     penalty = KLPenalty(context.trainer, context.kl, a.kl_estimator, a.kl_clamp) if a.kl_in == "reward" else None
     if penalty is not None:
         stages.append(penalty)
     if a.kl_target is not None:
         stages.append(AdaptiveKL(context.kl, a.kl_target, a.kl_horizon, penalty))
     for entry in a.stages:
-        stages.append(STAGES.get(entry.type)(context, **entry.options))
+        stages.append(STAGES.get(entry.type)(context, **entry.params))
+    check_needs(stages, context)
     return StagePlan(stages)
+
+
+def check_needs(stages: list[Stage], context: StageContext) -> None:
+    """Each stage's declared needs against what the run holds."""
+    held = {"critic": context.critic is not None, "reference": context.config.algorithm.needs_reference}
+    for stage in stages:
+        missing = sorted(need for need in stage.needs if not held[need])
+        if missing:
+            fix = {"critic": "set algorithm.critic", "reference": "set algorithm.kl_beta > 0"}
+            raise ConfigError(
+                f"the {stage.name} stage needs {' and '.join(missing)}: " + "; ".join(fix[m] for m in missing)
+            )

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal, Protocol
 from postrl.types import ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepBatch, TrainMetrics
 
 Phase = Literal["select", "prepare", "after_update"]
+Need = Literal["critic", "reference"]  # a critic worker; the reference model in the trainer
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,12 @@ class StepServices(Protocol):
 
 class Stage:
     """Base of the step's stages. ``name`` keys the stage's seconds (``time/<name>_s``) and its
-    state in checkpoints; ``phases`` lists the methods the step calls."""
+    state in checkpoints; ``phases`` lists the methods the step calls; ``needs`` what the run must
+    hold for it (checked when the stages are chosen)."""
 
     name: ClassVar[str] = "stage"
     phases: ClassVar[tuple[Phase, ...]] = ()
+    needs: ClassVar[frozenset[Need]] = frozenset()  # what the run must have for this stage to work
 
     def select(self, groups: Groups) -> tuple[Groups, dict[str, float]]:
         return groups, {}

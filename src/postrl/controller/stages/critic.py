@@ -15,6 +15,7 @@ class CriticStage(Stage):
 
     name = "critic"
     phases = ("prepare", "after_update")
+    needs = frozenset({"critic"})
 
     def __init__(self, critic: Critic, warmup_steps: int) -> None:
         self.critic, self.warmup_steps = critic, warmup_steps

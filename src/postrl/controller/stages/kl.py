@@ -29,6 +29,7 @@ class KLPenalty(Stage):
 
     name = "reference"
     phases = ("prepare",)
+    needs = frozenset({"reference"})
 
     def __init__(self, trainer: TrainWorker, coef: KLCoefficient, estimator: str, clamp: float | None) -> None:
         self.trainer, self.coef, self.estimator, self.clamp = trainer, coef, estimator, clamp
