@@ -214,3 +214,54 @@ def test_remax_generates_a_greedy_baseline_per_prompt_in_the_same_step(tmp_path)
     batch = parts.trainer.batches[0]
     per_sample = (batch.advantages.sum(dim=1) / batch.response_mask.sum(dim=1)).tolist()
     assert per_sample == [0.0, -1.0, 1.0, 0.0]  # r - baseline: 1-1, 0-1, 1-0, 0-0
+
+
+def test_a_resumed_controller_syncs_its_weights_once(tmp_path):
+    calls: list = []
+    ctl, parts = controller(tmp_path, calls)
+    ctl.step()
+    state = ctl.state_dict()
+    resumed = Controller(parts)
+    assert parts.rollout.syncs == [0, 1]  # building a Controller sends nothing
+    resumed.start(state)
+    assert parts.rollout.syncs == [0, 1, 1] and resumed.weight_version == 1  # one sync, of the resumed version
+
+
+def test_samples_file_carries_each_samples_advantage_and_metadata(tmp_path):
+    import json
+
+    calls: list = []
+    ctl, _ = controller(tmp_path, calls)
+    ctl.step()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "samples" / "step_1.jsonl").read_text().splitlines()]
+    assert [r["advantage"] for r in rows][1] == 0.0 and rows[2]["advantage"] == pytest.approx(1 / (2**0.5 + 1e-6))
+    meta = rows[0]["metadata"]
+    assert set(meta) == {"task_type", "engine", "generated_at", "scored_at"}
+    assert meta["task_type"] is None and meta["scored_at"] >= meta["generated_at"] > 0
+
+
+def test_closing_the_components_closes_every_worker_and_then_the_scheduler():
+    from postrl.run.train_runner import close_components
+
+    closed: list[str] = []
+
+    class Part:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            closed.append(self.name)
+
+    parts = Components(
+        None,
+        Tokenizer(),
+        None,
+        Part("rollout"),
+        Part("reward"),
+        Part("trainer"),
+        None,
+        Part("scheduler"),
+        Part("critic"),
+    )  # type: ignore[arg-type]
+    close_components(parts)
+    assert closed == ["reward", "rollout", "trainer", "critic", "scheduler"]

@@ -69,6 +69,8 @@ def test_three_step_train_run(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys
     ]:
         assert key in rows[-1], key
     assert rows[-1]["actor/kl"] >= 0.0
+    sample = json.loads((run_dir / "samples" / "step_1.jsonl").read_text().splitlines()[0])
+    assert sample["metadata"]["engine"] == "rollout engine 0" and sample["metadata"]["scored_at"] > 0
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["algorithm"]["kl_beta"] == 0.05
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

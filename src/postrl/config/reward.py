@@ -171,7 +171,6 @@ RewardComponentConfig = Annotated[
     | OverlongComponent,
     Field(discriminator="type"),
 ]
-POOLED_TYPES = ("math", "exact_match", "custom", "code")  # run in the killable scoring processes
 
 
 class RemoteRewardConfig(Section):

@@ -14,7 +14,6 @@ from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's
 from postrl.config.base import DEVICE_PATTERN, Section
 from postrl.config.location import RunLocation
 from postrl.config.reward import (  # noqa: F401 - the config's public names
-    POOLED_TYPES,
     CodeComponent,
     CustomComponent,
     RemoteRewardConfig,
