@@ -58,17 +58,24 @@ def test_three_step_run_matches_golden_values(tmp_path, tiny_model_dir, arithmet
         rollout={"n": 4, "max_tokens": 8, "temperature": 1.0},
     )
     assert main(["train", config]) == 0
-    run = tmp_path / "runs" / "tiny"
-    got = {
-        "steps": [{k: row[k] for k in KEYS} for row in read_metrics(run / "metrics.jsonl")],
-        "weights": fingerprint(run / "final_model"),
-    }
+    check_golden("tiny_grpo", tmp_path / "runs" / "tiny", KEYS)
+
+
+def check_golden(name: str, run: Path, keys: list[str]) -> list[dict]:
+    """The run's per-step ``keys`` and final-weight fingerprint against ``golden/NAME.json`` (1e-6);
+    with ``POSTRL_UPDATE_GOLDEN=1`` they are written there first. Returns the run's metric rows."""
+    rows = read_metrics(run / "metrics.jsonl")
+    got = {"steps": [{k: row[k] for k in keys} for row in rows], "weights": fingerprint(run / "final_model")}
+    path = GOLDEN.parent / f"{name}.json"
     if os.environ.get("POSTRL_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
-    want = json.loads(GOLDEN.read_text())
+        path.write_text(json.dumps(got, indent=1) + "\n")
+    want = json.loads(path.read_text())
     assert len(got["steps"]) == len(want["steps"]) == 3
     for step, (g, w) in enumerate(zip(got["steps"], want["steps"]), start=1):
-        for key in KEYS:
-            assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-6), f"step {step} {key}: {g[key]} != {w[key]}"
+        for key in keys:
+            assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-6), (
+                f"{name} step {step} {key}: {g[key]} != {w[key]}"
+            )
     for key, value in want["weights"].items():
-        assert got["weights"][key] == pytest.approx(value, rel=1e-6, abs=1e-6), f"final weights {key}"
+        assert got["weights"][key] == pytest.approx(value, rel=1e-6, abs=1e-6), f"{name} final weights {key}"
+    return rows

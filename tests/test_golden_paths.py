@@ -10,39 +10,15 @@ Regenerate after an intended change (and say why in the commit):
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
-
-import pytest
 
 from postrl.cli import main
-from postrl.run.metrics import read_metrics
-from tests.test_golden import fingerprint
+from tests.test_golden import check_golden
 from tests.test_train_e2e import write_config
 
-GOLDEN = Path(__file__).parent / "golden"
 LENGTH_REWARD = {
     "components": [{"name": "len", "type": "custom", "function": "tests.reward_fns:length_score"}],
     "num_workers": 1,
 }
-
-
-def check_golden(name: str, run: Path, keys: list[str]) -> list[dict]:
-    rows = read_metrics(run / "metrics.jsonl")
-    got = {"steps": [{k: row[k] for k in keys} for row in rows], "weights": fingerprint(run / "final_model")}
-    path = GOLDEN / f"{name}.json"
-    if os.environ.get("POSTRL_UPDATE_GOLDEN") == "1":
-        path.write_text(json.dumps(got, indent=1) + "\n")
-    want = json.loads(path.read_text())
-    assert len(got["steps"]) == len(want["steps"]) == 3
-    for step, (g, w) in enumerate(zip(got["steps"], want["steps"]), start=1):
-        for key in keys:
-            assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-6), (
-                f"{name} step {step} {key}: {g[key]} != {w[key]}"
-            )
-    for key, value in want["weights"].items():
-        assert got["weights"][key] == pytest.approx(value, rel=1e-6, abs=1e-6), f"{name} final weights {key}"
-    return rows
 
 
 def test_ppo_clip_over_two_epochs_matches_golden_values(tmp_path, tiny_model_dir, arithmetic_jsonl):

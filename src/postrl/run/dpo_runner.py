@@ -17,9 +17,9 @@ from postrl.config.run import ConfigError
 from postrl.data.preferences import PreferencePair, load_preference_pairs
 from postrl.models.devices import resolve_device
 from postrl.models.loading import load_causal_lm, load_tokenizer
-from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
+from postrl.run.checkpoint import latest_checkpoint, load_run_state
 from postrl.run.lease import RunLease
-from postrl.run.lifecycle import StepLoop
+from postrl.run.lifecycle import MiniBatchJob, StepLoop
 from postrl.run.place import RunPlace
 from postrl.run.train_runner import make_sinks
 from postrl.train.dpo import DPOWorker
@@ -72,44 +72,23 @@ def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = Fals
         lease.release()
 
 
-class DPOJob:
-    """``postrl dpo`` as the step loop sees it: one optimizer step over a mini-batch of pairs, in
-    a seeded order per epoch."""
+class DPOJob(MiniBatchJob):
+    """``postrl dpo`` as the step loop sees it: one optimizer step over a mini-batch of pairs."""
 
     command = "dpo"
 
     def __init__(self, config: DPORunConfig, worker: DPOWorker, tokenizer, pairs, reference, step: int) -> None:
-        self.config, self.worker, self.tokenizer = config, worker, tokenizer
-        self.pairs, self.reference, self.step_count = pairs, reference, step
-        self.per_epoch = math.ceil(len(pairs) / config.train.mini_batch_size)
-        self._updating = False
-
-    @property
-    def completed_steps(self) -> int:
-        return self.step_count
+        super().__init__(config, worker, tokenizer, len(pairs), step)
+        self.pairs, self.reference = pairs, reference
 
     def step(self) -> StepMetrics:
-        began, mini, step = time.perf_counter(), self.config.train.mini_batch_size, self.step_count
-        order = pair_order(len(self.pairs), self.config.seed, step // self.per_epoch)
-        chosen = order[(step % self.per_epoch) * mini : (step % self.per_epoch + 1) * mini]
-        self._updating = True
-        values = self.worker.update_pairs([self.pairs[i] for i in chosen], self.reference[chosen])
-        self.step_count, self._updating = step + 1, False
+        began, step = time.perf_counter(), self.step_count
+        chosen = self.chosen(pair_order, len(self.pairs))
+        self.updating = True
+        values = self.trainer.update_pairs([self.pairs[i] for i in chosen], self.reference[chosen])
+        self.step_count, self.updating = step + 1, False
         values.update({"data/epoch": float(step // self.per_epoch), "time/step_s": time.perf_counter() - began})
         return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
-
-    def restore_abandoned_step(self) -> bool:
-        """Only before the step started: a DPO step changes the weights as it goes."""
-        return not self._updating
-
-    def checkpoint(self) -> Path:
-        state = {"step": self.step_count, "weight_version": self.step_count}
-        c = self.config
-        return save_checkpoint(c.run_dir, self.step_count, self.worker, state, c.checkpoint.keep_last, self.tokenizer)
-
-    def save_final(self, folder: Path) -> None:
-        self.worker.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
 
 
 def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, resume: bool, echo) -> DPOWorker:

@@ -8,6 +8,7 @@ step had not yet changed the weights is put back to its last completed step.
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -44,6 +45,43 @@ class SteppedJob(Protocol):
     def save_final(self, folder: Path) -> None:
         """The trained model (and tokenizer) as a loadable folder."""
         ...
+
+
+class MiniBatchJob:
+    """What ``postrl dpo`` and ``postrl sft`` share: one optimizer step of a trainer per step over
+    a mini-batch of the run's examples; checkpoints hold the trainer and the step; a step abandoned
+    before the trainer was called is undone (none of its work changed the weights)."""
+
+    command = "train"
+
+    def __init__(self, config: Any, trainer: Any, tokenizer: Any, count: int, step: int) -> None:
+        self.config, self.trainer, self.tokenizer, self.step_count = config, trainer, tokenizer, step
+        self.per_epoch = math.ceil(count / config.train.mini_batch_size)
+        self.updating = False  # True while the trainer is changing the weights
+
+    @property
+    def completed_steps(self) -> int:
+        return self.step_count
+
+    def chosen(self, order: Callable[[int, int, int], list[int]], count: int) -> list[int]:
+        """This step's example indices: its slice of its epoch's seeded order."""
+        step, mini = self.step_count, self.config.train.mini_batch_size
+        ranked = order(count, self.config.seed, step // self.per_epoch)
+        return ranked[(step % self.per_epoch) * mini : (step % self.per_epoch + 1) * mini]
+
+    def restore_abandoned_step(self) -> bool:
+        return not self.updating
+
+    def checkpoint(self) -> Path:
+        from postrl.run.checkpoint import save_checkpoint
+
+        state = {"step": self.step_count, "weight_version": self.step_count}
+        c = self.config
+        return save_checkpoint(c.run_dir, self.step_count, self.trainer, state, c.checkpoint.keep_last, self.tokenizer)
+
+    def save_final(self, folder: Path) -> None:
+        self.trainer.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
 
 
 def stopped_message(location: str, step: int, saved_at: int | None, command: str, abandoned: bool = False) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,9 +22,9 @@ from postrl.config.run import ConfigError
 from postrl.config.sft import SFTRunConfig
 from postrl.data.sft import SFTExample, load_sft_examples
 from postrl.models.loading import load_tokenizer
-from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
+from postrl.run.checkpoint import latest_checkpoint, load_run_state
 from postrl.run.lease import RunLease
-from postrl.run.lifecycle import StepLoop
+from postrl.run.lifecycle import MiniBatchJob, StepLoop
 from postrl.run.place import RunPlace
 from postrl.run.train_runner import make_sinks
 from postrl.train.factory import PolicySpec, build_train_worker
@@ -146,31 +145,23 @@ def train_sft(
             lease.release()
 
 
-class SFTJob:
-    """``postrl sft`` as the step loop sees it: one optimizer step over a mini-batch of examples,
-    in a seeded order per epoch."""
+class SFTJob(MiniBatchJob):
+    """``postrl sft`` as the step loop sees it: one optimizer step over a mini-batch of examples."""
 
     command = "sft"
 
     def __init__(
         self, config: SFTRunConfig, trainer: Any, tokenizer: Any, examples: list[SFTExample], step: int
     ) -> None:
-        self.config, self.trainer, self.tokenizer, self.examples = config, trainer, tokenizer, examples
-        self.step_count = step
-        self.per_epoch = math.ceil(len(examples) / config.train.mini_batch_size)
-        self._updating = False
-
-    @property
-    def completed_steps(self) -> int:
-        return self.step_count
+        super().__init__(config, trainer, tokenizer, len(examples), step)
+        self.examples = examples
 
     def step(self) -> StepMetrics:
-        began, mini, step = time.perf_counter(), self.config.train.mini_batch_size, self.step_count
-        order = example_order(len(self.examples), self.config.seed, step // self.per_epoch)
-        chosen = [self.examples[i] for i in order[(step % self.per_epoch) * mini : (step % self.per_epoch + 1) * mini]]
-        self._updating = True
+        began, step = time.perf_counter(), self.step_count
+        chosen = [self.examples[i] for i in self.chosen(example_order, len(self.examples))]
+        self.updating = True
         metrics = self.trainer.update(sft_batch(chosen, self.tokenizer.pad_token_id))
-        self.step_count, self._updating = step + 1, False
+        self.step_count, self.updating = step + 1, False
         loss = metrics.get("actor/loss")
         values = {
             "sft/loss": loss,
@@ -183,18 +174,6 @@ class SFTJob:
             "time/step_s": time.perf_counter() - began,
         }
         return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
-
-    def restore_abandoned_step(self) -> bool:
-        return not self._updating
-
-    def checkpoint(self) -> Path:
-        state = {"step": self.step_count, "weight_version": self.step_count}
-        c = self.config
-        return save_checkpoint(c.run_dir, self.step_count, self.trainer, state, c.checkpoint.keep_last, self.tokenizer)
-
-    def save_final(self, folder: Path) -> None:
-        self.trainer.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
 
 
 def _run(

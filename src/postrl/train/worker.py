@@ -181,6 +181,7 @@ class TrainWorker:
             return stats
 
     def _reference(self, micro: ExperienceBatch) -> torch.Tensor:
+        """The reference model's logprobs of ``micro``'s response tokens (no gradient)."""
         with torch.no_grad(), self._autocast():
             ref_logp, _ = token_logprobs(
                 self.ref_model,
@@ -208,19 +209,7 @@ class TrainWorker:
         if self.ref_model is None:
             raise ValueError("reference log-probabilities need a reference model (algorithm.kl_beta > 0)")
         device = next(self.model.parameters()).device
-        out = []
-        for start in range(0, batch.size, self.cfg.micro_batch_size):
-            micro = batch.select(slice(start, start + self.cfg.micro_batch_size)).to(device)
-            with self._autocast():
-                logp, _ = token_logprobs(
-                    self.ref_model,
-                    micro.input_ids,
-                    micro.attention_mask,
-                    self.temperature,
-                    target_mask=micro.response_mask,
-                    group_ids=micro.group_ids,
-                )
-            out.append(logp.float().cpu())
+        out = [self._reference(micro.to(device)).float().cpu() for micro in batch.split(self.cfg.micro_batch_size)]
         return torch.cat(out)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
