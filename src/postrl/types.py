@@ -130,26 +130,56 @@ class Experience:
 OPTIONAL_PER_TOKEN = ("values", "returns")  # per-token floats only some algorithms have (the critic's)
 
 
-def pad_sequences(
-    rows: list[tuple[list[int], list[int]]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[slice]]:
+@dataclass(frozen=True)
+class Padded:
     """Right-padded ``[B, T]`` ids and attention mask of ``prompt + completion`` rows, the
-    ``[B, T-1]`` completion mask aligned with the shifted targets, and each row's completion span
-    in that layout. The one place a step's data is padded."""
+    ``[B, T-1]`` completion mask aligned with the shifted targets, each row's completion span in
+    that layout, and the (rows, columns) index of every completion position, row by row, so that
+    per-token values of all rows are placed with one assignment."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    spans: list[slice]
+    response_index: tuple[torch.Tensor, torch.Tensor]
+
+    def per_token(self, values: list[float] | list[int], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
+        """A ``[B, T-1]`` tensor holding ``values`` (every row's completion values, concatenated)
+        at the completion positions and ``fill`` elsewhere."""
+        out = torch.full(self.response_mask.shape, fill, dtype=dtype)
+        out[self.response_index] = torch.tensor(values, dtype=dtype)
+        return out
+
+
+def pad_sequences(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Padded:
+    """The one place a step's data is padded (:class:`Padded`)."""
     if not rows:
         raise ValueError("cannot pad zero rows")
     width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    completion = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    tokens: list[int] = []
+    seq_rows: list[int] = []
+    seq_cols: list[int] = []
+    resp_rows: list[int] = []
+    resp_cols: list[int] = []
     spans = []
     for i, (prompt, response) in enumerate(rows):
         p, n = len(prompt), len(response)
-        ids[i, : p + n] = torch.tensor(prompt + response, dtype=torch.long)
-        attention[i, : p + n] = 1
+        tokens += prompt
+        tokens += response
+        seq_rows += [i] * (p + n)
+        seq_cols += range(p + n)
         spans.append(slice(p - 1, p - 1 + n))
-        completion[i, spans[-1]] = 1.0
-    return ids, attention, completion, spans
+        resp_rows += [i] * n
+        resp_cols += range(p - 1, p - 1 + n)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    seq_index = (torch.tensor(seq_rows, dtype=torch.long), torch.tensor(seq_cols, dtype=torch.long))
+    ids[seq_index] = torch.tensor(tokens, dtype=torch.long)
+    attention[seq_index] = 1
+    response_index = (torch.tensor(resp_rows, dtype=torch.long), torch.tensor(resp_cols, dtype=torch.long))
+    completion = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    completion[response_index] = 1.0
+    return Padded(ids, attention, completion, spans, response_index)
 
 
 @dataclass
@@ -218,28 +248,23 @@ class ExperienceBatch:
         """Collate a batch from the buffer's experiences."""
         if not experiences:
             raise ValueError("cannot build an ExperienceBatch from zero experiences")
-        input_ids, attention_mask, response_mask, spans = pad_sequences(
-            [(e.prompt_ids, e.response_ids) for e in experiences], pad_id
-        )
-        n, width = response_mask.shape
+        padded = pad_sequences([(e.prompt_ids, e.response_ids) for e in experiences], pad_id)
         names = ["loss_mask", "old_logprobs", "advantages"]
         names += [name for name in OPTIONAL_PER_TOKEN if any(getattr(e, name) is not None for e in experiences)]
-        per_token = {name: torch.zeros((n, width), dtype=torch.float32) for name in names}
-        logprob_versions = torch.full((n, width), -1, dtype=torch.long)
-        for row, (e, span) in enumerate(zip(experiences, spans)):
+        flat: dict[str, list] = {name: [] for name in [*names, "logprob_versions"]}
+        for row, e in enumerate(experiences):
             given = _response_values(row, e)
-            if e.response_ids:
-                for name in names:
-                    per_token[name][row, span] = torch.tensor(given[name], dtype=torch.float32)
-                logprob_versions[row, span] = torch.tensor(given["logprob_versions"], dtype=torch.long)
+            for name in flat:
+                flat[name] += given[name]
+        per_token = {name: padded.per_token(flat[name], torch.float32) for name in names}
         return ExperienceBatch(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            response_mask=response_mask,
+            input_ids=padded.input_ids,
+            attention_mask=padded.attention_mask,
+            response_mask=padded.response_mask,
             **per_token,
             group_ids=group_ids_of(experiences),
             weight_versions=torch.tensor([e.weight_version for e in experiences], dtype=torch.long),
-            logprob_versions=logprob_versions,
+            logprob_versions=padded.per_token(flat["logprob_versions"], torch.long, fill=-1),
         )
 
 
@@ -321,31 +346,29 @@ class StepBatch:
     def build(
         prompts: list[Prompt], rollouts: list[Rollout], results: list[RewardResult], pad_id: int, **times: float
     ) -> StepBatch:
-        input_ids, attention_mask, response_mask, spans = pad_sequences(
-            [(r.prompt_ids, r.response_ids) for r in rollouts], pad_id
-        )
+        padded = pad_sequences([(r.prompt_ids, r.response_ids) for r in rollouts], pad_id)
         unscorable = torch.tensor([res.unscorable for res in results], dtype=torch.bool)
-        old_logprobs = torch.zeros_like(response_mask)
-        logprob_versions = torch.full(response_mask.shape, -1, dtype=torch.long)
-        for row, (r, span) in enumerate(zip(rollouts, spans)):
+        logprobs: list[float] = []
+        versions: list[int] = []
+        for row, r in enumerate(rollouts):
             if len(r.logprobs) != len(r.response_ids):
                 raise ValueError(f"rollout {row}: {len(r.logprobs)} logprobs for {len(r.response_ids)} response tokens")
-            old_logprobs[row, span] = torch.tensor(r.logprobs, dtype=torch.float32)
-            versions = r.logprob_versions or [r.weight_version] * len(r.response_ids)
-            logprob_versions[row, span] = torch.tensor(versions, dtype=torch.long)
+            logprobs += r.logprobs
+            versions += r.logprob_versions or [r.weight_version] * len(r.response_ids)
+        response_mask = padded.response_mask
         batch = ExperienceBatch(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=padded.input_ids,
+            attention_mask=padded.attention_mask,
             response_mask=response_mask,
             loss_mask=response_mask * (~unscorable).unsqueeze(1).float(),
-            old_logprobs=old_logprobs,
+            old_logprobs=padded.per_token(logprobs, torch.float32),
             advantages=torch.zeros_like(response_mask),
             group_ids=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
             weight_versions=torch.tensor([r.weight_version for r in rollouts], dtype=torch.long),
-            logprob_versions=logprob_versions,
+            logprob_versions=padded.per_token(versions, torch.long, fill=-1),
         )
         rewards = torch.tensor([math.nan if res.reward is None else res.reward for res in results], dtype=torch.float32)
-        return StepBatch(prompts, rollouts, results, batch, rewards, unscorable, spans, dict(times))
+        return StepBatch(prompts, rollouts, results, batch, rewards, unscorable, padded.spans, dict(times))
 
     @property
     def size(self) -> int:

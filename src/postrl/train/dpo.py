@@ -26,7 +26,8 @@ def pair_batch(pairs: list[PreferencePair], pad_id: int) -> tuple[torch.Tensor, 
     """Rows ``prompt + chosen`` then ``prompt + rejected`` (2B rows), with the completion mask
     ``[2B, T-1]`` and group ids (a pair shares its prompt)."""
     rows = [(p.prompt_ids, c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
-    ids, attention, mask, _ = pad_sequences(rows, pad_id)
+    padded = pad_sequences(rows, pad_id)
+    ids, attention, mask = padded.input_ids, padded.attention_mask, padded.response_mask
     groups = torch.arange(len(pairs)).repeat_interleave(2)
     return ids, attention, mask, groups
 
