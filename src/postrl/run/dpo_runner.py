@@ -18,8 +18,7 @@ from postrl.data.preferences import PreferencePair, load_preference_pairs
 from postrl.models.devices import resolve_device
 from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.run.checkpoint import latest_checkpoint, load_run_state
-from postrl.run.lease import RunLease
-from postrl.run.lifecycle import MiniBatchJob, StepLoop
+from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop
 from postrl.run.place import RunPlace
 from postrl.run.train_runner import make_sinks
 from postrl.train.dpo import DPOWorker
@@ -50,26 +49,18 @@ def pair_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = False, echo=print) -> DPOWorker:
-    place = RunPlace(config)
-    if resume:
-        place.check_resumable()
-    else:
-        place.check_new(overwrite, command="dpo")
+    site = RunSite(config, "dpo")
+    site.check(resume, overwrite)
     tokenizer = load_tokenizer(config.model.path)
     pairs, skipped = load_preference_pairs(
         config.data.train_files, tokenizer, config.data.max_tokens, config.data.on_bad_row
     )
     default_decay_steps(config.train, config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size))
-    lease = RunLease(place.location)
-    lease.check_free()
-    if not resume and overwrite:
-        place.move_aside()
-    place.prepare(resume)
-    lease.acquire(echo)
+    site.open(resume, overwrite, echo)
     try:
-        return _train(config, place, tokenizer, pairs, skipped, resume, echo)
+        return _train(config, site.place, tokenizer, pairs, skipped, resume, echo)
     finally:
-        lease.release()
+        site.close()
 
 
 class DPOJob(MiniBatchJob):

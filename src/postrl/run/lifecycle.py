@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from postrl.run.checkpoint import latest_checkpoint
 from postrl.run.interrupt import GracefulStop, RunInterrupted, StepAbandoned
+from postrl.run.lease import RunLease
 from postrl.run.metrics import MetricSink
 from postrl.run.place import RunPlace
 from postrl.types import StepMetrics
@@ -45,6 +46,38 @@ class SteppedJob(Protocol):
     def save_final(self, folder: Path) -> None:
         """The trained model (and tokenizer) as a loadable folder."""
         ...
+
+
+class RunSite:
+    """The run directory and its lease, the same for every training command: checked before any
+    work (:meth:`check`), opened once the job is built (:meth:`open`: the old run moved aside with
+    ``--overwrite``, the directory prepared, the lease taken), released at the end (:meth:`close`)."""
+
+    def __init__(self, config: Any, command: str) -> None:
+        self.place, self.command = RunPlace(config), command
+        self.lease = RunLease(self.place.location)
+
+    def check(self, resume: bool, overwrite: bool) -> int:
+        """No live controller holds the run; a resume has a completed step (returned), a new run a
+        free directory (0)."""
+        self.lease.check_free()
+        if resume:
+            return self.place.check_resumable()
+        self.place.check_new(overwrite, command=self.command)
+        return 0
+
+    def open(self, resume: bool, overwrite: bool, echo: Callable[[str], None]) -> None:
+        if not resume and overwrite:
+            aside = self.place.move_aside()
+            if aside is not None:
+                echo(f"moved the previous run in {self.place.location} to {aside}")
+        if self.place.reused:
+            echo(f"reusing {self.place.location}: it held only the leftovers of a launch that completed no step")
+        self.place.prepare(resume)
+        self.lease.acquire(echo)
+
+    def close(self) -> None:
+        self.lease.release()
 
 
 class MiniBatchJob:

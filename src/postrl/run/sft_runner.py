@@ -23,8 +23,7 @@ from postrl.config.sft import SFTRunConfig
 from postrl.data.sft import SFTExample, load_sft_examples
 from postrl.models.loading import load_tokenizer
 from postrl.run.checkpoint import latest_checkpoint, load_run_state
-from postrl.run.lease import RunLease
-from postrl.run.lifecycle import MiniBatchJob, StepLoop
+from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop
 from postrl.run.place import RunPlace
 from postrl.run.train_runner import make_sinks
 from postrl.train.factory import PolicySpec, build_train_worker
@@ -99,12 +98,8 @@ def train_sft(
     config: SFTRunConfig, resume: bool = False, overwrite: bool = False, echo: Callable[[str], None] = print
 ) -> int:
     """Check, build, run; returns the steps done. Nothing is written before the data is checked."""
-    place = RunPlace(config)
-    lease = RunLease(place.location)
-    lease.check_free()
-    done = place.check_resumable() if resume else 0
-    if not resume:
-        place.check_new(overwrite, command="sft")
+    site = RunSite(config, "sft")
+    done = site.check(resume, overwrite)
     tokenizer = load_tokenizer(config.model.path)
     d = config.data
     examples, skipped = load_sft_examples(
@@ -127,22 +122,15 @@ def train_sft(
     default_decay_steps(config.train, total)
     trainer, scheduler = make_trainer(config)
     try:
-        if not resume and overwrite:
-            place.move_aside()
-        if place.reused:
-            echo(f"reusing {place.location}: it held only the leftovers of a launch that completed no step")
-        place.prepare(resume)
-        lease.acquire(echo)
-        return _run(config, place, trainer, tokenizer, examples, skipped, resume, total, echo)
+        site.open(resume, overwrite, echo)
+        return _run(config, site.place, trainer, tokenizer, examples, skipped, resume, total, echo)
     finally:
         try:
-            trainer_close = getattr(trainer, "close", None)
-            if trainer_close is not None:
-                trainer_close()
+            trainer.close()
             if scheduler is not None:
                 scheduler.close()
         finally:
-            lease.release()
+            site.close()
 
 
 class SFTJob(MiniBatchJob):

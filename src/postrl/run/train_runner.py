@@ -25,8 +25,7 @@ from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
 from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
-from postrl.run.lease import RunLease
-from postrl.run.lifecycle import StepLoop, stderr_echo
+from postrl.run.lifecycle import RunSite, StepLoop, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plots import plot_metrics
@@ -241,13 +240,11 @@ def train(
     """Validate, build, then run; nothing is written into the run directory before the config,
     the model and the data have been checked. A signal stops the run after the current step
     (:class:`RunInterrupted`), with a checkpoint of the last completed step."""
-    run_dir, place = config.run_dir, RunPlace(config)
-    lease = RunLease(place.location)
-    lease.check_free()  # a second live controller on this run is refused before any work
+    run_dir, site = config.run_dir, RunSite(config, "train")
+    place = site.place
+    done = site.check(resume, overwrite)  # a second live controller on this run is refused before any work
     if resume:
-        check_steps_left(config, place.check_resumable())
-    else:
-        place.check_new(overwrite)
+        check_steps_left(config, done)
     check_context_length(config)
     check_devices(config)
     check_servers(config)
@@ -257,14 +254,7 @@ def train(
         parts = build_components(config)
         try:
             validator = make_validator(config, parts.tokenizer)
-            if not resume and overwrite:
-                aside = place.move_aside()
-                if aside is not None:
-                    echo(f"moved the previous run in {place.location} to {aside}")
-            if place.reused:
-                echo(f"reusing {place.location}: it held only the leftovers of a launch that completed no step")
-            place.prepare(resume)
-            lease.acquire(echo)
+            site.open(resume, overwrite, echo)
             save_config(config, run_dir / "config.yaml")
             place.publish("config.yaml")
             report_skipped_rows(parts.dataset, run_dir, echo)
@@ -283,7 +273,7 @@ def train(
             try:
                 close_components(parts)
             finally:
-                lease.release()
+                site.close()
     if place.url and not config.keep_local_copy:
         place.drop_local_copy(echo)
     return controller
