@@ -324,7 +324,8 @@ class StepBatch:
     ``batch`` holds the ``[B, T-1]`` token tensors the trainer reads (an unscorable sample's loss
     mask is all 0: it stays in its group's context but weighs nothing); ``rewards`` (NaN:
     unscorable) and ``unscorable`` are per sample. The stages add what they compute:
-    ``batch.values`` (the critic), ``kl_penalty`` (``[B, T-1]`` -beta x KL, KL in the reward),
+    ``batch.values`` (the critic), ``ref_logprobs`` and ``kl_penalty`` (``[B, T-1]`` reference
+    logprobs and -beta x KL, KL in the reward),
     ``baseline`` (``[B]``, the greedy response's reward of each sample's prompt) and, last, the
     advantages (``batch.advantages``). ``prompts``, ``rollouts`` and ``results`` are the records
     the batch was built from, for metrics and the samples file.
@@ -338,6 +339,7 @@ class StepBatch:
     unscorable: torch.Tensor  # [B] bool
     spans: list[slice]  # each row's response positions in the [B, T-1] layout
     times: dict[str, float] = field(default_factory=dict)  # generated_at, scored_at (Unix seconds)
+    ref_logprobs: torch.Tensor | None = None
     kl_penalty: torch.Tensor | None = None
     baseline: torch.Tensor | None = None
     token_level: bool = False  # the advantages are per token (else one per sample, broadcast)

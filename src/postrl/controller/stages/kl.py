@@ -25,7 +25,8 @@ class KLCoefficient:
 
 class KLPenalty(Stage):
     """-beta x KL(pi_old || ref) on every response token, from the behaviour logprobs and the
-    reference model's; sets ``step.kl_penalty`` (the token-level estimators add it to the outcome)."""
+    reference model's; sets ``step.ref_logprobs`` and ``step.kl_penalty`` (the token-level estimators add it to
+    the outcome)."""
 
     name = "reference"
     phases = ("prepare",)
@@ -37,7 +38,7 @@ class KLPenalty(Stage):
 
     def prepare(self, step: StepBatch) -> dict[str, float]:
         batch = step.batch
-        ref = self.trainer.reference_logprobs(batch)
+        ref = step.ref_logprobs = self.trainer.reference_logprobs(batch)
         kl = kl_penalty(batch.old_logprobs, ref, self.estimator, self.clamp) * batch.response_mask
         self.last_mean = float(kl.sum() / batch.response_mask.sum().clamp(min=1))
         step.kl_penalty = -self.coef.beta * kl
