@@ -157,6 +157,8 @@ def test_unhealthy_engine_stops_the_run_with_its_reason(tmp_path):
 def test_per_token_versions_from_the_engine_reach_the_trainer(tmp_path):
     calls: list = []
     ctl, parts = controller(tmp_path, calls)
+    parts.buffer.max_staleness = 1
+    ctl.step()  # now at version 1
     generate = parts.rollout.generate
 
     def across_an_update(prompts, sampling_params, weight_version):
@@ -165,9 +167,10 @@ def test_per_token_versions_from_the_engine_reach_the_trainer(tmp_path):
         return out
 
     parts.rollout.generate = across_an_update
-    ctl.step()
-    versions = parts.trainer.batches[0].logprob_versions
-    assert versions[0][versions[0] >= -1].tolist()[-2:] == [-1, 0] and versions[1].max().item() == 0
+    metrics = ctl.step()
+    versions = parts.trainer.batches[1].logprob_versions
+    assert versions[0][versions[0] >= 0].tolist()[-2:] == [0, 1] and versions[1].max().item() == 1
+    assert metrics.values["buffer/lag_max"] == 1.0 and metrics.values["buffer/lag_mean"] == 0.25
 
 
 def test_dynamic_sampling_drops_uninformative_groups_and_samples_more(tmp_path):

@@ -4,7 +4,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from postrl.buffer import ExperienceBuffer, StaleExperienceError
 from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.train.optimization import NonFiniteLossError
 from postrl.train.worker import TrainWorker
@@ -155,29 +154,6 @@ def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenize
 def test_kl_needs_reference_model(char_tokenizer):
     with pytest.raises(ValueError, match="needs a reference model"):
         TrainWorker(make_tiny_model("llama", char_tokenizer), TrainConfig(), AlgorithmConfig(kl_beta=0.1))
-
-
-def test_on_policy_buffer_hands_out_once_and_refuses_stale():
-    buf = ExperienceBuffer()
-    exps = [Experience([1], [2], [0.0], 1.0, 0.0, 3) for _ in range(3)]
-    buf.put(exps)
-    assert buf.get(2, current_version=3) == exps[:2] and len(buf) == 1
-    assert buf.get(None, current_version=3) == exps[2:] and buf.get(None, current_version=3) == []
-    buf.put([Experience([1], [2], [0.0], 1.0, 0.0, 2)])
-    with pytest.raises(StaleExperienceError, match="from weight_version \\[2\\], current is 3 \\(max_staleness=0\\)"):
-        buf.get(None, current_version=3)
-    assert ExperienceBuffer(max_staleness=1).get(None, 3) == []
-
-
-def test_buffer_state_round_trips_its_contents_and_counters():
-    buf = ExperienceBuffer(max_staleness=2)
-    buf.put([Experience([1], [2, 3], [-0.5, -0.25], 1.0, [0.5, -0.5], 4, {"engine": "e0"}, group_id=7)])
-    buf.put([Experience([1], [4], [-1.0], 0.0, 0.25, 5, loss_mask=[0], values=[0.1], returns=[0.2])])
-    buf.get(1, current_version=5)
-    copy = ExperienceBuffer(max_staleness=2)
-    copy.load_state_dict(buf.state_dict())
-    assert len(copy) == 1 and (copy.put_count, copy.got_count) == (2, 1)
-    assert copy.get(None, 5) == [Experience([1], [4], [-1.0], 0.0, 0.25, 5, loss_mask=[0], values=[0.1], returns=[0.2])]
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):

@@ -1,19 +1,31 @@
 """The Experience Buffer: the seam between the producer side of a step (sample, generate, score,
 prepare advantages) and the consumer side (train, critic update, sync). Nothing else passes
-between the two sides.
+between the two sides, and in async mode they run in different threads, so every method holds
+the buffer's lock.
 
-Today's runs are synchronous and on-policy: the producer puts one step's experiences, the consumer
-gets all of them once, and the staleness bound is 0 (an experience from older weights than the
-trainer's is a bug, and ``get`` raises). The interface is the one asynchronous training needs:
-``get`` by the consumer's current weight version under a staleness bound, and the contents and
-counters in ``state_dict`` so that a resumed run continues exactly.
+Staleness: an experience's lag is the consumer's weight version minus the oldest version that
+produced one of its tokens (a partial rollout interrupted by a weight update has several). ``get``
+never hands out an experience whose lag exceeds ``max_staleness``: with ``on_stale="drop"`` it is
+dropped and counted, with ``"wait"`` (the producer was held back so that this cannot happen) it
+raises :class:`StaleExperienceError`.
+
+Replay (``replay``): the buffer keeps the experiences of the last ``capacity_steps`` puts, hands
+out seeded random whole groups (the samples of one prompt), each experience at most
+``reuse_limit`` times. Without it every experience is handed out once, oldest first.
+
+The contents, the counters and the sampling generator's state are in ``state_dict``, so a resumed
+run continues exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
+import threading
+from dataclasses import dataclass
 from typing import Any
 
+from postrl.config.off_policy import ReplayConfig
 from postrl.types import Experience
 
 
@@ -21,51 +33,153 @@ class StaleExperienceError(RuntimeError):
     """The buffer holds experiences older than the staleness bound allows."""
 
 
-class ExperienceBuffer:
-    """``put`` experiences; ``get`` hands each out once, oldest first.
+def oldest_version(e: Experience) -> int:
+    """The oldest weight version behind any of the experience's tokens."""
+    return min(e.logprob_versions) if e.logprob_versions else e.weight_version
 
-    ``max_staleness``: the largest ``current_version - weight_version`` an experience may have when
-    it is handed out. An experience beyond it raises :class:`StaleExperienceError`, naming the
-    versions (on-policy training with stale samples is a bug, not a tuning choice).
-    """
 
-    def __init__(self, max_staleness: int = 0) -> None:
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        self.max_staleness = max_staleness
-        self._items: list[Experience] = []
-        self.put_count = 0
-        self.got_count = 0
+@dataclass
+class _Entry:
+    experience: Experience
+    serial: int  # which put it came in (a step's batch)
+    uses: int = 0
 
-    def put(self, experiences: list[Experience]) -> None:
-        self._items.extend(experiences)
-        self.put_count += len(experiences)
 
-    def get(self, batch_size: int | None, current_version: int) -> list[Experience]:
-        """Up to ``batch_size`` experiences (None: all of them)."""
-        stale = sorted(
-            {e.weight_version for e in self._items if current_version - e.weight_version > self.max_staleness}
-        )
-        if stale:
-            raise StaleExperienceError(
-                f"the experience buffer holds experiences from weight_version {stale}, current is "
-                f"{current_version} (max_staleness={self.max_staleness})"
-            )
-        take = len(self._items) if batch_size is None else batch_size
-        out, self._items = self._items[:take], self._items[take:]
-        self.got_count += len(out)
-        return out
+@dataclass(frozen=True)
+class BufferBatch:
+    """What one ``get`` hands out: the experiences (group ids renumbered to be unique across the
+    puts they came from) and their lags; how many stale ones were dropped on the way."""
 
-    def __len__(self) -> int:
-        return len(self._items)
+    experiences: list[Experience]
+    lags: list[int]
+    dropped: int
 
-    def state_dict(self) -> dict[str, Any]:
+    def metrics(self) -> dict[str, float]:
         return {
-            "items": [dataclasses.asdict(e) for e in self._items],
-            "put_count": self.put_count,
-            "got_count": self.got_count,
+            "buffer/lag_mean": sum(self.lags) / len(self.lags) if self.lags else 0.0,
+            "buffer/lag_max": float(max(self.lags, default=0)),
+            "buffer/dropped": float(self.dropped),
         }
 
+
+class ExperienceBuffer:
+    def __init__(
+        self, max_staleness: int = 0, on_stale: str = "wait", replay: ReplayConfig | None = None, seed: int = 0
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if on_stale not in ("wait", "drop"):
+            raise ValueError(f"on_stale must be 'wait' or 'drop', got {on_stale!r}")
+        self.max_staleness, self.on_stale, self.replay = max_staleness, on_stale, replay
+        self._entries: list[_Entry] = []
+        self._rng = random.Random(seed)
+        self._lock = threading.Condition()
+        self.put_count = self.got_count = self.dropped_count = self.serial = 0
+
+    def put(self, experiences: list[Experience]) -> None:
+        """One producer batch (a step's experiences); wakes a consumer waiting in :meth:`wait_for`."""
+        with self._lock:
+            self.serial += 1
+            self._entries.extend(_Entry(e, self.serial) for e in experiences)
+            self.put_count += len(experiences)
+            if self.replay is not None:  # only the last capacity_steps puts stay
+                oldest = self.serial - self.replay.capacity_steps + 1
+                self._entries = [x for x in self._entries if x.serial >= oldest]
+            self._lock.notify_all()
+
+    def wait_for(self, count: int, timeout: float | None = None) -> bool:
+        """Block until the buffer holds at least ``count`` experiences (False on timeout)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: len(self._entries) >= count, timeout)
+
+    def get(self, batch_size: int | None, current_version: int) -> BufferBatch:
+        """Up to ``batch_size`` experiences for a trainer at ``current_version``; None: the oldest
+        put's (one producer batch; with replay, every experience held)."""
+        with self._lock:
+            dropped = self._drop_stale(current_version)
+            chosen = self._sample(batch_size) if self.replay is not None else self._oldest(batch_size)
+            for entry in chosen:
+                entry.uses += 1
+            limit = 1 if self.replay is None else self.replay.reuse_limit
+            self._entries = [x for x in self._entries if x.uses < limit]
+            self.got_count += len(chosen)
+            return BufferBatch(
+                _renumbered_groups(chosen), [current_version - oldest_version(x.experience) for x in chosen], dropped
+            )
+
+    def _drop_stale(self, current_version: int) -> int:
+        stale = [x for x in self._entries if current_version - oldest_version(x.experience) > self.max_staleness]
+        if not stale:
+            return 0
+        if self.on_stale == "wait":
+            versions = sorted({oldest_version(x.experience) for x in stale})
+            raise StaleExperienceError(
+                f"the experience buffer holds experiences from weight_version {versions}, current is "
+                f"{current_version} (buffer.max_staleness={self.max_staleness}, on_stale=wait)"
+            )
+        gone = {id(x) for x in stale}
+        self._entries = [x for x in self._entries if id(x) not in gone]
+        self.dropped_count += len(stale)
+        return len(stale)
+
+    def _oldest(self, batch_size: int | None) -> list[_Entry]:
+        if batch_size is None:
+            first = self._entries[0].serial if self._entries else 0
+            return [x for x in self._entries if x.serial == first]
+        return self._entries[:batch_size]
+
+    def _sample(self, batch_size: int | None) -> list[_Entry]:
+        """Seeded random whole groups, until the next group would pass ``batch_size``."""
+        groups: dict[tuple[int, int | None], list[_Entry]] = {}
+        for i, x in enumerate(self._entries):
+            key = (x.serial, x.experience.group_id if x.experience.group_id is not None else -1 - i)
+            groups.setdefault(key, []).append(x)
+        order = list(groups.values())
+        self._rng.shuffle(order)
+        chosen: list[_Entry] = []
+        for members in order:
+            if batch_size is not None and len(chosen) + len(members) > batch_size:
+                break
+            chosen.extend(members)
+        return chosen
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "entries": [
+                    {"experience": dataclasses.asdict(x.experience), "serial": x.serial, "uses": x.uses}
+                    for x in self._entries
+                ],
+                "counters": [self.put_count, self.got_count, self.dropped_count, self.serial],
+                "rng": self._rng.getstate(),
+            }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._items = [Experience(**item) for item in state["items"]]
-        self.put_count, self.got_count = int(state["put_count"]), int(state["got_count"])
+        with self._lock:
+            self._entries = [
+                _Entry(Experience(**x["experience"]), int(x["serial"]), int(x["uses"])) for x in state["entries"]
+            ]
+            self.put_count, self.got_count, self.dropped_count, self.serial = (int(c) for c in state["counters"])
+            self._rng.setstate(_as_rng_state(state["rng"]))
+
+
+def _renumbered_groups(chosen: list[_Entry]) -> list[Experience]:
+    """Group ids are unique within one put (a step's prompts): across puts they are made unique,
+    numbered by first appearance (the trainer only compares them)."""
+    ids: dict[tuple[int, int], int] = {}
+    out = []
+    for i, x in enumerate(chosen):
+        gid = x.experience.group_id
+        key = (x.serial, gid if gid is not None else -1 - i)
+        out.append(dataclasses.replace(x.experience, group_id=ids.setdefault(key, len(ids))))
+    return out
+
+
+def _as_rng_state(state: Any) -> tuple:
+    """``random.Random`` state from a checkpoint (lists where tuples were)."""
+    version, internal, gauss = state
+    return (int(version), tuple(int(v) for v in internal), gauss)

@@ -204,6 +204,7 @@ class ExperienceBatch:
     logprob_versions: torch.Tensor  # [B, T-1] long, -1 outside the response
     values: torch.Tensor | None = None  # [B, T-1] float, the critic's at rollout time (PPO with GAE)
     returns: torch.Tensor | None = None  # [B, T-1] float, the critic's targets
+    proximal_logprobs: torch.Tensor | None = None  # [B, T-1] the trainer's before the update (old_logprobs: recompute)
 
     @property
     def size(self) -> int:

@@ -7,6 +7,11 @@ from postrl.algorithms.advantages import (
     register_advantage,
     register_value_target,
 )
+from postrl.algorithms.importance import (
+    IMPORTANCE_CORRECTIONS,
+    ImportanceWeights,
+    register_importance_correction,
+)
 from postrl.algorithms.losses import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -28,6 +33,9 @@ __all__ = [
     "STAGES",
     "VALUE_TARGETS",
     "DPO_LOSSES",
+    "IMPORTANCE_CORRECTIONS",
+    "ImportanceWeights",
+    "register_importance_correction",
     "AdvantageInputs",
     "KL_ESTIMATORS",
     "LossNormalizer",

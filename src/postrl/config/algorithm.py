@@ -172,6 +172,34 @@ PolicyLossConfig = Annotated[
 ]
 
 
+class ImportanceCorrectionConfig(Section):
+    type: str = Field(
+        "tis",
+        description="How the gap between the behaviour policy (the engine that sampled) and the proximal policy "
+        "(the trainer's, recomputed) is corrected: tis (truncate the ratio), mis (mask tokens outside the "
+        "bounds), none, or a name registered with postrl.algorithms.register_importance_correction.",
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token", description="One ratio per token, or one per sequence (the product of its tokens' ratios)."
+    )
+    low: float | None = Field(None, ge=0.0, le=1.0, description="Lower bound of the ratio (None: the entry's default).")
+    high: float | None = Field(None, ge=1.0, description="Upper bound of the ratio (None: the entry's default).")
+    params: dict[str, Any] = Field(default_factory=dict, description="Further keyword arguments (plugin entries).")
+
+    @field_validator("type")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from postrl.algorithms import IMPORTANCE_CORRECTIONS
+
+        return IMPORTANCE_CORRECTIONS.check(v)
+
+    def options(self) -> dict[str, Any]:
+        if self.type == "none":
+            return dict(self.params)
+        bounds = {k: v for k, v in (("low", self.low), ("high", self.high)) if v is not None}
+        return {"level": self.level, **bounds, **self.params}
+
+
 class StageEntry(Section):
     type: str = Field(description="The stage's registered name (postrl.algorithms.register_stage).")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the stage's factory.")
@@ -232,6 +260,23 @@ class AlgorithmConfig(Section):
     )
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Entropy bonus: the loss minus coef x the policy's per-token entropy (0: off)."
+    )
+    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
+        "auto",
+        description="The 'old' policy of the loss's ratio: recompute (the trainer's own logprobs before the update: "
+        "the proximal policy of decoupled PPO, with the engine's gap corrected by `importance`) or rollout (the "
+        "engine's logprobs as they came). auto: recompute unless engine and trainer compute alike in float32 on "
+        "the same weights (a sync run with the native or hf engine).",
+    )
+    importance: ImportanceCorrectionConfig = Field(
+        default_factory=ImportanceCorrectionConfig,
+        description="The behaviour/proximal importance-sampling correction (with old_logprobs recompute).",
+    )
+    max_token_lag: int | None = Field(
+        None,
+        ge=0,
+        description="Tokens produced by weights more than this many versions older than the trainer's are left "
+        "out of the loss (counted in buffer/lag_masked_tokens); None: none are.",
     )
 
     @model_validator(mode="before")
@@ -299,6 +344,16 @@ class AlgorithmConfig(Section):
                 raise ValueError(
                     f"algorithm.stages[{i}]: {exc} (register it in a module of algorithm.plugins)"
                 ) from None
+        return self
+
+    @model_validator(mode="after")
+    def _importance_needs_a_proximal_policy(self) -> AlgorithmConfig:
+        if self.old_logprobs == "rollout" and "importance" in self.model_fields_set and self.importance.type != "none":
+            raise ValueError(
+                f"algorithm.importance={self.importance.type} corrects the engine's logprobs towards the trainer's "
+                "recomputed ones, but algorithm.old_logprobs=rollout uses the engine's directly: set "
+                "old_logprobs=recompute (or importance: none)"
+            )
         return self
 
     @property

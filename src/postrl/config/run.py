@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config.base import DEVICE_PATTERN, Section
 from postrl.config.location import RunLocation
+from postrl.config.off_policy import BufferConfig, ControllerConfig
 from postrl.config.reward import (  # noqa: F401 - the config's public names
     CodeComponent,
     CustomComponent,
@@ -158,6 +159,12 @@ class RolloutConfig(Section):
         "every engine can read. None: a temporary folder on this machine.",
     )
     sync_bucket_mb: int = Field(64, ge=1, description="weight_sync=broadcast: megabytes per broadcast bucket.")
+    kv_after_update: Literal["recompute", "keep"] = Field(
+        "recompute",
+        description="New weights arriving mid-generation (async mode): in-flight sequences pause, the weights are "
+        "swapped, and their prefix's KV cache is recomputed under the new weights (recompute) or kept as the old "
+        "weights computed it (keep; each token then also records the version of the cache it attended to).",
+    )
     native: NativeEngineConfig = Field(default_factory=NativeEngineConfig, description="The native engine's knobs.")
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="The vLLM backend's knobs.")
 
@@ -289,6 +296,8 @@ class RunConfig(RunLocation, Section):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How responses are scored.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, loss and KL.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The optimizer and batching.")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="Staleness bound and replay of experiences.")
+    controller: ControllerConfig = Field(default_factory=ControllerConfig, description="Sync or async steps.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
     scheduler: SchedulerConfig = Field(
@@ -328,6 +337,17 @@ class RunConfig(RunLocation, Section):
                 "run with scheduler.rollout.workers=1 keeps its engine in this process; use "
                 "weight_sync=memory, scheduler.rollout.workers >= 2, or scheduler: ray"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _async_needs_a_staleness_bound(self) -> RunConfig:
+        if self.controller.mode == "async" and self.buffer.max_staleness < 1:
+            raise ValueError(
+                "controller.mode=async generates batches while older ones train, so they lag the trainer by at "
+                "least one version: set buffer.max_staleness >= 1 (1 is one-step-off)"
+            )
+        if self.controller.mode == "async" and self.scheduler.type == "ray":
+            raise ValueError("controller.mode=async runs with scheduler: local for now (threads in this process)")
         return self
 
     @model_validator(mode="after")

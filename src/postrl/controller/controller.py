@@ -8,6 +8,7 @@ new weights to the rollout engines. In sync mode a step is the producer then the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -45,6 +46,16 @@ from postrl.types import (
     TrainMetrics,
 )
 from postrl.workers.roles import Critic, RewardService, Scheduler, TrainWorker
+
+
+def mask_lagging_tokens(batch: ExperienceBatch, current_version: int, max_lag: int) -> tuple[ExperienceBatch, float]:
+    """``algorithm.max_token_lag``: response tokens produced by weights more than ``max_lag``
+    versions older than ``current_version`` leave the loss (they stay in the context); returns the
+    batch and how many tokens were masked."""
+    lagging = (batch.logprob_versions >= 0) & (current_version - batch.logprob_versions > max_lag)
+    keep = (~lagging).to(batch.loss_mask.dtype)
+    masked = float((batch.loss_mask * (1 - keep)).sum().item())
+    return dataclasses.replace(batch, loss_mask=batch.loss_mask * keep), masked
 
 
 class RewardFailureError(RuntimeError):
@@ -134,15 +145,26 @@ class Controller:
         return step
 
     def consume(self, timer: StageTimer, metrics: dict[str, float]) -> TrainMetrics:
-        """Get the step's experiences from the buffer, train, learn from the update, sync."""
-        batch = ExperienceBatch.from_experiences(
-            self.parts.buffer.get(None, self.weight_version), self.parts.tokenizer.pad_token_id
-        )
+        """Get a step's experiences from the buffer, train, learn from the update, sync."""
+        taken = self.parts.buffer.get(self.train_batch_size, self.weight_version)
+        metrics.update(taken.metrics())
+        if not taken.experiences:  # every one was too stale: nothing to train on this step
+            return TrainMetrics.skipped()
+        batch = ExperienceBatch.from_experiences(taken.experiences, self.parts.tokenizer.pad_token_id)
+        if self.config.algorithm.max_token_lag is not None:
+            batch, masked = mask_lagging_tokens(batch, self.weight_version, self.config.algorithm.max_token_lag)
+            metrics["buffer/lag_masked_tokens"] = masked
         train = timer.run("train", self.update, batch)
         for stage in self.stages.after_update:
             metrics.update(timer.run(stage.timer_name("after_update"), stage.after_update, batch, train))
         timer.run("sync", self.sync_weights)
         return train
+
+    @property
+    def train_batch_size(self) -> int | None:
+        """Experiences per update: with replay, a step's worth sampled from the buffer; else one
+        producer batch (None)."""
+        return None if self.config.buffer.replay is None else self.config.prompts_per_step * self.config.rollout.n
 
     def sample_prompts(self) -> list[Prompt]:
         return [self.parts.dataset[i] for i in self.sampler.next_indices(self.config.prompts_per_step)]

@@ -80,6 +80,7 @@ def build_components(config: RunConfig) -> Components:
         scheduler.close()
         raise
     trainer, rollout, reward, *critic = built
+    b = config.buffer
     return Components(
         config,
         tokenizer,
@@ -87,7 +88,7 @@ def build_components(config: RunConfig) -> Components:
         rollout,
         reward,
         trainer,
-        ExperienceBuffer(),
+        ExperienceBuffer(b.max_staleness, b.on_stale, b.replay, seed=config.seed),
         scheduler,
         critic[0] if critic else None,
     )

@@ -26,6 +26,7 @@ class PolicySpec:
     seed: int
     gradient_checkpointing: bool = False
     max_response_tokens: int = 64  # rollout.max_tokens: Dr. GRPO's constant normaliser
+    recompute_proximal: bool = False  # algorithm.old_logprobs, resolved by old_logprobs_source
 
     @staticmethod
     def of_run(config: RunConfig) -> PolicySpec:
@@ -39,7 +40,26 @@ class PolicySpec:
             seed=config.seed,
             gradient_checkpointing=config.model.gradient_checkpointing,
             max_response_tokens=config.rollout.max_tokens,
+            recompute_proximal=old_logprobs_source(config) == "recompute",
         )
+
+
+def old_logprobs_source(config: RunConfig) -> str:
+    """``algorithm.old_logprobs`` resolved: ``auto`` is ``rollout`` only when the engine's logprobs
+    are the trainer's own: a sync, on-policy run whose native or hf engine computes in float32 on
+    the device the trainer uses, with a float32 trainer; ``recompute`` otherwise."""
+    choice = config.algorithm.old_logprobs
+    if choice != "auto":
+        return choice
+    r, t = config.rollout, config.train
+    gpu = torch.cuda.is_available()
+    same_weights = (
+        config.controller.mode == "sync" and config.buffer.max_staleness == 0 and config.buffer.replay is None
+    )
+    engine_fp32 = r.backend in ("auto", "native", "hf") and (r.dtype or config.model.dtype) == "float32"
+    trainer_fp32 = t.precision == "float32" or (t.precision == "auto" and not (gpu and t.device != "cpu"))
+    same_device = r.device == t.device or not gpu
+    return "rollout" if same_weights and engine_fp32 and trainer_fp32 and same_device else "recompute"
 
 
 def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -> TrainWorker:
@@ -56,6 +76,7 @@ def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -
         seed=spec.seed,
         gradient_checkpointing=spec.gradient_checkpointing,
         max_response_tokens=spec.max_response_tokens,
+        recompute_proximal=spec.recompute_proximal,
     )
     if world == 1:  # one process: a plain Train Worker (no collectives, no sharding)
         return TrainWorker(policy, spec.train, spec.algorithm, **common)

@@ -62,21 +62,33 @@ class FSDPTrainWorker(TrainWorker):
         super().__init__(model, *args, ref_model=ref_model, **kwargs)
         self.is_main = self.rank == 0
 
+    def micro_batches(self, mini: ExperienceBatch) -> list[tuple[torch.Tensor, ExperienceBatch]]:
+        """This rank's micro-batches of ``mini`` (its rows balanced by tokens), padded with rows that
+        train nothing so that every rank runs as many forwards as the busiest (they are collectives)."""
+        mine = split_rows_by_tokens(mini, self.world)[self.rank].to(mini.input_ids.device)
+        size = self.cfg.micro_batch_size
+        local = [(mine[s : s + size], mini.select(mine[s : s + size])) for s in range(0, len(mine), size)]
+        count = torch.tensor(len(local), device=mini.input_ids.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        nothing = mine[:0]
+        return local + [(nothing, zero_weight(mini)) for _ in range(int(count) - len(local))]
+
     def accumulate_gradients(self, mini: ExperienceBatch) -> Stats:
         part = mini.select(split_rows_by_tokens(mini, self.world)[self.rank].to(mini.input_ids.device))
         counts = torch.stack([part.loss_mask.sum(), (part.loss_mask.sum(dim=-1) > 0).sum().to(part.loss_mask.dtype)])
         dist.all_reduce(counts)
         norm = LossNormalizer(counts[0] / self.world, counts[1] / self.world, self.max_response_tokens)
-        micro = self.cfg.micro_batch_size
-        local = [part.select(slice(s, s + micro)) for s in range(0, part.size, micro)]
-        count = torch.tensor(len(local), device=counts.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        micro_batches = self.micro_batches(mini)
         stats = Stats()
-        for i in range(int(count)):
-            self.model.set_requires_gradient_sync(i == int(count) - 1)
-            batch = local[i] if i < len(local) else zero_weight(mini)
-            stats = stats.merge(self._micro_batch_backward(batch, norm))
+        for i, (_, micro) in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            stats = stats.merge(self._micro_batch_backward(micro, norm))
         return stats.all_reduce()
+
+    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each rank filled its own rows (zeros elsewhere): the sum over ranks is every row."""
+        dist.all_reduce(rows)
+        return rows
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0 (gathered layer by layer to the CPU); an empty dict elsewhere.

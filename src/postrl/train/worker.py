@@ -8,12 +8,21 @@ A non-finite gradient norm skips the optimizer step and is counted; too many in 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from pathlib import Path
 
 import torch
 
-from postrl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossInputs, LossNormalizer, kl_k3, kl_penalty
+from postrl.algorithms import (
+    IMPORTANCE_CORRECTIONS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    LossInputs,
+    LossNormalizer,
+    kl_k3,
+    kl_penalty,
+)
 from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.models.weights import save_weights
@@ -22,7 +31,7 @@ from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.stats import TOKENS, Stats
 from postrl.types import ExperienceBatch, TrainMetrics
 
-# measured on the update's first optimizer step only: the behaviour policy against pi_old
+# measured on the update's first optimizer step only: the behaviour policy against the proximal one
 MEASURED_BEFORE_UPDATE = ("rollout/mismatch_kl", "rollout/logprob_diff_max")
 
 
@@ -62,8 +71,10 @@ class TrainWorker:
         seed: int = 0,
         gradient_checkpointing: bool = False,
         max_response_tokens: int = 64,
+        recompute_proximal: bool = False,
     ) -> None:
         self.model, self.cfg, self.algo = model, train, algorithm
+        self.recompute_proximal = recompute_proximal  # algorithm.old_logprobs, resolved (PolicySpec.of_run)
         self.temperature = temperature
         self.max_response_tokens = max_response_tokens  # Dr. GRPO's constant normaliser
         self.ref_model = ref_model.eval() if ref_model is not None else None
@@ -75,6 +86,9 @@ class TrainWorker:
             POLICY_LOSSES.get(algorithm.policy_loss.type), **algorithm.policy_loss.options()
         )
         self.aggregate = LOSS_AGGREGATIONS.get(algorithm.loss_agg)
+        self.importance = functools.partial(
+            IMPORTANCE_CORRECTIONS.get(algorithm.importance.type), **algorithm.importance.options()
+        )
         self.optimization = Optimization(model, OptimizerSettings.of_train(train))
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -87,8 +101,10 @@ class TrainWorker:
         total, before_update = Stats(), Stats()  # before_update: pi_old vs the rollout, before the first step
         grad_norms: list[float] = []
         steps_at_start = self.optimization.steps
-        for _ in range(self.cfg.epochs):
-            order = self._group_shuffled_order(batch)
+        orders = [self._group_shuffled_order(batch) for _ in range(self.cfg.epochs)]
+        if self.recompute_proximal:
+            batch = dataclasses.replace(batch, proximal_logprobs=self.proximal_logprobs(batch, orders[0]))
+        for order in orders:
             for start in range(0, batch.size, self.cfg.mini_batch_size):
                 mini = batch.select(order[start : start + self.cfg.mini_batch_size].to(device))
                 if mini.num_tokens == 0:
@@ -121,14 +137,49 @@ class TrainWorker:
         shuffled = torch.randperm(len(members), generator=self.generator).tolist()
         return torch.tensor([row for g in shuffled for row in members[g]], dtype=torch.long)
 
+    def micro_batches(self, mini: ExperienceBatch) -> list[tuple[torch.Tensor, ExperienceBatch]]:
+        """``mini``'s micro-batches, each with the rows of ``mini`` it holds (this rank's part)."""
+        size, rows = self.cfg.micro_batch_size, torch.arange(mini.size, device=mini.input_ids.device)
+        return [(rows[s : s + size], mini.select(slice(s, s + size))) for s in range(0, mini.size, size)]
+
     def accumulate_gradients(self, mini: ExperienceBatch) -> Stats:
         """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count.
         Returns the summed statistics, still on the device."""
         norm = self.normalizer(mini.loss_mask)
         stats = Stats()
-        for micro in mini.split(self.cfg.micro_batch_size):
+        for _, micro in self.micro_batches(mini):
             stats = stats.merge(self._micro_batch_backward(micro, norm))
         return stats
+
+    @torch.no_grad()
+    def proximal_logprobs(self, batch: ExperienceBatch, order: torch.Tensor) -> torch.Tensor:
+        """The proximal policy: this trainer's logprobs of every response token before the update,
+        ``[B, T-1]``. Computed over the same mini- and micro-batches, in the same order, as the first
+        epoch trains on, so that the first micro-batch's ratio is exactly 1."""
+        out = torch.zeros_like(batch.old_logprobs)
+        for start in range(0, batch.size, self.cfg.mini_batch_size):
+            index = order[start : start + self.cfg.mini_batch_size].to(out.device)
+            mini = batch.select(index)
+            for rows, micro in self.micro_batches(mini):
+                logp, _ = self._policy_logprobs(micro, with_entropy=False)
+                out[index[rows]] = logp.detach().to(out.dtype)
+        return self.gather_rows(out)
+
+    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows computed by the ranks, each its own part; one process computed them all."""
+        return rows
+
+    def _policy_logprobs(self, micro: ExperienceBatch, with_entropy: bool | str):
+        with self._autocast():
+            return token_logprobs(
+                self.model,
+                micro.input_ids,
+                micro.attention_mask,
+                self.temperature,
+                with_entropy=with_entropy,
+                target_mask=micro.response_mask,
+                group_ids=micro.group_ids,
+            )
 
     def normalizer(self, loss_mask: torch.Tensor, ranks: int = 1) -> LossNormalizer:
         """The mini-batch's trained tokens and sequences (already summed over ranks), over ``ranks``
@@ -146,20 +197,13 @@ class TrainWorker:
     def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer) -> Stats:
         mask = micro.loss_mask
         bonus = self.algo.entropy_coef
-        with self._autocast():
-            logp, entropy = token_logprobs(
-                self.model,
-                micro.input_ids,
-                micro.attention_mask,
-                self.temperature,
-                with_entropy="grad" if bonus else True,
-                target_mask=micro.response_mask,
-                group_ids=micro.group_ids,
-            )
-        out = self.policy_loss(
-            LossInputs(logprobs=logp, old_logprobs=micro.old_logprobs, advantages=micro.advantages, mask=mask)
-        )
+        logp, entropy = self._policy_logprobs(micro, with_entropy="grad" if bonus else True)
+        proximal = micro.old_logprobs if micro.proximal_logprobs is None else micro.proximal_logprobs
+        out = self.policy_loss(LossInputs(logprobs=logp, old_logprobs=proximal, advantages=micro.advantages, mask=mask))
         per_token = out.per_token
+        if micro.proximal_logprobs is not None:  # decoupled PPO: weigh by pi_prox / pi_behaviour
+            weights = self.importance(proximal, micro.old_logprobs, mask)
+            per_token = per_token * weights.weights
         kl = torch.zeros_like(logp)
         if self.ref_model is not None and self.algo.kl_in == "loss":
             kl = kl_penalty(logp, self._reference(micro), self.algo.kl_estimator, self.algo.kl_clamp) * mask
@@ -168,7 +212,7 @@ class TrainWorker:
             per_token = per_token - bonus * entropy * mask
         self.aggregate(per_token, mask, norm).backward()
         with torch.no_grad():
-            current = logp.detach().float()
+            current = logp.detach().float() if micro.proximal_logprobs is None else proximal
             stats = Stats()
             stats.add(TOKENS, "sum", mask.sum())
             stats.add("actor/loss", "token_mean", (per_token * mask).sum())
@@ -178,6 +222,10 @@ class TrainWorker:
                 stats.add(name, metric.reduce, metric.reduced())
             stats.add("rollout/mismatch_kl", "token_mean", (kl_k3(micro.old_logprobs, current) * mask).sum())
             stats.add("rollout/logprob_diff_max", "max", ((current - micro.old_logprobs) * mask).abs().max())
+            if micro.proximal_logprobs is not None:
+                stats.add("rollout/is_weight_mean", "token_mean", weights.weights.sum())
+                stats.add("rollout/is_weight_max", "max", weights.weights.max())
+                stats.add("rollout/is_rejected_fraction", "token_mean", (weights.rejected.float() * mask).sum())
             return stats
 
     def _reference(self, micro: ExperienceBatch) -> torch.Tensor:

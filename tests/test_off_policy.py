@@ -1,0 +1,168 @@
+"""Decoupled PPO: the proximal policy recomputed by the trainer, TIS/MIS weights for the gap to the
+behaviour policy, and how ``algorithm.old_logprobs`` resolves."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from postrl.algorithms import IMPORTANCE_CORRECTIONS
+from postrl.config.run import AlgorithmConfig, RunConfig, TrainConfig
+from postrl.rollout.native import NativeRolloutWorker
+from postrl.train.factory import old_logprobs_source
+from postrl.train.worker import TrainWorker
+from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
+from tests.conftest import make_tiny_model
+
+LN = math.log
+
+
+def _weights(name, proximal, behaviour, mask, **options):
+    return IMPORTANCE_CORRECTIONS.get(name)(
+        torch.tensor(proximal), torch.tensor(behaviour), torch.tensor(mask), **options
+    )
+
+
+def test_tis_token_level_against_hand_values():
+    # ratios pi_prox / pi_behav: 4, 1/4, 1.5 ; the last token is padding
+    proximal = [[LN(0.8), LN(0.1), LN(0.6), 0.0]]
+    behaviour = [[LN(0.2), LN(0.4), LN(0.4), 5.0]]
+    out = _weights("tis", proximal, behaviour, [[1.0, 1.0, 1.0, 0.0]], low=0.5, high=2.0)
+    assert out.weights.tolist()[0] == pytest.approx([2.0, 0.5, 1.5, 0.0])
+    assert out.rejected.tolist() == [[True, True, False, False]]
+    # the default is Yao et al.'s min(ratio, 2): no lower bound
+    out = _weights("tis", proximal, behaviour, [[1.0, 1.0, 1.0, 0.0]])
+    assert out.weights.tolist()[0] == pytest.approx([2.0, 0.25, 1.5, 0.0])
+
+
+def test_mis_masks_tokens_and_whole_sequences_outside_the_bounds():
+    proximal = [[LN(0.8), LN(0.1), LN(0.6)], [LN(0.5), LN(0.5), 0.0]]
+    behaviour = [[LN(0.2), LN(0.4), LN(0.4)], [LN(0.4), LN(0.5), 0.0]]
+    mask = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    token = _weights("mis", proximal, behaviour, mask, low=0.5, high=2.0)
+    assert token.weights.tolist()[0] == pytest.approx([0.0, 0.0, 1.5])
+    assert token.weights.tolist()[1] == pytest.approx([1.25, 1.0, 0.0])
+    # sequence level: row 0's product 4 * 1/4 * 1.5 = 1.5 is inside, row 1's 1.25 too
+    seq = _weights("mis", proximal, behaviour, mask, level="sequence", low=0.5, high=1.4)
+    assert seq.weights.tolist()[0] == pytest.approx([0.0, 0.0, 0.0])  # 1.5 > 1.4: the whole sequence
+    assert seq.weights.tolist()[1] == pytest.approx([1.25, 1.25, 0.0])
+    assert seq.rejected.tolist() == [[True, True, True], [False, False, False]]
+    tis = _weights("tis", proximal, behaviour, mask, level="sequence", low=0.5, high=1.4)
+    assert tis.weights.tolist()[0] == pytest.approx([1.4, 1.4, 1.4])
+
+
+def test_importance_bounds_are_checked():
+    with pytest.raises(ValueError, match="0 <= low <= 1 <= high"):
+        _weights("tis", [[0.0]], [[0.0]], [[1.0]], low=0.5, high=0.9)
+    with pytest.raises(ValueError, match="unknown importance correction 'icepop'"):
+        AlgorithmConfig(importance={"type": "icepop"})
+    with pytest.raises(ValueError, match="old_logprobs=rollout uses the engine's directly"):
+        AlgorithmConfig(old_logprobs="rollout", importance={"type": "mis"})
+
+
+def test_old_logprobs_auto_recomputes_whenever_engine_and_trainer_may_differ():
+    assert old_logprobs_source(RunConfig()) == "rollout"  # fp32 native engine, fp32 trainer, sync
+    assert old_logprobs_source(RunConfig(rollout={"dtype": "bfloat16"})) == "recompute"
+    assert old_logprobs_source(RunConfig(rollout={"dtype": "auto"})) == "recompute"
+    assert old_logprobs_source(RunConfig(train={"precision": "bf16_autocast"})) == "recompute"
+    assert old_logprobs_source(RunConfig(buffer={"max_staleness": 1}, controller={"mode": "async"})) == "recompute"
+    assert old_logprobs_source(RunConfig(rollout={"dtype": "bfloat16"}, algorithm={"old_logprobs": "rollout"})) == (
+        "rollout"
+    )
+
+
+def _engine_batch(tokenizer, model, dtype=torch.float32, n=4, advantage=lambda i: float(i % 3) - 1.0):
+    engine = NativeRolloutWorker.from_hf(model, tokenizer, dtype=dtype, seed=3)
+    prompts = [Prompt(text=t, prompt_ids=tokenizer(t)["input_ids"]) for t in ("12+34=", "7+5=", "99+1=")]
+    rollouts = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=8), 0)
+    exps = [
+        Experience(r.prompt_ids, r.response_ids, r.logprobs, 1.0, advantage(i), 0, group_id=r.prompt_index)
+        for i, r in enumerate(rollouts)
+    ]
+    return ExperienceBatch.from_experiences(exps, tokenizer.pad_token_id)
+
+
+def test_recomputed_proximal_logprobs_equal_the_fp32_engines(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    batch = _engine_batch(char_tokenizer, model)
+    worker = TrainWorker(model, TrainConfig(mini_batch_size=4, micro_batch_size=2), AlgorithmConfig())
+    proximal = worker.proximal_logprobs(batch, worker._group_shuffled_order(batch))
+    diff = ((proximal - batch.old_logprobs) * batch.response_mask).abs().max().item()
+    assert diff < 1e-4
+    assert (proximal * (1 - batch.response_mask)).abs().max().item() == 0.0
+    # a bf16 engine's logprobs are another policy: the gap is what the correction is for
+    bf16 = _engine_batch(char_tokenizer, make_tiny_model("llama", char_tokenizer), dtype=torch.bfloat16)
+    prox16 = worker.proximal_logprobs(bf16, worker._group_shuffled_order(bf16))
+    assert ((prox16 - bf16.old_logprobs) * bf16.response_mask).abs().max().item() > 1e-3
+
+
+def _recording(worker):
+    seen = []
+    loss = worker.policy_loss
+
+    def record(inputs):
+        seen.append(inputs)
+        return loss(inputs)
+
+    worker.policy_loss = record
+    return seen
+
+
+def test_with_recompute_the_first_micro_batchs_ratio_is_exactly_one(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    batch = _engine_batch(char_tokenizer, model)
+    batch.old_logprobs = batch.old_logprobs - 0.3 * batch.response_mask  # a behaviour policy that differs
+    worker = TrainWorker(
+        model, TrainConfig(mini_batch_size=6, micro_batch_size=3, lr=1e-2), AlgorithmConfig(), recompute_proximal=True
+    )
+    seen = _recording(worker)
+    metrics = worker.update(batch)
+    first = seen[0]
+    assert torch.equal(first.logprobs.detach() * first.mask, first.old_logprobs * first.mask)
+    ratio = torch.exp(first.logprobs.detach() - first.old_logprobs)[first.mask.bool()]
+    assert torch.all(ratio == 1.0)
+    # after the first optimizer step the policy moved: the second mini-batch's ratio is not 1
+    later = seen[-1]
+    assert not torch.equal(later.logprobs.detach() * later.mask, later.old_logprobs * later.mask)
+    # pi_prox / pi_behav = e^0.3 = 1.35 on every token, inside TIS's [0, 2]: weight 1.35, nothing truncated
+    assert metrics.get("rollout/is_weight_mean") == pytest.approx(math.exp(0.3), rel=1e-4)
+    assert metrics.get("rollout/is_rejected_fraction") == 0.0
+    assert metrics.get("rollout/mismatch_kl") == pytest.approx(
+        math.exp(0.3) - 0.3 - 1, rel=1e-3
+    )  # k3 of KL(behaviour || proximal)
+    # the engine's logprobs used directly: the ratio is e^0.3 from the start
+    direct = TrainWorker(
+        make_tiny_model("llama", char_tokenizer), TrainConfig(mini_batch_size=6, micro_batch_size=3), AlgorithmConfig()
+    )
+    seen = _recording(direct)
+    direct.update(batch)
+    ratio = torch.exp(seen[0].logprobs.detach() - seen[0].old_logprobs)[seen[0].mask.bool()]
+    assert ratio.min().item() == pytest.approx(math.exp(0.3), rel=1e-4)
+
+
+def test_decoupled_loss_is_the_clipped_surrogate_times_the_weight(char_tokenizer):
+    """MIS drops the tokens whose behaviour ratio leaves the bounds: their gradient is zero, the
+    others' is the plain PPO gradient times the weight."""
+    grads = {}
+    for name, shift in (("plain", 0.0), ("mis", 0.3), ("mis_out", 1.0)):
+        model = make_tiny_model("llama", char_tokenizer).double()
+        # advantages of one sign: the gradient is no difference of near-equal terms (float32 rotary noise)
+        batch = _engine_batch(char_tokenizer, make_tiny_model("llama", char_tokenizer), advantage=lambda i: 1.0 + i % 3)
+        batch = batch._map(lambda t: t.double() if t.is_floating_point() else t)
+        algo = AlgorithmConfig(importance={"type": "mis", "low": 0.5, "high": 2.0})
+        train = TrainConfig(mini_batch_size=12, micro_batch_size=12, grad_clip=1e9)
+        worker = TrainWorker(model, train, algo, recompute_proximal=True)
+        proximal = worker.proximal_logprobs(batch, torch.arange(batch.size))
+        batch.old_logprobs = (proximal - shift) * batch.response_mask
+        worker.optimization.step = lambda norm: False  # keep the gradient, take no step
+        metrics = worker.update(batch)
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        grads[name + "_metrics"] = metrics
+    assert grads["plain"].abs().max().item() > 0
+    scaled = grads["plain"] * math.exp(0.3)
+    assert ((grads["mis"] - scaled).norm() / scaled.norm()).item() < 1e-6
+    assert grads["mis_out"].abs().max().item() == 0.0  # e^1 = 2.72 > 2: every token masked
+    assert grads["mis_out_metrics"].get("rollout/is_rejected_fraction") == 1.0
+    assert grads["plain_metrics"].get("rollout/is_weight_mean") == pytest.approx(1.0)
