@@ -118,9 +118,16 @@ def test_with_recompute_the_first_micro_batchs_ratio_is_exactly_one(char_tokeniz
         model, TrainConfig(mini_batch_size=6, micro_batch_size=3, lr=1e-2), AlgorithmConfig(), recompute_proximal=True
     )
     seen = _recording(worker)
+    drawn_from = worker.generator.get_state()
+    order = worker._group_shuffled_order(batch)  # the order update() will draw
+    worker.generator.set_state(drawn_from)
     metrics = worker.update(batch)
     first = seen[0]
     assert torch.equal(first.logprobs.detach() * first.mask, first.old_logprobs * first.mask)
+    # the first mini-batch's proximal is its own forward; a separate no-grad pass gives the same numbers
+    worker.model.load_state_dict(make_tiny_model("llama", char_tokenizer).state_dict())
+    prepass = worker.proximal_logprobs(batch, order)[order[:3]]
+    assert torch.equal(prepass * first.mask, first.old_logprobs * first.mask)
     ratio = torch.exp(first.logprobs.detach() - first.old_logprobs)[first.mask.bool()]
     assert torch.all(ratio == 1.0)
     # after the first optimizer step the policy moved: the second mini-batch's ratio is not 1

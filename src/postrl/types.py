@@ -62,6 +62,17 @@ class Rollout:
     # takes new weights in the middle of a response fills it in)
     logprob_versions: list[int] | None = None
     engine: str | None = None  # the engine that generated it (a pool's engine name)
+    # per token, the oldest weight version behind the KV cache it attended to (an engine that keeps
+    # the cache across an in-flight update); None: the same as logprob_versions
+    kv_versions: list[int] | None = None
+
+    def token_versions(self) -> list[int] | None:
+        """Per token, the oldest weights behind its logprob (its own, or its cache's); None when all
+        are ``weight_version``."""
+        if self.kv_versions is None:
+            return self.logprob_versions
+        own = self.logprob_versions or [self.weight_version] * len(self.kv_versions)
+        return [min(a, b) for a, b in zip(own, self.kv_versions)]
 
 
 # Streaming: called from the engine for every generated token, in order per sample:
@@ -109,7 +120,8 @@ class Experience:
     token, default all ``weight_version``) says which weights produced each behaviour logprob.
     ``values`` are the critic's, per response token, at rollout time, and ``returns`` its targets
     (PPO with GAE).
-    ``metadata``: ``task_type``, ``source``, ``engine``, ``finish_reason``, ``generated_at`` and
+    ``metadata``: ``task_type``, ``source``, ``engine``, ``finish_reason``, ``batch`` (the producer
+    batch it came in, from 1) and ``row`` (its place in it), ``generated_at`` and
     ``scored_at`` (Unix seconds), the reward's ``components``, ``reasons`` and ``error``.
     """
 
@@ -339,7 +351,7 @@ class StepBatch:
     rewards: torch.Tensor  # [B] float32, NaN: unscorable
     unscorable: torch.Tensor  # [B] bool
     spans: list[slice]  # each row's response positions in the [B, T-1] layout
-    times: dict[str, float] = field(default_factory=dict)  # generated_at, scored_at (Unix seconds)
+    times: dict[str, float] = field(default_factory=dict)  # batch; generated_at, scored_at (Unix seconds)
     ref_logprobs: torch.Tensor | None = None
     kl_penalty: torch.Tensor | None = None
     baseline: torch.Tensor | None = None
@@ -357,7 +369,7 @@ class StepBatch:
             if len(r.logprobs) != len(r.response_ids):
                 raise ValueError(f"rollout {row}: {len(r.logprobs)} logprobs for {len(r.response_ids)} response tokens")
             logprobs += r.logprobs
-            versions += r.logprob_versions or [r.weight_version] * len(r.response_ids)
+            versions += r.token_versions() or [r.weight_version] * len(r.response_ids)
         response_mask = padded.response_mask
         batch = ExperienceBatch(
             input_ids=padded.input_ids,
@@ -405,7 +417,7 @@ class StepBatch:
                     weight_version=r.weight_version,
                     metadata=self.metadata(row),
                     group_id=r.prompt_index,
-                    logprob_versions=r.logprob_versions,
+                    logprob_versions=r.token_versions(),
                     loss_mask=[0] * len(r.response_ids) if res.unscorable else None,
                     values=None if self.batch.values is None else self.batch.values[row, span].tolist(),
                     returns=None if self.batch.returns is None else self.batch.returns[row, span].tolist(),
@@ -422,6 +434,7 @@ class StepBatch:
             "engine": r.engine,
             "finish_reason": r.finish_reason,
             **self.times,
+            "row": row,
             "components": res.components,
             "reasons": res.reasons,
             "error": res.error,

@@ -55,3 +55,10 @@ class ControllerConfig(Section):
         "their own thread ahead of training (at most buffer.max_staleness batches), weights reach the engines "
         "in the background.",
     )
+    producer_threads: int = Field(
+        1,
+        ge=1,
+        description="async: torch threads of the producer and weight-sync threads. A second thread's "
+        "multi-threaded OpenMP team makes the trainer's own team wake slowly (measured: training twice "
+        "as slow on 2 cores even while the producer sleeps); 1 keeps the trainer at full speed.",
+    )

@@ -3,12 +3,15 @@
 The producer side samples prompts, generates, scores, lets the stages add what they need to one
 :class:`~postrl.types.StepBatch` and puts its experiences into the Experience Buffer; the consumer
 side gets them from the buffer, trains, runs the stages that learn from the update, and syncs the
-new weights to the rollout engines. In sync mode a step is the producer then the consumer.
+new weights to the rollout engines. In sync mode a step is the producer then the consumer; in
+async mode (:mod:`postrl.controller.async_pipeline`) the producer runs ahead in its own thread and
+the weights reach the engines in the background.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ import torch
 from postrl.buffer import ExperienceBuffer
 from postrl.config.run import RunConfig
 from postrl.controller.advantage import compute_advantage
+from postrl.controller.async_pipeline import BackgroundSync, ProducedBatch, Producer
 from postrl.controller.stages import Groups, StageContext, build_stages
 from postrl.controller.stages.kl import KLCoefficient
 from postrl.controller.step_metrics import (
@@ -35,6 +39,7 @@ from postrl.reward.client import RewardServiceError
 from postrl.rollout.base import ScalableRolloutWorker
 from postrl.rollout.common import EngineUnhealthyError
 from postrl.types import (
+    Experience,
     ExperienceBatch,
     Prompt,
     RewardResult,
@@ -105,25 +110,85 @@ class Controller:
         self.stages = build_stages(StageContext(self.config, self, parts.trainer, parts.critic, self.kl))
         self._pre_step_state: dict[str, Any] | None = None
         self._updating = False
+        self.asynchronous = self.config.controller.mode == "async"
+        self._versions = threading.Condition()  # the producer waits on it for versions to move
+        self.engine_version = 0  # the newest version the engines hold (async: behind the trainer's)
+        self.producer: Producer | None = None
+        self.syncer: BackgroundSync | None = None
+        self._pipeline_state: dict[str, Any] | None = None
+        self._report: ProducedBatch | None = None  # async: the batch the step in progress trains on
 
     def start(self, state: dict[str, Any] | None = None) -> None:
-        """Before the first step: restore a resumed run's state, then sync the weights once."""
+        """Before the first step: restore a resumed run's state, then sync the weights once; in
+        async mode, start the producer and the background sync."""
         if state is not None:
             self.load_state_dict(state)
         self.sync_weights(bump=False)
+        self.engine_version = self.weight_version
+        if self.asynchronous:
+            threads = self.config.controller.producer_threads
+            self.producer = Producer(
+                self._produce_batch, self.parts.buffer.put, self._may_start, self.config.steps, self.step_count,
+                self._versions, threads,
+            )  # fmt: skip
+            if self._pipeline_state is not None:
+                self.producer.load_state_dict(self._pipeline_state)
+            self.syncer = BackgroundSync(self._push_weights, self._engines_hold, threads)
+            self.producer.start()
+
+    def close(self) -> None:
+        """Stop the async threads (the producer after its batch in progress); nothing in sync mode."""
+        if self.producer is not None:
+            self.producer.stop()
+        if self.syncer is not None:
+            try:
+                self.syncer.flush()
+            finally:
+                self.syncer.close()
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> StepMetrics:
-        """One RL step: the producer side, then the consumer side; the timer records each stage."""
+        """One RL step: the producer side, then the consumer side; the timer records each stage.
+        In async mode the producer side ran ahead: the step trains on its oldest batch."""
+        if self.asynchronous:
+            return self._async_step()
         self.apply_rollout_schedule()
         timer, metrics = StageTimer(), dict[str, float]()
         self._pre_step_state, self._updating = self.state_dict(), False
-        step = self.produce(timer, metrics)
-        train = self.consume(timer, metrics)
-        return self.finish_step(step, train, metrics, timer.total())
+        step = self.produce(timer, metrics, self.step_count + 1)
+        report = self.produced_report(step, timer.seconds, metrics)
+        self.parts.buffer.put(step.experiences())
+        consumed: dict[str, float] = {}
+        train = self.consume(timer, consumed)
+        return self.finish_step(report, train, consumed, timer.total())
 
-    def produce(self, timer: StageTimer, metrics: dict[str, float]) -> StepBatch:
-        """Sample, generate, score, prepare advantages; the step's experiences go into the buffer."""
+    def _async_step(self) -> StepMetrics:
+        assert self.producer is not None
+        timer, metrics = StageTimer(), dict[str, float]()
+        self._updating = False
+        self._report = timer.run("wait", self.producer.next_report)
+        train = self.consume(timer, metrics)
+        report, self._report = self._report, None
+        metrics["time/producer_waited_s"] = self.producer.waited_s
+        return self.finish_step(report, train, metrics, timer.total())
+
+    def _produce_batch(self) -> tuple[list[Experience], ProducedBatch]:
+        """The producer thread's batch: the step's producer side, its experiences and its report."""
+        assert self.producer is not None
+        timer, metrics = StageTimer(), dict[str, float]()
+        step = self.produce(timer, metrics, self.producer.produced + 1)
+        report = self.produced_report(step, {**timer.seconds, "produce": timer.total()["step"]}, metrics)
+        return step.experiences(), report
+
+    def _may_start(self, batch: int) -> bool:
+        """Batch ``batch`` (from 1) trains under version ``batch - 1``: it may start once its lag
+        can stay within max_staleness (with on_stale=wait, once the engines hold that version)."""
+        needed = batch - 1 - self.config.buffer.max_staleness
+        held = self.engine_version if self.config.buffer.on_stale == "wait" else self.weight_version
+        return held >= needed
+
+    def produce(self, timer: StageTimer, metrics: dict[str, float], number: int) -> StepBatch:
+        """Sample, generate, score, prepare advantages: batch ``number`` of the run."""
         prompts = self.sample_prompts()
         rollouts = timer.run("generate", self.generate, prompts)
         generated_at = time.time()
@@ -134,19 +199,39 @@ class Controller:
             groups.rollouts,
             groups.rewards,
             self.parts.tokenizer.pad_token_id,
+            batch=number,
             generated_at=generated_at,
             scored_at=time.time(),
         )
         for stage in self.stages.prepare:
             metrics.update(timer.run(stage.timer_name("prepare"), stage.prepare, step))
         compute_advantage(step, self.config.algorithm)
-        self.record_samples(step)
-        self.parts.buffer.put(step.experiences())
+        self.record_samples(step, number)
         return step
+
+    def produced_report(
+        self, step: StepBatch, seconds: dict[str, float], stage_metrics: dict[str, float]
+    ) -> ProducedBatch:
+        """The producer side's metrics of ``step``: rewards, lengths, accuracy, generation speed,
+        its stages' metrics and timings."""
+        rollouts, rewards = step.rollouts, step.results
+        values = {
+            **reward_values(rollouts, rewards),
+            "perf/gen_tokens_per_s": sum(len(r.response_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
+            "data/epoch": float(self.sampler.epoch),
+            "data/skipped_rows": float(len(self.parts.dataset.skipped)),
+            "rollout/weight_version": float(min(r.weight_version for r in rollouts)),
+            "rollout/partial_rollouts": float(sum(r.token_versions() is not None for r in rollouts)),
+            **accuracy(rewards, self.parts.reward.accuracy_component, self.config.reward.accuracy_threshold),
+            **{f"time/{name}_s": value for name, value in seconds.items()},
+            **stage_metrics,
+        }
+        return ProducedBatch(values, step_notes(rewards, values["reward/no_signal_groups"]))
 
     def consume(self, timer: StageTimer, metrics: dict[str, float]) -> TrainMetrics:
         """Get a step's experiences from the buffer, train, learn from the update, sync."""
         taken = self.parts.buffer.get(self.train_batch_size, self.weight_version)
+        self._updating = self._updating or self.asynchronous  # async: what was taken cannot be put back
         metrics.update(taken.metrics())
         if not taken.experiences:  # every one was too stale: nothing to train on this step
             return TrainMetrics.skipped()
@@ -170,7 +255,9 @@ class Controller:
         return [self.parts.dataset[i] for i in self.sampler.next_indices(self.config.prompts_per_step)]
 
     def generate(self, prompts: list[Prompt], sampling: SamplingParams | None = None) -> list[Rollout]:
-        return self.parts.rollout.generate(prompts, sampling or self.sampling, self.weight_version)
+        """In async mode on whatever weights the engines hold (each rollout says which)."""
+        version = None if self.asynchronous else self.weight_version
+        return self.parts.rollout.generate(prompts, sampling or self.sampling, version)
 
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
         """Rewards in rollout order; a failed reward service makes the samples unscorable, and too
@@ -198,37 +285,38 @@ class Controller:
         self._updating = True  # from here on the weights change: an abandoned step cannot be undone
         return self.parts.trainer.update(batch)
 
-    def record_samples(self, step: StepBatch) -> None:
-        number = self.step_count + 1
+    def record_samples(self, step: StepBatch, number: int) -> None:
         lg = self.config.logging
         if number <= lg.samples_first_steps or (lg.samples_every > 0 and number % lg.samples_every == 0):
             path = self.config.run_dir / "samples" / f"step_{number}.jsonl"
             write_samples(path, step.prompts, step.rollouts, step.results, step)
 
     def finish_step(
-        self, step: StepBatch, train: TrainMetrics, stage_metrics: dict[str, float], timings: dict[str, float]
+        self, report: ProducedBatch, train: TrainMetrics, consumed: dict[str, float], timings: dict[str, float]
     ) -> StepMetrics:
         self.step_count += 1
         self._updating = False
-        rollouts, rewards = step.rollouts, step.results
         values = {
-            **reward_values(rollouts, rewards),
+            **report.values,
             **train.values,
             "actor/kl_beta": self.kl.beta,
-            "perf/gen_tokens_per_s": sum(len(r.response_ids) for r in rollouts) / max(timings["generate"], 1e-9),
-            "data/epoch": float(self.sampler.epoch),
-            "data/skipped_rows": float(len(self.parts.dataset.skipped)),
-            **accuracy(rewards, self.parts.reward.accuracy_component, self.config.reward.accuracy_threshold),
             **{f"time/{name}_s": seconds for name, seconds in timings.items()},
-            **stage_metrics,
+            **consumed,
         }
-        notes = step_notes(rewards, values["reward/no_signal_groups"])
-        return StepMetrics(step=self.step_count, weight_version=self.weight_version, values=values, notes=notes)
+        return StepMetrics(step=self.step_count, weight_version=self.weight_version, values=values, notes=report.notes)
 
     def restore_abandoned_step(self) -> bool:
         """After a step was abandoned: put the run state back to the last completed step. False when
         the step had already started changing the weights (then that state is gone)."""
-        if self._updating or self._pre_step_state is None:
+        if self._updating:
+            return False
+        if self.asynchronous:  # nothing was taken from the buffer yet: the batch's report goes back
+            if self._report is not None and self.producer is not None:
+                with self._versions:
+                    self.producer.reports.appendleft(self._report)
+                self._report = None
+            return True
+        if self._pre_step_state is None:
             return False
         self.load_state_dict(self._pre_step_state)
         return True
@@ -273,22 +361,44 @@ class Controller:
 
     def sync_weights(self, bump: bool = True) -> None:
         """Push the trainer's policy into the rollout worker under a new ``weight_version``, then
-        check that the engine still serves."""
+        check that the engine still serves. In async mode (after the start) a copy of the weights
+        goes to the background sync and the step goes on."""
         if bump:
-            self.weight_version += 1
+            with self._versions:
+                self.weight_version += 1
+                self._versions.notify_all()
         state = dedupe_tied(self.parts.trainer.policy_state())
+        if self.syncer is None:
+            self._push_weights(state, self.weight_version)
+            return
+        self.syncer.post({k: v.detach().clone() for k, v in state.items()}, self.weight_version)
+
+    def _push_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         manifest = weight_manifest(state) if self.config.rollout.verify_sync else None
         if self.config.rollout.weight_sync == "safetensors":
             if self.sync_dir is None:
                 raise ValueError("rollout.weight_sync=safetensors needs the Controller's sync_dir")
             path = write_sync_file(state, self.sync_dir / "policy.safetensors")
-            self.parts.rollout.update_weights(path, self.weight_version, manifest)
+            self.parts.rollout.update_weights(path, version, manifest)
         else:
-            self.parts.rollout.update_weights(state, self.weight_version, manifest)
-        self.check_engine(f"after the weight sync to version {self.weight_version}")
+            self.parts.rollout.update_weights(state, version, manifest)
+        self.check_engine(f"after the weight sync to version {version}")
+
+    def _engines_hold(self, version: int) -> None:
+        with self._versions:
+            self.engine_version = version
+            self._versions.notify_all()
 
     # -- run state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The run state after the last completed step; in async mode the producer is held between
+        two batches meanwhile, and its count and unconsumed reports are part of it."""
+        if self.producer is None:
+            return self._state()
+        with self.producer.paused():
+            return {**self._state(), "pipeline": self.producer.state_dict()}
+
+    def _state(self) -> dict[str, Any]:
         return {
             "step": self.step_count,
             "weight_version": self.weight_version,
@@ -307,3 +417,4 @@ class Controller:
         torch.set_rng_state(state["torch_rng"])
         self.stages.load_state_dict(state["stages"])
         self.parts.buffer.load_state_dict(state["buffer"])
+        self._pipeline_state = state.get("pipeline")

@@ -15,7 +15,9 @@ from postrl.types import Prompt, Rollout, SamplingParams
 class RolloutWorker(Protocol):
     weight_version: int
 
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+    def generate(
+        self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int | None
+    ) -> list[Rollout]:
         """``sampling_params.n`` responses per prompt, grouped by prompt, in prompt order.
 
         With ``sampling_params.top_logprobs = k`` each rollout also carries the ``k`` most likely

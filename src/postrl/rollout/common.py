@@ -57,8 +57,10 @@ class EngineBase:
     weight_version: int = 0
     generator: torch.Generator | None = None
 
-    def check_version(self, asked: int) -> None:
-        if asked != self.weight_version:
+    def check_version(self, asked: int | None) -> None:
+        """``asked``: the version the caller expects the engine to hold; None: whatever it holds
+        (async training, where new weights arrive in the background)."""
+        if asked is not None and asked != self.weight_version:
             raise RuntimeError(f"asked to generate with weight_version {asked}, engine holds {self.weight_version}")
 
     @staticmethod

@@ -88,5 +88,6 @@ def rollout_worker_for_model(
             seed=seed,
             max_prefill_tokens=config.native.max_prefill_tokens,
             cache_reuse_ratio=config.native.cache_reuse_ratio,
+            kv_after_update=config.kv_after_update,
         )
     return HFRolloutWorker(model.to(dtype), tokenizer, config.max_batch_size, seed=seed)

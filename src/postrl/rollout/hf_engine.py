@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -56,33 +57,42 @@ class HFRolloutWorker(EngineBase):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._eos = eos_ids(model, tokenizer)
         self._cache_arg = cache_argument(model)
+        # generate, weight updates and health checks one at a time: weights arriving from another
+        # thread (async training) wait for the generate in progress (no in-flight swap here)
+        self._busy = threading.RLock()
 
     # -- RolloutWorker interface -------------------------------------------------------------
     def generate(
         self,
         prompts: list[Prompt],
         sampling_params: SamplingParams,
-        weight_version: int,
+        weight_version: int | None,
         on_token: TokenCallback | None = None,
     ) -> list[Rollout]:
         """``on_token`` (optional) sees every token as it is sampled, for streaming."""
-        self.check_version(weight_version)
-        self.seed(sampling_params.seed)
-        rows = [(i, k, p.prompt_ids) for i, p in enumerate(prompts) for k in range(sampling_params.n)]
-        out: list[Rollout] = []
-        for start in range(0, len(rows), self.max_batch_size):
-            out.extend(self._generate_batch(rows[start : start + self.max_batch_size], sampling_params, on_token))
-        return out
+        with self._busy:
+            self.check_version(weight_version)
+            self.seed(sampling_params.seed)
+            rows = [(i, k, p.prompt_ids) for i, p in enumerate(prompts) for k in range(sampling_params.n)]
+            out: list[Rollout] = []
+            for start in range(0, len(rows), self.max_batch_size):
+                out.extend(self._generate_batch(rows[start : start + self.max_batch_size], sampling_params, on_token))
+            return out
 
     def update_weights(
         self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
     ) -> None:
         source = str(weights) if isinstance(weights, (str, Path)) else "an in-memory state dict"
-        load_state_checked(self.model, self.verified_state(weights, manifest), source)
-        self.weight_version = version
+        with self._busy:
+            load_state_checked(self.model, self.verified_state(weights, manifest), source)
+            self.weight_version = version
 
     def health_check(self) -> Health:
         """Finite weights, and one greedy token from a one-token prompt."""
+        with self._busy:
+            return self._health_check()
+
+    def _health_check(self) -> Health:
         if self.model.training:
             return Health(False, "the rollout model is in training mode")
         bad = non_finite(list(self.model.named_parameters()))

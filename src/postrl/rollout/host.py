@@ -31,7 +31,9 @@ class RolloutEngineHost:
     def version(self) -> int:
         return self.engine.weight_version
 
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+    def generate(
+        self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int | None
+    ) -> list[Rollout]:
         return self.engine.generate(prompts, sampling_params, weight_version)
 
     def update_weights(self, weights: Any, version: int, manifest: dict[str, str] | None = None) -> int:

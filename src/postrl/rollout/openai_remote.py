@@ -53,7 +53,9 @@ class OpenAIRolloutWorker(EngineBase):
             )
         return response.json()
 
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+    def generate(
+        self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int | None
+    ) -> list[Rollout]:
         self.check_version(weight_version)
         sp = sampling_params
         body: dict[str, Any] = {
@@ -90,7 +92,7 @@ class OpenAIRolloutWorker(EngineBase):
                     logprobs,
                     choice["text"],
                     choice["finish_reason"],
-                    weight_version,
+                    self.weight_version,
                 )
             )
         return out

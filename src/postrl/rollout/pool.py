@@ -61,7 +61,9 @@ class RolloutPool:
         self.requeued_prompts = 0
 
     # -- generation --------------------------------------------------------------------------
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+    def generate(
+        self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int | None
+    ) -> list[Rollout]:
         done: dict[int, list[Rollout]] = {}
         pending = list(range(len(prompts)))
         while pending:

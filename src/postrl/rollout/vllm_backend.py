@@ -106,7 +106,9 @@ class VLLMRolloutWorker(EngineBase):
     def _log_tail(self) -> str:
         return Path(self.log.name).read_text(errors="replace")[-3000:]
 
-    def generate(self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int) -> list[Rollout]:
+    def generate(
+        self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int | None
+    ) -> list[Rollout]:
         self.check_version(weight_version)
         sp = sampling_params
         body = {

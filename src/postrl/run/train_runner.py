@@ -269,7 +269,10 @@ def train(
                 resume_step = _resume(controller, place, echo)
             else:
                 controller.start()
-            _run_loop(controller, config, resume_step, on_step, place, validator)
+            try:
+                _run_loop(controller, config, resume_step, on_step, place, validator)
+            finally:
+                controller.close()
         finally:
             try:
                 close_components(parts)
@@ -321,7 +324,11 @@ def _run_loop(
     parts = controller.parts
     observers: list[Callable[[StepMetrics], None]] = []
     if validator is not None:
-        observers.append(lambda m: validator.observe(m, parts.rollout, parts.reward, controller.weight_version))
+        observers.append(
+            lambda m: validator.observe(
+                m, parts.rollout, parts.reward, None if controller.asynchronous else m.weight_version
+            )
+        )
     observers += [watch.observe for watch in run_watches(config, stderr_echo)]
     if on_step is not None:
         observers.append(on_step)

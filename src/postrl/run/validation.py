@@ -51,14 +51,14 @@ class Validator:
         every = self.config.logging.eval_every
         return bool(every) and (step % every == 0 or step == self.config.steps)
 
-    def observe(self, metrics: StepMetrics, rollout: Any, reward: Any, weight_version: int) -> None:
+    def observe(self, metrics: StepMetrics, rollout: Any, reward: Any, weight_version: int | None) -> None:
         """After a step: when validation is due, its metrics (and seconds) join the step's."""
         if self.due(metrics.step):
             began = time.perf_counter()
             metrics.values.update(self.run(rollout, reward, weight_version))
             metrics.values["time/validate_s"] = time.perf_counter() - began
 
-    def run(self, rollout: Any, reward: Any, weight_version: int) -> dict[str, float]:
+    def run(self, rollout: Any, reward: Any, weight_version: int | None) -> dict[str, float]:
         prompts = self.dataset.prompts
         rollouts = rollout.generate(prompts, self.sampling, weight_version)
         results = reward.score_batch(

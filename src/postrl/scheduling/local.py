@@ -30,7 +30,7 @@ class LocalScheduler:
 
             def start(i: int) -> Handle:
                 engine = make_rollout_worker(c.rollout, c.model.path, tokenizer, c.model.dtype, c.seed + i)
-                return InProcessHandle(engine, f"rollout engine {i}")
+                return InProcessHandle(engine, f"rollout engine {i}", serialized=False)
         else:
 
             def start(i: int) -> Handle:

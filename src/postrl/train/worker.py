@@ -102,15 +102,19 @@ class TrainWorker:
         grad_norms: list[float] = []
         steps_at_start = self.optimization.steps
         orders = [self._group_shuffled_order(batch) for _ in range(self.cfg.epochs)]
+        # one epoch: the first mini-batch's own forward is the proximal policy (no extra forward)
+        first_own = self.cfg.epochs == 1
         if self.recompute_proximal:
-            batch = dataclasses.replace(batch, proximal_logprobs=self.proximal_logprobs(batch, orders[0]))
+            proximal = self.proximal_logprobs(batch, orders[0], skip_first=first_own)
+            batch = dataclasses.replace(batch, proximal_logprobs=proximal)
         for order in orders:
             for start in range(0, batch.size, self.cfg.mini_batch_size):
                 mini = batch.select(order[start : start + self.cfg.mini_batch_size].to(device))
                 if mini.num_tokens == 0:
                     continue
                 still_pi_old = self.optimization.steps == steps_at_start
-                stats, norm = self._mini_batch_step(mini)
+                own = self.recompute_proximal and first_own and start == 0
+                stats, norm = self._mini_batch_step(mini, own_proximal=own)
                 total = total.merge(stats)
                 if still_pi_old:
                     before_update = before_update.merge(stats)
@@ -142,22 +146,25 @@ class TrainWorker:
         size, rows = self.cfg.micro_batch_size, torch.arange(mini.size, device=mini.input_ids.device)
         return [(rows[s : s + size], mini.select(slice(s, s + size))) for s in range(0, mini.size, size)]
 
-    def accumulate_gradients(self, mini: ExperienceBatch) -> Stats:
+    def accumulate_gradients(self, mini: ExperienceBatch, own_proximal: bool = False) -> Stats:
         """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count.
-        Returns the summed statistics, still on the device."""
+        ``own_proximal``: no optimizer step was taken yet, so each micro-batch's forward is the
+        proximal policy. Returns the summed statistics, still on the device."""
         norm = self.normalizer(mini.loss_mask)
         stats = Stats()
         for _, micro in self.micro_batches(mini):
-            stats = stats.merge(self._micro_batch_backward(micro, norm))
+            stats = stats.merge(self._micro_batch_backward(micro, norm, own_proximal))
         return stats
 
     @torch.no_grad()
-    def proximal_logprobs(self, batch: ExperienceBatch, order: torch.Tensor) -> torch.Tensor:
+    def proximal_logprobs(self, batch: ExperienceBatch, order: torch.Tensor, skip_first: bool = False) -> torch.Tensor:
         """The proximal policy: this trainer's logprobs of every response token before the update,
         ``[B, T-1]``. Computed over the same mini- and micro-batches, in the same order, as the first
-        epoch trains on, so that the first micro-batch's ratio is exactly 1."""
+        epoch trains on, so that the first micro-batch's ratio is exactly 1. ``skip_first``: the
+        first mini-batch is left out (0): its training forward, before any step, is its proximal."""
         out = torch.zeros_like(batch.old_logprobs)
-        for start in range(0, batch.size, self.cfg.mini_batch_size):
+        first = self.cfg.mini_batch_size if skip_first else 0
+        for start in range(first, batch.size, self.cfg.mini_batch_size):
             index = order[start : start + self.cfg.mini_batch_size].to(out.device)
             mini = batch.select(index)
             for rows, micro in self.micro_batches(mini):
@@ -187,17 +194,21 @@ class TrainWorker:
         tokens, sequences = loss_mask.sum(), (loss_mask.sum(dim=-1) > 0).sum().to(loss_mask.dtype)
         return LossNormalizer(tokens / ranks, sequences / ranks, self.max_response_tokens)
 
-    def _mini_batch_step(self, mini: ExperienceBatch) -> tuple[Stats, float | None]:
+    def _mini_batch_step(self, mini: ExperienceBatch, own_proximal: bool = False) -> tuple[Stats, float | None]:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
         the device together, once."""
-        sums = self.accumulate_gradients(mini)
+        sums = self.accumulate_gradients(mini, own_proximal)
         stats, (norm,) = sums.read(self.optimization.clip_gradients())
         return stats, norm if self.optimization.step(norm) else None
 
-    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer) -> Stats:
+    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer, own_proximal: bool = False) -> Stats:
         mask = micro.loss_mask
         bonus = self.algo.entropy_coef
         logp, entropy = self._policy_logprobs(micro, with_entropy="grad" if bonus else True)
+        if own_proximal:
+            micro = dataclasses.replace(
+                micro, proximal_logprobs=logp.detach().to(micro.old_logprobs.dtype) * micro.response_mask
+            )
         proximal = micro.old_logprobs if micro.proximal_logprobs is None else micro.proximal_logprobs
         out = self.policy_loss(LossInputs(logprobs=logp, old_logprobs=proximal, advantages=micro.advantages, mask=mask))
         per_token = out.per_token

@@ -8,6 +8,7 @@ call can have a timeout, and every failure names the worker.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -62,9 +63,13 @@ class InProcessHandle:
     worker shares this process's cores anyway, and torch work started from a second thread gets a
     second OpenMP thread team whose idle spinning slowed a CPU step by half."""
 
-    def __init__(self, obj: Any, name: str) -> None:
+    def __init__(self, obj: Any, name: str, serialized: bool = True) -> None:
+        """``serialized=False``: the worker orders its own calls (a rollout engine takes new weights
+        from another thread while it generates, see the native engine)."""
         self.obj, self.name = obj, name
-        self._lock = threading.Lock()
+        self._lock: threading.Lock | contextlib.nullcontext = (
+            threading.Lock() if serialized else contextlib.nullcontext()
+        )
         self._killed = False
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:

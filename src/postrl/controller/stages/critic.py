@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from postrl.controller.stages.base import Phase, Stage
 from postrl.types import ExperienceBatch, StepBatch, TrainMetrics
 from postrl.workers.roles import Critic
@@ -19,13 +21,16 @@ class CriticStage(Stage):
 
     def __init__(self, critic: Critic, warmup_steps: int) -> None:
         self.critic, self.warmup_steps = critic, warmup_steps
+        self._lock = threading.Lock()  # async mode: values (producer) never read a critic mid-update
 
     def prepare(self, step: StepBatch) -> dict[str, float]:
-        step.batch.values = self.critic.values(step.batch)
+        with self._lock:
+            step.batch.values = self.critic.values(step.batch)
         return {}
 
     def after_update(self, batch: ExperienceBatch, train: TrainMetrics) -> dict[str, float]:
-        return self.critic.update(batch)
+        with self._lock:
+            return self.critic.update(batch)
 
     def timer_name(self, phase: Phase) -> str:
         return "critic" if phase == "after_update" else "values"

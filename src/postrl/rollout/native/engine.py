@@ -8,15 +8,23 @@
   causal mask.
 - Every iteration samples all rows (decode and newly prefilled) in one call.
 - bf16 on CPUs with AMX (or any dtype asked for), the same code on CUDA.
+- In-flight weight updates: weights that arrive (from another thread) while a ``generate`` runs
+  are swapped in between two decode iterations; the in-flight sequences continue from their
+  prefix, whose KV cache is recomputed under the new weights (``kv_after_update="recompute"``) or
+  kept (``"keep"``). Every token records the version of the weights that produced it and the oldest
+  version in the cache it attended to.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
+import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +65,17 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weights that produced each token
+    kv_versions: list[int] = field(default_factory=list)  # the oldest weights behind the cache it attended to
+
+
+@dataclass
+class _PendingWeights:
+    state: dict[str, torch.Tensor]
+    version: int
+    manifest: dict[str, str] | None
+    error: BaseException | None = None
+    applied: bool = False
 
 
 class NativeRolloutWorker(EngineBase):
@@ -69,7 +88,16 @@ class NativeRolloutWorker(EngineBase):
         seed: int = 0,
         max_prefill_tokens: int = 2048,
         cache_reuse_ratio: float = 2.0,
+        kv_after_update: str = "recompute",
     ) -> None:
+        if kv_after_update not in ("recompute", "keep"):
+            raise ValueError(f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}")
+        self.kv_after_update = kv_after_update
+        self._generation = threading.Lock()  # one scheduler run (generate, health check) at a time
+        self._swap = threading.Condition()  # guards _generating and _pending
+        self._generating = False
+        self._pending: _PendingWeights | None = None
+        self.updates_in_flight = 0  # weight updates applied in the middle of a generate
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.cache_reuse_ratio = cache_reuse_ratio
@@ -94,37 +122,82 @@ class NativeRolloutWorker(EngineBase):
         self,
         prompts: list[Prompt],
         sampling_params: SamplingParams,
-        weight_version: int,
+        weight_version: int | None,
         on_token: TokenCallback | None = None,
     ) -> list[Rollout]:
         """``on_token`` (optional) sees every token as it is sampled, for streaming."""
-        self.check_version(weight_version)
         if not prompts:
+            self.check_version(weight_version)
             return []
-        self.seed(sampling_params.seed)
-        slots = min(self.max_batch_size, len(prompts) * sampling_params.n)
-        max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
-        self._ensure_cache(slots, max_len)
-        seqs = _Scheduler(self, prompts, sampling_params, slots, on_token).run()
-        return [
-            Rollout(
-                prompt_index=s.prompt_index,
-                prompt_ids=list(s.prompt_ids),
-                response_ids=s.tokens,
-                logprobs=s.logprobs,
-                text=self.tokenizer.decode(s.tokens, skip_special_tokens=True),
-                finish_reason=finish,  # type: ignore[arg-type]
-                weight_version=self.weight_version,
-                top_logprobs=s.top if sampling_params.top_logprobs else None,
-            )
-            for s, finish in seqs
-        ]
+        with self._generation, self._running():
+            self.check_version(weight_version)
+            self.seed(sampling_params.seed)
+            slots = min(self.max_batch_size, len(prompts) * sampling_params.n)
+            max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
+            self._ensure_cache(slots, max_len)
+            seqs = _Scheduler(self, prompts, sampling_params, slots, on_token).run()
+        return [self._rollout(s, finish, bool(sampling_params.top_logprobs)) for s, finish in seqs]
+
+    def _rollout(self, s: _Seq, finish: str, with_top: bool) -> Rollout:
+        oldest = min(s.kv_versions, default=self.weight_version)
+        uniform = all(v == oldest for v in s.versions) and all(v == oldest for v in s.kv_versions)
+        return Rollout(
+            prompt_index=s.prompt_index,
+            prompt_ids=list(s.prompt_ids),
+            response_ids=s.tokens,
+            logprobs=s.logprobs,
+            text=self.tokenizer.decode(s.tokens, skip_special_tokens=True),
+            finish_reason=finish,  # type: ignore[arg-type]
+            weight_version=oldest,
+            top_logprobs=s.top if with_top else None,
+            logprob_versions=None if uniform else s.versions,
+            kv_versions=None if uniform else s.kv_versions,
+        )
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Marks a scheduler run: weights arriving meanwhile wait for :meth:`apply_pending_weights`."""
+        with self._swap:
+            self._generating = True
+        try:
+            yield
+        finally:
+            with self._swap:
+                self._generating = False
+                self.apply_pending_weights()
 
     def update_weights(
         self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
     ) -> None:
-        """Copy new weights into the running engine in place; with a manifest, verify what arrived."""
+        """Copy new weights into the engine in place; with a manifest, verify what arrived. While a
+        ``generate`` runs (in another thread) the weights are swapped in at its next decode
+        iteration, and this call returns once they are."""
         state = self.verified_state(weights, manifest)
+        with self._swap:
+            if not self._generating:
+                self._load(state, version, manifest)
+                return
+            pending = self._pending = _PendingWeights(state, version, manifest)
+            self._swap.wait_for(lambda: pending.applied)
+        if pending.error is not None:
+            raise pending.error
+
+    def apply_pending_weights(self) -> bool:
+        """Swap in weights that arrived during a generate (call with ``_swap`` held, or from the
+        generating thread); True when there were some."""
+        with self._swap:
+            pending, self._pending = self._pending, None
+            if pending is None:
+                return False
+            try:
+                self._load(pending.state, pending.version, pending.manifest)
+            except BaseException as exc:  # handed to the caller of update_weights
+                pending.error = exc
+            pending.applied = True
+            self._swap.notify_all()
+            return pending.error is None
+
+    def _load(self, state: dict[str, torch.Tensor], version: int, manifest: dict[str, str] | None) -> None:
         written = self.model.load(state, strict=True)
         if manifest is not None:
             bad = [n for n in written if not torch.equal(self.model.params[n], state[n].to(self.model.dtype))]
@@ -149,7 +222,8 @@ class NativeRolloutWorker(EngineBase):
                 f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})",
             )
         probe = Prompt(text="", prompt_ids=[self.pad_id])
-        seqs = _Scheduler(self, [probe], SamplingParams(n=1, temperature=0.0, max_tokens=1), 1).run()
+        with self._generation, self._running():
+            seqs = _Scheduler(self, [probe], SamplingParams(n=1, temperature=0.0, max_tokens=1), 1).run()
         tokens, logprobs = seqs[0][0].tokens, seqs[0][0].logprobs
         if len(tokens) != 1 or not 0 <= tokens[0] < self.model.embed.shape[0] or not math.isfinite(logprobs[0]):
             return Health(False, f"generating one token gave {tokens} with logprobs {logprobs}")
@@ -195,9 +269,12 @@ class _Scheduler:
         self.stop_ids = torch.tensor(sorted(engine._eos | set(sp.stop_token_ids)), dtype=torch.long, device=self.device)
         self.checker = StopChecker(engine.tokenizer, sp.stop)
         self.finished: list[tuple[_Seq, str]] = []
+        self.kv_version = [engine.weight_version] * slots  # the oldest weights behind each slot's cache
 
     def run(self) -> list[tuple[_Seq, str]]:
         while self.waiting or self.active:
+            if self.e._pending is not None and self.e.apply_pending_weights():
+                self._after_update()
             row_slots, logits = [], []
             if self.active:
                 start = time.perf_counter()
@@ -218,6 +295,18 @@ class _Scheduler:
             self._record(slots, tokens, lps, top)
         self.finished.sort(key=lambda t: (t[0].prompt_index, t[0].sample_index))
         return self.finished
+
+    def _after_update(self) -> None:
+        """New weights mid-generation: the in-flight sequences continue from their prefix. With
+        ``kv_after_update=recompute`` the prefix's K/V (prompt and every token but the last, which
+        the next decode feeds) is recomputed under the new weights."""
+        self.e.updates_in_flight += 1
+        if self.e.kv_after_update == "keep" or not self.active:
+            return
+        items = [(s, seq.prompt_ids + seq.tokens[:-1]) for s, seq in sorted(self.active.items())]
+        self._prefill(items, start=0)
+        for s, _ in items:
+            self.kv_version[s] = self.e.weight_version
 
     # decode: one token for every active slot, over the dense range [0, hi)
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,6 +368,7 @@ class _Scheduler:
             first = self._first_sample_index(i, len(slots))
             for k, s in enumerate(slots):
                 self.active[s] = _Seq(i, first + k, ids)
+                self.kv_version[s] = self.e.weight_version
                 self.pos[s] = len(ids)
                 self.is_active[s] = True
             row_slots.extend(slots)
@@ -332,6 +422,8 @@ class _Scheduler:
             seq = self.active[s]
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
+            seq.versions.append(self.e.weight_version)
+            seq.kv_versions.append(self.kv_version[s])
             if top is not None:
                 seq.top.append(top[row])
             finish = None

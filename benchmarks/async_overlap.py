@@ -1,0 +1,251 @@
+"""Sync against async (one-step-off) GRPO on the demo task, with a verifier that takes realistic time.
+
+Every run is ``postrl train`` of the demo config (3-digit addition from the shipped model, 32
+prompts x 8 samples, 16 new tokens) in a fresh process, the same seed for all; the reward service
+waits ``--verifier-delay`` seconds per batch before scoring, as a remote sandbox would. The held-out
+accuracy of each final model is measured greedily on the task's 200 test problems.
+
+Modes:
+  (default)       sync and async (controller.mode=async, buffer.max_staleness=1): wall time, ratio,
+                  accuracy, the largest lag seen, and each phase's median seconds per step.
+  --mismatch      sync runs with the engine in bf16 and the trainer in fp32: the engine's logprobs
+                  used directly (old_logprobs=rollout) against recompute + TIS; their mismatch KL.
+  --kv-ablation   async runs where weights arrive mid-generation, the prefix KV cache kept or
+                  recomputed: held-out accuracy every 10 steps, wall time, mismatch KL; a PNG.
+
+    python benchmarks/async_overlap.py [--steps 60] [--verifier-delay 0.3] [--json]
+    python benchmarks/async_overlap.py --mismatch [--steps 100] [--json]
+    python benchmarks/async_overlap.py --kv-ablation [--steps 60] [--png docs/async_kv_ablation.png] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("generate", "reward", "train", "sync", "wait", "produce", "step")
+
+
+class SlowVerifier:
+    """A Reward Service that waits ``delay`` seconds per batch, then scores with ``inner``."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+        self.accuracy_component = inner.accuracy_component
+
+    def score_batch(self, requests):
+        time.sleep(self.delay)
+        return self.inner.score_batch(requests)
+
+    def set_log_file(self, path) -> None:
+        self.inner.set_log_file(path)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def run_one(spec: dict) -> dict:
+    """One training run in this process (``--one``): its wall time, accuracy and per-step metrics."""
+    from postrl.config.loading import build_config
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.run import train_runner
+    from postrl.run.demo import DEMO_SETTINGS
+    from postrl.run.evaluate import evaluate_model
+
+    make = train_runner.make_reward_service
+    train_runner.make_reward_service = lambda config: SlowVerifier(make(config), spec["delay"])
+    settings = dict(DEMO_SETTINGS, name=spec["name"], output_dir=spec["out"], steps=spec["steps"], seed=spec["seed"])
+    settings["logging"] = {"console": False, "tensorboard": False, "progress_bar": False, **spec.get("logging", {})}
+    config = build_config(settings, spec["overrides"])
+    began = time.perf_counter()
+    train_runner.train(config)
+    wall = time.perf_counter() - began
+    rows = [json.loads(line) for line in open(config.run_dir / "metrics.jsonl")]
+    tokenizer = load_tokenizer(config.model.path)
+    final = evaluate_model(load_causal_lm(str(config.run_dir / "final_model")), tokenizer, "arithmetic")
+    return {"wall_s": wall, "acc": final.accuracy, "rows": rows}
+
+
+def launch(name: str, out: str, steps: int, seed: int, delay: float, overrides: list[str], **extra) -> dict:
+    spec = {"name": name, "out": out, "steps": steps, "seed": seed, "delay": delay, "overrides": overrides, **extra}
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True, env=env, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"run {name} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def medians(rows: list[dict]) -> dict[str, float]:
+    """Median seconds per phase over the steps after the first (warm-up)."""
+    out = {}
+    for phase in PHASES:
+        values = [r[f"time/{phase}_s"] for r in rows[1:] if f"time/{phase}_s" in r]
+        if values:
+            out[phase] = statistics.median(values)
+    return out
+
+
+def mean_of(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r and r[key] == r[key]]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def overlap(args: argparse.Namespace, out: str) -> dict:
+    delay = args.verifier_delay
+    sync = launch("sync", out, args.steps, args.seed, delay, [])
+    async_ = launch("async", out, args.steps, args.seed, delay, ["controller.mode=async", "buffer.max_staleness=1"])
+    same = launch("sync_recompute", out, args.steps, args.seed, delay, ["algorithm.old_logprobs=recompute"])
+    ps, pa = medians(sync["rows"]), medians(async_["rows"])
+    print(f"{args.steps} steps, verifier waits {delay * 1000:.0f} ms per batch")
+    print(f"{'mode':<26}{'wall s':>9}{'held-out acc':>14}{'max lag':>9}   median seconds per step by phase")
+    lag = max(r.get("buffer/lag_max", 0.0) for r in async_["rows"])
+    table = (
+        ("sync (defaults)", sync, 0.0),
+        ("sync, recompute + TIS", same, 0.0),
+        ("async, max_staleness 1", async_, lag),
+    )
+    for name, run, lag_seen in table:
+        where = "  ".join(f"{k} {v:.3f}" for k, v in medians(run["rows"]).items())
+        print(f"{name:<26}{run['wall_s']:>9.1f}{run['acc']:>14.3f}{lag_seen:>9.0f}   {where}")
+    ratio = async_["wall_s"] / sync["wall_s"]
+    print(f"async / sync wall time: {ratio:.3f} (against sync with the same recompute + TIS: "
+          f"{async_['wall_s'] / same['wall_s']:.3f})")  # fmt: skip
+    return {
+        "steps": args.steps,
+        "verifier_delay_s": args.verifier_delay,
+        "sync_wall_s": round(sync["wall_s"], 2),
+        "async_wall_s": round(async_["wall_s"], 2),
+        "ratio": round(ratio, 3),
+        "ratio_same_algorithm": round(async_["wall_s"] / same["wall_s"], 3),
+        "sync_recompute_wall_s": round(same["wall_s"], 2),
+        "sync_recompute_acc": same["acc"],
+        "sync_acc": sync["acc"],
+        "async_acc": async_["acc"],
+        "max_lag_seen": lag,
+        "sync_phases_s": {k: round(v, 3) for k, v in ps.items()},
+        "async_phases_s": {k: round(v, 3) for k, v in pa.items()},
+    }
+
+
+def mismatch(args: argparse.Namespace, out: str) -> dict:
+    common = ["rollout.dtype=bfloat16", "train.precision=float32"]
+    rollout_lp = launch("rollout_lp", out, args.steps, args.seed, 0.0, [*common, "algorithm.old_logprobs=rollout"])
+    tis = launch("recompute_tis", out, args.steps, args.seed, 0.0, [*common, "algorithm.old_logprobs=recompute"])
+    kl = mean_of(tis["rows"], "rollout/mismatch_kl")
+    print(f"{args.steps} steps each, engine bf16, trainer fp32")
+    print(f"{'old logprobs':<22}{'held-out acc':>14}{'wall s':>9}{'mismatch KL':>14}{'logprob diff max':>18}")
+    for name, run in (("rollout (engine's)", rollout_lp), ("recompute + TIS", tis)):
+        diff = max(r.get("rollout/logprob_diff_max", 0.0) for r in run["rows"])
+        print(
+            f"{name:<22}{run['acc']:>14.3f}{run['wall_s']:>9.1f}{mean_of(run['rows'], 'rollout/mismatch_kl'):>14.5f}{diff:>18.3f}"
+        )
+    return {
+        "steps": args.steps,
+        "rollout_lp_acc": rollout_lp["acc"],
+        "recompute_tis_acc": tis["acc"],
+        "mismatch_kl": kl,
+        "rollout_lp_wall_s": round(rollout_lp["wall_s"], 2),
+        "recompute_tis_wall_s": round(tis["wall_s"], 2),
+        "is_rejected_fraction": mean_of(tis["rows"], "rollout/is_rejected_fraction"),
+    }
+
+
+def kv_ablation(args: argparse.Namespace, out: str) -> dict:
+    base = ["controller.mode=async", f"buffer.max_staleness={args.staleness}", "data.val_size=200"]
+    logging = {"eval_every": 10}
+    runs = {
+        policy: launch(
+            f"kv_{policy}",
+            out,
+            args.steps,
+            args.seed,
+            args.verifier_delay,
+            [*base, f"rollout.kv_after_update={policy}"],
+            logging=logging,
+        )  # fmt: skip
+        for policy in ("keep", "recompute")
+    }
+    curves = {
+        p: [(r["step"], r["val/accuracy"]) for r in run["rows"] if "val/accuracy" in r] for p, run in runs.items()
+    }
+    print(f"{args.steps} steps, async, max_staleness {args.staleness}, verifier {args.verifier_delay * 1000:.0f} ms")
+    print(
+        f"{'kv_after_update':<18}{'final acc':>10}{'wall s':>9}{'mismatch KL':>13}{'partial rollouts':>17}   val acc every 10 steps"
+    )
+    for policy, run in runs.items():
+        mid = int(sum(r.get("rollout/partial_rollouts", 0.0) for r in run["rows"]))
+        curve = " ".join(f"{acc:.2f}" for _, acc in curves[policy])
+        kl = mean_of(run["rows"], "rollout/mismatch_kl")
+        print(f"{policy:<18}{run['acc']:>10.3f}{run['wall_s']:>9.1f}{kl:>13.5f}{mid:>17}   {curve}")
+    if args.png:
+        plot_curves(curves, Path(args.png), args)
+        print(f"plot: {args.png}")
+    return {
+        "steps": args.steps,
+        "keep_acc": runs["keep"]["acc"],
+        "recompute_acc": runs["recompute"]["acc"],
+        "keep_wall_s": round(runs["keep"]["wall_s"], 2),
+        "recompute_wall_s": round(runs["recompute"]["wall_s"], 2),
+        "keep_mismatch_kl": mean_of(runs["keep"]["rows"], "rollout/mismatch_kl"),
+        "recompute_mismatch_kl": mean_of(runs["recompute"]["rows"], "rollout/mismatch_kl"),
+        "keep_curve": curves["keep"],
+        "recompute_curve": curves["recompute"],
+    }
+
+
+def plot_curves(curves: dict, path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, points in curves.items():
+        ax.plot([s for s, _ in points], [a for _, a in points], marker="o", label=f"kv_after_update={policy}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out accuracy (200 problems)")
+    ax.set_title(f"async GRPO, max_staleness {args.staleness}: stale KV cache kept or recomputed")
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 60; --mismatch 100)")
+    parser.add_argument("--verifier-delay", type=float, default=0.3, help="seconds the verifier waits per batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mismatch", action="store_true")
+    parser.add_argument("--kv-ablation", action="store_true")
+    parser.add_argument("--staleness", type=int, default=2, help="--kv-ablation: buffer.max_staleness")
+    parser.add_argument("--png", default=None, help="--kv-ablation: where to write the learning curves")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(run_one(json.loads(args.one))))
+        return
+    if args.steps is None:
+        args.steps = 100 if args.mismatch else 60
+    with tempfile.TemporaryDirectory(prefix="postrl-async-bench-") as out:
+        if args.mismatch:
+            result = mismatch(args, out)
+        elif args.kv_ablation:
+            result = kv_ablation(args, out)
+        else:
+            result = overlap(args, out)
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""``controller.mode: async``: the producer side of the step (sample, generate, score, prepare
+advantages) runs in its own thread, ahead of training by at most ``buffer.max_staleness`` batches,
+and new weights reach the rollout engines from a background thread.
+
+The producer may start its k-th batch (counted from 1 over the whole run) once the trainer's
+version is at least ``k - 1 - max_staleness``, so that the batch, trained at step k under version
+``k - 1``, lags by at most ``max_staleness``; with ``buffer.on_stale: wait`` it also waits for the
+engines to hold that version (nothing can go stale), with ``drop`` it generates on whatever they
+hold and the buffer drops what went stale. ``max_staleness: 1`` is one-step-off training.
+
+A checkpoint pauses the producer between two batches, so the buffer, the sampler, the engines'
+generators and the unconsumed batches' reports are one consistent state: a resumed run trains
+every sample once. On 2 cores the threads share the CPU: only waiting (a remote verifier, a
+weight transfer) is hidden, not compute.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from postrl.types import Experience
+
+
+@dataclass
+class ProducedBatch:
+    """What the producer side says about one batch it put into the buffer: its metrics (rewards,
+    lengths, its own stage timings) and notes for the console."""
+
+    values: dict[str, float]
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+class PipelineError(RuntimeError):
+    """The producer or the weight-sync thread stopped with an error (the cause is chained)."""
+
+
+class BackgroundSync:
+    """Pushes the newest weights to the engines in a thread of its own. ``post`` never blocks: a
+    version posted while an older one is still in transit replaces any version not yet sent."""
+
+    def __init__(
+        self, push: Callable[[dict[str, torch.Tensor], int], None], on_applied: Callable[[int], None], threads: int = 1
+    ) -> None:
+        self.push, self.on_applied, self.threads = push, on_applied, threads
+        self._cv = threading.Condition()
+        self._next: tuple[dict[str, torch.Tensor], int] | None = None
+        self._busy, self._closed = False, False
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # time spent pushing, in all
+        self._thread = threading.Thread(target=self._run, name="postrl-weight-sync", daemon=True)
+        self._thread.start()
+
+    def post(self, state: dict[str, torch.Tensor], version: int) -> None:
+        with self._cv:
+            if self.error is not None:
+                raise PipelineError("the background weight sync failed") from self.error
+            self._next = (state, version)
+            self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every posted version is on the engines."""
+        with self._cv:
+            self._cv.wait_for(lambda: (self._next is None and not self._busy) or self.error is not None)
+            if self.error is not None:
+                raise PipelineError("the background weight sync failed") from self.error
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            torch.set_num_threads(self.threads)  # this thread's own OpenMP team (see controller.producer_threads)
+            while self._push_next():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer at its next post or flush
+            with self._cv:
+                self.error = exc
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _push_next(self) -> bool:
+        with self._cv:
+            self._cv.wait_for(lambda: self._next is not None or self._closed)
+            if self._next is None:
+                return False
+            (state, version), self._next, self._busy = self._next, None, True
+        began = time.perf_counter()
+        self.push(state, version)
+        self.seconds += time.perf_counter() - began
+        self.on_applied(version)
+        with self._cv:
+            self._busy = False
+            self._cv.notify_all()
+        return True
+
+
+class Producer:
+    """The producer thread. ``produce_one()`` makes one batch (its experiences and report);
+    ``may_start(k)`` says whether batch k may start now (checked under the shared condition,
+    which the consumer and the sync thread notify when versions move)."""
+
+    def __init__(
+        self,
+        produce_one: Callable[[], tuple[list[Experience], ProducedBatch]],
+        deliver: Callable[[list[Experience]], None],
+        may_start: Callable[[int], bool],
+        total: int,
+        produced: int,
+        cv: threading.Condition,
+        threads: int = 1,
+    ) -> None:
+        self.produce_one, self.deliver, self.may_start, self.threads = produce_one, deliver, may_start, threads
+        self.total, self.produced, self.cv = total, produced, cv
+        self.reports: deque[ProducedBatch] = deque()
+        self.error: BaseException | None = None
+        self._paused = self._stopped = self._busy = self._exited = False
+        self.waited_s = 0.0  # time the producer spent held back by the staleness bound
+        self._thread = threading.Thread(target=self._run, name="postrl-producer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def next_report(self) -> ProducedBatch:
+        """The oldest unconsumed batch's report, once there is one (its experiences are in the buffer)."""
+        with self.cv:
+            self.cv.wait_for(lambda: self.reports or self._exited)
+            if self.reports:
+                return self.reports.popleft()
+            if self.error is not None:
+                raise PipelineError("the producer thread (generate, score) failed") from self.error
+            raise PipelineError(f"the producer stopped after {self.produced} of {self.total} batches")
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the producer between two batches (for a consistent checkpoint)."""
+        with self.cv:
+            self._paused = True
+            self.cv.wait_for(lambda: not self._busy)
+        try:
+            yield
+        finally:
+            with self.cv:
+                self._paused = False
+                self.cv.notify_all()
+
+    def stop(self) -> None:
+        """Stop after the batch in progress (if any) and wait for the thread."""
+        with self.cv:
+            self._stopped = True
+            self.cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _ready(self) -> bool:
+        return self._stopped or (not self._paused and self.produced < self.total and self.may_start(self.produced + 1))
+
+    def _run(self) -> None:
+        """The thread: batches until the total or a stop; whatever ends it, the consumer is woken
+        (an error is handed to it at its next step)."""
+        try:
+            torch.set_num_threads(self.threads)  # this thread's own OpenMP team (see controller.producer_threads)
+            while self._next_batch():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            with self.cv:
+                self.error = exc
+        finally:
+            with self.cv:
+                self._busy, self._exited = False, True
+                self.cv.notify_all()
+
+    def _next_batch(self) -> bool:
+        with self.cv:
+            began = time.perf_counter()
+            self.cv.wait_for(self._ready)
+            self.waited_s += time.perf_counter() - began
+            if self._stopped or self.produced >= self.total:
+                return False
+            self._busy = True
+        experiences, report = self.produce_one()
+        with self.cv:
+            self.deliver(experiences)
+            self.reports.append(report)
+            self.produced += 1
+            self._busy = False
+            self.cv.notify_all()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"produced": self.produced, "reports": [(r.values, r.notes) for r in self.reports]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.produced = int(state["produced"])
+        self.reports = deque(ProducedBatch(dict(values), dict(notes)) for values, notes in state["reports"])
