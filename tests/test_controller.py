@@ -239,8 +239,9 @@ def test_samples_file_carries_each_samples_advantage_and_metadata(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "samples" / "step_1.jsonl").read_text().splitlines()]
     assert [r["advantage"] for r in rows][1] == 0.0 and rows[2]["advantage"] == pytest.approx(1 / (2**0.5 + 1e-6))
     meta = rows[0]["metadata"]
-    assert set(meta) == {"task_type", "engine", "generated_at", "scored_at"}
+    assert set(meta) == {"task_type", "engine", "batch", "row", "generated_at", "scored_at"}
     assert meta["task_type"] is None and meta["scored_at"] >= meta["generated_at"] > 0
+    assert (meta["batch"], meta["row"], rows[3]["metadata"]["row"]) == (1, 0, 3)
 
 
 def test_closing_the_components_closes_every_worker_and_then_the_scheduler():
