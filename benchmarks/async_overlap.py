@@ -13,7 +13,7 @@ Modes:
   --kv-ablation   async runs where weights arrive mid-generation, the prefix KV cache kept or
                   recomputed: held-out accuracy every 10 steps, wall time, mismatch KL; a PNG.
 
-    python benchmarks/async_overlap.py [--steps 60] [--verifier-delay 0.3] [--json]
+    python benchmarks/async_overlap.py [--steps 60] [--rounds 2] [--verifier-delay 0.3] [--json]
     python benchmarks/async_overlap.py --mismatch [--steps 100] [--json]
     python benchmarks/async_overlap.py --kv-ablation [--steps 60] [--png docs/async_kv_ablation.png] [--json]
 """
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PHASES = ("generate", "reward", "train", "sync", "wait", "produce", "step")
+PHASES = ("generate", "reward", "train", "sync", "wait", "weight_push", "produce", "step")
 
 
 class SlowVerifier:
@@ -100,39 +100,43 @@ def mean_of(rows: list[dict], key: str) -> float:
 
 
 def overlap(args: argparse.Namespace, out: str) -> dict:
-    delay = args.verifier_delay
-    sync = launch("sync", out, args.steps, args.seed, delay, [])
-    async_ = launch("async", out, args.steps, args.seed, delay, ["controller.mode=async", "buffer.max_staleness=1"])
+    """``--rounds`` rounds of a sync and an async run, the order alternating between rounds so that
+    a machine whose speed drifts affects both alike; then one sync run with async's algorithm
+    (recompute + TIS), to separate the overlap from the cost of the proximal forward."""
+    delay, runs = args.verifier_delay, {"sync": [], "async": []}
+    modes = {"sync": [], "async": ["controller.mode=async", "buffer.max_staleness=1"]}
+    for r in range(args.rounds):
+        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
+            runs[mode].append(launch(f"{mode}{r}", out, args.steps, args.seed, delay, modes[mode]))
     same = launch("sync_recompute", out, args.steps, args.seed, delay, ["algorithm.old_logprobs=recompute"])
-    ps, pa = medians(sync["rows"]), medians(async_["rows"])
-    print(f"{args.steps} steps, verifier waits {delay * 1000:.0f} ms per batch")
-    print(f"{'mode':<26}{'wall s':>9}{'held-out acc':>14}{'max lag':>9}   median seconds per step by phase")
-    lag = max(r.get("buffer/lag_max", 0.0) for r in async_["rows"])
-    table = (
-        ("sync (defaults)", sync, 0.0),
-        ("sync, recompute + TIS", same, 0.0),
-        ("async, max_staleness 1", async_, lag),
-    )
-    for name, run, lag_seen in table:
+    print(f"{args.steps} steps, verifier waits {delay * 1000:.0f} ms per batch, {args.rounds} rounds")
+    print(f"{'run':<28}{'wall s':>9}{'held-out acc':>14}{'max lag':>9}   median seconds per step by phase")
+    table = [(f"{mode} #{i + 1}", run) for mode in ("sync", "async") for i, run in enumerate(runs[mode])]
+    for name, run in [*table, ("sync, recompute + TIS", same)]:
+        lag = max((r.get("buffer/lag_max", 0.0) for r in run["rows"]), default=0.0)
         where = "  ".join(f"{k} {v:.3f}" for k, v in medians(run["rows"]).items())
-        print(f"{name:<26}{run['wall_s']:>9.1f}{run['acc']:>14.3f}{lag_seen:>9.0f}   {where}")
-    ratio = async_["wall_s"] / sync["wall_s"]
-    print(f"async / sync wall time: {ratio:.3f} (against sync with the same recompute + TIS: "
-          f"{async_['wall_s'] / same['wall_s']:.3f})")  # fmt: skip
+        print(f"{name:<28}{run['wall_s']:>9.1f}{run['acc']:>14.3f}{lag:>9.0f}   {where}")
+    wall = {mode: statistics.median(r["wall_s"] for r in rs) for mode, rs in runs.items()}
+    acc = {mode: statistics.median(r["acc"] for r in rs) for mode, rs in runs.items()}
+    ratio = wall["async"] / wall["sync"]
+    lag_seen = max(r.get("buffer/lag_max", 0.0) for run in runs["async"] for r in run["rows"])
+    print(f"async / sync wall time (medians): {ratio:.3f}; against sync with recompute + TIS: "
+          f"{wall['async'] / same['wall_s']:.3f}")  # fmt: skip
     return {
         "steps": args.steps,
-        "verifier_delay_s": args.verifier_delay,
-        "sync_wall_s": round(sync["wall_s"], 2),
-        "async_wall_s": round(async_["wall_s"], 2),
+        "rounds": args.rounds,
+        "verifier_delay_s": delay,
+        "sync_wall_s": round(wall["sync"], 2),
+        "async_wall_s": round(wall["async"], 2),
         "ratio": round(ratio, 3),
-        "ratio_same_algorithm": round(async_["wall_s"] / same["wall_s"], 3),
+        "ratio_same_algorithm": round(wall["async"] / same["wall_s"], 3),
         "sync_recompute_wall_s": round(same["wall_s"], 2),
+        "sync_acc": acc["sync"],
+        "async_acc": acc["async"],
         "sync_recompute_acc": same["acc"],
-        "sync_acc": sync["acc"],
-        "async_acc": async_["acc"],
-        "max_lag_seen": lag,
-        "sync_phases_s": {k: round(v, 3) for k, v in ps.items()},
-        "async_phases_s": {k: round(v, 3) for k, v in pa.items()},
+        "max_lag_seen": lag_seen,
+        "sync_phases_s": {k: round(v, 3) for k, v in medians(runs["sync"][0]["rows"]).items()},
+        "async_phases_s": {k: round(v, 3) for k, v in medians(runs["async"][0]["rows"]).items()},
     }
 
 
@@ -224,6 +228,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 60; --mismatch 100)")
     parser.add_argument("--verifier-delay", type=float, default=0.3, help="seconds the verifier waits per batch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="sync/async rounds (default mode)")
     parser.add_argument("--mismatch", action="store_true")
     parser.add_argument("--kv-ablation", action="store_true")
     parser.add_argument("--staleness", type=int, default=2, help="--kv-ablation: buffer.max_staleness")

@@ -136,3 +136,22 @@ def test_ppo_with_critic_and_kl_in_the_reward_under_ray(tmp_path, tiny_model_dir
     assert rows[1]["actor/kl_beta"] != 0.1
     assert (config.run_dir / "checkpoints" / "step_00000002" / "critic" / "optimization.pt").is_file()
     assert not ray.is_initialized() and controller.step_count == 2
+
+
+def test_async_run_under_ray_overlaps_generation_and_leaves_nothing_running(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    from postrl.config.off_policy import BufferConfig, ControllerConfig
+
+    config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
+    config.steps = 4
+    config.buffer = BufferConfig(max_staleness=1)
+    config.controller = ControllerConfig(mode="async")
+    assert config.async_overlap == "generation"  # auto: the producer thread drives the rollout actors
+    controller = train(config)
+    assert controller.step_count == 4 and controller.weight_version == 4
+    rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["buffer/lag_max"] for r in rows) <= 1 and rows[-1]["buffer/lag_max"] == 1.0
+    assert controller.parts.buffer.got_count == controller.parts.buffer.put_count == 4 * 16
+    assert controller.producer is not None and not controller.producer.alive()
+    assert not ray.is_initialized()
+    assert ray_processes() == []

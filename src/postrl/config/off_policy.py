@@ -55,10 +55,19 @@ class ControllerConfig(Section):
         "their own thread ahead of training (at most buffer.max_staleness batches), weights reach the engines "
         "in the background.",
     )
+    overlap: Literal["auto", "scoring", "generation"] = Field(
+        "auto",
+        description="async: what runs beside training. scoring: the next batch is generated between two updates "
+        "and scored (and the weights sent) while the update runs; the faster choice where generation and training "
+        "share the cores (a CPU, one GPU). generation: a producer thread generates and scores ahead, for engines "
+        "in processes or on devices of their own. auto: generation under scheduler: ray (every worker is an "
+        "actor), scoring otherwise.",
+    )
     producer_threads: int = Field(
         1,
         ge=1,
-        description="async: torch threads of the producer and weight-sync threads. A second thread's "
+        description="async: torch threads of the producer (overlap: generation) and weight-sync threads. A second "
+        "thread's "
         "multi-threaded OpenMP team makes the trainer's own team wake slowly (measured: training twice "
         "as slow on 2 cores even while the producer sleeps); 1 keeps the trainer at full speed.",
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +39,15 @@ class ProducedBatch:
     notes: dict[str, str] = field(default_factory=dict)
 
 
+def ledger_state(produced: int, reports: deque[ProducedBatch]) -> dict[str, Any]:
+    """A producer's part of the checkpoint: batches produced in all, the reports not yet consumed."""
+    return {"produced": produced, "reports": [(r.values, r.notes) for r in reports]}
+
+
+def ledger_of(state: dict[str, Any]) -> tuple[int, deque[ProducedBatch]]:
+    return int(state["produced"]), deque(ProducedBatch(dict(v), dict(n)) for v, n in state["reports"])
+
+
 class PipelineError(RuntimeError):
     """The producer or the weight-sync thread stopped with an error (the cause is chained)."""
 
@@ -47,14 +57,20 @@ class BackgroundSync:
     version posted while an older one is still in transit replaces any version not yet sent."""
 
     def __init__(
-        self, push: Callable[[dict[str, torch.Tensor], int], None], on_applied: Callable[[int], None], threads: int = 1
+        self,
+        push: Callable[[dict[str, torch.Tensor], int], None],
+        on_applied: Callable[[int], None],
+        threads: int = 1,
+        on_exit: Callable[[], None] = lambda: None,
     ) -> None:
-        self.push, self.on_applied, self.threads = push, on_applied, threads
+        """``on_applied(version)``: the engines hold ``version``; ``on_exit()``: the thread ended (a
+        failure included), so that whoever waits for a version stops waiting."""
+        self.push, self.on_applied, self.threads, self.on_exit = push, on_applied, threads, on_exit
         self._cv = threading.Condition()
         self._next: tuple[dict[str, torch.Tensor], int] | None = None
         self._busy, self._closed = False, False
         self.error: BaseException | None = None
-        self.seconds = 0.0  # time spent pushing, in all
+        self.last_s = 0.0  # how long the last push took (the engines' load, the check, the health check)
         self._thread = threading.Thread(target=self._run, name="postrl-weight-sync", daemon=True)
         self._thread.start()
 
@@ -90,6 +106,7 @@ class BackgroundSync:
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
+            self.on_exit()
 
     def _push_next(self) -> bool:
         with self._cv:
@@ -99,7 +116,7 @@ class BackgroundSync:
             (state, version), self._next, self._busy = self._next, None, True
         began = time.perf_counter()
         self.push(state, version)
-        self.seconds += time.perf_counter() - began
+        self.last_s = time.perf_counter() - began
         self.on_applied(version)
         with self._cv:
             self._busy = False
@@ -121,8 +138,11 @@ class Producer:
         produced: int,
         cv: threading.Condition,
         threads: int = 1,
+        failed: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``failed()``: the weight sync has stopped, so no version will arrive to wait for."""
         self.produce_one, self.deliver, self.may_start, self.threads = produce_one, deliver, may_start, threads
+        self.failed = failed
         self.total, self.produced, self.cv = total, produced, cv
         self.reports: deque[ProducedBatch] = deque()
         self.error: BaseException | None = None
@@ -168,7 +188,9 @@ class Producer:
         return self._thread.is_alive()
 
     def _ready(self) -> bool:
-        return self._stopped or (not self._paused and self.produced < self.total and self.may_start(self.produced + 1))
+        if self._stopped or self.failed():
+            return True
+        return not self._paused and self.produced < self.total and self.may_start(self.produced + 1)
 
     def _run(self) -> None:
         """The thread: batches until the total or a stop; whatever ends it, the consumer is woken
@@ -190,7 +212,7 @@ class Producer:
             began = time.perf_counter()
             self.cv.wait_for(self._ready)
             self.waited_s += time.perf_counter() - began
-            if self._stopped or self.produced >= self.total:
+            if self._stopped or self.failed() or self.produced >= self.total:
                 return False
             self._busy = True
         experiences, report = self.produce_one()
@@ -203,8 +225,97 @@ class Producer:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"produced": self.produced, "reports": [(r.values, r.notes) for r in self.reports]}
+        return ledger_state(self.produced, self.reports)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.produced = int(state["produced"])
-        self.reports = deque(ProducedBatch(dict(values), dict(notes)) for values, notes in state["reports"])
+        self.produced, self.reports = ledger_of(state)
+
+
+class InlineProducer:
+    """``controller.overlap: scoring``: generation and the stages' compute run on the consumer's
+    thread, between two updates, and only the waiting runs beside training: the batch generated
+    for the next step is scored in a thread of its own while this step trains, and the weights
+    travel in the background. On a machine where generation and training share the cores this is
+    the faster pipeline (two threads computing at once contend for the cores and the interpreter
+    lock), and it bounds the lag the same way: the next batch is generated by the weights the
+    engines hold before this step's update.
+
+    The interface is :class:`Producer`'s; the work happens inside :meth:`next_report`.
+    """
+
+    def __init__(
+        self,
+        begin: Callable[[int], Any],
+        score: Callable[[Any], Any],
+        finish: Callable[[Any, Any], tuple[list[Experience], ProducedBatch]],
+        deliver: Callable[[list[Experience]], None],
+        may_start: Callable[[int], bool],
+        total: int,
+        produced: int,
+        cv: threading.Condition,
+        failed: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.begin, self.score, self.finish, self.deliver = begin, score, finish, deliver
+        self.may_start, self.total, self.produced, self.cv, self.failed = may_start, total, produced, cv, failed
+        self.reports: deque[ProducedBatch] = deque()
+        self.waited_s = 0.0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="postrl-scoring")
+        self._in_flight: tuple[Any, Future] | None = None
+
+    def start(self) -> None:
+        """Nothing runs ahead of the first step."""
+
+    def next_report(self) -> ProducedBatch:
+        self._complete()
+        if not self.reports:  # nothing ran ahead (the first step, or the first after a resume)
+            self._begin()
+            self._complete()
+        if not self.reports:
+            raise PipelineError(f"the producer has no batch left ({self.produced} of {self.total} produced)")
+        report = self.reports.popleft()
+        self._begin()  # the next batch: generated now, scored while this one trains
+        return report
+
+    def _begin(self) -> None:
+        number = self.produced + 1
+        if self._in_flight is not None or number > self.total:
+            return
+        began = time.perf_counter()
+        with self.cv:
+            self.cv.wait_for(lambda: self.may_start(number) or self.failed())
+        if self.failed():
+            raise PipelineError("the background weight sync stopped")
+        self.waited_s += time.perf_counter() - began
+        token = self.begin(number)
+        self._in_flight = (token, self._pool.submit(self.score, token))
+
+    def _complete(self) -> None:
+        if self._in_flight is None:
+            return
+        (token, scoring), self._in_flight = self._in_flight, None
+        experiences, report = self.finish(token, scoring.result())
+        with self.cv:
+            self.deliver(experiences)
+            self.reports.append(report)
+            self.produced += 1
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """A checkpoint: the batch being scored is finished into the buffer first."""
+        self._complete()
+        yield
+
+    def stop(self) -> None:
+        if self._in_flight is not None:  # the run is ending: wait for the scoring, keep nothing
+            self._in_flight[1].exception()
+            self._in_flight = None
+        self._pool.shutdown(wait=True)
+
+    def alive(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return ledger_state(self.produced, self.reports)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.produced, self.reports = ledger_of(state)

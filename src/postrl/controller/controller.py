@@ -23,7 +23,7 @@ import torch
 from postrl.buffer import ExperienceBuffer
 from postrl.config.run import RunConfig
 from postrl.controller.advantage import compute_advantage
-from postrl.controller.async_pipeline import BackgroundSync, ProducedBatch, Producer
+from postrl.controller.async_pipeline import BackgroundSync, InlineProducer, ProducedBatch, Producer
 from postrl.controller.stages import Groups, StageContext, build_stages
 from postrl.controller.stages.kl import KLCoefficient
 from postrl.controller.step_metrics import (
@@ -61,6 +61,16 @@ def mask_lagging_tokens(batch: ExperienceBatch, current_version: int, max_lag: i
     keep = (~lagging).to(batch.loss_mask.dtype)
     masked = float((batch.loss_mask * (1 - keep)).sum().item())
     return dataclasses.replace(batch, loss_mask=batch.loss_mask * keep), masked
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A batch between generation and scoring: its number in the run, prompts and rollouts."""
+
+    number: int
+    prompts: list[Prompt]
+    rollouts: list[Rollout]
+    generated_at: float
 
 
 class RewardFailureError(RuntimeError):
@@ -113,7 +123,7 @@ class Controller:
         self.asynchronous = self.config.controller.mode == "async"
         self._versions = threading.Condition()  # the producer waits on it for versions to move
         self.engine_version = 0  # the newest version the engines hold (async: behind the trainer's)
-        self.producer: Producer | None = None
+        self.producer: Producer | InlineProducer | None = None
         self.syncer: BackgroundSync | None = None
         self._pipeline_state: dict[str, Any] | None = None
         self._report: ProducedBatch | None = None  # async: the batch the step in progress trains on
@@ -126,15 +136,30 @@ class Controller:
         self.sync_weights(bump=False)
         self.engine_version = self.weight_version
         if self.asynchronous:
-            threads = self.config.controller.producer_threads
+            self._start_pipeline()
+
+    def _start_pipeline(self) -> None:
+        c = self.config.controller
+        self.syncer = BackgroundSync(self._push_weights, self._engines_hold, c.producer_threads, self._wake)
+        failed = lambda: self.syncer is not None and self.syncer.error is not None  # noqa: E731
+        deliver, total = self.parts.buffer.put, self.config.steps
+        if self.config.async_overlap == "generation":
             self.producer = Producer(
-                self._produce_batch, self.parts.buffer.put, self._may_start, self.config.steps, self.step_count,
-                self._versions, threads,
+                self._produce_batch, deliver, self._may_start, total, self.step_count, self._versions,
+                c.producer_threads, failed,
             )  # fmt: skip
-            if self._pipeline_state is not None:
-                self.producer.load_state_dict(self._pipeline_state)
-            self.syncer = BackgroundSync(self._push_weights, self._engines_hold, threads)
-            self.producer.start()
+        else:
+            self.producer = InlineProducer(
+                self._begin_batch, self._score_batch, self._finish_batch, deliver, self._may_start, total,
+                self.step_count, self._versions, failed,
+            )  # fmt: skip
+        if self._pipeline_state is not None:
+            self.producer.load_state_dict(self._pipeline_state)
+        self.producer.start()
+
+    def _wake(self) -> None:
+        with self._versions:
+            self._versions.notify_all()
 
     def close(self) -> None:
         """Stop the async threads (the producer after its batch in progress); nothing in sync mode."""
@@ -170,6 +195,8 @@ class Controller:
         train = self.consume(timer, metrics)
         report, self._report = self._report, None
         metrics["time/producer_waited_s"] = self.producer.waited_s
+        if self.syncer is not None:
+            metrics["time/weight_push_s"] = self.syncer.last_s
         return self.finish_step(report, train, metrics, timer.total())
 
     def _produce_batch(self) -> tuple[list[Experience], ProducedBatch]:
@@ -180,6 +207,24 @@ class Controller:
         report = self.produced_report(step, {**timer.seconds, "produce": timer.total()["step"]}, metrics)
         return step.experiences(), report
 
+    def _begin_batch(self, number: int) -> tuple[Generated, StageTimer]:
+        timer = StageTimer()
+        return self.generate_batch(timer, number), timer
+
+    def _score_batch(self, begun: tuple[Generated, StageTimer]) -> list[RewardResult]:
+        generated, timer = begun
+        return timer.run("reward", self.score, generated.prompts, generated.rollouts)
+
+    def _finish_batch(
+        self, begun: tuple[Generated, StageTimer], rewards: list[RewardResult]
+    ) -> tuple[list[Experience], ProducedBatch]:
+        generated, timer = begun
+        metrics: dict[str, float] = {}
+        step = self.prepare_batch(generated, rewards, timer, metrics)
+        return step.experiences(), self.produced_report(
+            step, {**timer.seconds, "produce": timer.total()["step"]}, metrics
+        )
+
     def _may_start(self, batch: int) -> bool:
         """Batch ``batch`` (from 1) trains under version ``batch - 1``: it may start once its lag
         can stay within max_staleness (with on_stale=wait, once the engines hold that version)."""
@@ -189,18 +234,29 @@ class Controller:
 
     def produce(self, timer: StageTimer, metrics: dict[str, float], number: int) -> StepBatch:
         """Sample, generate, score, prepare advantages: batch ``number`` of the run."""
+        generated = self.generate_batch(timer, number)
+        rewards = timer.run("reward", self.score, generated.prompts, generated.rollouts)
+        return self.prepare_batch(generated, rewards, timer, metrics)
+
+    def generate_batch(self, timer: StageTimer, number: int) -> Generated:
         prompts = self.sample_prompts()
         rollouts = timer.run("generate", self.generate, prompts)
-        generated_at = time.time()
-        rewards = timer.run("reward", self.score, prompts, rollouts)
-        groups = self.select_groups(Groups(prompts, rollouts, rewards), timer, metrics)
+        return Generated(number, prompts, rollouts, time.time())
+
+    def prepare_batch(
+        self, generated: Generated, rewards: list[RewardResult], timer: StageTimer, metrics: dict[str, float]
+    ) -> StepBatch:
+        """After scoring: the stages that select groups, one StepBatch, the stages that prepare it,
+        the advantages."""
+        groups = self.select_groups(Groups(generated.prompts, generated.rollouts, rewards), timer, metrics)
+        number = generated.number
         step = StepBatch.build(
             groups.prompts,
             groups.rollouts,
             groups.rewards,
             self.parts.tokenizer.pad_token_id,
             batch=number,
-            generated_at=generated_at,
+            generated_at=generated.generated_at,
             scored_at=time.time(),
         )
         for stage in self.stages.prepare:

@@ -88,7 +88,7 @@ class NativeRolloutWorker(EngineBase):
         seed: int = 0,
         max_prefill_tokens: int = 2048,
         cache_reuse_ratio: float = 2.0,
-        kv_after_update: str = "recompute",
+        kv_after_update: str = "keep",
     ) -> None:
         if kv_after_update not in ("recompute", "keep"):
             raise ValueError(f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}")
