@@ -155,3 +155,63 @@ def test_async_run_under_ray_overlaps_generation_and_leaves_nothing_running(tmp_
     assert controller.producer is not None and not controller.producer.alive()
     assert not ray.is_initialized()
     assert ray_processes() == []
+
+
+def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_sample(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch
+):
+    """Two raylets on this machine: generation on one (resource gen_node), training and scoring on
+    the other. The generation node is removed in the middle of the run and a new one added: the
+    engine is placed again, and every sample of every batch is trained exactly once."""
+    from ray.cluster_utils import Cluster
+
+    from postrl.buffer import ExperienceBuffer
+    from postrl.config.off_policy import BufferConfig, ControllerConfig
+    from postrl.controller.controller import Controller
+
+    taken: list = []
+    trained: dict[int, list] = {}
+    get, finish = ExperienceBuffer.get, Controller.finish_step
+
+    def recording_get(self, batch_size, current_version):
+        out = get(self, batch_size, current_version)
+        taken.extend((e.metadata["batch"], e.metadata["row"]) for e in out.experiences)
+        return out
+
+    def recording_finish(self, *args):
+        metrics = finish(self, *args)
+        trained[metrics.step] = list(taken)
+        taken.clear()
+        return metrics
+
+    monkeypatch.setattr(ExperienceBuffer, "get", recording_get)
+    monkeypatch.setattr(Controller, "finish_step", recording_finish)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"train_node": 4}})
+    generation = cluster.add_node(num_cpus=2, resources={"gen_node": 1})
+    cluster.wait_for_nodes()
+    try:
+        config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl, address=cluster.address)
+        config.steps = 8
+        config.checkpoint.every_steps = 0
+        config.scheduler.rollout.workers = 1
+        config.scheduler.rollout.resources = {"gen_node": 1}
+        config.scheduler.train.resources = {"train_node": 1}
+        config.scheduler.reward.resources = {"train_node": 1}
+        config.buffer = BufferConfig(max_staleness=1)
+        config.controller = ControllerConfig(mode="async")
+        moved: list = []
+
+        def lose_the_generation_node(metrics):
+            if metrics.step == 3 and not moved:
+                cluster.remove_node(generation)
+                moved.append(cluster.add_node(num_cpus=2, resources={"gen_node": 1}))
+
+        controller = train(config, on_step=lose_the_generation_node)
+        assert moved and controller.parts.rollout.restarts >= 1
+        assert sorted(trained) == list(range(1, 9))
+        ids = [s for step in sorted(trained) for s in trained[step]]
+        assert len(ids) == len(set(ids)) == 8 * 16 and {b for b, _ in ids} == set(range(1, 9))
+        rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert max(r["buffer/lag_max"] for r in rows) <= 1
+    finally:
+        cluster.shutdown()

@@ -14,6 +14,11 @@ class RoleResources(Section):
     workers: int = Field(1, ge=1, description="Processes (actors) of this role.")
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per worker (Ray placement).")
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per worker (Ray placement); fractions share one.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources reserved per worker, e.g. {gen_node: 1} to place this role on the nodes "
+        "started with that resource.",
+    )
     threads: int | None = Field(
         None,
         ge=1,
@@ -28,6 +33,9 @@ class RewardResources(Section):
         ge=0.0,
         description="CPUs reserved for the Reward Service actor (its scoring "
         "processes run inside it, up to reward.max_workers).",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources the Reward Service actor needs (its node)."
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,9 @@ class RolloutPool:
         self._weights: tuple[Any, int, dict[str, str] | None] | None = None
         self.restarts = 0
         self.requeued_prompts = 0
+        # async mode generates (producer thread) while weights are pushed (sync thread): an engine
+        # lost under both is replaced once
+        self._replacing = threading.Lock()
 
     # -- generation --------------------------------------------------------------------------
     def generate(
@@ -71,16 +75,16 @@ class RolloutPool:
             for slot, indices in self._assign(prompts, pending, sampling_params).items():
                 work = sum(self._work(prompts[i], sampling_params) for i in indices)
                 slot.outstanding += work
-                future = slot.handle.call_async(
+                future = (handle := slot.handle).call_async(
                     "generate",
                     [prompts[i] for i in indices],
                     sampling_params,
                     weight_version,
                     timeout=self.generate_timeout_s,
                 )
-                calls.append((slot, indices, work, future))
+                calls.append((slot, handle, indices, work, future))
             pending = []
-            for slot, indices, work, future in calls:
+            for slot, handle, indices, work, future in calls:
                 try:
                     answered = future.result()
                 except LOST as exc:
@@ -91,7 +95,7 @@ class RolloutPool:
                         len(indices),
                     )
                     self.requeued_prompts += len(indices)
-                    self._replace(slot, str(exc))
+                    self._replace(slot, str(exc), handle)
                     if self._weights is not None:
                         self._push([slot], *self._weights)
                     pending += indices
@@ -125,16 +129,20 @@ class RolloutPool:
         return self._next_index
 
     # -- engines come and go ---------------------------------------------------------------------
-    def _replace(self, slot: EngineSlot, cause: str) -> None:
-        """Start a new engine in ``slot``'s place (the caller gives it the current weights)."""
-        self.restarts += 1
-        if self.restarts > self.max_restarts:
-            raise RolloutPoolError(
-                f"{self.restarts} rollout engines were lost in this run (last: {slot.name}: "
-                f"{cause}); stopping instead of restarting more"
-            )
-        slot.handle.kill()
-        slot.handle = self._start(slot.index)
+    def _replace(self, slot: EngineSlot, cause: str, lost: Handle | None = None) -> None:
+        """Start a new engine in ``slot``'s place (the caller gives it the current weights); nothing
+        when another thread already replaced ``lost`` (the handle the caller saw fail)."""
+        with self._replacing:
+            if lost is not None and slot.handle is not lost:
+                return
+            self.restarts += 1
+            if self.restarts > self.max_restarts:
+                raise RolloutPoolError(
+                    f"{self.restarts} rollout engines were lost in this run (last: {slot.name}: "
+                    f"{cause}); stopping instead of restarting more"
+                )
+            slot.handle.kill()
+            slot.handle = self._start(slot.index)
 
     def scale(self, count: int) -> None:
         """Add engines (started with the current weights) or remove the newest ones, between steps."""
@@ -166,7 +174,7 @@ class RolloutPool:
             for slot in todo:
                 if slot.handle.name in lost and not slot.handle.alive():
                     log.warning("%s was lost during a weight sync (%s); restarting it", slot.name, lost[slot.name])
-                    self._replace(slot, lost[slot.handle.name])
+                    self._replace(slot, lost[slot.handle.name], slot.handle)
             todo = [s for s in todo if s.handle.name in lost or not s.handle.alive()]
         reasons = "; ".join(f"{name}: {why}" for name, why in lost.items())
         raise RolloutPoolError(

@@ -247,7 +247,11 @@ class RayScheduler:
     def _bundle(self, *roles: Any) -> dict[str, float]:
         cpus = sum(r.num_cpus for r in roles)
         gpus = sum(r.num_gpus for r in roles)
-        return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        custom: dict[str, float] = {}
+        for role in roles:
+            for name, amount in role.resources.items():
+                custom[name] = custom.get(name, 0.0) + amount
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **custom}
 
     def _place(self) -> None:
         """Placement groups from the resource spec; waits until they are reserved (or says why not)."""
@@ -295,9 +299,11 @@ class RayScheduler:
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
         threads: int | None = None,
+        resources: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> RayHandle:
-        """Ask Ray for an actor; returns at once (the actor may not be placed or built yet)."""
+        """Ask Ray for an actor; returns at once (the actor may not be placed or built yet).
+        ``resources``: custom Ray resources, for an actor outside the placement groups."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -305,7 +311,12 @@ class RayScheduler:
         if role in self.groups:
             strategy = PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=bundle)
         cls = ray.remote(ActorHost).options(
-            name=None, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, scheduling_strategy=strategy
+            name=None,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            resources=resources or None,
+            max_restarts=0,
+            scheduling_strategy=strategy,
         )
         return RayHandle(name, cls.remote(factory, args, kwargs, threads))
 
@@ -414,9 +425,11 @@ class RayScheduler:
             return RewardServiceClient(InProcessHandle(make(self.config.reward), "reward service"))
 
         def start() -> RayHandle:
+            placed = self.config.scheduler.reward
             return self._actor(
-                "reward service", "reward", 0, make, self.config.reward, num_cpus=self.config.scheduler.reward.num_cpus
-            )
+                "reward service", "reward", 0, make, self.config.reward, num_cpus=placed.num_cpus,
+                resources=placed.resources,
+            )  # fmt: skip
 
         return RewardServiceClient(start(), timeout=self.config.scheduler.call_timeout_s, restart=start)
 
