@@ -45,6 +45,8 @@ def _inner_bounds(annotation) -> bool:
         extras = typing.get_args(annotation)[1:]
         return any(_has_bounds(getattr(x, "metadata", [x])) for x in extras)
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is dict and args and args[0] is str:  # names -> numbers: the numbers
+        args = args[1:]
     return bool(args) and all(_inner_bounds(a) for a in args if a is not Ellipsis)
 
 

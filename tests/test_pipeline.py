@@ -51,6 +51,7 @@ def test_step_batch_is_built_once_in_the_training_layout():
         "finish_reason": "stop",
         "generated_at": 10.0,
         "scored_at": 11.0,
+        "row": 0,
         "components": {},
         "reasons": {},
         "error": None,

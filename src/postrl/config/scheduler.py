@@ -14,7 +14,7 @@ class RoleResources(Section):
     workers: int = Field(1, ge=1, description="Processes (actors) of this role.")
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per worker (Ray placement).")
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per worker (Ray placement); fractions share one.")
-    resources: dict[str, float] = Field(
+    resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
         default_factory=dict,
         description="Custom Ray resources reserved per worker, e.g. {gen_node: 1} to place this role on the nodes "
         "started with that resource.",
@@ -34,7 +34,7 @@ class RewardResources(Section):
         description="CPUs reserved for the Reward Service actor (its scoring "
         "processes run inside it, up to reward.max_workers).",
     )
-    resources: dict[str, float] = Field(
+    resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
         default_factory=dict, description="Custom Ray resources the Reward Service actor needs (its node)."
     )
 
