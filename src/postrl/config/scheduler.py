@@ -39,6 +39,13 @@ class RewardResources(Section):
     )
 
 
+class BufferResources(Section):
+    num_cpus: float = Field(0.1, ge=0.0, description="CPUs reserved for the Experience Buffer actor (Ray).")
+    resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
+        default_factory=dict, description="Custom Ray resources the Experience Buffer actor needs (its node)."
+    )
+
+
 class SchedulerConfig(Section):
     type: Literal["local", "ray"] = Field(
         "local",
@@ -60,6 +67,7 @@ class SchedulerConfig(Section):
         default_factory=RoleResources, description="Train ranks (an FSDP2 group when workers > 1)."
     )
     reward: RewardResources = Field(default_factory=RewardResources, description="The Reward Service (Ray).")
+    buffer: BufferResources = Field(default_factory=BufferResources, description="The Experience Buffer (Ray).")
     rollout_schedule: dict[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(
         default_factory=dict,
         description="{step: engines}: before that step the pool grows or shrinks to that many engines.",

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from postrl.buffer import ExperienceBuffer
+from postrl.buffer import ExperienceStore
 from postrl.config.run import RunConfig
 from postrl.controller.advantage import compute_advantage
 from postrl.controller.async_pipeline import BackgroundSync, InlineProducer, ProducedBatch, Producer
@@ -93,7 +93,7 @@ class Components:
     rollout: ScalableRolloutWorker
     reward: RewardService
     trainer: TrainWorker
-    buffer: ExperienceBuffer
+    buffer: ExperienceStore
     scheduler: Scheduler | None = None  # placed the workers; closed last
     critic: Critic | None = None  # when algorithm.critic is set (PPO with GAE)
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from postrl.buffer import ExperienceBuffer
 from postrl.config.loading import save_config
 from postrl.config.run import ConfigError, RewardConfig, RunConfig
 from postrl.controller.controller import Components, Controller
@@ -72,6 +71,7 @@ def build_components(config: RunConfig) -> Components:
         built.append(scheduler.train_group())
         built.append(scheduler.rollout_pool(tokenizer))
         built.append(scheduler.reward_service(make_reward_service))
+        built.append(scheduler.experience_buffer())
         if config.algorithm.critic is not None:
             built.append(scheduler.critic_worker(tokenizer.pad_token_id))
     except BaseException:
@@ -79,8 +79,7 @@ def build_components(config: RunConfig) -> Components:
             getattr(part, "close", lambda: None)()
         scheduler.close()
         raise
-    trainer, rollout, reward, *critic = built
-    b = config.buffer
+    trainer, rollout, reward, buffer, *critic = built
     return Components(
         config,
         tokenizer,
@@ -88,7 +87,7 @@ def build_components(config: RunConfig) -> Components:
         rollout,
         reward,
         trainer,
-        ExperienceBuffer(b.max_staleness, b.on_stale, b.replay, seed=config.seed),
+        buffer,
         scheduler,
         critic[0] if critic else None,
     )
@@ -97,7 +96,7 @@ def build_components(config: RunConfig) -> Components:
 def close_components(parts: Components) -> None:
     """Stop every worker, then the scheduler (a Ray instance started for the run ends here)."""
     try:
-        for part in (parts.reward, parts.rollout, parts.trainer, parts.critic):
+        for part in (parts.reward, parts.rollout, parts.trainer, parts.critic, parts.buffer):
             if part is not None:
                 part.close()
     finally:

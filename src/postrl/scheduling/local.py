@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from postrl.buffer import ExperienceBuffer
 from postrl.config.run import RunConfig
 from postrl.models.devices import resolve_device
 from postrl.rollout.host import RolloutEngineHost
@@ -74,6 +75,10 @@ class LocalScheduler:
 
     def reward_service(self, make: Any) -> RewardServiceClient:
         return RewardServiceClient(InProcessHandle(make(self.config.reward), "reward service"))
+
+    def experience_buffer(self) -> ExperienceBuffer:
+        b = self.config.buffer
+        return ExperienceBuffer(b.max_staleness, b.on_stale, b.replay, seed=self.config.seed)
 
     def close(self) -> None:
         """Nothing to shut down beyond the workers, which the run closes."""

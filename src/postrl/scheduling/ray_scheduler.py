@@ -18,6 +18,7 @@ from typing import Any
 from postrl.config.run import ConfigError, RunConfig
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
+from postrl.scheduling.buffer_actor import BufferClient
 from postrl.scheduling.placement import make_pool
 from postrl.scheduling.reaper import Reaper
 from postrl.train.factory import PolicySpec
@@ -239,6 +240,7 @@ class RayScheduler:
         if "rollout" not in self.roles:
             return s.train.workers * s.train.num_cpus
         critic = s.train.num_cpus if self.config.algorithm.critic is not None else 0.0
+        critic += s.buffer.num_cpus  # and the Experience Buffer's actor
         if s.colocate:
             pairs = max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus)
             return pairs + s.reward.num_cpus + critic
@@ -432,6 +434,17 @@ class RayScheduler:
             )  # fmt: skip
 
         return RewardServiceClient(start(), timeout=self.config.scheduler.call_timeout_s, restart=start)
+
+    def experience_buffer(self) -> BufferClient:
+        """The Experience Buffer as an actor of its own, apart from the engines and the trainer."""
+        from postrl.buffer import ExperienceBuffer
+
+        b, placed = self.config.buffer, self.config.scheduler.buffer
+        handle = self._actor(
+            "experience buffer", "buffer", 0, ExperienceBuffer, b.max_staleness, b.on_stale, b.replay,
+            seed=self.config.seed, num_cpus=placed.num_cpus, resources=placed.resources,
+        )  # fmt: skip
+        return BufferClient(handle, timeout=self.config.scheduler.call_timeout_s)
 
     def close(self) -> None:
         import ray
