@@ -48,9 +48,14 @@ def behaviour_ratio(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch
     return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
-def _check_bounds(low: float, high: float) -> None:
+def _bounded_ratio(
+    proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, level: Level, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ratio (:func:`behaviour_ratio`) and the trained tokens where it leaves ``[low, high]``."""
     if not 0.0 <= low <= 1.0 <= high:
         raise ValueError(f"importance bounds must satisfy 0 <= low <= 1 <= high, got low={low}, high={high}")
+    ratio = behaviour_ratio(proximal, behaviour, mask, level)
+    return ratio, ((ratio < low) | (ratio > high)) & mask.bool()
 
 
 @register_importance_correction("none")
@@ -70,9 +75,7 @@ def truncated_importance_sampling(
 ) -> ImportanceWeights:
     """TIS: ``w = clip(pi_prox / pi_behav, low, high)``; ``low=0, high=C`` is Yao et al.'s
     ``min(ratio, C)``, ``low=1-eps, high=1+eps`` the symmetric clip."""
-    _check_bounds(low, high)
-    ratio = behaviour_ratio(proximal, behaviour, mask, level)
-    rejected = ((ratio < low) | (ratio > high)) & mask.bool()
+    ratio, rejected = _bounded_ratio(proximal, behaviour, mask, level, low, high)
     return ImportanceWeights(weights=torch.clamp(ratio, low, high) * mask, rejected=rejected)
 
 
@@ -87,7 +90,5 @@ def masked_importance_sampling(
 ) -> ImportanceWeights:
     """MIS: ``w = ratio`` where ``low <= ratio <= high`` and 0 elsewhere (the token, or with
     ``level=sequence`` the whole sequence, leaves the gradient)."""
-    _check_bounds(low, high)
-    ratio = behaviour_ratio(proximal, behaviour, mask, level)
-    rejected = ((ratio < low) | (ratio > high)) & mask.bool()
+    ratio, rejected = _bounded_ratio(proximal, behaviour, mask, level, low, high)
     return ImportanceWeights(weights=torch.where(rejected, 0.0, ratio) * mask, rejected=rejected)
