@@ -140,12 +140,14 @@ def test_async_run_killed_and_resumed_trains_every_sample_exactly_once(tmp_path,
         {"algorithm": {"advantage": "rloo", "kl_beta": 0.05}},
         {"algorithm": {"advantage": "remax"}},
         {"algorithm": {"advantage": "reinforce_pp", "kl_beta": 0.05, "kl_in": "reward"}},
+        {"buffer": {"max_staleness": 2, "replay": {"capacity_steps": 2, "reuse_limit": 2}}},
     ],
-    ids=["dapo", "ppo_critic", "rloo_kl", "remax", "reinforce_pp"],
+    ids=["dapo", "ppo_critic", "rloo_kl", "remax", "reinforce_pp", "replay"],
 )
 def test_async_mode_runs_every_kind_of_step(tmp_path, tiny_model_dir, arithmetic_jsonl, extra):
-    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=3, **ASYNC, **extra)
+    config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=3, **{**ASYNC, **extra})
     assert main(["train", config]) == 0
     rows = read_metrics(tmp_path / "runs" / "tiny" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3] and max(r["buffer/lag_max"] for r in rows) <= 1
+    bound = {**ASYNC, **extra}["buffer"]["max_staleness"]
+    assert [r["step"] for r in rows] == [1, 2, 3] and max(r["buffer/lag_max"] for r in rows) <= bound
     assert all(r["actor/grad_norm"] == r["actor/grad_norm"] or "critic/value_loss" in r for r in rows)

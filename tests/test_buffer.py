@@ -49,10 +49,11 @@ def test_a_partial_rollouts_lag_is_its_oldest_token():
 
 
 def test_group_ids_are_made_unique_across_puts():
-    buf = ExperienceBuffer(max_staleness=2, replay=ReplayConfig(capacity_steps=2, reuse_limit=1))
+    buf = ExperienceBuffer(max_staleness=2, replay=ReplayConfig(capacity_steps=2, reuse_limit=2))
     buf.put([exp(0, 0), exp(0, 0), exp(0, 1)])
+    buf.get(None, current_version=0)
     buf.put([exp(1, 0), exp(1, 1), exp(1, 1)])
-    taken = buf.get(None, current_version=1)
+    taken = buf.get(None, current_version=1)  # step 2's window: both puts
     pairs = {(e.weight_version, e.group_id) for e in taken.experiences}
     assert len(pairs) == 4 and len({g for _, g in pairs}) == 4
 
@@ -80,6 +81,22 @@ def test_replay_samples_seeded_whole_groups_within_capacity_and_reuse_limit():
             uses[t] = uses.get(t, 0) + 1
     assert max(uses.values()) <= 2
     assert buf.got_count == 16 and buf.put_count == 32
+
+
+def test_replay_window_follows_the_trainers_steps_when_batches_are_put_ahead():
+    """Async mode puts batches before their step: the k-th get samples only batches 1..k (within
+    capacity), so nothing put ahead is pushed out or trained early; an experience that ages past
+    max_staleness in the window is dropped and counted, even with on_stale=wait."""
+    buf = ExperienceBuffer(max_staleness=1, replay=ReplayConfig(capacity_steps=2, reuse_limit=3))
+    buf.put([exp(0, g, tag=10 + g) for g in range(2)])  # batch 1
+    buf.put([exp(0, g, tag=20 + g) for g in range(2)])  # batch 2, put ahead
+    first = buf.get(None, current_version=0)
+    assert sorted(int(e.reward) for e in first.experiences) == [10, 11]
+    buf.put([exp(1, g, tag=30 + g) for g in range(2)])  # batch 3, put ahead
+    second = buf.get(None, current_version=1)  # window: batches 1 and 2
+    assert sorted(int(e.reward) for e in second.experiences) == [10, 11, 20, 21]
+    third = buf.get(None, current_version=2)  # window: batches 2 and 3; batch 2 (version 0) lags 2 > 1
+    assert sorted(int(e.reward) for e in third.experiences) == [30, 31] and third.dropped == 2
 
 
 def test_replay_state_round_trips_through_a_checkpoint_bit_exactly():

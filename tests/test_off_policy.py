@@ -178,8 +178,6 @@ def test_decoupled_loss_is_the_clipped_surrogate_times_the_weight(char_tokenizer
 def test_async_settings_that_cannot_work_are_refused_naming_the_fields():
     with pytest.raises(ValueError, match="set buffer.max_staleness >= 1"):
         RunConfig(controller={"mode": "async"})
-    with pytest.raises(ValueError, match="replay runs in sync mode for now"):
-        RunConfig(controller={"mode": "async"}, buffer={"max_staleness": 2, "replay": {"capacity_steps": 2}})
     with pytest.raises(ValueError, match="scheduler.rollout_schedule resizes the rollout pool"):
         RunConfig(controller={"mode": "async"}, buffer={"max_staleness": 1}, scheduler={"rollout_schedule": {3: 2}})
     ok = RunConfig(controller={"mode": "async"}, buffer={"max_staleness": 1})

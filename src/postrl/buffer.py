@@ -9,9 +9,11 @@ never hands out an experience whose lag exceeds ``max_staleness``: with ``on_sta
 dropped and counted, with ``"wait"`` (the producer was held back so that this cannot happen) it
 raises :class:`StaleExperienceError`.
 
-Replay (``replay``): the buffer keeps the experiences of the last ``capacity_steps`` puts, hands
-out seeded random whole groups (the samples of one prompt), each experience at most
-``reuse_limit`` times. Without it every experience is handed out once, oldest first.
+Replay (``replay``): the k-th ``get`` (the trainer's step k) samples seeded random whole groups (the
+samples of one prompt) from the batches put for steps k-capacity_steps+1 .. k, each experience at
+most ``reuse_limit`` times; older batches leave, batches put ahead (async mode) wait for their step,
+and an experience that ages past ``max_staleness`` in the window is dropped and counted. Without
+replay every experience is handed out once, oldest put first.
 
 The contents, the counters and the sampling generator's state are in ``state_dict``, so a resumed
 run continues exactly.
@@ -91,7 +93,7 @@ class ExperienceBuffer:
         self._entries: list[_Entry] = []
         self._rng = random.Random(seed)
         self._lock = threading.Condition()
-        self.put_count = self.got_count = self.dropped_count = self.serial = 0
+        self.put_count = self.got_count = self.dropped_count = self.serial = self.gets = 0
 
     def put(self, experiences: list[Experience]) -> None:
         """One producer batch (a step's experiences); wakes a consumer waiting in :meth:`wait_for`."""
@@ -99,9 +101,6 @@ class ExperienceBuffer:
             self.serial += 1
             self._entries.extend(_Entry(e, self.serial) for e in experiences)
             self.put_count += len(experiences)
-            if self.replay is not None:  # only the last capacity_steps puts stay
-                oldest = self.serial - self.replay.capacity_steps + 1
-                self._entries = [x for x in self._entries if x.serial >= oldest]
             self._lock.notify_all()
 
     def wait_for(self, count: int, timeout: float | None = None) -> bool:
@@ -113,6 +112,10 @@ class ExperienceBuffer:
         """Up to ``batch_size`` experiences for a trainer at ``current_version``; None: the oldest
         put's (one producer batch; with replay, every experience held)."""
         with self._lock:
+            self.gets += 1
+            if self.replay is not None:  # the window: the batches of the last capacity_steps steps
+                oldest = self.gets - self.replay.capacity_steps + 1
+                self._entries = [x for x in self._entries if x.serial >= oldest]
             dropped = self._drop_stale(current_version)
             chosen = self._sample(batch_size) if self.replay is not None else self._oldest(batch_size)
             for entry in chosen:
@@ -125,10 +128,12 @@ class ExperienceBuffer:
             )
 
     def _drop_stale(self, current_version: int) -> int:
+        """Stale experiences leave (counted); with on_stale=wait and no replay they are a bug (the
+        producer was held back), with replay they aged in the window."""
         stale = [x for x in self._entries if current_version - oldest_version(x.experience) > self.max_staleness]
         if not stale:
             return 0
-        if self.on_stale == "wait":
+        if self.on_stale == "wait" and self.replay is None:
             versions = sorted({oldest_version(x.experience) for x in stale})
             raise StaleExperienceError(
                 f"the experience buffer holds experiences from weight_version {versions}, current is "
@@ -146,9 +151,12 @@ class ExperienceBuffer:
         return self._entries[:batch_size]
 
     def _sample(self, batch_size: int | None) -> list[_Entry]:
-        """Seeded random whole groups, until the next group would pass ``batch_size``."""
+        """Seeded random whole groups of the window's batches (none put ahead of this step), until
+        the next group would pass ``batch_size``."""
         groups: dict[tuple[int, int | None], list[_Entry]] = {}
         for i, x in enumerate(self._entries):
+            if x.serial > self.gets:
+                continue
             key = (x.serial, x.experience.group_id if x.experience.group_id is not None else -1 - i)
             groups.setdefault(key, []).append(x)
         order = list(groups.values())
@@ -174,7 +182,7 @@ class ExperienceBuffer:
                     {"experience": dataclasses.asdict(x.experience), "serial": x.serial, "uses": x.uses}
                     for x in self._entries
                 ],
-                "counters": [self.put_count, self.got_count, self.dropped_count, self.serial],
+                "counters": [self.put_count, self.got_count, self.dropped_count, self.serial, self.gets],
                 "rng": self._rng.getstate(),
             }
 
@@ -183,7 +191,9 @@ class ExperienceBuffer:
             self._entries = [
                 _Entry(Experience(**x["experience"]), int(x["serial"]), int(x["uses"])) for x in state["entries"]
             ]
-            self.put_count, self.got_count, self.dropped_count, self.serial = (int(c) for c in state["counters"])
+            self.put_count, self.got_count, self.dropped_count, self.serial, self.gets = (
+                int(c) for c in state["counters"]
+            )
             self._rng.setstate(_as_rng_state(state["rng"]))
 
 

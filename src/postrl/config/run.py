@@ -347,12 +347,6 @@ class RunConfig(RunLocation, Section):
                 "controller.mode=async generates batches while older ones train, so they lag the trainer by at "
                 "least one version: set buffer.max_staleness >= 1 (1 is one-step-off)"
             )
-        if self.controller.mode == "async" and self.buffer.replay is not None:
-            raise ValueError(
-                "buffer.replay samples from the last capacity_steps batches put, but in controller.mode=async the "
-                "producer puts batches ahead of training, which would push out batches not yet trained: replay "
-                "runs in sync mode for now"
-            )
         if self.controller.mode == "async" and self.scheduler.rollout_schedule:
             raise ValueError(
                 "scheduler.rollout_schedule resizes the rollout pool between steps, which controller.mode=async "
