@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -218,3 +219,7 @@ def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_samp
         assert max(r["buffer/lag_max"] for r in rows) <= 1
     finally:
         cluster.shutdown()
+        for _ in range(100):  # the raylets' helpers exit a moment after the shutdown
+            if not ray_processes():
+                break
+            time.sleep(0.2)

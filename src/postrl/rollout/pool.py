@@ -183,14 +183,28 @@ class RolloutPool:
 
     # -- the rest of the Rollout Worker interface -------------------------------------------------
     def health_check(self) -> Health:
+        """Every engine serves. An engine lost meanwhile (its process or node gone) is replaced, given
+        the current weights and checked once more, as a lost engine is during generate and sync; an
+        engine that answers unhealthy, or a replacement that is lost too, fails the check."""
         for slot in self.engines:
             try:
-                health = slot.handle.call("health_check", timeout=120)
+                health = self._checked(slot)
             except LOST as exc:
                 return Health(False, f"{slot.name}: {exc}")
             if not health:
                 return Health(False, f"{slot.name}: {health.reason}")
         return Health(True)
+
+    def _checked(self, slot: EngineSlot) -> Health:
+        handle = slot.handle
+        try:
+            return handle.call("health_check", timeout=120)
+        except LOST as exc:
+            log.warning("%s was lost during a health check (%s); restarting it", slot.name, exc)
+            self._replace(slot, str(exc), handle)
+            if self._weights is not None:
+                self._push([slot], *self._weights)
+            return slot.handle.call("health_check", timeout=120)
 
     def state_dict(self) -> dict[str, Any]:
         return {
