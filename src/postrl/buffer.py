@@ -92,21 +92,15 @@ class ExperienceBuffer:
         self.max_staleness, self.on_stale, self.replay = max_staleness, on_stale, replay
         self._entries: list[_Entry] = []
         self._rng = random.Random(seed)
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self.put_count = self.got_count = self.dropped_count = self.serial = self.gets = 0
 
     def put(self, experiences: list[Experience]) -> None:
-        """One producer batch (a step's experiences); wakes a consumer waiting in :meth:`wait_for`."""
+        """One producer batch (a step's experiences)."""
         with self._lock:
             self.serial += 1
             self._entries.extend(_Entry(e, self.serial) for e in experiences)
             self.put_count += len(experiences)
-            self._lock.notify_all()
-
-    def wait_for(self, count: int, timeout: float | None = None) -> bool:
-        """Block until the buffer holds at least ``count`` experiences (False on timeout)."""
-        with self._lock:
-            return self._lock.wait_for(lambda: len(self._entries) >= count, timeout)
 
     def get(self, batch_size: int | None, current_version: int) -> BufferBatch:
         """Up to ``batch_size`` experiences for a trainer at ``current_version``; None: the oldest
