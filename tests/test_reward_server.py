@@ -66,7 +66,7 @@ def code_server(tmp_path_factory):
     config = {
         "reward": {
             "num_workers": 2,
-            "components": [{"name": "code", "type": "code", "sandbox": {"wall_s": 2.0, "cpu_s": 2, "memory_mb": 512}}],
+            "components": [{"name": "code", "type": "code", "sandbox": {"wall_s": 4.0, "cpu_s": 1, "memory_mb": 512}}],
         },
         "server": {"token_env": "POSTRL_TEST_TOKEN", "max_body_bytes": 65536, "max_batch": 64},
     }
