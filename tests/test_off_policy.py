@@ -115,7 +115,7 @@ def test_with_recompute_the_first_micro_batchs_ratio_is_exactly_one(char_tokeniz
     batch = _engine_batch(char_tokenizer, model)
     batch.old_logprobs = batch.old_logprobs - 0.3 * batch.response_mask  # a behaviour policy that differs
     worker = TrainWorker(
-        model, TrainConfig(mini_batch_size=6, micro_batch_size=3, lr=1e-2), AlgorithmConfig(), recompute_proximal=True
+        model, TrainConfig(mini_batch_size=6, micro_batch_size=3, lr=1e-2), AlgorithmConfig(), proximal="recompute"
     )
     seen = _recording(worker)
     drawn_from = worker.generator.get_state()
@@ -160,7 +160,7 @@ def test_decoupled_loss_is_the_clipped_surrogate_times_the_weight(char_tokenizer
         batch = batch._map(lambda t: t.double() if t.is_floating_point() else t)
         algo = AlgorithmConfig(importance={"type": "mis", "low": 0.5, "high": 2.0})
         train = TrainConfig(mini_batch_size=12, micro_batch_size=12, grad_clip=1e9)
-        worker = TrainWorker(model, train, algo, recompute_proximal=True)
+        worker = TrainWorker(model, train, algo, proximal="recompute")
         proximal = worker.proximal_logprobs(batch, torch.arange(batch.size))
         batch.old_logprobs = (proximal - shift) * batch.response_mask
         worker.optimization.step = lambda norm: False  # keep the gradient, take no step
@@ -186,3 +186,57 @@ def test_async_settings_that_cannot_work_are_refused_naming_the_fields():
         and RunConfig(controller={"mode": "async"}, buffer={"max_staleness": 1}, scheduler="ray").async_overlap
         == "generation"
     )
+
+
+def test_interpolated_proximal_against_hand_values():
+    from postrl.algorithms.importance import interpolated_proximal
+
+    behaviour = torch.tensor([[LN(0.2), LN(0.4), LN(0.5), 0.0]])
+    current = torch.tensor([[LN(0.8), LN(0.1), LN(0.9), 0.0]])
+    lags = torch.tensor([[1, 0, 2, -1]])
+    half = interpolated_proximal(behaviour, current, lags, progress=0.5)
+    # alpha = lag / (lag + 0.5): 2/3, 0 (the proximal version's own token keeps its behaviour logprob), 4/5
+    expected = [LN(0.2) + 2 / 3 * LN(4.0), LN(0.4), LN(0.5) + 0.8 * LN(1.8), 0.0]
+    assert half.tolist()[0] == pytest.approx(expected, abs=1e-6)
+    # before the update's first step the current policy is the proximal one: exactly, not approximately
+    assert torch.equal(interpolated_proximal(behaviour, current, lags, progress=0.0), current)
+    with pytest.raises(ValueError, match=r"progress must be in \[0, 1\)"):
+        interpolated_proximal(behaviour, current, lags, progress=1.0)
+
+
+def test_approximate_needs_no_extra_forward_and_interpolates_after_the_first_step(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    batch = _engine_batch(char_tokenizer, model).with_lags(1)  # generated one version behind
+    batch.old_logprobs = batch.old_logprobs - 0.3 * batch.response_mask
+    train = TrainConfig(mini_batch_size=6, micro_batch_size=3, lr=1e-2)
+    forwards = {}
+    for source in ("recompute", "approximate"):
+        worker = TrainWorker(make_tiny_model("llama", char_tokenizer), train, AlgorithmConfig(), proximal=source)
+        calls: list[int] = []
+        worker.model.get_input_embeddings().register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        seen = _recording(worker)
+        drawn_from = worker.generator.get_state()
+        order = worker._group_shuffled_order(batch)  # the order update() will draw
+        worker.generator.set_state(drawn_from)
+        worker.update(batch)
+        forwards[source] = len(calls)
+    assert forwards == {"recompute": 6, "approximate": 4}  # 2 minis x 2 micros; recompute's pre-pass of the second
+    first, last = seen[0], seen[-1]
+    assert torch.equal(first.logprobs.detach() * first.mask, first.old_logprobs * first.mask)  # exact: ratio 1
+    # the last micro-batch trains halfway through the update (1 of 2 steps taken): alpha = 1 / (1 + 1/2)
+    rows = batch.select(order[9:12])
+    width = last.mask.shape[1]
+    behaviour, response = rows.old_logprobs[:, :width], rows.response_mask[:, :width]
+    expected = torch.lerp(behaviour, last.logprobs.detach(), 2 / 3) * response
+    assert torch.allclose(last.old_logprobs, expected, atol=1e-6)
+    assert not torch.allclose(last.old_logprobs, last.logprobs.detach() * response, atol=1e-3)
+    with pytest.raises(ValueError, match="needs the batch's token_lags"):
+        TrainWorker(model, train, AlgorithmConfig(), proximal="approximate").update(
+            _engine_batch(char_tokenizer, model)
+        )
+
+
+def test_token_lags_count_from_the_trainers_version():
+    batch = ExperienceBatch.from_experiences([Experience([1, 2], [3, 4], [-0.5, -0.5], 1.0, 1.0, 3)], 0)
+    batch.logprob_versions = torch.tensor([[-1, 3, 4]])  # the second token came after an in-flight update
+    assert batch.with_lags(5).token_lags.tolist() == [[-1, 2, 1]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -217,10 +217,17 @@ class ExperienceBatch:
     values: torch.Tensor | None = None  # [B, T-1] float, the critic's at rollout time (PPO with GAE)
     returns: torch.Tensor | None = None  # [B, T-1] float, the critic's targets
     proximal_logprobs: torch.Tensor | None = None  # [B, T-1] the trainer's before the update (old_logprobs: recompute)
+    token_lags: torch.Tensor | None = None  # [B, T-1] long, versions behind the trainer's weights (with_lags)
 
     @property
     def size(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def with_lags(self, trainer_version: int) -> ExperienceBatch:
+        """The batch with ``token_lags``: how many versions each response token's weights are
+        behind ``trainer_version``, the weights the update starts from (-1 outside the response)."""
+        lags = torch.where(self.logprob_versions >= 0, trainer_version - self.logprob_versions, -1)
+        return replace(self, token_lags=lags)
 
     @property
     def num_tokens(self) -> int:

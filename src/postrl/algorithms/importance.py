@@ -92,3 +92,26 @@ def masked_importance_sampling(
     ``level=sequence`` the whole sequence, leaves the gradient)."""
     ratio, rejected = _bounded_ratio(proximal, behaviour, mask, level, low, high)
     return ImportanceWeights(weights=torch.where(rejected, 0.0, ratio) * mask, rejected=rejected)
+
+
+def interpolated_proximal(
+    behaviour: torch.Tensor, current: torch.Tensor, lags: torch.Tensor, progress: float
+) -> torch.Tensor:
+    """A-3PO's proximal policy without a forward pass (Li et al. 2025; AReaL's ``prox_approx``):
+    the log-linear interpolation ``log pi_prox = log pi_behav + alpha (log pi - log pi_behav)``,
+    per token, at the version the proximal policy sits at between the behaviour's and the
+    current policy's.
+
+    ``lags``: versions between each token's weights and the proximal policy (the trainer's weights
+    when the update began), ``[B, T]``; ``progress``: the share of the update's optimizer steps
+    already taken, in ``[0, 1)``, so the current policy is at version ``prox + progress`` and
+    ``alpha = lag / (lag + progress)``. Before the first step (``progress = 0``) alpha is 1 and
+    the result is the current logprobs exactly (``torch.lerp`` is exact at its ends); a token of
+    the proximal version itself (lag 0) later in the update keeps its behaviour logprob.
+    Detached: the proximal policy carries no gradient."""
+    if not 0.0 <= progress < 1.0:
+        raise ValueError(f"progress must be in [0, 1), got {progress}")
+    lag = lags.clamp(min=0).to(current.dtype)
+    span = lag + progress
+    alpha = torch.where(span > 0, lag / span.clamp(min=torch.finfo(current.dtype).tiny), torch.ones_like(span))
+    return torch.lerp(behaviour.to(current.dtype), current.detach(), alpha)

@@ -205,6 +205,10 @@ class StageEntry(Section):
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the stage's factory.")
 
 
+# algorithm.old_logprobs resolved (train.factory.old_logprobs_source): where the proximal policy comes from
+ProximalSource = Literal["recompute", "approximate", "rollout"]
+
+
 class AlgorithmConfig(Section):
     plugins: list[str] = Field(
         default_factory=list,
@@ -261,16 +265,19 @@ class AlgorithmConfig(Section):
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Entropy bonus: the loss minus coef x the policy's per-token entropy (0: off)."
     )
-    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
+    old_logprobs: Literal["auto", "recompute", "approximate", "rollout"] = Field(
         "auto",
         description="The 'old' policy of the loss's ratio: recompute (the trainer's own logprobs before the update: "
-        "the proximal policy of decoupled PPO, with the engine's gap corrected by `importance`) or rollout (the "
-        "engine's logprobs as they came). auto: recompute unless engine and trainer compute alike in float32 on "
-        "the same weights (a sync run with the native or hf engine).",
+        "the proximal policy of decoupled PPO, with the engine's gap corrected by `importance`), approximate (A-3PO: "
+        "the proximal logprobs interpolated between the engine's and the current policy's by weight version, "
+        "without recompute's extra forward; the first mini-batch's are exact) or rollout (the engine's logprobs as "
+        "they came). auto: recompute unless engine and trainer compute alike in float32 on the same weights (a "
+        "sync run with the native or hf engine).",
     )
     importance: ImportanceCorrectionConfig = Field(
         default_factory=ImportanceCorrectionConfig,
-        description="The behaviour/proximal importance-sampling correction (with old_logprobs recompute).",
+        description="The behaviour/proximal importance-sampling correction (with old_logprobs recompute or "
+        "approximate).",
     )
     max_token_lag: int | None = Field(
         None,

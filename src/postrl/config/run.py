@@ -355,6 +355,12 @@ class RunConfig(RunLocation, Section):
         return self
 
     @property
+    def on_policy(self) -> bool:
+        """Every sample is trained by the weights that generated it: a sync run that neither keeps
+        stale samples nor replays them (otherwise samples lag the trainer by design)."""
+        return self.controller.mode == "sync" and self.buffer.max_staleness == 0 and self.buffer.replay is None
+
+    @property
     def async_overlap(self) -> str:
         """``controller.overlap`` resolved (auto: generation under Ray, scoring locally)."""
         overlap = self.controller.overlap

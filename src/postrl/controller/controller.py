@@ -53,11 +53,13 @@ from postrl.types import (
 from postrl.workers.roles import Critic, RewardService, Scheduler, TrainWorker
 
 
-def mask_lagging_tokens(batch: ExperienceBatch, current_version: int, max_lag: int) -> tuple[ExperienceBatch, float]:
-    """``algorithm.max_token_lag``: response tokens produced by weights more than ``max_lag``
-    versions older than ``current_version`` leave the loss (they stay in the context); returns the
-    batch and how many tokens were masked."""
-    lagging = (batch.logprob_versions >= 0) & (current_version - batch.logprob_versions > max_lag)
+def mask_lagging_tokens(batch: ExperienceBatch, max_lag: int) -> tuple[ExperienceBatch, float]:
+    """``algorithm.max_token_lag``: response tokens whose weights lag the trainer's by more than
+    ``max_lag`` versions (``batch.token_lags``) leave the loss (they stay in the context); returns
+    the batch and how many tokens were masked."""
+    if batch.token_lags is None:
+        raise ValueError("mask_lagging_tokens needs the batch's token_lags (ExperienceBatch.with_lags)")
+    lagging = batch.token_lags > max_lag
     keep = (~lagging).to(batch.loss_mask.dtype)
     masked = float((batch.loss_mask * (1 - keep)).sum().item())
     return dataclasses.replace(batch, loss_mask=batch.loss_mask * keep), masked
@@ -292,8 +294,9 @@ class Controller:
         if not taken.experiences:  # every one was too stale: nothing to train on this step
             return TrainMetrics.skipped()
         batch = ExperienceBatch.from_experiences(taken.experiences, self.parts.tokenizer.pad_token_id)
+        batch = batch.with_lags(self.weight_version)
         if self.config.algorithm.max_token_lag is not None:
-            batch, masked = mask_lagging_tokens(batch, self.weight_version, self.config.algorithm.max_token_lag)
+            batch, masked = mask_lagging_tokens(batch, self.config.algorithm.max_token_lag)
             metrics["buffer/lag_masked_tokens"] = masked
         train = timer.run("train", self.update, batch)
         for stage in self.stages.after_update:

@@ -105,10 +105,9 @@ def _validate_messages(messages: Any) -> str | None:
     return None
 
 
-def tokenize_row(
-    row: Any, tokenizer: Any, prompt_column: str, messages_column: str, chat: bool
-) -> tuple[str, list[int]]:
-    """The prompt text and ids of one row; raises ValueError with the reason when malformed."""
+def prompt_text(row: Any, tokenizer: Any, prompt_column: str, messages_column: str, chat: bool) -> tuple[str, bool]:
+    """The prompt text of one row and whether the tokenizer adds its special tokens to it (a
+    rendered chat template holds them already); raises ValueError with the reason when malformed."""
     if not isinstance(row, dict):
         raise ValueError(f"row must be an object, got {type(row).__name__}")
     if prompt_column in row and row[prompt_column] is not None:
@@ -116,7 +115,7 @@ def tokenize_row(
         if not isinstance(text, str) or not text:
             raise ValueError(f"'{prompt_column}' must be a non-empty string, got {text!r}")
         if not chat:
-            return text, tokenizer(text)["input_ids"]
+            return text, True
         messages = [{"role": "user", "content": text}]
     elif messages_column in row:
         messages = row[messages_column]
@@ -125,8 +124,21 @@ def tokenize_row(
             raise ValueError(problem)
     else:
         raise ValueError(f"row has neither '{prompt_column}' nor '{messages_column}' (columns: {sorted(row)})")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+
+
+def tokenize_texts(tokenizer: Any, texts: list[tuple[str, bool]], chunk: int = 4096) -> list[list[int]]:
+    """The ids of ``(text, add_special_tokens)`` pairs, tokenized in batches (a fast tokenizer
+    encodes a batch in parallel, ~10x the rate of one call per row)."""
+    ids: list[list[int]] = [[] for _ in texts]
+    for special in (True, False):
+        rows = [i for i, (_, s) in enumerate(texts) if s is special]
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            encoded = tokenizer([texts[i][0] for i in part], add_special_tokens=special)["input_ids"]
+            for i, row_ids in zip(part, encoded, strict=True):
+                ids[i] = list(row_ids)
+    return ids
 
 
 T = TypeVar("T")
@@ -170,16 +182,25 @@ def build_prompts(
     max_prompt_tokens: int = 512,
     on_bad_row: str = "error",
 ) -> PromptDataset:
-    def parse(source: str, row: Any) -> Prompt:
-        text, ids = tokenize_row(row, tokenizer, prompt_column, messages_column, apply_chat_template)
-        if len(ids) > max_prompt_tokens:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
-        columns = {k: v for k, v in row.items() if k not in (prompt_column, messages_column)}
-        return Prompt(text=text, prompt_ids=ids, columns=columns, source=source)
+    def parse(source: str, row: Any) -> tuple[str, dict[str, Any], tuple[str, bool]]:
+        text = prompt_text(row, tokenizer, prompt_column, messages_column, apply_chat_template)
+        return source, {k: v for k, v in row.items() if k not in (prompt_column, messages_column)}, text
 
-    prompts, skipped = parse_rows(rows, parse, on_bad_row)
-    dataset = PromptDataset(prompts=prompts, skipped=skipped)
-    return dataset
+    parsed, skipped = parse_rows(rows, parse, on_bad_row)
+    ids = tokenize_texts(tokenizer, [text for _, _, text in parsed])
+    long = [(source, len(row_ids)) for (source, _, _), row_ids in zip(parsed, ids) if len(row_ids) > max_prompt_tokens]
+    if long and on_bad_row != "skip":
+        source, n = long[0]
+        raise DatasetError(f"{source}: prompt has {n} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
+    skipped += [
+        f"{source}: prompt has {n} tokens, more than data.max_prompt_tokens={max_prompt_tokens}" for source, n in long
+    ]
+    prompts = [
+        Prompt(text=text, prompt_ids=row_ids, columns=columns, source=source)
+        for (source, columns, (text, _)), row_ids in zip(parsed, ids, strict=True)
+        if len(row_ids) <= max_prompt_tokens
+    ]
+    return PromptDataset(prompts=prompts, skipped=skipped)
 
 
 def load_prompt_dataset(files: list[str], tokenizer: Any, **options: Any) -> PromptDataset:

@@ -48,7 +48,9 @@ def trainer_precision(config: RunConfig) -> str:
 
 class MismatchWatch:
     """Warns once when the engine's logprobs of the sampled tokens differ from the trainer's by more
-    than ``max_diff``: the PPO ratio then compares two different policies."""
+    than ``max_diff``: the PPO ratio then compares two different policies. Only in an on-policy run:
+    where samples lag the trainer (async, staleness, replay) the gap is the lag's, expected and
+    corrected by ``algorithm.importance``, and says nothing about the engine's precision."""
 
     def __init__(
         self, config: RunConfig, echo: Callable[[str], None], max_diff: float = 0.5, max_kl: float = 0.01
@@ -56,6 +58,8 @@ class MismatchWatch:
         self.config, self.echo, self.max_diff, self.max_kl, self.warned = config, echo, max_diff, max_kl, False
 
     def observe(self, metrics: StepMetrics) -> None:
+        if not self.config.on_policy:
+            return
         diff = metrics.values.get("rollout/logprob_diff_max", float("nan"))
         kl = metrics.values.get("rollout/mismatch_kl", float("nan"))
         if self.warned or not (diff > self.max_diff or kl > self.max_kl):

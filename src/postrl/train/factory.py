@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from postrl.config.algorithm import AlgorithmConfig
+from postrl.config.algorithm import AlgorithmConfig, ProximalSource
 from postrl.config.run import RunConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.train.worker import TrainWorker
@@ -26,7 +26,7 @@ class PolicySpec:
     seed: int
     gradient_checkpointing: bool = False
     max_response_tokens: int = 64  # rollout.max_tokens: Dr. GRPO's constant normaliser
-    recompute_proximal: bool = False  # algorithm.old_logprobs, resolved by old_logprobs_source
+    proximal: ProximalSource = "rollout"  # algorithm.old_logprobs, resolved by old_logprobs_source
 
     @staticmethod
     def of_run(config: RunConfig) -> PolicySpec:
@@ -40,11 +40,11 @@ class PolicySpec:
             seed=config.seed,
             gradient_checkpointing=config.model.gradient_checkpointing,
             max_response_tokens=config.rollout.max_tokens,
-            recompute_proximal=old_logprobs_source(config) == "recompute",
+            proximal=old_logprobs_source(config),
         )
 
 
-def old_logprobs_source(config: RunConfig) -> str:
+def old_logprobs_source(config: RunConfig) -> ProximalSource:
     """``algorithm.old_logprobs`` resolved: ``auto`` is ``rollout`` only when the engine's logprobs
     are the trainer's own: a sync, on-policy run whose native or hf engine computes in float32 on
     the device the trainer uses, with a float32 trainer; ``recompute`` otherwise."""
@@ -53,13 +53,10 @@ def old_logprobs_source(config: RunConfig) -> str:
         return choice
     r, t = config.rollout, config.train
     gpu = torch.cuda.is_available()
-    same_weights = (
-        config.controller.mode == "sync" and config.buffer.max_staleness == 0 and config.buffer.replay is None
-    )
     engine_fp32 = r.backend in ("auto", "native", "hf") and (r.dtype or config.model.dtype) == "float32"
     trainer_fp32 = t.precision == "float32" or (t.precision == "auto" and not (gpu and t.device != "cpu"))
     same_device = r.device == t.device or not gpu
-    return "rollout" if same_weights and engine_fp32 and trainer_fp32 and same_device else "recompute"
+    return "rollout" if config.on_policy and engine_fp32 and trainer_fp32 and same_device else "recompute"
 
 
 def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -> TrainWorker:
@@ -76,7 +73,7 @@ def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -
         seed=spec.seed,
         gradient_checkpointing=spec.gradient_checkpointing,
         max_response_tokens=spec.max_response_tokens,
-        recompute_proximal=spec.recompute_proximal,
+        proximal=spec.proximal,
     )
     if world == 1:  # one process: a plain Train Worker (no collectives, no sharding)
         return TrainWorker(policy, spec.train, spec.algorithm, **common)

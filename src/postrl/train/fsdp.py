@@ -73,7 +73,7 @@ class FSDPTrainWorker(TrainWorker):
         nothing = mine[:0]
         return local + [(nothing, zero_weight(mini)) for _ in range(int(count) - len(local))]
 
-    def accumulate_gradients(self, mini: ExperienceBatch, own_proximal: bool = False) -> Stats:
+    def accumulate_gradients(self, mini: ExperienceBatch, own_progress: float | None = None) -> Stats:
         part = mini.select(split_rows_by_tokens(mini, self.world)[self.rank].to(mini.input_ids.device))
         counts = torch.stack([part.loss_mask.sum(), (part.loss_mask.sum(dim=-1) > 0).sum().to(part.loss_mask.dtype)])
         dist.all_reduce(counts)
@@ -82,7 +82,7 @@ class FSDPTrainWorker(TrainWorker):
         stats = Stats()
         for i, (_, micro) in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            stats = stats.merge(self._micro_batch_backward(micro, norm, own_proximal))
+            stats = stats.merge(self._micro_batch_backward(micro, norm, own_progress))
         return stats.all_reduce()
 
     def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:

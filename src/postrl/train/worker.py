@@ -23,6 +23,8 @@ from postrl.algorithms import (
     kl_k3,
     kl_penalty,
 )
+from postrl.algorithms.importance import interpolated_proximal
+from postrl.config.algorithm import ProximalSource
 from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.models.weights import save_weights
@@ -71,10 +73,10 @@ class TrainWorker:
         seed: int = 0,
         gradient_checkpointing: bool = False,
         max_response_tokens: int = 64,
-        recompute_proximal: bool = False,
+        proximal: ProximalSource = "rollout",
     ) -> None:
         self.model, self.cfg, self.algo = model, train, algorithm
-        self.recompute_proximal = recompute_proximal  # algorithm.old_logprobs, resolved (PolicySpec.of_run)
+        self.proximal = proximal  # algorithm.old_logprobs, resolved (PolicySpec.of_run)
         self.temperature = temperature
         self.max_response_tokens = max_response_tokens  # Dr. GRPO's constant normaliser
         self.ref_model = ref_model.eval() if ref_model is not None else None
@@ -104,17 +106,20 @@ class TrainWorker:
         orders = [self._group_shuffled_order(batch) for _ in range(self.cfg.epochs)]
         # one epoch: the first mini-batch's own forward is the proximal policy (no extra forward)
         first_own = self.cfg.epochs == 1
-        if self.recompute_proximal:
+        if self.proximal == "recompute":
             proximal = self.proximal_logprobs(batch, orders[0], skip_first=first_own)
             batch = dataclasses.replace(batch, proximal_logprobs=proximal)
-        for order in orders:
-            for start in range(0, batch.size, self.cfg.mini_batch_size):
+        if self.proximal == "approximate" and batch.token_lags is None:
+            raise ValueError("old_logprobs=approximate needs the batch's token_lags (ExperienceBatch.with_lags)")
+        starts = range(0, batch.size, self.cfg.mini_batch_size)
+        for epoch, order in enumerate(orders):
+            for i, start in enumerate(starts):
                 mini = batch.select(order[start : start + self.cfg.mini_batch_size].to(device))
                 if mini.num_tokens == 0:
                     continue
                 still_pi_old = self.optimization.steps == steps_at_start
-                own = self.recompute_proximal and first_own and start == 0
-                stats, norm = self._mini_batch_step(mini, own_proximal=own)
+                own = self._own_proximal_progress((epoch * len(starts) + i) / (len(orders) * len(starts)))
+                stats, norm = self._mini_batch_step(mini, own_progress=own)
                 total = total.merge(stats)
                 if still_pi_old:
                     before_update = before_update.merge(stats)
@@ -127,6 +132,15 @@ class TrainWorker:
         values["actor/lr"] = self.optimization.lr
         values["actor/skipped_updates"] = float(self.optimization.skipped)
         return TrainMetrics(values, self.optimization.steps, self.optimization.skipped)
+
+    def _own_proximal_progress(self, progress: float) -> float | None:
+        """Whether a mini-batch's proximal logprobs come from its own training forward: at which
+        share of the update's optimizer steps (``approximate``: interpolated there; ``recompute``:
+        the first mini-batch of a one-epoch update, before any step), or None (they are the
+        batch's: recomputed before the update, or the behaviour's)."""
+        if self.proximal == "approximate" or (self.proximal == "recompute" and self.cfg.epochs == 1 and progress == 0):
+            return progress
+        return None
 
     def _group_shuffled_order(self, batch: ExperienceBatch) -> torch.Tensor:
         """A random order of the rows that keeps the samples of one group (one prompt) together.
@@ -146,14 +160,15 @@ class TrainWorker:
         size, rows = self.cfg.micro_batch_size, torch.arange(mini.size, device=mini.input_ids.device)
         return [(rows[s : s + size], mini.select(slice(s, s + size))) for s in range(0, mini.size, size)]
 
-    def accumulate_gradients(self, mini: ExperienceBatch, own_proximal: bool = False) -> Stats:
+    def accumulate_gradients(self, mini: ExperienceBatch, own_progress: float | None = None) -> Stats:
         """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count.
-        ``own_proximal``: no optimizer step was taken yet, so each micro-batch's forward is the
-        proximal policy. Returns the summed statistics, still on the device."""
+        ``own_progress`` (not None): each micro-batch's proximal logprobs come from its own forward,
+        this far into the update (:meth:`_own_proximal_progress`). Returns the summed statistics,
+        still on the device."""
         norm = self.normalizer(mini.loss_mask)
         stats = Stats()
         for _, micro in self.micro_batches(mini):
-            stats = stats.merge(self._micro_batch_backward(micro, norm, own_proximal))
+            stats = stats.merge(self._micro_batch_backward(micro, norm, own_progress))
         return stats
 
     @torch.no_grad()
@@ -194,21 +209,22 @@ class TrainWorker:
         tokens, sequences = loss_mask.sum(), (loss_mask.sum(dim=-1) > 0).sum().to(loss_mask.dtype)
         return LossNormalizer(tokens / ranks, sequences / ranks, self.max_response_tokens)
 
-    def _mini_batch_step(self, mini: ExperienceBatch, own_proximal: bool = False) -> tuple[Stats, float | None]:
+    def _mini_batch_step(self, mini: ExperienceBatch, own_progress: float | None) -> tuple[Stats, float | None]:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
         the device together, once."""
-        sums = self.accumulate_gradients(mini, own_proximal)
+        sums = self.accumulate_gradients(mini, own_progress)
         stats, (norm,) = sums.read(self.optimization.clip_gradients())
         return stats, norm if self.optimization.step(norm) else None
 
-    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer, own_proximal: bool = False) -> Stats:
+    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer, own_progress: float | None) -> Stats:
         mask = micro.loss_mask
         bonus = self.algo.entropy_coef
         logp, entropy = self._policy_logprobs(micro, with_entropy="grad" if bonus else True)
-        if own_proximal:
-            micro = dataclasses.replace(
-                micro, proximal_logprobs=logp.detach().to(micro.old_logprobs.dtype) * micro.response_mask
-            )
+        if own_progress is not None:
+            own = logp.detach().to(micro.old_logprobs.dtype)
+            if own_progress > 0:  # after a step: A-3PO's interpolation (token_lags checked in update)
+                own = interpolated_proximal(micro.old_logprobs, own, micro.token_lags, own_progress)  # type: ignore[arg-type]
+            micro = dataclasses.replace(micro, proximal_logprobs=own * micro.response_mask)
         proximal = micro.old_logprobs if micro.proximal_logprobs is None else micro.proximal_logprobs
         out = self.policy_loss(LossInputs(logprobs=logp, old_logprobs=proximal, advantages=micro.advantages, mask=mask))
         per_token = out.per_token
