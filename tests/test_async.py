@@ -141,8 +141,9 @@ def test_async_run_killed_and_resumed_trains_every_sample_exactly_once(tmp_path,
         {"algorithm": {"advantage": "remax"}},
         {"algorithm": {"advantage": "reinforce_pp", "kl_beta": 0.05, "kl_in": "reward"}},
         {"buffer": {"max_staleness": 2, "replay": {"capacity_steps": 2, "reuse_limit": 2}}},
+        {"algorithm": {"old_logprobs": "approximate"}},
     ],
-    ids=["dapo", "ppo_critic", "rloo_kl", "remax", "reinforce_pp", "replay"],
+    ids=["dapo", "ppo_critic", "rloo_kl", "remax", "reinforce_pp", "replay", "approximate"],
 )
 def test_async_mode_runs_every_kind_of_step(tmp_path, tiny_model_dir, arithmetic_jsonl, extra):
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=3, **{**ASYNC, **extra})

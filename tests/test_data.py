@@ -68,6 +68,16 @@ def test_too_long_prompt_error_or_skip(tmp_path, char_tokenizer):
     assert len(ds) == 1 and len(ds.skipped) == 1 and "long.jsonl:2" in ds.skipped[0]
 
 
+def test_skipped_rows_are_listed_in_file_order_whatever_refused_them(tmp_path, char_tokenizer):
+    path = tmp_path / "mixed.jsonl"
+    rows = ['{"prompt": "ok"}', "{broken", '{"prompt": "' + "x" * 50 + '"}', "", '{"other": 1}', '{"prompt": "fine"}']
+    path.write_text("\n".join(rows) + "\n")
+    ds = load_prompt_dataset([str(path)], char_tokenizer, max_prompt_tokens=20, on_bad_row="skip")
+    assert [p.source for p in ds.prompts] == [f"{path}:1", f"{path}:6"]
+    assert [entry.split(": ")[0] for entry in ds.skipped] == [f"{path}:2", f"{path}:3", f"{path}:5"]
+    assert "prompt has 51 tokens" in ds.skipped[1] and "neither 'prompt' nor 'messages'" in ds.skipped[2]
+
+
 def test_missing_file_and_bad_extension(tmp_path, char_tokenizer):
     with pytest.raises(DatasetError, match="does not exist"):
         load_prompt_dataset([str(tmp_path / "nope.jsonl")], char_tokenizer)

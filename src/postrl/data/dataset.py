@@ -182,22 +182,34 @@ def build_prompts(
     max_prompt_tokens: int = 512,
     on_bad_row: str = "error",
 ) -> PromptDataset:
-    def parse(source: str, row: Any) -> tuple[str, dict[str, Any], tuple[str, bool]]:
-        text = prompt_text(row, tokenizer, prompt_column, messages_column, apply_chat_template)
-        return source, {k: v for k, v in row.items() if k not in (prompt_column, messages_column)}, text
+    rows_read: list[str] = []  # every non-blank row's source, in order: where each skipped row was
 
-    parsed, skipped = parse_rows(rows, parse, on_bad_row)
-    ids = tokenize_texts(tokenizer, [text for _, _, text in parsed])
-    long = [(source, len(row_ids)) for (source, _, _), row_ids in zip(parsed, ids) if len(row_ids) > max_prompt_tokens]
-    if long and on_bad_row != "skip":
-        source, n = long[0]
-        raise DatasetError(f"{source}: prompt has {n} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
-    skipped += [
-        f"{source}: prompt has {n} tokens, more than data.max_prompt_tokens={max_prompt_tokens}" for source, n in long
+    def numbered() -> Iterator[tuple[str, Any]]:
+        for source, row in rows:
+            if row is not _BLANK:
+                rows_read.append(source)
+            yield source, row
+
+    def parse(source: str, row: Any) -> tuple[int, str, dict[str, Any], tuple[str, bool]]:
+        text = prompt_text(row, tokenizer, prompt_column, messages_column, apply_chat_template)
+        columns = {k: v for k, v in row.items() if k not in (prompt_column, messages_column)}
+        return len(rows_read) - 1, source, columns, text
+
+    parsed, refused = parse_rows(numbered(), parse, on_bad_row)
+    ids = tokenize_texts(tokenizer, [text for *_, text in parsed])
+    too_long = [
+        (at, f"{source}: prompt has {len(row_ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
+        for (at, source, _, _), row_ids in zip(parsed, ids, strict=True)
+        if len(row_ids) > max_prompt_tokens
     ]
+    if too_long and on_bad_row != "skip":
+        raise DatasetError(too_long[0][1])
+    kept = {at for at, *_ in parsed}
+    refused_at = [at for at in range(len(rows_read)) if at not in kept]  # parse_rows keeps the rows' order
+    skipped = [reason for _, reason in sorted([*zip(refused_at, refused, strict=True), *too_long])]
     prompts = [
         Prompt(text=text, prompt_ids=row_ids, columns=columns, source=source)
-        for (source, columns, (text, _)), row_ids in zip(parsed, ids, strict=True)
+        for (_, source, columns, (text, _)), row_ids in zip(parsed, ids, strict=True)
         if len(row_ids) <= max_prompt_tokens
     ]
     return PromptDataset(prompts=prompts, skipped=skipped)
