@@ -53,7 +53,9 @@ taken = []
 get = ExperienceBuffer.get
 def recording_get(self, batch_size, current_version):
     out = get(self, batch_size, current_version)
-    taken.extend((e.metadata["batch"], e.metadata["row"], e.metadata["generated_at"]) for e in out.experiences)
+    taken.extend(
+        (e.metadata["batch"], e.metadata["row"], e.metadata["generated_at"], e.response_ids) for e in out.experiences
+    )
     return out
 ExperienceBuffer.get = recording_get
 
@@ -73,7 +75,7 @@ def _trained(log: Path, upto: int | None = None) -> dict[int, list]:
     steps = {}
     for line in log.read_text().splitlines():
         row = json.loads(line)
-        steps[row["step"]] = [tuple(s) for s in row["samples"]]
+        steps[row["step"]] = [(b, r, t) for b, r, t, _ in row["samples"]]
     return {k: v for k, v in steps.items() if upto is None or k <= upto}
 
 
@@ -132,6 +134,69 @@ def test_async_run_killed_and_resumed_trains_every_sample_exactly_once(tmp_path,
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
 
 
+def test_an_async_checkpoint_keeps_the_batch_being_generated_and_the_resumed_run_continues_it(
+    tmp_path, tiny_model_dir, arithmetic_jsonl
+):
+    """overlap=generation: the producer thread generates while the step checkpoints; the checkpoint
+    suspends that generation and saves its rollouts so far; killed there and resumed, the run
+    continues those rollouts from their tokens (not generated anew) and trains every sample once."""
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        steps=STEPS,
+        controller={"mode": "async", "overlap": "generation"},
+        buffer={"max_staleness": 1},
+        rollout={"n": 4, "max_tokens": 48},  # generation outlasts the update: the checkpoint meets it
+        checkpoint={"every_steps": 1, "keep_last": 40},
+    )
+    run_dir = tmp_path / "runs" / "tiny"
+    script = tmp_path / "recorder.py"
+    script.write_text(RECORDER)
+    env = dict(os.environ, TRAINED_LOG=str(tmp_path / "first.log"), RAY_AUTH_MODE="disabled")
+    first = subprocess.Popen(
+        [sys.executable, str(script), "train", config], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline, step, in_flight = time.time() + 240, 0, None
+    while in_flight is None:
+        assert first.poll() is None and time.time() < deadline, (
+            first.stderr.read().decode()[-3000:] if first.poll() else "timeout"
+        )
+        nxt = run_dir / "checkpoints" / f"step_{step + 1:08d}"
+        if (nxt / "COMPLETE").exists():
+            step += 1
+            in_flight = torch.load(nxt / "run_state.pt", weights_only=True)["pipeline"]["in_flight"]
+        else:
+            time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert step < STEPS - 2, "no checkpoint met a generation in progress"
+    env["TRAINED_LOG"] = str(tmp_path / "second.log")
+    resumed = subprocess.run(
+        [sys.executable, str(script), "train", "--resume", str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    before, after = _trained(tmp_path / "first.log", upto=step), _trained(tmp_path / "second.log")
+    ids = [(b, r) for samples in (*before.values(), *after.values()) for b, r, _ in samples]
+    assert len(ids) == len(set(ids)) == STEPS * 16 and {b for b, _ in ids} == set(range(1, STEPS + 1))
+    responses = {
+        (b, r): response
+        for line in (tmp_path / "second.log").read_text().splitlines()
+        for b, r, _, response in json.loads(line)["samples"]
+    }
+    number = in_flight["number"]
+    cut = [(i, r) for i, r in enumerate(in_flight["rollouts"]) if r["finish_reason"] == "suspended"]
+    assert cut and any(r["response_ids"] for _, r in cut)
+    for i, r in cut:  # every suspended sample went on from the tokens it had
+        assert responses[(number, i)][: len(r["response_ids"])] == r["response_ids"]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -152,3 +217,63 @@ def test_async_mode_runs_every_kind_of_step(tmp_path, tiny_model_dir, arithmetic
     bound = {**ASYNC, **extra}["buffer"]["max_staleness"]
     assert [r["step"] for r in rows] == [1, 2, 3] and max(r["buffer/lag_max"] for r in rows) <= bound
     assert all(r["actor/grad_norm"] == r["actor/grad_norm"] or "critic/value_loss" in r for r in rows)
+
+
+def test_an_async_step_abandoned_during_generation_loses_and_repeats_nothing(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch
+):
+    """overlap=scoring generates the next batch between two steps: a second Ctrl-C landing there
+    abandons the step; the checkpoint then holds the batches and reports as they were (the prompts
+    drawn for the aborted generation go back to the sampler), and the resumed run trains batch k
+    at step k, every sample once."""
+    from postrl.buffer import ExperienceBuffer
+    from postrl.controller.controller import Controller
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.run.interrupt import StepAbandoned
+
+    trained: dict[int, list[tuple[int, int]]] = {}
+    taken: list[tuple[int, int]] = []
+    get, finish, generate = ExperienceBuffer.get, Controller.finish_step, NativeRolloutWorker.generate
+    prompts_seen: list[list[str]] = []
+
+    def recording_get(self, batch_size, current_version):
+        out = get(self, batch_size, current_version)
+        taken.extend((e.metadata["batch"], e.metadata["row"]) for e in out.experiences)
+        return out
+
+    def recording_finish(self, *args):
+        metrics = finish(self, *args)
+        trained[metrics.step] = list(taken)
+        taken.clear()
+        return metrics
+
+    calls, aborted = [0], []
+
+    def abandoned_once(self, prompts, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:  # batch 4's generation, between steps 2 and 3
+            aborted.extend(p.text for p in prompts)
+            raise StepAbandoned("SIGINT")
+        prompts_seen.append([p.text for p in prompts])
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(ExperienceBuffer, "get", recording_get)
+    monkeypatch.setattr(Controller, "finish_step", recording_finish)
+    monkeypatch.setattr(NativeRolloutWorker, "generate", abandoned_once)
+    steps = 6
+    config = write_config(
+        tmp_path, tiny_model_dir, arithmetic_jsonl, steps=steps, **ASYNC, checkpoint={"every_steps": 0}
+    )
+    assert main(["train", config]) == 130
+    stopped = max(trained)
+    run_dir = tmp_path / "runs" / "tiny"
+    (saved,) = (run_dir / "checkpoints").iterdir()
+    state = torch.load(saved / "run_state.pt", weights_only=False)
+    waiting = sorted({e["experience"]["metadata"]["batch"] for e in state["buffer"]["entries"]})
+    assert waiting == [3] and len(state["pipeline"]["reports"]) == 1 and state["pipeline"]["produced"] == 3
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert sorted(trained) == list(range(1, steps + 1))
+    for step, samples in trained.items():  # each step trained its own batch, all 16 of its samples
+        assert sorted(samples) == [(step, row) for row in range(16)], step
+    # the batch whose generation was abandoned was drawn again: the same prompts, right after batch 3's
+    assert stopped == 2 and aborted and prompts_seen[3] == aborted and len(prompts_seen) == steps

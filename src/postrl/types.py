@@ -43,7 +43,9 @@ class SamplingParams:
     top_logprobs: int = 0  # also return this many most likely tokens (id, logprob) at every position
 
 
-FinishReason = Literal["stop", "length"]
+# suspended: the engine stopped mid-response when asked (a checkpoint of an async run); the rollout
+# holds the tokens so far and is continued by postrl.rollout.continuation.continue_rollouts
+FinishReason = Literal["stop", "length", "suspended"]
 
 
 @dataclass

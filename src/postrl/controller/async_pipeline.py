@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from postrl.controller.generated import Generated
 from postrl.types import Experience
 
 
@@ -124,14 +125,28 @@ class BackgroundSync:
         return True
 
 
+@dataclass(frozen=True)
+class BatchSteps:
+    """What the producer thread does to make a batch: ``generate(number, resumed)`` a new batch,
+    or continues ``resumed`` (one a checkpoint suspended), returning it and whatever ``finish``
+    needs; ``finish(begun)`` scores and prepares it; ``suspend()`` asks the engines to stop the
+    generate in progress (True when they did)."""
+
+    generate: Callable[[int, Generated | None], tuple[Generated, Any]]
+    finish: Callable[[tuple[Generated, Any]], tuple[list[Experience], ProducedBatch]]
+    suspend: Callable[[], bool]
+
+
 class Producer:
-    """The producer thread. ``produce_one()`` makes one batch (its experiences and report);
-    ``may_start(k)`` says whether batch k may start now (checked under the shared condition,
-    which the consumer and the sync thread notify when versions move)."""
+    """The producer thread (``overlap: generation``). ``may_start(k)`` says whether batch k may
+    start now (checked under the shared condition, which the consumer and the sync thread notify
+    when versions move). A checkpoint (:meth:`paused`) suspends a generation in progress: its
+    rollouts so far are held as ``in_flight``, saved with the checkpoint and continued afterwards
+    (after a restart too) rather than waited for."""
 
     def __init__(
         self,
-        produce_one: Callable[[], tuple[list[Experience], ProducedBatch]],
+        steps: BatchSteps,
         deliver: Callable[[list[Experience]], None],
         may_start: Callable[[int], bool],
         total: int,
@@ -141,13 +156,15 @@ class Producer:
         failed: Callable[[], bool] = lambda: False,
     ) -> None:
         """``failed()``: the weight sync has stopped, so no version will arrive to wait for."""
-        self.produce_one, self.deliver, self.may_start, self.threads = produce_one, deliver, may_start, threads
+        self.steps, self.deliver, self.may_start, self.threads = steps, deliver, may_start, threads
         self.failed = failed
         self.total, self.produced, self.cv = total, produced, cv
         self.reports: deque[ProducedBatch] = deque()
+        self.in_flight: Generated | None = None  # the batch a checkpoint suspended, to continue
         self.error: BaseException | None = None
         self._paused = self._stopped = self._busy = self._exited = False
         self.waited_s = 0.0  # time the producer spent held back by the staleness bound
+        self.suspended = 0  # generations a checkpoint suspended
         self._thread = threading.Thread(target=self._run, name="postrl-producer", daemon=True)
 
     def start(self) -> None:
@@ -165,9 +182,14 @@ class Producer:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Hold the producer between two batches (for a consistent checkpoint)."""
+        """Hold the producer between two batches (for a consistent checkpoint); a generation in
+        progress is suspended (engines that cannot stop mid-call finish it), scoring is waited for."""
         with self.cv:
             self._paused = True
+            busy = self._busy
+        if busy:
+            self.steps.suspend()  # outside the lock: the engines' call
+        with self.cv:
             self.cv.wait_for(lambda: not self._busy)
         try:
             yield
@@ -190,7 +212,9 @@ class Producer:
     def _ready(self) -> bool:
         if self._stopped or self.failed():
             return True
-        return not self._paused and self.produced < self.total and self.may_start(self.produced + 1)
+        if self._paused or self.produced >= self.total:
+            return False
+        return self.in_flight is not None or self.may_start(self.produced + 1)  # in flight: it had started
 
     def _run(self) -> None:
         """The thread: batches until the total or a stop; whatever ends it, the consumer is woken
@@ -215,7 +239,15 @@ class Producer:
             if self._stopped or self.failed() or self.produced >= self.total:
                 return False
             self._busy = True
-        experiences, report = self.produce_one()
+            resumed, self.in_flight = self.in_flight, None
+        begun = self.steps.generate(self.produced + 1, resumed)
+        if begun[0].suspended:  # a checkpoint is waiting: hold the batch, continue it afterwards
+            with self.cv:
+                self.in_flight, self._busy = begun[0], False
+                self.suspended += 1
+                self.cv.notify_all()
+            return True
+        experiences, report = self.steps.finish(begun)
         with self.cv:
             self.deliver(experiences)
             self.reports.append(report)
@@ -225,10 +257,14 @@ class Producer:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return ledger_state(self.produced, self.reports)
+        state = ledger_state(self.produced, self.reports)
+        state["in_flight"] = None if self.in_flight is None else self.in_flight.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.produced, self.reports = ledger_of(state)
+        held = state.get("in_flight")
+        self.in_flight = None if held is None else Generated.of_state(held)
 
 
 class InlineProducer:
@@ -259,6 +295,7 @@ class InlineProducer:
         self.may_start, self.total, self.produced, self.cv, self.failed = may_start, total, produced, cv, failed
         self.reports: deque[ProducedBatch] = deque()
         self.waited_s = 0.0
+        self.suspended = 0  # a checkpoint never meets a generation here: it runs between two steps
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="postrl-scoring")
         self._in_flight: tuple[Any, Future] | None = None
 
@@ -266,15 +303,16 @@ class InlineProducer:
         """Nothing runs ahead of the first step."""
 
     def next_report(self) -> ProducedBatch:
+        """The next batch's report. The batch after it is generated first (then scored while this
+        one trains), so a step abandoned during that generation leaves the report in place."""
         self._complete()
         if not self.reports:  # nothing ran ahead (the first step, or the first after a resume)
             self._begin()
             self._complete()
         if not self.reports:
             raise PipelineError(f"the producer has no batch left ({self.produced} of {self.total} produced)")
-        report = self.reports.popleft()
-        self._begin()  # the next batch: generated now, scored while this one trains
-        return report
+        self._begin()
+        return self.reports.popleft()
 
     def _begin(self) -> None:
         number = self.produced + 1
@@ -290,14 +328,17 @@ class InlineProducer:
         self._in_flight = (token, self._pool.submit(self.score, token))
 
     def _complete(self) -> None:
+        """The batch being scored, finished into the buffer; it stays in flight until delivered, so
+        an interrupted wait is waited out again by the next call (the checkpoint's)."""
         if self._in_flight is None:
             return
-        (token, scoring), self._in_flight = self._in_flight, None
+        token, scoring = self._in_flight
         experiences, report = self.finish(token, scoring.result())
         with self.cv:
             self.deliver(experiences)
             self.reports.append(report)
             self.produced += 1
+            self._in_flight = None
 
     @contextmanager
     def paused(self) -> Iterator[None]:

@@ -23,7 +23,8 @@ import torch
 from postrl.buffer import ExperienceStore
 from postrl.config.run import RunConfig
 from postrl.controller.advantage import compute_advantage
-from postrl.controller.async_pipeline import BackgroundSync, InlineProducer, ProducedBatch, Producer
+from postrl.controller.async_pipeline import BackgroundSync, BatchSteps, InlineProducer, ProducedBatch, Producer
+from postrl.controller.generated import Generated
 from postrl.controller.stages import Groups, StageContext, build_stages
 from postrl.controller.stages.kl import KLCoefficient
 from postrl.controller.step_metrics import (
@@ -38,6 +39,7 @@ from postrl.models.weights import dedupe_tied, weight_manifest, write_sync_file
 from postrl.reward.client import RewardServiceError
 from postrl.rollout.base import ScalableRolloutWorker
 from postrl.rollout.common import EngineUnhealthyError
+from postrl.rollout.continuation import continue_rollouts
 from postrl.types import (
     Experience,
     ExperienceBatch,
@@ -63,16 +65,6 @@ def mask_lagging_tokens(batch: ExperienceBatch, max_lag: int) -> tuple[Experienc
     keep = (~lagging).to(batch.loss_mask.dtype)
     masked = float((batch.loss_mask * (1 - keep)).sum().item())
     return dataclasses.replace(batch, loss_mask=batch.loss_mask * keep), masked
-
-
-@dataclass(frozen=True)
-class Generated:
-    """A batch between generation and scoring: its number in the run, prompts and rollouts."""
-
-    number: int
-    prompts: list[Prompt]
-    rollouts: list[Rollout]
-    generated_at: float
 
 
 class RewardFailureError(RuntimeError):
@@ -146,10 +138,10 @@ class Controller:
         failed = lambda: self.syncer is not None and self.syncer.error is not None  # noqa: E731
         deliver, total = self.parts.buffer.put, self.config.steps
         if self.config.async_overlap == "generation":
+            steps = BatchSteps(self._generate_or_continue, self._score_and_finish, self.parts.rollout.suspend)
             self.producer = Producer(
-                self._produce_batch, deliver, self._may_start, total, self.step_count, self._versions,
-                c.producer_threads, failed,
-            )  # fmt: skip
+                steps, deliver, self._may_start, total, self.step_count, self._versions, c.producer_threads, failed
+            )
         else:
             self.producer = InlineProducer(
                 self._begin_batch, self._score_batch, self._finish_batch, deliver, self._may_start, total,
@@ -197,17 +189,25 @@ class Controller:
         train = self.consume(timer, metrics)
         report, self._report = self._report, None
         metrics["time/producer_waited_s"] = self.producer.waited_s
+        metrics["rollout/suspended_batches"] = float(self.producer.suspended)
         if self.syncer is not None:
             metrics["time/weight_push_s"] = self.syncer.last_s
         return self.finish_step(report, train, metrics, timer.total())
 
-    def _produce_batch(self) -> tuple[list[Experience], ProducedBatch]:
-        """The producer thread's batch: the step's producer side, its experiences and its report."""
-        assert self.producer is not None
-        timer, metrics = StageTimer(), dict[str, float]()
-        step = self.produce(timer, metrics, self.producer.produced + 1)
-        report = self.produced_report(step, {**timer.seconds, "produce": timer.total()["step"]}, metrics)
-        return step.experiences(), report
+    def _generate_or_continue(self, number: int, resumed: Generated | None) -> tuple[Generated, StageTimer]:
+        """The producer thread's generation of batch ``number``, or the continuation of its
+        suspended rollouts (a checkpoint stopped the engines mid-batch)."""
+        timer = StageTimer()
+        if resumed is None:
+            return self.generate_batch(timer, number), timer
+        rollouts = timer.run(
+            "generate", continue_rollouts, self.generate, resumed.prompts, resumed.rollouts, self.sampling,
+            self.parts.tokenizer,
+        )  # fmt: skip
+        return dataclasses.replace(resumed, rollouts=rollouts), timer
+
+    def _score_and_finish(self, begun: tuple[Generated, StageTimer]) -> tuple[list[Experience], ProducedBatch]:
+        return self._finish_batch(begun, self._score_batch(begun))
 
     def _begin_batch(self, number: int) -> tuple[Generated, StageTimer]:
         timer = StageTimer()
@@ -241,8 +241,15 @@ class Controller:
         return self.prepare_batch(generated, rewards, timer, metrics)
 
     def generate_batch(self, timer: StageTimer, number: int) -> Generated:
+        """Batch ``number``: its prompts drawn and generated. A generation that fails (or is
+        abandoned) gives its prompts back to the sampler, so the batch is drawn again."""
+        drawn_from = self.sampler.state_dict()
         prompts = self.sample_prompts()
-        rollouts = timer.run("generate", self.generate, prompts)
+        try:
+            rollouts = timer.run("generate", self.generate, prompts)
+        except BaseException:
+            self.sampler.load_state_dict(drawn_from)
+            raise
         return Generated(number, prompts, rollouts, time.time())
 
     def prepare_batch(

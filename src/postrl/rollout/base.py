@@ -32,6 +32,12 @@ class RolloutWorker(Protocol):
         """Load new weights in place; with a manifest (see postrl.models.weights), verify what arrived."""
         ...
 
+    def suspend(self) -> bool:
+        """Ask a ``generate`` in progress (in another thread) to return at its next decode step,
+        every unfinished sample with ``finish_reason="suspended"`` and its tokens so far (none for
+        samples not yet started); True when a generate was running."""
+        ...
+
     def health_check(self) -> Health:
         """Real work, not a flag: the engine checks its weights (and cache) and generates a token, or
         asks its server. Falsy, with the reason, when it cannot serve."""

@@ -57,6 +57,12 @@ class EngineBase:
     weight_version: int = 0
     generator: torch.Generator | None = None
 
+    def suspend(self) -> bool:
+        """Ask a ``generate`` in progress to return at once, its unfinished samples ``suspended``
+        (tokens so far kept); True when one was running. Engines that cannot stop mid-call finish
+        it (False)."""
+        return False
+
     def check_version(self, asked: int | None) -> None:
         """``asked``: the version the caller expects the engine to hold; None: whatever it holds
         (async training, where new weights arrive in the background)."""

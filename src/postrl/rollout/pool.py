@@ -108,6 +108,13 @@ class RolloutPool:
                     )
         return [r for i in range(len(prompts)) for r in done.get(i, [])]
 
+    def suspend(self) -> bool:
+        """Ask the engines to suspend the generate in progress (see ``RolloutWorker.suspend``):
+        those whose handle takes a call beside it (in this process); an engine behind a child
+        process or an actor finishes its part. True when any engine suspended one."""
+        answers = [slot.handle.call("suspend") for slot in list(self.engines) if slot.handle.concurrent]
+        return any(answers)
+
     @staticmethod
     def _work(prompt: Prompt, sp: SamplingParams) -> int:
         return sp.n * (len(prompt.prompt_ids) + sp.max_tokens)

@@ -67,6 +67,8 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 class RayHandle:
+    concurrent = False  # calls run one at a time, in order
+
     def __init__(self, name: str, actor: Any) -> None:
         self.name, self.actor = name, actor
         self._killed = False

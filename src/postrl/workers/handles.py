@@ -28,6 +28,7 @@ class WorkerTimeoutError(TimeoutError):
 
 class Handle(Protocol):
     name: str
+    concurrent: bool  # a call may run beside one in progress (the worker orders its own calls)
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Run ``worker.method(*args, **kwargs)`` and return its result; raise WorkerDiedError or
@@ -66,7 +67,7 @@ class InProcessHandle:
     def __init__(self, obj: Any, name: str, serialized: bool = True) -> None:
         """``serialized=False``: the worker orders its own calls (a rollout engine takes new weights
         from another thread while it generates, see the native engine)."""
-        self.obj, self.name = obj, name
+        self.obj, self.name, self.concurrent = obj, name, not serialized
         self._lock: threading.Lock | contextlib.nullcontext = (
             threading.Lock() if serialized else contextlib.nullcontext()
         )

@@ -53,6 +53,8 @@ ATTRIBUTE = "__attribute__"  # the message that reads an attribute of the worker
 class ProcessHandle:
     """``factory(*args, **kwargs)`` built in a new process; methods called by name."""
 
+    concurrent = False  # calls run one at a time, in order
+
     def __init__(self, name: str, factory: Any, *args: Any, start_timeout: float = 300.0, **kwargs: Any) -> None:
         self.name = name
         ctx = mp.get_context("spawn")

@@ -96,6 +96,7 @@ class NativeRolloutWorker(EngineBase):
         self._generation = threading.Lock()  # one scheduler run (generate, health check) at a time
         self._swap = threading.Condition()  # guards _generating and _pending
         self._generating = False
+        self._suspending = False  # suspend() asked the scheduler run in progress to return
         self._pending: _PendingWeights | None = None
         self.updates_in_flight = 0  # weight updates applied in the middle of a generate
         self.model, self.tokenizer = model, tokenizer
@@ -158,13 +159,21 @@ class NativeRolloutWorker(EngineBase):
     def _running(self) -> Iterator[None]:
         """Marks a scheduler run: weights arriving meanwhile wait for :meth:`apply_pending_weights`."""
         with self._swap:
-            self._generating = True
+            self._generating, self._suspending = True, False
         try:
             yield
         finally:
             with self._swap:
-                self._generating = False
+                self._generating, self._suspending = False, False
                 self.apply_pending_weights()
+
+    def suspend(self) -> bool:
+        """Ask the generate in progress (another thread's) to return before its next decode step:
+        its unfinished samples come back ``suspended`` with the tokens sampled so far, those not yet
+        admitted with none. True when a generate was running."""
+        with self._swap:
+            self._suspending = self._generating
+            return self._suspending
 
     def update_weights(
         self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
@@ -223,7 +232,9 @@ class NativeRolloutWorker(EngineBase):
             )
         probe = Prompt(text="", prompt_ids=[self.pad_id])
         with self._generation, self._running():
-            seqs = _Scheduler(self, [probe], SamplingParams(n=1, temperature=0.0, max_tokens=1), 1).run()
+            seqs = _Scheduler(
+                self, [probe], SamplingParams(n=1, temperature=0.0, max_tokens=1), 1, suspendable=False
+            ).run()
         tokens, logprobs = seqs[0][0].tokens, seqs[0][0].logprobs
         if len(tokens) != 1 or not 0 <= tokens[0] < self.model.embed.shape[0] or not math.isfinite(logprobs[0]):
             return Health(False, f"generating one token gave {tokens} with logprobs {logprobs}")
@@ -254,8 +265,12 @@ class _Scheduler:
         sp: SamplingParams,
         slots: int,
         on_token: TokenCallback | None = None,
+        suspendable: bool = True,
     ) -> None:
+        """``suspendable=False``: the run ignores :meth:`NativeRolloutWorker.suspend` (a health
+        check's probe, which must finish)."""
         self.e, self.sp, self.n_slots, self.on_token = engine, sp, slots, on_token
+        self.suspendable = suspendable
         self.cache = engine.cache
         self.device = engine.model.device
         self.waiting = deque((i, p.prompt_ids) for i, p in enumerate(prompts))
@@ -273,6 +288,9 @@ class _Scheduler:
 
     def run(self) -> list[tuple[_Seq, str]]:
         while self.waiting or self.active:
+            if self.e._suspending and self.suspendable:
+                self._suspend_all()
+                break
             if self.e._pending is not None and self.e.apply_pending_weights():
                 self._after_update()
             row_slots, logits = [], []
@@ -295,6 +313,20 @@ class _Scheduler:
             self._record(slots, tokens, lps, top)
         self.finished.sort(key=lambda t: (t[0].prompt_index, t[0].sample_index))
         return self.finished
+
+    def _suspend_all(self) -> None:
+        """Every unfinished sample is finished as ``suspended``: the active ones with their tokens
+        (each sampled token's logprob is recorded; its K/V is not, a continuation prefills it), the
+        samples not yet admitted with none."""
+        for slot in sorted(self.active):
+            self.finished.append((self.active.pop(slot), "suspended"))
+            self.is_active[slot] = False
+            heapq.heappush(self.free, slot)
+        for i, ids in self.waiting:
+            started = self.sp.n - self.remaining[i]
+            self.finished += [(_Seq(i, k, ids), "suspended") for k in range(started, self.sp.n)]
+            self.remaining[i] = 0
+        self.waiting.clear()
 
     def _after_update(self) -> None:
         """New weights mid-generation: the in-flight sequences continue from their prefix. With
