@@ -71,3 +71,60 @@ def test_vllm_backend_generates_with_logprobs_and_syncs_weights(vllm_model, char
     finally:
         worker.close()
     assert not worker.health_check()
+
+
+def _generating(worker, steps: int = 10) -> bool:
+    """The server is in the middle of a batch: it has taken ``steps`` engine steps of it."""
+    health = worker.control.get(worker.url + "/health").json()
+    return health["generating"] and health["steps"] >= steps
+
+
+def _in_background(fn):
+    import threading
+
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(result=fn()))
+    thread.start()
+    return thread, out
+
+
+def test_vllm_takes_weights_mid_batch_and_suspends_a_batch_to_be_continued(vllm_model, char_tokenizer):
+    import time
+
+    from postrl.rollout.continuation import continue_rollouts
+    from postrl.rollout.vllm_backend import VLLMRolloutWorker
+
+    model, folder = vllm_model
+    worker = VLLMRolloutWorker(folder, char_tokenizer, dtype="float32", max_model_len=256)
+    try:
+        prompts = [Prompt(t, char_tokenizer(t)["input_ids"]) for t in ("12+34=", "hello", "7+5=")]
+        long = SamplingParams(n=2, temperature=1.0, max_tokens=200, stop_token_ids=(), seed=3)
+        thread, out = _in_background(lambda: worker.generate(prompts, long, None))
+        while not _generating(worker):
+            time.sleep(0.005)
+        new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in dedupe_tied(model.state_dict()).items()}
+        worker.update_weights(new_state, 1)  # returns once swapped in between two steps
+        thread.join(120)
+        rollouts = out["result"]
+        assert worker.weight_version == 1 and len(rollouts) == 6
+        crossed = [r for r in rollouts if r.logprob_versions and 0 in r.logprob_versions and 1 in r.logprob_versions]
+        assert crossed, "no sample was generating when the weights arrived"
+        for r in crossed:  # version 0 up to the swap, 1 after it; the kept cache is version 0's
+            switch = r.logprob_versions.index(1)
+            assert r.logprob_versions == [0] * switch + [1] * (len(r.response_ids) - switch)
+            assert r.kv_versions == [0] * len(r.response_ids) and r.weight_version == 0
+
+        greedy = SamplingParams(n=1, temperature=0.0, max_tokens=200, stop_token_ids=())
+        whole = worker.generate(prompts, greedy, None)
+        thread, out = _in_background(lambda: worker.generate(prompts, greedy, None))
+        while not _generating(worker):
+            time.sleep(0.005)
+        assert worker.suspend()
+        thread.join(120)
+        parts = out["result"]
+        assert [r.finish_reason for r in parts].count("suspended") >= 1
+        assert not worker.suspend()  # nothing runs now
+        done = continue_rollouts(lambda p, sp: worker.generate(p, sp, None), prompts, parts, greedy, char_tokenizer)
+        assert [r.response_ids for r in done] == [r.response_ids for r in whole]
+    finally:
+        worker.close()

@@ -3,7 +3,9 @@
 postrl starts :mod:`postrl.rollout.vllm_server` in the vLLM virtual environment (vLLM pins its
 own torch and transformers, so it cannot live in postrl's), waits for ``/health``, sends each
 ``generate`` as one token-id batch and syncs weights through a safetensors file that the server
-reloads in place. The server's logprobs are pi_old.
+reloads in place, between two engine steps when a batch is generating (each token comes back
+with the version that produced it); ``suspend`` stops the batch in progress. The server's
+logprobs are the behaviour policy's.
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ class VLLMRolloutWorker(EngineBase):
             start_new_session=True,
             env={**os.environ, "POSTRL_VLLM_TOKEN": token},
         )
-        self.client = httpx.Client(timeout=request_timeout_s, headers={"authorization": f"Bearer {token}"})
+        headers = {"authorization": f"Bearer {token}"}
+        self.client = httpx.Client(timeout=request_timeout_s, headers=headers)
+        # weights, suspend and health go on a client of their own: they are sent while a generate waits
+        self.control = httpx.Client(timeout=request_timeout_s, headers=headers)
         self._wait_ready(startup_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -136,10 +141,22 @@ class VLLMRolloutWorker(EngineBase):
                     logprobs=c["logprobs"]["token_logprobs"],
                     text=c["text"],
                     finish_reason=c["finish_reason"],
-                    weight_version=self.weight_version,
+                    weight_version=c["weight_version"],
+                    logprob_versions=c["logprob_versions"],
+                    kv_versions=c["kv_versions"],
                 )
             )
         return out
+
+    def suspend(self) -> bool:
+        """The server aborts the batch generating now between two engine steps; the generate
+        waiting for it returns those samples ``suspended`` with their tokens so far."""
+        response = self.control.post(self.url + "/suspend")
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"vLLM server {self.url} answered {response.status_code} to /suspend: {response.text[:300]}"
+            )
+        return bool(response.json()["suspended"])
 
     def update_weights(
         self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
@@ -150,7 +167,7 @@ class VLLMRolloutWorker(EngineBase):
                 self.verified_state(path, manifest)
         else:
             path = write_sync_file(self.verified_state(weights, manifest), self.sync_dir / "policy.safetensors")
-        response = self.client.post(self.url + "/update_weights", json={"path": str(path), "version": version})
+        response = self.control.post(self.url + "/update_weights", json={"path": str(path), "version": version})
         if response.status_code != 200:
             raise RuntimeError(f"vLLM weight update failed ({response.status_code}): {response.text[:500]}")
         self.weight_version = version
@@ -171,7 +188,7 @@ class VLLMRolloutWorker(EngineBase):
         """Asks the server; a dead process or a failed /health is unhealthy, with the log's tail."""
         if self.proc.poll() is not None:
             return Health(False, f"vLLM server exited with code {self.proc.returncode}; log {self.log.name}")
-        return http_health(self.client, self.url, "vLLM server", timeout=5)
+        return http_health(self.control, self.url, "vLLM server", timeout=5)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -182,6 +199,7 @@ class VLLMRolloutWorker(EngineBase):
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.client.close()
+        self.control.close()
 
     def __del__(self) -> None:
         if getattr(self, "proc", None) is not None and self.proc.poll() is None:

@@ -10,8 +10,14 @@ Runs inside the vLLM virtual environment (``scripts/setup_vllm.sh``), started by
 - ``POST /update_weights`` ``{path, version}``: reloads a safetensors file into the running
   engine and resets the prefix cache. On vLLM's CPU backend a direct ``load_weights`` fails;
   ``collective_rpc`` into each worker's ``reload_weights(weights_path=..., is_checkpoint_format=True)``
-  works.
-- ``GET /health``: ``{status, weight_version}``.
+  works. Posted while a batch generates, the weights are swapped in between two engine steps
+  (the in-flight requests keep their KV cache and go on: vLLM's ``pause_generation(mode="keep")``
+  semantics, here in the offline engine this server steps itself) and the call returns once they
+  are; every token's version is in the answer.
+- ``POST /suspend``: the batch generating now returns at once, its unfinished samples
+  ``suspended`` with their tokens so far (requests aborted between two steps).
+- ``GET /health``: ``{status, weight_version, generating, steps}`` (the engine steps of the batch
+  generating now).
 
 Protected like postrl's other servers (:mod:`postrl.workers.http_guard`, loaded by path since postrl is
 not installed here): a bearer token from ``--token-env`` on every endpoint, a body limit, bounds
@@ -24,6 +30,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,7 @@ from pydantic import BaseModel, Field
 
 
 def _load_guard() -> Any:
-    path = Path(__file__).resolve().parent.parent / "serve" / "guard.py"
+    path = Path(__file__).resolve().parent.parent / "workers" / "http_guard.py"
     spec = importlib.util.spec_from_file_location("postrl_serve_guard", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -41,8 +48,9 @@ def _load_guard() -> Any:
 guard = _load_guard()
 
 
-def _reload(llm: Any, path: str) -> None:
-    """Reload one safetensors file into the running engine, in place.
+def _reload(llm: Any, path: str) -> bool:
+    """Reload one safetensors file into the running engine, in place; True when the prefix cache
+    was reset too (it cannot be while requests run: then the caller resets it before the next batch).
 
     vLLM's worker ``reload_weights`` takes a model folder (``weights_path``); the file is linked
     into a fresh folder of its own so nothing else next to it is picked up. Only strings cross
@@ -53,7 +61,89 @@ def _reload(llm: Any, path: str) -> None:
     with tempfile.TemporaryDirectory(prefix="postrl-reload-") as folder:
         os.symlink(os.path.abspath(path), os.path.join(folder, "model.safetensors"))
         llm.collective_rpc("reload_weights", kwargs={"weights_path": folder, "is_checkpoint_format": True})
-    llm.reset_prefix_cache()
+    return bool(llm.reset_prefix_cache())
+
+
+class EngineControl:
+    """What a generation in progress and the other endpoints share: the weight version, weights
+    posted meanwhile (swapped in between two steps), a suspend request. ``cv`` guards all of it;
+    the engine itself belongs to whoever holds ``engine_lock``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm, self.version = llm, 0
+        self.engine_lock = threading.Lock()
+        self.cv = threading.Condition()
+        self.generating = self.suspending = False
+        self.steps = 0  # engine steps of the batch generating now (or the last one)
+        self.pending: dict | None = None  # {path, version, done, error}
+        self.prefix_stale = False  # weights changed while requests ran: reset the prefix cache before the next batch
+
+    def apply(self, path: str, version: int) -> None:
+        """Load the weights (the caller holds the engine)."""
+        if not _reload(self.llm, path):
+            self.prefix_stale = True
+        with self.cv:
+            self.version = version
+
+    def apply_pending(self) -> None:
+        """Between two steps of a generation (or after it): swap in weights posted meanwhile."""
+        with self.cv:
+            pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            self.apply(pending["path"], pending["version"])
+        except Exception as exc:  # noqa: BLE001 - handed to the caller of /update_weights
+            pending["error"] = exc
+        with self.cv:
+            pending["done"] = True
+            self.cv.notify_all()
+
+
+def generate_stepwise(control: EngineControl, prompts: list[list[int]], params: list[Any]) -> list[dict]:
+    """The batch's samples (one request each, in prompt order), stepped through vLLM's engine:
+    weights posted meanwhile are swapped in between two steps, and each token records the version
+    whose step produced it; a suspend aborts what is unfinished. The caller holds the engine."""
+    from vllm.inputs import TokensPrompt
+
+    engine = control.llm.llm_engine
+    if control.prefix_stale and control.llm.reset_prefix_cache():
+        control.prefix_stale = False
+    with control.cv:
+        control.generating, control.suspending, control.steps = True, False, 0
+        start_version = control.version
+    order: list[tuple[str, int]] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            for k, sample_params in enumerate(params):
+                rid = f"postrl-{time.monotonic_ns()}-{i}-{k}"
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sample_params)
+                order.append((rid, i))
+        latest: dict[str, Any] = {}
+        versions: dict[str, list[int]] = {rid: [] for rid, _ in order}
+        while engine.has_unfinished_requests():
+            control.apply_pending()
+            with control.cv:
+                suspending, version = control.suspending, control.version
+            if suspending:
+                engine.abort_request([rid for rid, _ in order if rid not in latest or not latest[rid][1]])
+                break
+            outputs = engine.step()
+            with control.cv:
+                control.steps += 1
+            for out in outputs:
+                completion = out.outputs[0]
+                seen = versions[out.request_id]
+                seen += [version] * (len(completion.token_ids) - len(seen))
+                latest[out.request_id] = (completion, out.finished)
+    finally:
+        with control.cv:
+            control.generating = False
+        control.apply_pending()  # weights posted after the last step
+    return [
+        _choice(n, i, latest.get(rid), versions[rid], start_version, control.version)
+        for n, (rid, i) in enumerate(order)
+    ]
 
 
 class CompletionRequest(BaseModel):
@@ -87,18 +177,21 @@ def build_app(
 ):
     from fastapi import FastAPI, HTTPException
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     app = FastAPI(title="postrl vLLM rollout server")
     app.add_middleware(guard.BodyLimitMiddleware, limit=max_body_bytes)
     if token:
         app.add_middleware(guard.TokenMiddleware, token=token)
-    lock = threading.Lock()  # the offline LLM is not re-entrant; each request is a whole batch
-    state = {"weight_version": 0}
+    control = EngineControl(llm)  # the offline LLM is not re-entrant: one batch (or reload) at a time
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "weight_version": state["weight_version"]}
+        return {
+            "status": "ok",
+            "weight_version": control.version,
+            "generating": control.generating,
+            "steps": control.steps,
+        }
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> dict:
@@ -110,63 +203,85 @@ def build_app(
         for name, value, bound in limits:
             if value > bound:
                 raise HTTPException(400, f"{name}={value} is over this server's limit of {bound}")
-        params = _sampling_params(req, SamplingParams)
-        with lock:
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req.prompt], params, use_tqdm=False)
-        return {
-            "object": "text_completion",
-            "model": model_name,
-            "choices": _choices(outputs),
-            "weight_version": state["weight_version"],
-        }
+        params = [_sampling_params(req, SamplingParams, k) for k in range(req.n)]
+        with control.engine_lock:
+            choices = generate_stepwise(control, req.prompt, params)
+        return {"object": "text_completion", "model": model_name, "choices": choices, "weight_version": control.version}
+
+    @app.post("/suspend")
+    def suspend() -> dict:
+        with control.cv:
+            control.suspending = control.generating
+            return {"suspended": control.suspending}
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict:
         path = _weights_file(weights_dir, req.path, HTTPException)
-        with lock:
-            try:
-                _reload(llm, path)
-            except Exception as exc:  # noqa: BLE001 - a bad file is the client's error
-                raise HTTPException(400, f"could not load {req.path}: {type(exc).__name__}: {exc}") from None
-            state["weight_version"] = req.version
+        with control.cv:
+            control.cv.wait_for(lambda: control.pending is None)  # one posted update at a time
+            if control.generating:  # swapped in between two steps of the batch in progress
+                pending = control.pending = {"path": path, "version": req.version, "done": False, "error": None}
+                control.cv.wait_for(lambda: pending["done"])
+                error = pending["error"]
+            else:
+                pending = None
+        if pending is None:
+            with control.engine_lock:
+                try:
+                    control.apply(path, req.version)
+                    error = None
+                except Exception as exc:  # noqa: BLE001 - a bad file is the client's error
+                    error = exc
+        if error is not None:
+            raise HTTPException(400, f"could not load {req.path}: {type(error).__name__}: {error}")
         return {"status": "ok", "weight_version": req.version}
 
     return app
 
 
-def _sampling_params(req: CompletionRequest, sampling_params: Any) -> Any:
-    """vLLM's SamplingParams of a request: sampled-token logprobs, stop strings kept in the text."""
+def _sampling_params(req: CompletionRequest, sampling_params: Any, sample: int) -> Any:
+    """vLLM's SamplingParams of a request's ``sample``-th sample (each sample is a request of its
+    own, so it can be stepped, versioned and aborted alone): sampled-token logprobs, stop strings
+    kept in the text, the seed offset by the sample."""
     return sampling_params(
-        n=req.n,
+        n=1,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k if req.top_k > 0 else -1,
         max_tokens=req.max_tokens,
         stop=req.stop or None,
         stop_token_ids=req.stop_token_ids or None,
-        seed=req.seed,
+        seed=None if req.seed is None else req.seed + sample,
         logprobs=0,
         include_stop_str_in_output=True,
     )
 
 
-def _choices(outputs: list[Any]) -> list[dict]:
-    """One choice per sample, with its prompt's index, its token ids and their logprobs."""
-    choices = []
-    for i, out in enumerate(outputs):
-        for c in out.outputs:
-            logprobs = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs or [])]
-            choices.append(
-                {
-                    "index": len(choices),
-                    "prompt_index": i,
-                    "text": c.text,
-                    "token_ids": list(c.token_ids),
-                    "logprobs": {"token_logprobs": logprobs},
-                    "finish_reason": "stop" if c.finish_reason == "stop" else "length",
-                }
-            )
-    return choices
+def _choice(
+    index: int, prompt_index: int, latest: tuple[Any, bool] | None, versions: list[int], start: int, now: int
+) -> dict:
+    """One sample's answer. ``kv_versions``: with weights swapped mid-batch, the oldest weights that
+    may be behind the cache each token read (the batch's first: its cache is kept across the swap,
+    and a prompt's blocks may come from the prefix cache of that version); None when all are one."""
+    completion, finished = latest if latest is not None else (None, False)
+    tokens = list(completion.token_ids) if completion is not None else []
+    logprobs = [step[tok].logprob for tok, step in zip(tokens, (completion.logprobs or []) if completion else [])]
+    if not finished:
+        reason = "suspended"
+    else:
+        reason = "stop" if completion.finish_reason == "stop" else "length"
+    uniform = now == start
+    return {
+        "index": index,
+        "prompt_index": prompt_index,
+        "text": completion.text if completion is not None else "",
+        "token_ids": tokens,
+        "logprobs": {"token_logprobs": logprobs},
+        "finish_reason": reason,
+        "logprob_versions": None if uniform else versions,
+        "kv_versions": None if uniform else [start] * len(tokens),
+        "weight_version": start,
+    }
 
 
 def _weights_file(weights_dir: str | None, path: str, http_error: Any) -> str:
@@ -205,10 +320,12 @@ def main() -> None:
     if not guard.is_loopback(args.host) and token is None:
         sys.exit(f"vllm_server: --host {args.host} is not loopback; set --token-env (a bearer token)")
 
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # step() runs the engine step itself
     import uvicorn
     from vllm import LLM
 
     llm = LLM(
+        async_scheduling=False,  # a step's tokens are its weights': none computed ahead of a swap
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
