@@ -223,3 +223,43 @@ def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_samp
             if not ray_processes():
                 break
             time.sleep(0.2)
+
+
+def test_rollout_actors_take_weights_mid_generate_and_suspend_when_asked(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    """A rollout engine's actor is threaded: new weights sent while it generates are swapped in at
+    its next decode step (the tokens after carry the new version), and a suspend stops the generate
+    (its samples come back suspended) instead of waiting behind it."""
+    config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl, rollout={"workers": 1, "threads": 1})
+    scheduler = RayScheduler(config)
+    try:
+        tokenizer = load_tokenizer(str(tiny_model_dir))
+        pool = scheduler.rollout_pool(tokenizer)
+        assert pool.engines[0].handle.concurrent
+        state = dedupe_tied(load_causal_lm(str(tiny_model_dir)).state_dict())
+        pool.update_weights(state, 1)
+        prompts = [Prompt(t, tokenizer(t)["input_ids"]) for t in [f"{a}+{a}=" for a in range(10, 26)]]
+        long = SamplingParams(n=8, temperature=1.0, max_tokens=100, stop_token_ids=())
+        newer = {k: v + 0.01 * torch.randn_like(v) for k, v in state.items()}
+        crossed = []
+        for delay in (0.3, 0.6, 1.2):  # the weights must land while the batch generates
+            out: dict = {}
+            thread = threading.Thread(target=lambda out=out: out.update(r=pool.generate(prompts, long, None)))
+            thread.start()
+            time.sleep(delay)
+            pool.update_weights(newer, pool.weight_version + 1)
+            thread.join(120)
+            version = pool.weight_version
+            crossed = [r for r in out["r"] if r.logprob_versions and {version - 1, version} <= set(r.logprob_versions)]
+            if crossed:
+                break
+        assert crossed, "the weights never arrived during a generate"
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(r=pool.generate(prompts, long, None)))
+        thread.start()
+        while thread.is_alive() and not pool.suspend():
+            time.sleep(0.01)
+        thread.join(120)
+        suspended = [r for r in out["r"] if r.finish_reason == "suspended"]
+        assert suspended and all(len(r.response_ids) < 100 for r in suspended)
+    finally:
+        scheduler.close()

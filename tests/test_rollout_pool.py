@@ -149,3 +149,40 @@ def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(
     assert [slot.index for slot in pool.engines] == [0, 1] and pool.engines_started == 3
     # the engine added before step 2 was given that version's weights before it served
     assert pool.weight_version == 3 and all(slot.handle.obj.weight_version == 3 for slot in pool.engines)
+
+
+def test_an_engine_in_a_child_process_takes_weights_and_a_suspend_beside_its_generate(tiny_model_dir, char_tokenizer):
+    from postrl.rollout.host import ENGINE_SIDE_CALLS
+
+    handle = ProcessHandle(
+        "rollout engine 0",
+        RolloutEngineHost,
+        CONFIG,
+        str(tiny_model_dir),
+        "float32",
+        7,
+        1,
+        side_calls=ENGINE_SIDE_CALLS,
+    )
+    try:
+        assert handle.concurrent
+        state, _ = new_weights(tiny_model_dir, scale=1.0)  # the same weights under new versions: same speed
+        long = SamplingParams(n=8, temperature=1.0, max_tokens=100, stop_token_ids=())
+        ps = prompts(char_tokenizer, 16)
+        handle.call("version")  # started: the generate below is timed alone
+        began = time.monotonic()
+        handle.call("generate", ps, long, None)
+        took = time.monotonic() - began
+        future = handle.call_async("generate", ps, long, None)
+        time.sleep(took / 3)
+        handle.call("update_weights", state, 1)  # the side lane: returns once swapped in mid-generate
+        assert not future.done()
+        crossed = [r for r in future.result() if r.logprob_versions and 1 in r.logprob_versions]
+        assert crossed and all(r.logprob_versions[0] == 0 and r.kv_versions[0] == 0 for r in crossed)
+        future = handle.call_async("generate", ps, long, None)
+        time.sleep(took / 3)
+        assert handle.call("suspend")  # the side lane: the generate returns at its next decode step
+        suspended = [r for r in future.result() if r.finish_reason == "suspended"]
+        assert suspended and all(len(r.response_ids) < 100 for r in suspended)
+    finally:
+        handle.close()

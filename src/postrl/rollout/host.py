@@ -11,6 +11,10 @@ from postrl.config.run import RolloutConfig
 from postrl.rollout.broadcast import BroadcastPlan, receive_state
 from postrl.types import Prompt, Rollout, SamplingParams
 
+# the calls a hosted engine takes beside a generate in progress (it orders them itself: new weights
+# wait for its next decode step, a suspend stops the generate there)
+ENGINE_SIDE_CALLS = frozenset({"update_weights", "receive_broadcast", "suspend"})
+
 
 class RolloutEngineHost:
     def __init__(
@@ -39,6 +43,9 @@ class RolloutEngineHost:
     def update_weights(self, weights: Any, version: int, manifest: dict[str, str] | None = None) -> int:
         self.engine.update_weights(weights, version, manifest)
         return version
+
+    def suspend(self) -> bool:
+        return self.engine.suspend()
 
     def receive_broadcast(
         self,

@@ -8,7 +8,7 @@ from typing import Any
 from postrl.buffer import ExperienceBuffer
 from postrl.config.run import RunConfig
 from postrl.models.devices import resolve_device
-from postrl.rollout.host import RolloutEngineHost
+from postrl.rollout.host import ENGINE_SIDE_CALLS, RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
 from postrl.scheduling.placement import make_pool
 from postrl.train.factory import PolicySpec, build_train_worker
@@ -25,6 +25,8 @@ class LocalScheduler:
         self.config = config
 
     def rollout_pool(self, tokenizer: Any) -> RolloutPool:
+        """One engine in this process, or several, each in a child process that takes new weights
+        and a suspend beside the generate in progress (:data:`ENGINE_SIDE_CALLS`)."""
         c = self.config
         if c.scheduler.rollout.workers == 1:
             from postrl.rollout.factory import make_rollout_worker
@@ -43,6 +45,7 @@ class LocalScheduler:
                     c.model.dtype,
                     c.seed + i,
                     c.scheduler.rollout.threads,
+                    side_calls=ENGINE_SIDE_CALLS,
                 )
 
         return make_pool(c, start)

@@ -66,11 +66,16 @@ def rendezvous_address() -> tuple[str, int]:
     return host, free_port(host if host != "127.0.0.1" else "127.0.0.1")
 
 
-class RayHandle:
-    concurrent = False  # calls run one at a time, in order
+# a rollout engine's actor runs a generate, a weight update (or broadcast), a suspend and a health
+# check at once: the engine orders them itself (new weights wait for the next decode step)
+ENGINE_CONCURRENCY = 4
 
-    def __init__(self, name: str, actor: Any) -> None:
-        self.name, self.actor = name, actor
+
+class RayHandle:
+    def __init__(self, name: str, actor: Any, concurrent: bool = False) -> None:
+        """``concurrent``: the actor is threaded (``max_concurrency`` > 1) and its worker orders its
+        own calls, so a call may run beside one in progress (weights arriving during a generate)."""
+        self.name, self.actor, self.concurrent = name, actor, concurrent
         self._killed = False
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -304,10 +309,12 @@ class RayScheduler:
         num_gpus: float = 0.0,
         threads: int | None = None,
         resources: dict[str, float] | None = None,
+        concurrency: int = 1,
         **kwargs: Any,
     ) -> RayHandle:
         """Ask Ray for an actor; returns at once (the actor may not be placed or built yet).
-        ``resources``: custom Ray resources, for an actor outside the placement groups."""
+        ``resources``: custom Ray resources, for an actor outside the placement groups;
+        ``concurrency``: calls the actor runs at once (threads), for workers that order their own."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -321,8 +328,9 @@ class RayScheduler:
             resources=resources or None,
             max_restarts=0,
             scheduling_strategy=strategy,
+            max_concurrency=concurrency,
         )
-        return RayHandle(name, cls.remote(factory, args, kwargs, threads))
+        return RayHandle(name, cls.remote(factory, args, kwargs, threads), concurrent=concurrency > 1)
 
     def _await_started(self, handles: list[RayHandle], num_cpus: float, num_gpus: float) -> None:
         """Wait for every actor's constructor at once; an actor the cluster cannot place would
@@ -367,6 +375,7 @@ class RayScheduler:
                 num_cpus=r.num_cpus,
                 num_gpus=r.num_gpus,
                 threads=r.threads,
+                concurrency=ENGINE_CONCURRENCY,
             )
 
         return make_pool(c, start, host=ray.util.get_node_ip_address())

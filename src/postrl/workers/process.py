@@ -18,7 +18,7 @@ from postrl.workers.errors import RemoteFailure
 from postrl.workers.handles import WorkerDiedError, WorkerTimeoutError, submit
 
 
-def _serve(conn: Any, factory: Any, args: tuple, kwargs: dict) -> None:
+def _serve(conn: Any, side: Any, factory: Any, args: tuple, kwargs: dict) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent
     except (OSError, AttributeError):
@@ -28,14 +28,21 @@ def _serve(conn: Any, factory: Any, args: tuple, kwargs: dict) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the caller
         conn.send(("error", RemoteFailure.of(exc)))
         return
+    if side is not None:  # the side lane's calls run beside the main lane's, in a thread of their own
+        threading.Thread(target=_serve_calls, args=(side, obj), name="postrl-side-lane", daemon=True).start()
     conn.send(("ok", None))
+    _serve_calls(conn, obj)
+    getattr(obj, "close", lambda: None)()  # a clean exit: the worker releases what it holds first
+
+
+def _serve_calls(conn: Any, obj: Any) -> None:
+    """Answer the calls arriving on ``conn`` until it closes or says None (the clean exit)."""
     while True:
         try:
             message = conn.recv()
         except EOFError:
             return
-        if message is None:  # a clean exit: the worker releases what it holds first
-            getattr(obj, "close", lambda: None)()
+        if message is None:
             return
         method, call_args, call_kwargs = message
         try:
@@ -50,26 +57,50 @@ def _serve(conn: Any, factory: Any, args: tuple, kwargs: dict) -> None:
 ATTRIBUTE = "__attribute__"  # the message that reads an attribute of the worker instead of calling it
 
 
+class _Lane:
+    """One pipe to the worker and the lock that keeps one call at a time on it."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.lock = conn, threading.Lock()
+
+
 class ProcessHandle:
-    """``factory(*args, **kwargs)`` built in a new process; methods called by name."""
+    """``factory(*args, **kwargs)`` built in a new process; methods called by name, one at a time.
 
-    concurrent = False  # calls run one at a time, in order
+    ``side_calls``: methods that travel on a second pipe, served by a thread of their own in the
+    worker, so they run beside a call in progress on the first (a rollout engine takes new weights
+    or a suspend while it generates, and orders them itself); the handle is then ``concurrent``."""
 
-    def __init__(self, name: str, factory: Any, *args: Any, start_timeout: float = 300.0, **kwargs: Any) -> None:
-        self.name = name
+    def __init__(
+        self,
+        name: str,
+        factory: Any,
+        *args: Any,
+        start_timeout: float = 300.0,
+        side_calls: frozenset[str] = frozenset(),
+        **kwargs: Any,
+    ) -> None:
+        self.name, self.side_calls, self.concurrent = name, side_calls, bool(side_calls)
         ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, factory, args, kwargs), daemon=True, name=name)
+        main, child = ctx.Pipe()
+        side, side_child = ctx.Pipe() if side_calls else (None, None)
+        self.process = ctx.Process(
+            target=_serve, args=(child, side_child, factory, args, kwargs), daemon=True, name=name
+        )
         self.process.start()
         child.close()
-        self._lock = threading.Lock()
+        if side_child is not None:
+            side_child.close()
+        self._main = _Lane(main)
+        self._side = _Lane(side) if side is not None else None
         self._started = False
+        self._start_lock = threading.Lock()  # not a lane's: a side call need not wait behind a main call
         self._start_timeout = start_timeout
 
-    def _receive(self, what: str, timeout: float | None) -> Any:
+    def _receive(self, lane: _Lane, what: str, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._conn.poll(0.05):
-            if not self.process.is_alive() and not self._conn.poll(0):
+        while not lane.conn.poll(0.05):
+            if not self.process.is_alive() and not lane.conn.poll(0):
                 raise WorkerDiedError(
                     f"{self.name} (pid {self.process.pid}) died during {what} (exit code {self.process.exitcode})"
                 )
@@ -78,25 +109,31 @@ class ProcessHandle:
                     f"{self.name} (pid {self.process.pid}) did not answer {what} within {timeout:g} s"
                 )
         try:
-            status, value = self._conn.recv()
+            status, value = lane.conn.recv()
         except EOFError:
             raise WorkerDiedError(f"{self.name} (pid {self.process.pid}) closed its pipe during {what}") from None
         if status == "error":
             raise value.error(self.name, what)
         return value
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        with self._lock:
+    def _ensure_started(self) -> None:
+        with self._start_lock:
             if not self._started:
-                self._receive("start-up", self._start_timeout)
+                self._receive(self._main, "start-up", self._start_timeout)
                 self._started = True
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        if not self._started:
+            self._ensure_started()
+        lane = self._side if self._side is not None and method in self.side_calls else self._main
+        with lane.lock:
             try:
-                self._conn.send((method, args, kwargs))
+                lane.conn.send((method, args, kwargs))
             except (BrokenPipeError, OSError):
                 raise WorkerDiedError(
                     f"{self.name} (pid {self.process.pid}) is gone (exit code {self.process.exitcode})"
                 ) from None
-            return self._receive(method, timeout)
+            return self._receive(lane, method, timeout)
 
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
         return submit(self.call, method, *args, timeout=timeout, **kwargs)
@@ -116,7 +153,7 @@ class ProcessHandle:
         """Ask the worker to close and exit; kill it if it does not (a process killed while it exits
         leaks its semaphores)."""
         try:
-            self._conn.send(None)
+            self._main.conn.send(None)
         except (BrokenPipeError, OSError):
             pass
         self.process.join(timeout=timeout)
