@@ -85,6 +85,22 @@ class EngineControl:
         with self.cv:
             self.version = version
 
+    def update(self, path: str, version: int) -> Exception | None:
+        """New weights: swapped in between two steps of the batch generating now (this returns once
+        they are), or at once; the error of a file that does not load, else None."""
+        with self.cv:
+            self.cv.wait_for(lambda: self.pending is None)  # one posted update at a time
+            if self.generating:
+                pending = self.pending = {"path": path, "version": version, "done": False, "error": None}
+                self.cv.wait_for(lambda: pending["done"])
+                return pending["error"]
+        with self.engine_lock:
+            try:
+                self.apply(path, version)
+            except Exception as exc:  # noqa: BLE001 - a bad file is the client's error
+                return exc
+        return None
+
     def apply_pending(self) -> None:
         """Between two steps of a generation (or after it): swap in weights posted meanwhile."""
         with self.cv:
@@ -216,22 +232,7 @@ def build_app(
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict:
-        path = _weights_file(weights_dir, req.path, HTTPException)
-        with control.cv:
-            control.cv.wait_for(lambda: control.pending is None)  # one posted update at a time
-            if control.generating:  # swapped in between two steps of the batch in progress
-                pending = control.pending = {"path": path, "version": req.version, "done": False, "error": None}
-                control.cv.wait_for(lambda: pending["done"])
-                error = pending["error"]
-            else:
-                pending = None
-        if pending is None:
-            with control.engine_lock:
-                try:
-                    control.apply(path, req.version)
-                    error = None
-                except Exception as exc:  # noqa: BLE001 - a bad file is the client's error
-                    error = exc
+        error = control.update(_weights_file(weights_dir, req.path, HTTPException), req.version)
         if error is not None:
             raise HTTPException(400, f"could not load {req.path}: {type(error).__name__}: {error}")
         return {"status": "ok", "weight_version": req.version}
