@@ -19,6 +19,7 @@ import torch
 from postrl.cli import main
 from postrl.run.metrics import read_metrics
 from tests.test_train_e2e import write_config
+from tests.trained_samples import record_trained_samples
 
 ASYNC = {"controller": {"mode": "async"}, "buffer": {"max_staleness": 1}}
 
@@ -82,6 +83,18 @@ def _trained(log: Path, upto: int | None = None) -> dict[int, list]:
 STEPS = 30
 
 
+def _resume_recorded(script: Path, run_dir: Path, env: dict) -> None:
+    """``train --resume`` through the recorder, to the end of the run."""
+    resumed = subprocess.run(
+        [sys.executable, str(script), "train", "--resume", str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
 def test_async_run_killed_and_resumed_trains_every_sample_exactly_once(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = write_config(
         tmp_path, tiny_model_dir, arithmetic_jsonl, steps=STEPS, **ASYNC, checkpoint={"every_steps": 3, "keep_last": 20}
@@ -112,15 +125,7 @@ def test_async_run_killed_and_resumed_trains_every_sample_exactly_once(tmp_path,
         for e in state["buffer"]["entries"]
     }
     assert state["pipeline"]["produced"] == 3 + len({b for b, _, _ in waiting})
-    env["TRAINED_LOG"] = str(tmp_path / "second.log")
-    resumed = subprocess.run(
-        [sys.executable, str(script), "train", "--resume", str(run_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _resume_recorded(script, run_dir, dict(env, TRAINED_LOG=str(tmp_path / "second.log")))
     before, after = _trained(tmp_path / "first.log", upto=3), _trained(tmp_path / "second.log")
     assert sorted(before) == [1, 2, 3] and sorted(after) == list(range(4, STEPS + 1))
     every = [s for samples in (*before.values(), *after.values()) for s in samples]
@@ -171,15 +176,7 @@ def test_an_async_checkpoint_keeps_the_batch_being_generated_and_the_resumed_run
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert step < STEPS - 2, "no checkpoint met a generation in progress"
-    env["TRAINED_LOG"] = str(tmp_path / "second.log")
-    resumed = subprocess.run(
-        [sys.executable, str(script), "train", "--resume", str(run_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _resume_recorded(script, run_dir, dict(env, TRAINED_LOG=str(tmp_path / "second.log")))
     before, after = _trained(tmp_path / "first.log", upto=step), _trained(tmp_path / "second.log")
     ids = [(b, r) for samples in (*before.values(), *after.values()) for b, r, _ in samples]
     assert len(ids) == len(set(ids)) == STEPS * 16 and {b for b, _ in ids} == set(range(1, STEPS + 1))
@@ -227,25 +224,12 @@ def test_an_async_step_abandoned_during_generation_loses_and_repeats_nothing(
     drawn for the aborted generation go back to the sampler), and the resumed run trains batch k
     at step k, every sample once."""
     from postrl.buffer import ExperienceBuffer
-    from postrl.controller.controller import Controller
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.run.interrupt import StepAbandoned
 
-    trained: dict[int, list[tuple[int, int]]] = {}
-    taken: list[tuple[int, int]] = []
-    get, finish, generate = ExperienceBuffer.get, Controller.finish_step, NativeRolloutWorker.generate
+    trained = record_trained_samples(monkeypatch, ExperienceBuffer)
+    generate = NativeRolloutWorker.generate
     prompts_seen: list[list[str]] = []
-
-    def recording_get(self, batch_size, current_version):
-        out = get(self, batch_size, current_version)
-        taken.extend((e.metadata["batch"], e.metadata["row"]) for e in out.experiences)
-        return out
-
-    def recording_finish(self, *args):
-        metrics = finish(self, *args)
-        trained[metrics.step] = list(taken)
-        taken.clear()
-        return metrics
 
     calls, aborted = [0], []
 
@@ -257,8 +241,6 @@ def test_an_async_step_abandoned_during_generation_loses_and_repeats_nothing(
         prompts_seen.append([p.text for p in prompts])
         return generate(self, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(ExperienceBuffer, "get", recording_get)
-    monkeypatch.setattr(Controller, "finish_step", recording_finish)
     monkeypatch.setattr(NativeRolloutWorker, "generate", abandoned_once)
     steps = 6
     config = write_config(

@@ -23,6 +23,7 @@ from postrl.run.train_runner import make_reward_service, train  # noqa: E402
 from postrl.scheduling.ray_scheduler import RayScheduler  # noqa: E402
 from postrl.types import Prompt, SamplingParams  # noqa: E402
 from tests.engine_hosts import SlowHost  # noqa: E402
+from tests.trained_samples import record_trained_samples  # noqa: E402
 
 
 def ray_processes() -> list[str]:
@@ -169,26 +170,9 @@ def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_samp
     from ray.cluster_utils import Cluster
 
     from postrl.config.off_policy import BufferConfig, ControllerConfig
-    from postrl.controller.controller import Controller
     from postrl.scheduling.buffer_actor import BufferClient
 
-    taken: list = []
-    trained: dict[int, list] = {}
-    get, finish = BufferClient.get, Controller.finish_step
-
-    def recording_get(self, batch_size, current_version):
-        out = get(self, batch_size, current_version)
-        taken.extend((e.metadata["batch"], e.metadata["row"]) for e in out.experiences)
-        return out
-
-    def recording_finish(self, *args):
-        metrics = finish(self, *args)
-        trained[metrics.step] = list(taken)
-        taken.clear()
-        return metrics
-
-    monkeypatch.setattr(BufferClient, "get", recording_get)  # the buffer is an actor: record what reaches the trainer
-    monkeypatch.setattr(Controller, "finish_step", recording_finish)
+    trained = record_trained_samples(monkeypatch, BufferClient)  # the buffer is an actor: what reaches the trainer
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"train_node": 4}})
     generation = cluster.add_node(num_cpus=2, resources={"gen_node": 1})
     cluster.wait_for_nodes()
