@@ -77,6 +77,14 @@ class Rollout:
         return [min(a, b) for a, b in zip(own, self.kv_versions)]
 
 
+def compact_versions(own: list[int], cache: list[int], default: int) -> tuple[int, list[int] | None, list[int] | None]:
+    """A rollout's ``weight_version`` (its oldest, ``default`` without tokens) and its
+    ``logprob_versions`` and ``kv_versions`` from the per-token ones: None when all are that one."""
+    oldest = min(min(own, default=default), min(cache, default=default))
+    uniform = all(v == oldest for v in own) and all(v == oldest for v in cache)
+    return oldest, None if uniform else own, None if uniform else cache
+
+
 # Streaming: called from the engine for every generated token, in order per sample:
 # (prompt_index, sample_index, token_id, logprob, top (id, logprob) pairs or None, finish_reason or None)
 TokenCallback = Callable[[int, int, int, float, "list[tuple[int, float]] | None", "str | None"], None]

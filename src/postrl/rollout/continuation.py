@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
 
 Generate = Callable[[list[Prompt], SamplingParams], list[Rollout]]
 
@@ -55,11 +55,8 @@ def _prefix_prompt(prompt: Prompt, partial: Rollout) -> Prompt:
 def merged(partial: Rollout, rest: Rollout, tokenizer: Any) -> Rollout:
     """One rollout: ``partial``'s tokens then ``rest``'s (generated from ``partial``'s prefix)."""
     before, after = per_token_versions(partial), per_token_versions(rest)
-    own = before[0] + after[0]
-    cache = before[1] + after[1]
     tokens = list(partial.response_ids) + list(rest.response_ids)
-    oldest = min(min(own, default=rest.weight_version), min(cache, default=rest.weight_version))
-    uniform = all(v == oldest for v in own) and all(v == oldest for v in cache)
+    oldest, own, cache = compact_versions(before[0] + after[0], before[1] + after[1], rest.weight_version)
     top = None
     if partial.top_logprobs is not None and rest.top_logprobs is not None:
         top = partial.top_logprobs + rest.top_logprobs
@@ -72,9 +69,9 @@ def merged(partial: Rollout, rest: Rollout, tokenizer: Any) -> Rollout:
         finish_reason=rest.finish_reason,
         weight_version=oldest,
         top_logprobs=top,
-        logprob_versions=None if uniform else own,
+        logprob_versions=own,
         engine=rest.engine,
-        kv_versions=None if uniform else cache,
+        kv_versions=cache,
     )
 
 

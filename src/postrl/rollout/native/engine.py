@@ -39,7 +39,7 @@ from postrl.rollout.native.kv_cache import KVCache
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
-from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
+from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,7 @@ class NativeRolloutWorker(EngineBase):
         return [self._rollout(s, finish, bool(sampling_params.top_logprobs)) for s, finish in seqs]
 
     def _rollout(self, s: _Seq, finish: str, with_top: bool) -> Rollout:
-        oldest = min(s.kv_versions, default=self.weight_version)
-        uniform = all(v == oldest for v in s.versions) and all(v == oldest for v in s.kv_versions)
+        oldest, own, cache = compact_versions(s.versions, s.kv_versions, self.weight_version)
         return Rollout(
             prompt_index=s.prompt_index,
             prompt_ids=list(s.prompt_ids),
@@ -151,8 +150,8 @@ class NativeRolloutWorker(EngineBase):
             finish_reason=finish,  # type: ignore[arg-type]
             weight_version=oldest,
             top_logprobs=s.top if with_top else None,
-            logprob_versions=None if uniform else s.versions,
-            kv_versions=None if uniform else s.kv_versions,
+            logprob_versions=own,
+            kv_versions=cache,
         )
 
     @contextlib.contextmanager
