@@ -225,17 +225,19 @@ def test_rollout_actors_take_weights_mid_generate_and_suspend_when_asked(tmp_pat
         long = SamplingParams(n=8, temperature=1.0, max_tokens=100, stop_token_ids=())
         newer = {k: v + 0.01 * torch.randn_like(v) for k, v in state.items()}
         crossed = []
-        for delay in (0.3, 0.6, 1.2):  # the weights must land while the batch generates
+        for _ in range(3):  # new weights go out for as long as the generate runs, so some land mid-batch
             out: dict = {}
             thread = threading.Thread(target=lambda out=out: out.update(r=pool.generate(prompts, long, None)))
             thread.start()
-            time.sleep(delay)
-            pool.update_weights(newer, pool.weight_version + 1)
+            sent = 0
+            while thread.is_alive():
+                pool.update_weights(newer if sent % 2 == 0 else state, pool.weight_version + 1)
+                sent += 1
             thread.join(120)
-            version = pool.weight_version
-            crossed = [r for r in out["r"] if r.logprob_versions and {version - 1, version} <= set(r.logprob_versions)]
+            crossed = [r for r in out["r"] if r.logprob_versions and len(set(r.logprob_versions)) > 1]
             if crossed:
                 break
+        assert all(list(r.logprob_versions) == sorted(r.logprob_versions) for r in crossed)
         assert crossed, "the weights never arrived during a generate"
         out = {}
         thread = threading.Thread(target=lambda: out.update(r=pool.generate(prompts, long, None)))
