@@ -1,0 +1,149 @@
+"""The records one RL step passes along: prompts, sampling parameters, rollouts, rewards, experiences."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class Prompt:
+    """One prompt, tokenized, with the dataset row's other columns for the reward function."""
+
+    text: str
+    prompt_ids: list[int]
+    columns: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # "file:line", for error messages
+
+    @property
+    def task_type(self) -> str | None:
+        """The row's ``task_type`` column (e.g. math, code), None when absent."""
+        return self.columns.get("task_type")
+
+    @property
+    def answer(self) -> Any:
+        """The row's ``answer`` column (what a verifier compares against), None when absent."""
+        return self.columns.get("answer")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0  # also return this many most likely tokens (id, logprob) at every position
+
+
+# suspended: the engine stopped mid-response when asked (a checkpoint of an async run); the rollout
+# holds the tokens so far and is continued by postrl.rollout.continuation.continue_rollouts
+FinishReason = Literal["stop", "length", "suspended"]
+
+
+@dataclass
+class Rollout:
+    """One sampled response. ``logprobs`` are pi_old's, one per response token."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    weight_version: int
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, with SamplingParams.top_logprobs
+    # the weight version behind each token's logprob; None: all ``weight_version`` (an engine that
+    # takes new weights in the middle of a response fills it in)
+    logprob_versions: list[int] | None = None
+    engine: str | None = None  # the engine that generated it (a pool's engine name)
+    # per token, the oldest weight version behind the KV cache it attended to (an engine that keeps
+    # the cache across an in-flight update); None: the same as logprob_versions
+    kv_versions: list[int] | None = None
+
+    def token_versions(self) -> list[int] | None:
+        """Per token, the oldest weights behind its logprob (its own, or its cache's); None when all
+        are ``weight_version``."""
+        if self.kv_versions is None:
+            return self.logprob_versions
+        own = self.logprob_versions or [self.weight_version] * len(self.kv_versions)
+        return [min(a, b) for a, b in zip(own, self.kv_versions)]
+
+
+def compact_versions(own: list[int], cache: list[int], default: int) -> tuple[int, list[int] | None, list[int] | None]:
+    """A rollout's ``weight_version`` (its oldest, ``default`` without tokens) and its
+    ``logprob_versions`` and ``kv_versions`` from the per-token ones: None when all are that one."""
+    oldest = min(min(own, default=default), min(cache, default=default))
+    uniform = all(v == oldest for v in own) and all(v == oldest for v in cache)
+    return oldest, None if uniform else own, None if uniform else cache
+
+
+# Streaming: called from the engine for every generated token, in order per sample:
+# (prompt_index, sample_index, token_id, logprob, top (id, logprob) pairs or None, finish_reason or None)
+TokenCallback = Callable[[int, int, int, float, "list[tuple[int, float]] | None", "str | None"], None]
+
+
+Score = tuple["float | None", "str | None"]  # a scorer's (value, error) for one sample
+
+
+@dataclass
+class ScoreRequest:
+    """One (prompt, response) to score, with the dataset row's other columns."""
+
+    prompt: str
+    response: str
+    columns: dict[str, Any]
+    response_tokens: int = 0
+
+
+@dataclass
+class RewardResult:
+    """The score of one (prompt, response). ``reward`` is None when the sample is unscorable."""
+
+    reward: float | None
+    components: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    reasons: dict[str, str] = field(default_factory=dict)  # per component, why it scored what it did
+    flags: list[str] = field(default_factory=list)  # kept but suspicious, e.g. a value outside its expected range
+
+    @property
+    def unscorable(self) -> bool:
+        return self.reward is None
+
+
+@dataclass
+class Experience:
+    """One sample as the Experience Buffer stores it: the per-sample view of a step.
+
+    ``advantage`` is one number (broadcast over the response) or one per response token; None is
+    an error when a batch is built, never a silent 0. ``group_id`` names the prompt the sample
+    answers (unique within a step): the trainer keeps and packs a group's samples together.
+    ``loss_mask`` (per response token, default all 1) excludes tokens from the loss while keeping
+    them in the context (tool output in a multi-turn rollout). ``logprob_versions`` (per response
+    token, default all ``weight_version``) says which weights produced each behaviour logprob.
+    ``values`` are the critic's, per response token, at rollout time, and ``returns`` its targets
+    (PPO with GAE).
+    ``metadata``: ``task_type``, ``source``, ``engine``, ``finish_reason``, ``batch`` (the producer
+    batch it came in, from 1) and ``row`` (its place in it), ``generated_at`` and
+    ``scored_at`` (Unix seconds), the reward's ``components``, ``reasons`` and ``error``.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    advantage: float | list[float] | None
+    weight_version: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    group_id: int | None = None
+    loss_mask: list[int] | None = None
+    logprob_versions: list[int] | None = None
+    values: list[float] | None = None
+    returns: list[float] | None = None
+
+
+OPTIONAL_PER_TOKEN = ("values", "returns")  # per-token floats only some algorithms have (the critic's)
