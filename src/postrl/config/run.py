@@ -97,6 +97,12 @@ class NativeEngineConfig(Section):
         "times longer than the call needs (decode attends over the cache's whole length, so a far too long one "
         "costs more than a new allocation).",
     )
+    kept_cache_mb: int = Field(
+        1024,
+        ge=0,
+        description="Megabytes of K/V kept between calls for prompts with a cache key (a multi-turn "
+        "episode's context between its turns, so the next turn prefills only the new tokens); 0 keeps none.",
+    )
 
 
 class VLLMEngineConfig(Section):

@@ -9,12 +9,13 @@ from postrl.types import StepBatch
 
 def advantage_inputs(step: StepBatch) -> AdvantageInputs:
     """The estimator's view of the step, in the StepBatch's ``[B, T-1]`` layout (estimators skip
-    the positions outside the response mask)."""
+    the positions outside the response mask: tokens the model did not generate, such as a
+    tool's output in a multi-turn episode, are outside it)."""
     b = step.batch
     return AdvantageInputs(
         step.rewards,
         b.group_ids,
-        response_mask=b.response_mask,
+        response_mask=step.model_mask,
         token_rewards=step.kl_penalty,
         values=b.values,
         baseline_rewards=step.baseline,

@@ -172,6 +172,10 @@ def parse_rows(
     return items, skipped
 
 
+# a parsed row: (place among the rows read, source, other columns, (text, add special tokens), messages)
+_Parsed = tuple[int, str, dict[str, Any], tuple[str, bool], "list[dict[str, Any]] | None"]
+
+
 def build_prompts(
     rows: Iterator[tuple[str, Any]],
     tokenizer: Any,
@@ -190,16 +194,17 @@ def build_prompts(
                 rows_read.append(source)
             yield source, row
 
-    def parse(source: str, row: Any) -> tuple[int, str, dict[str, Any], tuple[str, bool]]:
+    def parse(source: str, row: Any) -> _Parsed:
         text = prompt_text(row, tokenizer, prompt_column, messages_column, apply_chat_template)
         columns = {k: v for k, v in row.items() if k not in (prompt_column, messages_column)}
-        return len(rows_read) - 1, source, columns, text
+        messages = row[messages_column] if row.get(prompt_column) is None else None  # a chat row's, for episodes
+        return len(rows_read) - 1, source, columns, text, messages
 
     parsed, refused = parse_rows(numbered(), parse, on_bad_row)
-    ids = tokenize_texts(tokenizer, [text for *_, text in parsed])
+    ids = tokenize_texts(tokenizer, [text for *_, text, _ in parsed])
     too_long = [
         (at, f"{source}: prompt has {len(row_ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
-        for (at, source, _, _), row_ids in zip(parsed, ids, strict=True)
+        for (at, source, *_), row_ids in zip(parsed, ids, strict=True)
         if len(row_ids) > max_prompt_tokens
     ]
     if too_long and on_bad_row != "skip":
@@ -208,8 +213,8 @@ def build_prompts(
     refused_at = [at for at in range(len(rows_read)) if at not in kept]  # parse_rows keeps the rows' order
     skipped = [reason for _, reason in sorted([*zip(refused_at, refused, strict=True), *too_long])]
     prompts = [
-        Prompt(text=text, prompt_ids=row_ids, columns=columns, source=source)
-        for (_, source, columns, (text, _)), row_ids in zip(parsed, ids, strict=True)
+        Prompt(text=text, prompt_ids=row_ids, columns=columns, source=source, messages=messages)
+        for (_, source, columns, (text, _), messages), row_ids in zip(parsed, ids, strict=True)
         if len(row_ids) <= max_prompt_tokens
     ]
     return PromptDataset(prompts=prompts, skipped=skipped)

@@ -89,5 +89,6 @@ def rollout_worker_for_model(
             max_prefill_tokens=config.native.max_prefill_tokens,
             cache_reuse_ratio=config.native.cache_reuse_ratio,
             kv_after_update=config.kv_after_update,
+            kept_cache_mb=config.native.kept_cache_mb,
         )
     return HFRolloutWorker(model.to(dtype), tokenizer, config.max_batch_size, seed=seed)

@@ -228,6 +228,7 @@ class StepBatch:
     rewards: torch.Tensor  # [B] float32, NaN: unscorable
     unscorable: torch.Tensor  # [B] bool
     spans: list[slice]  # each row's response positions in the [B, T-1] layout
+    model_mask: torch.Tensor  # [B, T-1] 1 on the tokens the model generated (not a tool's output)
     times: dict[str, float] = field(default_factory=dict)  # batch; generated_at, scored_at (Unix seconds)
     ref_logprobs: torch.Tensor | None = None
     kl_penalty: torch.Tensor | None = None
@@ -242,17 +243,22 @@ class StepBatch:
         unscorable = torch.tensor([res.unscorable for res in results], dtype=torch.bool)
         logprobs: list[float] = []
         versions: list[int] = []
+        generated: list[int] = []
         for row, r in enumerate(rollouts):
             if len(r.logprobs) != len(r.response_ids):
                 raise ValueError(f"rollout {row}: {len(r.logprobs)} logprobs for {len(r.response_ids)} response tokens")
+            if r.loss_mask is not None and len(r.loss_mask) != len(r.response_ids):
+                raise ValueError(f"rollout {row}: {len(r.loss_mask)} loss_mask entries for {len(r.response_ids)} tokens")
             logprobs += r.logprobs
             versions += r.token_versions() or [r.weight_version] * len(r.response_ids)
+            generated += r.loss_mask or [1] * len(r.response_ids)
         response_mask = padded.response_mask
+        model_mask = padded.per_token(generated, torch.float32)
         batch = ExperienceBatch(
             input_ids=padded.input_ids,
             attention_mask=padded.attention_mask,
             response_mask=response_mask,
-            loss_mask=response_mask * (~unscorable).unsqueeze(1).float(),
+            loss_mask=model_mask * (~unscorable).unsqueeze(1).float(),
             old_logprobs=padded.per_token(logprobs, torch.float32),
             advantages=torch.zeros_like(response_mask),
             group_ids=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
@@ -260,7 +266,7 @@ class StepBatch:
             logprob_versions=padded.per_token(versions, torch.long, fill=-1),
         )
         rewards = torch.tensor([math.nan if res.reward is None else res.reward for res in results], dtype=torch.float32)
-        return StepBatch(prompts, rollouts, results, batch, rewards, unscorable, padded.spans, dict(times))
+        return StepBatch(prompts, rollouts, results, batch, rewards, unscorable, padded.spans, model_mask, dict(times))
 
     @property
     def size(self) -> int:
@@ -295,7 +301,7 @@ class StepBatch:
                     metadata=self.metadata(row),
                     group_id=r.prompt_index,
                     logprob_versions=r.token_versions(),
-                    loss_mask=[0] * len(r.response_ids) if res.unscorable else None,
+                    loss_mask=[0] * len(r.response_ids) if res.unscorable else r.loss_mask,
                     values=None if self.batch.values is None else self.batch.values[row, span].tolist(),
                     returns=None if self.batch.returns is None else self.batch.returns[row, span].tolist(),
                 )

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from postrl.types.episode import Episode
+
 
 @dataclass
 class Prompt:
@@ -15,6 +17,11 @@ class Prompt:
     prompt_ids: list[int]
     columns: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # "file:line", for error messages
+    messages: list[dict[str, Any]] | None = None  # the chat messages the prompt was rendered from
+    # an episode's id for the engine: it keeps this sequence's KV cache after the generate and
+    # continues from it when the next call's prompt extends it (multi-turn); with n > 1 sample k is
+    # kept as f"{cache_key}#{k}"
+    cache_key: str | None = None
 
     @property
     def task_type(self) -> str | None:
@@ -42,7 +49,8 @@ class SamplingParams:
 
 # suspended: the engine stopped mid-response when asked (a checkpoint of an async run); the rollout
 # holds the tokens so far and is continued by postrl.rollout.continuation.continue_rollouts
-FinishReason = Literal["stop", "length", "suspended"]
+# max_turns, max_context: a multi-turn episode hit that limit (postrl.rollout.agentic)
+FinishReason = Literal["stop", "length", "suspended", "max_turns", "max_context", "env_error"]
 
 
 @dataclass
@@ -64,6 +72,10 @@ class Rollout:
     # per token, the oldest weight version behind the KV cache it attended to (an engine that keeps
     # the cache across an in-flight update); None: the same as logprob_versions
     kv_versions: list[int] | None = None
+    # per response token, 1 where the model generated it and 0 where the environment or the chat
+    # template inserted it (a multi-turn episode's tool output); None: all the model's
+    loss_mask: list[int] | None = None
+    episode: Episode | None = None  # a multi-turn episode's turns, tool calls and reward
 
     def token_versions(self) -> list[int] | None:
         """Per token, the oldest weights behind its logprob (its own, or its cache's); None when all

@@ -39,8 +39,8 @@ class KLPenalty(Stage):
     def prepare(self, step: StepBatch) -> dict[str, float]:
         batch = step.batch
         ref = step.ref_logprobs = self.trainer.reference_logprobs(batch)
-        kl = kl_penalty(batch.old_logprobs, ref, self.estimator, self.clamp) * batch.response_mask
-        self.last_mean = float(kl.sum() / batch.response_mask.sum().clamp(min=1))
+        kl = kl_penalty(batch.old_logprobs, ref, self.estimator, self.clamp) * step.model_mask
+        self.last_mean = float(kl.sum() / step.model_mask.sum().clamp(min=1))
         step.kl_penalty = -self.coef.beta * kl
         return {"kl/reward_penalty": self.last_mean}
 

@@ -35,26 +35,13 @@ import torch.nn.functional as F
 from postrl.models.weights import WeightSyncError
 from postrl.rollout.common import EngineBase, Health, non_finite
 from postrl.rollout.hf_engine import eos_ids
-from postrl.rollout.native.kv_cache import KVCache
+from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, KeptCaches, KVCache, shared_prefix_length
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
 
 log = logging.getLogger(__name__)
-
-MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a separate prefill pass
-
-
-def _shared_prefix_length(prompts: list[list[int]]) -> int:
-    """Longest common prefix of the prompts, leaving at least one token of each to prefill."""
-    if len(prompts) < 2:
-        return 0
-    first, limit = prompts[0], min(len(p) for p in prompts) - 1
-    n = 0
-    while n < limit and all(p[n] == first[n] for p in prompts):
-        n += 1
-    return n
 
 
 @dataclass
@@ -67,6 +54,7 @@ class _Seq:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weights that produced each token
     kv_versions: list[int] = field(default_factory=list)  # the oldest weights behind the cache it attended to
+    cache_key: str | None = None  # kept in KeptCaches under this key when it finishes
 
 
 @dataclass
@@ -89,6 +77,7 @@ class NativeRolloutWorker(EngineBase):
         max_prefill_tokens: int = 2048,
         cache_reuse_ratio: float = 2.0,
         kv_after_update: str = "keep",
+        kept_cache_mb: int = 1024,
     ) -> None:
         if kv_after_update not in ("recompute", "keep"):
             raise ValueError(f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}")
@@ -107,6 +96,7 @@ class NativeRolloutWorker(EngineBase):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._eos = eos
         self.cache: KVCache | None = None
+        self.kept = KeptCaches(kept_cache_mb << 20)  # finished sequences' K/V by Prompt.cache_key
         self.stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
 
     @staticmethod
@@ -207,6 +197,8 @@ class NativeRolloutWorker(EngineBase):
 
     def _load(self, state: dict[str, torch.Tensor], version: int, manifest: dict[str, str] | None) -> None:
         written = self.model.load(state, strict=True)
+        if self.kv_after_update == "recompute":
+            self.kept.clear()  # K/V kept from the old weights is not reused
         if manifest is not None:
             bad = [n for n in written if not torch.equal(self.model.params[n], state[n].to(self.model.dtype))]
             if bad:
@@ -273,6 +265,7 @@ class _Scheduler:
         self.cache = engine.cache
         self.device = engine.model.device
         self.waiting = deque((i, p.prompt_ids) for i, p in enumerate(prompts))
+        self.keys = [p.cache_key for p in prompts]
         self.remaining = {i: sp.n for i in range(len(prompts))}
         self.free = list(range(slots))
         heapq.heapify(self.free)
@@ -284,6 +277,7 @@ class _Scheduler:
         self.checker = StopChecker(engine.tokenizer, sp.stop)
         self.finished: list[tuple[_Seq, str]] = []
         self.kv_version = [engine.weight_version] * slots  # the oldest weights behind each slot's cache
+        self.kept_versions: dict[int, int] = {}  # prompt index -> version of the K/V restored for it
 
     def run(self) -> list[tuple[_Seq, str]]:
         while self.waiting or self.active:
@@ -383,23 +377,24 @@ class _Scheduler:
             budget -= len(ids)
         if not groups:
             return None
-        shared = _shared_prefix_length([ids for _, ids, _ in groups])
+        starts = self._restore_kept(groups)
+        shared = 0 if any(starts) else shared_prefix_length([ids for _, ids, _ in groups])
         if shared >= MIN_SHARED_PREFIX:  # e.g. a common system prompt: compute its K/V once
             first = groups[0][2][0]
             self._prefill([(first, groups[0][1][:shared])], start=0)
             others = torch.tensor([slots[0] for _, _, slots in groups[1:]], device=self.device)
             self.cache.copy_prefix(first, others, shared)
-        else:
-            shared = 0
-        logits = self._prefill([(slots[0], ids) for _, ids, slots in groups], start=shared)
+            starts = [shared] * len(groups)
+        logits = self._prefill([(slots[0], ids) for _, ids, slots in groups], start=starts)
         row_slots, repeat = [], []
         for i, ids, slots in groups:
             if len(slots) > 1:  # the G samples of a prompt share its K/V
                 self.cache.copy_prefix(slots[0], torch.tensor(slots[1:], device=self.device), len(ids))
             first = self._first_sample_index(i, len(slots))
             for k, s in enumerate(slots):
-                self.active[s] = _Seq(i, first + k, ids)
-                self.kv_version[s] = self.e.weight_version
+                key = self.keys[i] if self.keys[i] is None or self.sp.n == 1 else f"{self.keys[i]}#{first + k}"
+                self.active[s] = _Seq(i, first + k, ids, cache_key=key)
+                self.kv_version[s] = self.kept_versions.get(i, self.e.weight_version)
                 self.pos[s] = len(ids)
                 self.is_active[s] = True
             row_slots.extend(slots)
@@ -407,21 +402,38 @@ class _Scheduler:
         logits = logits.repeat_interleave(torch.tensor(repeat, device=self.device), dim=0)
         return torch.tensor(row_slots, dtype=torch.long, device=self.device), logits
 
-    def _prefill(self, items: list[tuple[int, list[int]]], start: int) -> torch.Tensor:
+    def _restore_kept(self, groups: list[tuple[int, list[int], list[int]]]) -> list[int]:
+        """Each group's tokens already in its slot: the K/V a previous call kept for its
+        ``cache_key`` (the last turn of its episode), put back; 0 where there is none."""
+        starts = []
+        for i, ids, slots in groups:
+            kept = self.e.kept.take(self.keys[i], ids) if self.sp.n == 1 else None
+            if kept is not None:
+                self.cache.restore(slots[0], kept)
+                self.kept_versions[i] = kept.version
+            starts.append(0 if kept is None else len(kept.ids))
+        return starts
+
+    def _prefill(self, items: list[tuple[int, list[int]]], start: int | list[int]) -> torch.Tensor:
         """Run tokens ``ids[start:]`` of each (slot, ids) through the model, packed without padding;
-        positions before ``start`` are already in the slot's cache. Returns each item's last logits.
+        positions before ``start`` (one for all, or one per item) are already in the slot's cache.
+        Returns each item's last logits.
 
         Attention runs on a padded [items, longest, ...] view and reads keys from the cache, so a
         suffix attends to its cached prefix and, causally, to itself."""
-        lengths = [len(ids) - start for _, ids in items]
-        tokens = torch.tensor([t for _, ids in items for t in ids[start:]], dtype=torch.long, device=self.device)
+        starts = [start] * len(items) if isinstance(start, int) else start
+        lengths = [len(ids) - st for (_, ids), st in zip(items, starts, strict=True)]
+        tokens = torch.tensor(
+            [t for (_, ids), st in zip(items, starts) for t in ids[st:]], dtype=torch.long, device=self.device
+        )
+        first = torch.tensor(starts, dtype=torch.long, device=self.device)
         col = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         row = torch.cat([torch.full((n,), g, dtype=torch.long, device=self.device) for g, n in enumerate(lengths)])
         slots = torch.tensor([s for s, _ in items], dtype=torch.long, device=self.device)
         total = torch.tensor([len(ids) for _, ids in items], device=self.device)
         longest_q, longest_k = max(lengths), int(total.max())
         key_pos = torch.arange(longest_k, device=self.device).view(1, 1, 1, -1)
-        query_pos = (start + torch.arange(longest_q, device=self.device)).view(1, 1, -1, 1)
+        query_pos = first.view(-1, 1, 1, 1) + torch.arange(longest_q, device=self.device).view(1, 1, -1, 1)
         mask = (key_pos <= query_pos) & (key_pos < total.view(-1, 1, 1, 1))
         cfg = self.e.model.cfg
 
@@ -436,7 +448,7 @@ class _Scheduler:
             return out.transpose(1, 2)[row, col].reshape(-1, cfg.heads * cfg.head_dim)
 
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-        logits = self.e.model.forward(tokens, start + col, self.cache, slots[row], attend, logits_rows=ends)
+        logits = self.e.model.forward(tokens, first[row] + col, self.cache, slots[row], attend, logits_rows=ends)
         self.e.stats["prefill_tokens"] += len(tokens)
         return logits
 
@@ -468,6 +480,11 @@ class _Scheduler:
                 self._finish(s, finish)
 
     def _finish(self, slot: int, reason: str) -> None:
-        self.finished.append((self.active.pop(slot), reason))
+        seq = self.active.pop(slot)
+        if seq.cache_key is not None:  # its cache holds every token but the last sampled one
+            length = int(self.pos[slot])
+            ids = (seq.prompt_ids + seq.tokens)[:length]
+            self.e.kept.keep(seq.cache_key, ids, self.cache, slot, self.kv_version[slot])
+        self.finished.append((seq, reason))
         self.is_active[slot] = False
         heapq.heappush(self.free, slot)

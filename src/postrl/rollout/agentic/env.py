@@ -1,0 +1,120 @@
+"""The environment protocol, its registry, and the built-in tool-use environment.
+
+An environment is a class (or any callable) that makes one object per episode:
+``reset(row) -> messages`` gives the first observation (the conversation the model answers),
+``step(action) -> StepResult`` takes the model's turn as text and says what comes back (tool
+results, a user's reply), with an optional reward and whether the episode is done;
+``close()`` frees what the episode holds. ``tools`` are the tools offered through the chat
+template. ``agent.env`` names a registered environment or imports ``my_pkg.envs:Maze``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from postrl.rollout.agentic.builtin_tools import BUILTIN_TOOLS
+from postrl.rollout.agentic.tools import Tool, ToolBox, ToolFormat
+from postrl.types.episode import ToolCallRecord
+
+
+@dataclass
+class StepResult:
+    messages: list[dict[str, Any]]  # appended to the conversation (empty when done)
+    reward: float | None = None
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+
+
+class Environment(Protocol):
+    tools: list[Tool]
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+EnvironmentFactory = Callable[..., Environment]
+ENVIRONMENTS: dict[str, EnvironmentFactory] = {}
+
+
+def register_environment(name: str) -> Callable[[EnvironmentFactory], EnvironmentFactory]:
+    def register(factory: EnvironmentFactory) -> EnvironmentFactory:
+        if name in ENVIRONMENTS:
+            raise ValueError(f"environment '{name}' is already registered")
+        ENVIRONMENTS[name] = factory
+        return factory
+
+    return register
+
+
+def environment_factory(spec: str) -> EnvironmentFactory:
+    """A registered environment's name, or ``module:attribute`` of a user's package."""
+    if spec in ENVIRONMENTS:
+        return ENVIRONMENTS[spec]
+    if ":" not in spec:
+        raise ValueError(
+            f"agent.env: unknown environment '{spec}' (registered: {', '.join(sorted(ENVIRONMENTS))}; or module:Class)"
+        )
+    module, _, attr = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"agent.env: cannot import '{spec}': {exc}") from None
+    if not callable(found):
+        raise ValueError(f"agent.env: '{spec}' is not a class or function")
+    return found
+
+
+def first_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's conversation: its ``messages``, or its ``prompt`` as one user message."""
+    if row.get("messages"):
+        return [dict(m) for m in row["messages"]]
+    return [{"role": "user", "content": row["prompt"]}]
+
+
+_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+
+
+class ToolEnvironment:
+    """The model may call tools for as many turns as it likes; a turn without a tool call is its
+    final answer, rewarded 1 when ``<answer>X</answer>`` matches the row's ``answer`` column."""
+
+    def __init__(
+        self, tools: list[str] | list[Tool], timeout_s: float = 10.0, tool_format: ToolFormat = "auto"
+    ) -> None:
+        self.tools = [t if isinstance(t, Tool) else Tool.from_function(BUILTIN_TOOLS[t], t) for t in tools]
+        self.box = ToolBox(self.tools, timeout_s, tool_format)
+        self.answer: str | None = None
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        self.answer = None if row.get("answer") is None else str(row["answer"]).strip()
+        return first_messages(row)
+
+    def step(self, action: str) -> StepResult:
+        calls = self.box.parse(action)
+        if not calls:
+            found = _ANSWER.search(action)
+            correct = found is not None and self.answer is not None and found.group(1) == self.answer
+            return StepResult([], reward=1.0 if correct else 0.0, done=True, info={"answered": found is not None})
+        messages, records = [], []
+        for call in calls:
+            text, record = self.box.call(call)
+            messages.append({"role": "tool", "name": call.name or "unknown", "content": text})
+            records.append(record)
+        return StepResult(messages, tool_calls=records)
+
+    def close(self) -> None:
+        self.box.close()
+
+
+@register_environment("calculator")
+def calculator_environment(**options: Any) -> ToolEnvironment:
+    """Arithmetic with a calculator tool (the built-in ``agentic_arithmetic`` task)."""
+    return ToolEnvironment(["calculator"], **options)

@@ -1,0 +1,269 @@
+"""Many episodes through one rollout engine, turn by turn, into token-exact trajectories.
+
+Every turn, the episodes still running are generated together in one batched ``generate`` (each
+episode's prompt is its whole context, with a ``cache_key`` so an engine that keeps KV caches
+continues from the last turn instead of prefilling again), then their environments step
+concurrently. The trajectory is the engine's tokens, never re-tokenized text: a turn's prompt is
+the previous context plus the chat template's delta for the new messages (:mod:`.chat`), the
+engine's prompt is checked against it, and only the model's tokens are in the loss mask.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from postrl.rollout.agentic.chat import ChatRenderer
+from postrl.rollout.agentic.env import Environment, EnvironmentFactory, StepResult
+from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
+from postrl.types.episode import Episode, Turn
+
+PrefixPolicy = Literal["split", "keep_context"]
+Generate = Callable[[list[Prompt], SamplingParams], list[Rollout]]
+_keys = itertools.count()
+
+
+class TrajectoryError(RuntimeError):
+    """The engine was given or returned tokens other than the trajectory's: never trained on."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    max_tokens_per_turn: int = 128
+    max_context: int = 2048
+
+
+@dataclass
+class _Sample:
+    """One training sample of an episode: its first context and everything after it."""
+
+    prompt_ids: list[int]
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cache_versions: list[int] = field(default_factory=list)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.response
+
+    def add(self, ids: list[int], logprobs: list[float], own: list[int], cache: list[int], generated: bool) -> None:
+        self.response += ids
+        self.logprobs += logprobs
+        self.mask += [int(generated)] * len(ids)
+        self.versions += own
+        self.cache_versions += cache
+
+
+@dataclass
+class _Live:
+    prompt_index: int
+    key: str
+    env: Environment
+    messages: list[dict[str, Any]]
+    seen: str  # the template text of the current sample's context
+    sample: _Sample
+    done_samples: list[_Sample] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    breaks: int = 0
+    finish: str | None = None
+    env_s: float = 0.0
+    generate_s: float = 0.0
+
+
+class EpisodeRunner:
+    """Runs ``n`` episodes per prompt (a GRPO group of episodes) to their end."""
+
+    def __init__(
+        self,
+        generate: Generate,
+        make_env: EnvironmentFactory,
+        tokenizer: Any,
+        limits: EpisodeLimits,
+        on_prefix_break: PrefixPolicy = "split",
+        env_workers: int = 8,
+        env_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.generate, self.make_env, self.tokenizer = generate, make_env, tokenizer
+        self.limits, self.on_prefix_break = limits, on_prefix_break
+        self.env_options = env_options or {}
+        self._pool = ThreadPoolExecutor(max_workers=env_workers, thread_name_prefix="postrl-env")
+
+    def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
+        episodes = [self._start(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        try:
+            renderer = self._renderer(episodes)
+            stop_ids = tuple(sorted(set(sampling.stop_token_ids) | set(renderer.end_of_turn_ids())))
+            turn = replace(sampling, n=1, stop_token_ids=stop_ids, stop=(*sampling.stop, "</tool_call>"))
+            while running := [e for e in episodes if e.finish is None]:
+                self._turn(running, renderer, turn)
+            return [r for e in episodes for r in self._rollouts(e, renderer)]
+        finally:
+            for e in episodes:
+                e.env.close()
+
+    def _renderer(self, episodes: list[_Live]) -> ChatRenderer:
+        return ChatRenderer(self.tokenizer, [t.schema for t in episodes[0].env.tools] if episodes else None)
+
+    def _start(self, index: int, prompt: Prompt) -> _Live:
+        env = self.make_env(**self.env_options)
+        row = {**prompt.columns, "prompt": prompt.text, "messages": prompt.messages}
+        messages = env.reset(row)
+        renderer = ChatRenderer(self.tokenizer, [t.schema for t in env.tools])
+        text = renderer.render(messages, generation_prompt=True)
+        return _Live(index, f"episode-{next(_keys)}", env, messages, text, _Sample(renderer.encode(text)))
+
+    def _turn(self, running: list[_Live], renderer: ChatRenderer, sampling: SamplingParams) -> None:
+        by_budget: dict[int, list[_Live]] = {}
+        for e in running:
+            budget = min(self.limits.max_tokens_per_turn, self.limits.max_context - len(e.sample.context))
+            if budget <= 0:
+                e.finish = "max_context"
+                continue
+            by_budget.setdefault(budget, []).append(e)
+        generated: list[tuple[_Live, Rollout]] = []
+        for budget, group in by_budget.items():
+            began = time.perf_counter()
+            prompts = [Prompt(e.seen, e.sample.context, cache_key=e.key) for e in group]
+            rollouts = self.generate(prompts, replace(sampling, max_tokens=budget))
+            took = time.perf_counter() - began
+            for e, r in zip(group, rollouts, strict=True):
+                if r.prompt_ids != e.sample.context:
+                    raise TrajectoryError(f"{e.key}: the engine generated from other tokens than the trajectory's")
+                e.generate_s += took
+                generated.append((e, r))
+        for e, r in generated:
+            self._record_generation(e, r, renderer)
+        stepping = [(e, r) for e, r in generated if e.finish == "pending"]
+        results = list(self._pool.map(lambda pair: self._step_env(pair[0], pair[1], renderer), stepping))
+        for (e, _), result in zip(stepping, results, strict=True):
+            self._observe(e, result, renderer)
+
+    def _record_generation(self, e: _Live, r: Rollout, renderer: ChatRenderer) -> None:
+        own = r.logprob_versions or [r.weight_version] * len(r.response_ids)
+        cache = r.kv_versions or own
+        e.turns.append(Turn(len(e.sample.context), len(r.response_ids)))
+        e.sample.add(r.response_ids, r.logprobs, own, cache, generated=True)
+        e.seen += renderer.decode(r.response_ids)
+        if r.finish_reason == "length":
+            e.finish = "length" if len(r.response_ids) >= self.limits.max_tokens_per_turn else "max_context"
+        elif r.finish_reason == "suspended":
+            e.finish = "suspended"
+        else:
+            e.finish = "pending"  # the environment decides
+
+    def _step_env(self, e: _Live, r: Rollout, renderer: ChatRenderer) -> tuple[str, StepResult | BaseException]:
+        content = renderer.decode(r.response_ids)
+        for end in renderer.end_of_turn_ids():
+            if r.response_ids and r.response_ids[-1] == end:
+                content = renderer.decode(r.response_ids[:-1])
+        began = time.perf_counter()
+        try:
+            result: StepResult | BaseException = e.env.step(content)
+        except Exception as exc:  # an environment's failure ends its episode, not the batch
+            result = exc
+        e.env_s += time.perf_counter() - began
+        return content, result
+
+    def _observe(self, e: _Live, stepped: tuple[str, StepResult | BaseException], renderer: ChatRenderer) -> None:
+        content, result = stepped
+        if isinstance(result, BaseException):
+            e.finish, e.info["env_error"] = "env_error", f"{type(result).__name__}: {result}"
+            return
+        turn = e.turns[-1]
+        turn.reward, turn.tool_calls = result.reward, result.tool_calls
+        if result.reward is not None:
+            e.rewards.append(result.reward)
+        e.info.update(result.info)
+        history = [*e.messages, {"role": "assistant", "content": content}]
+        e.messages = history + result.messages
+        if result.done:
+            e.finish = "stop"
+            return
+        if len(e.turns) >= self.limits.max_turns:
+            e.finish = "max_turns"
+            return
+        e.finish = None
+        delta, full = renderer.delta(e.seen, e.messages)
+        if not delta.ok and self.on_prefix_break == "keep_context":
+            e.breaks += 1
+            delta = renderer.appended_delta(history, result.messages)
+            full = e.seen + (delta.text or "")
+        elif not delta.ok:
+            e.breaks += 1
+        if not delta.ok:  # split (or keep_context where even the appended rendering breaks)
+            e.done_samples.append(e.sample)
+            e.sample, e.seen = _Sample(renderer.encode(full)), full
+            return
+        assert delta.ids is not None
+        last = e.sample.versions[-1]
+        n = len(delta.ids)
+        e.sample.add(delta.ids, [0.0] * n, [last] * n, [e.sample.cache_versions[-1]] * n, generated=False)
+        e.seen = full
+        turn.observation_tokens = n
+
+    def _rollouts(self, e: _Live, renderer: ChatRenderer) -> list[Rollout]:
+        samples = [s for s in [*e.done_samples, e.sample] if any(s.mask)]
+        episode = Episode(
+            messages=e.messages,
+            turns=e.turns,
+            reward=sum(e.rewards) if e.rewards else None,
+            finish_reason=e.finish or "stop",
+            info=e.info,
+            prefix_breaks=e.breaks,
+            env_s=e.env_s,
+            generate_s=e.generate_s,
+        )
+        out = []
+        for part, s in enumerate(samples):
+            end = max(i for i, m in enumerate(s.mask) if m) + 1  # trailing observation tokens train nothing
+            own, cache = s.versions[:end], s.cache_versions[:end]
+            oldest, versions, kv = compact_versions(own, cache, min(own))
+            out.append(
+                Rollout(
+                    prompt_index=e.prompt_index,
+                    prompt_ids=s.prompt_ids,
+                    response_ids=s.response[:end],
+                    logprobs=s.logprobs[:end],
+                    text=renderer.decode(s.response[:end]),
+                    finish_reason=episode.finish_reason,  # type: ignore[arg-type]
+                    weight_version=oldest,
+                    logprob_versions=versions,
+                    kv_versions=kv,
+                    loss_mask=s.mask[:end],
+                    episode=replace(episode, part=part),
+                )
+            )
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """The step's ``agent/*`` metrics from its rollouts' episodes (each episode counted once)."""
+    episodes = [r.episode for r in rollouts if r.episode is not None and r.episode.part == 0]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    finishes = Counter(ep.finish_reason for ep in episodes)
+    parts = sum(1 for r in rollouts if r.episode is not None)
+    return {
+        "agent/turns_mean": sum(len(ep.turns) for ep in episodes) / n,
+        "agent/tool_calls": float(sum(ep.tool_calls for ep in episodes)),
+        "agent/tool_errors": float(sum(ep.tool_errors for ep in episodes)),
+        "agent/episode_tokens_mean": sum(len(r.response_ids) for r in rollouts if r.episode) / n,
+        "agent/prefix_breaks": float(sum(ep.prefix_breaks for ep in episodes)),
+        "agent/samples_per_episode": parts / n,
+        "agent/env_s": sum(ep.env_s for ep in episodes),
+        **{f"agent/finish_{reason}": count / n for reason, count in sorted(finishes.items())},
+    }
