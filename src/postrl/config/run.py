@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from postrl.config.agent import AgentConfig
 from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config.base import DEVICE_PATTERN, Section
 from postrl.config.location import RunLocation
@@ -311,6 +312,9 @@ class RunConfig(RunLocation, Section):
         default_factory=SchedulerConfig,
         description="Where the workers run (`scheduler: ray` is short for `scheduler: {type: ray}`).",
     )
+    agent: AgentConfig | None = Field(
+        None, description="Multi-turn episodes with tools and an environment instead of one response per prompt."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -357,6 +361,15 @@ class RunConfig(RunLocation, Section):
             raise ValueError(
                 "scheduler.rollout_schedule resizes the rollout pool between steps, which controller.mode=async "
                 "does not have (generation runs ahead); leave one of them out"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_are_not_suspended(self) -> RunConfig:
+        if self.agent is not None and self.controller.mode == "async" and self.async_overlap == "generation":
+            raise ValueError(
+                "agent episodes run in async mode with controller.overlap=scoring (the next batch of episodes runs "
+                "between updates); overlap=generation suspends generation mid-batch, which episodes do not resume yet"
             )
         return self
 

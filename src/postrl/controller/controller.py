@@ -24,6 +24,7 @@ from postrl.buffer import ExperienceStore
 from postrl.config.run import RunConfig
 from postrl.controller.advantage import compute_advantage
 from postrl.controller.async_pipeline import BackgroundSync, BatchSteps, InlineProducer, ProducedBatch, Producer
+from postrl.controller.episodes import EpisodeSource
 from postrl.controller.generated import Generated
 from postrl.controller.stages import Groups, StageContext, build_stages
 from postrl.controller.stages.kl import KLCoefficient
@@ -37,6 +38,7 @@ from postrl.controller.step_metrics import (
 from postrl.data import PromptDataset, PromptSampler
 from postrl.models.weights import dedupe_tied, weight_manifest, write_sync_file
 from postrl.reward.client import RewardServiceError
+from postrl.rollout.agentic.episodes import episode_metrics
 from postrl.rollout.base import ScalableRolloutWorker
 from postrl.rollout.common import EngineUnhealthyError
 from postrl.rollout.continuation import continue_rollouts
@@ -121,6 +123,7 @@ class Controller:
         self.syncer: BackgroundSync | None = None
         self._pipeline_state: dict[str, Any] | None = None
         self._report: ProducedBatch | None = None  # async: the batch the step in progress trains on
+        self.episodes = None if self.config.agent is None else EpisodeSource(self.config.agent, parts.tokenizer)
 
     def start(self, state: dict[str, Any] | None = None) -> None:
         """Before the first step: restore a resumed run's state, then sync the weights once; in
@@ -290,6 +293,7 @@ class Controller:
             **accuracy(rewards, self.parts.reward.accuracy_component, self.config.reward.accuracy_threshold),
             **{f"time/{name}_s": value for name, value in seconds.items()},
             **stage_metrics,
+            **episode_metrics(rollouts),
         }
         return ProducedBatch(values, step_notes(rewards, values["reward/no_signal_groups"]))
 
@@ -323,15 +327,21 @@ class Controller:
     def generate(self, prompts: list[Prompt], sampling: SamplingParams | None = None) -> list[Rollout]:
         """In async mode on whatever weights the engines hold (each rollout says which)."""
         version = None if self.asynchronous else self.weight_version
+        if self.episodes is not None:
+            return self.episodes.run(self.parts.rollout, prompts, sampling or self.sampling, version)
         return self.parts.rollout.generate(prompts, sampling or self.sampling, version)
 
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
         """Rewards in rollout order; a failed reward service makes the samples unscorable, and too
         many unscorable samples stop the run (:meth:`check_failure_rate`)."""
-        requests = [
-            ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids))
-            for r in rollouts
-        ]
+        if self.episodes is not None and self.episodes.scores_itself:
+            return self.episodes.rewards(rollouts)
+        requests = (
+            self.episodes.requests(prompts, rollouts)
+            if self.episodes is not None
+            else [ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids))
+                  for r in rollouts]
+        )  # fmt: skip
         try:
             rewards = self.parts.reward.score_batch(requests)
         except RewardServiceError as exc:

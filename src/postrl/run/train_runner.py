@@ -325,7 +325,11 @@ def _run_loop(
     if validator is not None:
         observers.append(
             lambda m: validator.observe(
-                m, parts.rollout, parts.reward, None if controller.asynchronous else m.weight_version
+                m,
+                parts.rollout,
+                parts.reward,
+                None if controller.asynchronous else m.weight_version,
+                controller.episodes,
             )
         )
     observers += [watch.observe for watch in run_watches(config, stderr_echo)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from postrl.tasks import arithmetic
+from postrl.tasks import arithmetic, calculator_task
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,12 @@ TASKS: dict[str, Task] = {
         name="arithmetic",
         description="3-digit addition answered as <answer>N</answer>",
         rows=_arithmetic_rows,
+        verifier="exact_match",
+    ),
+    "calculator": Task(
+        name="calculator",
+        description="3-digit x 2-digit multiplication with a calculator tool (run with agent.env=calculator)",
+        rows=calculator_task.rows,
         verifier="exact_match",
     ),
 }

@@ -248,7 +248,9 @@ class StepBatch:
             if len(r.logprobs) != len(r.response_ids):
                 raise ValueError(f"rollout {row}: {len(r.logprobs)} logprobs for {len(r.response_ids)} response tokens")
             if r.loss_mask is not None and len(r.loss_mask) != len(r.response_ids):
-                raise ValueError(f"rollout {row}: {len(r.loss_mask)} loss_mask entries for {len(r.response_ids)} tokens")
+                raise ValueError(
+                    f"rollout {row}: {len(r.loss_mask)} loss_mask entries for {len(r.response_ids)} tokens"
+                )
             logprobs += r.logprobs
             versions += r.token_versions() or [r.weight_version] * len(r.response_ids)
             generated += r.loss_mask or [1] * len(r.response_ids)

@@ -74,12 +74,13 @@ class ChatRenderer:
             return Delta(text, self.encode(text) if text else []), full
         return Delta(None, None, first_difference(seen, full)), full
 
-    def appended_delta(self, history: list[dict[str, Any]], new: list[dict[str, Any]]) -> Delta:
-        """The delta of ``new`` messages rendered against the template's own rendering of
-        ``history`` (``on_prefix_break: keep_context``: the history is whatever the template makes
-        of it in both renderings, so a rewrite of earlier turns cancels out)."""
-        before = self.render(history, generation_prompt=False)
-        after = self.render(history + new, generation_prompt=True)
+    def appended_delta(self, new: list[dict[str, Any]]) -> Delta:
+        """The delta of ``new`` messages as the template renders them after a plain exchange
+        (``on_prefix_break: keep_context``): the model's own history is kept as it was, and the new
+        messages are appended in the template's format, with the generation prompt."""
+        plain = [{"role": "user", "content": PROBE_CONTENT}, {"role": "assistant", "content": PROBE_CONTENT}]
+        before = self.render(plain, generation_prompt=False)
+        after = self.render(plain + new, generation_prompt=True)
         if not after.startswith(before):
             return Delta(None, None, first_difference(before, after))
         text = after[len(before) :]

@@ -120,7 +120,15 @@ class EpisodeRunner:
         messages = env.reset(row)
         renderer = ChatRenderer(self.tokenizer, [t.schema for t in env.tools])
         text = renderer.render(messages, generation_prompt=True)
-        return _Live(index, f"episode-{next(_keys)}", env, messages, text, _Sample(renderer.encode(text)))
+        ids = renderer.encode(text)
+        if len(ids) >= self.limits.max_context:
+            env.close()
+            where = f" {prompt.source}" if prompt.source else ""
+            raise ValueError(
+                f"prompt{where} renders to {len(ids)} tokens: agent.max_context={self.limits.max_context} leaves no "
+                "room for a turn"
+            )
+        return _Live(index, f"episode-{next(_keys)}", env, messages, text, _Sample(ids))
 
     def _turn(self, running: list[_Live], renderer: ChatRenderer, sampling: SamplingParams) -> None:
         by_budget: dict[int, list[_Live]] = {}
@@ -196,7 +204,7 @@ class EpisodeRunner:
         delta, full = renderer.delta(e.seen, e.messages)
         if not delta.ok and self.on_prefix_break == "keep_context":
             e.breaks += 1
-            delta = renderer.appended_delta(history, result.messages)
+            delta = renderer.appended_delta(result.messages)
             full = e.seen + (delta.text or "")
         elif not delta.ok:
             e.breaks += 1
@@ -249,7 +257,7 @@ class EpisodeRunner:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str, float]:
     """The step's ``agent/*`` metrics from its rollouts' episodes (each episode counted once)."""
     episodes = [r.episode for r in rollouts if r.episode is not None and r.episode.part == 0]
     if not episodes:
@@ -257,13 +265,15 @@ def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     n = len(episodes)
     finishes = Counter(ep.finish_reason for ep in episodes)
     parts = sum(1 for r in rollouts if r.episode is not None)
-    return {
-        "agent/turns_mean": sum(len(ep.turns) for ep in episodes) / n,
-        "agent/tool_calls": float(sum(ep.tool_calls for ep in episodes)),
-        "agent/tool_errors": float(sum(ep.tool_errors for ep in episodes)),
-        "agent/episode_tokens_mean": sum(len(r.response_ids) for r in rollouts if r.episode) / n,
-        "agent/prefix_breaks": float(sum(ep.prefix_breaks for ep in episodes)),
-        "agent/samples_per_episode": parts / n,
-        "agent/env_s": sum(ep.env_s for ep in episodes),
-        **{f"agent/finish_{reason}": count / n for reason, count in sorted(finishes.items())},
+    values = {
+        "turns_mean": sum(len(ep.turns) for ep in episodes) / n,
+        "tool_calls": float(sum(ep.tool_calls for ep in episodes)),
+        "tool_errors": float(sum(ep.tool_errors for ep in episodes)),
+        "episode_tokens_mean": sum(len(r.response_ids) for r in rollouts if r.episode) / n,
+        "prefix_breaks": float(sum(ep.prefix_breaks for ep in episodes)),
+        "samples_per_episode": parts / n,
+        "env_s": sum(ep.env_s for ep in episodes),
+        "generate_s": max(ep.generate_s for ep in episodes),
+        **{f"finish_{reason}": count / n for reason, count in sorted(finishes.items())},
     }
+    return {f"{prefix}/{name}": value for name, value in values.items()}

@@ -1,0 +1,38 @@
+"""Multi-turn episodes (``agent:``): the environment, the episode limits, and where rewards come from."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from postrl.config.base import Section
+
+
+class AgentConfig(Section):
+    env: str = Field(
+        description="The environment: a registered name (calculator) or module:Class of your own package "
+        "(reset(row) -> messages, step(action) -> StepResult, close(), tools)."
+    )
+    env_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments the environment is made with, once per episode."
+    )
+    max_turns: int = Field(4, ge=1, description="Model turns per episode; an episode that reaches it ends (max_turns).")
+    max_tokens_per_turn: int = Field(
+        128, ge=1, description="New tokens per model turn; a turn that reaches it ends its episode (length)."
+    )
+    max_context: int = Field(
+        2048, ge=2, description="Tokens in an episode's whole context; an episode that fills it ends (max_context)."
+    )
+    on_prefix_break: Literal["split", "keep_context"] = Field(
+        "split",
+        description="Where the chat template rewrites earlier turns: split starts a new training sample from the "
+        "template's rendering; keep_context keeps the model's own tokens as the context and appends the new "
+        "messages. Either way the break is counted and nothing is trained on re-tokenized text.",
+    )
+    reward: Literal["environment", "service"] = Field(
+        "environment",
+        description="environment: an episode's reward is the sum of its environment's rewards; service: the "
+        "reward components score the transcript (their columns get messages and env_info).",
+    )
+    env_workers: int = Field(8, ge=1, description="Environment steps run concurrently in this many threads.")
