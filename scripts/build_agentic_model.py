@@ -5,7 +5,7 @@ A short supervised pass on whole episodes: in a fraction ``--p-tool`` of them th
 ``<answer>..</answer>``; in the others it answers at once with a number that looks right and is
 wrong (no small model multiplies 3-digit by 2-digit numbers in its head). The model so knows both
 ways and starts near ``p-tool`` held-out success; RL on the environment's reward then has to
-learn *when* to call the tool. Loss on the model's turns only.
+learn *when* to call the tool. Loss on the model's turns only (the tool's answer is read, never predicted).
 
 Run: ``python scripts/build_agentic_model.py --out DIR [--steps N]``. Deterministic on CPU.
 """
@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_demo_model import DEFAULT_OUT, train  # noqa: E402
+from build_demo_model import DEFAULT_OUT  # noqa: E402
 
 from postrl.rollout.agentic.chat import ChatRenderer  # noqa: E402
 from postrl.tasks.calculator_task import problems  # noqa: E402
@@ -56,13 +56,38 @@ def episode(renderer: ChatRenderer, a: int, b: int, use_tool: bool, rng: random.
     return segments
 
 
+def train(model, pad_id: int, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int, lr: float, seed: int) -> None:
+    """Next-token loss on the tokens whose mask is 1 (the model's turns)."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    for step in range(steps):
+        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((batch_size, width), pad_id)
+        labels = torch.full((batch_size, width), -100)
+        for row, (ids, mask) in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 200 == 0 or step == steps - 1:
+            print(f"step {step:5d} loss {loss.item():.4f}", flush=True)
+    model.eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--p-tool", type=float, default=0.3, help="fraction of SFT episodes that call the tool")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--p-tool", type=float, default=0.45, help="fraction of SFT episodes that call the tool")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -75,10 +100,9 @@ def main() -> None:
     for a, b in train_pairs:
         segments = episode(renderer, a, b, rng.random() < args.p_tool, rng)
         ids = [t for seg, _ in segments for t in seg]
-        # train() puts labels on everything after the prompt; the observation tokens in between are
-        # few and fixed, so the warm start keeps them (the RL run trains on the model's tokens only)
-        examples.append((ids, len(segments[0][0])))
-    train(model, tokenizer, examples, args.steps, args.batch_size, args.lr, args.seed)
+        mask = [int(trained) for seg, trained in segments for _ in seg]
+        examples.append((ids, mask))
+    train(model, tokenizer.pad_token_id, examples, args.steps, args.batch_size, args.lr, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)

@@ -23,6 +23,7 @@ TRAIN_EXAMPLES = [
     "smollm2_grpo.yaml",
     "mixed_math_code.yaml",
     "dapo.yaml",
+    "calculator_agent.yaml",
     *sorted(
         f"algorithms/{p.name}" for p in (Path(__file__).resolve().parents[1] / "examples" / "algorithms").glob("*.yaml")
     ),
@@ -93,6 +94,8 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
             "rollout.dtype=float32",
             "rollout.max_tokens=8",
         ]
+    if name == "calculator_agent.yaml":  # the warm-started model is built by a script; any char model runs
+        extra = [f"model.path={tiny_model_dir}", "agent.max_tokens_per_turn=8", "prompts_per_step=4", "data.val_size=4"]
     if name == "mixed_math_code.yaml":
         extra += ["prompts_per_step=8", "train.mini_batch_size=16", "train.micro_batch_size=8"]  # every row once
     assert main(["train", str(EXAMPLES / name), *_example_overrides(tmp_path), *extra]) == 0
@@ -102,6 +105,8 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
     assert first["step"] == 1
     if name.startswith("algorithms/") or name == "dapo.yaml":
         assert math.isfinite(first["actor/loss"]) or name == "algorithms/ppo.yaml"
+    if name == "calculator_agent.yaml":  # whole episodes, scored by the environment
+        assert first["agent/turns_mean"] >= 1 and "reward/environment/mean" in first
     if name == "mixed_math_code.yaml":  # each component scored its own rows
         assert {"reward/math/mean", "reward/code/mean"} <= set(first)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from typing import TypeVar
 
 from postrl.config.run import ConfigError
@@ -212,3 +213,27 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
 
     print(f"wrote {convert_gguf(args.file, args.out_dir)}")
     return 0
+
+
+def _cmd_check_template(args: argparse.Namespace) -> int:
+    from postrl.models.loading import load_tokenizer
+    from postrl.rollout.agentic.builtin_tools import BUILTIN_TOOLS
+    from postrl.rollout.agentic.template_check import check_template
+    from postrl.rollout.agentic.tools import Tool
+
+    unknown = [t for t in args.tools if t not in BUILTIN_TOOLS]
+    if unknown:
+        raise ConfigError(f"--tools: unknown tool {unknown[0]!r} (built in: {', '.join(sorted(BUILTIN_TOOLS))})")
+    model = args.model
+    if model.endswith(".gguf"):
+        from postrl.models.gguf import convert_gguf
+
+        model = str(convert_gguf(model, tempfile.mkdtemp(prefix="postrl-gguf-")))
+    tokenizer = load_tokenizer(model)
+    if not tokenizer.chat_template:
+        raise ConfigError(f"{args.model}: the tokenizer has no chat template")
+    report = check_template(tokenizer, [Tool.from_function(BUILTIN_TOOLS[t], t).schema for t in args.tools] or None)
+    for case in report.cases:
+        print(case.line())
+    print(report.summary())
+    return 0 if report.append_only else 1

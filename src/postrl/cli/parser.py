@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from postrl.cli.commands import (
+    _cmd_check_template,
     _cmd_convert_gguf,
     _cmd_demo,
     _cmd_dpo,
@@ -213,6 +214,18 @@ def _add_convert_gguf(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_convert_gguf)
 
 
+def _add_check_template(command: Callable[..., argparse.ArgumentParser]) -> None:
+    p = command(
+        "check-template",
+        "say whether a chat template is append-only (multi-turn episodes, tool calls, reasoning, system prompts)",
+        epilog="exit status 0: append-only in every probe; 1: it rewrites earlier turns in some "
+        "(agent.on_prefix_break decides what a run does there)",
+    )
+    p.add_argument("model", help="a model or tokenizer folder, a hub id, 'demo', or a .gguf file")
+    p.add_argument("--tools", nargs="*", default=["calculator"], help="built-in tools offered in the probes")
+    p.set_defaults(func=_cmd_check_template)
+
+
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -245,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_route,
         _add_serve_reward,
         _add_convert_gguf,
+        _add_check_template,
     ):
         add(command)
     return parser

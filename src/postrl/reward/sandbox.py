@@ -129,8 +129,9 @@ class Sandbox:
         self.limits = limits
         self.protections = protections or probe_protections()
 
-    def _command(self, result_fd: int) -> list[str]:
-        python = [sys.executable, "-I"] + ([] if self.limits.python_site else ["-S"]) + [str(HARNESS), str(result_fd)]
+    def _command(self, result_fd: int, request_fd: int | None = None) -> list[str]:
+        fds = [str(result_fd)] + ([] if request_fd is None else [str(request_fd)])
+        python = [sys.executable, "-I"] + ([] if self.limits.python_site else ["-S"]) + [str(HARNESS), *fds]
         # the jail dies with the scoring worker that started it, even when that worker is SIGKILLed
         death = ["setpriv", "--pdeathsig", "KILL"] if SETPRIV else []
         flags = list(self.protections.namespaces)
@@ -148,6 +149,19 @@ class Sandbox:
             raise ValueError(f"sandbox mode must be 'assert' or 'io', got {mode!r}")
         if not tests:
             raise ValueError("the program has no tests to run")
+        spec, workdir = self.jail_spec(mode)
+        limits = self.limits
+        spec["program"], spec["tests"] = program, tests
+        spec["case_timeout_s"] = max(0.1, limits.wall_s / max(1, len(tests))) if mode == "io" else limits.wall_s
+        try:
+            return self._execute(spec, len(tests))
+        finally:
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    def jail_spec(self, mode: str) -> tuple[dict, str | None]:
+        """The harness's spec for a jail of this sandbox's limits and protections, and the working
+        directory made for it (None in a private /tmp); the caller removes that folder."""
         private_tmp = "--mount" in self.protections.namespaces
         workdir = None if private_tmp else tempfile.mkdtemp(prefix="postrl-sandbox-")
         uid, gid = self.protections.unprivileged_user or (None, None)
@@ -155,15 +169,13 @@ class Sandbox:
             os.chown(workdir, uid, gid)
         limits = self.limits
         spec = {
-            "program": program,
-            "tests": tests,
             "mode": mode,
             "private_tmp": private_tmp,
             "workdir": workdir,
             "tmp_size_mb": limits.tmp_size_mb,
             "uid": uid,
             "gid": gid,
-            "case_timeout_s": max(0.1, limits.wall_s / max(1, len(tests))) if mode == "io" else limits.wall_s,
+            "output_bytes": limits.output_bytes,
             "limits": {
                 "cpu_s": limits.cpu_s,
                 "memory_mb": limits.memory_mb,
@@ -172,11 +184,7 @@ class Sandbox:
                 "open_files": limits.open_files,
             },
         }
-        try:
-            return self._execute(spec, len(tests))
-        finally:
-            if workdir is not None:
-                shutil.rmtree(workdir, ignore_errors=True)
+        return spec, workdir
 
     def _execute(self, spec: dict, n_tests: int) -> SandboxResult:
         result_r, result_w = os.pipe()
@@ -229,7 +237,7 @@ class Sandbox:
                     break
         finally:
             selector.close()
-            _kill_group(proc)
+            kill_group(proc)
             proc.stdout.close()
             os.close(result_r)
         code = proc.returncode
@@ -263,7 +271,7 @@ def _setpriv_has_pdeathsig() -> bool:
 SETPRIV = _setpriv_has_pdeathsig()
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

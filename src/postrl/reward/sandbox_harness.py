@@ -1,6 +1,6 @@
 """Runs inside the code sandbox: sets up the jail, then runs a program against its tests.
 
-Started by :mod:`postrl.reward.sandbox` as ``python -I [-S] sandbox_harness.py RESULT_FD`` (inside
+Started by :mod:`postrl.reward.sandbox` as ``python -I [-S] sandbox_harness.py RESULT_FD [REQUEST_FD]`` (inside
 fresh network/PID/mount namespaces when the kernel allows) with a ``marshal``-encoded spec on
 stdin (written by the trusted parent, never by the program). In order:
 a private tmpfs on /tmp (mount namespace only), a fresh working directory, stdin closed, resource
@@ -147,6 +147,61 @@ def run_asserts(spec, fd):
             _report(fd, i, True)
 
 
+def _read_exact(fd, n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _run_cell(code, scope):
+    """Run one cell like a REPL: statements, then the value of a last bare expression printed."""
+    import ast
+
+    tree = ast.parse(code, "<cell>", "exec")
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, "<cell>", "exec"), scope)
+    if last is not None:
+        value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), scope)
+        if value is not None:
+            print(repr(value))
+
+
+def run_session(spec, fd, request_fd):
+    """A stateful interpreter: cells arrive on REQUEST_FD as ``length\n`` + UTF-8 code; each reply
+    on RESULT_FD is ``ok|error<TAB>length\n`` + the cell's output (text the parent never unmarshals)."""
+    scope = {"__name__": "__main__", "__builtins__": __builtins__}
+    sys.stdin = io.TextIOWrapper(io.BytesIO(b""))
+    cap = spec["output_bytes"]
+    while True:
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = os.read(request_fd, 1)
+            if not chunk:
+                return
+            line += chunk
+        code = _read_exact(request_fd, int(line))
+        if code is None:
+            return
+        out = io.StringIO()
+        sys.stdout = sys.stderr = out
+        status = "ok"
+        try:
+            _run_cell(code.decode("utf-8", "replace"), scope)
+        except SystemExit:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - the cell's failure is its output
+            out.write(_describe(exc) + "\n")
+            status = "error"
+        finally:
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        data = out.getvalue().encode("utf-8", "replace")[:cap]
+        os.write(fd, ("%s\t%d\n" % (status, len(data))).encode() + data)
+
+
 def _child(program, stdin_path, out_fd, result_fd):
     os.setpgid(0, 0)
     os.close(result_fd)
@@ -241,11 +296,19 @@ def _stay_init_if_pid_1():
 def main():
     _stay_init_if_pid_1()
     fd = int(sys.argv[1])
+    request_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
     spec = marshal.loads(sys.stdin.buffer.read())
     _jail(spec)
-    os.closerange(3, fd)
-    os.closerange(fd + 1, 4096)
-    (run_io if spec["mode"] == "io" else run_asserts)(spec, fd)
+    kept = sorted({fd} | ({request_fd} if request_fd is not None else set()))
+    low = 3
+    for keep in kept:
+        os.closerange(low, keep)
+        low = keep + 1
+    os.closerange(low, 4096)
+    if spec["mode"] == "session":
+        run_session(spec, fd, request_fd)
+    else:
+        (run_io if spec["mode"] == "io" else run_asserts)(spec, fd)
     os._exit(0)
 
 

@@ -147,6 +147,11 @@ def check_context_length(config: RunConfig) -> None:
             f"{prompt + config.rollout.max_tokens} is more than the model's context length {limit} "
             f"({config.model.path}); lower one of them"
         )
+    if config.agent is not None and limit is not None and config.agent.max_context > limit:
+        raise ConfigError(
+            f"agent.max_context={config.agent.max_context} is more than the model's context length {limit} "
+            f"({config.model.path})"
+        )
     if config.rollout.backend == "vllm":
         check_vllm_context(config, limit)
 

@@ -1,4 +1,5 @@
-"""Tools every run can name (``agent.tools: [calculator]``)."""
+"""Tools every environment can name: ``calculator`` (stateless), ``python`` and ``shell`` (one
+sandboxed interpreter per episode)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import ast
 import operator
 from collections.abc import Callable
 from typing import Any
+
+from postrl.reward.python_session import PythonSession
+from postrl.reward.sandbox import SandboxLimits
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -49,4 +53,41 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
+class SandboxTools:
+    """The ``python`` and ``shell`` tools of one episode: one jailed interpreter (the reward
+    sandbox's limits and protections), started at the first call, kept across turns, killed with
+    its working directory at ``close``."""
+
+    def __init__(self, cell_timeout_s: float = 8.0) -> None:
+        self.session = PythonSession(SandboxLimits(wall_s=cell_timeout_s, cpu_s=60))
+
+    def python(self, code: str) -> str:
+        """Run Python code in a persistent interpreter (variables stay between calls); prints and
+        the value of a last expression come back.
+
+        Args:
+            code: Python statements
+        """
+        output, _ = self.session.run(code)
+        return output or "(no output)"
+
+    def shell(self, command: str) -> str:
+        """Run a shell command in the sandbox's working directory; stdout and stderr come back.
+
+        Args:
+            command: a command line for /bin/sh
+        """
+        cell = (
+            "import subprocess as _sp\n"
+            f"_r = _sp.run({command!r}, shell=True, capture_output=True, text=True)\n"
+            "print(_r.stdout + _r.stderr + ('' if _r.returncode == 0 else f'(exit status {_r.returncode})'), end='')"
+        )
+        output, _ = self.session.run(cell)
+        return output or "(no output)"
+
+    def close(self) -> None:
+        self.session.close()
+
+
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
+SANDBOX_TOOLS = ("python", "shell")  # methods of SandboxTools: one sandboxed process per episode

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from postrl.rollout.agentic.builtin_tools import BUILTIN_TOOLS
+from postrl.rollout.agentic.builtin_tools import BUILTIN_TOOLS, SANDBOX_TOOLS, SandboxTools
 from postrl.rollout.agentic.tools import Tool, ToolBox, ToolFormat
 from postrl.types.episode import ToolCallRecord
 
@@ -86,10 +86,17 @@ class ToolEnvironment:
     """The model may call tools for as many turns as it likes; a turn without a tool call is its
     final answer, rewarded 1 when ``<answer>X</answer>`` matches the row's ``answer`` column."""
 
-    def __init__(
-        self, tools: list[str] | list[Tool], timeout_s: float = 10.0, tool_format: ToolFormat = "auto"
-    ) -> None:
-        self.tools = [t if isinstance(t, Tool) else Tool.from_function(BUILTIN_TOOLS[t], t) for t in tools]
+    def __init__(self, tools: list[str | Tool], timeout_s: float = 10.0, tool_format: ToolFormat = "auto") -> None:
+        names = {t for t in tools if isinstance(t, str)}
+        self.sandbox = SandboxTools(cell_timeout_s=max(1.0, timeout_s - 2.0)) if names & set(SANDBOX_TOOLS) else None
+        known: dict[str, Callable[..., Any]] = dict(BUILTIN_TOOLS)
+        if self.sandbox is not None:
+            known |= {"python": self.sandbox.python, "shell": self.sandbox.shell}
+        unknown = sorted(n for n in names if n not in known)
+        if unknown:
+            everything = ", ".join(sorted([*BUILTIN_TOOLS, *SANDBOX_TOOLS]))
+            raise ValueError(f"unknown tool '{unknown[0]}' (built in: {everything})")
+        self.tools = [t if isinstance(t, Tool) else Tool.from_function(known[t], t) for t in tools]
         self.box = ToolBox(self.tools, timeout_s, tool_format)
         self.answer: str | None = None
 
@@ -112,9 +119,18 @@ class ToolEnvironment:
 
     def close(self) -> None:
         self.box.close()
+        if self.sandbox is not None:
+            self.sandbox.close()
 
 
 @register_environment("calculator")
 def calculator_environment(**options: Any) -> ToolEnvironment:
-    """Arithmetic with a calculator tool (the built-in ``agentic_arithmetic`` task)."""
+    """Arithmetic with a calculator tool (the built-in ``calculator`` task)."""
     return ToolEnvironment(["calculator"], **options)
+
+
+@register_environment("tools")
+def tools_environment(tools: list[str] | None = None, **options: Any) -> ToolEnvironment:
+    """Any built-in tools (``env_options: {tools: [python, shell]}``), the final answer in
+    ``<answer>`` tags checked against the row's ``answer``."""
+    return ToolEnvironment(list(tools or ["calculator"]), **options)

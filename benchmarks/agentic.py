@@ -1,0 +1,223 @@
+"""Multi-turn agentic RL: learning to use a tool, token exactness on a real model, KV reuse across turns.
+
+Parts (all by default):
+  learn   The ``calculator`` task (3-digit x 2-digit products, a calculator tool) from a warm-started
+          char model (scripts/build_agentic_model.py; built once into --cache): held-out success
+          before and after GRPO on the environment's reward, the wall time of the training run
+          (at most --learn-minutes), the mean turns per held-out episode.
+  exact   SmolLM2-135M-Instruct with its own chat template: 200 episodes of >= 3 turns whose
+          environment answers every turn with a tool message. Every engine call is recorded; an
+          assembled trajectory that is not exactly the engine's prompt + response of each of its
+          turns is a mismatch. The trainer's fp32 logprobs of the assembled trajectories against
+          the engine's (fp32). Also how many trajectories naive re-tokenization (decode, then encode
+          the text) would have changed.
+  speed   64 concurrent 4-turn episodes (SmolLM2, fp32) with long tool outputs: generated tokens/s
+          with the K/V kept across turns against prefilling each turn's whole context again.
+
+    python benchmarks/agentic.py [--part learn|exact|speed|all] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OBSERVATION = "total 48\n" + "".join(f"-rw-r--r-- 1 user user {1000 + 37 * i} Nov {i + 1} file_{i}.txt\n" for i in range(6))
+
+
+class ToolReplies:
+    """Answers every turn with a tool message until turn ``turns``, then ends the episode (reward 1)."""
+
+    def __init__(self, turns: int = 3, text: str = "ok") -> None:
+        from postrl.rollout.agentic.tools import Tool
+
+        self.tools: list[Tool] = []
+        self.turns, self.text, self.seen = turns, text, 0
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action: str):
+        from postrl.rollout.agentic.env import StepResult
+
+        self.seen += 1
+        if self.seen >= self.turns:
+            return StepResult([], reward=1.0, done=True)
+        return StepResult([{"role": "tool", "content": self.text}])
+
+    def close(self) -> None:
+        pass
+
+
+def smollm2():
+    from postrl.models.gguf import smollm2_dir
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+
+    folder = str(smollm2_dir())
+    return load_causal_lm(folder).float().eval(), load_tokenizer(folder)
+
+
+def prompts(tokenizer, n: int):
+    from postrl.types import Prompt
+
+    topics = ["the files in this folder", "disk usage", "the largest file", "recent changes", "the log", "the tests"]
+    return [Prompt(f"Tell me about {topics[i % len(topics)]} ({i}).", [], messages=None) for i in range(n)]
+
+
+def exact(args: argparse.Namespace) -> dict:
+    from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.types import SamplingParams
+
+    model, tokenizer = smollm2()
+    engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=0)
+    calls: list[tuple[list[int], list[int]]] = []
+
+    def generate(ps, sp):
+        out = engine.generate(ps, sp, None)
+        calls.extend((list(r.prompt_ids), list(r.response_ids)) for r in out)
+        return out
+
+    runner = EpisodeRunner(generate, lambda: ToolReplies(3, "56088"), tokenizer, EpisodeLimits(3, 24, 1024))
+    began = time.perf_counter()
+    rollouts = runner.run(prompts(tokenizer, args.episodes), SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=0))
+    took = time.perf_counter() - began
+    runner.close()
+    mismatches = naive = 0
+    by_prompt: dict[tuple[int, ...], list[tuple[list[int], list[int]]]] = {}
+    for p, r in calls:
+        by_prompt.setdefault(tuple(p[:40]), []).append((p, r))
+    for r in rollouts:
+        full = r.prompt_ids + r.response_ids
+        turns = [c for c in by_prompt.get(tuple(full[:40]), []) if full[: len(c[0]) + len(c[1])] == c[0] + c[1]]
+        if len(turns) < len(r.episode.turns):
+            mismatches += 1
+        if tokenizer(tokenizer.decode(full), add_special_tokens=False)["input_ids"] != full:
+            naive += 1
+    diff = 0.0
+    with torch.no_grad():
+        for r in rollouts:
+            ids = torch.tensor([r.prompt_ids + r.response_ids])
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1].float()
+            mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.response_ids).unsqueeze(1)).squeeze(1)
+            mask = torch.tensor(r.loss_mask, dtype=torch.bool)
+            diff = max(diff, float((mine - torch.tensor(r.logprobs))[mask].abs().max()))
+    return {
+        "episodes": len(rollouts),
+        "turns_min": min(len(r.episode.turns) for r in rollouts),
+        "retokenization_mismatches": mismatches,
+        "naive_retokenization_changed": naive,
+        "max_logprob_diff": diff,
+        "exact_s": round(took, 1),
+    }
+
+
+def speed(args: argparse.Namespace) -> dict:
+    from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.types import SamplingParams
+
+    model, tokenizer = smollm2()
+    results = {}
+    for mode, kept_mb in (("reprefill", 0), ("kv_reuse", 4096), ("reprefill_2", 0), ("kv_reuse_2", 4096)):
+        engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=0, kept_cache_mb=kept_mb)
+        runner = EpisodeRunner(
+            lambda ps, sp, engine=engine: engine.generate(ps, sp, None),
+            lambda: ToolReplies(5, OBSERVATION),
+            tokenizer,
+            EpisodeLimits(4, args.turn_tokens, 2048),
+        )
+        began = time.perf_counter()
+        rollouts = runner.run(prompts(tokenizer, 64), SamplingParams(n=1, temperature=1.0, max_tokens=args.turn_tokens, seed=1))
+        took = time.perf_counter() - began
+        runner.close()
+        generated = sum(sum(r.loss_mask) for r in rollouts)
+        results[mode] = (generated / took, took, engine.stats["prefill_tokens"], min(len(r.episode.turns) for r in rollouts))
+        print(f"  {mode:12s} {generated / took:8.1f} generated tok/s  {took:6.1f} s  prefilled {engine.stats['prefill_tokens']}", file=sys.stderr)
+    reuse = [results["kv_reuse"][0], results["kv_reuse_2"][0]]
+    fresh = [results["reprefill"][0], results["reprefill_2"][0]]
+    return {
+        "multi_turn_speedup": round(sum(reuse) / sum(fresh), 3),
+        "tokens_per_s_kv_reuse": round(sum(reuse) / 2, 1),
+        "tokens_per_s_reprefill": round(sum(fresh) / 2, 1),
+        "prefill_tokens_kv_reuse": results["kv_reuse"][2],
+        "prefill_tokens_reprefill": results["reprefill"][2],
+        "speed_turns_min": min(v[3] for v in results.values()),
+    }
+
+
+def learn(args: argparse.Namespace) -> dict:
+    model_dir = Path(args.cache) / "agentic_model"
+    if not (model_dir / "model.safetensors").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_agentic_model.py"), "--out", str(model_dir)], check=True)
+    from postrl.config.loading import load_config
+    from postrl.controller.episodes import EpisodeSource
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.run.train_runner import check_context_length, train
+    from postrl.run.validation import Validator, load_validation_set
+
+    out = Path(args.cache) / "runs"
+    overrides = [
+        f"model.path={model_dir}", f"output_dir={out}", "name=calculator", f"steps={args.learn_steps}",
+        f"seed={args.seed}",
+    ]  # fmt: skip
+    config = load_config(str(ROOT / "examples" / "calculator_agent.yaml"), overrides)
+    check_context_length(config)
+    tokenizer = load_tokenizer(str(model_dir))
+    validator = Validator(config, load_validation_set(config, tokenizer))
+    episodes = EpisodeSource(config.agent, tokenizer)
+
+    def held_out(path: str) -> dict[str, float]:
+        engine = NativeRolloutWorker.from_hf(load_causal_lm(path), tokenizer, torch.float32)
+        return validator.run(engine, None, None, episodes)
+
+    before = held_out(str(model_dir))
+    began = time.perf_counter()
+    train(config, overwrite=True)
+    wall = time.perf_counter() - began
+    after = held_out(str(config.run_dir / "final_model"))
+    rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "acc_before": before["val/accuracy"],
+        "acc_after": after["val/accuracy"],
+        "wall_s": round(wall, 1),
+        "steps_run": len(rows),
+        "mean_turns": after["val/agent/turns_mean"],
+        "mean_turns_before": before["val/agent/turns_mean"],
+        "tool_errors_after": after["val/agent/tool_errors"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["learn", "exact", "speed", "all"], default="all")
+    parser.add_argument("--episodes", type=int, default=200)
+    parser.add_argument("--turn-tokens", type=int, default=16)
+    parser.add_argument("--learn-steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", default=str(ROOT / "benchmarks" / ".cache"))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result: dict = {}
+    for part, fn in (("learn", learn), ("exact", exact), ("speed", speed)):
+        if args.part in (part, "all"):
+            result.update(fn(args))
+    print(f"{'metric':32s} value")
+    for key, value in result.items():
+        print(f"{key:32s} {value}")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
