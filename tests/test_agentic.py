@@ -125,7 +125,9 @@ class ScriptedEnv:
         pass
 
 
-def run_script(tok, turns: list[list[int]], env, n: int = 2, limits=EpisodeLimits(), policy="split") -> list[Rollout]:
+def run_script(
+    tok, turns: list[list[int]], env, n: int = 2, limits=EpisodeLimits(), policy="split", row: dict | None = None
+) -> list[Rollout]:
     """Episodes whose model turns are ``turns`` (the same for every episode), through the runner
     with a scripted engine that checks the prompts it is given."""
     calls = []
@@ -142,7 +144,7 @@ def run_script(tok, turns: list[list[int]], env, n: int = 2, limits=EpisodeLimit
 
     runner = EpisodeRunner(generate, env, tok, limits, policy)
     try:
-        return runner.run([Prompt("Hi", [], messages=None)], SamplingParams(n=n, max_tokens=64))
+        return runner.run([Prompt("Hi", [], columns=row or {}, messages=None)], SamplingParams(n=n, max_tokens=64))
     finally:
         runner.close()
 

@@ -237,3 +237,32 @@ def _cmd_check_template(args: argparse.Namespace) -> int:
         print(case.line())
     print(report.summary())
     return 0 if report.append_only else 1
+
+
+def _cmd_serve_env(args: argparse.Namespace) -> int:
+    import json
+
+    from postrl.config.run import activate_import_paths
+    from postrl.rollout.agentic.env import environment_factory
+    from postrl.serve.env_server import build_env_app
+    from postrl.serve.run import serve_app
+    from postrl.workers.http_guard import is_loopback, read_token
+
+    try:
+        options = json.loads(args.options)
+        token = read_token(args.token_env)
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise ConfigError(f"serve-env: {exc}") from None
+    if not isinstance(options, dict):
+        raise ConfigError("serve-env --options must be a JSON object")
+    activate_import_paths([])
+    try:
+        make_env = environment_factory(args.env)
+        make_env(**options).close()  # a bad environment or option fails here, before serving
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
+    if not is_loopback(args.host) and token is None:
+        print(f"warning: serving environments on {args.host} without a token (set --token-env)", file=sys.stderr)
+    app = build_env_app(make_env, args.env, options, token, args.max_body_bytes)
+    serve_app(app, args.host, args.port, f"environment {args.env} on http://{args.host}:{args.port}")
+    return 0

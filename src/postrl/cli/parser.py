@@ -12,6 +12,7 @@ from postrl.cli.commands import (
     _cmd_dpo,
     _cmd_eval,
     _cmd_route,
+    _cmd_serve_env,
     _cmd_serve_reward,
     _cmd_serve_rollout,
     _cmd_sft,
@@ -214,6 +215,17 @@ def _add_convert_gguf(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_convert_gguf)
 
 
+def _add_serve_env(command: Callable[..., argparse.ArgumentParser]) -> None:
+    p = command("serve-env", "environments over HTTP for agent runs elsewhere (agent.env: http://HOST:PORT)")
+    p.add_argument("env", help="a registered environment (calculator, tools) or module:Class")
+    p.add_argument("--options", default="{}", help="the environment's keyword arguments as a JSON object")
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=int, default=8300, help="port (0: any free port)")
+    p.add_argument("--token-env", default=None, help="env var holding the bearer token requests must carry")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies are refused (413)")
+    p.set_defaults(func=_cmd_serve_env)
+
+
 def _add_check_template(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command(
         "check-template",
@@ -259,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_serve_reward,
         _add_convert_gguf,
         _add_check_template,
+        _add_serve_env,
     ):
         add(command)
     return parser

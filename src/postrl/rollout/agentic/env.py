@@ -55,9 +55,14 @@ def register_environment(name: str) -> Callable[[EnvironmentFactory], Environmen
 
 
 def environment_factory(spec: str) -> EnvironmentFactory:
-    """A registered environment's name, or ``module:attribute`` of a user's package."""
+    """A registered environment's name, ``module:attribute`` of a user's package, or the URL of
+    ``postrl serve-env``."""
     if spec in ENVIRONMENTS:
         return ENVIRONMENTS[spec]
+    if spec.startswith(("http://", "https://")):  # postrl serve-env
+        from postrl.rollout.agentic.remote_env import RemoteEnvironment
+
+        return lambda **options: RemoteEnvironment(spec, **options)
     if ":" not in spec:
         raise ValueError(
             f"agent.env: unknown environment '{spec}' (registered: {', '.join(sorted(ENVIRONMENTS))}; or module:Class)"

@@ -1,0 +1,75 @@
+"""``postrl serve-env``: the calculator environment in its own process over HTTP; an episode
+through it gives the same trajectory as the environment in-process, a bad token is refused, a
+malformed body names its field."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from postrl.rollout.agentic.env import environment_factory
+from postrl.rollout.agentic.remote_env import EnvironmentServiceError
+from postrl.workers.net import free_port
+from tests.chat_templates import family_tokenizer
+from tests.test_agentic import run_script
+
+TOKEN = "env-token-7"
+
+
+@pytest.fixture(scope="module")
+def env_server():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "postrl.cli", "serve-env", "calculator", "--port", str(port), "--token-env", "ENV_TOKEN"],
+        env={**os.environ, "ENV_TOKEN": TOKEN},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield url
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=20)
+
+
+def test_an_episode_over_http_is_the_same_trajectory_as_in_process(env_server, monkeypatch):
+    monkeypatch.setenv("ENV_TOKEN", TOKEN)
+    tok = family_tokenizer("qwen2.5")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+    turns = [tok.encode(call, add_special_tokens=False) + [end], tok.encode("<answer>408</answer>", add_special_tokens=False) + [end]]
+    remote = environment_factory(env_server)
+    local = run_script(tok, turns, lambda **_: environment_factory("calculator")(), 2, row={"answer": "408"})
+    served = run_script(tok, turns, lambda **_: remote(token_env="ENV_TOKEN"), 2, row={"answer": "408"})
+    assert [(r.prompt_ids, r.response_ids, r.loss_mask) for r in served] == [(r.prompt_ids, r.response_ids, r.loss_mask) for r in local]
+    assert [r.episode.reward for r in served] == [1.0, 1.0] and served[0].episode.tool_calls == 1
+    assert served[0].episode.turns[0].tool_calls[0].name == "calculator"
+    assert httpx.get(env_server + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["episodes"] == 0
+
+
+def test_a_bad_token_and_a_bad_body_are_refused(env_server, monkeypatch):
+    assert httpx.post(env_server + "/episodes", json={"row": {}}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.post(env_server + "/episodes", json={"row": {}}).status_code == 401
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    reply = httpx.post(env_server + "/episodes", json={"rows": {}}, headers=good)
+    assert reply.status_code == 422 and "row" in reply.json()["detail"]
+    assert httpx.post(env_server + "/episodes/ep-999/step", json={"action": "x"}, headers=good).status_code == 404
+    monkeypatch.setenv("WRONG_TOKEN", "nope")
+    env = environment_factory(env_server)(token_env="WRONG_TOKEN")
+    with pytest.raises(EnvironmentServiceError, match="401"):
+        env.reset({"prompt": "1*2", "answer": "2", "messages": None})
+    env.close()
