@@ -103,6 +103,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     from postrl.config.run import RolloutConfig
     from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.agentic.recorder import EpisodeRecorder
     from postrl.rollout.factory import rollout_worker_for_model
     from postrl.serve.batcher import EngineBatcher
     from postrl.serve.openai_server import ServerLimits, build_app
@@ -136,12 +137,14 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
         weights_dir=args.weights_dir,
         max_body_bytes=args.max_body_bytes,
     )
-    app = build_app(batcher, tokenizer, name, max_context=max_context, limits=limits, token=token)
+    recorder = EpisodeRecorder(tokenizer) if args.record else None
+    app = build_app(batcher, tokenizer, name, max_context=max_context, limits=limits, token=token, recorder=recorder)
     engine = type(worker).__name__
     banner = (
         f"serving {name} ({engine}, context {max_context}) at http://{args.host}:{args.port}/v1"
         f"{'; bearer token required' if token else ''}"
         f"{f'; /update_weights reads {args.weights_dir}' if args.weights_dir else '; /update_weights disabled'}"
+        f"{'; recording episodes (episode_id or X-Episode-Id)' if recorder else ''}"
     )
     try:
         serve_app(app, args.host, args.port, banner)

@@ -183,6 +183,12 @@ def _add_serve_rollout(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="record chat calls that name an episode (body episode_id or header X-Episode-Id) token for token; "
+        "GET/DELETE /v1/episodes/ID reads and takes a recording",
+    )
     p.set_defaults(func=_cmd_serve_rollout)
 
 

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from postrl.config.base import Section
 
 
 class AgentConfig(Section):
-    env: str = Field(
-        description="The environment: a registered name (calculator) or module:Class of your own package "
-        "(reset(row) -> messages, step(action) -> StepResult, close(), tools)."
+    env: str | None = Field(
+        None,
+        description="The environment: a registered name (calculator, tools), module:Class of your own package "
+        "(reset(row) -> messages, step(action) -> StepResult, close(), tools), or the URL of postrl serve-env.",
+    )
+    function: str | None = Field(
+        None,
+        description="Instead of env: module:function of an agent written against the OpenAI API, called as "
+        "function(client, row) -> reward with an openai.OpenAI client on a recording server over the run's engine.",
     )
     env_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments the environment is made with, once per episode."
@@ -35,4 +41,12 @@ class AgentConfig(Section):
         description="environment: an episode's reward is the sum of its environment's rewards; service: the "
         "reward components score the transcript (their columns get messages and env_info).",
     )
-    env_workers: int = Field(8, ge=1, description="Environment steps run concurrently in this many threads.")
+    env_workers: int = Field(
+        8, ge=1, description="Environment steps (or agent functions) run concurrently in this many threads."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AgentConfig:
+        if (self.env is None) == (self.function is None):
+            raise ValueError("agent needs exactly one of env (an environment) and function (an OpenAI-API agent)")
+        return self

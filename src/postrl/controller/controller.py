@@ -159,7 +159,7 @@ class Controller:
             self._versions.notify_all()
 
     def close(self) -> None:
-        """Stop the async threads (the producer after its batch in progress); nothing in sync mode."""
+        """Stop the async threads (the producer after its batch in progress) and an agent server."""
         if self.producer is not None:
             self.producer.stop()
         if self.syncer is not None:
@@ -167,6 +167,8 @@ class Controller:
                 self.syncer.flush()
             finally:
                 self.syncer.close()
+        if self.episodes is not None:
+            self.episodes.close()
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> StepMetrics:

@@ -11,26 +11,40 @@ from postrl.rollout.agentic.env import environment_factory
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
 from postrl.rollout.agentic.template_check import check_template
 from postrl.rollout.base import RolloutWorker
+from postrl.serve.agent_runs import RecordedAgents, load_agent_function
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams, ScoreRequest
 
 log = logging.getLogger(__name__)
 
 
 class EpisodeSource:
+    """Whole episodes for a batch: an environment's (``agent.env``), or an OpenAI-API agent's
+    recorded calls (``agent.function``)."""
+
     def __init__(self, config: AgentConfig, tokenizer: Any) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.make_env = environment_factory(config.env)
-        probe = self.make_env(**config.env_options)
-        try:
-            report = check_template(tokenizer, [t.schema for t in probe.tools] or None)
-        finally:
-            probe.close()
-        (log.info if report.append_only else log.warning)("agent: %s", report.summary(config.on_prefix_break))
         self.limits = EpisodeLimits(config.max_turns, config.max_tokens_per_turn, config.max_context)
+        self.agents: RecordedAgents | None = None
+        if config.function is not None:
+            self.function = load_agent_function(config.function)
+            report = check_template(tokenizer)
+        else:
+            assert config.env is not None
+            self.make_env = environment_factory(config.env)
+            probe = self.make_env(**config.env_options)
+            try:
+                report = check_template(tokenizer, [t.schema for t in probe.tools] or None)
+            finally:
+                probe.close()
+        (log.info if report.append_only else log.warning)("agent: %s", report.summary(config.on_prefix_break))
 
     def run(
         self, engine: RolloutWorker, prompts: list[Prompt], sampling: SamplingParams, version: int | None
     ) -> list[Rollout]:
+        if self.config.function is not None:
+            if self.agents is None:
+                self.agents = RecordedAgents(engine, self.tokenizer, self.function, self.config.env_workers)
+            return self.agents.run(prompts, sampling)
         runner = EpisodeRunner(
             lambda ps, sp: engine.generate(ps, sp, version),
             self.make_env,
@@ -44,6 +58,11 @@ class EpisodeSource:
             return runner.run(prompts, sampling)
         finally:
             runner.close()
+
+    def close(self) -> None:
+        if self.agents is not None:
+            self.agents.close()
+            self.agents = None
 
     @property
     def scores_itself(self) -> bool:

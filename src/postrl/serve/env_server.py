@@ -34,6 +34,69 @@ class _StepBody(BaseModel):
     action: str
 
 
+class EnvService:
+    """The open episodes, one environment object each, by id."""
+
+    def __init__(self, make_env: EnvironmentFactory, options: dict[str, Any], max_episodes: int) -> None:
+        self.make_env, self.options, self.max_episodes = make_env, options, max_episodes
+        self.episodes: dict[str, Environment] = {}
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+
+    async def reset(self, request: Request) -> JSONResponse:
+        body = await _body(request, _ResetBody)
+        if isinstance(body, JSONResponse):
+            return body
+        assert isinstance(body, _ResetBody)
+        if len(self.episodes) >= self.max_episodes:
+            return JSONResponse({"detail": f"{self.max_episodes} episodes are open; close some first"}, status_code=429)
+        env = self.make_env(**self.options)
+        messages = await run_in_threadpool(env.reset, body.row)
+        with self.lock:
+            episode = f"ep-{next(self.ids)}"
+            self.episodes[episode] = env
+        return JSONResponse({"episode_id": episode, "messages": messages, "tools": [t.schema for t in env.tools]})
+
+    async def step(self, episode: str, request: Request) -> JSONResponse:
+        body = await _body(request, _StepBody)
+        if isinstance(body, JSONResponse):
+            return body
+        assert isinstance(body, _StepBody)
+        env = self.episodes.get(episode)
+        if env is None:
+            return JSONResponse({"detail": f"no open episode {episode!r}"}, status_code=404)
+        try:
+            result = await run_in_threadpool(env.step, body.action)
+        except Exception as exc:  # the environment's failure, reported to the runner (env_error)
+            return JSONResponse({"detail": f"the environment raised {type(exc).__name__}: {exc}"}, status_code=500)
+        reply = {"messages": result.messages, "reward": result.reward, "done": result.done, "info": result.info}
+        return JSONResponse({**reply, "tool_calls": [dataclasses.asdict(c) for c in result.tool_calls]})
+
+    async def close(self, episode: str) -> JSONResponse:
+        with self.lock:
+            env = self.episodes.pop(episode, None)
+        if env is None:
+            return JSONResponse({"detail": f"no open episode {episode!r}"}, status_code=404)
+        await run_in_threadpool(env.close)
+        return JSONResponse({"closed": episode})
+
+    def close_all(self) -> None:
+        with self.lock:
+            for env in self.episodes.values():
+                env.close()
+            self.episodes.clear()
+
+
+async def _body(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
+    if "application/json" not in request.headers.get("content-type", ""):
+        return JSONResponse({"detail": "send JSON (content-type: application/json)"}, status_code=415)
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        return JSONResponse({"detail": f"bad body: {problems}"}, status_code=422)
+
+
 def build_env_app(
     make_env: EnvironmentFactory,
     name: str,
@@ -42,78 +105,16 @@ def build_env_app(
     max_body_bytes: int = 4 << 20,
     max_episodes: int = 4096,
 ) -> FastAPI:
-    app = FastAPI(title="postrl environment service")
-    episodes: dict[str, Environment] = {}
-    lock = threading.Lock()
-    ids = itertools.count(1)
-
-    async def body_of(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
-        if "application/json" not in request.headers.get("content-type", ""):
-            return JSONResponse({"detail": "send JSON (content-type: application/json)"}, status_code=415)
-        try:
-            return model.model_validate_json(await request.body())
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
-            return JSONResponse({"detail": f"bad body: {problems}"}, status_code=422)
+    service = EnvService(make_env, options or {}, max_episodes)
+    app = FastAPI(title="postrl environment service", on_shutdown=[service.close_all])
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "env": name, "episodes": len(episodes)}
+        return {"status": "ok", "env": name, "episodes": len(service.episodes)}
 
-    @app.post("/episodes")
-    async def reset(request: Request) -> JSONResponse:
-        body = await body_of(request, _ResetBody)
-        if isinstance(body, JSONResponse):
-            return body
-        assert isinstance(body, _ResetBody)
-        if len(episodes) >= max_episodes:
-            return JSONResponse({"detail": f"{max_episodes} episodes are open; close some first"}, status_code=429)
-        env = make_env(**(options or {}))
-        messages = await run_in_threadpool(env.reset, body.row)
-        episode = f"ep-{next(ids)}"
-        with lock:
-            episodes[episode] = env
-        return JSONResponse({"episode_id": episode, "messages": messages, "tools": [t.schema for t in env.tools]})
-
-    @app.post("/episodes/{episode}/step")
-    async def step(episode: str, request: Request) -> JSONResponse:
-        body = await body_of(request, _StepBody)
-        if isinstance(body, JSONResponse):
-            return body
-        assert isinstance(body, _StepBody)
-        env = episodes.get(episode)
-        if env is None:
-            return JSONResponse({"detail": f"no open episode {episode!r}"}, status_code=404)
-        try:
-            result = await run_in_threadpool(env.step, body.action)
-        except Exception as exc:  # the environment's failure, reported to the runner (env_error)
-            return JSONResponse({"detail": f"the environment raised {type(exc).__name__}: {exc}"}, status_code=500)
-        return JSONResponse(
-            {
-                "messages": result.messages,
-                "reward": result.reward,
-                "done": result.done,
-                "info": result.info,
-                "tool_calls": [dataclasses.asdict(c) for c in result.tool_calls],
-            }
-        )
-
-    @app.delete("/episodes/{episode}")
-    async def close(episode: str) -> JSONResponse:
-        with lock:
-            env = episodes.pop(episode, None)
-        if env is None:
-            return JSONResponse({"detail": f"no open episode {episode!r}"}, status_code=404)
-        await run_in_threadpool(env.close)
-        return JSONResponse({"closed": episode})
-
-    @app.on_event("shutdown")
-    def close_all() -> None:
-        with lock:
-            for env in episodes.values():
-                env.close()
-            episodes.clear()
-
+    app.post("/episodes")(service.reset)
+    app.post("/episodes/{episode}/step")(service.step)
+    app.delete("/episodes/{episode}")(service.close)
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if token:
         app.add_middleware(TokenMiddleware, token=token)

@@ -8,6 +8,8 @@ from typing import Any, Literal
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
+from postrl.types import Rollout, SamplingParams
+
 # OpenAI parameters this server does not implement, with the values that mean "not used";
 # any other value is a 400 naming the parameter.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
@@ -70,13 +72,15 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
     name: str | None = None
+    tool_call_id: str | None = None
 
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    episode_id: str | None = Field(None, min_length=1, max_length=200)  # --record: the episode this call is part of
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -123,3 +127,8 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     """``text`` up to the first stop string, and whether one was found."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return (text[: min(hits)], True) if hits else (text, False)
+
+
+def final_text(r: Rollout, params: SamplingParams, keep_stop: bool) -> str:
+    """A response's text as the client gets it: cut at the first stop string unless kept."""
+    return r.text if keep_stop else cut_at_stop(r.text, params.stop)[0]

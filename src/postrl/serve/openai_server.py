@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from postrl.rollout.agentic.recorder import EpisodeRecorder
 from postrl.serve.batcher import EngineBatcher
 from postrl.serve.openai_protocol import (
     ChatRequest,
@@ -35,8 +36,10 @@ from postrl.serve.openai_protocol import (
     bad_request,
     check_parameters,
     cut_at_stop,
+    final_text,
     message_text,
 )
+from postrl.serve.recorded_chat import add_episode_routes, recorded_chat
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware, confined_path, detail
 
@@ -84,10 +87,17 @@ class OpenAIServer:
     """The request handling behind the routes: validation, sampling parameters, response bodies."""
 
     def __init__(
-        self, batcher: EngineBatcher, tokenizer: Any, model_name: str, max_context: int | None, limits: ServerLimits
+        self,
+        batcher: EngineBatcher,
+        tokenizer: Any,
+        model_name: str,
+        max_context: int | None,
+        limits: ServerLimits,
+        recorder: EpisodeRecorder | None = None,
     ) -> None:
         self.batcher, self.tokenizer, self.model_name = batcher, tokenizer, model_name
         self.max_context, self.limits = max_context, limits
+        self.recorder = recorder
         self.created = int(time.time())
 
     # -- checking a request ------------------------------------------------------------------------
@@ -225,13 +235,18 @@ class OpenAIServer:
             )
         return self.envelope("cmpl", "text_completion", choices, prompts, rollouts)
 
-    async def chat(self, req: ChatRequest) -> dict[str, Any] | StreamingResponse:
+    async def chat(
+        self, req: ChatRequest, x_episode_id: str | None = Header(None, max_length=200)
+    ) -> dict[str, Any] | StreamingResponse:
         self.check_request(req, 1)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         messages = [
             {"role": m.role if m.role != "developer" else "system", "content": message_text(m)} for m in req.messages
         ]
+        episode = req.episode_id or x_episode_id
+        if episode is not None:
+            return await recorded_chat(self, req, episode, messages)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompts = self.to_prompts([self.tokenizer(text, add_special_tokens=False)["input_ids"]])
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -281,10 +296,6 @@ def numbered(rollouts: list[Rollout]) -> list[tuple[Rollout, int]]:
         out.append((r, seen.get(r.prompt_index, 0)))
         seen[r.prompt_index] = out[-1][1] + 1
     return out
-
-
-def final_text(r: Rollout, params: SamplingParams, keep_stop: bool) -> str:
-    return r.text if keep_stop else cut_at_stop(r.text, params.stop)[0]
 
 
 class SSEStream:
@@ -415,10 +426,13 @@ def build_app(
     max_context: int | None = None,
     limits: ServerLimits | None = None,
     token: str | None = None,
+    recorder: EpisodeRecorder | None = None,
 ) -> FastAPI:
-    """With ``token``, every request needs ``Authorization: Bearer <token>``."""
+    """With ``token``, every request needs ``Authorization: Bearer <token>``; with ``recorder``,
+    chat requests that name an episode (``episode_id`` or ``X-Episode-Id``) are recorded token
+    for token, and ``GET``/``DELETE /v1/episodes/{id}`` read and take a recording."""
     limits = limits or ServerLimits(default_max_tokens=default_max_tokens)
-    server = OpenAIServer(batcher, tokenizer, model_name, max_context, limits)
+    server = OpenAIServer(batcher, tokenizer, model_name, max_context, limits, recorder)
     app = FastAPI(title="postrl rollout server")
     app.add_middleware(BodyLimitMiddleware, limit=limits.max_body_bytes)
     if token:
@@ -442,4 +456,6 @@ def build_app(
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/v1/chat/completions", response_model=None)(server.chat)
     app.post("/update_weights")(server.update_weights)
+    if recorder is not None:
+        add_episode_routes(app, recorder)
     return app

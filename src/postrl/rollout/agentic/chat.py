@@ -86,6 +86,22 @@ class ChatRenderer:
         text = after[len(before) :]
         return Delta(text, self.encode(text))
 
+    def model_turn(self, ids: list[int], stopped: bool) -> tuple[str, str]:
+        """A model turn's message content and the template text its tokens stand for. A turn that
+        ended on a special token (the template's end-of-turn, or the model's EOS) ended where the
+        template ends an assistant message: the content is what came before it, and the token
+        stands for the template's end-of-turn text, so the next delta starts after it."""
+        if stopped and ids and ids[-1] in self.special_ids:
+            content = self.decode(ids[:-1])
+            end = self.end_of_turn_ids()
+            return content, content + self.decode(end if end else ids[-1:])
+        content = self.decode(ids)
+        return content, content
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(self.tokenizer.all_special_ids) | set(self.end_of_turn_ids())
+
     def end_of_turn(self) -> str:
         """The text the template puts right after an assistant message's content (``<|im_end|>\\n``
         for ChatML): where the model's turn ends."""

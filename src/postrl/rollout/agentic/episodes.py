@@ -40,8 +40,9 @@ class EpisodeLimits:
 
 
 @dataclass
-class _Sample:
-    """One training sample of an episode: its first context and everything after it."""
+class TrajectorySample:
+    """One training sample of an episode: its first context and everything after it (the model's
+    tokens with their logprobs and versions, the inserted ones with 0)."""
 
     prompt_ids: list[int]
     response: list[int] = field(default_factory=list)
@@ -69,9 +70,10 @@ class _Live:
     env: Environment
     messages: list[dict[str, Any]]
     seen: str  # the template text of the current sample's context
-    sample: _Sample
-    done_samples: list[_Sample] = field(default_factory=list)
+    sample: TrajectorySample
+    done_samples: list[TrajectorySample] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
+    contents: list[str] = field(default_factory=list)  # each model turn's message content
     rewards: list[float] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     breaks: int = 0
@@ -128,7 +130,7 @@ class EpisodeRunner:
                 f"prompt{where} renders to {len(ids)} tokens: agent.max_context={self.limits.max_context} leaves no "
                 "room for a turn"
             )
-        return _Live(index, f"episode-{next(_keys)}", env, messages, text, _Sample(ids))
+        return _Live(index, f"episode-{next(_keys)}", env, messages, text, TrajectorySample(ids))
 
     def _turn(self, running: list[_Live], renderer: ChatRenderer, sampling: SamplingParams) -> None:
         by_budget: dict[int, list[_Live]] = {}
@@ -161,7 +163,9 @@ class EpisodeRunner:
         cache = r.kv_versions or own
         e.turns.append(Turn(len(e.sample.context), len(r.response_ids)))
         e.sample.add(r.response_ids, r.logprobs, own, cache, generated=True)
-        e.seen += renderer.decode(r.response_ids)
+        content, seen = renderer.model_turn(r.response_ids, stopped=r.finish_reason == "stop")
+        e.seen += seen
+        e.contents.append(content)
         if r.finish_reason == "length":
             e.finish = "length" if len(r.response_ids) >= self.limits.max_tokens_per_turn else "max_context"
         elif r.finish_reason == "suspended":
@@ -170,10 +174,7 @@ class EpisodeRunner:
             e.finish = "pending"  # the environment decides
 
     def _step_env(self, e: _Live, r: Rollout, renderer: ChatRenderer) -> tuple[str, StepResult | BaseException]:
-        content = renderer.decode(r.response_ids)
-        for end in renderer.end_of_turn_ids():
-            if r.response_ids and r.response_ids[-1] == end:
-                content = renderer.decode(r.response_ids[:-1])
+        content = e.contents[-1]
         began = time.perf_counter()
         try:
             result: StepResult | BaseException = e.env.step(content)
@@ -210,7 +211,7 @@ class EpisodeRunner:
             e.breaks += 1
         if not delta.ok:  # split (or keep_context where even the appended rendering breaks)
             e.done_samples.append(e.sample)
-            e.sample, e.seen = _Sample(renderer.encode(full)), full
+            e.sample, e.seen = TrajectorySample(renderer.encode(full)), full
             return
         assert delta.ids is not None
         last = e.sample.versions[-1]
@@ -231,30 +232,33 @@ class EpisodeRunner:
             env_s=e.env_s,
             generate_s=e.generate_s,
         )
-        out = []
-        for part, s in enumerate(samples):
-            end = max(i for i, m in enumerate(s.mask) if m) + 1  # trailing observation tokens train nothing
-            own, cache = s.versions[:end], s.cache_versions[:end]
-            oldest, versions, kv = compact_versions(own, cache, min(own))
-            out.append(
-                Rollout(
-                    prompt_index=e.prompt_index,
-                    prompt_ids=s.prompt_ids,
-                    response_ids=s.response[:end],
-                    logprobs=s.logprobs[:end],
-                    text=renderer.decode(s.response[:end]),
-                    finish_reason=episode.finish_reason,  # type: ignore[arg-type]
-                    weight_version=oldest,
-                    logprob_versions=versions,
-                    kv_versions=kv,
-                    loss_mask=s.mask[:end],
-                    episode=replace(episode, part=part),
-                )
-            )
-        return out
+        return [sample_rollout(e.prompt_index, s, episode, part, renderer) for part, s in enumerate(samples)]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def sample_rollout(
+    prompt_index: int, s: TrajectorySample, episode: Episode, part: int, renderer: ChatRenderer
+) -> Rollout:
+    """A training sample as a Rollout: observation tokens after its last model turn are dropped
+    (they would train nothing)."""
+    end = max(i for i, m in enumerate(s.mask) if m) + 1
+    own, cache = s.versions[:end], s.cache_versions[:end]
+    oldest, versions, kv = compact_versions(own, cache, min(own))
+    return Rollout(
+        prompt_index=prompt_index,
+        prompt_ids=s.prompt_ids,
+        response_ids=s.response[:end],
+        logprobs=s.logprobs[:end],
+        text=renderer.decode(s.response[:end]),
+        finish_reason=episode.finish_reason,  # type: ignore[arg-type]
+        weight_version=oldest,
+        logprob_versions=versions,
+        kv_versions=kv,
+        loss_mask=s.mask[:end],
+        episode=replace(episode, part=part),
+    )
 
 
 def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str, float]:

@@ -1,0 +1,105 @@
+"""An agent written against the OpenAI API, trained from its recorded calls: the recording server
+builds each call's prompt from the episode's exact tokens, so the trajectory is the one the
+in-process episode runner makes for the same episodes (greedy, the same engine)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from postrl.models.loading import load_causal_lm, load_tokenizer
+from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+from postrl.rollout.native import NativeRolloutWorker
+from postrl.serve.agent_runs import MODEL_NAME, RecordedAgents
+from postrl.types import Prompt, SamplingParams
+from tests.test_agentic import ScriptedEnv
+
+LIMITS = EpisodeLimits(max_turns=3, max_tokens_per_turn=12, max_context=128)
+GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=12)
+
+
+def agent(client: openai.OpenAI, row: dict) -> float:
+    """The same episode as ScriptedEnv(["go on", "once more"]) under the runner, through the API."""
+    env = ScriptedEnv(["go on", "once more"], reward=0.5)
+    messages = env.reset(row)
+    for _ in range(LIMITS.max_turns):
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0.0, max_tokens=12)
+        choice = reply.choices[0]
+        if choice.finish_reason == "length":
+            return 0.0
+        result = env.step(choice.message.content)
+        if result.done:
+            return result.reward
+        messages += [{"role": "assistant", "content": choice.message.content}, *result.messages]
+    return 0.0
+
+
+@pytest.fixture
+def demo():
+    """The shipped demo model: its turns end (with </s>), so episodes have several."""
+    tokenizer = load_tokenizer("demo")
+    return NativeRolloutWorker.from_hf(load_causal_lm("demo"), tokenizer, torch.float32), tokenizer
+
+
+def test_recorded_calls_are_the_in_process_trajectory(demo):
+    engine, char_tokenizer = demo
+    prompts = [Prompt(t, [], messages=None) for t in ("123+456=", "700+99=")]
+    runner = EpisodeRunner(
+        lambda ps, sp: engine.generate(ps, sp, None),
+        lambda: ScriptedEnv(["go on", "once more"], 0.5),
+        char_tokenizer,
+        LIMITS,
+    )
+    local = runner.run(prompts, GREEDY)
+    runner.close()
+    agents = RecordedAgents(engine, char_tokenizer, agent, workers=4)
+    try:
+        served = agents.run(prompts, GREEDY)
+        assert len(served) == len(local) == 4
+        for a, b in zip(served, local):
+            assert (a.prompt_index, a.prompt_ids, a.response_ids, a.loss_mask) == (
+                b.prompt_index,
+                b.prompt_ids,
+                b.response_ids,
+                b.loss_mask,
+            )
+            # batched differently (and from kept K/V): the same tokens, logprobs within fp32 noise
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+            assert a.episode.reward == (b.episode.reward if b.episode.finish_reason == "stop" else 0.0)
+            assert len(a.episode.turns) == len(b.episode.turns)
+        assert max(len(r.episode.turns) for r in served) == 3 and all(r.episode.prefix_breaks == 0 for r in served)
+        assert not agents.recorder.episodes  # every recording was taken
+        assert engine.kept.hits > 0  # the server's calls continued each episode from its kept K/V
+        bad = httpx.post(
+            agents.url + "/chat/completions",
+            json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 2, "episode_id": "e"},
+        )
+        assert bad.status_code == 400 and "n=2 is over this server's limit of 1" in bad.text
+    finally:
+        agents.close()
+
+
+def test_an_agent_that_raises_ends_its_episode_not_the_batch(demo):
+    engine, char_tokenizer = demo
+
+    def flaky(client, row):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4
+        )
+        if row["prompt"] == "boom":
+            raise RuntimeError("the agent broke")
+        return 1.0
+
+    agents = RecordedAgents(engine, char_tokenizer, flaky)
+    try:
+        out = agents.run([Prompt("fine", [], messages=None), Prompt("boom", [], messages=None)], SamplingParams(n=1))
+    finally:
+        agents.close()
+    by_prompt = {r.prompt_index: r for r in out}
+    assert by_prompt[0].episode.reward == 1.0 and by_prompt[0].finish_reason != "env_error"
+    assert (
+        by_prompt[1].finish_reason == "env_error"
+        and by_prompt[1].episode.info["env_error"] == "RuntimeError: the agent broke"
+    )
