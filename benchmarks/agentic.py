@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-OBSERVATION = "total 48\n" + "".join(f"-rw-r--r-- 1 user user {1000 + 37 * i} Nov {i + 1} file_{i}.txt\n" for i in range(6))
+OBSERVATION = "total 48\n" + "".join(
+    f"-rw-r--r-- 1 user user {1000 + 37 * i} Nov {i + 1} file_{i}.txt\n" for i in range(6)
+)
 
 
 class ToolReplies:
@@ -88,7 +90,9 @@ def exact(args: argparse.Namespace) -> dict:
 
     runner = EpisodeRunner(generate, lambda: ToolReplies(3, "56088"), tokenizer, EpisodeLimits(3, 24, 1024))
     began = time.perf_counter()
-    rollouts = runner.run(prompts(tokenizer, args.episodes), SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=0))
+    rollouts = runner.run(
+        prompts(tokenizer, args.episodes), SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=0)
+    )
     took = time.perf_counter() - began
     runner.close()
     mismatches = naive = 0
@@ -136,12 +140,22 @@ def speed(args: argparse.Namespace) -> dict:
             EpisodeLimits(4, args.turn_tokens, 2048),
         )
         began = time.perf_counter()
-        rollouts = runner.run(prompts(tokenizer, 64), SamplingParams(n=1, temperature=1.0, max_tokens=args.turn_tokens, seed=1))
+        rollouts = runner.run(
+            prompts(tokenizer, 64), SamplingParams(n=1, temperature=1.0, max_tokens=args.turn_tokens, seed=1)
+        )
         took = time.perf_counter() - began
         runner.close()
         generated = sum(sum(r.loss_mask) for r in rollouts)
-        results[mode] = (generated / took, took, engine.stats["prefill_tokens"], min(len(r.episode.turns) for r in rollouts))
-        print(f"  {mode:12s} {generated / took:8.1f} generated tok/s  {took:6.1f} s  prefilled {engine.stats['prefill_tokens']}", file=sys.stderr)
+        results[mode] = (
+            generated / took,
+            took,
+            engine.stats["prefill_tokens"],
+            min(len(r.episode.turns) for r in rollouts),
+        )
+        print(
+            f"  {mode:12s} {generated / took:8.1f} generated tok/s  {took:6.1f} s  prefilled {engine.stats['prefill_tokens']}",
+            file=sys.stderr,
+        )
     reuse = [results["kv_reuse"][0], results["kv_reuse_2"][0]]
     fresh = [results["reprefill"][0], results["reprefill_2"][0]]
     return {
@@ -157,7 +171,9 @@ def speed(args: argparse.Namespace) -> dict:
 def learn(args: argparse.Namespace) -> dict:
     model_dir = Path(args.cache) / "agentic_model"
     if not (model_dir / "model.safetensors").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_agentic_model.py"), "--out", str(model_dir)], check=True)
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "build_agentic_model.py"), "--out", str(model_dir)], check=True
+        )
     from postrl.config.loading import load_config
     from postrl.controller.episodes import EpisodeSource
     from postrl.models.loading import load_causal_lm, load_tokenizer

@@ -43,7 +43,11 @@ def episode(renderer: ChatRenderer, a: int, b: int, use_tool: bool, rng: random.
     seen = renderer.render(messages, generation_prompt=True)
     segments = [(renderer.encode(seen), False)]
     end = renderer.end_of_turn_ids()
-    turns = [f'calculator(expression="{a}*{b}")', f"<answer>{a * b}</answer>"] if use_tool else [f"<answer>{wrong(a * b, rng)}</answer>"]
+    turns = (
+        [f'calculator(expression="{a}*{b}")', f"<answer>{a * b}</answer>"]
+        if use_tool
+        else [f"<answer>{wrong(a * b, rng)}</answer>"]
+    )
     for k, turn in enumerate(turns):
         ids = renderer.encode(turn) + end
         segments.append((ids, True))
@@ -56,7 +60,9 @@ def episode(renderer: ChatRenderer, a: int, b: int, use_tool: bool, rng: random.
     return segments
 
 
-def train(model, pad_id: int, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int, lr: float, seed: int) -> None:
+def train(
+    model, pad_id: int, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int, lr: float, seed: int
+) -> None:
     """Next-token loss on the tokens whose mask is 1 (the model's turns)."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -63,9 +63,13 @@ def test_engine_tokens_that_do_not_survive_decode_and_encode_are_kept_exactly():
 
 def test_tool_calls_are_parsed_in_hermes_and_plain_form_and_bad_ones_are_answered_not_raised():
     hermes = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
-    assert [(c.name, c.arguments) for c in parse_tool_calls(hermes, {"calculator"})] == [("calculator", {"expression": "2*3"})]
+    assert [(c.name, c.arguments) for c in parse_tool_calls(hermes, {"calculator"})] == [
+        ("calculator", {"expression": "2*3"})
+    ]
     plain = 'I will compute.\ncalculator(expression="2*3")'
-    assert [(c.name, c.arguments) for c in parse_tool_calls(plain, {"calculator"})] == [("calculator", {"expression": "2*3"})]
+    assert [(c.name, c.arguments) for c in parse_tool_calls(plain, {"calculator"})] == [
+        ("calculator", {"expression": "2*3"})
+    ]
     assert parse_tool_calls("print(x=1)", {"calculator"}) == []  # not a known tool: plain text
 
     def slow(seconds: float) -> str:
@@ -165,7 +169,9 @@ def test_trajectories_are_the_engine_tokens_with_the_loss_mask_on_the_model_turn
     assert r.logprobs == [-0.5] * 4 + [0.0] * len(delta) + [-0.5] * 4
     assert r.episode.reward == 1.0 and r.episode.finish_reason == "stop" and len(r.episode.turns) == 2
     # the whole conversation as the template renders it, but for the "\n" it puts after a model's last turn
-    assert tok.decode(r.prompt_ids + r.response_ids) + "\n" == renderer.render(r.episode.messages, generation_prompt=False)
+    assert tok.decode(r.prompt_ids + r.response_ids) + "\n" == renderer.render(
+        r.episode.messages, generation_prompt=False
+    )
 
 
 @pytest.mark.parametrize(
@@ -179,7 +185,9 @@ def test_trajectories_are_the_engine_tokens_with_the_loss_mask_on_the_model_turn
 def test_an_episode_at_each_limit_ends_with_that_reason(limits, finish, turns):
     tok = family_tokenizer("qwen2.5")
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    rollouts = run_script(tok, [tok.encode("abcd", add_special_tokens=False) + [end]], lambda **_: ScriptedEnv(["x"] * 9), 1, limits)
+    rollouts = run_script(
+        tok, [tok.encode("abcd", add_special_tokens=False) + [end]], lambda **_: ScriptedEnv(["x"] * 9), 1, limits
+    )
     (r,) = rollouts
     assert r.finish_reason == finish and r.episode.finish_reason == finish and len(r.episode.turns) == turns
     assert len(r.prompt_ids) + len(r.response_ids) <= limits.max_context
@@ -196,8 +204,14 @@ def test_a_prefix_break_is_split_or_kept_and_counted_never_retokenized():
     assert len(split) == 2 and split[0].episode.prefix_breaks == 1
     assert split[0].response_ids == thinking and split[0].loss_mask == [1] * len(thinking)
     renderer = ChatRenderer(tok)
-    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nA"}, {"role": "user", "content": "next"}]
-    assert split[1].prompt_ids == renderer.encode(renderer.render(history, generation_prompt=True))  # the template's rendering
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nhm\n</think>\n\nA"},
+        {"role": "user", "content": "next"},
+    ]
+    assert split[1].prompt_ids == renderer.encode(
+        renderer.render(history, generation_prompt=True)
+    )  # the template's rendering
     assert split[1].response_ids == answer and split[1].episode.part == 1
     kept = run_script(tok, [thinking, answer], lambda **_: ScriptedEnv(["next"]), 1, policy="keep_context")
     assert len(kept) == 1 and kept[0].episode.prefix_breaks == 1

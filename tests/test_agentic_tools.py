@@ -22,11 +22,15 @@ def test_the_python_tool_keeps_state_across_turns_and_leaves_nothing_behind():
     before = descendants()
     env = environment_factory("tools")(tools=["python", "shell"], timeout_s=6.0)
     env.reset({"prompt": "p", "answer": "42", "messages": None})
-    first = env.step('<tool_call>{"name": "python", "arguments": {"code": "x = 6\\ndef f(y): return x * y"}}</tool_call>')
+    first = env.step(
+        '<tool_call>{"name": "python", "arguments": {"code": "x = 6\\ndef f(y): return x * y"}}</tool_call>'
+    )
     assert first.messages[0]["content"] == "(no output)" and not first.done
     second = env.step('<tool_call>{"name": "python", "arguments": {"code": "f(7)"}}</tool_call>')
     assert second.messages[0]["content"] == "42\n"
-    shell = env.step('<tool_call>{"name": "shell", "arguments": {"command": "echo hi > a.txt && cat a.txt && pwd"}}</tool_call>')
+    shell = env.step(
+        '<tool_call>{"name": "shell", "arguments": {"command": "echo hi > a.txt && cat a.txt && pwd"}}</tool_call>'
+    )
     out = shell.messages[0]["content"].splitlines()
     assert out[0] == "hi" and out[1] != os.getcwd()  # in the jail's own working directory
     failing = env.step('<tool_call>{"name": "python", "arguments": {"code": "1/0"}}</tool_call>')
@@ -55,7 +59,9 @@ def test_a_cell_past_its_time_limit_restarts_the_interpreter_and_says_its_state_
 def test_a_slow_tool_call_is_answered_with_an_error_and_counted():
     env = ToolEnvironment(["python"], timeout_s=3.0)  # cells get 1 s, the tool call 3 s
     env.reset({"prompt": "p", "answer": "1", "messages": None})
-    result = env.step('<tool_call>{"name": "python", "arguments": {"code": "import time\\ntime.sleep(30)"}}</tool_call>')
+    result = env.step(
+        '<tool_call>{"name": "python", "arguments": {"code": "import time\\ntime.sleep(30)"}}</tool_call>'
+    )
     assert result.tool_calls[0].error.startswith("SessionLost: timed out after 1 s")
     assert result.messages[0]["content"].startswith("error: SessionLost")
     env.close()

@@ -26,7 +26,17 @@ TOKEN = "env-token-7"
 def env_server():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "postrl.cli", "serve-env", "calculator", "--port", str(port), "--token-env", "ENV_TOKEN"],
+        [
+            sys.executable,
+            "-m",
+            "postrl.cli",
+            "serve-env",
+            "calculator",
+            "--port",
+            str(port),
+            "--token-env",
+            "ENV_TOKEN",
+        ],
         env={**os.environ, "ENV_TOKEN": TOKEN},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -51,18 +61,26 @@ def test_an_episode_over_http_is_the_same_trajectory_as_in_process(env_server, m
     tok = family_tokenizer("qwen2.5")
     end = tok.convert_tokens_to_ids("<|im_end|>")
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
-    turns = [tok.encode(call, add_special_tokens=False) + [end], tok.encode("<answer>408</answer>", add_special_tokens=False) + [end]]
+    turns = [
+        tok.encode(call, add_special_tokens=False) + [end],
+        tok.encode("<answer>408</answer>", add_special_tokens=False) + [end],
+    ]
     remote = environment_factory(env_server)
     local = run_script(tok, turns, lambda **_: environment_factory("calculator")(), 2, row={"answer": "408"})
     served = run_script(tok, turns, lambda **_: remote(token_env="ENV_TOKEN"), 2, row={"answer": "408"})
-    assert [(r.prompt_ids, r.response_ids, r.loss_mask) for r in served] == [(r.prompt_ids, r.response_ids, r.loss_mask) for r in local]
+    assert [(r.prompt_ids, r.response_ids, r.loss_mask) for r in served] == [
+        (r.prompt_ids, r.response_ids, r.loss_mask) for r in local
+    ]
     assert [r.episode.reward for r in served] == [1.0, 1.0] and served[0].episode.tool_calls == 1
     assert served[0].episode.turns[0].tool_calls[0].name == "calculator"
     assert httpx.get(env_server + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["episodes"] == 0
 
 
 def test_a_bad_token_and_a_bad_body_are_refused(env_server, monkeypatch):
-    assert httpx.post(env_server + "/episodes", json={"row": {}}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert (
+        httpx.post(env_server + "/episodes", json={"row": {}}, headers={"Authorization": "Bearer nope"}).status_code
+        == 401
+    )
     assert httpx.post(env_server + "/episodes", json={"row": {}}).status_code == 401
     good = {"Authorization": f"Bearer {TOKEN}"}
     reply = httpx.post(env_server + "/episodes", json={"rows": {}}, headers=good)

@@ -34,9 +34,7 @@ def turns(engine: NativeRolloutWorker, tokenizer, keyed: bool) -> list[list[floa
     return out
 
 
-def test_kept_kv_continues_each_episode_with_the_same_logprobs_and_prefills_only_the_new_tokens(
-    engine, char_tokenizer
-):
+def test_kept_kv_continues_each_episode_with_the_same_logprobs_and_prefills_only_the_new_tokens(engine, char_tokenizer):
     fresh = turns(engine, char_tokenizer, keyed=False)
     prefilled_fresh = engine.stats["prefill_tokens"]
     engine.stats["prefill_tokens"] = 0

@@ -4,6 +4,8 @@ in-process episode runner makes for the same episodes (greedy, the same engine).
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -103,3 +105,21 @@ def test_an_agent_that_raises_ends_its_episode_not_the_batch(demo):
         by_prompt[1].finish_reason == "env_error"
         and by_prompt[1].episode.info["env_error"] == "RuntimeError: the agent broke"
     )
+
+
+def test_postrl_train_runs_an_openai_api_agent_from_its_recordings(tmp_path, arithmetic_jsonl):
+    """``agent.function``: whole steps on recorded episodes, with the agent's rewards."""
+    from postrl.cli import main
+
+    config = tmp_path / "agent.yaml"
+    config.write_text("agent: {function: tests.test_recorded_agents:agent, max_context: 128}\n")
+    args = [
+        "train", str(config), f"output_dir={tmp_path}/runs", "name=agent", "model.path=demo", "steps=2",
+        f"data.train_files=[{arithmetic_jsonl}]", "data.task=null", "prompts_per_step=2", "rollout.n=2",
+        "checkpoint.every_steps=0", "logging.tensorboard=false", "train.mini_batch_size=4",
+        "train.micro_batch_size=4",
+    ]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "agent" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["agent/turns_mean"] >= 1 for r in rows)
+    assert {r["reward/environment/mean"] for r in rows} <= {0.0, 0.25, 0.5}  # the agent's rewards, 0.5 or 0

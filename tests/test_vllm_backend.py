@@ -128,3 +128,38 @@ def test_vllm_takes_weights_mid_batch_and_suspends_a_batch_to_be_continued(vllm_
         assert [r.response_ids for r in done] == [r.response_ids for r in whole]
     finally:
         worker.close()
+
+
+def test_vllm_runs_multi_turn_episodes_token_for_token_like_the_native_engine(vllm_model, char_tokenizer):
+    """Episodes through the vLLM backend (token ids in, token ids out; its prefix cache holds the
+    earlier turns) give the native engine's trajectories, greedy."""
+    from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.rollout.vllm_backend import VLLMRolloutWorker
+    from tests.test_agentic import ScriptedEnv
+
+    model, folder = vllm_model
+    newline = char_tokenizer.convert_tokens_to_ids("\n")
+    sampling = SamplingParams(n=2, temperature=0.0, max_tokens=6, stop_token_ids=(newline,))
+    prompts = [Prompt(t, [], messages=None) for t in ("12+34=", "hello")]
+
+    def episodes(generate):
+        runner = EpisodeRunner(
+            generate, lambda: ScriptedEnv(["go on", "again"]), char_tokenizer, EpisodeLimits(3, 6, 200)
+        )
+        try:
+            return runner.run(prompts, sampling)
+        finally:
+            runner.close()
+
+    native = NativeRolloutWorker.from_hf(model, char_tokenizer, torch.float32)
+    expected = episodes(lambda ps, sp: native.generate(ps, sp, None))
+    worker = VLLMRolloutWorker(folder, char_tokenizer, dtype="float32", max_model_len=256)
+    try:
+        got = episodes(lambda ps, sp: worker.generate(ps, sp, None))
+    finally:
+        worker.close()
+    assert [(r.prompt_ids, r.response_ids, r.loss_mask) for r in got] == [
+        (r.prompt_ids, r.response_ids, r.loss_mask) for r in expected
+    ]
+    assert max(len(r.episode.turns) for r in got) == 3

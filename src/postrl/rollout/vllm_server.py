@@ -332,6 +332,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         seed=args.seed,
         gpu_memory_utilization=args.memory_fraction,
+        enable_prefix_caching=True,  # a multi-turn episode's next turn reuses its context's cached blocks
     )
     app = build_app(
         llm,
