@@ -169,7 +169,7 @@ def speed(args: argparse.Namespace) -> dict:
 
 
 def learn(args: argparse.Namespace) -> dict:
-    model_dir = Path(args.cache) / "agentic_model"
+    model_dir = Path(args.model) if args.model else Path(args.cache) / "agentic_model"
     if not (model_dir / "model.safetensors").exists():
         subprocess.run(
             [sys.executable, str(ROOT / "scripts" / "build_agentic_model.py"), "--out", str(model_dir)], check=True
@@ -184,7 +184,7 @@ def learn(args: argparse.Namespace) -> dict:
     out = Path(args.cache) / "runs"
     overrides = [
         f"model.path={model_dir}", f"output_dir={out}", "name=calculator", f"steps={args.learn_steps}",
-        f"seed={args.seed}",
+        f"seed={args.seed}", *args.override,
     ]  # fmt: skip
     config = load_config(str(ROOT / "examples" / "calculator_agent.yaml"), overrides)
     check_context_length(config)
@@ -220,6 +220,8 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=16)
     parser.add_argument("--learn-steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--override", action="append", default=[], help="a config override for the learn run (k=v)")
+    parser.add_argument("--model", default=None, help="learn: the warm-started model (default: built into --cache)")
     parser.add_argument("--cache", default=str(ROOT / "benchmarks" / ".cache"))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

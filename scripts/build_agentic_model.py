@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -68,6 +69,7 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
+    began = time.perf_counter()
     for step in range(steps):
         batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
         width = max(len(ids) for ids, _ in batch)
@@ -82,8 +84,8 @@ def train(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 200 == 0 or step == steps - 1:
-            print(f"step {step:5d} loss {loss.item():.4f}", flush=True)
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step:5d} loss {loss.item():.4f} ({time.perf_counter() - began:.0f} s)", flush=True)
     model.eval()
 
 
@@ -98,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     tokenizer = build_char_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_OUT)
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_OUT, attn_implementation="eager")  # CPU SDPA backward is slow
     renderer = ChatRenderer(tokenizer)
     rng = random.Random(args.seed)
     train_pairs, _ = problems(seed=0)

@@ -22,8 +22,7 @@ from tests.test_agentic import run_script
 TOKEN = "env-token-7"
 
 
-@pytest.fixture(scope="module")
-def env_server():
+def start_env_server() -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -48,12 +47,23 @@ def env_server():
         assert proc.poll() is None, proc.stdout.read()
         try:
             if httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=1).status_code == 200:
-                break
+                return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
-    yield url
+    proc.kill()
+    raise RuntimeError("serve-env did not come up")
+
+
+def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def env_server():
+    proc, url = start_env_server()
+    yield url
+    stop(proc)
 
 
 def test_an_episode_over_http_is_the_same_trajectory_as_in_process(env_server, monkeypatch):
@@ -91,3 +101,24 @@ def test_a_bad_token_and_a_bad_body_are_refused(env_server, monkeypatch):
     with pytest.raises(EnvironmentServiceError, match="401"):
         env.reset({"prompt": "1*2", "answer": "2", "messages": None})
     env.close()
+
+
+def test_an_episode_saved_on_one_server_goes_on_on_another(monkeypatch):
+    """Suspend and resume across a restart: the episode's state from the first server, restored on
+    a second after the first stopped, is scored as if nothing happened."""
+    monkeypatch.setenv("ENV_TOKEN", TOKEN)
+    first, url = start_env_server()
+    env = environment_factory(url)(token_env="ENV_TOKEN")
+    env.reset({"prompt": "12*34", "answer": "408", "messages": None})
+    assert env.step('calculator(expression="12*34")').messages[0]["content"] == "408"
+    saved = env.state_dict()
+    stop(first)
+    second, url = start_env_server()
+    try:
+        again = environment_factory(url)(token_env="ENV_TOKEN")
+        again.load_state_dict(saved)
+        assert [t.name for t in again.tools] == ["calculator"]
+        assert again.step("<answer>408</answer>").reward == 1.0
+        again.close()
+    finally:
+        stop(second)

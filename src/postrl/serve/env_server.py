@@ -5,6 +5,8 @@ per episode, kept by id until it is closed (or the server stops):
 
 - ``POST /episodes`` ``{"row": {...}}`` -> ``{"episode_id", "messages", "tools"}`` (tool schemas)
 - ``POST /episodes/{id}/step`` ``{"action": "..."}`` -> ``{"messages", "reward", "done", "info", "tool_calls"}``
+- ``GET /episodes/{id}/state`` -> ``{"state"}`` (environments with ``state_dict``); ``POST /episodes``
+  ``{"state": ...}`` restores it as a new episode (after a restart of either side)
 - ``DELETE /episodes/{id}`` closes it; ``GET /health`` -> ``{"status", "env", "episodes"}``
 """
 
@@ -20,13 +22,14 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from postrl.rollout.agentic.env import Environment, EnvironmentFactory
+from postrl.rollout.agentic.env import Environment, EnvironmentFactory, SavableEnvironment
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware
 
 
 class _ResetBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    row: dict[str, Any]
+    row: dict[str, Any] | None = None
+    state: dict[str, Any] | None = None  # an episode saved by GET /episodes/{id}/state, restored
 
 
 class _StepBody(BaseModel):
@@ -50,8 +53,20 @@ class EnvService:
         assert isinstance(body, _ResetBody)
         if len(self.episodes) >= self.max_episodes:
             return JSONResponse({"detail": f"{self.max_episodes} episodes are open; close some first"}, status_code=429)
+        if (body.row is None) == (body.state is None):
+            return JSONResponse({"detail": "send one of row (a new episode) and state (a saved one)"}, status_code=422)
         env = self.make_env(**self.options)
-        messages = await run_in_threadpool(env.reset, body.row)
+        if body.state is not None:
+            if not isinstance(env, SavableEnvironment):
+                env.close()
+                return JSONResponse(
+                    {"detail": "this environment cannot restore episodes (no load_state_dict)"}, status_code=409
+                )
+            await run_in_threadpool(env.load_state_dict, body.state)
+            messages: list[dict[str, Any]] = []
+        else:
+            assert body.row is not None
+            messages = await run_in_threadpool(env.reset, body.row)
         with self.lock:
             episode = f"ep-{next(self.ids)}"
             self.episodes[episode] = env
@@ -71,6 +86,14 @@ class EnvService:
             return JSONResponse({"detail": f"the environment raised {type(exc).__name__}: {exc}"}, status_code=500)
         reply = {"messages": result.messages, "reward": result.reward, "done": result.done, "info": result.info}
         return JSONResponse({**reply, "tool_calls": [dataclasses.asdict(c) for c in result.tool_calls]})
+
+    async def state(self, episode: str) -> JSONResponse:
+        env = self.episodes.get(episode)
+        if env is None:
+            return JSONResponse({"detail": f"no open episode {episode!r}"}, status_code=404)
+        if not isinstance(env, SavableEnvironment):
+            return JSONResponse({"detail": "this environment cannot save episodes (no state_dict)"}, status_code=409)
+        return JSONResponse({"state": await run_in_threadpool(env.state_dict)})
 
     async def close(self, episode: str) -> JSONResponse:
         with self.lock:
@@ -114,6 +137,7 @@ def build_env_app(
 
     app.post("/episodes")(service.reset)
     app.post("/episodes/{episode}/step")(service.step)
+    app.get("/episodes/{episode}/state")(service.state)
     app.delete("/episodes/{episode}")(service.close)
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if token:

@@ -14,7 +14,7 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from postrl.rollout.agentic.builtin_tools import BUILTIN_TOOLS, SANDBOX_TOOLS, SandboxTools
 from postrl.rollout.agentic.tools import Tool, ToolBox, ToolFormat
@@ -38,6 +38,16 @@ class Environment(Protocol):
     def step(self, action: str) -> StepResult: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SavableEnvironment(Environment, Protocol):
+    """An environment whose episode can be saved and restored (across a restart of the process
+    that holds it): ``state_dict()`` is JSON-serializable, ``load_state_dict`` replaces ``reset``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 EnvironmentFactory = Callable[..., Environment]
@@ -121,6 +131,14 @@ class ToolEnvironment:
             messages.append({"role": "tool", "name": call.name or "unknown", "content": text})
             records.append(record)
         return StepResult(messages, tool_calls=records)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The episode's answer key; a python/shell interpreter's variables are not saved (a
+        restored episode's first cell starts a fresh one, and the model is told if it relied on them)."""
+        return {"answer": self.answer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.answer = state["answer"]
 
     def close(self) -> None:
         self.box.close()

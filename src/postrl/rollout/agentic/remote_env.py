@@ -51,6 +51,23 @@ class RemoteEnvironment:
         self.tools = [Tool(s["function"]["name"], _runs_on_the_server, s) for s in reply["tools"]]
         return reply["messages"]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The server's saved episode, with the tools it offers: enough to go on after a restart."""
+        try:
+            response = self.client.get(f"/episodes/{self.episode}/state")
+        except httpx.HTTPError as exc:
+            raise EnvironmentServiceError(f"{self.client.base_url}: {exc}") from None
+        if response.status_code != 200:
+            raise EnvironmentServiceError(
+                f"saving episode {self.episode}: {response.status_code} {response.text[:300]}"
+            )
+        return {"state": response.json()["state"], "tools": [t.schema for t in self.tools]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        reply = self._post("/episodes", {"state": state["state"]})
+        self.episode = reply["episode_id"]
+        self.tools = [Tool(s["function"]["name"], _runs_on_the_server, s) for s in state["tools"]]
+
     def step(self, action: str) -> StepResult:
         reply = self._post(f"/episodes/{self.episode}/step", {"action": action})
         calls = [ToolCallRecord(**c) for c in reply["tool_calls"]]
