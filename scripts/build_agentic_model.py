@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_demo_model import DEFAULT_OUT  # noqa: E402
+from build_demo_model import DEFAULT_OUT, train  # noqa: E402
 
 from postrl.rollout.agentic.chat import ChatRenderer  # noqa: E402
 from postrl.tasks.calculator_task import problems  # noqa: E402
@@ -59,34 +58,6 @@ def episode(renderer: ChatRenderer, a: int, b: int, use_tool: bool, rng: random.
             assert delta.ids is not None
             segments.append((delta.ids, False))
     return segments
-
-
-def train(
-    model, pad_id: int, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int, lr: float, seed: int
-) -> None:
-    """Next-token loss on the tokens whose mask is 1 (the model's turns)."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    model.train()
-    began = time.perf_counter()
-    for step in range(steps):
-        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((batch_size, width), pad_id)
-        labels = torch.full((batch_size, width), -100)
-        for row, (ids, mask) in enumerate(batch):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
-        loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == steps - 1:
-            print(f"step {step:5d} loss {loss.item():.4f} ({time.perf_counter() - began:.0f} s)", flush=True)
-    model.eval()
 
 
 def main() -> None:

@@ -44,31 +44,35 @@ def build_model(vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> LlamaFor
     return LlamaForCausalLM(config)
 
 
-def sft_examples(tokenizer, problems, p_drop: float, rng: random.Random) -> list[tuple[list[int], int]]:
+def sft_examples(tokenizer, problems, p_drop: float, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """(token ids, 1 on the tokens trained) per problem: the loss is on the answer and its EOS."""
     out = []
     for p in problems:
         shown = p.carry_dropped_answer() if rng.random() < p_drop else p.answer
         prompt_ids = tokenizer(p.prompt)["input_ids"]
         response_ids = tokenizer(f"<answer>{shown}</answer>", add_special_tokens=False)["input_ids"]
-        out.append((prompt_ids + response_ids + [tokenizer.eos_token_id], len(prompt_ids)))
+        ids = prompt_ids + response_ids + [tokenizer.eos_token_id]
+        out.append((ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))))
     return out
 
 
-def train(model, tokenizer, examples, steps: int, batch_size: int, lr: float, seed: int) -> None:
+def train(
+    model, pad_id: int, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int, lr: float, seed: int
+) -> None:
+    """Next-token loss on the tokens whose mask is 1, AdamW with a one-cycle schedule."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     start = time.time()
     for step in range(steps):
-        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        batch = [examples[i] for i in idx]
+        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
         width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        input_ids = torch.full((batch_size, width), pad_id)
         labels = torch.full((batch_size, width), -100)
-        for row, (ids, n_prompt) in enumerate(batch):
+        for row, (ids, mask) in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -97,7 +101,7 @@ def main() -> None:
     train_problems, _ = make_splits(seed=args.seed, n_train=20000, n_test=200)
     examples = sft_examples(tokenizer, train_problems, args.p_drop, random.Random(args.seed))
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
-    train(model, tokenizer, examples, args.steps, args.batch_size, args.lr, args.seed)
+    train(model, tokenizer.pad_token_id, examples, args.steps, args.batch_size, args.lr, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(args.out, safe_serialization=True)

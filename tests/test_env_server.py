@@ -4,66 +4,30 @@ malformed body names its field."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from postrl.rollout.agentic.env import environment_factory
 from postrl.rollout.agentic.remote_env import EnvironmentServiceError
-from postrl.workers.net import free_port
 from tests.chat_templates import family_tokenizer
 from tests.test_agentic import run_script
+from tests.test_reward_server import start_cli_server, stop_server
 
 TOKEN = "env-token-7"
 
 
 def start_env_server() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "postrl.cli",
-            "serve-env",
-            "calculator",
-            "--port",
-            str(port),
-            "--token-env",
-            "ENV_TOKEN",
-        ],
-        env={**os.environ, "ENV_TOKEN": TOKEN},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("serve-env did not come up")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=20)
+    args = ["serve-env", "calculator", "--token-env", "ENV_TOKEN"]
+    return start_cli_server(args, {"ENV_TOKEN": TOKEN}, TOKEN)
 
 
 @pytest.fixture(scope="module")
 def env_server():
     proc, url = start_env_server()
     yield url
-    stop(proc)
+    stop_server(proc)
 
 
 def test_an_episode_over_http_is_the_same_trajectory_as_in_process(env_server, monkeypatch):
@@ -112,7 +76,7 @@ def test_an_episode_saved_on_one_server_goes_on_on_another(monkeypatch):
     env.reset({"prompt": "12*34", "answer": "408", "messages": None})
     assert env.step('calculator(expression="12*34")').messages[0]["content"] == "408"
     saved = env.state_dict()
-    stop(first)
+    stop_server(first)
     second, url = start_env_server()
     try:
         again = environment_factory(url)(token_env="ENV_TOKEN")
@@ -121,4 +85,4 @@ def test_an_episode_saved_on_one_server_goes_on_on_another(monkeypatch):
         assert again.step("<answer>408</answer>").reward == 1.0
         again.close()
     finally:
-        stop(second)
+        stop_server(second)

@@ -26,11 +26,18 @@ SECRET = "do-not-leak-42"
 
 
 def start_server(tmp: Path, config: dict, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
     path = tmp / "reward.yaml"
     path.write_text(json.dumps(config))
+    return start_cli_server(["serve-reward", "--config", str(path)], env, TOKEN)
+
+
+def start_cli_server(
+    args: list[str], env: dict | None = None, token: str | None = None
+) -> tuple[subprocess.Popen, str]:
+    """``postrl ARGS --port P`` in a child process, once its /health answers (with ``token``)."""
+    port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "postrl.cli", "serve-reward", "--config", str(path), "--port", str(port)],
+        [sys.executable, "-m", "postrl.cli", *args, "--port", str(port)],
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -40,15 +47,15 @@ def start_server(tmp: Path, config: dict, env: dict | None = None) -> tuple[subp
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"serve-reward exited: {proc.stdout.read()}")
+            raise RuntimeError(f"postrl {args[0]} exited: {proc.stdout.read()}")
         try:
-            headers = {"Authorization": f"Bearer {TOKEN}"}
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
             if httpx.get(url + "/health", headers=headers, timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("serve-reward did not come up")
+    raise RuntimeError(f"postrl {args[0]} did not come up")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

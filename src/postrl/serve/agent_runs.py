@@ -9,7 +9,6 @@ function's return value is the episode's reward (None: the reward service scores
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 import uuid
@@ -18,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from postrl.rollout.agentic.chat import ChatRenderer
+from postrl.rollout.agentic.env import import_callable
 from postrl.rollout.agentic.recorder import EpisodeRecorder, RecordedEpisode
 from postrl.rollout.base import RolloutWorker
 from postrl.serve.batcher import EngineBatcher
@@ -30,16 +30,7 @@ MODEL_NAME = "policy"  # what the agent's client sends as ``model``
 
 
 def load_agent_function(spec: str) -> AgentFunction:
-    module, _, attr = spec.partition(":")
-    if not attr:
-        raise ValueError(f"agent.function: expected module:function, got {spec!r}")
-    try:
-        found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"agent.function: cannot import '{spec}': {exc}") from None
-    if not callable(found):
-        raise ValueError(f"agent.function: '{spec}' is not a function")
-    return found
+    return import_callable(spec, "agent.function")
 
 
 class RecordedAgents:

@@ -77,13 +77,20 @@ def environment_factory(spec: str) -> EnvironmentFactory:
         raise ValueError(
             f"agent.env: unknown environment '{spec}' (registered: {', '.join(sorted(ENVIRONMENTS))}; or module:Class)"
         )
+    return import_callable(spec, "agent.env")
+
+
+def import_callable(spec: str, field: str) -> Callable[..., Any]:
+    """``module:attribute`` imported; a ValueError naming ``field`` when it is not there or not callable."""
     module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"{field}: expected module:name, got {spec!r}")
     try:
         found = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"agent.env: cannot import '{spec}': {exc}") from None
+        raise ValueError(f"{field}: cannot import '{spec}': {exc}") from None
     if not callable(found):
-        raise ValueError(f"agent.env: '{spec}' is not a class or function")
+        raise ValueError(f"{field}: '{spec}' is not a class or function")
     return found
 
 
