@@ -9,6 +9,7 @@ function's return value is the episode's reward (None: the reward service scores
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from postrl.serve.openai_server import ServerLimits, build_app
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.net import free_port
 
+log = logging.getLogger(__name__)
 AgentFunction = Callable[[Any, dict[str, Any]], "float | None"]
 MODEL_NAME = "policy"  # what the agent's client sends as ``model``
 
@@ -58,6 +60,9 @@ class RecordedAgents:
         jobs = [(i, p, f"{uuid.uuid4().hex[:12]}-{i}-{k}") for i, p in enumerate(prompts) for k in range(sampling.n)]
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="postrl-agent") as pool:
             done = list(pool.map(lambda job: self._episode(*job), jobs))
+        silent = sum(not rollouts for rollouts in done)
+        if silent:
+            log.warning("%d of %d agent episodes made no model call: nothing of them is trained on", silent, len(done))
         return [r for rollouts in done for r in rollouts]
 
     def _episode(self, index: int, prompt: Prompt, episode: str) -> list[Rollout]:

@@ -43,6 +43,9 @@ class Episode:
     finish_reason: str
     info: dict[str, Any] = field(default_factory=dict)
     prefix_breaks: int = 0
+    # training samples of the episode not trained on, by reason: "no_model_tokens" (a split left a
+    # sample the model never wrote into, e.g. a prefix break right before a limit)
+    dropped: dict[str, int] = field(default_factory=dict)
     part: int = 0
     env_s: float = 0.0
     generate_s: float = 0.0

@@ -221,7 +221,8 @@ class EpisodeRunner:
         turn.observation_tokens = n
 
     def _rollouts(self, e: _Live, renderer: ChatRenderer) -> list[Rollout]:
-        samples = [s for s in [*e.done_samples, e.sample] if any(s.mask)]
+        every = [*e.done_samples, e.sample]
+        samples = [s for s in every if any(s.mask)]
         episode = Episode(
             messages=e.messages,
             turns=e.turns,
@@ -229,6 +230,7 @@ class EpisodeRunner:
             finish_reason=e.finish or "stop",
             info=e.info,
             prefix_breaks=e.breaks,
+            dropped={"no_model_tokens": len(every) - len(samples)} if len(every) > len(samples) else {},
             env_s=e.env_s,
             generate_s=e.generate_s,
         )
@@ -268,6 +270,9 @@ def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str,
         return {}
     n = len(episodes)
     finishes = Counter(ep.finish_reason for ep in episodes)
+    dropped: Counter[str] = Counter()
+    for ep in episodes:
+        dropped.update(ep.dropped)
     parts = sum(1 for r in rollouts if r.episode is not None)
     values = {
         "turns_mean": sum(len(ep.turns) for ep in episodes) / n,
@@ -279,5 +284,6 @@ def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str,
         "env_s": sum(ep.env_s for ep in episodes),
         "generate_s": max(ep.generate_s for ep in episodes),
         **{f"finish_{reason}": count / n for reason, count in sorted(finishes.items())},
+        **{f"dropped_{reason}": float(count) for reason, count in sorted(dropped.items())},
     }
     return {f"{prefix}/{name}": value for name, value in values.items()}

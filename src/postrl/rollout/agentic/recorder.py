@@ -30,8 +30,11 @@ class RecordedEpisode:
     finish_reason: str = "stop"
 
     def rollouts(self, prompt_index: int, renderer: ChatRenderer, reward: float | None) -> list[Rollout]:
-        episode = Episode(self.messages, self.turns, reward, self.finish_reason, prefix_breaks=self.prefix_breaks)
         kept = [s for s in self.samples if any(s.mask)]
+        dropped = {"no_model_tokens": len(self.samples) - len(kept)} if len(self.samples) > len(kept) else {}
+        episode = Episode(
+            self.messages, self.turns, reward, self.finish_reason, prefix_breaks=self.prefix_breaks, dropped=dropped
+        )
         return [sample_rollout(prompt_index, s, episode, part, renderer) for part, s in enumerate(kept)]
 
 
