@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--part", choices=["learn", "exact", "speed", "all"], default="all")
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--turn-tokens", type=int, default=16)
-    parser.add_argument("--learn-steps", type=int, default=40)
+    parser.add_argument("--learn-steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--override", action="append", default=[], help="a config override for the learn run (k=v)")
     parser.add_argument("--model", default=None, help="learn: the warm-started model (default: built into --cache)")

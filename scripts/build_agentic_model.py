@@ -63,7 +63,7 @@ def episode(renderer: ChatRenderer, a: int, b: int, use_tool: bool, rng: random.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--p-tool", type=float, default=0.45, help="fraction of SFT episodes that call the tool")
