@@ -67,11 +67,13 @@ def smollm2():
     return load_causal_lm(folder).float().eval(), load_tokenizer(folder)
 
 
-def prompts(tokenizer, n: int):
+def prompts(tokenizer, n: int, start: int = 0):
     from postrl.types import Prompt
 
     topics = ["the files in this folder", "disk usage", "the largest file", "recent changes", "the log", "the tests"]
-    return [Prompt(f"Tell me about {topics[i % len(topics)]} ({i}).", [], messages=None) for i in range(n)]
+    return [
+        Prompt(f"Tell me about {topics[i % len(topics)]} ({i}).", [], messages=None) for i in range(start, start + n)
+    ]
 
 
 def exact(args: argparse.Namespace) -> dict:
@@ -88,21 +90,24 @@ def exact(args: argparse.Namespace) -> dict:
         calls.extend((list(r.prompt_ids), list(r.response_ids)) for r in out)
         return out
 
-    runner = EpisodeRunner(generate, lambda: ToolReplies(3, "56088"), tokenizer, EpisodeLimits(3, 24, 1024))
-    began = time.perf_counter()
-    rollouts = runner.run(
-        prompts(tokenizer, args.episodes), SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=0)
+    runner = EpisodeRunner(
+        generate, lambda: ToolReplies(3, "56088"), tokenizer, EpisodeLimits(3, args.exact_turn_tokens, 1024)
     )
+    began = time.perf_counter()
+    rollouts: list = []
+    generated = 0
+    while len(rollouts) < args.episodes:  # episodes whose turns all ended before the turn limit (>= 3 turns)
+        batch = runner.run(prompts(tokenizer, 100, generated), SamplingParams(n=1, temperature=1.0, seed=generated))
+        generated += len(batch)
+        rollouts += [r for r in batch if len(r.episode.turns) >= 3][: args.episodes - len(rollouts)]
     took = time.perf_counter() - began
     runner.close()
     mismatches = naive = 0
-    by_prompt: dict[tuple[int, ...], list[tuple[list[int], list[int]]]] = {}
-    for p, r in calls:
-        by_prompt.setdefault(tuple(p[:40]), []).append((p, r))
     for r in rollouts:
         full = r.prompt_ids + r.response_ids
-        turns = [c for c in by_prompt.get(tuple(full[:40]), []) if full[: len(c[0]) + len(c[1])] == c[0] + c[1]]
-        if len(turns) < len(r.episode.turns):
+        mine = [(p, g) for p, g in calls if p[: len(r.prompt_ids)] == r.prompt_ids]
+        turns = [(p, g) for p, g in mine if full[: len(p) + len(g)] == p + g]
+        if len(turns) != len(r.episode.turns) or len(mine) != len(r.episode.turns):
             mismatches += 1
         if tokenizer(tokenizer.decode(full), add_special_tokens=False)["input_ids"] != full:
             naive += 1
@@ -116,7 +121,9 @@ def exact(args: argparse.Namespace) -> dict:
             diff = max(diff, float((mine - torch.tensor(r.logprobs))[mask].abs().max()))
     return {
         "episodes": len(rollouts),
+        "episodes_generated": generated,
         "turns_min": min(len(r.episode.turns) for r in rollouts),
+        "tool_messages_min": min(sum(m["role"] == "tool" for m in r.episode.messages) for r in rollouts),
         "retokenization_mismatches": mismatches,
         "naive_retokenization_changed": naive,
         "max_logprob_diff": diff,
@@ -218,6 +225,7 @@ def main() -> None:
     parser.add_argument("--part", choices=["learn", "exact", "speed", "all"], default="all")
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--turn-tokens", type=int, default=16)
+    parser.add_argument("--exact-turn-tokens", type=int, default=48)
     parser.add_argument("--learn-steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--override", action="append", default=[], help="a config override for the learn run (k=v)")

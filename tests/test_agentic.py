@@ -244,3 +244,27 @@ def test_the_calculator_environment_rewards_the_right_answer_after_a_tool_call()
     assert env.step("<answer>408</answer>").reward == 1.0
     assert env.step("<answer>407</answer>").reward == 0.0
     env.close()
+
+
+def test_a_multi_turn_step_trains_and_credits_only_the_model_tokens():
+    """StepBatch from an episode's rollout: the loss mask and the token-level advantages (GAE over
+    the critic's values) skip the tool's tokens; their values never enter."""
+    import torch
+
+    from postrl.config.algorithm import AlgorithmConfig
+    from postrl.controller.advantage import compute_advantage
+    from postrl.types import RewardResult, StepBatch
+
+    mask = [1, 1, 0, 0, 1]
+    rollout = Rollout(0, [7, 8], [1, 2, 3, 4, 5], [-0.1, -0.2, 0.0, 0.0, -0.3], "", "stop", 0, loss_mask=mask)
+    step = StepBatch.build([Prompt("p", [7, 8])], [rollout], [RewardResult(1.0)], pad_id=0)
+    span = step.spans[0]
+    assert step.batch.loss_mask[0, span].tolist() == mask and step.batch.response_mask[0, span].tolist() == [1] * 5
+    values = torch.zeros_like(step.batch.loss_mask)
+    values[0, span] = torch.tensor([0.5, 0.4, 77.0, -77.0, 0.2])
+    step.batch.values = values
+    gae = {"type": "gae", "gamma": 1.0, "lam": 1.0, "whiten": False}
+    compute_advantage(step, AlgorithmConfig.model_validate({"advantage": gae, "critic": {"lr": 1e-4}}))
+    # lambda = gamma = 1: each model token's advantage is the return (1) minus its value
+    assert step.batch.advantages[0, span].tolist() == pytest.approx([0.5, 0.6, 0.0, 0.0, 0.8])
+    assert step.experiences()[0].loss_mask == mask
