@@ -6,7 +6,8 @@ Parts (all by default):
           before and after GRPO on the environment's reward, the wall time of the training run
           (at most --learn-minutes), the mean turns per held-out episode.
   exact   SmolLM2-135M-Instruct with its own chat template: 200 episodes of >= 3 turns whose
-          environment answers every turn with a tool message. Every engine call is recorded; an
+          environment answers every turn with a tool message (a turn ends at its first line, or 48
+          tokens; episodes cut by the turn limit are generated again until 200 have 3 turns). Every engine call is recorded; an
           assembled trajectory that is not exactly the engine's prompt + response of each of its
           turns is a mismatch. The trainer's fp32 logprobs of the assembled trajectories against
           the engine's (fp32). Also how many trajectories naive re-tokenization (decode, then encode
@@ -97,7 +98,9 @@ def exact(args: argparse.Namespace) -> dict:
     rollouts: list = []
     generated = 0
     while len(rollouts) < args.episodes:  # episodes whose turns all ended before the turn limit (>= 3 turns)
-        batch = runner.run(prompts(tokenizer, 100, generated), SamplingParams(n=1, temperature=1.0, seed=generated))
+        # a turn ends at its first line (SmolLM2 seldom ends a turn within 48 tokens otherwise)
+        sampling = SamplingParams(n=1, temperature=1.0, stop=("\n",), seed=generated)
+        batch = runner.run(prompts(tokenizer, 100, generated), sampling)
         generated += len(batch)
         rollouts += [r for r in batch if len(r.episode.turns) >= 3][: args.episodes - len(rollouts)]
     took = time.perf_counter() - began
@@ -144,7 +147,7 @@ def speed(args: argparse.Namespace) -> dict:
             lambda ps, sp, engine=engine: engine.generate(ps, sp, None),
             lambda: ToolReplies(5, OBSERVATION),
             tokenizer,
-            EpisodeLimits(4, args.turn_tokens, 2048),
+            EpisodeLimits(4, args.turn_tokens, 2048, end_on_turn_length=False),  # every episode has 4 turns
         )
         began = time.perf_counter()
         rollouts = runner.run(

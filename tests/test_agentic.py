@@ -179,6 +179,7 @@ def test_trajectories_are_the_engine_tokens_with_the_loss_mask_on_the_model_turn
     [
         (EpisodeLimits(max_turns=2), "max_turns", 2),
         (EpisodeLimits(max_tokens_per_turn=3), "length", 1),
+        (EpisodeLimits(max_turns=3, max_tokens_per_turn=3, end_on_turn_length=False), "max_turns", 3),
         (EpisodeLimits(max_context=50), "max_context", 2),  # 21 + 5 + 21 tokens leave 3 for turn 2
     ],
 )

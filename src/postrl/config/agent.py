@@ -27,6 +27,11 @@ class AgentConfig(Section):
     max_tokens_per_turn: int = Field(
         128, ge=1, description="New tokens per model turn; a turn that reaches it ends its episode (length)."
     )
+    on_turn_length: Literal["end", "continue"] = Field(
+        "end",
+        description="A turn cut at max_tokens_per_turn: end the episode (finish reason length), or hand the cut "
+        "turn to the environment and go on.",
+    )
     max_context: int = Field(
         2048, ge=2, description="Tokens in an episode's whole context; an episode that fills it ends (max_context)."
     )

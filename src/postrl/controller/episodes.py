@@ -23,7 +23,9 @@ class EpisodeSource:
 
     def __init__(self, config: AgentConfig, tokenizer: Any) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.limits = EpisodeLimits(config.max_turns, config.max_tokens_per_turn, config.max_context)
+        self.limits = EpisodeLimits(
+            config.max_turns, config.max_tokens_per_turn, config.max_context, config.on_turn_length == "end"
+        )
         self.agents: RecordedAgents | None = None
         if config.function is not None:
             self.function = load_agent_function(config.function)

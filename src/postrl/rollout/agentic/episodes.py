@@ -37,6 +37,7 @@ class EpisodeLimits:
     max_turns: int = 4
     max_tokens_per_turn: int = 128
     max_context: int = 2048
+    end_on_turn_length: bool = True  # False: a turn cut at max_tokens_per_turn still goes to the environment
 
 
 @dataclass
@@ -166,8 +167,10 @@ class EpisodeRunner:
         content, seen = renderer.model_turn(r.response_ids, stopped=r.finish_reason == "stop")
         e.seen += seen
         e.contents.append(content)
-        if r.finish_reason == "length":
-            e.finish = "length" if len(r.response_ids) >= self.limits.max_tokens_per_turn else "max_context"
+        if r.finish_reason == "length" and len(r.response_ids) < self.limits.max_tokens_per_turn:
+            e.finish = "max_context"
+        elif r.finish_reason == "length" and self.limits.end_on_turn_length:
+            e.finish = "length"
         elif r.finish_reason == "suspended":
             e.finish = "suspended"
         else:
