@@ -6,8 +6,8 @@ Parts (all by default):
           before and after GRPO on the environment's reward, the wall time of the training run
           (at most --learn-minutes), the mean turns per held-out episode.
   exact   SmolLM2-135M-Instruct with its own chat template: 200 episodes of >= 3 turns whose
-          environment answers every turn with a tool message (a turn ends at its first line, or 48
-          tokens; episodes cut by the turn limit are generated again until 200 have 3 turns). Every engine call is recorded; an
+          environment answers every turn with a tool message (a turn ends at the model's end of turn
+          or after 48 tokens, and goes to the environment either way: on_turn_length=continue). Every engine call is recorded; an
           assembled trajectory that is not exactly the engine's prompt + response of each of its
           turns is a mismatch. The trainer's fp32 logprobs of the assembled trajectories against
           the engine's (fp32). Also how many trajectories naive re-tokenization (decode, then encode
@@ -91,18 +91,10 @@ def exact(args: argparse.Namespace) -> dict:
         calls.extend((list(r.prompt_ids), list(r.response_ids)) for r in out)
         return out
 
-    runner = EpisodeRunner(
-        generate, lambda: ToolReplies(3, "56088"), tokenizer, EpisodeLimits(3, args.exact_turn_tokens, 1024)
-    )
+    limits = EpisodeLimits(3, args.exact_turn_tokens, 1024, end_on_turn_length=False)  # every episode has 3 turns
+    runner = EpisodeRunner(generate, lambda: ToolReplies(3, "56088"), tokenizer, limits)
     began = time.perf_counter()
-    rollouts: list = []
-    generated = 0
-    while len(rollouts) < args.episodes:  # episodes whose turns all ended before the turn limit (>= 3 turns)
-        # a turn ends at its first line (SmolLM2 seldom ends a turn within 48 tokens otherwise)
-        sampling = SamplingParams(n=1, temperature=1.0, stop=("\n",), seed=generated)
-        batch = runner.run(prompts(tokenizer, 100, generated), sampling)
-        generated += len(batch)
-        rollouts += [r for r in batch if len(r.episode.turns) >= 3][: args.episodes - len(rollouts)]
+    rollouts = runner.run(prompts(tokenizer, args.episodes), SamplingParams(n=1, temperature=1.0, seed=0))
     took = time.perf_counter() - began
     runner.close()
     mismatches = naive = 0
@@ -124,7 +116,6 @@ def exact(args: argparse.Namespace) -> dict:
             diff = max(diff, float((mine - torch.tensor(r.logprobs))[mask].abs().max()))
     return {
         "episodes": len(rollouts),
-        "episodes_generated": generated,
         "turns_min": min(len(r.episode.turns) for r in rollouts),
         "tool_messages_min": min(sum(m["role"] == "tool" for m in r.episode.messages) for r in rollouts),
         "retokenization_mismatches": mismatches,
