@@ -269,3 +269,14 @@ def test_a_multi_turn_step_trains_and_credits_only_the_model_tokens():
     # lambda = gamma = 1: each model token's advantage is the return (1) minus its value
     assert step.batch.advantages[0, span].tolist() == pytest.approx([0.5, 0.6, 0.0, 0.0, 0.8])
     assert step.experiences()[0].loss_mask == mask
+
+
+def test_a_multi_turn_task_without_an_agent_is_refused_naming_the_environment():
+    from postrl.config.run import RunConfig
+
+    with pytest.raises(ValueError, match="data.task=calculator is a multi-turn task: set agent.env=calculator"):
+        RunConfig.model_validate({"data": {"task": "calculator"}})
+    assert (
+        RunConfig.model_validate({"data": {"task": "calculator"}, "agent": {"env": "calculator"}}).agent.env
+        == "calculator"
+    )

@@ -139,13 +139,15 @@ def test_vllm_runs_multi_turn_episodes_token_for_token_like_the_native_engine(vl
     from tests.test_agentic import ScriptedEnv
 
     model, folder = vllm_model
-    newline = char_tokenizer.convert_tokens_to_ids("\n")
-    sampling = SamplingParams(n=2, temperature=0.0, max_tokens=6, stop_token_ids=(newline,))
+    sampling = SamplingParams(n=2, temperature=0.0, max_tokens=6)  # turns cut at 6 tokens go on
     prompts = [Prompt(t, [], messages=None) for t in ("12+34=", "hello")]
 
     def episodes(generate):
         runner = EpisodeRunner(
-            generate, lambda: ScriptedEnv(["go on", "again"]), char_tokenizer, EpisodeLimits(3, 6, 200)
+            generate,
+            lambda: ScriptedEnv(["go on", "again"]),
+            char_tokenizer,
+            EpisodeLimits(3, 6, 200, end_on_turn_length=False),
         )
         try:
             return runner.run(prompts, sampling)

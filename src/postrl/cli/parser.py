@@ -135,12 +135,13 @@ def _add_eval(command: Callable[..., argparse.ArgumentParser]) -> None:
         help="a model folder (or 'demo'); default with --run: the run's final_model/ (else its newest checkpoint)",
     )
     p.add_argument("--run", help="a run directory: its model, and its reward and data settings for --data")
+    single_turn = {name: t for name, t in TASKS.items() if t.environment is None}  # agent tasks validate in runs
     p.add_argument(
         "--task",
-        choices=sorted(TASKS),
+        choices=sorted(single_turn),
         default=None,
         help="a built-in task: "
-        + "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
+        + "; ".join(f"{t.name}: {t.description}" for t in single_turn.values())
         + " (default: the run's task, else arithmetic)",
     )
     p.add_argument(

@@ -365,6 +365,17 @@ class RunConfig(RunLocation, Section):
         return self
 
     @model_validator(mode="after")
+    def _agent_tasks_need_an_agent(self) -> RunConfig:
+        from postrl.tasks import get_task
+
+        env = None if self.data.task is None else get_task(self.data.task).environment
+        if env is not None and self.agent is None:
+            raise ValueError(
+                f"data.task={self.data.task} is a multi-turn task: set agent.env={env} (agent: {{env: {env}}})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _episodes_are_not_suspended(self) -> RunConfig:
         if self.agent is not None and self.controller.mode == "async" and self.async_overlap == "generation":
             raise ValueError(

@@ -18,6 +18,7 @@ class Task:
     description: str
     rows: Callable[[str, int], list[dict]]  # (split, seed) -> rows
     verifier: str  # the reward component type that checks it (a key of postrl.reward.verifiers.VERIFIERS)
+    environment: str | None = None  # a multi-turn task: the agent.env it runs with (not single-turn eval)
 
 
 def _arithmetic_rows(split: str, seed: int) -> list[dict]:
@@ -37,6 +38,7 @@ TASKS: dict[str, Task] = {
         description="3-digit x 2-digit multiplication with a calculator tool (run with agent.env=calculator)",
         rows=calculator_task.rows,
         verifier="exact_match",
+        environment="calculator",
     ),
 }
 
