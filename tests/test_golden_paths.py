@@ -35,7 +35,9 @@ def test_ppo_clip_over_two_epochs_matches_golden_values(tmp_path, tiny_model_dir
     )
     assert main(["train", config]) == 0
     keys = ["reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/clip_fraction", "actor/approx_kl"]
-    rows = check_golden("ppo_clip_two_epochs", tmp_path / "runs" / "tiny", keys)
+    # lr 3e-2 over two epochs amplifies float rounding: two CPU models (AVX-512 kernels of their own)
+    # differed by 1.2e-5 relative at step 2, far below what any change to the loss moves
+    rows = check_golden("ppo_clip_two_epochs", tmp_path / "runs" / "tiny", keys, rel=1e-4)
     assert max(r["actor/clip_fraction"] for r in rows) > 0  # the second epoch moves past the clip range
 
 
