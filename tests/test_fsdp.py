@@ -46,7 +46,7 @@ def test_token_split_balances_tokens_and_keeps_groups(char_tokenizer):
     parts = split_rows_by_tokens(batch, 2)
     assert sorted(torch.cat(parts).tolist()) == list(range(12))
     tokens = [int(batch.attention_mask[p].sum()) for p in parts]
-    # groups of 23, 32, 34, 43 tokens: 43 -> rank 0, 34 -> rank 1, 32 -> rank 1, 23 -> rank 0
+    # groups cost 17, 22, 20, 25 tokens (the prompt once): 25 -> rank 0, 22 -> rank 1, 20 -> rank 1, 17 -> rank 0
     assert tokens == [66, 66] and [p.tolist() for p in parts] == [[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]]
     for p in parts:
         assert set(p.tolist()) == {r for g in set(batch.group_ids[p].tolist()) for r in range(g * 3, g * 3 + 3)}
@@ -55,7 +55,10 @@ def test_token_split_balances_tokens_and_keeps_groups(char_tokenizer):
     assert [p.tolist() for p in split_rows_by_tokens(one_group, 2)] == [[1], [0, 2]]  # 10 | 8 + 5 tokens
 
 
-def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, char_tokenizer):
+@pytest.mark.parametrize("micro_batch_tokens", [None, 30])
+def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, char_tokenizer, micro_batch_tokens):
+    """Fixed micro-batches on one process against the group's, fixed or by a token budget (each rank
+    packs its share: 42 tokens into 2 micro-batches)."""
     batch = uneven_batch(char_tokenizer.pad_token_id)
     single = TrainWorker(load_causal_lm(str(tiny_model_dir)), TRAIN, AlgorithmConfig(), seed=0)
     single.model.train()
@@ -64,7 +67,8 @@ def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, ch
     single.optimization.optimizer.zero_grad(set_to_none=True)
     want_loss = float(stats.value("actor/loss")) / float(stats.value("tokens"))
 
-    ranks = group_of(2, tiny_model_dir, GradProbe)
+    train = TRAIN.model_copy(update={"micro_batch_tokens": micro_batch_tokens})
+    ranks = group_of(2, tiny_model_dir, GradProbe, train=train)
     try:
         assert [f.result(timeout=120) for f in [h.call_async("join") for h in ranks]] == [0, 1]  # together
         got = [h.call_async("gradients", batch) for h in ranks]

@@ -101,3 +101,65 @@ def test_entropy_bonus_subtracts_coef_times_the_token_mean_entropy_gradient(char
     for with_bonus, without, ent in zip(bonus, plain, (p.grad for p in probe.parameters())):
         assert torch.allclose(with_bonus, without - 0.05 * ent, atol=1e-10)
     assert any(e.abs().max() > 1e-6 for e in (p.grad for p in probe.parameters()))
+
+
+def grouped_batch(tokenizer) -> ExperienceBatch:
+    """4 groups (prompts of 3, 5, 7, 9 tokens) of 3 samples with responses of 2..8 tokens."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 60, (3 + 2 * g,), generator=gen).tolist() for g in range(4)]
+    exps = []
+    for i in range(12):
+        r = 2 + (i * 5) % 7
+        response = torch.randint(10, 60, (r,), generator=gen).tolist()
+        logprobs = (-torch.rand(r, generator=gen) * 3).tolist()
+        exps.append(Experience(prompts[i // 3], response, logprobs, 0.0, float(i % 3) - 1.0, 0, group_id=i // 3))
+    return ExperienceBatch.from_experiences(exps, tokenizer.pad_token_id)
+
+
+def test_token_budget_packs_whole_groups_about_equally(char_tokenizer):
+    from postrl.train.micro_batching import packed_tokens, token_budget_micro_batches
+
+    batch = grouped_batch(char_tokenizer)
+    # groups cost (prompt once + responses): 3+14=17, 5+17=22, 7+13=20, 9+16=25; 84 tokens
+    assert packed_tokens(batch) == 84
+    parts = token_budget_micro_batches(batch, 45)  # 2 micro-batches: 25+17 | 22+20
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]]
+    assert [packed_tokens(batch.select(p)) for p in parts] == [42, 42]
+    # a budget below a group's cost cuts the group into runs of rows, each paying its prompt
+    # units: g0 [0,1]=12 [2]=8; g1 [3,4]=16 [5]=11; g2 [6,7]=13 [8]=14; g3 [9]=14 [10]=12 [11]=17
+    # (row 11 alone is over the budget); 117 tokens -> 8 micro-batches, the last unit fits in none
+    small = token_budget_micro_batches(batch, 16)
+    assert [p.tolist() for p in small] == [[11], [3, 4], [8], [9], [6, 7], [0, 1], [10], [5], [2]]
+    assert [packed_tokens(batch.select(p)) for p in small] == [17, 16, 14, 14, 13, 12, 12, 11, 8]
+    # one row heavier than the budget is a micro-batch of its own
+    assert [p.tolist() for p in token_budget_micro_batches(batch.select(slice(0, 3)), 4)] == [[1], [2], [0]]
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        token_budget_micro_batches(batch, 0)
+
+
+@pytest.mark.parametrize("budget", [16, 45, 200])
+def test_token_budget_split_gives_the_fixed_split_loss_and_gradients(char_tokenizer, budget):
+    """Equal up to rounding: the model's RMSNorm computes in float32 even in a float64 model, so any
+    two splits (fixed ones too: 12 rows vs 4) differ by ~1e-7 of the largest gradient."""
+    batch = grouped_batch(char_tokenizer)
+    base = make_tiny_model("llama", char_tokenizer).double()
+
+    def grads(loss_agg="token_mean", **train):
+        model = copy.deepcopy(base)
+        worker = TrainWorker(
+            model, TrainConfig(lr=1e-3, mini_batch_size=12, **train), AlgorithmConfig(loss_agg=loss_agg)
+        )
+        model.zero_grad(set_to_none=True)
+        sums = worker.accumulate_gradients(batch)
+        return [p.grad.detach().clone() for p in model.parameters()], float(sums.value("actor/loss"))
+
+    fixed, loss_fixed = grads(micro_batch_size=4)
+    packed, loss_packed = grads(micro_batch_size=4, micro_batch_tokens=budget)
+    assert loss_packed == pytest.approx(loss_fixed, rel=1e-9)
+    largest = max(float(g.abs().max()) for g in fixed)
+    assert largest > 1e-4
+    assert max(float((a - b).abs().max()) for a, b in zip(fixed, packed)) < 1e-6 * largest
+    if budget < 200:  # the check can fail: a per-micro-batch mean depends on the token-budget split
+        naive_fixed, _ = grads("test_naive_micro_mean", micro_batch_size=12)
+        naive_packed, _ = grads("test_naive_micro_mean", micro_batch_size=12, micro_batch_tokens=budget)
+        assert max(float((a - b).abs().max()) for a, b in zip(naive_fixed, naive_packed)) > 1e-3 * largest

@@ -222,6 +222,14 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global norm.")
     mini_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per forward/backward of the policy update instead of micro_batch_size "
+        "sequences: whole groups (the prompt counted once, its responses) packed into as few, about "
+        "equally heavy micro-batches as fit; a group over the budget is cut into runs of rows. The "
+        "update equals the fixed-size split's (the loss is normalised by the mini-batch's tokens).",
+    )
     epochs: int = Field(1, ge=1, description="Passes over each step's experiences.")
     max_consecutive_nan: int = Field(3, ge=1, description="Stop the run after this many skipped updates in a row.")
     device: str = Field(

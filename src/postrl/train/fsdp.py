@@ -66,8 +66,8 @@ class FSDPTrainWorker(TrainWorker):
         """This rank's micro-batches of ``mini`` (its rows balanced by tokens), padded with rows that
         train nothing so that every rank runs as many forwards as the busiest (they are collectives)."""
         mine = split_rows_by_tokens(mini, self.world)[self.rank].to(mini.input_ids.device)
-        size = self.cfg.micro_batch_size
-        local = [(mine[s : s + size], mini.select(mine[s : s + size])) for s in range(0, len(mine), size)]
+        part = mini.select(mine)
+        local = [(mine[rows], part.select(rows)) for rows in self.micro_batch_rows(part)]
         count = torch.tensor(len(local), device=mini.input_ids.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         nothing = mine[:0]

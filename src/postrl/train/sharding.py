@@ -1,7 +1,7 @@
 """Splitting a mini-batch across the ranks of a train group by tokens, not by rows.
 
 A rank's work is its tokens, so rows are dealt so that every rank gets about the same number of
-loss tokens; the samples of one group (one prompt) stay on one rank while there are at least as
+tokens to run (a group's prompt counted once, as its rows share one prompt forward); the samples of one group (one prompt) stay on one rank while there are at least as
 many groups as ranks, so they can still share one prompt forward.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from postrl.train.micro_batching import row_costs
 from postrl.types import ExperienceBatch
 
 
@@ -16,14 +17,14 @@ def split_rows_by_tokens(batch: ExperienceBatch, ranks: int) -> list[torch.Tenso
     """Row indices per rank: units (groups, or single rows when there are fewer groups than ranks)
     go, heaviest first, to the rank with the fewest tokens so far (ties to the lower rank). Every
     rank computes the same split from the same batch."""
-    tokens = batch.attention_mask.sum(dim=1).tolist()
+    prompts, tails = row_costs(batch)
     units: dict[int, list[int]] = {}
     for row, group in enumerate(batch.group_ids.tolist()):
         units.setdefault(group, []).append(row)
     members = list(units.values())
     if len(members) < ranks:
         members = [[row] for row in range(batch.size)]
-    weights = [sum(tokens[r] for r in unit) for unit in members]
+    weights = [prompts[unit[0]] + sum(tails[r] for r in unit) for unit in members]  # the prompt runs once
     order = sorted(range(len(members)), key=lambda u: (-weights[u], u))
     loads = [0] * ranks
     assigned: list[list[int]] = [[] for _ in range(ranks)]

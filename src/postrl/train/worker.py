@@ -29,6 +29,7 @@ from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.models.weights import save_weights
 from postrl.train.logprobs import token_logprobs
+from postrl.train.micro_batching import token_budget_micro_batches
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.stats import TOKENS, Stats
 from postrl.types import ExperienceBatch, TrainMetrics
@@ -157,8 +158,15 @@ class TrainWorker:
 
     def micro_batches(self, mini: ExperienceBatch) -> list[tuple[torch.Tensor, ExperienceBatch]]:
         """``mini``'s micro-batches, each with the rows of ``mini`` it holds (this rank's part)."""
-        size, rows = self.cfg.micro_batch_size, torch.arange(mini.size, device=mini.input_ids.device)
-        return [(rows[s : s + size], mini.select(slice(s, s + size))) for s in range(0, mini.size, size)]
+        return [(rows, mini.select(rows)) for rows in self.micro_batch_rows(mini)]
+
+    def micro_batch_rows(self, batch: ExperienceBatch) -> list[torch.Tensor]:
+        """Row indices of each micro-batch of ``batch``: by ``train.micro_batch_tokens`` when set,
+        else consecutive runs of ``train.micro_batch_size`` rows."""
+        if self.cfg.micro_batch_tokens is not None:
+            return token_budget_micro_batches(batch, self.cfg.micro_batch_tokens)
+        size, rows = self.cfg.micro_batch_size, torch.arange(batch.size, device=batch.input_ids.device)
+        return [rows[s : s + size] for s in range(0, batch.size, size)]
 
     def accumulate_gradients(self, mini: ExperienceBatch, own_progress: float | None = None) -> Stats:
         """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count.
