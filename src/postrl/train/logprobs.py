@@ -8,6 +8,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
+from postrl.train.chunked_head import chunked_token_logprobs
 
 
 def token_logprobs(
@@ -39,8 +40,7 @@ def token_logprobs(
     if plain_head:
         where = target_mask.bool()
         rows, cols = where.nonzero(as_tuple=True)  # row-major, as masked_scatter fills
-        logits = _selected_logits(model, kwargs, rows, cols)
-        return _selected_logprobs(logits, targets, where, temperature, with_entropy)
+        return _selected_logprobs(model, kwargs, rows, cols, targets, where, temperature, with_entropy)
     logits = model(**kwargs).logits[:, :-1, :]
     logp, entropy = _logprobs(logits, targets, temperature, with_entropy)
     if target_mask is not None:
@@ -48,17 +48,19 @@ def token_logprobs(
     return logp, entropy
 
 
-def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool | str):
+    """From whole logits; the same formulas as :class:`~postrl.train.chunked_head.ChunkedTokenLogprobs`
+    (``z_t - logsumexp(z)``, ``H = logsumexp(z) - sum(p z)``), so both paths round alike."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
     if with_entropy:  # "grad": the entropy takes part in the loss (an entropy bonus)
         with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = lse - (torch.exp(logits - lse.unsqueeze(-1)) * logits).sum(-1)
     return logp, entropy
 
 
@@ -169,27 +171,30 @@ def _shared_prompt_logprobs(model, packed: PackedPrompts, input_ids, target_mask
     kwargs = dict(
         input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.position_ids, use_cache=False
     )
-    logits = _selected_logits(model, kwargs, packed.target_seq, packed.target_pos)  # row-major order of target_mask
-    return _selected_logprobs(logits, input_ids[:, 1:], target_mask.bool(), temperature, with_entropy)
+    targets, where = input_ids[:, 1:], target_mask.bool()  # target_seq/target_pos: row-major order of target_mask
+    return _selected_logprobs(
+        model, kwargs, packed.target_seq, packed.target_pos, targets, where, temperature, with_entropy
+    )
 
 
-def _selected_logits(model, kwargs: dict, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` logits at positions ``(rows[i], cols[i])``, projecting only those hidden states.
+def _selected_logprobs(model, kwargs: dict, rows, cols, targets, where, temperature, with_entropy):
+    """Logprobs (and entropy) of ``targets[where]`` from the hidden states at ``(rows[i], cols[i])``,
+    projecting only those, scattered back to ``[B, T-1]``.
 
-    A model sharded with FSDP2 must be called through its own forward (that is where its root
-    parameters are gathered), so there the projection is asked for by ``logits_to_keep`` (the
-    positions any row needs) instead of calling the decoder and the head separately."""
-    if isinstance(model, FSDPModule):
+    The projection and softmax run in chunks of rows (:mod:`postrl.train.chunked_head`). A model
+    sharded with FSDP2 must be called through its own forward (that is where its root parameters
+    are gathered), so there the logits are asked for by ``logits_to_keep`` (the positions any row
+    needs) instead."""
+    head = model.get_output_embeddings()
+    if isinstance(model, FSDPModule) or getattr(head, "bias", None) is not None:
         keep = torch.unique(cols)
         logits = model(**kwargs, logits_to_keep=keep).logits  # [S, len(keep), V]
-        return logits[rows, torch.searchsorted(keep, cols)]
-    hidden = model.get_decoder()(**kwargs).last_hidden_state
-    return model.get_output_embeddings()(hidden[rows, cols])
-
-
-def _selected_logprobs(logits, targets, where, temperature, with_entropy):
-    """Logprobs (and entropy) from the ``[N, V]`` logits that predict ``targets[where]``, scattered back to ``[B, T-1]``."""
-    logp_sel, ent_sel = _logprobs(logits, targets[where], temperature, with_entropy)
+        logp_sel, ent_sel = _logprobs(
+            logits[rows, torch.searchsorted(keep, cols)], targets[where], temperature, with_entropy
+        )
+    else:
+        hidden = model.get_decoder()(**kwargs).last_hidden_state[rows, cols]
+        logp_sel, ent_sel = chunked_token_logprobs(hidden, head.weight, targets[where], temperature, with_entropy)
     logp = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=logp_sel.device).masked_scatter(where, logp_sel)
     entropy = None
     if ent_sel is not None:
