@@ -29,6 +29,7 @@ from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.models.weights import save_weights
 from postrl.train.logprobs import token_logprobs
+from postrl.train.memory import PeakMemory
 from postrl.train.micro_batching import token_budget_micro_batches
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.stats import TOKENS, Stats
@@ -98,9 +99,16 @@ class TrainWorker:
     is_main = True  # the process that writes files for the whole group
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
-        self.model.train()
+        """The policy update over ``batch``, with its peak memory (``memory/train_peak_mb``)."""
         device = next(self.model.parameters()).device
-        batch = batch.to(device)
+        with PeakMemory(device) as peak:
+            metrics = self._update(batch.to(device))
+        metrics.values["memory/train_peak_mb"] = peak.mb
+        return metrics
+
+    def _update(self, batch: ExperienceBatch) -> TrainMetrics:
+        self.model.train()
+        device = batch.input_ids.device
         total, before_update = Stats(), Stats()  # before_update: pi_old vs the rollout, before the first step
         grad_norms: list[float] = []
         steps_at_start = self.optimization.steps
