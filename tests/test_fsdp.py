@@ -86,7 +86,7 @@ def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, ch
 
 def test_group_update_matches_one_process_and_checkpoint_resumes_in_one(tiny_model_dir, char_tokenizer, tmp_path):
     batch = uneven_batch(char_tokenizer.pad_token_id)
-    train = TRAIN.model_copy(update={"mini_batch_size": 6})
+    train = TRAIN.model_copy(update={"mini_batch_size": 6, "forward": "transformers"})  # the ranks' forward
     single = TrainWorker(load_causal_lm(str(tiny_model_dir)), train, AlgorithmConfig(), seed=0)
     want = single.update(batch)
     group = TrainGroup(group_of(2, tiny_model_dir, train=train))

@@ -243,6 +243,13 @@ class TrainConfig(Section):
         description="bf16_autocast: forward/backward matmuls in bf16, fp32 master weights and optimizer "
         "state. auto: bf16_autocast on a GPU with bf16, float32 elsewhere.",
     )
+    forward: Literal["lean", "transformers"] = Field(
+        "lean",
+        description="The training forward. lean: Llama / Qwen2 / Mistral models run postrl's own forward "
+        "(flat tokens, per-block attention over shared-prompt groups, fused norms; values and gradients "
+        "equal the transformers model's up to rounding), any other model (or a sharded or adapter-wrapped "
+        "one) the transformers forward. transformers: always the transformers forward.",
+    )
     attention: Literal["auto", "eager", "sdpa"] = Field(
         "auto",
         description="Attention kernel of the trained model. auto: eager on CPU (PyTorch's CPU SDPA backward is "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 24  # float32 logits per chunk: 64 MB
+CHUNK_ELEMENTS = 1 << 25  # float32 logits per chunk: 128 MB
 
 
 def rows_per_chunk(vocab_size: int) -> int:
@@ -28,31 +28,42 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """float32 logits of bf16/fp16 projections (float32 and float64 stay as they are)."""
+    """The chunk's logits / T: in the projection's dtype at T = 1 (the softmaxes read bf16 and
+    compute in float32 themselves, which saves a cast pass), else float32 (or float64)."""
     logits = hidden @ weight.t()
+    if temperature == 1.0:
+        return logits
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return logits / temperature if temperature != 1.0 else logits
+    return logits.div_(temperature)
+
+
+def _float(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
-    """``(logp [N], entropy [N])`` of ``targets`` under ``softmax(hidden @ weight.T / T)``."""
+    """``(logp [N], entropy [N])`` of ``targets`` under ``softmax(hidden @ weight.T / T)``.
+
+    Each chunk's elementwise work is a few fused passes (a softmax, an in-place product), since
+    on [rows, vocab] tensors the passes, not the matmuls, are the cost."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):  # type: ignore[override]
         dtype = _compute_dtype(hidden)
         h, w = hidden.to(dtype), weight.to(dtype)
-        out = torch.float64 if dtype == torch.float64 else torch.float32
+        out = _float(dtype)
         logp = torch.empty(h.shape[0], dtype=out, device=h.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         lse = torch.empty_like(logp)
         for s in range(0, h.shape[0], chunk):
-            z = _chunk_logits(h[s : s + chunk], w, temperature)
-            lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
-            logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            rows = slice(s, s + chunk)
+            z = _chunk_logits(h[rows], w, temperature)
+            log_p = torch.log_softmax(z, dim=-1, dtype=out)
+            lse[rows] = z[:, 0].to(out) - log_p[:, 0]
+            logp[rows] = log_p.gather(-1, targets[rows, None]).squeeze(-1)
             if entropy is not None:
-                p = torch.exp(z - lse[s : s + chunk, None])
-                entropy[s : s + chunk] = lse[s : s + chunk] - (p * z).sum(-1)
+                entropy[rows] = -(torch.exp(log_p).mul_(log_p)).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy if entropy is not None else lse)
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.dtype = temperature, chunk, with_entropy, dtype
         ctx.set_materialize_grads(False)  # an output nobody differentiates (entropy) costs nothing
@@ -63,23 +74,25 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        accumulate = torch.float64 if ctx.dtype == torch.float64 else torch.float32
+        accumulate = _float(ctx.dtype)
         grad_w = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if ctx.needs_input_grad[1] else None
         use_entropy = ctx.with_entropy and grad_entropy is not None
-        if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
+        # z = logits / T: the chain rule's 1/T folded into the per-row factors
+        g_logp = (grad_logp if grad_logp is not None else torch.zeros_like(lse)) / ctx.temperature
+        g_entropy = grad_entropy / ctx.temperature if use_entropy else None
         for s in range(0, h.shape[0], ctx.chunk):
             rows = slice(s, s + ctx.chunk)
             z = _chunk_logits(h[rows], w, ctx.temperature)
-            p = torch.exp(z - lse[rows, None])
-            # d logp_t / d z_j = [j == t] - p_j;  d H / d z_j = -p_j (log p_j + H)
-            dz = -p * grad_logp[rows, None]
-            dz.scatter_add_(-1, targets[rows, None], grad_logp[rows, None])
-            if use_entropy:
-                log_p = z - lse[rows, None]
-                dz -= p * (log_p + entropy[rows, None]) * grad_entropy[rows, None]
-            if ctx.temperature != 1.0:
-                dz /= ctx.temperature
+            # d logp_t / d z_j = [j == t] - p_j;  d H / d z_j = -p_j (log p_j + H). Without the
+            # entropy term, dz = -p g (+ g at the target) in the matmul dtype: the product is
+            # rounded to it before the matmuls anyway.
+            if g_entropy is not None:
+                p = torch.softmax(z, dim=-1, dtype=accumulate)
+                coef = z.to(accumulate).sub_(lse[rows, None]).add_(entropy[rows, None]).mul_(g_entropy[rows, None])
+                dz = p.mul_(coef.add_(g_logp[rows, None])).neg_()
+            else:
+                dz = torch.softmax(z, dim=-1).mul_(-g_logp[rows, None].to(z.dtype))
+            dz.scatter_add_(-1, targets[rows, None], g_logp[rows, None].to(dz.dtype))
             dz = dz.to(ctx.dtype)
             if grad_h is not None:
                 grad_h[rows] = dz @ w

@@ -33,12 +33,12 @@ def pair_batch(pairs: list[PreferencePair], pad_id: int) -> tuple[torch.Tensor, 
 
 
 def sequence_logprobs(
-    model: torch.nn.Module, pairs: list[PreferencePair], pad_id: int, average: bool = False
+    model: torch.nn.Module, pairs: list[PreferencePair], pad_id: int, average: bool = False, lean: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed (``average``: per-token mean) completion log-probabilities: (chosen [B], rejected [B])."""
     device = next(model.parameters()).device
     ids, attention, mask, groups = (t.to(device) for t in pair_batch(pairs, pad_id))
-    logp, _ = token_logprobs(model, ids, attention, target_mask=mask, group_ids=groups)
+    logp, _ = token_logprobs(model, ids, attention, target_mask=mask, group_ids=groups, lean=lean)
     total = (logp * mask).sum(dim=-1)
     if average:
         total = total / mask.sum(dim=-1).clamp(min=1)
@@ -72,7 +72,11 @@ class DPOWorker:
         out = []
         for start in range(0, len(pairs), self.cfg.micro_batch_size):
             chosen, rejected = sequence_logprobs(
-                self.model, pairs[start : start + self.cfg.micro_batch_size], self.pad_id, self.average
+                self.model,
+                pairs[start : start + self.cfg.micro_batch_size],
+                self.pad_id,
+                self.average,
+                self.cfg.forward == "lean",
             )
             out.append(torch.stack([chosen, rejected], dim=1).float().cpu())
         return torch.cat(out)
@@ -86,7 +90,9 @@ class DPOWorker:
         for start in range(0, len(pairs), self.cfg.micro_batch_size):
             micro = pairs[start : start + self.cfg.micro_batch_size]
             ref = reference[start : start + len(micro)].to(device)
-            chosen, rejected = sequence_logprobs(self.model, micro, self.pad_id, self.average)
+            chosen, rejected = sequence_logprobs(
+                self.model, micro, self.pad_id, self.average, self.cfg.forward == "lean"
+            )
             z = margin(chosen, rejected, ref[:, 0], ref[:, 1])
             loss = self.loss(z)
             (loss.sum() / len(pairs)).backward()

@@ -9,6 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
 from postrl.train.chunked_head import chunked_token_logprobs
+from postrl.train.lean_forward import LeanForward, group_layout, supports_lean_forward
 
 
 def token_logprobs(
@@ -19,6 +20,7 @@ def token_logprobs(
     with_entropy: bool = False,
     target_mask: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
+    lean: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob of ``input_ids[:, 1:]`` under ``log_softmax(logits / T)``, shape ``[B, T-1]``.
 
@@ -27,9 +29,19 @@ def token_logprobs(
     for Llama/Qwen2/Mistral, their vocabulary projection is skipped (prompt tokens are often
     half of a GRPO batch, and the projection + softmax over a 49k vocabulary is its costliest part),
     and rows of the same ``group_ids`` entry (samples of one prompt) run their prompt once
-    (:func:`pack_shared_prompts`).
+    (:func:`pack_shared_prompts`). With ``lean`` (and a model it supports) the Llama family runs
+    :mod:`postrl.train.lean_forward` instead of the transformers forward.
     """
     plain_head = target_mask is not None and getattr(model.config, "model_type", "") in PLAIN_HEAD_MODEL_TYPES
+    if plain_head and lean and supports_lean_forward(model):
+        spans = _prompt_response_spans(attention_mask, target_mask)
+        if spans is not None:
+            layout, predictors = group_layout(input_ids, spans, group_ids)
+            hidden = LeanForward(model).hidden(layout)[predictors]
+            where = target_mask.bool()
+            head = model.get_output_embeddings().weight
+            logp_sel, ent_sel = chunked_token_logprobs(hidden, head, input_ids[:, 1:][where], temperature, with_entropy)
+            return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
     if plain_head and group_ids is not None:
         packed = pack_shared_prompts(input_ids, attention_mask, target_mask, group_ids)
         if packed is not None:
@@ -49,18 +61,17 @@ def token_logprobs(
 
 
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool | str):
-    """From whole logits; the same formulas as :class:`~postrl.train.chunked_head.ChunkedTokenLogprobs`
-    (``z_t - logsumexp(z)``, ``H = logsumexp(z) - sum(p z)``), so both paths round alike."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
+    """From whole logits, by the formulas of :class:`~postrl.train.chunked_head.ChunkedTokenLogprobs`'s
+    forward, so that both paths round alike."""
+    out = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        logits = logits.to(out) / temperature
+    log_p = torch.log_softmax(logits, dim=-1, dtype=out)
+    logp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:  # "grad": the entropy takes part in the loss (an entropy bonus)
         with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
-            entropy = lse - (torch.exp(logits - lse.unsqueeze(-1)) * logits).sum(-1)
+            entropy = -(torch.exp(log_p) * log_p).sum(-1)
     return logp, entropy
 
 
@@ -195,8 +206,9 @@ def _selected_logprobs(model, kwargs: dict, rows, cols, targets, where, temperat
     else:
         hidden = model.get_decoder()(**kwargs).last_hidden_state[rows, cols]
         logp_sel, ent_sel = chunked_token_logprobs(hidden, head.weight, targets[where], temperature, with_entropy)
-    logp = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=logp_sel.device).masked_scatter(where, logp_sel)
-    entropy = None
-    if ent_sel is not None:
-        entropy = torch.zeros(targets.shape, dtype=ent_sel.dtype, device=ent_sel.device).masked_scatter(where, ent_sel)
-    return logp, entropy
+    return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
+
+
+def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``values`` (row-major over ``where``) back to ``where``'s shape, 0 elsewhere."""
+    return torch.zeros(where.shape, dtype=values.dtype, device=values.device).masked_scatter(where, values)

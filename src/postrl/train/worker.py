@@ -217,6 +217,7 @@ class TrainWorker:
                 with_entropy=with_entropy,
                 target_mask=micro.response_mask,
                 group_ids=micro.group_ids,
+                lean=self.cfg.forward == "lean",
             )
 
     def normalizer(self, loss_mask: torch.Tensor, ranks: int = 1) -> LossNormalizer:
@@ -281,6 +282,7 @@ class TrainWorker:
                 self.temperature,
                 target_mask=micro.response_mask,
                 group_ids=micro.group_ids,
+                lean=self.cfg.forward == "lean",
             )
         return ref_logp
 

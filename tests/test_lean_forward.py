@@ -1,0 +1,101 @@
+"""The lean Llama-family training forward against the transformers model: logprobs, entropy and
+gradients in float32 (1e-5) and under bf16 autocast; its attention blocks by hand; the fallback."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from postrl.train.lean_forward import block_layout, supports_lean_forward
+from postrl.train.logprobs import token_logprobs
+from tests.conftest import make_tiny_model
+from tests.test_microbatch import grouped_batch
+
+
+def test_block_layout_by_hand():
+    layout = block_layout([([1, 2], [[3], [4, 5]])], torch.device("cpu"))
+    assert layout.tokens.tolist() == [1, 2, 3, 4, 5]
+    assert layout.positions.tolist() == [0, 1, 2, 2, 3]  # both responses continue the prompt
+    pad = 5
+    assert layout.query_index.tolist() == [[0, 1], [2, pad], [3, 4]]
+    assert layout.key_index.tolist() == [[0, 1, pad, pad], [0, 1, 2, pad], [0, 1, 3, 4]]
+    t, f = True, False
+    assert layout.allowed.tolist() == [
+        [[t, f, f, f], [t, t, f, f]],  # the prompt: causal
+        [[t, t, t, f], [t, f, f, f]],  # response 1 sees the prompt and itself; its padding row sees key 0
+        [[t, t, t, f], [t, t, t, t]],  # response 2: the prompt, then causally its own tokens
+    ]
+
+
+def run(model, batch, lean: bool, group_ids=True, autocast=False, temperature=0.9):
+    model = copy.deepcopy(model)
+    model.set_attn_implementation("eager")
+    model.train()
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with context:
+        logp, entropy = token_logprobs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            temperature,
+            with_entropy="grad",
+            target_mask=batch.response_mask,
+            group_ids=batch.group_ids if group_ids else None,
+            lean=lean,
+        )
+    ((logp * batch.advantages).sum() + 0.1 * (entropy * batch.response_mask).sum()).backward()
+    return logp.detach(), entropy.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # GQA; q/k/v biases
+@pytest.mark.parametrize("group_ids", [True, False])
+def test_lean_forward_equals_the_transformers_model_in_float32(char_tokenizer, kind, group_ids):
+    batch = grouped_batch(char_tokenizer)
+    model = make_tiny_model(kind, char_tokenizer)
+    assert supports_lean_forward(model)
+    (lp_hf, ent_hf, g_hf), (lp, ent, g) = (run(model, batch, lean, group_ids) for lean in (False, True))
+    assert float((lp - lp_hf).abs().max()) < 1e-5
+    assert float((ent - ent_hf).abs().max()) < 1e-5
+    assert g.keys() == g_hf.keys()
+    assert max(float((g[n] - g_hf[n]).abs().max()) for n in g) < 1e-5
+    assert max(float(t.abs().max()) for t in g.values()) > 1.0
+    assert float((lp * (1 - batch.response_mask)).abs().max()) == 0.0  # 0 outside the responses
+
+
+def test_lean_forward_under_bf16_autocast_stays_near_the_transformers_model(char_tokenizer):
+    batch = grouped_batch(char_tokenizer)
+    model = make_tiny_model("llama", char_tokenizer)
+    (lp_hf, _, g_hf), (lp, _, g) = (run(model, batch, lean, autocast=True) for lean in (False, True))
+    assert float((lp - lp_hf).abs().max()) < 0.05  # bf16 matmuls, summed in other orders
+    cosine = [torch.nn.functional.cosine_similarity(g[n].flatten(), g_hf[n].flatten(), dim=0) for n in g]
+    assert min(float(c) for c in cosine) > 0.99
+
+
+def test_activation_checkpointing_gives_the_same_gradients(char_tokenizer):
+    batch = grouped_batch(char_tokenizer)
+    model = make_tiny_model("llama", char_tokenizer)
+    plain = run(model, batch, lean=True)
+    model.activation_checkpointing_enable()
+    checkpointed = run(model, batch, lean=True)
+    assert torch.equal(plain[0], checkpointed[0])
+    assert max(float((plain[2][n] - checkpointed[2][n]).abs().max()) for n in plain[2]) < 1e-6
+
+
+def test_wrapped_projections_take_the_transformers_path(char_tokenizer):
+    class Wrapped(torch.nn.Linear):
+        """A stand-in for an adapter layer: the lean forward would not see what it adds."""
+
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    batch = grouped_batch(char_tokenizer)
+    model = make_tiny_model("llama", char_tokenizer)
+    q = model.model.layers[0].self_attn.q_proj
+    wrapped = Wrapped(q.in_features, q.out_features, bias=False)
+    wrapped.weight = q.weight
+    model.model.layers[0].self_attn.q_proj = wrapped
+    assert not supports_lean_forward(model)
+    (lp_hf, _, _), (lp, _, _) = (run(model, batch, lean) for lean in (False, True))
+    assert torch.equal(lp, lp_hf)
