@@ -5,7 +5,9 @@ optimizer step per GRPO step over all 128 completions in micro-batches of 16, th
 function (last integer == answer). postrl: native bf16 rollout, bf16-autocast training with fp32
 weights and optimizer. TRL: `bf16=True`
 on the CPU (its fastest setting that works here). The first step of each is a warm-up and is not
-timed. `--curve` runs 30 steps of each and prints both reward curves.
+timed. Each framework runs in a process of its own; its peak memory is that process's resident
+high-water mark over the whole run (model loading, generation and training). `--curve` runs 30
+steps of each and prints both reward curves.
 
     python benchmarks/grpo_step.py [--json] [--steps 3] [--curve]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,37 +131,62 @@ def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> di
     return {"step_s": timer.times, "reward": rewards}
 
 
+def run_worker(framework: str, steps: int) -> dict:
+    """One framework's run in this process; its peak resident memory is the process's."""
+    from postrl.models.gguf import smollm2_dir
+    from postrl.train.memory import resident_high_water_mb
+
+    model_dir = smollm2_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        if framework == "postrl":
+            data = chat_addition.write_jsonl(Path(tmp) / "addition.jsonl", 2000)
+            result = run_postrl(model_dir, data, Path(tmp) / "postrl", steps)
+        else:
+            result = run_trl(model_dir, chat_addition.rows(2000), Path(tmp) / "trl", steps)
+    return {**result, "peak_mb": resident_high_water_mb()}
+
+
+def in_child(framework: str, steps: int) -> dict:
+    """Each framework in a process of its own, so that neither's memory or threads touch the other's."""
+    cmd = [sys.executable, __file__, "--worker", framework, "--steps", str(steps)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--steps", type=int, default=3, help="steps per framework; the first is a warm-up")
     parser.add_argument("--curve", action="store_true", help="30 steps each, and print the reward curves")
+    parser.add_argument("--worker", choices=["postrl", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = 30 if args.curve else max(2, args.steps)
-
-    from postrl.models.gguf import smollm2_dir
-
-    model_dir = smollm2_dir()
-    with tempfile.TemporaryDirectory() as tmp:
-        data = chat_addition.write_jsonl(Path(tmp) / "addition.jsonl", 2000)
-        postrl = run_postrl(model_dir, data, Path(tmp) / "postrl", steps)
-        trl = run_trl(model_dir, chat_addition.rows(2000), Path(tmp) / "trl", steps)
+    if args.worker:
+        print(json.dumps(run_worker(args.worker, steps)))
+        return 0
+    postrl, trl = in_child("postrl", steps), in_child("trl", steps)
     p_s = sum(postrl["step_s"][1:]) / len(postrl["step_s"][1:])
     t_s = sum(trl["step_s"][1:]) / len(trl["step_s"][1:])
     print(
         f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS} prompts x G={G}, {NEW_TOKENS} new tokens, beta=0, "
         f"micro-batch {MICRO}, {torch.get_num_threads()} threads"
     )
-    print(f"{'framework':<10}{'s/step':>10}  per-step seconds")
-    print(f"{'postrl':<10}{p_s:>10.1f}  {[round(x, 1) for x in postrl['step_s']]}")
-    print(f"{'TRL':<10}{t_s:>10.1f}  {[round(x, 1) for x in trl['step_s']]}")
+    print(f"{'framework':<10}{'s/step':>10}{'peak MB':>10}  per-step seconds")
+    print(f"{'postrl':<10}{p_s:>10.1f}{postrl['peak_mb']:>10.0f}  {[round(x, 1) for x in postrl['step_s']]}")
+    print(f"{'TRL':<10}{t_s:>10.1f}{trl['peak_mb']:>10.0f}  {[round(x, 1) for x in trl['step_s']]}")
     print(f"speedup: {t_s / p_s:.2f}x; postrl phases per step: {postrl['phases']}")
     if args.curve:
         print(f"{'step':>4}{'postrl reward':>15}{'TRL reward':>12}")
         for i, (a, b) in enumerate(zip(postrl["reward"], trl["reward"]), start=1):
             print(f"{i:>4}{a:>15.3f}{b:>12.3f}")
     if args.json:
-        row = {"postrl_s_per_step": round(p_s, 2), "trl_s_per_step": round(t_s, 2), "speedup": round(t_s / p_s, 3)}
+        row = {
+            "postrl_s_per_step": round(p_s, 2),
+            "trl_s_per_step": round(t_s, 2),
+            "speedup": round(t_s / p_s, 3),
+            "postrl_peak_mb": round(postrl["peak_mb"]),
+            "trl_peak_mb": round(trl["peak_mb"]),
+        }
         if args.curve:
             row.update(postrl_reward=postrl["reward"], trl_reward=trl["reward"])
         print(json.dumps(row))

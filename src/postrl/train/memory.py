@@ -17,7 +17,8 @@ import torch
 STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 
-def _resident_high_water_mb() -> float:
+def resident_high_water_mb() -> float:
+    """The process's peak resident memory since it started or since the last reset (Linux), MB."""
     if STATUS.exists():
         for line in STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -46,4 +47,4 @@ class PeakMemory:
         if self.device.type == "cuda":
             self.mb = torch.cuda.max_memory_allocated(self.device) / 2**20
         else:
-            self.mb = _resident_high_water_mb()
+            self.mb = resident_high_water_mb()
