@@ -22,6 +22,7 @@ from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop
 from postrl.run.place import RunPlace
 from postrl.run.train_runner import make_sinks
 from postrl.train.dpo import DPOWorker
+from postrl.train.lora import apply_lora
 from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import StepMetrics
 
@@ -90,7 +91,11 @@ def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, res
     reference = reference_logprobs(config, pairs, tokenizer.pad_token_id, run_dir)
     device = resolve_device(config.train.device, "train.device")
     model = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    worker = DPOWorker(model, config.train, config.dpo, tokenizer.pad_token_id, config.model.gradient_checkpointing)
+    if config.model.lora is not None:
+        model = apply_lora(model, config.model.lora)
+    worker = DPOWorker(
+        model, config.train, config.dpo, tokenizer.pad_token_id, config.model.gradient_checkpointing, config.model.lora
+    )
     total, step = config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size), 0
     if resume:
         step = _resume(config, place, worker, total, echo)

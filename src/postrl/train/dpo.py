@@ -13,10 +13,11 @@ import torch
 from postrl.algorithms import DPO_LOSSES
 from postrl.algorithms.preference import margin
 from postrl.config.dpo import DPOConfig
-from postrl.config.run import TrainConfig
+from postrl.config.run import LoraConfig, TrainConfig
 from postrl.data.preferences import PreferencePair
 from postrl.models.weights import save_weights
 from postrl.train.logprobs import token_logprobs
+from postrl.train.lora import save_lora_model
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.worker import prepare_for_training
 from postrl.types import pad_sequences
@@ -53,8 +54,10 @@ class DPOWorker:
         dpo: DPOConfig,
         pad_id: int,
         gradient_checkpointing: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.model, self.cfg, self.dpo, self.pad_id = model, train, dpo, pad_id
+        self.lora = lora  # the model is a peft model: final_model/ is saved as model.lora.export says
         prepare_for_training(model, train.attention, gradient_checkpointing)
         self.optimization = Optimization(model, OptimizerSettings.of_train(train))
         self.average = dpo.loss_type == "ipo"
@@ -112,7 +115,11 @@ class DPOWorker:
         }
 
     def save_pretrained(self, folder: str | Path) -> None:
-        """The policy as a Hugging Face folder (config + safetensors)."""
+        """The policy as a Hugging Face folder (config + safetensors); with LoRA merged or as an
+        adapter folder (``model.lora.export``)."""
+        if self.lora is not None:
+            save_lora_model(self.model, Path(folder), self.lora.export)
+            return
         save_weights(self.model, Path(folder))
 
     def save_checkpoint(self, path: str | Path) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from postrl.config.algorithm import AlgorithmConfig, ProximalSource
-from postrl.config.run import RunConfig, TrainConfig
+from postrl.config.run import LoraConfig, RunConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.train.worker import TrainWorker
 
@@ -25,6 +25,7 @@ class PolicySpec:
     temperature: float
     seed: int
     gradient_checkpointing: bool = False
+    lora: LoraConfig | None = None
     max_response_tokens: int = 64  # rollout.max_tokens: Dr. GRPO's constant normaliser
     proximal: ProximalSource = "rollout"  # algorithm.old_logprobs, resolved by old_logprobs_source
 
@@ -39,6 +40,7 @@ class PolicySpec:
             temperature=config.rollout.temperature,
             seed=config.seed,
             gradient_checkpointing=config.model.gradient_checkpointing,
+            lora=config.model.lora,
             max_response_tokens=config.rollout.max_tokens,
             proximal=old_logprobs_source(config),
         )
@@ -66,7 +68,13 @@ def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -
     from postrl.models.loading import load_causal_lm
 
     policy = load_causal_lm(spec.model_path, spec.model_dtype).to(device)
-    ref = load_causal_lm(spec.model_path, spec.model_dtype).to(device) if spec.algorithm.needs_reference else None
+    ref = None  # with LoRA the reference is the policy with its adapters disabled
+    if spec.algorithm.needs_reference and spec.lora is None:
+        ref = load_causal_lm(spec.model_path, spec.model_dtype).to(device)
+    if spec.lora is not None:
+        from postrl.train.lora import apply_lora
+
+        policy = apply_lora(policy, spec.lora)
     common = dict(
         temperature=spec.temperature,
         ref_model=ref,
@@ -74,6 +82,7 @@ def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -
         gradient_checkpointing=spec.gradient_checkpointing,
         max_response_tokens=spec.max_response_tokens,
         proximal=spec.proximal,
+        lora=spec.lora,
     )
     if world == 1:  # one process: a plain Train Worker (no collectives, no sharding)
         return TrainWorker(policy, spec.train, spec.algorithm, **common)

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
 
 
-def supports_lean_forward(model: torch.nn.Module) -> bool:
+def supports_lean_forward(model: torch.nn.Module) -> bool:  # model: unwrapped (lora.base_of)
     """A plain (unwrapped; not sharded: FSDP2 gathers parameters in the model's own forward)
     Llama-family model whose layers this forward reproduces:
     silu MLP without bias, rotary embeddings fixed by ``inv_freq``, no sliding window, plain
@@ -54,9 +54,36 @@ def supports_lean_forward(model: torch.nn.Module) -> bool:
         for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj)
         + (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
     ]
+    plain = all(type(m) is torch.nn.Linear or _plain_lora(m) for m in projections)
+    return plain and type(model.get_output_embeddings()) is torch.nn.Linear
+
+
+def _plain_lora(module: torch.nn.Module) -> bool:
+    """A peft LoRA linear layer over a plain ``nn.Linear`` with one adapter and no DoRA."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return False
     return (
-        all(type(m) is torch.nn.Linear for m in projections) and type(model.get_output_embeddings()) is torch.nn.Linear
+        type(module) is LoraLinear
+        and type(module.base_layer) is torch.nn.Linear
+        and list(module.lora_A) == ["default"]
+        and not module.use_dora.get("default", False)
     )
+
+
+def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x W^T + b`` of a linear layer in ``x``'s dtype; a LoRA layer adds ``s (x A^T) B^T``
+    unless its adapters are disabled (the reference) or merged."""
+    dtype = x.dtype
+    if type(module) is torch.nn.Linear:
+        bias = module.bias.to(dtype) if module.bias is not None else None
+        return F.linear(x, module.weight.to(dtype), bias)
+    out = _project(module.base_layer, x)
+    if module.disable_adapters or module.merged:
+        return out
+    a, b = module.lora_A["default"].weight.to(dtype), module.lora_B["default"].weight.to(dtype)
+    return out + F.linear(F.linear(module.lora_dropout["default"](x), a), b) * module.scaling["default"]
 
 
 @dataclass
@@ -160,17 +187,15 @@ class LeanForward:
     def _layer(self, layer, x, cos, sin, bias, layout: BlockLayout) -> torch.Tensor:
         attn, mlp = layer.self_attn, layer.mlp
         dtype = x.dtype
-        w = lambda m: m.weight.to(dtype)  # noqa: E731
-        b = lambda m: m.bias.to(dtype) if m.bias is not None else None  # noqa: E731
         h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight.to(dtype), self.eps)
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
-        q = _rope(F.linear(h, w(attn.q_proj), b(attn.q_proj)).view(-1, nh, d), cos, sin)
-        k = _rope(F.linear(h, w(attn.k_proj), b(attn.k_proj)).view(-1, nkv, d), cos, sin)
-        v = F.linear(h, w(attn.v_proj), b(attn.v_proj)).view(-1, nkv, d)
-        x = x + F.linear(self._attention(q, k, v, bias, layout), w(attn.o_proj))
+        q = _rope(_project(attn.q_proj, h).view(-1, nh, d), cos, sin)
+        k = _rope(_project(attn.k_proj, h).view(-1, nkv, d), cos, sin)
+        v = _project(attn.v_proj, h).view(-1, nkv, d)
+        x = x + _project(attn.o_proj, self._attention(q, k, v, bias, layout))
         h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight.to(dtype), self.eps)
-        gate, up = F.linear(h, w(mlp.gate_proj)), F.linear(h, w(mlp.up_proj))
-        return x + F.linear(F.silu(gate) * up, w(mlp.down_proj))
+        gate, up = _project(mlp.gate_proj, h), _project(mlp.up_proj, h)
+        return x + _project(mlp.down_proj, F.silu(gate) * up)
 
     def _attention(self, q, k, v, bias, layout: BlockLayout) -> torch.Tensor:
         """``[T, heads * head_dim]``: every block's queries over its keys, scattered back."""

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
 from postrl.train.chunked_head import chunked_token_logprobs
 from postrl.train.lean_forward import LeanForward, group_layout, supports_lean_forward
+from postrl.train.lora import base_of
 
 
 def token_logprobs(
@@ -33,13 +34,14 @@ def token_logprobs(
     :mod:`postrl.train.lean_forward` instead of the transformers forward.
     """
     plain_head = target_mask is not None and getattr(model.config, "model_type", "") in PLAIN_HEAD_MODEL_TYPES
-    if plain_head and lean and supports_lean_forward(model):
+    inner = base_of(model)
+    if plain_head and lean and supports_lean_forward(inner):
         spans = _prompt_response_spans(attention_mask, target_mask)
         if spans is not None:
             layout, predictors = group_layout(input_ids, spans, group_ids)
-            hidden = LeanForward(model).hidden(layout)[predictors]
+            hidden = LeanForward(inner).hidden(layout)[predictors]
             where = target_mask.bool()
-            head = model.get_output_embeddings().weight
+            head = inner.get_output_embeddings().weight
             logp_sel, ent_sel = chunked_token_logprobs(hidden, head, input_ids[:, 1:][where], temperature, with_entropy)
             return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
     if plain_head and group_ids is not None:

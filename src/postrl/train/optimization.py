@@ -54,7 +54,10 @@ class Optimization:
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings) -> None:
         self.model, self.settings = model, settings
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+            [p for p in model.parameters() if p.requires_grad],
+            lr=settings.lr,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
         )
         self.scheduler = make_scheduler(
             self.optimizer, settings.lr_schedule, settings.warmup_steps, settings.lr_decay_steps, settings.min_lr_ratio

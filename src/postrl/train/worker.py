@@ -25,10 +25,11 @@ from postrl.algorithms import (
 )
 from postrl.algorithms.importance import interpolated_proximal
 from postrl.config.algorithm import ProximalSource
-from postrl.config.run import AlgorithmConfig, TrainConfig
+from postrl.config.run import AlgorithmConfig, LoraConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.models.weights import save_weights
 from postrl.train.logprobs import token_logprobs
+from postrl.train.lora import adapter_state, merged_state, save_lora_model
 from postrl.train.memory import PeakMemory
 from postrl.train.micro_batching import token_budget_micro_batches
 from postrl.train.optimization import Optimization, OptimizerSettings
@@ -76,13 +77,16 @@ class TrainWorker:
         gradient_checkpointing: bool = False,
         max_response_tokens: int = 64,
         proximal: ProximalSource = "rollout",
+        lora: LoraConfig | None = None,
     ) -> None:
         self.model, self.cfg, self.algo = model, train, algorithm
         self.proximal = proximal  # algorithm.old_logprobs, resolved (PolicySpec.of_run)
         self.temperature = temperature
         self.max_response_tokens = max_response_tokens  # Dr. GRPO's constant normaliser
         self.ref_model = ref_model.eval() if ref_model is not None else None
-        if self.algo.needs_reference and self.ref_model is None:
+        self.lora = lora  # the model is a peft model; its reference is itself with the adapters off
+        self.has_reference = self.ref_model is not None or (lora is not None and self.algo.needs_reference)
+        if self.algo.needs_reference and not self.has_reference:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
         self.kl_beta = algorithm.kl_beta  # the adaptive controller moves it (set_kl_beta)
         prepare_for_training(model, train.attention, gradient_checkpointing)
@@ -249,7 +253,7 @@ class TrainWorker:
             weights = self.importance(proximal, micro.old_logprobs, mask)
             per_token = per_token * weights.weights
         kl = torch.zeros_like(logp)
-        if self.ref_model is not None and self.algo.kl_in == "loss":
+        if self.has_reference and self.algo.kl_in == "loss":
             kl = kl_penalty(logp, self._reference(micro), self.algo.kl_estimator, self.algo.kl_clamp) * mask
             per_token = per_token + self.kl_beta * kl
         if bonus:
@@ -274,9 +278,11 @@ class TrainWorker:
 
     def _reference(self, micro: ExperienceBatch) -> torch.Tensor:
         """The reference model's logprobs of ``micro``'s response tokens (no gradient)."""
-        with torch.no_grad(), self._autocast():
+        reference = self.ref_model if self.ref_model is not None else self.model
+        adapters_off = self.model.disable_adapter() if self.ref_model is None else contextlib.nullcontext()
+        with torch.no_grad(), self._autocast(), adapters_off:
             ref_logp, _ = token_logprobs(
-                self.ref_model,
+                reference,
                 micro.input_ids,
                 micro.attention_mask,
                 self.temperature,
@@ -299,18 +305,26 @@ class TrainWorker:
     @torch.no_grad()
     def reference_logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         """The reference model's logprob of every response token, ``[B, T-1]`` (0 elsewhere), on the CPU."""
-        if self.ref_model is None:
+        if not self.has_reference:
             raise ValueError("reference log-probabilities need a reference model (algorithm.kl_beta > 0)")
         device = next(self.model.parameters()).device
         out = [self._reference(micro.to(device)).float().cpu() for micro in batch.split(self.cfg.micro_batch_size)]
         return torch.cat(out)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """The full weights, by name (a multi-process worker gathers them; see FSDPTrainWorker)."""
-        return self.model.state_dict()
+        """What a weight sync sends: the full weights by name (a multi-process worker gathers them;
+        see FSDPTrainWorker), or with LoRA the adapters (``model.lora.sync: adapter``) or the
+        merged weights (:mod:`postrl.train.lora`)."""
+        if self.lora is None:
+            return self.model.state_dict()
+        return adapter_state(self.model) if self.lora.sync == "adapter" else merged_state(self.model)
 
     def save_pretrained(self, folder: str | Path) -> None:
-        """The policy as a Hugging Face folder (config + safetensors)."""
+        """The policy as a Hugging Face folder (config + safetensors); with LoRA merged or as an
+        adapter folder (``model.lora.export``)."""
+        if self.lora is not None:
+            save_lora_model(self.model, Path(folder), self.lora.export)
+            return
         save_weights(self.model, Path(folder))
 
     def save_checkpoint(self, path: str | Path) -> None:

@@ -200,7 +200,11 @@ class NativeRolloutWorker(EngineBase):
         if self.kv_after_update == "recompute":
             self.kept.clear()  # K/V kept from the old weights is not reused
         if manifest is not None:
-            bad = [n for n in written if not torch.equal(self.model.params[n], state[n].to(self.model.dtype))]
+            bad = [
+                n
+                for n in written
+                if n in self.model.params and not torch.equal(self.model.params[n], state[n].to(self.model.dtype))
+            ]
             if bad:
                 raise WeightSyncError(f"engine weights differ from the sent weights after the copy: {bad[:5]}")
         self.weight_version = version

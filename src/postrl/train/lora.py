@@ -1,0 +1,90 @@
+"""LoRA through peft: adapters on the policy, the base model as the reference, adapter-only sync.
+
+A weight sync sends, for every adapted linear layer, ``NAME.lora_A`` (``[r, in]``),
+``NAME.lora_B`` (``[out, r]``) and ``NAME.lora_scale`` (one element), where NAME is the layer's Hugging
+Face name (``model.layers.0.self_attn.q_proj``). The engine applies them unmerged,
+``x W + s (x A^T) B^T``, so it computes what the trainer computes; merging ``W + s B A`` into
+bf16 weights would round most of a small update away. ``model.lora.sync: merged`` sends the
+merged weights instead (for engines that take whole weights only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from postrl.config.run import LoraConfig
+
+ADAPTER_SUFFIXES = (".lora_A", ".lora_B", ".lora_scale")
+ADAPTER = "default"
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """``model`` with trainable adapters on ``cfg.target_modules`` and every other weight frozen."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    missing = [t for t in cfg.target_modules if not any(n.endswith(f".{t}") for n, _ in model.named_modules())]
+    if missing:
+        raise ValueError(f"model.lora.target_modules: the model has no layer named {missing}")
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none"
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def base_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a peft model (its layers carry the adapters); ``model`` itself
+    otherwise, and where peft is not installed."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return model
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Hugging Face name of each adapted linear layer -> its peft layer."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What an adapter-only sync sends (see the module docstring)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, layer in lora_layers(model).items():
+        state[f"{name}.lora_A"] = layer.lora_A[ADAPTER].weight.detach()
+        state[f"{name}.lora_B"] = layer.lora_B[ADAPTER].weight.detach()
+        state[f"{name}.lora_scale"] = torch.tensor([float(layer.scaling[ADAPTER])])
+    return state
+
+
+def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's weights by their Hugging Face names with every adapter merged in
+    (``W + s B A``, in float32, then the weight's dtype); the model itself is left as it is."""
+    layers = lora_layers(model)
+    base = model.get_base_model()
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        clean = name.replace(".base_layer.", ".")
+        module = clean.rsplit(".", 1)[0]
+        if clean.endswith(".weight") and module in layers:
+            layer = layers[module]
+            delta = layer.lora_B[ADAPTER].weight.float() @ layer.lora_A[ADAPTER].weight.float()
+            tensor = (tensor.float() + float(layer.scaling[ADAPTER]) * delta).to(tensor.dtype)
+        state[clean] = tensor.detach()
+    return state
+
+
+def save_lora_model(model: torch.nn.Module, folder: Path, export: str) -> None:
+    """``final_model/``-style folder: merged Hugging Face weights, or peft's adapter folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if export == "adapter":
+        model.save_pretrained(folder)
+        return
+    model.get_base_model().save_pretrained(folder, state_dict=merged_state(model), safe_serialization=True)
