@@ -29,7 +29,8 @@ from postrl.tasks import chat_addition
 PROMPTS, G, NEW_TOKENS, MICRO, LR = 16, 8, 64, 16, 1e-6
 
 
-def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
+def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = False) -> dict:
+    """postrl's run; ``lora``: r=16 adapters on every projection (lr 10x), synced as adapters."""
     from postrl.config.loading import build_config
     from postrl.run.train_runner import train
 
@@ -40,7 +41,7 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
             "seed": 0,
             "steps": steps,
             "prompts_per_step": PROMPTS,
-            "model": {"path": str(model_dir)},
+            "model": {"path": str(model_dir), "lora": {"r": 16, "alpha": 32.0} if lora else None},
             "data": {"train_files": [str(data)], "max_prompt_tokens": 256},
             "rollout": {"n": G, "max_tokens": NEW_TOKENS, "temperature": 1.0, "dtype": "auto"},
             "reward": {
@@ -49,7 +50,7 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int) -> dict:
             },
             "algorithm": {"kl_beta": 0.0},
             "train": {
-                "lr": LR,
+                "lr": LR * 10 if lora else LR,
                 "mini_batch_size": PROMPTS * G,
                 "micro_batch_size": MICRO,
                 "epochs": 1,
@@ -138,9 +139,9 @@ def run_worker(framework: str, steps: int) -> dict:
 
     model_dir = smollm2_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        if framework == "postrl":
+        if framework in ("postrl", "postrl_lora"):
             data = chat_addition.write_jsonl(Path(tmp) / "addition.jsonl", 2000)
-            result = run_postrl(model_dir, data, Path(tmp) / "postrl", steps)
+            result = run_postrl(model_dir, data, Path(tmp) / "postrl", steps, lora=framework == "postrl_lora")
         else:
             result = run_trl(model_dir, chat_addition.rows(2000), Path(tmp) / "trl", steps)
     return {**result, "peak_mb": resident_high_water_mb()}
@@ -158,14 +159,15 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--steps", type=int, default=3, help="steps per framework; the first is a warm-up")
     parser.add_argument("--curve", action="store_true", help="30 steps each, and print the reward curves")
-    parser.add_argument("--worker", choices=["postrl", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["postrl", "postrl_lora", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = 30 if args.curve else max(2, args.steps)
     if args.worker:
         print(json.dumps(run_worker(args.worker, steps)))
         return 0
-    postrl, trl = in_child("postrl", steps), in_child("trl", steps)
+    postrl, lora, trl = in_child("postrl", steps), in_child("postrl_lora", steps), in_child("trl", steps)
     p_s = sum(postrl["step_s"][1:]) / len(postrl["step_s"][1:])
+    l_s = sum(lora["step_s"][1:]) / len(lora["step_s"][1:])
     t_s = sum(trl["step_s"][1:]) / len(trl["step_s"][1:])
     print(
         f"GRPO step, SmolLM2-135M-Instruct, {PROMPTS} prompts x G={G}, {NEW_TOKENS} new tokens, beta=0, "
@@ -173,8 +175,10 @@ def main() -> int:
     )
     print(f"{'framework':<10}{'s/step':>10}{'peak MB':>10}  per-step seconds")
     print(f"{'postrl':<10}{p_s:>10.1f}{postrl['peak_mb']:>10.0f}  {[round(x, 1) for x in postrl['step_s']]}")
+    print(f"{'LoRA r=16':<10}{l_s:>10.1f}{lora['peak_mb']:>10.0f}  {[round(x, 1) for x in lora['step_s']]}")
     print(f"{'TRL':<10}{t_s:>10.1f}{trl['peak_mb']:>10.0f}  {[round(x, 1) for x in trl['step_s']]}")
-    print(f"speedup: {t_s / p_s:.2f}x; postrl phases per step: {postrl['phases']}")
+    print(f"speedup: {t_s / p_s:.2f}x; LoRA vs full: {p_s / l_s:.2f}x")
+    print(f"postrl phases per step: {postrl['phases']}; LoRA: {lora['phases']}")
     if args.curve:
         print(f"{'step':>4}{'postrl reward':>15}{'TRL reward':>12}")
         for i, (a, b) in enumerate(zip(postrl["reward"], trl["reward"]), start=1):
@@ -184,6 +188,9 @@ def main() -> int:
             "postrl_s_per_step": round(p_s, 2),
             "trl_s_per_step": round(t_s, 2),
             "speedup": round(t_s / p_s, 3),
+            "postrl_lora_s_per_step": round(l_s, 2),
+            "lora_speedup": round(p_s / l_s, 3),
+            "postrl_lora_peak_mb": round(lora["peak_mb"]),
             "postrl_peak_mb": round(postrl["peak_mb"]),
             "trl_peak_mb": round(trl["peak_mb"]),
         }

@@ -10,6 +10,9 @@ non-embedding parameters x tokens, plus 6 x the output projection x response tok
 attention scores each forward really needs (4 x head_dim x heads x the score entries, x3 for the
 backward).
 
+Then the LoRA logprob gaps: SmolLM2 with r=16 adapters (B random), synced to the native engine
+as adapters (applied unmerged) or merged, fp32 and bf16 engines, against the fp32 trainer.
+
     python benchmarks/train_throughput.py [--json] [--rounds 5]
 """
 
@@ -73,6 +76,38 @@ def time_micro_batch(model, batch, lean: bool) -> float:
     return time.perf_counter() - start
 
 
+def lora_gaps(model_dir: str, tokenizer) -> dict[str, float]:
+    """Engine vs trainer logprobs of the same samples with LoRA r=16 adapters (B drawn at random, as
+    after training): adapters synced alone and applied unmerged, and merged, in fp32 and bf16."""
+    from postrl.config.run import LoraConfig
+    from postrl.models.loading import load_causal_lm
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.train.logprobs import token_logprobs
+    from postrl.train.lora import adapter_state, apply_lora, merged_state
+    from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
+
+    torch.manual_seed(0)
+    base = load_causal_lm(model_dir)
+    policy = apply_lora(load_causal_lm(model_dir), LoraConfig(r=16, alpha=32.0))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.02)
+    texts = [f"What is {a} + {b}?" for a, b in zip(range(11, 27), range(40, 56))]
+    prompts = [Prompt(t, tokenizer(t)["input_ids"]) for t in texts]
+    gaps = {}
+    for dtype, sync in (("float32", "adapter"), ("float32", "merged"), ("bfloat16", "adapter"), ("bfloat16", "merged")):
+        engine = NativeRolloutWorker.from_hf(base, tokenizer, dtype=getattr(torch, dtype), seed=1)
+        engine.update_weights(adapter_state(policy) if sync == "adapter" else merged_state(policy), 1)
+        rollouts = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=32), 1)
+        exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 0) for r in rollouts]
+        batch = ExperienceBatch.from_experiences(exps, tokenizer.pad_token_id)
+        with torch.no_grad():
+            logp, _ = token_logprobs(policy, batch.input_ids, batch.attention_mask, target_mask=batch.response_mask)
+        gaps[f"{dtype}_{sync}"] = float(((logp - batch.old_logprobs) * batch.response_mask).abs().max())
+    return gaps
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -107,6 +142,12 @@ def main() -> int:
     for name, s in (("lean", lean_s), ("transformers", hf_s)):
         print(f"{name:<14}{s:>9.3f}{tokens / s:>10.0f}{flops / s / 1e12:>9.3f}{flops / s / 1e12 / ceiling:>12.3f}")
     print(f"lean vs transformers: {hf_s / lean_s:.2f}x; per-round seconds: {times}")
+    from postrl.models.loading import load_tokenizer
+
+    gaps = lora_gaps(str(smollm2_dir()), load_tokenizer(str(smollm2_dir())))
+    print("LoRA r=16, engine vs trainer (fp32 trainer), max |logprob diff| over 32 x 32 sampled tokens:")
+    for key, gap in gaps.items():
+        print(f"  engine {key.replace('_', ', sync ')}: {gap:.2e}")
     if args.json:
         row = {
             "train_tokens_per_s": round(tokens / lean_s, 1),
@@ -115,6 +156,10 @@ def main() -> int:
             "train_ceiling_fraction": round(flops / lean_s / 1e12 / ceiling, 4),
             "transformers_ceiling_fraction": round(flops / hf_s / 1e12 / ceiling, 4),
             "lean_vs_transformers": round(hf_s / lean_s, 3),
+            "lora_logprob_gap": gaps["float32_adapter"],
+            "lora_merged_gap_fp32": gaps["float32_merged"],
+            "lora_adapter_gap_bf16": gaps["bfloat16_adapter"],
+            "lora_merged_gap_bf16": gaps["bfloat16_merged"],
         }
         print(json.dumps(row))
     return 0
