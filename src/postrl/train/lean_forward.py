@@ -15,6 +15,7 @@ model's up to rounding (tested in float32 and bf16).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,7 @@ def _plain_lora(module: torch.nn.Module) -> bool:
     )
 
 
-def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _project(module: Any, x: torch.Tensor) -> torch.Tensor:
     """``x W^T + b`` of a linear layer in ``x``'s dtype; a LoRA layer adds ``s (x A^T) B^T``
     unless its adapters are disabled (the reference) or merged."""
     dtype = x.dtype
@@ -167,7 +168,7 @@ class LeanForward:
         decoder = self.model.model
         device = layout.tokens.device
         dtype = self._dtype(device)
-        rotary = decoder.rotary_emb
+        rotary: Any = decoder.rotary_emb
         freqs = layout.positions.float()[:, None] * rotary.inv_freq.float().to(device)[None]
         emb = torch.cat([freqs, freqs], dim=-1)
         scale = float(getattr(rotary, "attention_scaling", 1.0))

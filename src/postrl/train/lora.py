@@ -11,6 +11,7 @@ merged weights instead (for engines that take whole weights only).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,15 +45,16 @@ def base_of(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
-def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Hugging Face name of each adapted linear layer -> its peft layer."""
+def lora_layers(model: Any) -> dict[str, Any]:
+    """Hugging Face name of each adapted linear layer -> its peft layer (``peft.tuners.lora.LoraLayer``;
+    peft is optional, hence ``Any``)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
 
 
-def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
     """What an adapter-only sync sends (see the module docstring)."""
     state: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(model).items():
@@ -62,7 +64,7 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state(model: Any) -> dict[str, torch.Tensor]:
     """The base model's weights by their Hugging Face names with every adapter merged in
     (``W + s B A``, in float32, then the weight's dtype); the model itself is left as it is."""
     layers = lora_layers(model)
@@ -81,7 +83,7 @@ def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_lora_model(model: torch.nn.Module, folder: Path, export: str) -> None:
+def save_lora_model(model: Any, folder: Path, export: str) -> None:
     """``final_model/``-style folder: merged Hugging Face weights, or peft's adapter folder."""
     folder.mkdir(parents=True, exist_ok=True)
     if export == "adapter":
