@@ -73,20 +73,6 @@ def _plain_lora(module: torch.nn.Module) -> bool:
     )
 
 
-def _project(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """``x W^T + b`` of a linear layer in ``x``'s dtype; a LoRA layer adds ``s (x A^T) B^T``
-    unless its adapters are disabled (the reference) or merged."""
-    dtype = x.dtype
-    if type(module) is torch.nn.Linear:
-        bias = module.bias.to(dtype) if module.bias is not None else None
-        return F.linear(x, module.weight.to(dtype), bias)
-    out = _project(module.base_layer, x)
-    if module.disable_adapters or module.merged:
-        return out
-    a, b = module.lora_A["default"].weight.to(dtype), module.lora_B["default"].weight.to(dtype)
-    return out + F.linear(F.linear(module.lora_dropout["default"](x), a), b) * module.scaling["default"]
-
-
 @dataclass
 class BlockLayout:
     """A micro-batch as flat tokens and attention blocks.
@@ -186,17 +172,19 @@ class LeanForward:
         return F.rms_norm(x, (x.shape[-1],), norm.to(dtype), self.eps)
 
     def _layer(self, layer, x, cos, sin, bias, layout: BlockLayout) -> torch.Tensor:
+        # the projections are called as modules (autocast casts their weights; a LoRA layer adds its
+        # adapters, or not when they are disabled; forward hooks see them)
         attn, mlp = layer.self_attn, layer.mlp
         dtype = x.dtype
         h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight.to(dtype), self.eps)
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
-        q = _rope(_project(attn.q_proj, h).view(-1, nh, d), cos, sin)
-        k = _rope(_project(attn.k_proj, h).view(-1, nkv, d), cos, sin)
-        v = _project(attn.v_proj, h).view(-1, nkv, d)
-        x = x + _project(attn.o_proj, self._attention(q, k, v, bias, layout))
+        q = _rope(attn.q_proj(h).view(-1, nh, d), cos, sin)
+        k = _rope(attn.k_proj(h).view(-1, nkv, d), cos, sin)
+        v = attn.v_proj(h).view(-1, nkv, d)
+        x = x + attn.o_proj(self._attention(q, k, v, bias, layout))
         h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight.to(dtype), self.eps)
-        gate, up = _project(mlp.gate_proj, h), _project(mlp.up_proj, h)
-        return x + _project(mlp.down_proj, F.silu(gate) * up)
+        gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        return x + mlp.down_proj(F.silu(gate) * up)
 
     def _attention(self, q, k, v, bias, layout: BlockLayout) -> torch.Tensor:
         """``[T, heads * head_dim]``: every block's queries over its keys, scattered back."""

@@ -29,6 +29,27 @@ class Adapter:
     scale: float
 
 
+@dataclass
+class FusedAdapters:
+    """A fused projection's adapters as two matmuls: ``(x A^T) B^T`` with A the adapters' A stacked
+    (``[sum r, in]``) and B block-placed into the projection's columns, scales folded in
+    (``[width, sum r]``): 3 operations per projection instead of 3 per adapter."""
+
+    a_t: torch.Tensor  # [in, sum r]: the stacked A, transposed once (contiguous for the matmul)
+    b_t: torch.Tensor  # [sum r, width]
+
+    @staticmethod
+    def of(adapters: list[Adapter], width: int) -> FusedAdapters:
+        a = torch.cat([ad.a for ad in adapters])
+        b = torch.zeros(width, a.shape[0], dtype=a.dtype, device=a.device)
+        start = 0
+        for ad in adapters:
+            rank = ad.a.shape[0]
+            b[ad.columns, start : start + rank] = ad.b * ad.scale
+            start += rank
+        return FusedAdapters(a.t().contiguous(), b.t().contiguous())
+
+
 def is_adapter_key(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 
@@ -47,7 +68,8 @@ class EngineAdapters:
             "up_proj": ("gate_up", slice(intermediate, 2 * intermediate), hidden),
             "down_proj": ("down", slice(0, hidden), intermediate),
         }
-        self.by_group: dict[tuple[int, str], list[Adapter]] = {}
+        self.widths = {"qkv": q_out + 2 * kv_out, "o": hidden, "gate_up": 2 * intermediate, "down": hidden}
+        self.by_group: dict[tuple[int, str], FusedAdapters] = {}
 
     def __bool__(self) -> bool:
         return bool(self.by_group)
@@ -76,11 +98,12 @@ class EngineAdapters:
                 )
             adapter = Adapter(columns, a.to(device, dtype), b.to(device, dtype), float(parts["lora_scale"]))
             staged.setdefault((layer, group), []).append(adapter)
-        self.by_group = staged
+        self.by_group = {key: FusedAdapters.of(group, self.widths[key[1]]) for key, group in staged.items()}
         return list(state)
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the fused projection of ``x``) with this layer's adapters added into their columns."""
-        for adapter in self.by_group.get((layer, group), ()):
-            out[:, adapter.columns] += (x @ adapter.a.t()) @ adapter.b.t() * adapter.scale
-        return out
+        fused = self.by_group.get((layer, group))
+        if fused is None:
+            return out
+        return out.addmm_(x @ fused.a_t, fused.b_t)
