@@ -207,6 +207,23 @@ class LeanForward:
         return result.index_copy(0, flat[real], out[real])
 
 
+def shared_prompt_groups(
+    input_ids: torch.Tensor, spans: list[tuple[int, int]], group_ids: torch.Tensor | None
+) -> dict[int, list[int]]:
+    """Rows by ``group_ids`` entry (each row its own group without them), in first-seen order; the
+    rows of a group must share their prompt (``spans``: each row's (prompt length, response
+    length)), which is checked."""
+    members: dict[int, list[int]] = {}
+    for row in range(input_ids.shape[0]):
+        members.setdefault(int(group_ids[row]) if group_ids is not None else row, []).append(row)
+    for group, rows in members.items():
+        lead, p = rows[0], spans[rows[0]][0]
+        for row in rows[1:]:
+            if spans[row][0] != p or not torch.equal(input_ids[row, :p], input_ids[lead, :p]):
+                raise ValueError(f"rows {lead} and {row} of group {group} do not share their prompt")
+    return members
+
+
 def group_layout(
     input_ids: torch.Tensor, spans: list[tuple[int, int]], group_ids: torch.Tensor | None
 ) -> tuple[BlockLayout, torch.Tensor]:
@@ -214,17 +231,12 @@ def group_layout(
     row's (prompt length, response length)), rows of one ``group_ids`` entry sharing their prompt
     (checked), and the flat index of the hidden state that predicts each response token, in the
     row-major order of the rows' response positions."""
-    members: dict[int, list[int]] = {}
-    for row in range(input_ids.shape[0]):
-        members.setdefault(int(group_ids[row]) if group_ids is not None else row, []).append(row)
+    members = shared_prompt_groups(input_ids, spans, group_ids)
     ids = input_ids.tolist()
     groups, starts = [], {}
     offset = 0
-    for group, rows in members.items():
+    for rows in members.values():
         lead, p = rows[0], spans[rows[0]][0]
-        for row in rows[1:]:
-            if spans[row][0] != p or ids[row][:p] != ids[lead][:p]:
-                raise ValueError(f"rows {lead} and {row} of group {group} do not share their prompt")
         prompt_start, offset = offset, offset + p
         responses = []
         for row in rows:

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
 from postrl.train.chunked_head import chunked_token_logprobs
-from postrl.train.lean_forward import LeanForward, group_layout, supports_lean_forward
+from postrl.train.lean_forward import LeanForward, group_layout, shared_prompt_groups, supports_lean_forward
 from postrl.train.lora import base_of
 
 
@@ -121,17 +121,10 @@ def pack_shared_prompts(
     layout = _prompt_response_spans(attention_mask, target_mask)
     if layout is None:
         return None
-    groups: dict[int, list[int]] = {}
-    for b in range(rows):
-        groups.setdefault(int(group_ids[b]), []).append(b)
     spans = layout
+    groups = shared_prompt_groups(input_ids, spans, group_ids)
     if len(groups) == rows:
         return None  # no prompt is shared
-    for group, members in groups.items():
-        lead, p = members[0], spans[members[0]][0]
-        for b in members[1:]:
-            if spans[b][0] != p or not torch.equal(input_ids[b, :p], input_ids[lead, :p]):
-                raise ValueError(f"rows {lead} and {b} of group {group} do not share their prompt")
     seqs, positions, segments, target_seq, target_pos = [], [], [], [], []
     where: dict[int, tuple[int, int]] = {}  # row -> (packed row, start of its response)
     for s, members in enumerate(groups.values()):
