@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from postrl.config.run import LoraConfig
+from postrl.config.run import ConfigError, LoraConfig
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B", ".lora_scale")
 ADAPTER = "default"
@@ -28,7 +28,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
     missing = [t for t in cfg.target_modules if not any(n.endswith(f".{t}") for n, _ in model.named_modules())]
     if missing:
-        raise ValueError(f"model.lora.target_modules: the model has no layer named {missing}")
+        raise ConfigError(f"model.lora.target_modules: the model has no layer named {missing}")
     peft_cfg = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none"
     )
