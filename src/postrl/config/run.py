@@ -278,8 +278,8 @@ class TrainConfig(Section):
         "lean",
         description="The training forward. lean: Llama / Qwen2 / Mistral models run postrl's own forward "
         "(flat tokens, per-block attention over shared-prompt groups, fused norms; values and gradients "
-        "equal the transformers model's up to rounding), any other model (or a sharded or adapter-wrapped "
-        "one) the transformers forward. transformers: always the transformers forward.",
+        "equal the transformers model's up to rounding), any other model (or a sharded one, or adapters other "
+        "than plain LoRA) the transformers forward. transformers: always the transformers forward.",
     )
     attention: Literal["auto", "eager", "sdpa"] = Field(
         "auto",

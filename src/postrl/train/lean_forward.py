@@ -7,8 +7,8 @@ the tokens of a micro-batch are one flat ``[T, hidden]`` list (no padding in any
 and attention runs per *block*: each prompt attends causally to itself, each response to its
 prompt and causally to itself, all blocks batched together. With 8 responses of 64 tokens on a
 40-token prompt that is 5x fewer attention scores. The parameters are the model's own (the
-optimizer, checkpoints and weight sync see nothing new), read in the compute dtype (autocast's,
-where it is on); the norms are one fused op. The values and gradients equal the transformers
+optimizer, checkpoints and weight sync see nothing new): the projections are called as modules,
+so autocast, peft's LoRA layers and forward hooks apply; the norms are one fused op. The values and gradients equal the transformers
 model's up to rounding (tested in float32 and bf16).
 """
 
@@ -29,7 +29,8 @@ def supports_lean_forward(model: torch.nn.Module) -> bool:  # model: unwrapped (
     """A plain (unwrapped; not sharded: FSDP2 gathers parameters in the model's own forward)
     Llama-family model whose layers this forward reproduces:
     silu MLP without bias, rotary embeddings fixed by ``inv_freq``, no sliding window, plain
-    ``nn.Linear`` projections (adapters, quantized layers and the like take the transformers path)."""
+    ``nn.Linear`` projections or plain peft LoRA layers over them (DoRA, several adapters, quantized
+    layers and the like take the transformers path)."""
     config = getattr(model, "config", None)
     if (
         isinstance(model, FSDPModule)
