@@ -99,3 +99,72 @@ def test_wrapped_projections_take_the_transformers_path(char_tokenizer):
     assert not supports_lean_forward(model)
     (lp_hf, _, _), (lp, _, _) = (run(model, batch, lean) for lean in (False, True))
     assert torch.equal(lp, lp_hf)
+
+
+def test_rms_norm_silu_mul_and_half_softmax_match_autograd_of_the_plain_ops():
+    from postrl.train.lean_forward import HalfSoftmax, RMSNorm, SiluMul
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 8, dtype=torch.float64, generator=gen), torch.randn(8, dtype=torch.float64, generator=gen)
+    gate, up = (
+        torch.randn(6, 8, generator=gen, dtype=torch.float64),
+        torch.randn(6, 8, generator=gen, dtype=torch.float64),
+    )
+    scores = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
+    cases = [
+        (
+            lambda a, b: RMSNorm.apply(a, b, 1e-6),
+            lambda a, b: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * b,
+            (x, w),
+        ),
+        (SiluMul.apply, lambda a, b: torch.nn.functional.silu(a) * b, (gate, up)),
+        (lambda a: HalfSoftmax.apply(a, a.dtype), lambda a: torch.softmax(a, -1), (scores,)),
+    ]
+    for ours, plain, inputs in cases:
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        refs = [t.clone().requires_grad_() for t in inputs]
+        out, ref = ours(*leaves), plain(*refs)
+        weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        (out * weights).sum().backward()
+        (ref * weights).sum().backward()
+        assert torch.allclose(out, ref, atol=1e-12)
+        for a, b in zip(leaves, refs):
+            assert torch.allclose(a.grad, b.grad, atol=1e-12)
+            assert float(a.grad.abs().max()) > 0.01
+    # bf16: SiluMul's gradients are bit-identical to autograd's through silu(gate) * up
+    g16, u16 = gate.bfloat16().requires_grad_(), up.bfloat16().requires_grad_()
+    g_ref, u_ref = gate.bfloat16().requires_grad_(), up.bfloat16().requires_grad_()
+    SiluMul.apply(g16, u16).sum().backward()
+    (torch.nn.functional.silu(g_ref) * u_ref).sum().backward()
+    assert torch.equal(g16.grad, g_ref.grad) and torch.equal(u16.grad, u_ref.grad)
+
+
+def test_lean_forward_under_bf16_keeps_no_float32_activation_for_the_backward(char_tokenizer):
+    """What the backward keeps under bf16 autocast: no float32 [tokens, hidden] tensor (autograd
+    through F.rms_norm keeps four per layer) and no float32 attention probabilities."""
+    batch = grouped_batch(char_tokenizer)
+    model = make_tiny_model("llama", char_tokenizer).train()
+    tokens = None
+    kept: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        token_logprobs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            target_mask=batch.response_mask,
+            group_ids=batch.group_ids,
+            lean=True,
+        )
+    hidden = model.config.hidden_size
+    tokens = {shape[0] for shape, dtype in kept if dtype == torch.bfloat16 and len(shape) == 2 and shape[1] == hidden}
+    assert tokens  # the layers' bf16 inputs are kept
+    float_activations = [
+        s for s, d in kept if d == torch.float32 and len(s) >= 2 and s[0] in tokens and s[-1] == hidden
+    ]
+    float_probs = [s for s, d in kept if d == torch.float32 and len(s) == 4]
+    assert float_activations == [] and float_probs == []

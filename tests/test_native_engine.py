@@ -160,3 +160,16 @@ def test_health_check_generates_and_finds_bad_weights(char_tokenizer):
     native.model.params[name].fill_(float("nan"))
     health = native.health_check()
     assert not health and health.reason == f"non-finite weights in ['{name}']"
+
+
+def test_kv_cache_is_released_after_a_generate_unless_asked_to_keep_it(char_tokenizer):
+    """With release_cache (the default) the KV cache is freed when generate returns, so that training
+    in the same process gets the memory; the next call allocates it again and samples the same."""
+    model = make_tiny_model("llama", char_tokenizer)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=3)
+    released, kept = (NativeRolloutWorker.from_hf(model, char_tokenizer, release_cache=r) for r in (True, False))
+    first = [r.response_ids for r in released.generate(prompts_for(char_tokenizer), params, 0)]
+    assert released.cache is None
+    assert [r.response_ids for r in released.generate(prompts_for(char_tokenizer), params, 0)] == first
+    assert [r.response_ids for r in kept.generate(prompts_for(char_tokenizer), params, 0)] == first
+    assert kept.cache is not None and kept.cache.slots >= 2

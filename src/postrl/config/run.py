@@ -129,6 +129,12 @@ class NativeEngineConfig(Section):
         "times longer than the call needs (decode attends over the cache's whole length, so a far too long one "
         "costs more than a new allocation).",
     )
+    release_cache: bool = Field(
+        True,
+        description="Free the KV cache when a generate call returns, so that training in the same process "
+        "(or on the same GPU) gets that memory back; the next call allocates it again (a zero fill). false "
+        "keeps it for the next call (cache_reuse_ratio).",
+    )
     kept_cache_mb: int = Field(
         1024,
         ge=0,

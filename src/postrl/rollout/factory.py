@@ -90,5 +90,6 @@ def rollout_worker_for_model(
             cache_reuse_ratio=config.native.cache_reuse_ratio,
             kv_after_update=config.kv_after_update,
             kept_cache_mb=config.native.kept_cache_mb,
+            release_cache=config.native.release_cache,
         )
     return HFRolloutWorker(model.to(dtype), tokenizer, config.max_batch_size, seed=seed)

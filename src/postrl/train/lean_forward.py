@@ -129,6 +129,77 @@ def block_layout(groups: list[tuple[list[int], list[list[int]]]], device: torch.
     )
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in the residual stream's dtype, accumulated in float32 (:class:`RMSNorm`)."""
+    return RMSNorm.apply(x, weight.to(x.dtype), eps)
+
+
+class RMSNorm(torch.autograd.Function):
+    """``x / rms(x) * weight``, computed in float32 (float64 for float64) and returned in ``x``'s dtype, keeping only
+    ``x`` and the per-token ``1 / rms`` for the backward. Autograd through ``F.rms_norm`` on the
+    CPU (a composite there) keeps two float32 copies of every norm's input, 4 ``[tokens, hidden]``
+    float32 tensors per layer; under autocast it would also return float32, and each projection
+    reading it cast it again. The forward's operations are the composite's, so the values are
+    bit-identical; the backward is the same formula in float32."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.to(torch.promote_types(x.dtype, torch.float32))
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return (xf * rstd * weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        acc = rstd.dtype
+        normed, g = x.to(acc) * rstd, grad.to(acc)
+        g_normed = g * weight.to(acc)
+        grad_x = rstd * (g_normed - normed * (g_normed * normed).mean(-1, keepdim=True))
+        grad_w = (g * normed).reshape(-1, normed.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+class SiluMul(torch.autograd.Function):
+    """``silu(gate) * up`` keeping only ``gate`` and ``up`` for the backward (autograd would also
+    keep ``silu(gate)``, one more ``[tokens, intermediate]`` tensor per layer); the backward
+    recomputes ``silu(gate)`` and applies the same operations autograd would, so the gradients are
+    bit-identical to ``F.silu(gate) * up``'s."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+class HalfSoftmax(torch.autograd.Function):
+    """``softmax(scores)`` in float32, returned in ``dtype`` (the attention matmul's), keeping only
+    that result for the backward: autograd through ``softmax(dtype=float32).to(bf16)`` keeps the
+    float32 probabilities as well as the bf16 ones the matmul saves. In bf16 the backward's
+    probabilities are the bf16 ones the forward's matmul used; in float32 it is exact."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        exact = torch.promote_types(scores.dtype, torch.float32)
+        probs = torch.softmax(scores, dim=-1, dtype=exact).to(dtype)
+        ctx.save_for_backward(probs)
+        ctx.scores_dtype = scores.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (probs,) = ctx.saved_tensors
+        exact = torch.promote_types(ctx.scores_dtype, torch.float32)
+        p, g = probs.to(exact), grad.to(exact)
+        return (p * (g - (g * p).sum(-1, keepdim=True))).to(ctx.scores_dtype), None
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
@@ -169,23 +240,20 @@ class LeanForward:
                 x = checkpoint(self._layer, layer, x, cos, sin, bias, layout, use_reentrant=False)
             else:
                 x = self._layer(layer, x, cos, sin, bias, layout)
-        norm = decoder.norm.weight
-        return F.rms_norm(x, (x.shape[-1],), norm.to(dtype), self.eps)
+        return _rms_norm(x, decoder.norm.weight, self.eps)
 
     def _layer(self, layer, x, cos, sin, bias, layout: BlockLayout) -> torch.Tensor:
         # the projections are called as modules (autocast casts their weights; a LoRA layer adds its
         # adapters, or not when they are disabled; forward hooks see them)
         attn, mlp = layer.self_attn, layer.mlp
-        dtype = x.dtype
-        h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight.to(dtype), self.eps)
+        h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
         q = _rope(attn.q_proj(h).view(-1, nh, d), cos, sin)
         k = _rope(attn.k_proj(h).view(-1, nkv, d), cos, sin)
         v = attn.v_proj(h).view(-1, nkv, d)
         x = x + attn.o_proj(self._attention(q, k, v, bias, layout))
-        h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight.to(dtype), self.eps)
-        gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        return x + mlp.down_proj(F.silu(gate) * up)
+        h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+        return x + mlp.down_proj(SiluMul.apply(mlp.gate_proj(h), mlp.up_proj(h)))
 
     def _attention(self, q, k, v, bias, layout: BlockLayout) -> torch.Tensor:
         """``[T, heads * head_dim]``: every block's queries over its keys, scattered back."""
@@ -199,8 +267,7 @@ class LeanForward:
             kb = kb.repeat_interleave(nh // nkv, dim=1)
             vb = vb.repeat_interleave(nh // nkv, dim=1)
         scores = torch.matmul(qb, kb.transpose(-1, -2)) * d**-0.5 + bias
-        exact = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        probs = torch.softmax(scores, dim=-1, dtype=exact).to(q.dtype)
+        probs = HalfSoftmax.apply(scores, q.dtype)
         out = torch.matmul(probs, vb).permute(0, 2, 1, 3).reshape(blocks * width_q, nh * d)
         flat = layout.query_index.reshape(-1)
         real = flat < q.shape[0]

@@ -78,6 +78,7 @@ class NativeRolloutWorker(EngineBase):
         cache_reuse_ratio: float = 2.0,
         kv_after_update: str = "keep",
         kept_cache_mb: int = 1024,
+        release_cache: bool = True,
     ) -> None:
         if kv_after_update not in ("recompute", "keep"):
             raise ValueError(f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}")
@@ -90,7 +91,7 @@ class NativeRolloutWorker(EngineBase):
         self.updates_in_flight = 0  # weight updates applied in the middle of a generate
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
-        self.cache_reuse_ratio = cache_reuse_ratio
+        self.cache_reuse_ratio, self.release_cache = cache_reuse_ratio, release_cache
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.weight_version = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -127,6 +128,8 @@ class NativeRolloutWorker(EngineBase):
             max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
             self._ensure_cache(slots, max_len)
             seqs = _Scheduler(self, prompts, sampling_params, slots, on_token).run()
+            if self.release_cache:  # a trainer in this process or on this GPU gets the memory back
+                self.cache = None
         return [self._rollout(s, finish, bool(sampling_params.top_logprobs)) for s, finish in seqs]
 
     def _rollout(self, s: _Seq, finish: str, with_top: bool) -> Rollout:
