@@ -80,3 +80,34 @@ def test_fp32_weights_under_autocast_project_in_bf16():
     assert torch.allclose(logp, want, atol=1e-5)
     (gw,) = torch.autograd.grad(logp.sum(), (weight,))
     assert gw.dtype == torch.float32
+
+
+def test_fused_bf16_head_matches_the_eager_one_and_reuses_its_probabilities(monkeypatch):
+    """The compiled single pass (logprobs, entropy, probabilities kept for the backward) against the
+    eager chunks: the same logprobs and entropy to float32 rounding, gradients one bf16 rounding
+    apart; it ran (counted), and not where the entropy carries a gradient."""
+    from postrl.train import chunked_head
+
+    calls = []
+    real = chunked_head.fused_softmax_stats
+    monkeypatch.setattr(chunked_head, "fused_softmax_stats", lambda z, t: calls.append(z.shape) or real(z, t))
+    hidden, weight, targets, upstream = inputs(torch.bfloat16, n=40, vocab=300)
+    upstream = (upstream[0], torch.zeros_like(upstream[1]))
+    eager = grads(
+        lambda: chunked_token_logprobs(hidden, weight, targets, with_entropy=True, chunk=8, fused=False),
+        hidden,
+        weight,
+        upstream,
+    )
+    assert calls == []
+    fused = grads(
+        lambda: chunked_token_logprobs(hidden, weight, targets, with_entropy=True, chunk=8), hidden, weight, upstream
+    )
+    assert calls == [(40, 300)]  # one pass over all rows: no float32 logits to bound
+    for a, b in zip(fused[:2], eager[:2]):
+        assert torch.allclose(a, b, atol=2e-5)
+    for a, b in zip(fused[2:], eager[2:]):
+        assert float(b.float().abs().max()) > 0.1
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.float().abs().max()))
+    chunked_token_logprobs(hidden, weight, targets, with_entropy="grad", chunk=8)
+    assert len(calls) == 1

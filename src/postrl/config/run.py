@@ -287,6 +287,13 @@ class TrainConfig(Section):
         "equal the transformers model's up to rounding), any other model (or a sharded one, or adapters other "
         "than plain LoRA) the transformers forward. transformers: always the transformers forward.",
     )
+    fused_head: bool = Field(
+        True,
+        description="With the lean forward in bf16/fp16 at temperature 1: each chunk's softmax statistics "
+        "(logprobs, entropy and the probabilities the backward reuses instead of recomputing the logits) "
+        "as one kernel compiled by torch.compile (about 30 s the first time on a machine, then loaded "
+        "from Inductor's cache; eager operations where it cannot compile). false: eager operations.",
+    )
     attention: Literal["auto", "eager", "sdpa"] = Field(
         "auto",
         description="Attention kernel of the trained model. auto: eager on CPU (PyTorch's CPU SDPA backward is "

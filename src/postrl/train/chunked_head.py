@@ -10,9 +10,58 @@ logits whatever N is. Values and gradients equal the unchunked computation's up 
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+
 import torch
 
+log = logging.getLogger(__name__)
+
 CHUNK_ELEMENTS = 1 << 25  # float32 logits per chunk: 128 MB
+KEPT_PROBS_ELEMENTS = 1 << 27  # half-precision probabilities kept for the backward: 256 MB
+
+
+def softmax_stats(z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp of targets, entropy)`` in float32 and the probabilities in ``z``'s dtype, from
+    half-precision logits ``z [rows, V]``. Compiled (:func:`fused_softmax_stats`) it is one pass
+    over ``z`` that materialises nothing in float32; eagerly, several."""
+    zf = z.float()
+    top = zf.amax(-1, keepdim=True)
+    e = torch.exp(zf - top)
+    total = e.sum(-1, keepdim=True)
+    lse = top + torch.log(total)
+    p = e / total
+    entropy = lse.squeeze(-1) - (p * zf).sum(-1)
+    logp = zf.gather(-1, targets[:, None]).squeeze(-1) - lse.squeeze(-1)
+    return logp, entropy, p.to(z.dtype)
+
+
+_compile_failed = False
+
+
+@functools.cache
+def _compiled_stats() -> Callable:
+    return torch.compile(softmax_stats, dynamic=True)
+
+
+def fused_softmax_stats(
+    z: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`softmax_stats` compiled once per process (torch.compile; Inductor caches the kernel
+    on disk, so a later process loads it); None where it cannot compile (no compiler, no Triton),
+    after one warning: the caller then takes the eager path."""
+    global _compile_failed
+    if _compile_failed:
+        return None
+    try:
+        return _compiled_stats()(z, targets)
+    except Exception as error:  # any compiler failure: the eager path computes the same
+        _compile_failed = True
+        log.warning(
+            "the fused head could not be compiled (%s: %s); using eager operations", type(error).__name__, error
+        )
+        return None
 
 
 def rows_per_chunk(vocab_size: int) -> int:
@@ -49,58 +98,87 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     on [rows, vocab] tensors the passes, not the matmuls, are the cost."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused):  # type: ignore[override]
         dtype = _compute_dtype(hidden)
         h, w = hidden.to(dtype), weight.to(dtype)
         out = _float(dtype)
         logp = torch.empty(h.shape[0], dtype=out, device=h.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         lse = torch.empty_like(logp)
+        # fused: half-precision logits at T = 1 (an entropy without gradient): one compiled pass
+        # per chunk; where a gradient is needed and the probabilities fit KEPT_PROBS_ELEMENTS the
+        # backward reuses them instead of recomputing the logits (else it takes the eager path)
+        fast = fused and temperature == 1.0 and dtype in (torch.float16, torch.bfloat16)
+        keep = fast and any(ctx.needs_input_grad[:2]) and h.shape[0] * w.shape[0] <= KEPT_PROBS_ELEMENTS
+        probs = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device) if keep else None
+        chunk = h.shape[0] if keep else chunk  # no float32 logits to bound: one pass, one matmul each way
         for s in range(0, h.shape[0], chunk):
             rows = slice(s, s + chunk)
             z = _chunk_logits(h[rows], w, temperature)
+            stats = (
+                fused_softmax_stats(z, targets[rows]) if fast and (keep or not any(ctx.needs_input_grad[:2])) else None
+            )
+            if stats is not None:
+                logp[rows], ent, p = stats
+                if probs is not None:
+                    probs[rows] = p
+                if entropy is not None:
+                    entropy[rows] = ent
+                continue
+            probs = None
             log_p = torch.log_softmax(z, dim=-1, dtype=out)
             lse[rows] = z[:, 0].to(out) - log_p[:, 0]
             logp[rows] = log_p.gather(-1, targets[rows, None]).squeeze(-1)
             if entropy is not None:
                 entropy[rows] = -(torch.exp(log_p).mul_(log_p)).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy if entropy is not None else lse)
+        kept = probs if probs is not None else lse
+        ctx.keeps_probs = probs is not None
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy if entropy is not None else lse, kept)
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.dtype = temperature, chunk, with_entropy, dtype
         ctx.set_materialize_grads(False)  # an output nobody differentiates (entropy) costs nothing
         return logp, (entropy if entropy is not None else torch.zeros_like(logp))
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, probs = ctx.saved_tensors
         h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         accumulate = _float(ctx.dtype)
-        grad_w = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w: torch.Tensor | None = None  # summed over chunks, in float32 (float64)
         use_entropy = ctx.with_entropy and grad_entropy is not None
         # z = logits / T: the chain rule's 1/T folded into the per-row factors
         g_logp = (grad_logp if grad_logp is not None else torch.zeros_like(lse)) / ctx.temperature
         g_entropy = grad_entropy / ctx.temperature if use_entropy else None
         for s in range(0, h.shape[0], ctx.chunk):
             rows = slice(s, s + ctx.chunk)
-            z = _chunk_logits(h[rows], w, ctx.temperature)
-            # d logp_t / d z_j = [j == t] - p_j;  d H / d z_j = -p_j (log p_j + H). Without the
-            # entropy term, dz = -p g (+ g at the target) in the matmul dtype: the product is
-            # rounded to it before the matmuls anyway.
-            if g_entropy is not None:
-                p = torch.softmax(z, dim=-1, dtype=accumulate)
-                coef = z.to(accumulate).sub_(lse[rows, None]).add_(entropy[rows, None]).mul_(g_entropy[rows, None])
-                dz = p.mul_(coef.add_(g_logp[rows, None])).neg_()
+            if ctx.keeps_probs:  # d logp_t / d z_j = [j == t] - p_j
+                dz = probs[rows] * -g_logp[rows, None].to(probs.dtype)
             else:
-                dz = torch.softmax(z, dim=-1).mul_(-g_logp[rows, None].to(z.dtype))
-            dz.scatter_add_(-1, targets[rows, None], g_logp[rows, None].to(dz.dtype))
+                z = _chunk_logits(h[rows], w, ctx.temperature)
+                g_ent = g_entropy[rows] if g_entropy is not None else None
+                dz = _recomputed_dz(z, lse[rows], entropy[rows], g_logp[rows], g_ent, accumulate)
+            picked = (torch.arange(dz.shape[0], device=dz.device), targets[rows])  # one target per row
+            dz[picked] = dz[picked] + g_logp[rows].to(dz.dtype)  # (scatter_add_ copies a bf16 dz twice)
             dz = dz.to(ctx.dtype)
             if grad_h is not None:
                 grad_h[rows] = dz @ w
-            if grad_w is not None:
-                grad_w += (dz.t() @ h[rows]).to(accumulate)
+            if ctx.needs_input_grad[1]:
+                part = (dz.t() @ h[rows]).to(accumulate)
+                grad_w = part if grad_w is None else grad_w.add_(part)
         grad_hidden = grad_h.to(hidden.dtype) if grad_h is not None else None
         grad_weight = grad_w.to(weight.dtype) if grad_w is not None else None
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _recomputed_dz(z, lse, entropy, g_logp, g_entropy, accumulate: torch.dtype) -> torch.Tensor:
+    """A chunk's gradient at the logits but for the target term, from its recomputed logits.
+    d logp_t / d z_j = [j == t] - p_j;  d H / d z_j = -p_j (log p_j + H). Without the entropy
+    term, dz = -p g in the matmul dtype: the product is rounded to it before the matmuls anyway."""
+    if g_entropy is None:
+        return torch.softmax(z, dim=-1).mul_(-g_logp[:, None].to(z.dtype))
+    p = torch.softmax(z, dim=-1, dtype=accumulate)
+    coef = z.to(accumulate).sub_(lse[:, None]).add_(entropy[:, None]).mul_(g_entropy[:, None])
+    return p.mul_(coef.add_(g_logp[:, None])).neg_()
 
 
 def chunked_token_logprobs(
@@ -110,11 +188,14 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool | str = False,
     chunk: int | None = None,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``[N]`` (and entropy ``[N]``: with ``with_entropy="grad"`` it carries a gradient) of
-    ``targets [N]`` given ``hidden [N, H]`` and the output projection ``weight [V, H]``."""
+    ``targets [N]`` given ``hidden [N, H]`` and the output projection ``weight [V, H]``. ``fused``:
+    in half precision, the compiled single-pass softmax (:func:`fused_softmax_stats`) where it applies."""
     chunk = chunk or rows_per_chunk(weight.shape[0])
-    logp, entropy = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk, bool(with_entropy))
+    fused = fused and with_entropy != "grad"
+    logp, entropy = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk, bool(with_entropy), fused)
     if not with_entropy:
         return logp, None
     return logp, entropy if with_entropy == "grad" else entropy.detach()

@@ -22,6 +22,7 @@ def token_logprobs(
     target_mask: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
     lean: bool = True,
+    fused_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob of ``input_ids[:, 1:]`` under ``log_softmax(logits / T)``, shape ``[B, T-1]``.
 
@@ -31,7 +32,8 @@ def token_logprobs(
     half of a GRPO batch, and the projection + softmax over a 49k vocabulary is its costliest part),
     and rows of the same ``group_ids`` entry (samples of one prompt) run their prompt once
     (:func:`pack_shared_prompts`). With ``lean`` (and a model it supports) the Llama family runs
-    :mod:`postrl.train.lean_forward` instead of the transformers forward.
+    :mod:`postrl.train.lean_forward` instead of the transformers forward, and ``fused_head`` lets
+    its half-precision head run as one compiled pass (:func:`~postrl.train.chunked_head.fused_softmax_stats`).
     """
     plain_head = target_mask is not None and getattr(model.config, "model_type", "") in PLAIN_HEAD_MODEL_TYPES
     inner = base_of(model)
@@ -42,7 +44,10 @@ def token_logprobs(
             hidden = LeanForward(inner).hidden(layout)[predictors]
             where = target_mask.bool()
             head = inner.get_output_embeddings().weight
-            logp_sel, ent_sel = chunked_token_logprobs(hidden, head, input_ids[:, 1:][where], temperature, with_entropy)
+            targets = input_ids[:, 1:][where]
+            logp_sel, ent_sel = chunked_token_logprobs(
+                hidden, head, targets, temperature, with_entropy, fused=fused_head
+            )
             return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
     if plain_head and group_ids is not None:
         packed = pack_shared_prompts(input_ids, attention_mask, target_mask, group_ids)

@@ -222,6 +222,7 @@ class TrainWorker:
                 target_mask=micro.response_mask,
                 group_ids=micro.group_ids,
                 lean=self.cfg.forward == "lean",
+                fused_head=self.cfg.fused_head,
             )
 
     def normalizer(self, loss_mask: torch.Tensor, ranks: int = 1) -> LossNormalizer:
@@ -289,6 +290,7 @@ class TrainWorker:
                 target_mask=micro.response_mask,
                 group_ids=micro.group_ids,
                 lean=self.cfg.forward == "lean",
+                fused_head=self.cfg.fused_head,
             )
         return ref_logp
 
