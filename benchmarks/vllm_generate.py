@@ -1,7 +1,11 @@
-"""Run inside .venv-vllm: time vLLM's offline generate on given prompt token ids; print JSON.
+"""Run inside .venv-vllm: vLLM's offline generate on given prompt token ids, kept up between runs.
 
-Invoked by benchmarks/rollout_throughput.py as
-``.venv-vllm/bin/python benchmarks/vllm_generate.py MODEL_DIR REQUEST.json``.
+Started by benchmarks/rollout_throughput.py as
+``.venv-vllm/bin/python benchmarks/vllm_generate.py MODEL_DIR REQUEST.json``: it loads the model,
+warms it up and prints ``{"ready": true}``; then each ``run`` line on stdin times one generate of
+the request's prompts and prints ``{"tokens": ..., "seconds": ...}``; ``quit`` (or end of input)
+exits. One process serves every timed run, so that the caller interleaves them with the other
+engines' and a slow phase of the shared machine hits all of them.
 """
 
 import json
@@ -34,15 +38,15 @@ def main() -> None:
     )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompt_ids"]]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm up
-    best = None
-    for _ in range(req.get("repeats", 1)):  # the fastest run counts, as for the other engines
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        if best is None or tokens / elapsed > best["tokens"] / best["seconds"]:
-            best = {"tokens": tokens, "seconds": elapsed}
-    print(json.dumps(best))
+        print(json.dumps({"tokens": tokens, "seconds": elapsed}), flush=True)
 
 
 if __name__ == "__main__":

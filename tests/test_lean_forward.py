@@ -168,3 +168,39 @@ def test_lean_forward_under_bf16_keeps_no_float32_activation_for_the_backward(ch
     ]
     float_probs = [s for s, d in kept if d == torch.float32 and len(s) == 4]
     assert float_activations == [] and float_probs == []
+
+
+def test_lean_forward_of_a_lora_model_equals_peft_s_forward(char_tokenizer):
+    """Plain LoRA layers (B random, as after training): the lean forward's own base + B(s A x)
+    against peft's forward through the transformers model, values and adapter gradients in float32;
+    with the adapters disabled it is the base model."""
+    from postrl.config.run import LoraConfig
+    from postrl.train.lora import apply_lora, base_of
+
+    batch = grouped_batch(char_tokenizer)
+    base = make_tiny_model("llama", char_tokenizer)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(r=4, alpha=8.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    assert supports_lean_forward(base_of(model))
+    (lp_hf, _, g_hf), (lp, _, g) = (run(model, batch, lean) for lean in (False, True))
+    lora = [n for n in g if "lora_" in n and g[n] is not None]
+    assert len(lora) == 2 * 7 * base.config.num_hidden_layers
+    assert float((lp - lp_hf).abs().max()) < 1e-5
+    assert max(float((g[n] - g_hf[n]).abs().max()) for n in lora) < 1e-5
+    assert min(float(g[n].abs().max()) for n in lora if "lora_A" in n) > 0  # B != 0: A gets a gradient
+    lp_base, _, _ = run(base, batch, True)
+    assert float((lp - lp_base).abs().max()) > 1e-3  # the adapters matter
+    with model.disable_adapter():
+        with torch.no_grad():
+            lp_off, _ = token_logprobs(
+                model,
+                batch.input_ids,
+                batch.attention_mask,
+                0.9,
+                target_mask=batch.response_mask,
+                group_ids=batch.group_ids,
+            )
+    assert float((lp_off - lp_base).abs().max()) < 1e-5

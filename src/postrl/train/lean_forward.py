@@ -129,6 +129,17 @@ def block_layout(groups: list[tuple[list[int], list[list[int]]]], device: torch.
     )
 
 
+def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; for a plain peft LoRA layer with its adapter on, ``base(x) + B(s A(x))``: the
+    same sum, with the scale applied to the rank-r product and ``x`` left in its dtype (peft's
+    forward casts it to the adapter's float32, and autocast casts it back, in every layer). Its
+    parts are still called as modules (autocast, hooks)."""
+    if type(module) is torch.nn.Linear or module.disable_adapters or module.merged:
+        return module(x)
+    down = module.lora_A["default"](module.lora_dropout["default"](x))
+    return module.base_layer(x) + module.lora_B["default"](down * module.scaling["default"])
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in the residual stream's dtype, accumulated in float32 (:class:`RMSNorm`)."""
     return RMSNorm.apply(x, weight.to(x.dtype), eps)
@@ -248,12 +259,12 @@ class LeanForward:
         attn, mlp = layer.self_attn, layer.mlp
         h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
-        q = _rope(attn.q_proj(h).view(-1, nh, d), cos, sin)
-        k = _rope(attn.k_proj(h).view(-1, nkv, d), cos, sin)
-        v = attn.v_proj(h).view(-1, nkv, d)
-        x = x + attn.o_proj(self._attention(q, k, v, bias, layout))
+        q = _rope(_project(attn.q_proj, h).view(-1, nh, d), cos, sin)
+        k = _rope(_project(attn.k_proj, h).view(-1, nkv, d), cos, sin)
+        v = _project(attn.v_proj, h).view(-1, nkv, d)
+        x = x + _project(attn.o_proj, self._attention(q, k, v, bias, layout))
         h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-        return x + mlp.down_proj(SiluMul.apply(mlp.gate_proj(h), mlp.up_proj(h)))
+        return x + _project(mlp.down_proj, SiluMul.apply(_project(mlp.gate_proj, h), _project(mlp.up_proj, h)))
 
     def _attention(self, q, k, v, bias, layout: BlockLayout) -> torch.Tensor:
         """``[T, heads * head_dim]``: every block's queries over its keys, scattered back."""
