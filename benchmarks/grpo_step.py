@@ -6,7 +6,10 @@ function (last integer == answer). postrl: native bf16 rollout, bf16-autocast tr
 weights and optimizer. TRL: `bf16=True`
 on the CPU (its fastest setting that works here). The first step of each is a warm-up and is not
 timed. Each framework runs in a process of its own; its peak memory is that process's resident
-high-water mark over the whole run (model loading, generation and training). `--curve` runs 30
+high-water mark over the whole run (model loading, generation and training). The three warm-up
+steps run at once; then the timed steps run one at a time, interleaved (postrl, LoRA, TRL, in an
+order that rotates every step), the others waiting, so that a slow phase of the shared machine
+hits all three. The spread is each framework's fastest and slowest timed step. `--curve` runs 30
 steps of each and prints both reward curves.
 
     python benchmarks/grpo_step.py [--json] [--steps 3] [--curve]
@@ -16,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +32,17 @@ import torch
 from postrl.tasks import chat_addition
 
 PROMPTS, G, NEW_TOKENS, MICRO, LR = 16, 8, 64, 16, 1e-6
+
+
+MARK = "@@grpo_step "  # the lines of the worker protocol on stdout (the frameworks print too)
+
+
+def wait_for_turn(step_s: float) -> float:
+    """A worker's step is done: report it, wait until the parent says go (another framework's step
+    runs meanwhile), and return the time the next step starts."""
+    print(MARK + json.dumps({"step_s": step_s}), flush=True)
+    sys.stdin.readline()
+    return time.perf_counter()
 
 
 def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = False) -> dict:
@@ -64,11 +80,10 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = 
     last = [time.perf_counter()]
 
     def on_step(metrics) -> None:
-        now = time.perf_counter()
-        times.append(now - last[0])
-        last[0] = now
+        times.append(time.perf_counter() - last[0])
         rewards.append(metrics.values["reward/mean"])
         phases.append({k: round(metrics.values[f"time/{k}_s"], 1) for k in ("generate", "reward", "train", "sync")})
+        last[0] = wait_for_turn(times[-1])
 
     train(config, on_step=on_step)
     return {"step_s": times, "reward": rewards, "phases": phases}
@@ -92,9 +107,8 @@ def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> di
                 self.last = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            now = time.perf_counter()
-            self.times.append(now - self.last)
-            self.last = now
+            self.times.append(time.perf_counter() - self.last)
+            self.last = wait_for_turn(self.times[-1])
 
     dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in data_rows])
     args = GRPOConfig(
@@ -147,11 +161,55 @@ def run_worker(framework: str, steps: int) -> dict:
     return {**result, "peak_mb": resident_high_water_mb()}
 
 
-def in_child(framework: str, steps: int) -> dict:
-    """Each framework in a process of its own, so that neither's memory or threads touch the other's."""
-    cmd = [sys.executable, __file__, "--worker", framework, "--steps", str(steps)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class Worker:
+    """One framework's run in a process of its own (its memory and threads are its own), taking
+    one step each time :meth:`go` lets it. A thread drains its stdout, so that what the framework
+    prints never fills the pipe while another framework runs."""
+
+    def __init__(self, framework: str, steps: int) -> None:
+        self.framework = framework
+        cmd = [sys.executable, __file__, "--worker", framework, "--steps", str(steps)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.replies: queue.Queue[dict | None] = queue.Queue()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self.replies.put(json.loads(line[len(MARK) :]))
+        self.replies.put(None)
+
+    def reply(self) -> dict:
+        got = self.replies.get()
+        if got is None:
+            raise RuntimeError(f"the {self.framework} worker exited ({self.proc.wait()}) before it replied")
+        return got
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+
+def run_interleaved(frameworks: list[str], steps: int) -> dict[str, dict]:
+    """Every framework's first (warm-up, untimed) step at once, then one timed step at a time,
+    framework after framework, in a rotating order: a slow phase of the shared machine hits
+    every framework alike."""
+    workers = [Worker(f, steps) for f in frameworks]
+    for w in workers:
+        w.reply()
+    for step in range(1, steps):
+        order = workers[step % len(workers) :] + workers[: step % len(workers)]
+        for w in order:
+            w.go()
+            w.reply()
+    results = {}
+    for w in workers:
+        w.go()
+        results[w.framework] = w.reply()
+        w.proc.wait()
+    return results
 
 
 def main() -> int:
@@ -163,9 +221,10 @@ def main() -> int:
     args = parser.parse_args()
     steps = 30 if args.curve else max(2, args.steps)
     if args.worker:
-        print(json.dumps(run_worker(args.worker, steps)))
+        print(MARK + json.dumps(run_worker(args.worker, steps)), flush=True)
         return 0
-    postrl, lora, trl = in_child("postrl", steps), in_child("postrl_lora", steps), in_child("trl", steps)
+    runs = run_interleaved(["postrl", "postrl_lora", "trl"], steps)
+    postrl, lora, trl = runs["postrl"], runs["postrl_lora"], runs["trl"]
     p_s = sum(postrl["step_s"][1:]) / len(postrl["step_s"][1:])
     l_s = sum(lora["step_s"][1:]) / len(lora["step_s"][1:])
     t_s = sum(trl["step_s"][1:]) / len(trl["step_s"][1:])
@@ -177,7 +236,12 @@ def main() -> int:
     print(f"{'postrl':<10}{p_s:>10.1f}{postrl['peak_mb']:>10.0f}  {[round(x, 1) for x in postrl['step_s']]}")
     print(f"{'LoRA r=16':<10}{l_s:>10.1f}{lora['peak_mb']:>10.0f}  {[round(x, 1) for x in lora['step_s']]}")
     print(f"{'TRL':<10}{t_s:>10.1f}{trl['peak_mb']:>10.0f}  {[round(x, 1) for x in trl['step_s']]}")
-    print(f"speedup: {t_s / p_s:.2f}x; LoRA vs full: {p_s / l_s:.2f}x")
+    per_round = [t / p for p, t in zip(postrl["step_s"][1:], trl["step_s"][1:])]
+    lora_round = [p / q for p, q in zip(postrl["step_s"][1:], lora["step_s"][1:])]
+    print(
+        f"speedup: {t_s / p_s:.2f}x (rounds {min(per_round):.2f}-{max(per_round):.2f}); "
+        f"LoRA vs full: {p_s / l_s:.2f}x (rounds {min(lora_round):.2f}-{max(lora_round):.2f})"
+    )
     print(f"postrl phases per step: {postrl['phases']}; LoRA: {lora['phases']}")
     if args.curve:
         print(f"{'step':>4}{'postrl reward':>15}{'TRL reward':>12}")
@@ -188,8 +252,10 @@ def main() -> int:
             "postrl_s_per_step": round(p_s, 2),
             "trl_s_per_step": round(t_s, 2),
             "speedup": round(t_s / p_s, 3),
+            "speedup_rounds": [round(x, 3) for x in per_round],
             "postrl_lora_s_per_step": round(l_s, 2),
             "lora_speedup": round(p_s / l_s, 3),
+            "lora_speedup_rounds": [round(x, 3) for x in lora_round],
             "postrl_lora_peak_mb": round(lora["peak_mb"]),
             "postrl_peak_mb": round(postrl["peak_mb"]),
             "trl_peak_mb": round(trl["peak_mb"]),

@@ -219,17 +219,18 @@ class NativeRolloutWorker(EngineBase):
         if bad:
             return Health(False, f"non-finite weights in {bad[:3]}")
         cfg = self.model.cfg
-        if self.cache is None:
-            self._ensure_cache(1, 2)
-        layers, kv_shape = len(self.cache.k), tuple(self.cache.k[0].shape)
-        if layers != cfg.layers or kv_shape[1] != cfg.kv_heads or kv_shape[3] != cfg.head_dim:
-            return Health(
-                False,
-                f"KV cache of {layers} layers x {kv_shape} does not match the model "
-                f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})",
-            )
         probe = Prompt(text="", prompt_ids=[self.pad_id])
-        with self._generation, self._running():
+        with self._generation, self._running():  # a generate in flight may release the cache
+            if self.cache is None:
+                self._ensure_cache(1, 2)
+            assert self.cache is not None
+            layers, kv_shape = len(self.cache.k), tuple(self.cache.k[0].shape)
+            if layers != cfg.layers or kv_shape[1] != cfg.kv_heads or kv_shape[3] != cfg.head_dim:
+                return Health(
+                    False,
+                    f"KV cache of {layers} layers x {kv_shape} does not match the model "
+                    f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})",
+                )
             seqs = _Scheduler(
                 self, [probe], SamplingParams(n=1, temperature=0.0, max_tokens=1), 1, suspendable=False
             ).run()
