@@ -7,7 +7,7 @@ weights and optimizer. TRL: `bf16=True`
 on the CPU (its fastest setting that works here). The first step of each is a warm-up and is not
 timed. Each framework runs in a process of its own; its peak memory is that process's resident
 high-water mark over the whole run (model loading, generation and training). The three warm-up
-steps run at once; then the timed steps run one at a time, interleaved (postrl, LoRA, TRL, in an
+steps run one after the other; then the timed steps run one at a time, interleaved (postrl, LoRA, TRL, in an
 order that rotates every step), the others waiting, so that a slow phase of the shared machine
 hits all three. The spread is each framework's fastest and slowest timed step. `--curve` runs 30
 steps of each and prints both reward curves.
@@ -193,12 +193,14 @@ class Worker:
 
 
 def run_interleaved(frameworks: list[str], steps: int) -> dict[str, dict]:
-    """Every framework's first (warm-up, untimed) step at once, then one timed step at a time,
+    """Each framework's first (warm-up, untimed) step, one framework after the other (at once
+    they would oversubscribe the cores many times over), then one timed step at a time,
     framework after framework, in a rotating order: a slow phase of the shared machine hits
     every framework alike."""
-    workers = [Worker(f, steps) for f in frameworks]
-    for w in workers:
-        w.reply()
+    workers = []
+    for framework in frameworks:
+        workers.append(Worker(framework, steps))
+        workers[-1].reply()
     for step in range(1, steps):
         order = workers[step % len(workers) :] + workers[: step % len(workers)]
         for w in order:

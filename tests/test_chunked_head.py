@@ -101,7 +101,10 @@ def test_fused_bf16_head_matches_the_eager_one_and_reuses_its_probabilities(monk
     )
     assert calls == []
     fused = grads(
-        lambda: chunked_token_logprobs(hidden, weight, targets, with_entropy=True, chunk=8), hidden, weight, upstream
+        lambda: chunked_token_logprobs(hidden, weight, targets, with_entropy=True, chunk=8, fused=True),
+        hidden,
+        weight,
+        upstream,
     )
     assert calls == [(40, 300)]  # one pass over all rows: no float32 logits to bound
     for a, b in zip(fused[:2], eager[:2]):
@@ -109,5 +112,5 @@ def test_fused_bf16_head_matches_the_eager_one_and_reuses_its_probabilities(monk
     for a, b in zip(fused[2:], eager[2:]):
         assert float(b.float().abs().max()) > 0.1
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.float().abs().max()))
-    chunked_token_logprobs(hidden, weight, targets, with_entropy="grad", chunk=8)
+    chunked_token_logprobs(hidden, weight, targets, with_entropy="grad", chunk=8, fused=True)
     assert len(calls) == 1

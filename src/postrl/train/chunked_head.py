@@ -188,11 +188,11 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool | str = False,
     chunk: int | None = None,
-    fused: bool = True,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``[N]`` (and entropy ``[N]``: with ``with_entropy="grad"`` it carries a gradient) of
     ``targets [N]`` given ``hidden [N, H]`` and the output projection ``weight [V, H]``. ``fused``:
-    in half precision, the compiled single-pass softmax (:func:`fused_softmax_stats`) where it applies."""
+    in half precision (the lean forward asks for it), the compiled single-pass softmax (:func:`fused_softmax_stats`) where it applies."""
     chunk = chunk or rows_per_chunk(weight.shape[0])
     fused = fused and with_entropy != "grad"
     logp, entropy = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk, bool(with_entropy), fused)
