@@ -134,10 +134,11 @@ def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     same sum, with the scale applied to the rank-r product and ``x`` left in its dtype (peft's
     forward casts it to the adapter's float32, and autocast casts it back, in every layer). Its
     parts are still called as modules (autocast, hooks)."""
-    if type(module) is torch.nn.Linear or module.disable_adapters or module.merged:
+    lora: Any = module  # a peft LoraLayer (supports_lean_forward let only plain ones through)
+    if type(module) is torch.nn.Linear or lora.disable_adapters or lora.merged:
         return module(x)
-    down = module.lora_A["default"](module.lora_dropout["default"](x))
-    return module.base_layer(x) + module.lora_B["default"](down * module.scaling["default"])
+    down = lora.lora_A["default"](lora.lora_dropout["default"](x))
+    return lora.base_layer(x) + lora.lora_B["default"](down * lora.scaling["default"])
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
