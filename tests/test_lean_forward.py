@@ -21,6 +21,7 @@ def test_block_layout_by_hand():
     pad = 5
     assert layout.query_index.tolist() == [[0, 1], [2, pad], [3, 4]]
     assert layout.key_index.tolist() == [[0, 1, pad, pad], [0, 1, 2, pad], [0, 1, 3, 4]]
+    assert layout.query_slot.tolist() == [0, 1, 2, 4, 5]  # each token's row of the [3 x 2] queries
     t, f = True, False
     assert layout.allowed.tolist() == [
         [[t, f, f, f], [t, t, f, f]],  # the prompt: causal
