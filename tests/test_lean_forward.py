@@ -190,7 +190,9 @@ def test_lean_forward_of_a_lora_model_equals_peft_s_forward(char_tokenizer):
     lora = [n for n in g if "lora_" in n and g[n] is not None]
     assert len(lora) == 2 * 7 * base.config.num_hidden_layers
     assert float((lp - lp_hf).abs().max()) < 1e-5
-    assert max(float((g[n] - g_hf[n]).abs().max()) for n in lora) < 1e-5
+    # each adapter gradient within 1e-5 of its own scale (they reach ~16 here; float32 rounding of
+    # the stacked q|k|v and gate|up products is ~3e-6 of it)
+    assert max(float((g[n] - g_hf[n]).abs().max() / g_hf[n].abs().max()) for n in lora) < 1e-5
     assert min(float(g[n].abs().max()) for n in lora if "lora_A" in n) > 0  # B != 0: A gets a gradient
     lp_base, _, _ = run(base, batch, True)
     assert float((lp - lp_base).abs().max()) > 1e-3  # the adapters matter

@@ -7,9 +7,11 @@ the tokens of a micro-batch are one flat ``[T, hidden]`` list (no padding in any
 and attention runs per *block*: each prompt attends causally to itself, each response to its
 prompt and causally to itself, all blocks batched together. With 8 responses of 64 tokens on a
 40-token prompt that is 5x fewer attention scores. The parameters are the model's own (the
-optimizer, checkpoints and weight sync see nothing new): the projections are called as modules,
-so autocast, peft's LoRA layers and forward hooks apply; the norms are one fused op. The values and gradients equal the transformers
-model's up to rounding (tested in float32 and bf16).
+optimizer, checkpoints and weight sync see nothing new), read under autocast; peft's LoRA layers
+add their adapters (those sharing an input, q|k|v and gate|up, in stacked products); the norms,
+the gated activation and the attention softmax are autograd functions that keep only half-precision
+tensors for the backward. The values and gradients equal the transformers model's up to rounding
+(tested in float32 and bf16).
 """
 
 from __future__ import annotations
@@ -140,10 +142,36 @@ def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     forward casts it to the adapter's float32, and autocast casts it back, in every layer). Its
     parts are still called as modules (autocast, hooks)."""
     lora: Any = module  # a peft LoraLayer (supports_lean_forward let only plain ones through)
-    if type(module) is torch.nn.Linear or lora.disable_adapters or lora.merged:
+    if not _active_lora(module):
         return module(x)
     down = lora.lora_A["default"](lora.lora_dropout["default"](x))
     return lora.base_layer(x) + lora.lora_B["default"](down * lora.scaling["default"])
+
+
+def _active_lora(module: torch.nn.Module) -> bool:
+    lora: Any = module
+    return type(module) is not torch.nn.Linear and not lora.disable_adapters and not lora.merged
+
+
+def _project_together(modules: tuple[torch.nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """``[_project(m, x) for m in modules]`` for projections that read the same ``x``. When they
+    are all plain LoRA layers with active adapters and no dropout, as three products instead of
+    three per layer: the frozen base weights stacked, the ``A``s stacked, and the ``B``s (scaled)
+    as one block-diagonal matrix. Profiled on SmolLM2's q|k|v at 1104 tokens (bf16): 10.5-10.9 ms
+    forward+backward against 12.5-13.9 ms layer by layer; the skinny rank-r products are what
+    LoRA's backward spends its time on."""
+    loras: list[Any] = list(modules)
+    if not all(_active_lora(m) and type(m.lora_dropout["default"]) is torch.nn.Identity for m in loras):
+        return [_project(m, x) for m in modules]
+    bases = [m.base_layer for m in loras]
+    biases = [b.bias for b in bases]
+    bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    if bias is None and any(b is not None for b in biases):
+        return [_project(m, x) for m in modules]
+    down = F.linear(x, torch.cat([m.lora_A["default"].weight for m in loras]))
+    up = torch.block_diag(*[m.lora_B["default"].weight * m.scaling["default"] for m in loras])
+    out = F.linear(x, torch.cat([b.weight for b in bases]), bias) + F.linear(down, up)
+    return list(out.split([b.out_features for b in bases], dim=-1))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -260,17 +288,18 @@ class LeanForward:
         return _rms_norm(x, decoder.norm.weight, self.eps)
 
     def _layer(self, layer, x, cos, sin, bias, layout: BlockLayout) -> torch.Tensor:
-        # the projections are called as modules (autocast casts their weights; a LoRA layer adds its
-        # adapters, or not when they are disabled; forward hooks see them)
+        # the projections run under autocast (it casts their weights); LoRA layers add their
+        # adapters, or not when they are disabled; o_proj and down_proj are called as modules
         attn, mlp = layer.self_attn, layer.mlp
         h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
-        q = _rope(_project(attn.q_proj, h).view(-1, nh, d), cos, sin)
-        k = _rope(_project(attn.k_proj, h).view(-1, nkv, d), cos, sin)
-        v = _project(attn.v_proj, h).view(-1, nkv, d)
-        x = x + _project(attn.o_proj, self._attention(q, k, v, bias, layout))
+        q, k, v = _project_together((attn.q_proj, attn.k_proj, attn.v_proj), h)
+        q = _rope(q.view(-1, nh, d), cos, sin)
+        k = _rope(k.view(-1, nkv, d), cos, sin)
+        x = x + _project(attn.o_proj, self._attention(q, k, v.view(-1, nkv, d), bias, layout))
         h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-        return x + _project(mlp.down_proj, SiluMul.apply(_project(mlp.gate_proj, h), _project(mlp.up_proj, h)))
+        gate, up = _project_together((mlp.gate_proj, mlp.up_proj), h)
+        return x + _project(mlp.down_proj, SiluMul.apply(gate, up))
 
     def _attention(self, q, k, v, bias, layout: BlockLayout) -> torch.Tensor:
         """``[T, heads * head_dim]``: every block's queries over its keys, gathered back per token.

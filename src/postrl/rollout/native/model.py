@@ -152,6 +152,7 @@ class NativeCausalLM:
             written = self.adapters.load(adapters, self.dtype, self.device)
             state = {k: v for k, v in state.items() if k not in adapters}
             if not state:
+                self._pack()
                 return written
         unknown = [k for k in state if k not in self.params and not (k == "lm_head.weight" and self.cfg.tied)]
         wrong = [
@@ -176,21 +177,48 @@ class NativeCausalLM:
         return written
 
     def _pack(self) -> None:
-        pack = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)) if self.prepacked else (lambda w: w)
-        self.p_wqkv = [pack(w) for w in self.wqkv]
-        self.p_wo = [pack(w) for w in self.wo]
-        self.p_gate_up = [pack(w) for w in self.w_gate_up]
-        self.p_down = [pack(w) for w in self.w_down]
-        self.p_head = pack(self.lm_head) if self.prepacked else None
+        """The weights the projections multiply by: oneDNN-packed copies where the CPU prepacks, with
+        each layer's stacked LoRA ``A`` appended below its fused projection's rows (one product
+        gives ``x W^T`` and ``x A^T``: 17% of a LoRA decode went to the separate skinny ones);
+        elsewhere the fused buffers themselves."""
+        if not self.prepacked:
+            self.p_wqkv, self.p_wo, self.p_gate_up, self.p_down = self.wqkv, self.wo, self.w_gate_up, self.w_down
+            self.p_head = None
+            return
+
+        def pack(layer: int, group: str, w: torch.Tensor) -> torch.Tensor:
+            fused = self.adapters.by_group.get((layer, group))
+            if fused is not None:
+                w = torch.cat([w, fused.a_t.t()])
+            return torch.ops.mkldnn._reorder_linear_weight(w, 64)
+
+        layers = range(self.cfg.layers)
+        self.p_wqkv = [pack(i, "qkv", self.wqkv[i]) for i in layers]
+        self.p_wo = [pack(i, "o", self.wo[i]) for i in layers]
+        self.p_gate_up = [pack(i, "gate_up", self.w_gate_up[i]) for i in layers]
+        self.p_down = [pack(i, "down", self.w_down[i]) for i in layers]
+        self.p_head = torch.ops.mkldnn._reorder_linear_weight(self.lm_head, 64)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
         return F.linear(x, w, bias)
 
-    def _project(self, layer: int, group: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        out = self._linear(x, w)
-        return self.adapters.add(layer, group, x, out) if self.adapters else out
+    def _project(
+        self, layer: int, group: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` through fused projection ``group`` of ``layer``, its LoRA adapters added unmerged."""
+        fused = self.adapters.by_group.get((layer, group))
+        if fused is None:
+            return self._linear(x, w, bias)
+        if not self.prepacked:
+            return self.adapters.add(layer, group, x, self._linear(x, w, bias))
+        rank = fused.a_t.shape[1]  # w holds [W; A]: the output's last `rank` columns are x A^T
+        if bias is not None:
+            bias = torch.cat([bias, bias.new_zeros(rank)])
+        out = self._linear(x, w, bias)
+        width = out.shape[-1] - rank
+        return out[..., :width].addmm_(out[..., width:], fused.b_t)
 
     @staticmethod
     def from_hf(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> NativeCausalLM:
@@ -239,9 +267,7 @@ class NativeCausalLM:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i in range(cfg.layers):
             h = self._rms(x, self.ln1[i])
-            qkv = self._linear(h, self.p_wqkv[i], self.bqkv[i] if self.bqkv is not None else None)
-            if self.adapters:
-                qkv = self.adapters.add(i, "qkv", h, qkv)
+            qkv = self._project(i, "qkv", h, self.p_wqkv[i], self.bqkv[i] if self.bqkv is not None else None)
             qk = self._apply_rope(qkv[:, : (nh + nkv) * d].view(-1, nh + nkv, d), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
