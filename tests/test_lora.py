@@ -28,6 +28,18 @@ def lora_worker(base, lora=LORA, kl_beta=0.1, seed=0) -> TrainWorker:
     return TrainWorker(policy, TRAIN, AlgorithmConfig(kl_beta=kl_beta), lora=lora, seed=seed)
 
 
+def sampled_and_rescored(engine, policy, base, tokenizer):
+    """The engine's samples (temperature 0.7) as a batch holding its logprobs, and the same tokens'
+    logprobs under the trainer's ``policy`` and under ``base``."""
+    rollouts = engine.generate(prompts_for(tokenizer), SamplingParams(n=4, temperature=0.7, max_tokens=12), 1)
+    exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 0) for r in rollouts]
+    batch = ExperienceBatch.from_experiences(exps, tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer, _ = token_logprobs(policy, batch.input_ids, batch.attention_mask, 0.7, target_mask=batch.response_mask)
+        plain, _ = token_logprobs(base, batch.input_ids, batch.attention_mask, 0.7, target_mask=batch.response_mask)
+    return batch, trainer, plain
+
+
 def test_only_adapters_change_and_the_reference_is_the_base_model(char_tokenizer):
     base = make_tiny_model("llama", char_tokenizer)
     batch = grouped_batch(char_tokenizer)
@@ -61,14 +73,7 @@ def test_engine_with_unmerged_adapters_equals_the_trainer(char_tokenizer, kind):
     state = adapter_state(worker.model)
     assert all(k.endswith((".lora_A", ".lora_B", ".lora_scale")) for k in state)
     engine.update_weights(state, 1, manifest=weight_manifest(state))
-    rollouts = engine.generate(prompts_for(char_tokenizer), SamplingParams(n=4, temperature=0.7, max_tokens=12), 1)
-    exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 0) for r in rollouts]
-    batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
-    with torch.no_grad():
-        trainer, _ = token_logprobs(
-            worker.model, batch.input_ids, batch.attention_mask, 0.7, target_mask=batch.response_mask
-        )
-        plain, _ = token_logprobs(base, batch.input_ids, batch.attention_mask, 0.7, target_mask=batch.response_mask)
+    batch, trainer, plain = sampled_and_rescored(engine, worker.model, base, char_tokenizer)
     gap = float(((trainer - batch.old_logprobs) * batch.response_mask).abs().max())
     assert gap <= 1e-5
     assert float(((plain - batch.old_logprobs) * batch.response_mask).abs().max()) > 1e-3  # the adapters took effect
@@ -201,14 +206,7 @@ def test_bf16_engine_applies_adapters_as_the_trainer_does(char_tokenizer):
         worker.update(grouped_batch(char_tokenizer))
     engine = NativeRolloutWorker.from_hf(base, char_tokenizer, dtype=torch.bfloat16, seed=3)
     engine.update_weights(adapter_state(worker.model), 1)
-    rollouts = engine.generate(prompts_for(char_tokenizer), SamplingParams(n=4, temperature=0.7, max_tokens=12), 1)
-    exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 0.0, 0.0, 0) for r in rollouts]
-    batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
-    with torch.no_grad():
-        trainer, _ = token_logprobs(
-            worker.model, batch.input_ids, batch.attention_mask, 0.7, target_mask=batch.response_mask
-        )
-        plain, _ = token_logprobs(base, batch.input_ids, batch.attention_mask, 0.7, target_mask=batch.response_mask)
+    batch, trainer, plain = sampled_and_rescored(engine, worker.model, base, char_tokenizer)
     mask = batch.response_mask
     gap = float(((trainer - batch.old_logprobs) * mask).abs().sum() / mask.sum())
     off = float(((plain - batch.old_logprobs) * mask).abs().sum() / mask.sum())
