@@ -179,8 +179,9 @@ class NativeCausalLM:
     def _pack(self) -> None:
         """The weights the projections multiply by: oneDNN-packed copies where the CPU prepacks, with
         each layer's stacked LoRA ``A`` appended below its fused projection's rows (one product
-        gives ``x W^T`` and ``x A^T``: 17% of a LoRA decode went to the separate skinny ones);
-        elsewhere the fused buffers themselves."""
+        gives ``x W^T`` and ``x A^T``, one of the adapters' two extra products per projection;
+        measured ~3% faster per projection at 128 rows); elsewhere the fused buffers themselves.
+        Run on every load, adapter syncs included (~0.1-0.2 s for SmolLM2 on 2 cores)."""
         if not self.prepacked:
             self.p_wqkv, self.p_wo, self.p_gate_up, self.p_down = self.wqkv, self.wo, self.w_gate_up, self.w_down
             self.p_head = None
