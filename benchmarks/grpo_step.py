@@ -10,9 +10,11 @@ high-water mark over the whole run (model loading, generation and training). The
 steps run one after the other; then the timed steps run one at a time, interleaved (postrl, LoRA, TRL, in an
 order that rotates every step), the others waiting, so that a slow phase of the shared machine
 hits all three. The spread is each framework's fastest and slowest timed step. `--curve` runs 30
-steps of each and prints both reward curves.
+steps of postrl (full fine-tuning) and TRL, interleaved the same way, writes each step's reward to
+``--curve-log`` as it comes (a stopped run keeps what it measured), prints both reward curves and
+plots them into ``--png``.
 
-    python benchmarks/grpo_step.py [--json] [--steps 3] [--curve]
+    python benchmarks/grpo_step.py [--json] [--steps 3] [--curve [--png docs/grpo_curve_vs_trl.png]]
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ PROMPTS, G, NEW_TOKENS, MICRO, LR = 16, 8, 64, 16, 1e-6
 MARK = "@@grpo_step "  # the lines of the worker protocol on stdout (the frameworks print too)
 
 
-def wait_for_turn(step_s: float) -> float:
+def wait_for_turn(step_s: float, reward: float) -> float:
     """A worker's step is done: report it, wait until the parent says go (another framework's step
     runs meanwhile), and return the time the next step starts."""
-    print(MARK + json.dumps({"step_s": step_s}), flush=True)
+    print(MARK + json.dumps({"step_s": step_s, "reward": reward}), flush=True)
     sys.stdin.readline()
     return time.perf_counter()
 
@@ -83,7 +85,7 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = 
         times.append(time.perf_counter() - last[0])
         rewards.append(metrics.values["reward/mean"])
         phases.append({k: round(metrics.values[f"time/{k}_s"], 1) for k in ("generate", "reward", "train", "sync")})
-        last[0] = wait_for_turn(times[-1])
+        last[0] = wait_for_turn(times[-1], rewards[-1])
 
     train(config, on_step=on_step)
     return {"step_s": times, "reward": rewards, "phases": phases}
@@ -99,6 +101,8 @@ def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> di
         return [chat_addition.score("", t, a) for t, a in zip(texts, answer)]
 
     class Timer(TrainerCallback):
+        """A step ends when its log (with its reward) is written: logging_steps=1 logs every step."""
+
         def __init__(self) -> None:
             self.times, self.last = [], None
 
@@ -106,9 +110,10 @@ def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> di
             if self.last is None:
                 self.last = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.last)
-            self.last = wait_for_turn(self.times[-1])
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.times.append(time.perf_counter() - self.last)
+                self.last = wait_for_turn(self.times[-1], logs["reward"])
 
     dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in data_rows])
     args = GRPOConfig(
@@ -192,7 +197,7 @@ class Worker:
         self.proc.stdin.flush()
 
 
-def run_interleaved(frameworks: list[str], steps: int) -> dict[str, dict]:
+def run_interleaved(frameworks: list[str], steps: int, log: Path | None = None) -> dict[str, dict]:
     """Each framework's first (warm-up, untimed) step, one framework after the other (at once
     they would oversubscribe the cores many times over), then one timed step at a time,
     framework after framework, in a rotating order: a slow phase of the shared machine hits
@@ -200,12 +205,12 @@ def run_interleaved(frameworks: list[str], steps: int) -> dict[str, dict]:
     workers = []
     for framework in frameworks:
         workers.append(Worker(framework, steps))
-        workers[-1].reply()
+        record(log, framework, 1, workers[-1].reply())
     for step in range(1, steps):
         order = workers[step % len(workers) :] + workers[: step % len(workers)]
         for w in order:
             w.go()
-            w.reply()
+            record(log, w.framework, step + 1, w.reply())
     results = {}
     for w in workers:
         w.go()
@@ -214,17 +219,49 @@ def run_interleaved(frameworks: list[str], steps: int) -> dict[str, dict]:
     return results
 
 
+def record(log: Path | None, framework: str, step: int, reply: dict) -> None:
+    """One finished step into ``log`` (JSONL), flushed at once."""
+    if log is not None:
+        with log.open("a") as f:
+            f.write(json.dumps({"framework": framework, "step": step, **reply}) + "\n")
+
+
+def plot_curves(curves: dict[str, list[float]], png: Path) -> None:
+    """Reward per step of each framework, one line each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rewards in curves.items():
+        ax.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3, label=name)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward (mean over 16 prompts x 8 samples)")
+    ax.set_title(f"SmolLM2-135M-Instruct, chat addition, {PROMPTS}x{G}, {NEW_TOKENS} new tokens, bf16")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--steps", type=int, default=3, help="steps per framework; the first is a warm-up")
-    parser.add_argument("--curve", action="store_true", help="30 steps each, and print the reward curves")
+    parser.add_argument("--curve", action="store_true", help="30 steps of postrl and TRL; print and plot the reward curves")
+    parser.add_argument("--png", type=Path, default=Path("docs/grpo_curve_vs_trl.png"), help="the curves' plot (--curve)")
+    parser.add_argument("--curve-log", type=Path, default=Path("grpo_curve.jsonl"), help="each step as it ends (--curve)")
     parser.add_argument("--worker", choices=["postrl", "postrl_lora", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = 30 if args.curve else max(2, args.steps)
     if args.worker:
         print(MARK + json.dumps(run_worker(args.worker, steps)), flush=True)
         return 0
+    if args.curve:
+        return report_curves(run_interleaved(["postrl", "trl"], steps, args.curve_log), args.png, args.json)
     runs = run_interleaved(["postrl", "postrl_lora", "trl"], steps)
     postrl, lora, trl = runs["postrl"], runs["postrl_lora"], runs["trl"]
     p_s = sum(postrl["step_s"][1:]) / len(postrl["step_s"][1:])
@@ -245,10 +282,6 @@ def main() -> int:
         f"LoRA vs full: {p_s / l_s:.2f}x (rounds {min(lora_round):.2f}-{max(lora_round):.2f})"
     )
     print(f"postrl phases per step: {postrl['phases']}; LoRA: {lora['phases']}")
-    if args.curve:
-        print(f"{'step':>4}{'postrl reward':>15}{'TRL reward':>12}")
-        for i, (a, b) in enumerate(zip(postrl["reward"], trl["reward"]), start=1):
-            print(f"{i:>4}{a:>15.3f}{b:>12.3f}")
     if args.json:
         row = {
             "postrl_s_per_step": round(p_s, 2),
@@ -262,8 +295,36 @@ def main() -> int:
             "postrl_peak_mb": round(postrl["peak_mb"]),
             "trl_peak_mb": round(trl["peak_mb"]),
         }
-        if args.curve:
-            row.update(postrl_reward=postrl["reward"], trl_reward=trl["reward"])
+        print(json.dumps(row))
+    return 0
+
+
+def report_curves(runs: dict[str, dict], png: Path, as_json: bool) -> int:
+    """Both reward curves as a table and a plot; the last 5 steps' mean beside step 30's value
+    (one step's mean over 128 samples is noisy)."""
+    postrl, trl = runs["postrl"]["reward"], runs["trl"]["reward"]
+    print(f"{'step':>4}{'postrl reward':>15}{'TRL reward':>12}")
+    for i, (a, b) in enumerate(zip(postrl, trl), start=1):
+        print(f"{i:>4}{a:>15.3f}{b:>12.3f}")
+    tail = min(5, len(postrl), len(trl))
+    row = {
+        "steps": len(postrl),
+        "postrl_reward": [round(x, 4) for x in postrl],
+        "trl_reward": [round(x, 4) for x in trl],
+        "postrl_final": round(postrl[-1], 4),
+        "trl_final": round(trl[-1], 4),
+        "postrl_last5_mean": round(sum(postrl[-tail:]) / tail, 4),
+        "trl_last5_mean": round(sum(trl[-tail:]) / tail, 4),
+        "postrl_s_per_step": round(sum(runs["postrl"]["step_s"]) / len(postrl), 1),
+        "trl_s_per_step": round(sum(runs["trl"]["step_s"]) / len(trl), 1),
+    }
+    print(
+        f"step {row['steps']}: postrl {row['postrl_final']:.3f}, TRL {row['trl_final']:.3f}; "
+        f"last {tail} steps' mean: postrl {row['postrl_last5_mean']:.3f}, TRL {row['trl_last5_mean']:.3f}"
+    )
+    plot_curves({"postrl": postrl, "TRL GRPOTrainer": trl}, png)
+    print(f"plot: {png}")
+    if as_json:
         print(json.dumps(row))
     return 0
 

@@ -180,3 +180,92 @@ def test_sequence_aggregations_are_exact_across_ranks(tiny_model_dir, char_token
         assert diff <= 1e-5, diff
     finally:
         group.close()
+
+
+def test_lora_group_update_equals_one_process_and_resumes_in_one(tiny_model_dir, char_tokenizer, tmp_path):
+    """LoRA under FSDP2: 2 ranks (base weights and adapters sharded together) take the one-process
+    update; the gathered adapter sync, the peft export and the checkpoint (resumed by one process)
+    all hold the same adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from postrl.config.run import LoraConfig
+    from postrl.train.factory import build_train_worker
+    from postrl.train.lora import adapter_state
+
+    batch = uneven_batch(char_tokenizer.pad_token_id)
+    train = TRAIN.model_copy(update={"mini_batch_size": 6, "forward": "transformers"})
+    lora = LoraConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"], export="adapter")
+    spec = PolicySpec(str(tiny_model_dir), "float32", train, AlgorithmConfig(kl_beta=0.1), 1.0, seed=0, lora=lora)
+    torch.manual_seed(0)  # as each rank does before it builds its worker: the same adapter initialisation
+    single = build_train_worker(spec, torch.device("cpu"))
+    initial = {k: t.clone() for k, t in adapter_state(single.model).items()}
+    want = single.update(batch)
+    want_state = adapter_state(single.model)
+    group_spec = GroupSpec(world=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=60)
+    group = TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, group_spec, spec) for r in range(2)])
+    try:
+        got = group.update(batch)
+        assert got.optimizer_steps == want.optimizer_steps == 2
+        assert abs(got.get("actor/loss") - want.get("actor/loss")) <= 1e-5
+        assert abs(got.get("actor/kl") - want.get("actor/kl")) <= 1e-6 and got.get("actor/kl") > 0
+        state = group.policy_state()
+        assert state.keys() == want_state.keys() and all(k.endswith(("lora_A", "lora_B", "lora_scale")) for k in state)
+        diff = max(float((state[k] - want_state[k]).abs().max()) for k in state)
+        assert diff <= 1e-5, diff
+        moved = max(float((state[k] - initial[k]).abs().max()) for k in state if k.endswith("lora_B"))
+        assert moved > 1e-3  # B starts at 0: the update reached the adapters
+        group.save_checkpoint(tmp_path / "ckpt")
+        group.save_pretrained(tmp_path / "final")
+    finally:
+        group.close()
+    torch.manual_seed(1)  # another initialisation: the checkpoint must bring the trained adapters
+    resumed = build_train_worker(spec, torch.device("cpu"))
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    again = adapter_state(resumed.model)
+    assert all(torch.equal(again[k], state[k]) for k in state)
+    assert resumed.optimization.steps == 2
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "final")
+    ids = torch.tensor([char_tokenizer("12+34=")["input_ids"]])
+    with torch.no_grad():
+        assert float((peft(input_ids=ids).logits - single.model(input_ids=ids).logits).abs().max()) < 1e-5
+
+
+def test_lora_train_run_on_two_ranks_syncs_adapters_and_resumes_on_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    """`model.lora` with `scheduler.train.workers=2` through the runner: the engine applies the
+    adapters the group gathered (its logprobs equal the trainer's), the adapter export loads in
+    peft, and one process resumes the run from the 2-rank checkpoint."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from postrl.config.loading import build_config
+    from postrl.run.place import resume_config
+    from postrl.run.train_runner import train
+
+    settings = {
+        "name": "fsdp-lora",
+        "output_dir": str(tmp_path),
+        "steps": 2,
+        "prompts_per_step": 4,
+        "model": {"path": str(tiny_model_dir), "lora": {"r": 4, "alpha": 8, "export": "adapter"}},
+        "data": {"train_files": [str(arithmetic_jsonl)]},
+        "rollout": {"n": 4, "max_tokens": 8, "device": "cpu"},
+        "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
+        "algorithm": {"kl_beta": 0.05},
+        "train": {"lr": 3e-2, "mini_batch_size": 16, "micro_batch_size": 4, "device": "cpu"},
+        "checkpoint": {"every_steps": 1},
+        "logging": {"tensorboard": False},
+        "scheduler": {"train": {"workers": 2}},
+    }
+    assert train(build_config(settings)).step_count == 2
+    run = tmp_path / "fsdp-lora"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["actor/kl"] > 0  # step 2 trains on samples of the synced adapters, off the base model
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4  # and the engine computed what the ranks do
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), run / "final_model")
+    more = train(resume_config(run, ["steps=3", "scheduler.train.workers=1"]), resume=True)
+    assert more.step_count == 3
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["rollout/logprob_diff_max"] < 1e-4

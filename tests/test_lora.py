@@ -188,8 +188,6 @@ def test_lora_configs_that_cannot_work_are_refused(tmp_path, tiny_model_dir, ari
     base = {"model": {"path": str(tiny_model_dir), "lora": {"r": 4}}, "data": {"train_files": [str(arithmetic_jsonl)]}}
     with pytest.raises((ConfigError, ValueError), match="model.lora.sync=adapter"):
         build_config({**base, "rollout": {"backend": "vllm"}})
-    with pytest.raises((ConfigError, ValueError), match="scheduler.train.workers must be 1"):
-        build_config({**base, "scheduler": {"train": {"workers": 2}}})
     build_config(
         {**base, "model": {**base["model"], "lora": {"r": 4, "sync": "merged"}}, "rollout": {"backend": "vllm"}}
     )

@@ -408,8 +408,6 @@ class RunConfig(RunLocation, Section):
                 f"model.lora.sync=adapter sends adapters that the native engine applies unmerged; "
                 f"rollout.backend={self.rollout.backend} takes whole weights: use model.lora.sync: merged"
             )
-        if self.scheduler.train.workers > 1:
-            raise ValueError("model.lora trains in one process: scheduler.train.workers must be 1 (no FSDP2 yet)")
         return self
 
     @model_validator(mode="after")

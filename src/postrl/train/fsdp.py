@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from postrl.algorithms import LossNormalizer
+from postrl.train.lora import base_of, lora_export_state, save_lora_model
 from postrl.train.sharding import split_rows_by_tokens
 from postrl.train.stats import Stats
 from postrl.train.worker import TrainWorker
@@ -38,15 +39,17 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
 
 
-def shard_model(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head). With ``bf16``
+def shard_model(model: torch.nn.Module, bf16: bool = False) -> FSDPModule:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head); returns the
+    sharded root. A peft (LoRA) model's decoder layers are found inside its wrapper and the wrapper
+    is the root (peft calls its inner model's ``forward`` directly, past any hook there), so frozen
+    base weights and trainable adapters share each layer's shards. With ``bf16``
     the forward and backward run in bf16 while the sharded fp32 parameters stay the master copy."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs = {"mp_policy": policy} if policy is not None else {}
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(base_of(model)):
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return fully_shard(model, **kwargs)
 
 
 class FSDPTrainWorker(TrainWorker):
@@ -56,7 +59,7 @@ class FSDPTrainWorker(TrainWorker):
         self, model: torch.nn.Module, *args, bf16: bool = False, ref_model: torch.nn.Module | None = None, **kwargs
     ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        shard_model(model, bf16)
+        self.sharded = shard_model(model, bf16)
         if ref_model is not None:
             shard_model(ref_model, bf16)
         super().__init__(model, *args, ref_model=ref_model, **kwargs)
@@ -81,7 +84,7 @@ class FSDPTrainWorker(TrainWorker):
         micro_batches = self.micro_batches(mini)
         stats = Stats()
         for i, (_, micro) in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            self.sharded.set_requires_gradient_sync(i == len(micro_batches) - 1)
             stats = stats.merge(self._micro_batch_backward(micro, norm, own_progress))
         return stats.all_reduce()
 
@@ -92,10 +95,18 @@ class FSDPTrainWorker(TrainWorker):
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0 (gathered layer by layer to the CPU); an empty dict elsewhere.
-        Every rank must call it: the gather is a collective."""
+        With LoRA the adapters or the merged weights, gathered on every rank (see
+        :mod:`postrl.train.lora`). Every rank must call it: the gather is a collective."""
+        if self.lora is not None:
+            return super().policy_state()
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save_pretrained(self, folder: str | Path) -> None:
+        if self.lora is not None:
+            state = lora_export_state(self.model, self.lora.export)  # a collective: every rank gathers
+            if self.is_main:
+                save_lora_model(self.model, Path(folder), self.lora.export, state)
+            return
         state = self.policy_state()
         if self.is_main:
             save_full_state(self.model, state, Path(folder))

@@ -34,11 +34,9 @@ def supports_lean_forward(model: torch.nn.Module) -> bool:  # model: unwrapped (
     ``nn.Linear`` projections or plain peft LoRA layers over them (DoRA, several adapters, quantized
     layers and the like take the transformers path)."""
     config = getattr(model, "config", None)
-    if (
-        isinstance(model, FSDPModule)
-        or config is None
-        or getattr(config, "model_type", "") not in PLAIN_HEAD_MODEL_TYPES
-    ):
+    if config is None or getattr(config, "model_type", "") not in PLAIN_HEAD_MODEL_TYPES:
+        return False
+    if any(isinstance(m, FSDPModule) for m in model.modules()):  # sharded, itself or inside a LoRA wrapper
         return False
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
         return False

@@ -6,6 +6,10 @@ Face name (``model.layers.0.self_attn.q_proj``). The engine applies them unmerge
 ``x W + s (x A^T) B^T``, so it computes what the trainer computes; merging ``W + s B A`` into
 bf16 weights would round most of a small update away. ``model.lora.sync: merged`` sends the
 merged weights instead (for engines that take whole weights only).
+
+Under FSDP2 the adapters and the base weights are sharded (DTensors): the functions here gather
+each tensor in a fixed order, so every rank of the group must call them together; each rank gets
+the full tensors (on the CPU), and rank 0 sends or writes them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from postrl.config.run import ConfigError, LoraConfig
 
@@ -54,12 +59,20 @@ def lora_layers(model: Any) -> dict[str, Any]:
     return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
 
 
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter or buffer as a full, detached tensor: a sharded one (DTensor) gathered to the CPU
+    (a collective), a plain one where it is."""
+    if isinstance(tensor, DTensor):
+        return tensor.detach().full_tensor().cpu()
+    return tensor.detach()
+
+
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:
     """What an adapter-only sync sends (see the module docstring)."""
     state: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(model).items():
-        state[f"{name}.lora_A"] = layer.lora_A[ADAPTER].weight.detach()
-        state[f"{name}.lora_B"] = layer.lora_B[ADAPTER].weight.detach()
+        state[f"{name}.lora_A"] = gathered(layer.lora_A[ADAPTER].weight)
+        state[f"{name}.lora_B"] = gathered(layer.lora_B[ADAPTER].weight)
         state[f"{name}.lora_scale"] = torch.tensor([float(layer.scaling[ADAPTER])])
     return state
 
@@ -75,18 +88,36 @@ def merged_state(model: Any) -> dict[str, torch.Tensor]:
             continue
         clean = name.replace(".base_layer.", ".")
         module = clean.rsplit(".", 1)[0]
+        tensor = gathered(tensor)
         if clean.endswith(".weight") and module in layers:
             layer = layers[module]
-            delta = layer.lora_B[ADAPTER].weight.float() @ layer.lora_A[ADAPTER].weight.float()
+            delta = gathered(layer.lora_B[ADAPTER].weight).float() @ gathered(layer.lora_A[ADAPTER].weight).float()
             tensor = (tensor.float() + float(layer.scaling[ADAPTER]) * delta).to(tensor.dtype)
-        state[clean] = tensor.detach()
+        state[clean] = tensor
     return state
 
 
-def save_lora_model(model: Any, folder: Path, export: str) -> None:
-    """``final_model/``-style folder: merged Hugging Face weights, or peft's adapter folder."""
+def peft_adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapters under the peft model's own state-dict names (what peft's ``save_pretrained``
+    writes), gathered."""
+    return {name: gathered(t) for name, t in model.state_dict().items() if ".lora_" in name}
+
+
+def lora_export_state(model: Any, export: str) -> dict[str, torch.Tensor]:
+    """What :func:`save_lora_model` writes, gathered (every rank of a group calls it)."""
+    return peft_adapter_state(model) if export == "adapter" else merged_state(model)
+
+
+def save_lora_model(model: Any, folder: Path, export: str, state: dict[str, torch.Tensor] | None = None) -> None:
+    """``final_model/``-style folder: merged Hugging Face weights, or peft's adapter folder.
+    ``state``: :func:`lora_export_state`, already gathered (a sharded model's rank 0 passes it)."""
     folder.mkdir(parents=True, exist_ok=True)
+    state = lora_export_state(model, export) if state is None else state
     if export == "adapter":
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=state)
         return
-    model.get_base_model().save_pretrained(folder, state_dict=merged_state(model), safe_serialization=True)
+    base = model.get_base_model()
+    base.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    original = type(base).__mro__[1].__name__ if type(base).__name__.startswith("FSDP") else type(base).__name__
+    base.config.architectures = [original]  # fully_shard renames the class (FSDPLlamaForCausalLM)
+    base.config.save_pretrained(folder)
