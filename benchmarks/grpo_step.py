@@ -251,9 +251,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--steps", type=int, default=3, help="steps per framework; the first is a warm-up")
-    parser.add_argument("--curve", action="store_true", help="30 steps of postrl and TRL; print and plot the reward curves")
-    parser.add_argument("--png", type=Path, default=Path("docs/grpo_curve_vs_trl.png"), help="the curves' plot (--curve)")
-    parser.add_argument("--curve-log", type=Path, default=Path("grpo_curve.jsonl"), help="each step as it ends (--curve)")
+    parser.add_argument(
+        "--curve", action="store_true", help="30 steps of postrl and TRL; print and plot the reward curves"
+    )
+    parser.add_argument(
+        "--png", type=Path, default=Path("docs/grpo_curve_vs_trl.png"), help="the curves' plot (--curve)"
+    )
+    parser.add_argument(
+        "--curve-log", type=Path, default=Path("grpo_curve.jsonl"), help="each step as it ends (--curve)"
+    )
     parser.add_argument("--worker", choices=["postrl", "postrl_lora", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = 30 if args.curve else max(2, args.steps)
