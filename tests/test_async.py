@@ -259,3 +259,71 @@ def test_an_async_step_abandoned_during_generation_loses_and_repeats_nothing(
         assert sorted(samples) == [(step, row) for row in range(16)], step
     # the batch whose generation was abandoned was drawn again: the same prompts, right after batch 3's
     assert stopped == 2 and aborted and prompts_seen[3] == aborted and len(prompts_seen) == steps
+
+
+def test_async_lora_engine_samples_with_the_adapters_of_each_token_version(
+    tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch
+):
+    """LoRA with async training's versioned weights: the adapters of each version reach the engine
+    in the background (swapped into generations already running), and every behaviour logprob is
+    the one the trainer's policy gives under the adapters of the version the token names."""
+    from postrl.config.run import LoraConfig
+    from postrl.models.loading import load_causal_lm
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.train.logprobs import token_logprobs
+    from postrl.train.lora import ADAPTER, apply_lora, lora_layers
+    from postrl.types import Experience, ExperienceBatch
+
+    synced: dict[int, dict[str, torch.Tensor]] = {0: {}}
+    rollouts = []
+    update, generate = NativeRolloutWorker.update_weights, NativeRolloutWorker.generate
+
+    def recording_update(self, state, version, *args, **kwargs):
+        synced[version] = {k: v.clone() for k, v in state.items()}
+        return update(self, state, version, *args, **kwargs)
+
+    def recording_generate(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        rollouts.extend(out)
+        return out
+
+    monkeypatch.setattr(NativeRolloutWorker, "update_weights", recording_update)
+    monkeypatch.setattr(NativeRolloutWorker, "generate", recording_generate)
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
+    model = {"path": str(tiny_model_dir), "lora": lora}
+    train = {"lr": 5e-2, "mini_batch_size": 8, "micro_batch_size": 4}
+    reward = {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]}
+    config = write_config(
+        tmp_path, tiny_model_dir, arithmetic_jsonl, steps=4, model=model, train=train, reward=reward, **ASYNC
+    )
+    assert main(["train", config]) == 0
+    rows = read_metrics(tmp_path / "runs" / "tiny" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and max(r["buffer/lag_max"] for r in rows) <= 1
+    assert sorted(synced)[-1] >= 3 and all(k.endswith(("lora_A", "lora_B", "lora_scale")) for k in synced[1])
+    b_norm = [sum(float(t.abs().sum()) for k, t in synced[v].items() if k.endswith("lora_B")) for v in (1, 2, 3)]
+    assert b_norm[0] < b_norm[1] < b_norm[2]  # every version moved the adapters further (B starts at 0)
+
+    policy = apply_lora(load_causal_lm(str(tiny_model_dir)), LoraConfig(**lora)).eval()
+    layers = lora_layers(policy)
+    checked: set[int] = set()
+    for version, state in sorted(synced.items()):
+        with torch.no_grad():
+            for name, layer in layers.items():
+                a, b = state.get(f"{name}.lora_A"), state.get(f"{name}.lora_B")
+                layer.lora_A[ADAPTER].weight.copy_(
+                    a if a is not None else torch.randn_like(layer.lora_A[ADAPTER].weight)
+                )
+                layer.lora_B[ADAPTER].weight.copy_(
+                    b if b is not None else torch.zeros_like(layer.lora_B[ADAPTER].weight)
+                )
+        for r in rollouts:
+            versions = r.token_versions() or [r.weight_version] * len(r.response_ids)
+            if not r.response_ids or set(versions) != {version}:
+                continue
+            batch = ExperienceBatch.from_experiences([Experience(r.prompt_ids, r.response_ids, r.logprobs, 0, 0, 0)], 0)
+            with torch.no_grad():
+                logp, _ = token_logprobs(policy, batch.input_ids, batch.attention_mask, target_mask=batch.response_mask)
+            gap = float(((logp - batch.old_logprobs) * batch.response_mask).abs().max())
+            assert gap < 1e-4, (version, gap)
+            checked.add(version)
+    assert {0, 1, 2} <= checked  # the base model's samples, and the synced adapters' of two versions
