@@ -187,10 +187,11 @@ def test_lora_configs_that_cannot_work_are_refused(tmp_path, tiny_model_dir, ari
 
     base = {"model": {"path": str(tiny_model_dir), "lora": {"r": 4}}, "data": {"train_files": [str(arithmetic_jsonl)]}}
     with pytest.raises((ConfigError, ValueError), match="model.lora.sync=adapter"):
-        build_config({**base, "rollout": {"backend": "vllm"}})
-    build_config(
-        {**base, "model": {**base["model"], "lora": {"r": 4, "sync": "merged"}}, "rollout": {"backend": "vllm"}}
-    )
+        build_config({**base, "rollout": {"backend": "hf"}})  # the transformers engine takes whole weights
+    build_config({**base, "rollout": {"backend": "vllm"}})  # vLLM applies adapters with its LoRA layers
+    assert build_config(base).model.synced_adapter_rank == 4
+    merged = build_config({**base, "model": {**base["model"], "lora": {"r": 4, "sync": "merged"}}})
+    assert merged.model.synced_adapter_rank is None  # whole weights: no engine needs LoRA layers
 
 
 def test_bf16_engine_applies_adapters_as_the_trainer_does(char_tokenizer):

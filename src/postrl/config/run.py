@@ -66,6 +66,11 @@ class ModelConfig(Section):
         "the base model with the adapters disabled (no second copy).",
     )
 
+    @property
+    def synced_adapter_rank(self) -> int | None:
+        """The LoRA rank a rollout engine must apply when syncs send adapters (None: whole weights)."""
+        return self.lora.r if self.lora is not None and self.lora.sync == "adapter" else None
+
 
 class DataConfig(Section):
     task: str | None = Field(None, description="A built-in task name (see postrl.tasks); replaces train_files.")
@@ -403,9 +408,9 @@ class RunConfig(RunLocation, Section):
         lora = self.model.lora
         if lora is None:
             return self
-        if lora.sync == "adapter" and self.rollout.backend not in ("auto", "native"):
+        if lora.sync == "adapter" and self.rollout.backend not in ("auto", "native", "vllm"):
             raise ValueError(
-                f"model.lora.sync=adapter sends adapters that the native engine applies unmerged; "
+                f"model.lora.sync=adapter sends adapters that the native and vLLM engines apply unmerged; "
                 f"rollout.backend={self.rollout.backend} takes whole weights: use model.lora.sync: merged"
             )
         return self

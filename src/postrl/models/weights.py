@@ -12,6 +12,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from postrl.workers.errors import remote_error
@@ -64,6 +65,12 @@ def dedupe_tied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             seen.add(tensor.data_ptr())
             unique[name] = tensor.detach()
     return unique
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    """The tensor names in a safetensors file (its header only)."""
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
 
 
 def write_sync_file(state: dict[str, torch.Tensor], path: Path) -> Path:

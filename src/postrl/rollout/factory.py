@@ -36,10 +36,17 @@ def engine_dtype(config: RolloutConfig, model_dtype: str, device: torch.device) 
 
 
 def make_rollout_worker(
-    config: RolloutConfig, model_path: str, tokenizer: Any, model_dtype: str, seed: int
+    config: RolloutConfig,
+    model_path: str,
+    tokenizer: Any,
+    model_dtype: str,
+    seed: int,
+    adapter_rank: int | None = None,
 ) -> RolloutWorker:
     """``auto`` uses the native engine for Llama/Qwen2/Mistral and falls back, with a warning,
-    to the transformers model for any other architecture; ``vllm`` starts a vLLM server."""
+    to the transformers model for any other architecture; ``vllm`` starts a vLLM server, with
+    LoRA layers when syncs send adapters of ``adapter_rank`` (``model.synced_adapter_rank``; the
+    native engine takes adapters of any rank)."""
     if config.backend == "openai":
         from postrl.rollout.openai_remote import OpenAIRolloutWorker
 
@@ -58,6 +65,7 @@ def make_rollout_worker(
             memory_fraction=v.memory_fraction,
             startup_timeout_s=v.startup_timeout_s,
             request_timeout_s=v.request_timeout_s,
+            max_lora_rank=adapter_rank,
         )
     device = resolve_device(config.device, "rollout.device")
     return rollout_worker_for_model(

@@ -18,7 +18,13 @@ ENGINE_SIDE_CALLS = frozenset({"update_weights", "receive_broadcast", "suspend"}
 
 class RolloutEngineHost:
     def __init__(
-        self, config: RolloutConfig, model_path: str, model_dtype: str, seed: int, threads: int | None = None
+        self,
+        config: RolloutConfig,
+        model_path: str,
+        model_dtype: str,
+        seed: int,
+        threads: int | None = None,
+        adapter_rank: int | None = None,
     ) -> None:
         from postrl.models.loading import load_tokenizer, quiet_transformers
         from postrl.rollout.factory import make_rollout_worker
@@ -26,7 +32,9 @@ class RolloutEngineHost:
         quiet_transformers()
         if threads:
             torch.set_num_threads(threads)
-        self.engine = make_rollout_worker(config, model_path, load_tokenizer(model_path), model_dtype, seed)
+        self.engine = make_rollout_worker(
+            config, model_path, load_tokenizer(model_path), model_dtype, seed, adapter_rank
+        )
 
     @property
     def weight_version(self) -> int:

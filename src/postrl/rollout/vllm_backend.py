@@ -5,7 +5,9 @@ own torch and transformers, so it cannot live in postrl's), waits for ``/health`
 ``generate`` as one token-id batch and syncs weights through a safetensors file that the server
 reloads in place, between two engine steps when a batch is generating (each token comes back
 with the version that produced it); ``suspend`` stops the batch in progress. The server's
-logprobs are the behaviour policy's.
+logprobs are the behaviour policy's. With ``max_lora_rank`` (a LoRA run's adapter sync) the server
+runs vLLM's LoRA layers, and a sync of adapters reaches it as a peft adapter folder that it
+applies unmerged, ``x W + s (x A) B``, as the trainer computes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 import httpx
 import torch
 
-from postrl.models.weights import write_sync_file
+from postrl.models.adapters import adapter_modules, is_adapter_state, write_peft_adapter
+from postrl.models.weights import safetensors_keys, write_sync_file
 from postrl.rollout.common import EngineBase, Health, http_health
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.net import free_port
@@ -50,11 +53,13 @@ class VLLMRolloutWorker(EngineBase):
         startup_timeout_s: float = 600.0,
         request_timeout_s: float = 3600.0,
         memory_fraction: float = 0.25,
+        max_lora_rank: int | None = None,
     ) -> None:
         python = vllm_python()
         if python is None:
             raise FileNotFoundError("no vLLM environment: run scripts/setup_vllm.sh or set POSTRL_VLLM_PYTHON")
         self.tokenizer, self.weight_version, self.seed = tokenizer, 0, seed
+        self.max_lora_rank = max_lora_rank
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="postrl-vllm-", suffix=".log", delete=False)
@@ -80,6 +85,8 @@ class VLLMRolloutWorker(EngineBase):
                 str(memory_fraction),
                 "--weights-dir",
                 str(self.sync_dir),
+                "--max-lora-rank",
+                str(max_lora_rank or 0),
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -161,16 +168,36 @@ class VLLMRolloutWorker(EngineBase):
     def update_weights(
         self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
     ) -> None:
-        if isinstance(weights, (str, Path)):
+        if isinstance(weights, (str, Path)) and not is_adapter_state(safetensors_keys(Path(weights))):
             path = self._into_sync_dir(Path(weights))
             if manifest is not None:
                 self.verified_state(path, manifest)
+            body: dict[str, Any] = {"path": str(path)}
         else:
-            path = write_sync_file(self.verified_state(weights, manifest), self.sync_dir / "policy.safetensors")
-        response = self.control.post(self.url + "/update_weights", json={"path": str(path), "version": version})
+            state = self.verified_state(weights, manifest)
+            if is_adapter_state(state):
+                body = {"adapter": str(self._adapter_folder(state, version))}
+            else:
+                body = {"path": str(write_sync_file(state, self.sync_dir / "policy.safetensors"))}
+        response = self.control.post(self.url + "/update_weights", json={**body, "version": version})
         if response.status_code != 200:
             raise RuntimeError(f"vLLM weight update failed ({response.status_code}): {response.text[:500]}")
         self.weight_version = version
+
+    def _adapter_folder(self, state: dict[str, torch.Tensor], version: int) -> Path:
+        """The adapters as a peft folder of this version's in the server's folder; older versions'
+        folders are removed (the server has loaded the adapter it is using)."""
+        if not self.max_lora_rank:
+            raise RuntimeError(
+                "a LoRA adapter sync reached a vLLM server started without LoRA (VLLMRolloutWorker max_lora_rank)"
+            )
+        ranks = {name: a.shape[0] for name, (a, _, _) in adapter_modules(state).items()}
+        over = {name: r for name, r in ranks.items() if r > self.max_lora_rank}
+        if over:
+            raise RuntimeError(f"adapters of rank over the server's {self.max_lora_rank}: {over}")
+        for old in self.sync_dir.glob("adapter-v*"):
+            shutil.rmtree(old, ignore_errors=True)
+        return write_peft_adapter(state, self.sync_dir / f"adapter-v{version}")
 
     def _into_sync_dir(self, path: Path) -> Path:
         """The server reads weights only from its own folder: hard-link (else copy) the file there."""

@@ -14,6 +14,10 @@ Runs inside the vLLM virtual environment (``scripts/setup_vllm.sh``), started by
   (the in-flight requests keep their KV cache and go on: vLLM's ``pause_generation(mode="keep")``
   semantics, here in the offline engine this server steps itself) and the call returns once they
   are; every token's version is in the answer.
+- ``POST /update_weights`` ``{adapter, version}`` (a server started with ``--max-lora-rank``): a
+  peft adapter folder becomes the policy's LoRA adapter, applied unmerged by vLLM's LoRA layers,
+  from the next engine step on; it always has the same adapter id, so requests already running
+  go on with the new adapter, as they do with new weights.
 - ``POST /suspend``: the batch generating now returns at once, its unfinished samples
   ``suspended`` with their tokens so far (requests aborted between two steps).
 - ``GET /health``: ``{status, weight_version, generating, steps}`` (the engine steps of the batch
@@ -61,7 +65,43 @@ def _reload(llm: Any, path: str) -> bool:
     with tempfile.TemporaryDirectory(prefix="postrl-reload-") as folder:
         os.symlink(os.path.abspath(path), os.path.join(folder, "model.safetensors"))
         llm.collective_rpc("reload_weights", kwargs={"weights_path": folder, "is_checkpoint_format": True})
+    llm.apply_model(_repack_tied_head)
     return bool(llm.reset_prefix_cache())
+
+
+def _repack_tied_head(model: Any) -> bool:
+    """Pack a tied head again from the reloaded embedding; True when the model has one.
+
+    vLLM's CPU backend prepacks the head's weight for its matmul when the model loads. With tied
+    embeddings (SmolLM2, the demo model) a reload loads ``embed_tokens`` only (the checkpoint has no
+    ``lm_head``), so the head is never processed again and would go on with the old weights:
+    measured, sampled logprobs 1.2 off the synced model's after one sync. Runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so nothing is pickled."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank sizes
+POLICY_ADAPTER_ID = 1  # the one adapter slot: every version of the policy's adapter takes it
+
+
+def _load_adapter(llm: Any, folder: str) -> tuple[Any, bool]:
+    """Make ``folder`` (a peft adapter) the policy's adapter, in place of the one loaded before;
+    returns its request for new generations and whether the prefix cache was reset (cached blocks
+    were computed with the previous adapter under the same id)."""
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest("policy", POLICY_ADAPTER_ID, folder)
+    engine = llm.llm_engine
+    if POLICY_ADAPTER_ID in engine.list_loras():
+        engine.remove_lora(POLICY_ADAPTER_ID)
+    if not engine.add_lora(request):
+        raise RuntimeError(f"vLLM did not load the adapter in {folder}")
+    return request, bool(llm.reset_prefix_cache())
 
 
 class EngineControl:
@@ -75,28 +115,39 @@ class EngineControl:
         self.cv = threading.Condition()
         self.generating = self.suspending = False
         self.steps = 0  # engine steps of the batch generating now (or the last one)
-        self.pending: dict | None = None  # {path, version, done, error}
+        self.pending: dict | None = None  # {path, adapter, version, done, error}
         self.prefix_stale = False  # weights changed while requests ran: reset the prefix cache before the next batch
+        self.adapter: Any = None  # the policy's LoRARequest, given to every new request (None: the base weights)
 
-    def apply(self, path: str, version: int) -> None:
-        """Load the weights (the caller holds the engine)."""
-        if not _reload(self.llm, path):
+    def apply(self, path: str, version: int, adapter: bool = False) -> None:
+        """Load the weights, or with ``adapter`` the adapter folder (the caller holds the engine)."""
+        if adapter:
+            self.adapter, reset = _load_adapter(self.llm, path)
+        else:
+            reset = _reload(self.llm, path)
+        if not reset:
             self.prefix_stale = True
         with self.cv:
             self.version = version
 
-    def update(self, path: str, version: int) -> Exception | None:
-        """New weights: swapped in between two steps of the batch generating now (this returns once
-        they are), or at once; the error of a file that does not load, else None."""
+    def update(self, path: str, version: int, adapter: bool = False) -> Exception | None:
+        """New weights (or an adapter folder): swapped in between two steps of the batch generating
+        now (this returns once they are), or at once; the error of a file that does not load, else None."""
         with self.cv:
             self.cv.wait_for(lambda: self.pending is None)  # one posted update at a time
             if self.generating:
-                pending = self.pending = {"path": path, "version": version, "done": False, "error": None}
+                pending = self.pending = {
+                    "path": path,
+                    "adapter": adapter,
+                    "version": version,
+                    "done": False,
+                    "error": None,
+                }
                 self.cv.wait_for(lambda: pending["done"])
                 return pending["error"]
         with self.engine_lock:
             try:
-                self.apply(path, version)
+                self.apply(path, version, adapter)
             except Exception as exc:  # noqa: BLE001 - a bad file is the client's error
                 return exc
         return None
@@ -108,7 +159,7 @@ class EngineControl:
         if pending is None:
             return
         try:
-            self.apply(pending["path"], pending["version"])
+            self.apply(pending["path"], pending["version"], pending["adapter"])
         except Exception as exc:  # noqa: BLE001 - handed to the caller of /update_weights
             pending["error"] = exc
         with self.cv:
@@ -133,7 +184,9 @@ def generate_stepwise(control: EngineControl, prompts: list[list[int]], params: 
         for i, prompt in enumerate(prompts):
             for k, sample_params in enumerate(params):
                 rid = f"postrl-{time.monotonic_ns()}-{i}-{k}"
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sample_params)
+                engine.add_request(
+                    rid, TokensPrompt(prompt_token_ids=prompt), sample_params, lora_request=control.adapter
+                )
                 order.append((rid, i))
         latest: dict[str, Any] = {}
         versions: dict[str, list[int]] = {rid: [] for rid, _ in order}
@@ -176,7 +229,8 @@ class CompletionRequest(BaseModel):
 
 
 class UpdateRequest(BaseModel):
-    path: str
+    path: str | None = None  # a safetensors file of whole weights
+    adapter: str | None = None  # or a peft adapter folder (a server started with --max-lora-rank)
     version: int = Field(ge=0)
 
 
@@ -190,6 +244,7 @@ def build_app(
     max_n: int = 256,
     max_tokens: int = 32768,
     max_prompts: int = 4096,
+    lora_enabled: bool = False,
 ):
     from fastapi import FastAPI, HTTPException
     from vllm import SamplingParams
@@ -232,9 +287,15 @@ def build_app(
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict:
-        error = control.update(_weights_file(weights_dir, req.path, HTTPException), req.version)
+        if (req.path is None) == (req.adapter is None):
+            raise HTTPException(400, "/update_weights takes one of path (a weights file) or adapter (a folder)")
+        if req.adapter is not None and not lora_enabled:
+            raise HTTPException(400, "this server was started without LoRA (--max-lora-rank): it takes whole weights")
+        given = req.path if req.path is not None else req.adapter
+        where = _weights_file(weights_dir, given, HTTPException, folder=req.adapter is not None)
+        error = control.update(where, req.version, adapter=req.adapter is not None)
         if error is not None:
-            raise HTTPException(400, f"could not load {req.path}: {type(error).__name__}: {error}")
+            raise HTTPException(400, f"could not load {given}: {type(error).__name__}: {error}")
         return {"status": "ok", "weight_version": req.version}
 
     return app
@@ -285,15 +346,18 @@ def _choice(
     }
 
 
-def _weights_file(weights_dir: str | None, path: str, http_error: Any) -> str:
-    """The file /update_weights may read: under ``weights_dir`` (403 otherwise) and existing (else 400)."""
+def _weights_file(weights_dir: str | None, path: str, http_error: Any, folder: bool = False) -> str:
+    """The file (``folder``: the adapter folder) /update_weights may read: under ``weights_dir``
+    (403 otherwise) and existing (else 400)."""
     if weights_dir is None:
         raise http_error(403, "/update_weights is disabled: start the server with --weights-dir DIR")
     try:
         full = guard.confined_path(weights_dir, path)
     except ValueError as exc:
         raise http_error(403, str(exc)) from None
-    if not os.path.isfile(full):
+    if folder and not os.path.isfile(os.path.join(full, "adapter_config.json")):
+        raise http_error(400, f"no adapter folder (adapter_config.json) at {path}")
+    if not folder and not os.path.isfile(full):
         raise http_error(400, f"no weights file at {path}")
     return full
 
@@ -307,6 +371,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--memory-fraction", type=float, default=0.25, help="CPU memory vLLM reserves for its KV cache")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-lora-rank", type=int, default=0, help="take LoRA adapters up to this rank (vLLM's next size up); 0: off"
+    )
     parser.add_argument("--token-env", help="environment variable holding the bearer token every request needs")
     parser.add_argument("--weights-dir", help="the only folder /update_weights may read from (default: disabled)")
     parser.add_argument("--max-body-bytes", type=int, default=64 << 20)
@@ -325,6 +392,12 @@ def main() -> None:
     import uvicorn
     from vllm import LLM
 
+    lora = {}
+    if args.max_lora_rank > 0:
+        rank = min((r for r in LORA_RANKS if r >= args.max_lora_rank), default=None)
+        if rank is None:
+            sys.exit(f"vllm_server: --max-lora-rank {args.max_lora_rank} is over vLLM's largest, {LORA_RANKS[-1]}")
+        lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
     llm = LLM(
         async_scheduling=False,  # a step's tokens are its weights': none computed ahead of a swap
         model=args.model,
@@ -333,6 +406,7 @@ def main() -> None:
         seed=args.seed,
         gpu_memory_utilization=args.memory_fraction,
         enable_prefix_caching=True,  # a multi-turn episode's next turn reuses its context's cached blocks
+        **lora,
     )
     app = build_app(
         llm,
@@ -343,6 +417,7 @@ def main() -> None:
         max_n=args.max_n,
         max_tokens=args.max_tokens_limit,
         max_prompts=args.max_prompts,
+        lora_enabled=bool(lora),
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

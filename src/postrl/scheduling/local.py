@@ -32,7 +32,9 @@ class LocalScheduler:
             from postrl.rollout.factory import make_rollout_worker
 
             def start(i: int) -> Handle:
-                engine = make_rollout_worker(c.rollout, c.model.path, tokenizer, c.model.dtype, c.seed + i)
+                engine = make_rollout_worker(
+                    c.rollout, c.model.path, tokenizer, c.model.dtype, c.seed + i, c.model.synced_adapter_rank
+                )
                 return InProcessHandle(engine, f"rollout engine {i}", serialized=False)
         else:
 
@@ -45,6 +47,7 @@ class LocalScheduler:
                     c.model.dtype,
                     c.seed + i,
                     c.scheduler.rollout.threads,
+                    c.model.synced_adapter_rank,
                     side_calls=ENGINE_SIDE_CALLS,
                 )
 

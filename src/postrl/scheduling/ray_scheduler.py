@@ -372,6 +372,7 @@ class RayScheduler:
                 c.model.dtype,
                 c.seed + i,
                 None,
+                c.model.synced_adapter_rank,
                 num_cpus=r.num_cpus,
                 num_gpus=r.num_gpus,
                 threads=r.threads,

@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from postrl.config.run import ConfigError, LoraConfig
 
-ADAPTER_SUFFIXES = (".lora_A", ".lora_B", ".lora_scale")
 ADAPTER = "default"
 
 

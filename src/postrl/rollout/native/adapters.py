@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from postrl.train.lora import ADAPTER_SUFFIXES
-
 _NAME = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 )
@@ -48,10 +46,6 @@ class FusedAdapters:
             b[ad.columns, start : start + rank] = ad.b * ad.scale
             start += rank
         return FusedAdapters(a.t().contiguous(), b.t().contiguous())
-
-
-def is_adapter_key(name: str) -> bool:
-    return name.endswith(ADAPTER_SUFFIXES)
 
 
 class EngineAdapters:

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from postrl.models.adapters import is_adapter_key
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
-from postrl.rollout.native.adapters import EngineAdapters, is_adapter_key
+from postrl.rollout.native.adapters import EngineAdapters
 
 SUPPORTED_MODEL_TYPES = PLAIN_HEAD_MODEL_TYPES
 
