@@ -114,3 +114,24 @@ def test_fused_bf16_head_matches_the_eager_one_and_reuses_its_probabilities(monk
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.float().abs().max()))
     chunked_token_logprobs(hidden, weight, targets, with_entropy="grad", chunk=8, fused=True)
     assert len(calls) == 1
+
+
+def test_fused_head_gradients_from_kept_probabilities_are_close_to_float64():
+    """The fused backward applies each row's upstream factor to the ``[N, H]`` side of the matmuls
+    instead of rounding ``g * P`` into a bf16 ``[N, V]`` gradient: against float64 on the same
+    bf16-rounded inputs its gradients are within 1e-3 relative (measured 2e-4; the bf16 ``g * P``
+    of the earlier backward measured 2.2e-3)."""
+    gen = torch.Generator().manual_seed(0)
+    n, vocab, width = 64, 4096, 128
+    hidden0, weight0 = torch.randn(n, width, generator=gen), torch.randn(vocab, width, generator=gen) * 0.1
+    targets, upstream = torch.randint(0, vocab, (n,), generator=gen), torch.randn(n, generator=gen)
+    h64 = hidden0.bfloat16().double().requires_grad_()
+    w64 = weight0.bfloat16().double().requires_grad_()
+    logp = torch.log_softmax(h64 @ w64.t(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    (logp * upstream.double()).sum().backward()
+    hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = chunked_token_logprobs(hidden, weight, targets, 1.0, True, fused=True)
+    (got * upstream).sum().backward()
+    for mine, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+        assert float((mine.double() - want).norm() / want.norm()) < 1e-3
