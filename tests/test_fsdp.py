@@ -233,11 +233,11 @@ def test_lora_group_update_equals_one_process_and_resumes_in_one(tiny_model_dir,
 
 def test_lora_train_run_on_two_ranks_syncs_adapters_and_resumes_on_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
     """`model.lora` with `scheduler.train.workers=2` through the runner: the engine applies the
-    adapters the group gathered (its logprobs equal the trainer's), the adapter export loads in
-    peft, and one process resumes the run from the 2-rank checkpoint."""
+    adapters the group gathered (its logprobs equal the trainer's), the merged export (gathered
+    base weights plus the adapters) loads in transformers, and one process resumes the run from
+    the 2-rank checkpoint."""
     import json
 
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from postrl.config.loading import build_config
@@ -249,7 +249,7 @@ def test_lora_train_run_on_two_ranks_syncs_adapters_and_resumes_on_one(tmp_path,
         "output_dir": str(tmp_path),
         "steps": 2,
         "prompts_per_step": 4,
-        "model": {"path": str(tiny_model_dir), "lora": {"r": 4, "alpha": 8, "export": "adapter"}},
+        "model": {"path": str(tiny_model_dir), "lora": {"r": 4, "alpha": 8, "export": "merged"}},
         "data": {"train_files": [str(arithmetic_jsonl)]},
         "rollout": {"n": 4, "max_tokens": 8, "device": "cpu"},
         "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
@@ -264,7 +264,12 @@ def test_lora_train_run_on_two_ranks_syncs_adapters_and_resumes_on_one(tmp_path,
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["actor/kl"] > 0  # step 2 trains on samples of the synced adapters, off the base model
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4  # and the engine computed what the ranks do
-    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), run / "final_model")
+    merged = AutoModelForCausalLM.from_pretrained(run / "final_model").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    moved = {n for n, t in merged.items() if not torch.equal(t, base[n])}
+    assert moved and all(
+        n.endswith("_proj.weight") for n in moved
+    )  # the adapted projections; norms, embeddings as they were
     more = train(resume_config(run, ["steps=3", "scheduler.train.workers=1"]), resume=True)
     assert more.step_count == 3
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -287,15 +287,10 @@ def build_app(
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict:
-        if (req.path is None) == (req.adapter is None):
-            raise HTTPException(400, "/update_weights takes one of path (a weights file) or adapter (a folder)")
-        if req.adapter is not None and not lora_enabled:
-            raise HTTPException(400, "this server was started without LoRA (--max-lora-rank): it takes whole weights")
-        given = req.path if req.path is not None else req.adapter
-        where = _weights_file(weights_dir, given, HTTPException, folder=req.adapter is not None)
+        where = _update_source(req, weights_dir, lora_enabled, HTTPException)
         error = control.update(where, req.version, adapter=req.adapter is not None)
         if error is not None:
-            raise HTTPException(400, f"could not load {given}: {type(error).__name__}: {error}")
+            raise HTTPException(400, f"could not load {req.path or req.adapter}: {type(error).__name__}: {error}")
         return {"status": "ok", "weight_version": req.version}
 
     return app
@@ -344,6 +339,17 @@ def _choice(
         "kv_versions": None if uniform else [start] * len(tokens),
         "weight_version": start,
     }
+
+
+def _update_source(req: UpdateRequest, weights_dir: str | None, lora_enabled: bool, http_error: Any) -> str:
+    """Where an /update_weights request's weights file or adapter folder is (400 or 403 otherwise)."""
+    if (req.path is None) == (req.adapter is None):
+        raise http_error(400, "/update_weights takes one of path (a weights file) or adapter (a folder)")
+    if req.adapter is not None and not lora_enabled:
+        raise http_error(400, "this server was started without LoRA (--max-lora-rank): it takes whole weights")
+    if req.adapter is not None:
+        return _weights_file(weights_dir, req.adapter, http_error, folder=True)
+    return _weights_file(weights_dir, req.path, http_error)
 
 
 def _weights_file(weights_dir: str | None, path: str, http_error: Any, folder: bool = False) -> str:

@@ -115,8 +115,4 @@ def save_lora_model(model: Any, folder: Path, export: str, state: dict[str, torc
     if export == "adapter":
         model.save_pretrained(folder, state_dict=state)
         return
-    base = model.get_base_model()
-    base.save_pretrained(folder, state_dict=state, safe_serialization=True)
-    original = type(base).__mro__[1].__name__ if type(base).__name__.startswith("FSDP") else type(base).__name__
-    base.config.architectures = [original]  # fully_shard renames the class (FSDPLlamaForCausalLM)
-    base.config.save_pretrained(folder)
+    model.get_base_model().save_pretrained(folder, state_dict=state, safe_serialization=True)
