@@ -86,6 +86,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from postrl.config.loading import load_config
+    from postrl.config.run import RunConfig
+    from postrl.plan.check import target_for
+    from postrl.plan.planner import make_plan
+    from postrl.plan.render import render_plan
+
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: give at least 1")
+    config = load_config(args.config, args.overrides, model=RunConfig)
+    try:
+        target = target_for(args.gpu, args.gpu_memory)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    plan = make_plan(config, target, args.gpus)
+    print(json.dumps(plan.to_dict()) if args.json else render_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from postrl.run.evaluate import run_eval
 

@@ -11,6 +11,7 @@ from postrl.cli.commands import (
     _cmd_demo,
     _cmd_dpo,
     _cmd_eval,
+    _cmd_plan,
     _cmd_route,
     _cmd_serve_env,
     _cmd_serve_reward,
@@ -245,6 +246,24 @@ def _add_check_template(command: Callable[..., argparse.ArgumentParser]) -> None
     p.set_defaults(func=_cmd_check_template)
 
 
+def _add_plan(command: Callable[..., argparse.ArgumentParser]) -> None:
+    p = command(
+        "plan",
+        "memory per GPU of every role of a run, the sizes that fit, and a rollout:train GPU split (no weights loaded)",
+        epilog="Reads CONFIG and the model's config.json. Presets: H100, H200, A100, H20, L40S, RTX4090; 'cpu' "
+        "plans for this machine's RAM. Exit status 1 when something does not fit (each with its fix).\n\n"
+        "examples:\n  postrl plan examples/smollm2_grpo.yaml --gpu H100 --gpus 8\n"
+        "  postrl plan my_run.yaml model.path=/models/llama-70b --gpu-memory 141 --json",
+    )
+    p.add_argument("config", help="CONFIG.yaml (as for postrl train)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.n=16")
+    p.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs available (default: as many as it takes; the split assumes 8)")
+    p.add_argument("--gpu", default=None, metavar="MODEL", help="a GPU preset (default H100), or cpu")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="memory per GPU in GB (with --gpu: overrides the preset's)")
+    p.add_argument("--json", action="store_true", help="print the whole plan as one JSON object")
+    p.set_defaults(func=_cmd_plan)
+
+
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -273,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_dpo,
         _add_demo,
         _add_eval,
+        _add_plan,
         _add_serve_rollout,
         _add_route,
         _add_serve_reward,

@@ -342,6 +342,15 @@ class LoggingConfig(Section):
     )
 
 
+class PlanConfig(Section):
+    check: Literal["warn", "refuse", "off"] = Field(
+        "refuse",
+        description="Before loading anything, postrl train compares the memory plan (postrl plan) with the free "
+        "memory of the devices it sees: refuse a run that does not fit (naming the role, the figure and the fix), "
+        "warn and run it, or skip the check. Ray runs are not checked (their GPUs are not visible here).",
+    )
+
+
 class RunConfig(RunLocation, Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
     output_dir: str = Field(
@@ -371,6 +380,7 @@ class RunConfig(RunLocation, Section):
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Staleness bound and replay of experiences.")
     controller: ControllerConfig = Field(default_factory=ControllerConfig, description="Sync or async steps.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
+    plan: PlanConfig = Field(default_factory=PlanConfig, description="The memory check before a run starts.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
     scheduler: SchedulerConfig = Field(
         default_factory=SchedulerConfig,

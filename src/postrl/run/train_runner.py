@@ -23,6 +23,7 @@ from postrl.models.loading import context_length, load_tokenizer
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
+from postrl.plan.check import check_plan
 from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.run.lifecycle import RunSite, StepLoop, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
@@ -252,9 +253,10 @@ def train(
         check_steps_left(config, done)
     check_context_length(config)
     check_devices(config)
+    echo = stderr_echo
+    check_plan(config, echo)
     check_servers(config)
     resolve_lr_decay(config)
-    echo = stderr_echo
     with tempfile.TemporaryDirectory(prefix="postrl-sync-", dir=config.rollout.sync_dir) as sync_dir:
         parts = build_components(config)
         try:
