@@ -91,9 +91,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from postrl.config.loading import load_config
     from postrl.config.run import RunConfig
-    from postrl.plan.check import target_for
-    from postrl.plan.planner import make_plan
-    from postrl.plan.render import render_plan
+    from postrl.run.plan.check import target_for
+    from postrl.run.plan.planner import make_plan
+    from postrl.run.plan.render import render_plan
 
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: give at least 1")

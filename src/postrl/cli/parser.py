@@ -257,9 +257,21 @@ def _add_plan(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     p.add_argument("config", help="CONFIG.yaml (as for postrl train)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.n=16")
-    p.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs available (default: as many as it takes; the split assumes 8)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs available (default: as many as it takes; the split assumes 8)",
+    )
     p.add_argument("--gpu", default=None, metavar="MODEL", help="a GPU preset (default H100), or cpu")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="memory per GPU in GB (with --gpu: overrides the preset's)")
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory per GPU in GB (with --gpu: overrides the preset's)",
+    )
     p.add_argument("--json", action="store_true", help="print the whole plan as one JSON object")
     p.set_defaults(func=_cmd_plan)
 

@@ -15,6 +15,7 @@ from postrl.config.agent import AgentConfig
 from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config.base import DEVICE_PATTERN, Section
 from postrl.config.location import RunLocation
+from postrl.config.observability import LoggingConfig, PlanConfig
 from postrl.config.off_policy import BufferConfig, ControllerConfig
 from postrl.config.reward import (  # noqa: F401 - the config's public names
     CodeComponent,
@@ -319,35 +320,6 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
     on_interrupt: bool = Field(
         True, description="On Ctrl-C/SIGTERM, checkpoint the last completed step before exiting (resume from it)."
-    )
-
-
-class LoggingConfig(Section):
-    console: bool = Field(True, description="One line of metrics per step on stdout.")
-    progress_bar: bool = Field(True, description="A progress bar on a terminal (never when stderr is not a TTY).")
-    jsonl: bool = Field(True, description="metrics.jsonl in the run directory.")
-    tensorboard: bool = Field(True, description="TensorBoard event files under tensorboard/.")
-    samples_first_steps: int = Field(
-        3,
-        ge=0,
-        description="Write every sample of steps 1..k to samples/step_N.jsonl (prompt, response, reward, "
-        "each component and its reason, error).",
-    )
-    samples_every: int = Field(10, ge=0, description="Also write the samples of every k-th step; 0 = never.")
-    eval_every: int = Field(
-        0,
-        ge=0,
-        description="Validate (data.val_files, or the task's test split) every k steps "
-        "and after the last one, as val/* metrics in every sink and on the plot; 0 = never.",
-    )
-
-
-class PlanConfig(Section):
-    check: Literal["warn", "refuse", "off"] = Field(
-        "refuse",
-        description="Before loading anything, postrl train compares the memory plan (postrl plan) with the free "
-        "memory of the devices it sees: refuse a run that does not fit (naming the role, the figure and the fix), "
-        "warn and run it, or skip the check. Ray runs are not checked (their GPUs are not visible here).",
     )
 
 

@@ -23,11 +23,11 @@ from postrl.models.loading import context_length, load_tokenizer
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
-from postrl.plan.check import check_plan
 from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.run.lifecycle import RunSite, StepLoop, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
+from postrl.run.plan.check import check_plan
 from postrl.run.plots import plot_metrics
 from postrl.run.validation import Validator, load_validation_set
 from postrl.run.watch import describe_placement, run_watches

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from postrl.plan.planner import GB, Plan
+from postrl.run.plan.planner import GB, Plan
 
 ITEMS = ["weights", "gradients", "optimizer", "master_weights", "activations", "kv_cache", "workspace"]
 

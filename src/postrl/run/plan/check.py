@@ -15,8 +15,8 @@ import torch
 
 from postrl.config.run import ConfigError, RunConfig
 from postrl.models.devices import resolve_device
-from postrl.plan.gpus import GPUS, GpuSpec, gpu_spec
-from postrl.plan.planner import GB, Plan, Problem, Target, make_plan
+from postrl.run.plan.gpus import GPUS, GpuSpec, gpu_spec
+from postrl.run.plan.planner import GB, Plan, Problem, Target, make_plan
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -58,7 +58,7 @@ def target_for(gpu: str | None, memory_gb: float | None) -> Target:
 def shared_device_problem(config: RunConfig, plan: Plan, device: str) -> Problem | None:
     """The engine and the trainer on one device: the engine's weights stay while the trainer
     updates, and its KV cache too unless it is released after each generation."""
-    if plan.rollout_max_concurrency is None:
+    if plan.rollout_max_concurrency is None or plan.problems:  # each role must fit alone first
         return None
     engine, train = plan.role("rollout engine"), plan.role("train rank")
     others = sum(r.total for r in plan.roles if r.role not in ("rollout engine", "train rank"))

@@ -55,7 +55,7 @@ class TensorBytes(TorchDispatchMode):
     def _release(self, key: int) -> None:
         self.live -= self._seen.pop(key, 0)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
@@ -167,14 +167,20 @@ class MeasuredCase:
         }
 
 
+def plan_vocab(path: str) -> int:
+    from postrl.run.plan.shape import load_shape
+
+    return load_shape(path).vocab
+
+
 def measure_case(name: str, config: Any) -> MeasuredCase:
     """Plan ``config`` for this CPU, then run its train rank's update and its engine's generation on
     a full-length step (``data.max_prompt_tokens`` long prompts, ``rollout.max_tokens`` long responses)
     and compare. ``config.data.max_prompt_tokens`` must be set: it is the prompts' length."""
     from postrl.models.loading import load_tokenizer
-    from postrl.plan.check import cpu_target
-    from postrl.plan.planner import make_plan
     from postrl.rollout.factory import make_rollout_worker
+    from postrl.run.plan.check import cpu_target
+    from postrl.run.plan.planner import make_plan
     from postrl.train.factory import PolicySpec, build_train_worker
 
     if config.data.max_prompt_tokens is None:
@@ -186,7 +192,7 @@ def measure_case(name: str, config: Any) -> MeasuredCase:
     tokenizer = load_tokenizer(config.model.path)
     torch.manual_seed(config.seed)
     worker = build_train_worker(PolicySpec.of_run(config), torch.device("cpu"))
-    vocab = worker.model.config.vocab_size
+    vocab = int(plan_vocab(config.model.path))
     train = measure_train_step(worker, shape, vocab, tokenizer.pad_token_id or 0)
     worker.close()
     del worker

@@ -28,6 +28,7 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool = False
     context: int | None = None
+    model_type: str = "llama"
     source: str = ""
 
     @property
@@ -90,6 +91,7 @@ def shape_from_config(cfg: dict[str, Any], source: str = "config.json") -> Model
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
         context=cfg.get("max_position_embeddings"),
+        model_type=str(model_type or "unknown"),
         source=source,
     )
 

@@ -19,9 +19,9 @@ Rollout (one engine rank of ``tp``): weights in the engine's dtype / tp, the KV 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from postrl.plan.shape import ModelShape
+from postrl.run.plan.shape import ModelShape
 
 CHUNK_ROWS_ELEMENTS = 1 << 25  # postrl.train.chunked_head.CHUNK_ELEMENTS: one chunk of float32 logits
 
@@ -90,27 +90,52 @@ def layer_activation_bytes(shape: ModelShape, micro: MicroBatch, act_bytes: int)
     return act_bytes * (t * per_token + micro.blocks * per_block) + norms
 
 
-def activation_bytes(shape: ModelShape, micro: MicroBatch, act_bytes: int, checkpointing: bool) -> int:
+def transformers_layer_bytes(
+    shape: ModelShape, micro: MicroBatch, act_bytes: int, residual_bytes: int, eager: bool
+) -> int:
+    """What one decoder layer of the transformers forward keeps (each group packed as one sequence of
+    ``width`` tokens): the residual stream in the parameters' dtype and the norms' float32 products,
+    the projections' inputs, queries and keys/values repeated to every head for attention, its
+    output, the MLP's gate, up, activation and product; eager attention also its probabilities."""
+    s, t = shape, micro.tokens
+    norms = 2 * t * (residual_bytes * s.hidden + 4 * s.hidden + 4)
+    per_token = 2 * s.hidden + 4 * s.q_width + 4 * s.intermediate
+    width = micro.prompt_tokens + micro.rows * micro.response_tokens
+    kept = 4 + (act_bytes if act_bytes < 4 else 0)  # the float32 softmax, and its half-precision cast
+    probs = micro.groups * s.heads * width * width * kept if eager else 4 * s.heads * t
+    return norms + act_bytes * t * per_token + probs
+
+
+def layer_bytes(shape: ModelShape, micro: MicroBatch, setup: TrainSetup) -> int:
+    if setup.lean:
+        return layer_activation_bytes(shape, micro, setup.act_bytes)
+    return transformers_layer_bytes(shape, micro, setup.act_bytes, setup.param_bytes, setup.eager_attention)
+
+
+def activation_bytes(shape: ModelShape, setup: TrainSetup, checkpointing: bool) -> int:
     """Everything the forward keeps until the backward: the layers', the attention mask and the head's inputs."""
+    micro, ab = setup.micro, setup.act_bytes
     t = micro.tokens
-    query_width = max(micro.prompt_tokens, micro.response_tokens)
-    mask = micro.blocks * query_width * (micro.prompt_tokens + micro.response_tokens) * (4 + 1)
-    final = act_bytes * t * shape.hidden + 4 * t + act_bytes * micro.response_positions * shape.hidden
+    if setup.lean:
+        query_width = max(micro.prompt_tokens, micro.response_tokens)
+        mask = micro.blocks * query_width * (micro.prompt_tokens + micro.response_tokens) * (4 + 1)
+    else:
+        width = micro.prompt_tokens + micro.rows * micro.response_tokens
+        mask = micro.groups * width * width * (4 + 1)
+    final = ab * t * shape.hidden + 4 * t + ab * micro.response_positions * shape.hidden
     head = 3 * 4 * micro.response_positions
-    layer = layer_activation_bytes(shape, micro, act_bytes)
-    layers = shape.layers * act_bytes * t * shape.hidden + layer if checkpointing else shape.layers * layer
+    layer = layer_bytes(shape, micro, setup)
+    residual = setup.act_bytes if setup.lean else setup.param_bytes
+    layers = shape.layers * residual * t * shape.hidden if checkpointing else shape.layers * layer
     return layers + mask + final + head
 
 
-def head_workspace_bytes(shape: ModelShape, micro: MicroBatch, act_bytes: int) -> int:
+def head_workspace_bytes(shape: ModelShape, micro: MicroBatch, act_bytes: int, head_trained: bool = True) -> int:
     """The head's backward: a chunk of logits and their gradient (float32), the hidden states'
-    gradient, and the head weight's float32 gradient with the chunk's part."""
+    gradient, and (when the head is trained) its weight's float32 gradient with the chunk's part."""
     rows = min(micro.response_positions, max(1, CHUNK_ROWS_ELEMENTS // shape.vocab))
-    return (
-        3 * 4 * rows * shape.vocab
-        + act_bytes * micro.response_positions * shape.hidden
-        + 2 * 4 * shape.vocab * shape.hidden
-    )
+    weight_grad = 2 * 4 * shape.vocab * shape.hidden if head_trained else 0
+    return 3 * 4 * rows * shape.vocab + act_bytes * micro.response_positions * shape.hidden + weight_grad
 
 
 @dataclass(frozen=True)
@@ -124,6 +149,8 @@ class TrainSetup:
     checkpointing: bool
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = ()
+    lean: bool = True  # postrl's lean forward (a Llama-family model, unsharded); else the transformers forward
+    eager_attention: bool = True  # the transformers forward's attention: eager (probabilities kept) or SDPA
 
 
 def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
@@ -141,31 +168,55 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
     return s.layers * sum(rank * (i + o) for name, (i, o) in dims.items() if name in targets)
 
 
+def backward_workspace_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """The backward's widest moment beyond the kept activations: the head's (first), or a layer's
+    gradients (with checkpointing, the layer recomputed as well)."""
+    micro, s = setup.micro, shape
+    head = head_workspace_bytes(shape, micro, setup.act_bytes, head_trained=setup.lora_rank is None)
+    # a layer's backward: the softmax's gradient (three float32 temporaries the size of the kept
+    # probabilities), or the MLP's (the gradients of gate, up and product, and of its input)
+    if setup.lean:
+        probs = (
+            micro.blocks
+            * s.heads
+            * max(micro.prompt_tokens, micro.response_tokens)
+            * (micro.prompt_tokens + micro.response_tokens)
+        )
+    else:
+        width = micro.prompt_tokens + micro.rows * micro.response_tokens
+        probs = micro.groups * s.heads * width * width if setup.eager_attention else 0
+    backward = max(3 * 4 * probs, setup.act_bytes * micro.tokens * (3 * s.intermediate + 2 * s.hidden))
+    recomputed = layer_bytes(shape, micro, setup) if setup.checkpointing else 0
+    return max(head, recomputed + backward)
+
+
 def train_rank_memory(shape: ModelShape, setup: TrainSetup, fsdp: int = 1, role: str = "train rank") -> RoleMemory:
     """One rank of the policy's FSDP group of ``fsdp`` (1: a plain process)."""
+    if fsdp > 1 and setup.lean:  # FSDP2 gathers parameters in the model's own forward
+        setup = replace(setup, lean=False)
     pb, ab = setup.param_bytes, setup.act_bytes
     if setup.lora_rank is not None:
         trainable, state_bytes = lora_params(shape, setup.lora_rank, setup.lora_targets), 4  # adapters in float32
     else:
         trainable, state_bytes = shape.params, pb
     gathered = 2 * shape.layer_linear_params * ab if fsdp > 1 else 0  # the layer computing and the one prefetched
-    casts = 2 * (shape.linear_params // fsdp if fsdp > 1 else shape.linear_params) if setup.autocast and pb == 4 else 0
+    casts = (
+        2 * shape.linear_params if setup.autocast and pb == 4 and fsdp == 1 else 0
+    )  # FSDP2 gathers bf16 layers instead
     items = {
         "weights": shape.params * pb // fsdp + (trainable * 4 // fsdp if setup.lora_rank else 0),
         "gradients": trainable * state_bytes // fsdp,
         "optimizer": 2 * trainable * state_bytes // fsdp,
         "master_weights": 0,
-        "activations": activation_bytes(shape, setup.micro, ab, setup.checkpointing),
-        "workspace": layer_activation_bytes(shape, setup.micro, ab)
-        + head_workspace_bytes(shape, setup.micro, ab)
-        + gathered
-        + casts,
+        "activations": activation_bytes(shape, setup, setup.checkpointing),
+        "workspace": backward_workspace_bytes(shape, setup) + gathered + casts,
     }
     detail: dict[str, float | int | str] = {
         "trainable_params": trainable,
         "micro_batch_tokens": setup.micro.tokens,
-        "activations_without_checkpointing": activation_bytes(shape, setup.micro, ab, False),
-        "activations_with_checkpointing": activation_bytes(shape, setup.micro, ab, True),
+        "activations_without_checkpointing": activation_bytes(shape, setup, False),
+        "activations_with_checkpointing": activation_bytes(shape, setup, True),
+        "forward": "lean" if setup.lean else "transformers",
         "model_state_bytes_per_param": (items["weights"] + items["gradients"] + items["optimizer"])
         * fsdp
         / shape.params,
@@ -179,7 +230,8 @@ def frozen_model_memory(
     """A model that only runs forward (the reference, a reward model): weights and one layer's work."""
     items = {
         "weights": shape.params * param_bytes // ranks,
-        "workspace": layer_activation_bytes(shape, micro, act_bytes) + head_workspace_bytes(shape, micro, act_bytes),
+        "workspace": layer_activation_bytes(shape, micro, act_bytes)
+        + head_workspace_bytes(shape, micro, act_bytes, False),
     }
     return RoleMemory(role, items, ranks)
 
