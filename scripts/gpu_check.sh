@@ -3,7 +3,7 @@
 # Missing Python packages come from .wheelhouse/ (made beforehand by scripts/make_wheelhouse.sh and
 # carried with the repository). In under 8 minutes: the `gpu` tests, the demo on CUDA, and the GPU
 # benchmark (rollout tokens/s, seconds per GRPO step, training MFU against the bf16 matmul rate
-# measured in the same run). Everything lands in $OUT (default gpu_out/); the summary is
+# measured in the same run), and the planner's memory against torch.cuda.max_memory_allocated. Everything lands in $OUT (default gpu_out/); the summary is
 # $OUT/gpu_check.json.
 #
 #   scripts/gpu_check.sh            (on the GPU machine, from the repository root)
@@ -51,9 +51,14 @@ timeout 240 "$PYTHON" benchmarks/gpu_step.py --json > "$OUT/gpu_step.txt" 2>&1
 bench_rc=$?
 bench_s=$(( $(date +%s) - start ))
 
-"$PYTHON" - "$OUT" "$tests_rc" "$tests_s" "$demo_rc" "$demo_s" "$bench_rc" "$bench_s" <<'PY'
+start=$(date +%s)
+timeout 120 "$PYTHON" benchmarks/plan_accuracy.py --device cuda --quick --json > "$OUT/plan_accuracy.txt" 2>&1
+plan_rc=$?
+plan_s=$(( $(date +%s) - start ))
+
+"$PYTHON" - "$OUT" "$tests_rc" "$tests_s" "$demo_rc" "$demo_s" "$bench_rc" "$bench_s" "$plan_rc" "$plan_s" <<'PY'
 import json, re, sys
-out, tests_rc, tests_s, demo_rc, demo_s, bench_rc, bench_s = sys.argv[1:]
+out, tests_rc, tests_s, demo_rc, demo_s, bench_rc, bench_s, plan_rc, plan_s = sys.argv[1:]
 def tail_json(path):
     for line in reversed(open(path).read().splitlines()):
         if line.startswith("{"):
@@ -68,6 +73,7 @@ summary = {
     "demo": {"rc": int(demo_rc), "seconds": int(demo_s),
              "acc_before": float(acc.group(1)) if acc else None, "acc_after": float(acc.group(2)) if acc else None},
     "benchmark": {"rc": int(bench_rc), "seconds": int(bench_s), "result": tail_json(f"{out}/gpu_step.txt")},
+    "plan_accuracy": {"rc": int(plan_rc), "seconds": int(plan_s), "result": tail_json(f"{out}/plan_accuracy.txt")},
 }
 json.dump(summary, open(f"{out}/gpu_check.json", "w"), indent=1)
 print(json.dumps(summary))

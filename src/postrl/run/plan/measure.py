@@ -173,29 +173,32 @@ def plan_vocab(path: str) -> int:
     return load_shape(path).vocab
 
 
-def measure_case(name: str, config: Any) -> MeasuredCase:
+def measure_case(name: str, config: Any, device: str = "cpu") -> MeasuredCase:
     """Plan ``config`` for this CPU, then run its train rank's update and its engine's generation on
     a full-length step (``data.max_prompt_tokens`` long prompts, ``rollout.max_tokens`` long responses)
     and compare. ``config.data.max_prompt_tokens`` must be set: it is the prompts' length."""
     from postrl.models.loading import load_tokenizer
     from postrl.rollout.factory import make_rollout_worker
-    from postrl.run.plan.check import cpu_target
+    from postrl.run.plan.check import cpu_target, cuda_target
     from postrl.run.plan.planner import make_plan
     from postrl.train.factory import PolicySpec, build_train_worker
 
     if config.data.max_prompt_tokens is None:
         raise ValueError("measure_case needs data.max_prompt_tokens: the length of the measured prompts")
-    plan = make_plan(config, cpu_target(), gpus=1)
+    where = torch.device(device)
+    plan = make_plan(config, cuda_target(where) if where.type == "cuda" else cpu_target(), gpus=1)
     shape = StepShape(
         config.prompts_per_step, config.rollout.n, config.data.max_prompt_tokens, config.rollout.max_tokens
     )
     tokenizer = load_tokenizer(config.model.path)
     torch.manual_seed(config.seed)
-    worker = build_train_worker(PolicySpec.of_run(config), torch.device("cpu"))
+    worker = build_train_worker(PolicySpec.of_run(config), where)
     vocab = int(plan_vocab(config.model.path))
     train = measure_train_step(worker, shape, vocab, tokenizer.pad_token_id or 0)
     worker.close()
     del worker
+    if where.type == "cuda":
+        torch.cuda.empty_cache()
     engine = make_rollout_worker(config.rollout, config.model.path, tokenizer, config.model.dtype, config.seed)
     rollout = measure_rollout_step(engine, shape, vocab)
     engine.close()

@@ -190,6 +190,18 @@ def backward_workspace_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     return max(head, recomputed + backward)
 
 
+def stacked_lora_bases(shape: ModelShape, setup: TrainSetup) -> int:
+    """The lean forward runs LoRA projections that read the same input as one product: the frozen
+    q|k|v and gate|up weights are stacked per layer, and kept for the backward."""
+    if setup.lora_rank is None or not setup.lean:
+        return 0
+    s, targets = shape, set(setup.lora_targets)
+    rows = (s.q_width + 2 * s.kv_width if {"q_proj", "k_proj", "v_proj"} <= targets else 0) + (
+        2 * s.intermediate if {"gate_proj", "up_proj"} <= targets else 0
+    )
+    return s.layers * rows * s.hidden * setup.param_bytes
+
+
 def train_rank_memory(shape: ModelShape, setup: TrainSetup, fsdp: int = 1, role: str = "train rank") -> RoleMemory:
     """One rank of the policy's FSDP group of ``fsdp`` (1: a plain process)."""
     if fsdp > 1 and setup.lean:  # FSDP2 gathers parameters in the model's own forward
@@ -203,13 +215,14 @@ def train_rank_memory(shape: ModelShape, setup: TrainSetup, fsdp: int = 1, role:
     casts = (
         2 * shape.linear_params if setup.autocast and pb == 4 and fsdp == 1 else 0
     )  # FSDP2 gathers bf16 layers instead
+    stacked = stacked_lora_bases(shape, setup) if fsdp == 1 else 0
     items = {
         "weights": shape.params * pb // fsdp + (trainable * 4 // fsdp if setup.lora_rank else 0),
         "gradients": trainable * state_bytes // fsdp,
         "optimizer": 2 * trainable * state_bytes // fsdp,
         "master_weights": 0,
         "activations": activation_bytes(shape, setup, setup.checkpointing),
-        "workspace": backward_workspace_bytes(shape, setup) + gathered + casts,
+        "workspace": backward_workspace_bytes(shape, setup) + gathered + casts + stacked,
     }
     detail: dict[str, float | int | str] = {
         "trainable_params": trainable,
