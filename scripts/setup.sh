@@ -13,3 +13,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/pip install --quiet "torch==2.13.0"
 fi
 .venv/bin/pip install --quiet -e ".[test]"
+# Debian's prometheus, for the test where a real Prometheus server scrapes a run (skipped, saying
+# why, where it cannot be installed: not root, or no apt)
+if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } \
+        || echo "note: could not install Debian's prometheus; its test will be skipped"
+fi

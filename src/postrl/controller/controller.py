@@ -124,6 +124,8 @@ class Controller:
         self._pipeline_state: dict[str, Any] | None = None
         self._report: ProducedBatch | None = None  # async: the batch the step in progress trains on
         self.episodes = None if self.config.agent is None else EpisodeSource(self.config.agent, parts.tokenizer)
+        self.last_sync_bytes = 0
+        self.engine_healthy = True
 
     def start(self, state: dict[str, Any] | None = None) -> None:
         """Before the first step: restore a resumed run's state, then sync the weights once; in
@@ -288,6 +290,7 @@ class Controller:
         values = {
             **reward_values(rollouts, rewards),
             "perf/gen_tokens_per_s": sum(len(r.response_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
+            "reward/samples": float(len(rewards)),
             "data/epoch": float(self.sampler.epoch),
             "data/skipped_rows": float(len(self.parts.dataset.skipped)),
             "rollout/weight_version": float(min(r.weight_version for r in rollouts)),
@@ -312,6 +315,7 @@ class Controller:
             batch, masked = mask_lagging_tokens(batch, self.config.algorithm.max_token_lag)
             metrics["buffer/lag_masked_tokens"] = masked
         train = timer.run("train", self.update, batch)
+        metrics["perf/train_tokens_per_s"] = float(batch.attention_mask.sum()) / max(timer.seconds["train"], 1e-9)
         for stage in self.stages.after_update:
             metrics.update(timer.run(stage.timer_name("after_update"), stage.after_update, batch, train))
         timer.run("sync", self.sync_weights)
@@ -380,8 +384,23 @@ class Controller:
             "actor/kl_beta": self.kl.beta,
             **{f"time/{name}_s": seconds for name, seconds in timings.items()},
             **consumed,
+            **self.operations(),
         }
         return StepMetrics(step=self.step_count, weight_version=self.weight_version, values=values, notes=report.notes)
+
+    def operations(self) -> dict[str, float]:
+        """What an operator watches besides learning: the engines, their restarts and the ones lost in
+        syncs, the last sync's bytes, the reward service's errors, the buffer's size."""
+        pool = self.parts.rollout
+        return {
+            "rollout/engines": float(len(pool.engines)),
+            "rollout/engine_healthy": float(self.engine_healthy),
+            "rollout/engine_restarts": float(pool.restarts),
+            "sync/bytes": float(self.last_sync_bytes),
+            "sync/failures": float(pool.sync_failures),
+            "reward/service_errors": float(self.parts.reward.error_count()),
+            "buffer/size": float(len(self.parts.buffer)),
+        }
 
     def restore_abandoned_step(self) -> bool:
         """After a step was abandoned: put the run state back to the last completed step. False when
@@ -432,6 +451,7 @@ class Controller:
     def check_engine(self, when: str) -> None:
         """Stop the run, with the engine's own reason, when the rollout engine cannot serve."""
         health = self.parts.rollout.health_check()
+        self.engine_healthy = bool(health)
         if not health:
             raise EngineUnhealthyError(
                 f"the rollout engine failed its health check {when}: {health.reason or 'no reason given'}"
@@ -453,6 +473,7 @@ class Controller:
 
     def _push_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         manifest = weight_manifest(state) if self.config.rollout.verify_sync else None
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for t in state.values())
         if self.config.rollout.weight_sync == "safetensors":
             if self.sync_dir is None:
                 raise ValueError("rollout.weight_sync=safetensors needs the Controller's sync_dir")

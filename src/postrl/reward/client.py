@@ -106,6 +106,10 @@ class RemoteRewardService:
                 raise RewardServiceError(f"{url} answered with invalid JSON: {exc}") from None
         raise RewardServiceError(f"{url} failed after {attempts} attempts; last error: {cause}")
 
+    def error_count(self) -> int:
+        """Requests that failed and were retried (connection errors, timeouts, 5xx answers)."""
+        return self.retries_done
+
     def set_log_file(self, path: Any) -> None:
         """Scoring runs in the remote service; its workers' output goes to that service's log."""
 

@@ -156,6 +156,10 @@ class RewardService:
         total = sum(comp.weight * components[comp.name] for comp in applying)
         return RewardResult(reward=total, components=components, reasons=why, flags=flags)
 
+    def error_count(self) -> int:
+        """Scoring workers lost or timed out in this run (each restarted; the samples are unscorable)."""
+        return 0 if self.pool is None else self.pool.stats.restarts + self.pool.stats.timeouts
+
     def set_log_file(self, path: Any) -> None:
         """Where the scoring workers' stderr (reward functions' prints) goes: a file path."""
         if self.pool is not None:

@@ -61,6 +61,16 @@ class ScalableRolloutWorker(RolloutWorker, Protocol):
         """The engines' handles."""
         ...
 
+    @property
+    def restarts(self) -> int:
+        """Engines restarted in this run after they were lost."""
+        ...
+
+    @property
+    def sync_failures(self) -> int:
+        """Engines lost during a weight sync in this run (each replaced and synced again)."""
+        ...
+
     def scale(self, engines: int) -> None:
         """Start or stop engines until there are ``engines``; new ones start on the current weights."""
         ...

@@ -59,6 +59,7 @@ class RolloutPool:
         self.weight_version = 0
         self._weights: tuple[Any, int, dict[str, str] | None] | None = None
         self.restarts = 0
+        self.sync_failures = 0  # engines lost during a weight sync (each replaced and synced again)
         self.requeued_prompts = 0
         # async mode generates (producer thread) while weights are pushed (sync thread): an engine
         # lost under both is replaced once
@@ -178,6 +179,7 @@ class RolloutPool:
             lost = self.transport.push([s.handle for s in todo], weights, version, manifest)
             if not lost:
                 return
+            self.sync_failures += len(lost)
             for slot in todo:
                 if slot.handle.name in lost and not slot.handle.alive():
                     log.warning("%s was lost during a weight sync (%s); restarting it", slot.name, lost[slot.name])

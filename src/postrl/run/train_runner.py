@@ -29,6 +29,7 @@ from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSi
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plan.check import check_plan
 from postrl.run.plots import plot_metrics
+from postrl.run.trackers import make_tracker
 from postrl.run.validation import Validator, load_validation_set
 from postrl.run.watch import describe_placement, run_watches
 from postrl.tasks import task_rows
@@ -115,13 +116,22 @@ def make_reward_service(config: RewardConfig) -> RewardService | RemoteRewardSer
 def make_sinks(
     config: RunConfig, run_dir: Path, resume_step: int | None, echo: Callable[[str], None], total: int | None = None
 ) -> list[MetricSink]:
+    """The console, then each of ``logging.trackers``, then the Prometheus endpoint when configured."""
+    lg = config.logging
     sinks: list[MetricSink] = []
-    if config.logging.console:
+    if lg.console:
         sinks.append(ConsoleSink(echo, total))
-    if config.logging.jsonl:
-        sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))
-    if config.logging.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step))
+    for name in lg.trackers:
+        if name == "jsonl":
+            sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))
+        elif name == "tensorboard":
+            sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step))
+        else:
+            sinks.append(make_tracker(name, config, run_dir, stderr_echo))
+    if lg.prometheus is not None:
+        from postrl.run.prometheus import PrometheusExporter
+
+        sinks.append(PrometheusExporter(lg.prometheus, lg.stall_after_s, config.name, stderr_echo))
     return sinks
 
 

@@ -89,6 +89,10 @@ class RewardServiceClient(Client):
         self._log_file = path
         self._call("set_log_file", path)
 
+    def error_count(self) -> int:
+        """The service's own errors (lost scoring workers, retried requests) and its restarts here."""
+        return self.restarts + int(self._call("error_count"))
+
     def score_batch(self, requests: list[ScoreRequest]) -> list[RewardResult]:
         while True:
             try:
