@@ -107,6 +107,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from postrl.run.report import write_report
+
+    default = (
+        Path(args.runs[0]) / "report.png" if len(args.runs) == 1 and Path(args.runs[0]).is_dir() else Path("report.png")
+    )
+    out = write_report(args.runs, Path(args.out) if args.out else default)
+    print(f"report: {out}")
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from postrl.run.evaluate import run_eval
 

@@ -12,6 +12,7 @@ from postrl.cli.commands import (
     _cmd_dpo,
     _cmd_eval,
     _cmd_plan,
+    _cmd_report,
     _cmd_route,
     _cmd_serve_env,
     _cmd_serve_reward,
@@ -276,6 +277,20 @@ def _add_plan(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+def _add_report(command: Callable[..., argparse.ArgumentParser]) -> None:
+    p = command(
+        "report",
+        "one PNG of the curves users check first (reward, accuracy, KL, entropy, lengths, clipping, grad norm, "
+        "phase seconds, tokens/s), several runs overlaid",
+        epilog="examples:\n  postrl report runs/demo\n  postrl report runs/lr-1e-5 runs/lr-3e-5 --out compare.png",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (runs/NAME) or their metrics.jsonl files")
+    p.add_argument(
+        "--out", default=None, help="the PNG to write (default: RUN/report.png for one run, report.png for several)"
+    )
+    p.set_defaults(func=_cmd_report)
+
+
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -305,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_demo,
         _add_eval,
         _add_plan,
+        _add_report,
         _add_serve_rollout,
         _add_route,
         _add_serve_reward,

@@ -1,0 +1,130 @@
+"""``postrl report RUN [RUN ...]``: the curves users check first, one PNG, runs overlaid.
+
+Reads each run's metrics.jsonl (a run folder, or the file itself); a panel is drawn when any run
+has its metric, and a run without it is left out of that panel's legend.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from postrl.config.run import ConfigError
+
+# (title, [(metric key, line label)], y label)
+PANELS: list[tuple[str, list[tuple[str, str]], str]] = [
+    (
+        "reward and accuracy",
+        [("reward/mean", "reward"), ("accuracy", "accuracy"), ("val/accuracy", "val accuracy")],
+        "",
+    ),
+    ("KL to the reference", [("actor/kl", "kl"), ("actor/approx_kl", "approx kl (old policy)")], ""),
+    ("entropy", [("actor/entropy", "entropy")], "nats/token"),
+    ("response length", [("response/length_mean", "mean"), ("response/length_max", "max")], "tokens"),
+    ("truncated responses", [("response/clip_ratio", "cut at max_tokens")], "fraction"),
+    ("clip fraction", [("actor/clip_fraction", "clipped ratio")], "fraction of tokens"),
+    ("grad norm", [("actor/grad_norm", "before clipping")], ""),
+    (
+        "phase seconds",
+        [
+            ("time/generate_s", "generate"),
+            ("time/reward_s", "reward"),
+            ("time/train_s", "train"),
+            ("time/sync_s", "sync"),
+            ("time/step_s", "step"),
+        ],
+        "s",
+    ),  # fmt: skip
+    ("throughput", [("perf/gen_tokens_per_s", "generated"), ("perf/train_tokens_per_s", "trained")], "tokens/s"),
+]
+STYLES: list = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
+
+
+@dataclass
+class RunMetrics:
+    name: str
+    rows: list[dict]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        points = [(r["step"], r[key]) for r in self.rows if isinstance(r.get(key), (int, float))]
+        return [s for s, _ in points], [float(v) for _, v in points]
+
+
+def load_run(path: str) -> RunMetrics:
+    """A run folder's (or a file's) metrics; a bad line is named by file and line."""
+    given = Path(path).expanduser()
+    file = given / "metrics.jsonl" if given.is_dir() else given
+    if not file.is_file():
+        raise ConfigError(f"{path}: no metrics.jsonl (give a run folder such as runs/NAME, or its metrics.jsonl)")
+    rows = []
+    for number, line in enumerate(file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{file}:{number}: invalid JSON at column {exc.colno}") from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise ConfigError(f"{file}:{number}: a metrics line needs a step")
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"{file}: no steps yet")
+    name = file.parent.name if file.name == "metrics.jsonl" else file.stem
+    return RunMetrics(name, rows)
+
+
+def unique_names(runs: list[RunMetrics], paths: list[str]) -> None:
+    """Two runs of the same name (runs/a/x and runs/b/x) are told apart by their parent folder."""
+    names = [r.name for r in runs]
+    for run, path in zip(runs, paths):
+        if names.count(run.name) > 1:
+            folder = Path(path).expanduser().resolve()
+            folder = folder if folder.is_dir() else folder.parent
+            run.name = f"{folder.parent.name}/{folder.name}"
+
+
+def panels_for(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str]], str]]:
+    """The panels (and their lines) some run has data for."""
+    panels = [(t, [(k, lab) for k, lab in keys if any(r.series(k)[0] for r in runs)], y) for t, keys, y in PANELS]
+    return [p for p in panels if p[1]]
+
+
+def write_report(paths: list[str], out: Path) -> Path:
+    """Draw the panels that any run has data for into ``out`` (PNG)."""
+    runs = [load_run(p) for p in paths]
+    unique_names(runs, paths)
+    panels = panels_for(runs)
+    if not panels:
+        raise ConfigError(f"{', '.join(paths)}: none of the reported metrics is in these runs")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, keys, ylabel) in zip(axes.flat, panels):
+        for i, run in enumerate(runs):
+            for j, (key, label) in enumerate(keys):
+                steps, values = run.series(key)
+                if steps:
+                    name = run.name if len(keys) == 1 else f"{run.name}: {label}"
+                    ax.plot(steps, values, STYLES[j % len(STYLES)], color=colors[i % len(colors)], label=name)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle("postrl report: " + ", ".join(r.name for r in runs))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
