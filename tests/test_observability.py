@@ -286,3 +286,43 @@ def test_exporter_port_in_use_is_a_clear_error():
             PrometheusExporter(PrometheusConfig(port=exporter.port), 60.0, "b", echo=lambda _: None)
     finally:
         exporter.close()
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def exposed_names() -> set[str]:
+    """The series the exporter registers, as Prometheus names them (histograms and counters by family)."""
+    exporter = PrometheusExporter(PrometheusConfig(port=0), 60.0, "r", echo=lambda _: None)
+    try:
+        names = set()
+        for family in exporter.registry.collect():
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
+        return names
+    finally:
+        exporter.close()
+
+
+def test_the_documented_schema_is_what_the_endpoint_serves():
+    table = [line for line in (DOCS / "observability.md").read_text().splitlines() if line.startswith("| `postrl_")]
+    documented = {line.split("`")[1] for line in table}
+    assert documented == exposed_names()
+
+
+def test_the_alert_rules_and_the_dashboard_use_served_series():
+    import re
+
+    served = exposed_names() | {"postrl_step_phase_seconds_bucket", "postrl_step_phase_seconds_sum",
+                                "postrl_step_phase_seconds_count"}  # fmt: skip
+    rules = (DOCS / "prometheus_alerts.yml").read_text()
+    dashboard = json.loads((DOCS / "grafana_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = set(re.findall(r"postrl_[a-z_]+", rules + " ".join(exprs)))
+    assert used and used <= served, used - served
+    for alert in ("PostrlRunStalled", "PostrlWeightSyncFailures", "PostrlUnscorableRate", "PostrlEngineRestarts"):
+        assert f"alert: {alert}" in rules
+    if shutil.which("promtool"):
+        checked = subprocess.run(
+            ["promtool", "check", "rules", str(DOCS / "prometheus_alerts.yml")], capture_output=True, text=True
+        )
+        assert checked.returncode == 0 and "SUCCESS: 5 rules found" in checked.stdout, checked.stdout + checked.stderr
