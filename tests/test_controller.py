@@ -19,6 +19,7 @@ class FakeRollout(EngineBase):
     def __init__(self, calls: list, healthy_after: int = 10**9) -> None:
         self.calls, self.healthy_after, self.syncs = calls, healthy_after, []
         self.engines = [self]
+        self.restarts = self.sync_failures = 0
 
     def scale(self, engines):
         raise AssertionError("the fake rollout worker has one engine")
@@ -51,6 +52,9 @@ class FakeReward:
 
     def __init__(self, calls: list, unscorable: set[int] = frozenset({1})) -> None:
         self.calls, self.unscorable = calls, unscorable
+
+    def error_count(self):
+        return 0
 
     def score_batch(self, requests):
         self.calls.append(("score", len(requests)))

@@ -28,6 +28,9 @@ def test_two_runs_overlaid_with_the_panels_they_have(tmp_path):
                 "actor/kl": 0.01,
                 "time/train_s": 1.0,
                 "time/generate_s": 2.0,
+                "time/reward_s": 0.1,
+                "time/sync_s": 0.2,
+                "time/step_s": 3.3,  # five lines in one panel: the fifth line style too
             }
             for s in (1, 2, 3)
         ],
@@ -39,7 +42,7 @@ def test_two_runs_overlaid_with_the_panels_they_have(tmp_path):
         "reward and accuracy": ["reward/mean", "accuracy"],
         "KL to the reference": ["actor/kl"],
         "grad norm": ["actor/grad_norm"],
-        "phase seconds": ["time/generate_s", "time/train_s"],
+        "phase seconds": ["time/generate_s", "time/reward_s", "time/train_s", "time/sync_s", "time/step_s"],
     }
     assert runs[1].series("reward/mean") == ([1, 2], [0.2, 0.4])
     out = write_report([str(a), str(b)], tmp_path / "cmp.png")

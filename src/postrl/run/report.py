@@ -113,7 +113,7 @@ def write_report(paths: list[str], out: Path) -> Path:
                 steps, values = run.series(key)
                 if steps:
                     name = run.name if len(keys) == 1 else f"{run.name}: {label}"
-                    ax.plot(steps, values, STYLES[j % len(STYLES)], color=colors[i % len(colors)], label=name)
+                    ax.plot(steps, values, linestyle=STYLES[j % len(STYLES)], color=colors[i % len(colors)], label=name)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         ax.set_xlabel("step")
