@@ -24,37 +24,23 @@ from pathlib import Path
 
 import torch
 
-LLAMA_70B = {
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 8192,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "intermediate_size": 28672,
-    "tie_word_embeddings": False,
-}
-DESIGN_WEIGHTS_GB, DESIGN_KV_GB = 17.5, 21.0  # per GPU at TP=8; KV for 64 sequences of 8192 tokens
 
-
-def tiny_gqa(folder: Path) -> str:
+def random_llama(folder: Path, **shape: int | bool) -> str:
+    """A random Llama of ``shape`` saved with the char tokenizer (memory does not depend on the values)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from postrl.tasks.char_tokenizer import build_char_tokenizer
 
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder, safe_serialization=True)
     build_char_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+TINY_GQA = dict(vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=6,
+                num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)  # fmt: skip
 
 
 def smollm2(folder: Path) -> tuple[str, str]:
@@ -64,24 +50,7 @@ def smollm2(folder: Path) -> tuple[str, str]:
 
         return str(smollm2_dir()), "SmolLM2-135M"
     except Exception:  # noqa: BLE001 - the package or gguf missing: the same shape, random weights
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from postrl.tasks.char_tokenizer import build_char_tokenizer
-
-        cfg = LlamaConfig(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-            tie_word_embeddings=True,
-            max_position_embeddings=8192,
-        )
-        LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
-        build_char_tokenizer().save_pretrained(folder)
-        return str(folder), "SmolLM2-135M shape (random)"
+        return random_llama(folder, **SMOLLM2), "SmolLM2-135M shape (random)"
 
 
 def run_config(path: str, prompts: int, prompt_tokens: int, response: int, micro: int, device: str, **extra):
@@ -100,7 +69,7 @@ def run_config(path: str, prompts: int, prompt_tokens: int, response: int, micro
 
 
 def cases(work: Path, device: str, quick: bool) -> list[tuple[str, object]]:
-    tiny = tiny_gqa(work / "tiny")
+    tiny = random_llama(work / "tiny", **TINY_GQA)
     small, small_name = smollm2(work / "smollm2")
     out = [
         ("demo fp32", run_config("demo", 4, 32, 16, 16, device)),
@@ -137,26 +106,6 @@ def cases(work: Path, device: str, quick: bool) -> list[tuple[str, object]]:
     return out
 
 
-def seed_example() -> dict:
-    """The design's 70B example at TP=8: weights and KV cache per GPU, and the model-state bytes."""
-    from postrl.run.plan.memory import MicroBatch, RolloutSetup, TrainSetup, rollout_memory, train_rank_memory
-    from postrl.run.plan.shape import shape_from_config
-
-    shape = shape_from_config(LLAMA_70B)
-    engine = rollout_memory(shape, RolloutSetup(2, 64, 8192, 2048, 7168, transposed_head=False), tp=8)
-    weights, kv = engine.items["weights"] / 1e9, engine.items["kv_cache"] / 1e9
-    train = train_rank_memory(shape, TrainSetup(4, 2, True, MicroBatch(1, 1, 7168, 1024), True), fsdp=64)
-    per_param = float(train.detail["model_state_bytes_per_param"])
-    ok = abs(weights / DESIGN_WEIGHTS_GB - 1) <= 0.05 and abs(kv / DESIGN_KV_GB - 1) <= 0.05
-    return {
-        "weights_gb": round(weights, 3),
-        "kv_gb": round(kv, 3),
-        "model_state_bytes_per_param": round(per_param, 3),
-        "design_model_state_bytes_per_param": 12,
-        "ok": ok,
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
@@ -178,7 +127,9 @@ def main() -> int:
                 flush=True,
             )
     worst = max(abs(v) for r in rows for v in r["rel_error"].values())
-    seed = seed_example()
+    from postrl.run.plan.design_example import design_example
+
+    seed = design_example()
     print(f"\nplanned / measured peaks ({args.device}); max relative error {worst:.1%} (target <= 15%)")
     print(
         f"design's 70B at TP=8: weights {seed['weights_gb']} GB per GPU (design 17.5), KV {seed['kv_gb']} GB "

@@ -12,6 +12,7 @@ import torch
 from postrl.cli import main
 from postrl.config.run import ConfigError, RunConfig
 from postrl.run.plan.check import target_for
+from postrl.run.plan.design_example import LLAMA_70B, design_example
 from postrl.run.plan.gpus import gpu_spec
 from postrl.run.plan.measure import TensorBytes, measure_case
 from postrl.run.plan.memory import (
@@ -39,17 +40,6 @@ SMOLLM2 = {
     "head_dim": 64,
     "intermediate_size": 1536,
     "tie_word_embeddings": True,
-    "max_position_embeddings": 8192,
-}
-LLAMA_70B = {
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 8192,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "intermediate_size": 28672,
-    "tie_word_embeddings": False,
     "max_position_embeddings": 8192,
 }
 
@@ -117,13 +107,12 @@ def seventy_b_config(folder: Path, **overrides) -> RunConfig:
 
 
 def test_the_designs_70b_example_at_tp8(tmp_path):
-    shape = load_shape(str(write_model_config(tmp_path / "m", LLAMA_70B)))
-    engine = rollout_memory(shape, RolloutSetup(2, 64, 8192, 2048, 7168, transposed_head=False), tp=8)
-    assert engine.items["weights"] / 1e9 == pytest.approx(17.5, rel=0.05)  # 70.55B x 2 bytes / 8
-    assert engine.items["kv_cache"] / 1e9 == pytest.approx(21.0, rel=0.05)  # 8192 x 64 x 2 x 80 x 1 x 128 x 2
+    example = design_example()
+    assert example["weights_gb"] == pytest.approx(70_553_706_496 * 2 / 8 / 1e9, abs=1e-3)  # 17.64: 70.55B x 2 / 8
+    assert example["kv_gb"] == pytest.approx(8192 * 64 * 2 * 80 * 1 * 128 * 2 / 1e9, abs=1e-3)  # 21.47
+    assert example["ok"] and not design_example(tolerance=0.01)["ok"]  # 17.64 is 0.8% over the design's 17.5
     # model states: the design's 12 bytes per parameter leave out the fp32 master weights
-    train = train_rank_memory(shape, TrainSetup(4, 2, True, MicroBatch(1, 8, 7168, 1024), True), fsdp=64)
-    assert train.detail["model_state_bytes_per_param"] == pytest.approx(16, rel=1e-3)
+    assert example["model_state_bytes_per_param"] == 16
     plan = make_plan(seventy_b_config(tmp_path / "m"), Target(gpu_spec("H100")))
     assert plan.rollout_tp == 8  # at TP=4: 35.3 GB of weights + 42.9 GB of KV > 73.6 GB usable
     assert plan.role("rollout engine").items["kv_cache"] / 1e9 == pytest.approx(21.47, rel=0.01)
