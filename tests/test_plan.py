@@ -229,6 +229,18 @@ def test_train_refuses_a_run_that_does_not_fit_before_loading(tmp_path, capsys, 
     assert "warning: the run may not fit" in capsys.readouterr().err
 
 
+def test_the_check_steps_aside_for_a_model_it_cannot_read(tmp_path):
+    from postrl.run.plan.check import check_plan
+
+    folder = write_model_config(tmp_path / "m", {"model_type": "mystery", "hidden_size": 8})
+    said: list[str] = []
+    config = RunConfig.model_validate({"model": {"path": str(folder)}})
+    assert check_plan(config, said.append) is None
+    assert said == [
+        f"note: the memory check was skipped ({folder / 'config.json'}: no num_attention_heads or n_head (the planner needs it))"
+    ]
+
+
 def test_plan_command_prints_a_table_and_json(capsys, tmp_path):
     assert main(["plan", "examples/arithmetic_grpo.yaml", "--gpu", "A100", "--gpus", "4"]) == 0
     out = capsys.readouterr().out

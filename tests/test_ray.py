@@ -16,6 +16,7 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 ray = pytest.importorskip("ray")
 
 from postrl.config.loading import build_config  # noqa: E402
+from postrl.config.observability import PrometheusConfig  # noqa: E402
 from postrl.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from postrl.models.weights import dedupe_tied, weight_manifest  # noqa: E402
 from postrl.reward import ScoreRequest  # noqa: E402
@@ -61,9 +62,31 @@ def ray_config(tmp_path, model_dir, data, **scheduler):
 
 
 def test_three_step_ray_run_then_nothing_left_running(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    """Also: the Controller's Prometheus endpoint shows the actors' figures (the train actor's peak
+    memory, the two rollout actors, the reward service's errors) while the run goes on."""
+    import socket
+    import urllib.request
+
     assert not ray.is_initialized() and not ray_processes()
     config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
-    controller = train(config)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config.logging.prometheus = PrometheusConfig(port=port)
+    scraped: list[str] = []
+
+    def scrape(metrics) -> None:  # observers run before the sinks: step 3 sees step 2's series
+        if metrics.step == 3:
+            scraped.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+    controller = train(config, on_step=scrape)
+    series = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in scraped[0].splitlines() if line.startswith("postrl_")
+    }
+    assert series['postrl_step{run="ray"}'] == 2 and series['postrl_engines{run="ray"}'] == 2
+    assert series['postrl_peak_memory_bytes{role="train",run="ray"}'] > 0
+    assert series['postrl_reward_service_errors_total{run="ray"}'] == 0
+    assert series['postrl_engine_healthy{run="ray"}'] == 1
     assert controller.step_count == 3 and controller.weight_version == 3
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

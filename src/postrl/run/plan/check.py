@@ -17,6 +17,7 @@ from postrl.config.run import ConfigError, RunConfig
 from postrl.models.devices import resolve_device
 from postrl.run.plan.gpus import GPUS, GpuSpec, gpu_spec
 from postrl.run.plan.planner import GB, Plan, Problem, Target, make_plan
+from postrl.run.plan.shape import ShapeError
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -81,7 +82,11 @@ def check_plan(config: RunConfig, echo: Callable[[str], None]) -> Plan | None:
         return None
     device = resolve_device(config.train.device, "train.device")
     target = cuda_target(device) if device.type == "cuda" else cpu_target()
-    plan = make_plan(config, target, gpus=max(1, config.scheduler.train.workers))
+    try:
+        plan = make_plan(config, target, gpus=max(1, config.scheduler.train.workers))
+    except ShapeError as exc:  # a hub id, or an architecture the planner cannot read: not a reason to stop
+        echo(f"note: the memory check was skipped ({exc})")
+        return None
     same = config.rollout.backend != "openai" and resolve_device(config.rollout.device, "rollout.device") == device
     shared = shared_device_problem(config, plan, str(device)) if same else None
     problems = plan.problems + ([shared] if shared else [])
