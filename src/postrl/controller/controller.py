@@ -26,11 +26,13 @@ from postrl.controller.advantage import compute_advantage
 from postrl.controller.async_pipeline import BackgroundSync, BatchSteps, InlineProducer, ProducedBatch, Producer
 from postrl.controller.episodes import EpisodeSource
 from postrl.controller.generated import Generated
+from postrl.controller.lagging import mask_lagging_tokens
 from postrl.controller.stages import Groups, StageContext, build_stages
 from postrl.controller.stages.kl import KLCoefficient
 from postrl.controller.step_metrics import (
     StageTimer,
     accuracy,
+    operating_figures,
     reward_values,
     step_notes,
     write_samples,
@@ -55,18 +57,6 @@ from postrl.types import (
     TrainMetrics,
 )
 from postrl.workers.roles import Critic, RewardService, Scheduler, TrainWorker
-
-
-def mask_lagging_tokens(batch: ExperienceBatch, max_lag: int) -> tuple[ExperienceBatch, float]:
-    """``algorithm.max_token_lag``: response tokens whose weights lag the trainer's by more than
-    ``max_lag`` versions (``batch.token_lags``) leave the loss (they stay in the context); returns
-    the batch and how many tokens were masked."""
-    if batch.token_lags is None:
-        raise ValueError("mask_lagging_tokens needs the batch's token_lags (ExperienceBatch.with_lags)")
-    lagging = batch.token_lags > max_lag
-    keep = (~lagging).to(batch.loss_mask.dtype)
-    masked = float((batch.loss_mask * (1 - keep)).sum().item())
-    return dataclasses.replace(batch, loss_mask=batch.loss_mask * keep), masked
 
 
 class RewardFailureError(RuntimeError):
@@ -389,18 +379,8 @@ class Controller:
         return StepMetrics(step=self.step_count, weight_version=self.weight_version, values=values, notes=report.notes)
 
     def operations(self) -> dict[str, float]:
-        """What an operator watches besides learning: the engines, their restarts and the ones lost in
-        syncs, the last sync's bytes, the reward service's errors, the buffer's size."""
-        pool = self.parts.rollout
-        return {
-            "rollout/engines": float(len(pool.engines)),
-            "rollout/engine_healthy": float(self.engine_healthy),
-            "rollout/engine_restarts": float(pool.restarts),
-            "sync/bytes": float(self.last_sync_bytes),
-            "sync/failures": float(pool.sync_failures),
-            "reward/service_errors": float(self.parts.reward.error_count()),
-            "buffer/size": float(len(self.parts.buffer)),
-        }
+        p = self.parts
+        return operating_figures(p.rollout, p.reward, p.buffer, self.engine_healthy, self.last_sync_bytes)
 
     def restore_abandoned_step(self) -> bool:
         """After a step was abandoned: put the run state back to the last completed step. False when

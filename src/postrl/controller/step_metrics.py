@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -134,3 +134,17 @@ def accuracy(rewards: list[RewardResult], component: str | None, threshold: floa
     """``accuracy``: the share of samples whose verifiable component reaches ``threshold``."""
     verified = [r.components[component] for r in rewards if component is not None and component in r.components]
     return {"accuracy": sum(x >= threshold for x in verified) / len(rewards)} if verified else {}
+
+
+def operating_figures(pool: Any, reward: Any, buffer: Any, engine_healthy: bool, sync_bytes: int) -> dict[str, float]:
+    """What an operator watches besides learning: the engines, their restarts and the ones lost in
+    syncs, the last sync's bytes, the reward service's errors, the buffer's size."""
+    return {
+        "rollout/engines": float(len(pool.engines)),
+        "rollout/engine_healthy": float(engine_healthy),
+        "rollout/engine_restarts": float(pool.restarts),
+        "sync/bytes": float(sync_bytes),
+        "sync/failures": float(pool.sync_failures),
+        "reward/service_errors": float(reward.error_count()),
+        "buffer/size": float(len(buffer)),
+    }
