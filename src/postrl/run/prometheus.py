@@ -110,6 +110,8 @@ class PrometheusExporter:
             "postrl_step_metric", "Every scalar of the step, by its metrics.jsonl name.", ["run", "name"], registry=r
         )
         self.last.labels(run).set(self.started)
+        for counter in (*self.totals.values(), *self.counts.values()):
+            counter.labels(run)  # present at 0 from the start, so that rate() and increase() see the first errors
 
     def write(self, metrics: StepMetrics) -> None:
         run, values = self.run, metrics.values
