@@ -137,7 +137,8 @@ def test_a_real_prometheus_scrapes_every_phase_of_a_5_step_run(tmp_path, monkeyp
 
     def close_once_scraped(exporter: PrometheusExporter) -> None:  # the endpoint lives as long as the run
         deadline = time.monotonic() + 60
-        while not scraped("postrl_step == 5") and time.monotonic() < deadline:
+        done = "count(postrl_step_phase_seconds_count == 5) >= 5 and on() postrl_samples_total == 160"
+        while not scraped(done) and time.monotonic() < deadline:  # the last step's scrape, whole
             time.sleep(0.5)
         real_close(exporter)
 
