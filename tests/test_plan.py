@@ -125,7 +125,20 @@ def test_a_run_that_does_not_fit_names_the_role_and_the_fix(tmp_path):
     problem = next(p for p in plan.problems if p.role == "train rank")
     assert any("model.lora.r=16" in fix for fix in problem.fixes)
     assert "train rank needs" in problem.message()
-    assert "scheduler.train.workers" not in " ".join(problem.fixes) or plan.train_fsdp is None
+    # the fix, applied, fits: the train rank of the changed run needs at most the usable memory
+    (fix,) = problem.fixes
+    assert fix.startswith("together: ")
+    budget = int(fix.rsplit("train.micro_batch_tokens=", 1)[1])
+    fixed = seventy_b_config(
+        tmp_path / "m",
+        model={"path": str(tmp_path / "m"), "dtype": "float32", "gradient_checkpointing": True, "lora": {"r": 16}},
+        train={"forward": "transformers", "micro_batch_tokens": budget},
+    )
+    replanned = make_plan(fixed, Target(gpu_spec("H100")), gpus=8)
+    assert (
+        replanned.train_fsdp is not None and replanned.role("train rank").total <= Target(gpu_spec("H100")).usable_bytes
+    )
+    assert "train rank" not in {p.role for p in replanned.problems}
 
 
 @pytest.mark.parametrize(
