@@ -233,8 +233,10 @@ def test_environments_are_found_by_name_or_import_path():
     assert environment_factory("tests.test_agentic:ScriptedEnv") is ScriptedEnv
     with pytest.raises(ValueError, match="unknown environment 'maze'"):
         environment_factory("maze")
-    with pytest.raises(ValueError, match="cannot import"):
+    with pytest.raises(ValueError, match="no module named 'tests.nothing_here'"):
         environment_factory("tests.nothing_here:Maze")
+    with pytest.raises(ValueError, match="has no 'Maze'; it has: ScriptedEnv"):
+        environment_factory("tests.test_agentic:Maze")
 
 
 def test_the_calculator_environment_rewards_the_right_answer_after_a_tool_call():

@@ -103,7 +103,8 @@ def test_an_agent_that_raises_ends_its_episode_not_the_batch(demo):
     assert by_prompt[0].episode.reward == 1.0 and by_prompt[0].finish_reason != "env_error"
     assert (
         by_prompt[1].finish_reason == "env_error"
-        and by_prompt[1].episode.info["env_error"] == "RuntimeError: the agent broke"
+        and by_prompt[1].episode.info["env_error"] == f"RuntimeError: the agent broke ({__file__}:94)"
+        and 'raise RuntimeError("the agent broke")' in by_prompt[1].episode.info["env_traceback"]
     )
 
 

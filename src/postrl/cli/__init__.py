@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    from postrl.controller.controller import RewardFailureError
+    from postrl.controller.failures import RewardFailureError
     from postrl.data import DatasetError
     from postrl.models.weights import WeightSyncError
     from postrl.reward.client import RewardServiceError

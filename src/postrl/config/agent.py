@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from postrl.config.base import Section
+from postrl.config.imports import import_callable
 
 
 class AgentConfig(Section):
@@ -49,6 +50,35 @@ class AgentConfig(Section):
     env_workers: int = Field(
         8, ge=1, description="Environment steps (or agent functions) run concurrently in this many threads."
     )
+    env_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds an environment's reset, step or close may take (a tool call inside a step counts "
+        "toward its step); one that passes it ends its episode as unscorable ('environment step timed out after "
+        "N s') without holding up the batch: the call is abandoned on a daemon thread.",
+    )
+    function_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds an agent.function episode may take in all; past it the episode is unscorable "
+        "('agent function timed out after N s') and abandoned.",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_exists(cls, v: str | None) -> str | None:
+        if v is not None:
+            from postrl.rollout.agentic.env import environment_factory
+
+            environment_factory(v)
+        return v
+
+    @field_validator("function")
+    @classmethod
+    def _function_exists(cls, v: str | None) -> str | None:
+        if v is not None:
+            import_callable(v, "agent.function")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> AgentConfig:

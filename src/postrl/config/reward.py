@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from postrl.config.base import Section
+from postrl.config.imports import import_callable
 
 
 def _check_regex(pattern: str) -> str:
@@ -87,6 +88,7 @@ class CustomComponent(_Component):
     def _module_and_name(cls, v: str) -> str:
         if not re.fullmatch(r"[\w.]+:\w+", v):
             raise ValueError(f"function={v!r} must look like 'package.module:function'")
+        import_callable(v, "function")
         return v
 
 

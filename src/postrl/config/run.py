@@ -449,6 +449,12 @@ class RunConfig(RunLocation, Section):
         return self.controller.mode == "sync" and self.buffer.max_staleness == 0 and self.buffer.replay is None
 
     @property
+    def scores_with_components(self) -> bool:
+        """Whether ``reward.components`` score this run's samples: not in an agent run whose
+        environment (or agent function) gives the reward (``agent.reward: environment``)."""
+        return self.agent is None or self.agent.reward == "service"
+
+    @property
     def async_overlap(self) -> str:
         """``controller.overlap`` resolved (auto: generation under Ray, scoring locally)."""
         overlap = self.controller.overlap

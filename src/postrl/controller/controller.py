@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,7 +23,8 @@ from postrl.buffer import ExperienceStore
 from postrl.config.run import RunConfig
 from postrl.controller.advantage import compute_advantage
 from postrl.controller.async_pipeline import BackgroundSync, BatchSteps, InlineProducer, ProducedBatch, Producer
-from postrl.controller.episodes import EpisodeSource
+from postrl.controller.episodes import EpisodeSource, trainable
+from postrl.controller.failures import check_failure_rate
 from postrl.controller.generated import Generated
 from postrl.controller.lagging import mask_lagging_tokens
 from postrl.controller.stages import Groups, StageContext, build_stages
@@ -57,10 +57,6 @@ from postrl.types import (
     TrainMetrics,
 )
 from postrl.workers.roles import Critic, RewardService, Scheduler, TrainWorker
-
-
-class RewardFailureError(RuntimeError):
-    """Too many samples of a step could not be scored (reward.max_failure_rate)."""
 
 
 class Tokenizer(Protocol):
@@ -113,7 +109,8 @@ class Controller:
         self.syncer: BackgroundSync | None = None
         self._pipeline_state: dict[str, Any] | None = None
         self._report: ProducedBatch | None = None  # async: the batch the step in progress trains on
-        self.episodes = None if self.config.agent is None else EpisodeSource(self.config.agent, parts.tokenizer)
+        errors_log = self.config.run_dir / "episode_errors.log"
+        self.episodes = None if self.config.agent is None else EpisodeSource(self.config.agent, parts.tokenizer, errors_log)
         self.last_sync_bytes = 0
         self.engine_healthy = True
 
@@ -254,8 +251,9 @@ class Controller:
     ) -> StepBatch:
         """After scoring: the stages that select groups, one StepBatch, the stages that prepare it,
         the advantages."""
-        groups = self.select_groups(Groups(generated.prompts, generated.rollouts, rewards), timer, metrics)
         number = generated.number
+        scored = Groups(generated.prompts, generated.rollouts, rewards)
+        groups = self.select_groups(scored if self.episodes is None else trainable(scored, number), timer, metrics)
         step = StepBatch.build(
             groups.prompts,
             groups.rollouts,
@@ -329,20 +327,18 @@ class Controller:
 
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
         """Rewards in rollout order; a failed reward service makes the samples unscorable, and too
-        many unscorable samples stop the run (:meth:`check_failure_rate`)."""
-        if self.episodes is not None and self.episodes.scores_itself:
-            return self.episodes.rewards(rollouts)
-        requests = (
-            self.episodes.requests(prompts, rollouts)
-            if self.episodes is not None
-            else [ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids))
-                  for r in rollouts]
-        )  # fmt: skip
-        try:
-            rewards = self.parts.reward.score_batch(requests)
-        except RewardServiceError as exc:
-            rewards = [RewardResult(reward=None, error=str(exc)) for _ in rollouts]
-        self.check_failure_rate(prompts, rollouts, rewards)
+        many unscorable samples stop the run (:func:`~postrl.controller.failures.check_failure_rate`)."""
+        if self.episodes is not None:
+            rewards = self.episodes.score(prompts, rollouts, self.parts.reward)
+        else:
+            requests = [ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns,
+                                     len(r.response_ids)) for r in rollouts]  # fmt: skip
+            try:
+                rewards = self.parts.reward.score_batch(requests)
+            except RewardServiceError as exc:
+                rewards = [RewardResult(reward=None, error=str(exc)) for _ in rollouts]
+        c = self.config
+        check_failure_rate(c.run_dir, self.step_count + 1, c.reward.max_failure_rate, prompts, rollouts, rewards)
         return rewards
 
     def select_groups(self, groups: Groups, timer: StageTimer, metrics: dict[str, float]) -> Groups:
@@ -397,23 +393,6 @@ class Controller:
             return False
         self.load_state_dict(self._pre_step_state)
         return True
-
-    def check_failure_rate(self, prompts: list[Prompt], rollouts: list[Rollout], rewards: list[RewardResult]) -> None:
-        """Stop the run when too many samples could not be scored, keeping the step's samples on disk."""
-        failed = [res for res in rewards if res.unscorable]
-        limit = self.config.reward.max_failure_rate
-        if not rewards or len(failed) / len(rewards) <= limit:
-            return
-        path = write_samples(
-            self.config.run_dir / f"unscored_step_{self.step_count + 1}.jsonl", prompts, rollouts, rewards
-        )
-        reasons = Counter(res.error for res in failed).most_common(3)
-        listed = "; ".join(f"{n}x {err}" for err, n in reasons)
-        raise RewardFailureError(
-            f"step {self.step_count + 1}: {len(failed)}/{len(rewards)} samples could not be scored "
-            f"({len(failed) / len(rewards):.0%} > reward.max_failure_rate={limit}); most common: {listed}. "
-            f"The step's samples are saved in {path}"
-        )
 
     # -- the rollout engines -----------------------------------------------------------------------
     def scale_rollout(self, engines: int) -> None:

@@ -4,15 +4,23 @@ reward service on the transcript."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from postrl.config.agent import AgentConfig
+from postrl.config.run import ConfigError
+from postrl.controller.failures import RewardFailureError
+from postrl.controller.stages.base import Groups
+from postrl.reward.client import RewardServiceError
 from postrl.rollout.agentic.env import environment_factory
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+from postrl.rollout.agentic.limited import call_limited, failure_info, run_limited
 from postrl.rollout.agentic.template_check import check_template
 from postrl.rollout.base import RolloutWorker
 from postrl.serve.agent_runs import RecordedAgents, load_agent_function
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams, ScoreRequest
+from postrl.workers.roles import RewardService
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +29,14 @@ class EpisodeSource:
     """Whole episodes for a batch: an environment's (``agent.env``), or an OpenAI-API agent's
     recorded calls (``agent.function``)."""
 
-    def __init__(self, config: AgentConfig, tokenizer: Any) -> None:
-        self.config, self.tokenizer = config, tokenizer
+    def __init__(self, config: AgentConfig, tokenizer: Any, errors_log: Path | None = None) -> None:
+        self.config, self.tokenizer, self.errors_log = config, tokenizer, errors_log
         self.limits = EpisodeLimits(
-            config.max_turns, config.max_tokens_per_turn, config.max_context, config.on_turn_length == "end"
+            config.max_turns,
+            config.max_tokens_per_turn,
+            config.max_context,
+            config.on_turn_length == "end",
+            config.env_timeout_s,
         )
         self.agents: RecordedAgents | None = None
         if config.function is not None:
@@ -33,19 +45,28 @@ class EpisodeSource:
         else:
             assert config.env is not None
             self.make_env = environment_factory(config.env)
-            probe = self.make_env(**config.env_options)
-            try:
-                report = check_template(tokenizer, [t.schema for t in probe.tools] or None)
-            finally:
-                probe.close()
+            report = check_template(tokenizer, self._probe_tools() or None)
         (log.info if report.append_only else log.warning)("agent: %s", report.summary(config.on_prefix_break))
+
+    def _probe_tools(self) -> list[dict[str, Any]]:
+        """The tool schemas of one environment made (and closed) before the run, within the time limit."""
+        what = f"making agent.env={self.config.env}"
+        try:
+            probe = call_limited(lambda: self.make_env(**self.config.env_options), self.config.env_timeout_s, what)
+        except Exception as exc:
+            raise ConfigError(f"agent.env: {what} failed: {failure_info(exc, 'make')['env_error']}") from None
+        try:
+            return [t.schema for t in probe.tools]
+        finally:
+            run_limited([probe.close], self.config.env_timeout_s, 1, "environment close")
 
     def run(
         self, engine: RolloutWorker, prompts: list[Prompt], sampling: SamplingParams, version: int | None
     ) -> list[Rollout]:
         if self.config.function is not None:
             if self.agents is None:
-                self.agents = RecordedAgents(engine, self.tokenizer, self.function, self.config.env_workers)
+                c = self.config
+                self.agents = RecordedAgents(engine, self.tokenizer, self.function, c.env_workers, c.function_timeout_s)
             return self.agents.run(prompts, sampling)
         runner = EpisodeRunner(
             lambda ps, sp: engine.generate(ps, sp, version),
@@ -70,19 +91,46 @@ class EpisodeSource:
     def scores_itself(self) -> bool:
         return self.config.reward == "environment"
 
+    def score(self, prompts: list[Prompt], rollouts: list[Rollout], reward: RewardService) -> list[RewardResult]:
+        """Each rollout's reward: its environment's (``agent.reward: environment``) or the reward
+        service's on the transcript. An episode that failed (its environment or agent function raised,
+        timed out or answered malformed) is unscorable with the failure as its reason, in either mode,
+        and its traceback goes to ``episode_errors.log``."""
+        if self.scores_itself:
+            results = self.rewards(rollouts)
+        else:
+            results = [failed_result(r) for r in rollouts]
+            todo = [i for i, res in enumerate(results) if res is None]
+            try:
+                scored = reward.score_batch(self.requests(prompts, [rollouts[i] for i in todo]))
+            except RewardServiceError as exc:
+                scored = [RewardResult(reward=None, error=str(exc)) for _ in todo]
+            for i, res in zip(todo, scored, strict=True):
+                results[i] = res
+        self._log_failures(prompts, rollouts)
+        return [res for res in results if res is not None]
+
+    def _log_failures(self, prompts: list[Prompt], rollouts: list[Rollout]) -> None:
+        failed = [r for r in rollouts if r.episode is not None and r.episode.part == 0 and "env_error" in r.episode.info]
+        if not failed or self.errors_log is None:
+            return
+        self.errors_log.parent.mkdir(parents=True, exist_ok=True)
+        with self.errors_log.open("a") as f:
+            for r in failed:
+                assert r.episode is not None
+                info = r.episode.info
+                f.write(f"--- prompt {prompts[r.prompt_index].source or r.prompt_index}: {failure_reason(r)}\n")
+                f.write(info.get("env_traceback", "") or "(no traceback: the call was abandoned)\n")
+
     @staticmethod
     def rewards(rollouts: list[Rollout]) -> list[RewardResult]:
-        """The environment's reward of each rollout's episode; unscorable where it gave none."""
+        """The environment's reward of each rollout's episode; unscorable where it failed."""
         out = []
         for r in rollouts:
-            reward = None if r.episode is None else r.episode.reward
-            if reward is None and r.finish_reason != "env_error":  # cut at a limit before any reward: 0
-                reward = 0.0
-            if reward is None:
-                error = r.episode.info.get("env_error", "") if r.episode is not None else ""
-                out.append(RewardResult(None, error=f"the environment failed: {error}"))
-            else:
-                out.append(RewardResult(reward, components={"environment": reward}))
+            failed = failed_result(r)
+            reward = 0.0 if r.episode is None or r.episode.reward is None else r.episode.reward
+            # an episode cut at a limit before any reward is worth 0
+            out.append(failed or RewardResult(reward, components={"environment": reward}))
         return out
 
     @staticmethod
@@ -96,3 +144,32 @@ class EpisodeSource:
             columns = {**p.columns, "messages": r.episode.messages, "env_info": r.episode.info}
             out.append(ScoreRequest(p.text, r.episode.transcript(), columns, len(r.response_ids)))
         return out
+
+
+def failure_reason(r: Rollout) -> str:
+    """Why the rollout's episode failed: where (reset, step, the agent function) and the error."""
+    assert r.episode is not None
+    stage = r.episode.info.get("env_failed_in", "step")
+    who = "agent function" if stage == "agent" else f"environment {stage}"
+    error = str(r.episode.info.get("env_error", ""))
+    return error if "timed out" in error else f"{who} failed: {error}"
+
+
+def failed_result(r: Rollout) -> RewardResult | None:
+    """The unscorable result of a rollout whose episode failed; None for one that did not."""
+    if r.episode is None or "env_error" not in r.episode.info:
+        return None
+    return RewardResult(None, error=failure_reason(r))
+
+
+def trainable(groups: Groups, step: int) -> Groups:
+    """The scored rollouts that have tokens to train on: an episode that failed before the model's
+    first token was counted and saved, and is left out here. A step left with none stops the run."""
+    keep = [i for i, r in enumerate(groups.rollouts) if r.response_ids]
+    if not keep:
+        reasons = Counter(res.error for res in groups.rewards if res.error).most_common(1)
+        first = f": {reasons[0][0]}" if reasons else ""
+        raise RewardFailureError(f"step {step}: no episode got as far as a model turn, nothing to train on{first}")
+    if len(keep) == len(groups.rollouts):
+        return groups
+    return Groups(groups.prompts, [groups.rollouts[i] for i in keep], [groups.rewards[i] for i in keep])

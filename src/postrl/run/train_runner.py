@@ -66,7 +66,8 @@ def build_components(config: RunConfig) -> Components:
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
-    check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
+    if config.scores_with_components:
+        check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
     scheduler = make_scheduler(config)
     built: list = []
     try:

@@ -32,7 +32,8 @@ def load_validation_set(config: RunConfig, tokenizer: Any) -> PromptDataset | No
         return None
     if d.val_size is not None:
         dataset.prompts = dataset.prompts[: d.val_size]
-    check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
+    if config.scores_with_components:
+        check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
     return dataset
 
 
@@ -76,9 +77,7 @@ class Validator:
         if episodes is not None:
             ran = episodes.run(rollout, prompts, self.sampling, weight_version)
             rollouts = [r for r in ran if r.episode is not None and r.episode.part == 0]
-            results = episodes.rewards(rollouts) if episodes.scores_itself else reward.score_batch(
-                episodes.requests(prompts, rollouts)
-            )  # fmt: skip
+            results = episodes.score(prompts, rollouts, reward)
             return {
                 **self.metrics(
                     rollouts, results, "environment" if episodes.scores_itself else reward.accuracy_component

@@ -14,11 +14,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from postrl.config.imports import import_callable
 from postrl.rollout.agentic.chat import ChatRenderer
-from postrl.rollout.agentic.env import import_callable
+from postrl.rollout.agentic.episodes import failed_rollout
+from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.rollout.agentic.recorder import EpisodeRecorder, RecordedEpisode
 from postrl.rollout.base import RolloutWorker
 from postrl.serve.batcher import EngineBatcher
@@ -36,10 +37,17 @@ def load_agent_function(spec: str) -> AgentFunction:
 
 
 class RecordedAgents:
-    def __init__(self, engine: RolloutWorker, tokenizer: Any, function: AgentFunction, workers: int = 8) -> None:
+    def __init__(
+        self,
+        engine: RolloutWorker,
+        tokenizer: Any,
+        function: AgentFunction,
+        workers: int = 8,
+        timeout_s: float | None = None,
+    ) -> None:
         import uvicorn
 
-        self.function, self.workers = function, workers
+        self.function, self.workers, self.timeout_s = function, workers, timeout_s
         self.renderer = ChatRenderer(tokenizer)
         self.recorder = EpisodeRecorder(tokenizer)
         self.batcher = EngineBatcher(engine)
@@ -57,36 +65,46 @@ class RecordedAgents:
         self.url = f"http://127.0.0.1:{port}/v1"
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
+        """Every episode's rollouts, in prompt order. A function that raises, returns something other
+        than a number or None, or passes ``timeout_s`` fails its episode (env_error, unscorable),
+        never the batch; an episode that failed before its first model call is one empty rollout."""
         jobs = [(i, p, f"{uuid.uuid4().hex[:12]}-{i}-{k}") for i, p in enumerate(prompts) for k in range(sampling.n)]
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="postrl-agent") as pool:
-            done = list(pool.map(lambda job: self._episode(*job), jobs))
-        silent = sum(not rollouts for rollouts in done)
+        calls = [lambda job=job: self._call(job[1], job[2]) for job in jobs]
+        outcomes = run_limited(calls, self.timeout_s, self.workers, "agent function")
+        done = [self._episode(index, episode, outcome) for (index, _, episode), outcome in zip(jobs, outcomes)]
+        silent = sum(not r[0].response_ids for r in done)
         if silent:
             log.warning("%d of %d agent episodes made no model call: nothing of them is trained on", silent, len(done))
         return [r for rollouts in done for r in rollouts]
 
-    def _episode(self, index: int, prompt: Prompt, episode: str) -> list[Rollout]:
+    def _call(self, prompt: Prompt, episode: str) -> float | None:
         import openai
 
         client = openai.OpenAI(
             base_url=self.url, api_key="postrl", default_headers={"X-Episode-Id": episode}, max_retries=0
         )
         row = {**prompt.columns, "prompt": prompt.text, "messages": prompt.messages}
-        error = None
         try:
             reward = self.function(client, row)
-        except Exception as exc:  # the agent's failure ends its episode (env_error), not the batch
-            reward, error = None, f"{type(exc).__name__}: {exc}"
         finally:
             client.close()
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+            raise TypeError(f"the agent function returned {type(reward).__name__} {reward!r:.40}, not a number or None")
+        return None if reward is None else float(reward)
+
+    def _episode(self, index: int, episode: str, outcome: Outcome[float | None]) -> list[Rollout]:
         recorded = self.recorder.take(episode) or RecordedEpisode()
-        if error is not None:
+        if outcome.error is not None:
             recorded.finish_reason = "env_error"
-        rollouts = recorded.rollouts(index, self.renderer, None if reward is None else float(reward))
+        rollouts = recorded.rollouts(index, self.renderer, outcome.value)
+        if outcome.error is None:
+            return rollouts
+        info = failure_info(outcome.error, "agent")
+        if not rollouts:
+            return [failed_rollout(index, [], recorded.episode(None, info))]
         for r in rollouts:
             assert r.episode is not None
-            if error is not None:
-                r.episode.info["env_error"] = error
+            r.episode.info.update(info)
         return rollouts
 
     def close(self) -> None:

@@ -10,12 +10,12 @@ template. ``agent.env`` names a registered environment or imports ``my_pkg.envs:
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from postrl.config.imports import import_callable
 from postrl.rollout.agentic.builtin_tools import BUILTIN_TOOLS, SANDBOX_TOOLS, SandboxTools
 from postrl.rollout.agentic.tools import Tool, ToolBox, ToolFormat
 from postrl.types.episode import ToolCallRecord
@@ -78,20 +78,6 @@ def environment_factory(spec: str) -> EnvironmentFactory:
             f"agent.env: unknown environment '{spec}' (registered: {', '.join(sorted(ENVIRONMENTS))}; or module:Class)"
         )
     return import_callable(spec, "agent.env")
-
-
-def import_callable(spec: str, field: str) -> Callable[..., Any]:
-    """``module:attribute`` imported; a ValueError naming ``field`` when it is not there or not callable."""
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"{field}: expected module:name, got {spec!r}")
-    try:
-        found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{field}: cannot import '{spec}': {exc}") from None
-    if not callable(found):
-        raise ValueError(f"{field}: '{spec}' is not a class or function")
-    return found
 
 
 def first_messages(row: dict[str, Any]) -> list[dict[str, Any]]:

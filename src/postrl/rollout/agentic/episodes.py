@@ -11,18 +11,21 @@ engine's prompt is checked against it, and only the model's tokens are in the lo
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from postrl.rollout.agentic.chat import ChatRenderer
+from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, StepResult
+from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
 from postrl.types.episode import Episode, Turn
 
+log = logging.getLogger(__name__)
 PrefixPolicy = Literal["split", "keep_context"]
 Generate = Callable[[list[Prompt], SamplingParams], list[Rollout]]
 _keys = itertools.count()
@@ -38,6 +41,7 @@ class EpisodeLimits:
     max_tokens_per_turn: int = 128
     max_context: int = 2048
     end_on_turn_length: bool = True  # False: a turn cut at max_tokens_per_turn still goes to the environment
+    env_timeout_s: float | None = 60.0  # a reset, step or close that passes it ends its episode (None: no limit)
 
 
 @dataclass
@@ -68,7 +72,7 @@ class TrajectorySample:
 class _Live:
     prompt_index: int
     key: str
-    env: Environment
+    env: Environment | None  # None when making it failed
     messages: list[dict[str, Any]]
     seen: str  # the template text of the current sample's context
     sample: TrajectorySample
@@ -99,11 +103,13 @@ class EpisodeRunner:
         self.generate, self.make_env, self.tokenizer = generate, make_env, tokenizer
         self.limits, self.on_prefix_break = limits, on_prefix_break
         self.env_options = env_options or {}
-        self._pool = ThreadPoolExecutor(max_workers=env_workers, thread_name_prefix="postrl-env")
+        self.env_workers = env_workers
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
-        episodes = [self._start(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        started = self._limited([lambda p=p: self._reset(p) for _, p in jobs], "environment reset")
         try:
+            episodes = [self._start(job, outcome) for job, outcome in zip(jobs, started)]
             renderer = self._renderer(episodes)
             stop_ids = tuple(sorted(set(sampling.stop_token_ids) | set(renderer.end_of_turn_ids())))
             turn = replace(sampling, n=1, stop_token_ids=stop_ids, stop=(*sampling.stop, "</tool_call>"))
@@ -111,21 +117,44 @@ class EpisodeRunner:
                 self._turn(running, renderer, turn)
             return [r for e in episodes for r in self._rollouts(e, renderer)]
         finally:
-            for e in episodes:
-                e.env.close()
+            self._close([o.value[0] for o in started if o.error is None])
+
+    def _limited(self, calls: list[Callable[[], Any]], what: str) -> list[Outcome[Any]]:
+        return run_limited(calls, self.limits.env_timeout_s, self.env_workers, what)
+
+    def _close(self, envs: list[Environment]) -> None:
+        """Every episode's environment closed, within the time limit; a failing close is logged."""
+        for outcome in self._limited([env.close for env in envs], "environment close"):
+            if outcome.error is not None:
+                log.warning("an environment's close() failed: %s", failure_info(outcome.error, "close")["env_error"])
 
     def _renderer(self, episodes: list[_Live]) -> ChatRenderer:
-        return ChatRenderer(self.tokenizer, [t.schema for t in episodes[0].env.tools] if episodes else None)
+        env = next((e.env for e in episodes if e.env is not None), None)
+        return ChatRenderer(self.tokenizer, [t.schema for t in env.tools] if env is not None else None)
 
-    def _start(self, index: int, prompt: Prompt) -> _Live:
+    def _reset(self, prompt: Prompt) -> tuple[Environment, list[dict[str, Any]] | Exception]:
+        """A new environment and its first messages, or, once it is made, the reason its reset failed
+        (the environment is returned either way: its close() is still owed)."""
         env = self.make_env(**self.env_options)
         row = {**prompt.columns, "prompt": prompt.text, "messages": prompt.messages}
-        messages = env.reset(row)
+        try:
+            return env, check_messages(env.reset(row), "reset() messages")
+        except Exception as exc:
+            return env, exc
+
+    def _start(self, job: tuple[int, Prompt], outcome: Outcome[Any]) -> _Live:
+        """The episode after its reset; one whose environment could not be made or reset is over
+        (env_error) before its first turn."""
+        index, prompt = job
+        env, messages = outcome.value if outcome.error is None else (None, outcome.error)
+        if isinstance(messages, BaseException):
+            failed = _Live(index, f"episode-{next(_keys)}", env, [], "", TrajectorySample([]), finish="env_error")
+            failed.info.update(failure_info(messages, "reset"))
+            return failed
         renderer = ChatRenderer(self.tokenizer, [t.schema for t in env.tools])
         text = renderer.render(messages, generation_prompt=True)
         ids = renderer.encode(text)
         if len(ids) >= self.limits.max_context:
-            env.close()
             where = f" {prompt.source}" if prompt.source else ""
             raise ValueError(
                 f"prompt{where} renders to {len(ids)} tokens: agent.max_context={self.limits.max_context} leaves no "
@@ -154,10 +183,11 @@ class EpisodeRunner:
                 generated.append((e, r))
         for e, r in generated:
             self._record_generation(e, r, renderer)
-        stepping = [(e, r) for e, r in generated if e.finish == "pending"]
-        results = list(self._pool.map(lambda pair: self._step_env(pair[0], pair[1], renderer), stepping))
-        for (e, _), result in zip(stepping, results, strict=True):
-            self._observe(e, result, renderer)
+        stepping = [e for e, _ in generated if e.finish == "pending"]
+        steps = [lambda e=e: check_step_result(e.env.step(e.contents[-1])) for e in stepping]
+        for e, outcome in zip(stepping, self._limited(steps, "environment step"), strict=True):
+            e.env_s += outcome.seconds
+            self._observe(e, outcome, renderer)
 
     def _record_generation(self, e: _Live, r: Rollout, renderer: ChatRenderer) -> None:
         own = r.logprob_versions or [r.weight_version] * len(r.response_ids)
@@ -176,21 +206,15 @@ class EpisodeRunner:
         else:
             e.finish = "pending"  # the environment decides
 
-    def _step_env(self, e: _Live, r: Rollout, renderer: ChatRenderer) -> tuple[str, StepResult | BaseException]:
-        content = e.contents[-1]
-        began = time.perf_counter()
-        try:
-            result: StepResult | BaseException = e.env.step(content)
-        except Exception as exc:  # an environment's failure ends its episode, not the batch
-            result = exc
-        e.env_s += time.perf_counter() - began
-        return content, result
-
-    def _observe(self, e: _Live, stepped: tuple[str, StepResult | BaseException], renderer: ChatRenderer) -> None:
-        content, result = stepped
-        if isinstance(result, BaseException):
-            e.finish, e.info["env_error"] = "env_error", f"{type(result).__name__}: {result}"
+    def _observe(self, e: _Live, outcome: Outcome[StepResult], renderer: ChatRenderer) -> None:
+        """The environment's answer to the model's last turn; a failure, a time-out or a malformed
+        answer ends the episode (env_error: unscorable, the reason in ``info``)."""
+        if outcome.error is not None:
+            e.finish = "env_error"
+            e.info.update(failure_info(outcome.error, "step"))
             return
+        result, content = outcome.value, e.contents[-1]
+        assert result is not None
         turn = e.turns[-1]
         turn.reward, turn.tool_calls = result.reward, result.tool_calls
         if result.reward is not None:
@@ -224,6 +248,8 @@ class EpisodeRunner:
         turn.observation_tokens = n
 
     def _rollouts(self, e: _Live, renderer: ChatRenderer) -> list[Rollout]:
+        """The episode's training samples; an episode that failed before the model wrote anything
+        is one empty rollout, so its failure is counted and saved like any other."""
         every = [*e.done_samples, e.sample]
         samples = [s for s in every if any(s.mask)]
         episode = Episode(
@@ -237,10 +263,18 @@ class EpisodeRunner:
             env_s=e.env_s,
             generate_s=e.generate_s,
         )
+        if not samples and e.finish == "env_error":
+            return [failed_rollout(e.prompt_index, e.sample.prompt_ids, episode)]
         return [sample_rollout(e.prompt_index, s, episode, part, renderer) for part, s in enumerate(samples)]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to free: the environments of a run are closed at its end."""
+
+
+def failed_rollout(prompt_index: int, prompt_ids: list[int], episode: Episode) -> Rollout:
+    """An episode that failed before the model's first token: no tokens to train on, but a row that
+    carries its failure to the reward, the failure rate and the samples file."""
+    return Rollout(prompt_index, list(prompt_ids), [], [], "", "env_error", 0, episode=episode)  # type: ignore[arg-type]
 
 
 def sample_rollout(

@@ -31,11 +31,15 @@ class RecordedEpisode:
 
     def rollouts(self, prompt_index: int, renderer: ChatRenderer, reward: float | None) -> list[Rollout]:
         kept = [s for s in self.samples if any(s.mask)]
-        dropped = {"no_model_tokens": len(self.samples) - len(kept)} if len(self.samples) > len(kept) else {}
-        episode = Episode(
-            self.messages, self.turns, reward, self.finish_reason, prefix_breaks=self.prefix_breaks, dropped=dropped
-        )
+        episode = self.episode(reward)
         return [sample_rollout(prompt_index, s, episode, part, renderer) for part, s in enumerate(kept)]
+
+    def episode(self, reward: float | None, info: dict[str, Any] | None = None) -> Episode:
+        kept = sum(any(s.mask) for s in self.samples)
+        dropped = {"no_model_tokens": len(self.samples) - kept} if len(self.samples) > kept else {}
+        return Episode(
+            self.messages, self.turns, reward, self.finish_reason, dict(info or {}), self.prefix_breaks, dropped
+        )
 
 
 class EpisodeRecorder:

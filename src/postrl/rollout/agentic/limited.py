@@ -1,0 +1,119 @@
+"""Calls into user code (environments, tools, agent functions) with a time limit, on threads that
+can be abandoned.
+
+A thread cannot be killed, so a call that passes its limit is *abandoned*: its result no longer
+counts, another thread takes its place (the pool keeps its size), and the stuck thread, a daemon,
+neither blocks the batch nor keeps the process alive at exit. ``concurrent.futures`` pools cannot
+do this: their threads are joined at exit, so one hanging environment would hold the process after
+the run has stopped. A call that raises gives back its exception with a one-line reason that names
+the file and line in the user's code where it was raised (:func:`describe_failure`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+_PACKAGE = str(Path(__file__).resolve().parents[2])  # src/postrl: frames of ours are not the user's
+_abandoned = 0
+_abandoned_lock = threading.Lock()
+
+
+class CallTimedOut(Exception):
+    """A call passed its time limit and was abandoned."""
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    """What a limited call gave: its value, or the exception it raised (a CallTimedOut when it was
+    abandoned), with ``seconds`` from its start."""
+
+    value: T | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def abandoned_calls() -> int:
+    """How many calls this process has abandoned (their threads may still be running)."""
+    return _abandoned
+
+
+def run_limited(
+    calls: Sequence[Callable[[], T]], timeout_s: float | None, workers: int, what: str = "call"
+) -> list[Outcome[T]]:
+    """Run ``calls`` at most ``workers`` at a time, each within ``timeout_s`` seconds from its own
+    start (None: no limit), and give their outcomes in order. Never raises for a call's failure.
+    The wait is interruptible: a signal handler that raises in the main thread gets through."""
+    global _abandoned
+    outcomes: list[Outcome[T] | None] = [None] * len(calls)
+    changed = threading.Condition()
+    pending, running = deque(range(len(calls))), dict[int, float]()
+
+    def work(index: int, began: float) -> None:
+        try:
+            outcome: Outcome[T] = Outcome(value=calls[index]())
+        except BaseException as exc:  # noqa: BLE001 - the call's failure is its outcome
+            outcome = Outcome(error=exc)
+        with changed:
+            if outcomes[index] is None:  # not abandoned meanwhile
+                outcomes[index] = Outcome(outcome.value, outcome.error, time.monotonic() - began)
+            changed.notify_all()
+
+    with changed:
+        while pending or running:
+            now = time.monotonic()
+            for index in [i for i in running if outcomes[i] is not None]:
+                del running[index]
+            for index, began in list(running.items()):
+                if timeout_s is not None and now - began >= timeout_s:
+                    error = CallTimedOut(f"{what} timed out after {timeout_s:g} s")
+                    outcomes[index] = Outcome(error=error, seconds=now - began)
+                    del running[index]
+                    with _abandoned_lock:
+                        _abandoned += 1
+            while pending and len(running) < workers:
+                index = pending.popleft()
+                running[index] = began = time.monotonic()
+                name = f"postrl-{what.replace(' ', '-')}-{index}"
+                threading.Thread(target=work, args=(index, began), name=name, daemon=True).start()
+            if running:
+                due = min(running.values()) + timeout_s - now if timeout_s is not None else 1.0
+                changed.wait(timeout=max(0.001, min(due, 1.0)))
+    return [o for o in outcomes if o is not None]
+
+
+def call_limited(fn: Callable[[], T], timeout_s: float | None, what: str = "call") -> T:
+    """``fn()`` within ``timeout_s``; its own exception, or CallTimedOut, is raised here."""
+    (outcome,) = run_limited([fn], timeout_s, 1, what)
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.value  # type: ignore[return-value]
+
+
+def describe_failure(exc: BaseException) -> tuple[str, str]:
+    """``(reason, traceback)``: the reason is one line, ``Type: message (file:line)`` with the
+    innermost frame outside postrl (where the user's code raised); the traceback is the whole one."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_PACKAGE)]
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {message}{where}" if message else f"{type(exc).__name__}{where}", text
+
+
+def failure_info(exc: BaseException, stage: str) -> dict[str, Any]:
+    """An episode's ``info`` entries for a failure in ``stage`` (reset, step, close, agent)."""
+    if isinstance(exc, CallTimedOut):
+        return {"env_error": str(exc), "env_failed_in": stage}
+    reason, text = describe_failure(exc)
+    return {"env_error": reason, "env_traceback": text, "env_failed_in": stage}
