@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from postrl.reward.client import RewardServiceError
     from postrl.rollout.common import EngineUnhealthyError
     from postrl.rollout.pool import RolloutPoolError
-    from postrl.run.interrupt import RunInterrupted
+    from postrl.run.interrupt import RunInterrupted, leave_now_if_threads_hang
     from postrl.train.group import TrainWorkerDiedError
     from postrl.train.optimization import NonFiniteLossError
     from postrl.workers.handles import PlacementError
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RunInterrupted as exc:
         print(f"postrl {args.command}: {exc}", file=sys.stderr)
+        leave_now_if_threads_hang(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:  # before a run's own handler is installed (loading, validating): nothing written yet
         print(f"\npostrl {args.command}: interrupted", file=sys.stderr)

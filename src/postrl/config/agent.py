@@ -48,7 +48,8 @@ class AgentConfig(Section):
         "reward components score the transcript (their columns get messages and env_info).",
     )
     env_workers: int = Field(
-        8, ge=1, description="Environment steps (or agent functions) run concurrently in this many threads."
+        32, ge=1, description="Environment calls (or agent functions) run concurrently in this many threads; a call "
+        "abandoned at its time limit frees its place."
     )
     env_timeout_s: float = Field(
         60.0,

@@ -7,9 +7,11 @@ the main thread and the previous ones are put back on exit.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -60,3 +62,22 @@ class GracefulStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+
+
+def leave_now_if_threads_hang(code: int, grace_s: float = 3.0) -> None:
+    """After a stopped run: wait up to ``grace_s`` for the threads that would keep the process
+    alive (non-daemon ones: a user's own pool, an executor that Python joins at exit), then, if any
+    is still running, flush the output and end the process with ``code`` at once. Without this a
+    thread stuck in an environment, tool or reward function holds the process after the run has
+    stopped, until a third signal ends it with a traceback."""
+    deadline = time.monotonic() + grace_s
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or thread.daemon:
+            continue
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+    if stuck:
+        print(f"leaving {len(stuck)} stuck thread(s) behind: {', '.join(sorted(stuck)[:5])}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -8,6 +8,9 @@ per episode, kept by id until it is closed (or the server stops):
 - ``GET /episodes/{id}/state`` -> ``{"state"}`` (environments with ``state_dict``); ``POST /episodes``
   ``{"state": ...}`` restores it as a new episode (after a restart of either side)
 - ``DELETE /episodes/{id}`` closes it; ``GET /health`` -> ``{"status", "env", "episodes"}``
+
+An environment that raises (or answers malformed) gets 500 with ``{"detail", "error": {"type",
+"message", "reason", "traceback"}}``; a step of an episode that is already done gets 409.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, SavableEnvironment
+from postrl.rollout.agentic.limited import describe_failure
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware
 
 
@@ -43,6 +48,7 @@ class EnvService:
     def __init__(self, make_env: EnvironmentFactory, options: dict[str, Any], max_episodes: int) -> None:
         self.make_env, self.options, self.max_episodes = make_env, options, max_episodes
         self.episodes: dict[str, Environment] = {}
+        self.done: set[str] = set()  # episodes whose last step was done: no more steps
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
 
@@ -55,18 +61,24 @@ class EnvService:
             return JSONResponse({"detail": f"{self.max_episodes} episodes are open; close some first"}, status_code=429)
         if (body.row is None) == (body.state is None):
             return JSONResponse({"detail": "send one of row (a new episode) and state (a saved one)"}, status_code=422)
-        env = self.make_env(**self.options)
-        if body.state is not None:
-            if not isinstance(env, SavableEnvironment):
-                env.close()
-                return JSONResponse(
-                    {"detail": "this environment cannot restore episodes (no load_state_dict)"}, status_code=409
-                )
-            await run_in_threadpool(env.load_state_dict, body.state)
-            messages: list[dict[str, Any]] = []
-        else:
-            assert body.row is not None
-            messages = await run_in_threadpool(env.reset, body.row)
+        env: Environment | None = None
+        try:
+            env = await run_in_threadpool(self.make_env, **self.options)
+            if body.state is not None:
+                if not isinstance(env, SavableEnvironment):
+                    env.close()
+                    return JSONResponse(
+                        {"detail": "this environment cannot restore episodes (no load_state_dict)"}, status_code=409
+                    )
+                await run_in_threadpool(env.load_state_dict, body.state)
+                messages: list[dict[str, Any]] = []
+            else:
+                assert body.row is not None
+                messages = check_messages(await run_in_threadpool(env.reset, body.row), "reset() messages")
+        except Exception as exc:  # the environment's failure, as JSON: the runner ends that episode
+            if env is not None:
+                await run_in_threadpool(env.close)
+            return _raised(exc)
         with self.lock:
             episode = f"ep-{next(self.ids)}"
             self.episodes[episode] = env
@@ -80,10 +92,15 @@ class EnvService:
         env = self.episodes.get(episode)
         if env is None:
             return JSONResponse({"detail": f"no open episode {episode!r}"}, status_code=404)
+        if episode in self.done:
+            detail = f"episode {episode!r} is done (its last step said so): it takes no more steps; open a new one"
+            return JSONResponse({"detail": detail}, status_code=409)
         try:
-            result = await run_in_threadpool(env.step, body.action)
+            result = check_step_result(await run_in_threadpool(env.step, body.action))
         except Exception as exc:  # the environment's failure, reported to the runner (env_error)
-            return JSONResponse({"detail": f"the environment raised {type(exc).__name__}: {exc}"}, status_code=500)
+            return _raised(exc)
+        if result.done:
+            self.done.add(episode)
         reply = {"messages": result.messages, "reward": result.reward, "done": result.done, "info": result.info}
         return JSONResponse({**reply, "tool_calls": [dataclasses.asdict(c) for c in result.tool_calls]})
 
@@ -98,6 +115,7 @@ class EnvService:
     async def close(self, episode: str) -> JSONResponse:
         with self.lock:
             env = self.episodes.pop(episode, None)
+            self.done.discard(episode)
         if env is None:
             return JSONResponse({"detail": f"no open episode {episode!r}"}, status_code=404)
         await run_in_threadpool(env.close)
@@ -108,6 +126,13 @@ class EnvService:
             for env in self.episodes.values():
                 env.close()
             self.episodes.clear()
+
+
+def _raised(exc: Exception) -> JSONResponse:
+    """500 with the environment's exception: its type, message, where it was raised and the traceback."""
+    reason, text = describe_failure(exc)
+    error = {"type": type(exc).__name__, "message": str(exc), "reason": reason, "traceback": text}
+    return JSONResponse({"detail": f"the environment raised {reason}", "error": error}, status_code=500)
 
 
 async def _body(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -116,15 +117,16 @@ class EpisodeRunner:
             while running := [e for e in episodes if e.finish is None]:
                 self._turn(running, renderer, turn)
             return [r for e in episodes for r in self._rollouts(e, renderer)]
-        finally:
-            self._close([o.value[0] for o in started if o.error is None])
+        finally:  # unwinding (a stop signal, an error): closes get a second, not the whole time limit
+            self._close([o.value[0] for o in started if o.error is None], 1.0 if sys.exc_info()[0] else None)
 
     def _limited(self, calls: list[Callable[[], Any]], what: str) -> list[Outcome[Any]]:
         return run_limited(calls, self.limits.env_timeout_s, self.env_workers, what)
 
-    def _close(self, envs: list[Environment]) -> None:
+    def _close(self, envs: list[Environment], timeout_s: float | None = None) -> None:
         """Every episode's environment closed, within the time limit; a failing close is logged."""
-        for outcome in self._limited([env.close for env in envs], "environment close"):
+        limit = self.limits.env_timeout_s if timeout_s is None else timeout_s
+        for outcome in run_limited([env.close for env in envs], limit, self.env_workers, "environment close"):
             if outcome.error is not None:
                 log.warning("an environment's close() failed: %s", failure_info(outcome.error, "close")["env_error"])
 

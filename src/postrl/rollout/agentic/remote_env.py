@@ -42,7 +42,7 @@ class RemoteEnvironment:
         except httpx.HTTPError as exc:
             raise EnvironmentServiceError(f"{self.client.base_url}{path}: {exc}") from None
         if response.status_code != 200:
-            raise EnvironmentServiceError(f"{self.client.base_url}{path}: {response.status_code} {response.text[:300]}")
+            raise EnvironmentServiceError(f"{self.client.base_url}{path}: {response.status_code} {_detail(response)}")
         return response.json()
 
     def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -81,3 +81,12 @@ class RemoteEnvironment:
                 pass  # the server closes what it holds when it stops
             self.episode = None
         self.client.close()
+
+
+def _detail(response: httpx.Response) -> str:
+    """The server's JSON ``detail`` (serve-env names the environment's exception there), else the body."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail) if detail else response.text[:300]

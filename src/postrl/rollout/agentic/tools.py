@@ -16,11 +16,12 @@ import re
 import time
 import typing
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import jsonschema
+
+from postrl.rollout.agentic.limited import CallTimedOut, call_limited
 from postrl.types.episode import ToolCallRecord
 
 ToolFormat = Literal["hermes", "plain", "auto"]
@@ -135,7 +136,7 @@ class ToolBox:
             raise ValueError(f"two tools share a name: {names}")
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.fmt = timeout_s, fmt
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="postrl-tool")
+        self.validators = {t.name: _validator(t) for t in tools}
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -152,12 +153,13 @@ class ToolBox:
             record.error = parsed.error
         elif parsed.name not in self.tools:
             record.error = f"unknown tool '{parsed.name}' (tools: {', '.join(sorted(self.tools))})"
+        elif (mismatch := self.argument_error(parsed.name, parsed.arguments)) is not None:
+            record.error = f"bad arguments for '{parsed.name}': {mismatch}"
         else:
-            assert parsed.arguments is not None
-            future = self._pool.submit(self.tools[parsed.name].fn, **parsed.arguments)
+            fn, arguments = self.tools[parsed.name].fn, parsed.arguments or {}
             try:
-                result = future.result(timeout=self.timeout_s)
-            except FutureTimeout:
+                result = call_limited(lambda: fn(**arguments), self.timeout_s, f"tool {parsed.name}")
+            except CallTimedOut:
                 record.error = f"tool '{parsed.name}' timed out after {self.timeout_s:g} s"
             except TypeError as exc:
                 record.error = f"bad arguments for '{parsed.name}': {exc}"
@@ -168,5 +170,26 @@ class ToolBox:
             return f"error: {record.error}", record
         return result if isinstance(result, str) else json.dumps(result), record
 
+    def argument_error(self, name: str, arguments: dict[str, Any] | None) -> str | None:
+        """Why ``arguments`` do not match the schema tool ``name`` advertises (None: they do):
+        checked by ``jsonschema``, so ``{"a": "2"}`` never reaches ``add(a: int)``."""
+        errors = sorted(self.validators[name].iter_errors(arguments or {}), key=lambda e: list(e.path))
+        if not errors:
+            return None
+        first = errors[0]
+        where = ".".join(str(p) for p in first.path)
+        return f"{where}: {first.message}" if where else first.message
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to free: a call that timed out was abandoned on a daemon thread."""
+
+
+def _validator(tool: Tool) -> jsonschema.protocols.Validator:
+    """The checker of a tool's ``parameters`` schema (JSON Schema 2020-12); a schema that is itself
+    invalid is an error naming the tool, when the tool is made."""
+    schema = tool.schema.get("function", {}).get("parameters") or {"type": "object"}
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"tool {tool.name}: its parameters are not a valid JSON schema: {exc.message}") from None
+    return jsonschema.Draft202012Validator(schema)

@@ -1,0 +1,120 @@
+"""A user's environments and agents that fail in every way issue 31 lists, for the tests and for
+``benchmarks/fault_paths.py --agent``. Each answers a row ``{"prompt", "secret"}``: the episode's
+reward is 1 when the model's turn contains the secret."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from postrl.rollout.agentic.env import StepResult
+from postrl.rollout.agentic.tools import Tool, ToolBox
+
+HANG = threading.Event()  # set: every hanging call returns (tests let their threads go at the end)
+
+
+def _hang() -> None:
+    HANG.wait(3600)
+
+
+class GuessNumber:
+    """The well-behaved one: one turn, rewarded by whether the secret is in it."""
+
+    tools: list[Tool] = []
+
+    def reset(self, row):
+        self.secret = str(row["secret"])
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        return StepResult([], reward=float(self.secret in action), done=True)
+
+    def close(self):
+        pass
+
+
+class ResetRaises(GuessNumber):
+    def reset(self, row):
+        raise RuntimeError("the maze file is missing")
+
+
+class StepRaises(GuessNumber):
+    def step(self, action):
+        raise KeyError("score table")
+
+
+class StepReturnsStr(GuessNumber):
+    def step(self, action):
+        return "well done"
+
+
+class MalformedMessage(GuessNumber):
+    def step(self, action):
+        return StepResult([{"content": 42}])
+
+
+class NonNumericReward(GuessNumber):
+    def step(self, action):
+        return StepResult([], reward="great", done=True)
+
+
+class StepHangs(GuessNumber):
+    def step(self, action):
+        _hang()
+        return super().step(action)
+
+
+class SomeStepsHang(GuessNumber):
+    """Hangs on rows whose secret is 0; answers the others at once."""
+
+    def step(self, action):
+        if self.secret == "0":
+            _hang()
+        return super().step(action)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def slow_lookup(key: str) -> str:
+    """Look a key up (never answers).
+
+    Args:
+        key: what to look up
+    """
+    _hang()
+    return key
+
+
+class ToolCaller(GuessNumber):
+    """Offers ``tool``; whatever the model writes, calls it with ``arguments`` (the test's fault),
+    then ends the episode with reward 1 when the tool answered and 0 when it erred."""
+
+    def __init__(self, tool=add, arguments=None, tool_timeout_s: float = 120.0):
+        self.tools = [Tool.from_function(tool)]
+        self.box = ToolBox(self.tools, timeout_s=tool_timeout_s)
+        self.arguments = arguments if arguments is not None else {"a": "2", "b": "3"}
+
+    def step(self, action):
+        from postrl.rollout.agentic.tools import ParsedCall
+
+        text, record = self.box.call(ParsedCall(self.tools[0].name, self.arguments))
+        return StepResult([], reward=0.0 if record.error else 1.0, done=True, tool_calls=[record])
+
+
+def agent_raises(client, row):
+    raise ValueError(f"no parser for {row['prompt']!r}")
+
+
+def agent_answers(client, row):
+    reply = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4
+    )
+    return float(str(row["secret"]) in (reply.choices[0].message.content or ""))
