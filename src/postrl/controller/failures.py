@@ -30,5 +30,16 @@ def check_failure_rate(
     raise RewardFailureError(
         f"step {step}: {len(failed)}/{len(rewards)} {what} could not be scored "
         f"({len(failed) / len(rewards):.0%} > reward.max_failure_rate={limit}); most common: {listed}. "
-        f"The step's {what} are saved in {path}"
+        f"The step's {what} are saved in {path}" + _first_traceback(rollouts, run_dir / "episode_errors.log")
     )
+
+
+def _first_traceback(rollouts: list[Rollout], log: Path) -> str:
+    """The innermost frame and the exception of the first failed episode that has a traceback,
+    with where the whole tracebacks are (an environment's or agent function's own error)."""
+    for r in rollouts:
+        text = r.episode.info.get("env_traceback") if r.episode is not None else None
+        if text:
+            lines = [line for line in text.rstrip().splitlines() if line.strip()]
+            return f"\nthe first failure (every traceback is in {log}):\n" + "\n".join(lines[-3:])
+    return ""
