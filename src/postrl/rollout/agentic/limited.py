@@ -11,6 +11,7 @@ the file and line in the user's code where it was raised (:func:`describe_failur
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import traceback
@@ -99,6 +100,51 @@ def call_limited(fn: Callable[[], T], timeout_s: float | None, what: str = "call
     if outcome.error is not None:
         raise outcome.error
     return outcome.value  # type: ignore[return-value]
+
+
+class LimitedWorker:
+    """One daemon thread that runs calls one at a time, each within a time limit, for work that
+    must stay on one thread (a child process started with a parent-death signal dies with the
+    thread that started it, so a tool's interpreter needs a thread that outlives each call). A call
+    past its limit is abandoned with its thread; the next call starts a new one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[Outcome[Any]]] | None] | None = None
+
+    def call(self, fn: Callable[[], T], timeout_s: float | None, what: str = "call") -> T:
+        """``fn()`` on this worker's thread; its exception, or CallTimedOut, is raised here."""
+        global _abandoned
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True).start()
+        reply: queue.SimpleQueue[Outcome[Any]] = queue.SimpleQueue()
+        self._jobs.put((fn, reply))
+        try:
+            outcome = reply.get(timeout=timeout_s)
+        except queue.Empty:
+            self._jobs = None  # the thread is stuck in fn: leave it, and its queue, behind
+            with _abandoned_lock:
+                _abandoned += 1
+            raise CallTimedOut(f"{what} timed out after {timeout_s:g} s") from None
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.value  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
+
+def _serve(jobs: queue.SimpleQueue[Any]) -> None:
+    while (job := jobs.get()) is not None:
+        fn, reply = job
+        began = time.monotonic()
+        try:
+            reply.put(Outcome(value=fn(), seconds=time.monotonic() - began))
+        except BaseException as exc:  # noqa: BLE001 - the call's failure is its outcome
+            reply.put(Outcome(error=exc, seconds=time.monotonic() - began))
 
 
 def describe_failure(exc: BaseException) -> tuple[str, str]:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import jsonschema
 
-from postrl.rollout.agentic.limited import CallTimedOut, call_limited
+from postrl.rollout.agentic.limited import CallTimedOut, LimitedWorker
 from postrl.types.episode import ToolCallRecord
 
 ToolFormat = Literal["hermes", "plain", "auto"]
@@ -137,6 +137,7 @@ class ToolBox:
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.fmt = timeout_s, fmt
         self.validators = {t.name: _validator(t) for t in tools}
+        self.worker = LimitedWorker("postrl-tool")  # one thread: a tool's interpreter lives with it
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -158,7 +159,7 @@ class ToolBox:
         else:
             fn, arguments = self.tools[parsed.name].fn, parsed.arguments or {}
             try:
-                result = call_limited(lambda: fn(**arguments), self.timeout_s, f"tool {parsed.name}")
+                result = self.worker.call(lambda: fn(**arguments), self.timeout_s, f"tool {parsed.name}")
             except CallTimedOut:
                 record.error = f"tool '{parsed.name}' timed out after {self.timeout_s:g} s"
             except TypeError as exc:
@@ -181,7 +182,8 @@ class ToolBox:
         return f"{where}: {first.message}" if where else first.message
 
     def close(self) -> None:
-        """Nothing to free: a call that timed out was abandoned on a daemon thread."""
+        """Ends the tools' thread (one stuck in a call that timed out was abandoned)."""
+        self.worker.close()
 
 
 def _validator(tool: Tool) -> jsonschema.protocols.Validator:
