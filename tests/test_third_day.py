@@ -4,6 +4,7 @@ time limits, tools that check their arguments, errors that say what to do."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -265,3 +266,39 @@ def test_serve_env_answers_a_failing_reset_with_json_and_refuses_a_done_episode(
         assert again.status_code == 409 and "is done" in again.json()["detail"]
     finally:
         stop_server(proc)
+
+
+# -- B7 -------------------------------------------------------------------------------------------
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def test_b7_plan_and_train_bound_an_agent_run_by_max_context_and_agree(tmp_path, capsys, monkeypatch):
+    from postrl.run.plan import check
+
+    monkeypatch.setattr(check, "available_ram_bytes", lambda: 24 * 10**9)
+    model = tmp_path / "smol"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2))
+    args = agent_run(tmp_path, f"model.path={model}", "prompts_per_step=16", "rollout.n=8", "agent.max_context=512",
+                     "train.mini_batch_size=128", "train.micro_batch_size=128")  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    refused = re.search(r"train rank needs ([\d.]+) GB per GPU with sequences of agent\.max_context=512", err)
+    assert refused is not None and "or agent.max_context=" in err
+    assert not (tmp_path / "runs" / "agent").exists()
+    plan_args = ["plan", args[1], *args[2:], "--gpu", "cpu", "--gpus", "1", "--json"]
+    assert main(plan_args) == 1
+    planned = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert f"{planned['roles'][1]['total_gb']:.2f}" == refused.group(1)  # one code path
+    # 8192-token sequences (the model's context) would need far more: the bound is what sizes it
+    assert main([*plan_args, "agent=null", "reward.components=[{name: c, type: format, pattern: x}]"]) == 1
+    unbounded = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert unbounded["roles"][1]["total_gb"] > 3 * planned["roles"][1]["total_gb"]
+    # the fix it names is true: at that max_context the train rank fits
+    fix = int(re.search(r"or agent\.max_context=(\d+)", err).group(1))
+    assert main([*plan_args, f"agent.max_context={fix}"]) in (0, 1)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["train_fsdp"] == 1

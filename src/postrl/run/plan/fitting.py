@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from postrl.config.run import RunConfig
-from postrl.run.plan.inputs import SIZES, RunShape, train_setup
+from postrl.run.plan.inputs import SIZES, RunShape, agent_split, train_setup
 from postrl.run.plan.memory import (
     RoleMemory,
     RolloutSetup,
@@ -87,6 +87,8 @@ def train_fixes(config: RunConfig, shape: ModelShape, run: RunShape, usable: int
     budget = largest_token_budget(shape, base, run, usable, ranks)
     if budget is not None:
         fixes.append(f"train.micro_batch_tokens={budget} (fewer tokens per forward/backward)")
+    if config.agent is not None and (context := largest_agent_context(config, shape, run, usable, ranks)) is not None:
+        fixes.append(f"agent.max_context={context} (shorter episodes)")
     if not fixes:
         fixes += combined_fix(shape, base, changes, run, usable, ranks)
     return fixes or ["a GPU with more memory: no setting of this run fits"]
@@ -124,6 +126,24 @@ def largest_token_budget(shape: ModelShape, setup: TrainSetup, run: RunShape, us
         run.prompt_tokens + run.response_tokens,
         max(setup.micro.tokens, run.prompt_tokens + run.response_tokens),
     )
+    if not fits(low):
+        return None
+    while high - low > max(1, low // 64):
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def largest_agent_context(config: RunConfig, shape: ModelShape, run: RunShape, usable: int, ranks: int) -> int | None:
+    """The largest ``agent.max_context`` (from 64 tokens) under which the train rank fits."""
+    assert config.agent is not None
+
+    def fits(context: int) -> bool:
+        prompt, response = agent_split(context, config.data.max_prompt_tokens)
+        shorter = replace(run, prompt_tokens=prompt, response_tokens=response)
+        return fit_train(shape, train_setup(config, shorter), usable, ranks)[0] is not None
+
+    low, high = 64, config.agent.max_context
     if not fits(low):
         return None
     while high - low > max(1, low // 64):

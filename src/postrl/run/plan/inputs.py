@@ -54,6 +54,7 @@ class RunShape:
     autocast: bool
     accelerator: bool
     lean_model: bool  # a model the lean forward runs (Llama, Qwen2, Mistral)
+    sized_by: str = ""  # the fields that set the sequence length, for the messages
 
     @property
     def sequences(self) -> int:
@@ -69,6 +70,11 @@ def run_shape(config: RunConfig, shape: ModelShape, target: Target) -> RunShape:
 
     context = shape.context or 512
     prompt = config.data.max_prompt_tokens or max(1, context - config.rollout.max_tokens)
+    response = config.rollout.max_tokens
+    sized_by = f"data.max_prompt_tokens={prompt} + rollout.max_tokens={response}"
+    if config.agent is not None:  # an episode's sample is its first prompt and every turn after it
+        prompt, response = agent_split(config.agent.max_context, config.data.max_prompt_tokens)
+        sized_by = f"agent.max_context={config.agent.max_context}"
     fast_bf16 = target.accelerator or bf16_is_fast(torch.device("cpu"))
     engine = config.rollout.dtype or config.model.dtype
     engine_bytes = 2 if engine == "bfloat16" or (engine == "auto" and fast_bf16) else 4
@@ -80,14 +86,23 @@ def run_shape(config: RunConfig, shape: ModelShape, target: Target) -> RunShape:
         config.prompts_per_step,
         config.rollout.n,
         prompt,
-        config.rollout.max_tokens,
+        response,
         engine_bytes,
         param_bytes,
         act_bytes,
         autocast,
         target.accelerator,
         shape.model_type in ("llama", "qwen2", "mistral"),
+        sized_by,
     )
+
+
+def agent_split(max_context: int, max_prompt_tokens: int | None) -> tuple[int, int]:
+    """An agent run's planned sample: ``max_context`` tokens, of which the first prompt is a quarter
+    (or ``data.max_prompt_tokens`` when that is less) and the turns after it the rest. The group's
+    prompt is computed once and its n episodes' turns n times, so a short prompt is the costly case."""
+    prompt = min(max_prompt_tokens or max_context, max(1, max_context // 4))
+    return prompt, max_context - prompt
 
 
 def train_setup(

@@ -35,10 +35,12 @@ class Problem:
     needed_bytes: int
     available_bytes: int
     fixes: list[str]
+    sized_by: str = ""  # the fields that set the sequences' length
 
     def message(self) -> str:
+        sized = f" with sequences of {self.sized_by}" if self.sized_by else ""
         return (
-            f"{self.role} needs {self.needed_bytes / GB:.2f} GB per GPU, more than the "
+            f"{self.role} needs {self.needed_bytes / GB:.2f} GB per GPU{sized}, more than the "
             f"{self.available_bytes / GB:.2f} GB usable; " + "; or ".join(self.fixes)
         )
 
@@ -112,7 +114,8 @@ def make_plan(config: RunConfig, target: Target, gpus: int | None = None, eff: E
     plan.train_fsdp, memory = fit_train(shape, setup, usable, limit)
     plan.roles.append(memory)
     if plan.train_fsdp is None:
-        plan.problems.append(Problem(memory.role, memory.total, usable, train_fixes(config, shape, run, usable, limit)))
+        fixes = train_fixes(config, shape, run, usable, limit)
+        plan.problems.append(Problem(memory.role, memory.total, usable, fixes, run.sized_by))
     for role in side_roles(config, shape, run, setup.micro, memory.ranks):
         plan.roles.append(role)
         if role.total > usable:
@@ -150,7 +153,8 @@ def plan_rollout(plan: Plan, config: RunConfig, shape: ModelShape, run: RunShape
     memory.detail["max_concurrency"] = plan.rollout_max_concurrency
     plan.roles.append(memory)
     if plan.rollout_tp is None:
-        plan.problems.append(Problem(memory.role, memory.total, usable, rollout_fixes(shape, setup, usable, limit)))
+        fixes = rollout_fixes(shape, setup, usable, limit)
+        plan.problems.append(Problem(memory.role, memory.total, usable, fixes, run.sized_by))
 
 
 def side_roles(config: RunConfig, shape: ModelShape, run: RunShape, micro: MicroBatch, ranks: int) -> list[RoleMemory]:
