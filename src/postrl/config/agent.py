@@ -68,10 +68,9 @@ class AgentConfig(Section):
     @field_validator("env")
     @classmethod
     def _env_exists(cls, v: str | None) -> str | None:
-        if v is not None:
-            from postrl.rollout.agentic.env import environment_factory
-
-            environment_factory(v)
+        """``module:Class`` is imported here; a registered name is checked before the run starts."""
+        if v is not None and ":" in v and not v.startswith(("http://", "https://")):
+            import_callable(v, "agent.env")
         return v
 
     @field_validator("function")

@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import threading
@@ -43,7 +42,9 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
-from postrl.reward.pool_jobs import Batch, Job, JobResult, PoolClosedError, PoolStats, Worker, sibling_key
+from postrl.reward.pool_jobs import (
+    Batch, Job, JobResult, PoolClosedError, PoolStats, Worker, kill_worker, sibling_key,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class ScoringPool:
         self._wake()
         self._thread.join(timeout=30)
         for worker in self._workers:
-            self._kill(worker)
+            kill_worker(worker)
         self._workers = []
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -183,20 +184,6 @@ class ScoringPool:
         for stream in (proc.stdout, proc.stdin, proc.stderr):
             os.set_blocking(stream.fileno(), False)
         return Worker(proc=proc, started=time.monotonic(), stderr=proc.stderr)
-
-    @staticmethod
-    def _kill(worker: Worker) -> None:
-        try:
-            os.killpg(worker.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        worker.proc.wait()
-        for stream in (worker.proc.stdin, worker.proc.stdout, worker.proc.stderr):
-            if stream:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
 
     def _wake(self) -> None:
         try:
@@ -269,7 +256,7 @@ class ScoringPool:
             except (KeyError, ValueError):
                 pass
         self._drain_stderr(worker)
-        self._kill(worker)
+        kill_worker(worker)
         while worker.pending:
             worker.pop_head()
         self._workers.remove(worker)
@@ -371,16 +358,20 @@ class ScoringPool:
         return worker.pending[0].timeout_s
 
     def _next_deadline(self) -> float | None:
-        """Seconds until a job's timeout or, with jobs queued, until a busy worker counts as stalled."""
+        """Seconds until a job's timeout or until a busy worker counts as stalled, when that matters:
+        jobs are queued (another worker should start) or wait behind its head (they go back to the
+        queue; without this wake-up they would wait out the head's whole timeout)."""
         busy = [w for w in self._workers if w.pending]
         if not busy:
             return None
         now = time.monotonic()
         times = [w.started + self._limit(w) - now for w in busy]
-        if self._has_queued():
-            times += [
-                w.started + self.stall_after_s - now for w in busy if w.ready and not w.stalled(now, self.stall_after_s)
-            ]
+        queued = self._has_queued()
+        times += [
+            w.started + self.stall_after_s - now
+            for w in busy
+            if w.ready and not w.stalled(now, self.stall_after_s) and (queued or len(w.pending) > 1)
+        ]
         return max(0.0, min(times)) + 0.001
 
     def _read_stderr(self, worker: Worker) -> None:

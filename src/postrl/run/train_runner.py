@@ -23,6 +23,7 @@ from postrl.models.loading import context_length, load_tokenizer
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
+from postrl.rollout.agentic.env import environment_factory
 from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.run.lifecycle import RunSite, StepLoop, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
@@ -68,6 +69,11 @@ def build_components(config: RunConfig) -> Components:
     dataset = load_dataset(config, tokenizer)
     if config.scores_with_components:
         check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
+    if config.agent is not None and config.agent.env is not None:
+        try:
+            environment_factory(config.agent.env)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     scheduler = make_scheduler(config)
     built: list = []
     try:
