@@ -22,6 +22,8 @@ import json
 import sys
 import tempfile
 
+from _smoke import add_smoke
+
 ALGORITHMS: dict[str, list[str]] = {
     "grpo": ["algorithm.advantage=grpo", "algorithm.policy_loss=ppo_clip"],
     "dr_grpo": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=seq_mean_token_sum_norm"],
@@ -51,7 +53,10 @@ ALGORITHMS: dict[str, list[str]] = {
 TARGET_ACC, BUDGET_S = 0.80, 180.0
 
 
-def run(name: str, steps: int, out: str) -> dict:
+SMOKE = ["prompts_per_step=4", "rollout.n=4", "train.mini_batch_size=16", "train.micro_batch_size=16"]
+
+
+def run(name: str, steps: int, out: str, extra: list[str] = ()) -> dict:
     from postrl.run.demo import run_demo
 
     overrides = [
@@ -62,6 +67,7 @@ def run(name: str, steps: int, out: str) -> dict:
         "logging.console=false",
         "logging.tensorboard=false",
         *ALGORITHMS[name],
+        *extra,
     ]
     result = run_demo(overrides, echo=lambda s: print(f"[{name}] {s}", file=sys.stderr))
     return {
@@ -108,7 +114,7 @@ def preference_pairs(path: str, prompts_limit: int = 2000, seed: int = 0) -> int
     return written
 
 
-def run_dpo(out: str) -> dict:
+def run_dpo(out: str, prompts_limit: int = 2000, epochs: int = 3) -> dict:
     import time
 
     from postrl.config.dpo import DPORunConfig
@@ -119,7 +125,7 @@ def run_dpo(out: str) -> dict:
 
     start = time.perf_counter()
     data = f"{out}/pairs.jsonl"
-    count = preference_pairs(data)
+    count = preference_pairs(data, prompts_limit)
     config = build_config(
         {
             "name": "dpo",
@@ -128,7 +134,7 @@ def run_dpo(out: str) -> dict:
             "data": {"train_files": [data], "max_tokens": 64},
             "dpo": {"beta": 0.1},
             "train": {"lr": 3e-5, "mini_batch_size": 64, "micro_batch_size": 64},
-            "epochs": 3,
+            "epochs": epochs,
             "checkpoint": {"every_steps": 0},
             "logging": {"console": False, "tensorboard": False, "progress_bar": False},
         },
@@ -152,10 +158,13 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(ALGORITHMS))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--dpo", action="store_true", help="DPO on the demo model's own preference pairs")
+    add_smoke(parser)
     args = parser.parse_args()
+    if args.smoke:  # two algorithms (one with a critic) for two steps, or DPO on the pairs of 64 prompts
+        args.only, args.steps = "grpo,ppo", 2
     if args.dpo:
         with tempfile.TemporaryDirectory() as out:
-            result = {"dpo": run_dpo(out)}
+            result = {"dpo": run_dpo(out, 64, 1) if args.smoke else run_dpo(out)}
         r = result["dpo"]
         print(
             f"dpo: {r['pairs']} pairs, held-out accuracy {r['acc_before']:.3f} -> {r['acc']:.3f} "
@@ -167,7 +176,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for name in args.only.split(","):
-            results[name] = run(name, args.steps, out)
+            results[name] = run(name, args.steps, out, SMOKE if args.smoke else [])
     print(f"{'algorithm':24s} {'acc':>6s} {'steps':>6s} {'wall s':>7s}  target")
     for name, r in results.items():
         target = "-" if name == "reinforce" else f">= {TARGET_ACC}, <= {BUDGET_S:.0f} s"

@@ -31,6 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _smoke import add_smoke
+
+EXTRA_OVERRIDES: list[str] = []  # every run's, after its own (--smoke: the tiny sizes)
+SMOKE_OVERRIDES = ["prompts_per_step=4", "rollout.n=4", "train.mini_batch_size=16", "train.micro_batch_size=16"]
 PHASES = ("generate", "reward", "train", "sync", "wait", "weight_push", "produce", "step")
 
 
@@ -47,6 +51,9 @@ class SlowVerifier:
 
     def set_log_file(self, path) -> None:
         self.inner.set_log_file(path)
+
+    def error_count(self) -> int:
+        return self.inner.error_count()
 
     def close(self) -> None:
         self.inner.close()
@@ -81,6 +88,7 @@ def run_one(spec: dict) -> dict:
 
 
 def launch(name: str, out: str, steps: int, seed: int, delay: float, overrides: list[str], **extra) -> dict:
+    overrides = [*overrides, *EXTRA_OVERRIDES]
     spec = {"name": name, "out": out, "steps": steps, "seed": seed, "delay": delay, "overrides": overrides, **extra}
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     done = subprocess.run(
@@ -256,10 +264,14 @@ def main() -> None:
     parser.add_argument("--png", default=None, help="--kv-ablation: where to write the learning curves")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    add_smoke(parser)
     args = parser.parse_args()
     if args.one is not None:
         print(json.dumps(run_one(json.loads(args.one))))
         return
+    if args.smoke:
+        args.steps, args.rounds, args.verifier_delay = 2, 1, 0.05
+        EXTRA_OVERRIDES.extend(SMOKE_OVERRIDES)
     if args.steps is None:
         args.steps = 100 if args.mismatch else 60
     with tempfile.TemporaryDirectory(prefix="postrl-async-bench-") as out:

@@ -150,8 +150,9 @@ def check_context_length(config: RunConfig) -> None:
     ``data.max_prompt_tokens`` becomes the room the context leaves after ``rollout.max_tokens``."""
     limit = context_length(config.model.path)
     prompt = config.data.max_prompt_tokens
-    if prompt is None and config.agent is not None:  # the first prompt only has to leave room for a turn
-        config.data.max_prompt_tokens = config.agent.max_context - 1
+    if config.agent is not None:  # an episode's first prompt only has to leave room for a turn
+        if prompt is None:
+            config.data.max_prompt_tokens = config.agent.max_context - 1
     elif prompt is None:
         if limit is not None and limit <= config.rollout.max_tokens:
             raise ConfigError(
