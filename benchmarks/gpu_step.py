@@ -18,6 +18,7 @@ import json
 import time
 
 import torch
+from _smoke import add_smoke
 
 SHAPES = {
     "smollm2-135m": dict(
@@ -171,7 +172,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prompts", type=int, default=PROMPTS)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    add_smoke(parser)
     args = parser.parse_args()
+    if args.smoke:  # the tiny shape: on a CPU it runs the whole path (it is what a GPU run measures)
+        args.shapes, args.prompts, args.new_tokens = "tiny", 4, 8
     device = torch.device(args.device)
     peak = bf16_matmul_tflops(device)
     result = {

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from _smoke import add_smoke, skip
 
 from postrl.tasks import chat_addition
 
@@ -247,6 +248,21 @@ def plot_curves(curves: dict[str, list[float]], png: Path) -> None:
     plt.close(fig)
 
 
+def missing_peers() -> str | None:
+    """Why this machine cannot run the comparison: TRL (scripts/setup_bench.sh) or SmolLM2 missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return "TRL is not installed (scripts/setup_bench.sh installs the peers)"
+    try:
+        from postrl.models.gguf import smollm2_gguf_path
+
+        smollm2_gguf_path()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -261,8 +277,12 @@ def main() -> int:
         "--curve-log", type=Path, default=Path("grpo_curve.jsonl"), help="each step as it ends (--curve)"
     )
     parser.add_argument("--worker", choices=["postrl", "postrl_lora", "trl"], help=argparse.SUPPRESS)
+    add_smoke(parser)
     args = parser.parse_args()
-    steps = 30 if args.curve else max(2, args.steps)
+    if args.smoke and (missing := missing_peers()) is not None:
+        skip(missing, args.json)
+        return 0
+    steps = 2 if args.smoke else 30 if args.curve else max(2, args.steps)
     if args.worker:
         print(MARK + json.dumps(run_worker(args.worker, steps)), flush=True)
         return 0

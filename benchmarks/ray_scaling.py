@@ -28,6 +28,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import torch  # noqa: E402
+from _smoke import add_smoke  # noqa: E402
 
 from postrl.config.loading import build_config  # noqa: E402
 from postrl.run.demo import DEMO_SETTINGS  # noqa: E402
@@ -174,14 +175,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
+    add_smoke(parser)
     args = parser.parse_args()
+    rounds, prompt_count = (1, 8) if args.smoke else (2, 64)
+    if args.smoke:
+        args.steps = 2
     with tempfile.TemporaryDirectory() as tmp:  # interleaved, best of 2 each: the machine's speed drifts
         runs: dict[str, list[float]] = {"local": [], "ray": []}
-        for i in range(2):
+        for i in range(rounds):
             for kind in ("local", "ray") if i == 0 else ("ray", "local"):
                 runs[kind].append(demo_seconds_per_step({"type": kind}, args.steps, Path(tmp) / f"{kind}{i}"))
         local, under_ray = min(runs["local"]), min(runs["ray"])
-    tokenizer, prompts = demo_prompts(64)
+    tokenizer, prompts = demo_prompts(prompt_count)
     one = rollout_tokens_per_s(1, prompts, tokenizer)
     two = rollout_tokens_per_s(2, prompts, tokenizer)
     lost, duplicated, restarts = recovery(prompts, tokenizer)

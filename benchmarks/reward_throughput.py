@@ -32,6 +32,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import httpx
+from _smoke import add_smoke
 
 from postrl.config.run import RemoteRewardConfig, RewardConfig
 from postrl.reward.client import RemoteRewardService
@@ -214,7 +215,10 @@ def main() -> int:
     parser.add_argument("--soak-timeout-s", type=float, default=0.25, help="per-sample timeout in the soak")
     parser.add_argument("--math-batches", type=int, default=12)
     parser.add_argument("--code-programs", type=int, default=192)
+    add_smoke(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.soak_requests, args.soak_concurrency, args.math_batches, args.code_programs = 100, 8, 1, 8
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -232,7 +236,7 @@ def main() -> int:
         }
         server = Server(soak_reward, tmp)
         try:
-            asyncio.run(soak(server.url, 200, args.soak_concurrency, seed=1))  # warm-up
+            asyncio.run(soak(server.url, min(200, args.soak_requests), args.soak_concurrency, seed=1))  # warm-up
             rss_start = server.rss_mb()
             try:
                 result = asyncio.run(soak(server.url, args.soak_requests, args.soak_concurrency))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _smoke import add_smoke
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from postrl.models.loading import DEMO_MODEL_DIR
@@ -241,12 +242,23 @@ def main() -> int:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per engine; the best counts")
     parser.add_argument("--skip-demo", action="store_true")
+    add_smoke(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
+    from postrl.models.gguf import smollm2_dir, smollm2_gguf_path
 
-    from postrl.models.gguf import smollm2_dir
-
-    rows = [bench_model("SmolLM2-135M-Instruct", smollm2_dir(), True, args)]
+    rows = []
+    if args.smoke:
+        args.prompts, args.max_tokens, args.repeats, args.skip_demo = 4, 8, 1, False
+        if not VLLM_PYTHON.exists():
+            print(f"skipped vLLM: {VLLM_PYTHON} does not exist (scripts/setup_vllm.sh)")
+    try:
+        smollm2_gguf_path()
+        rows.append(bench_model("SmolLM2-135M-Instruct", smollm2_dir(), True, args))
+    except FileNotFoundError as exc:
+        if not args.smoke:
+            raise
+        print(f"skipped SmolLM2-135M-Instruct: {exc}")
     if not args.skip_demo:
         rows.append(bench_model("demo", DEMO_MODEL_DIR, False, args))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _smoke import add_smoke
+
 HERE = Path(__file__).resolve().parents[1] / "src"
 RUN = """
 import json, sys
@@ -53,11 +55,16 @@ def one_run(src: Path, steps: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline-src", required=True, help="the src/ folder of the tree to compare against")
+    parser.add_argument("--baseline-src", help="the src/ folder of the tree to compare against (required)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", action="store_true")
+    add_smoke(parser)
     args = parser.parse_args()
+    if args.smoke:  # this tree against itself, one round of 2 steps
+        args.baseline_src, args.rounds, args.steps = args.baseline_src or str(HERE), 1, 2
+    if args.baseline_src is None:
+        parser.error("--baseline-src is required")
     trees = {"this": HERE, "baseline": Path(args.baseline_src).resolve()}
     runs: dict[str, list[float]] = {name: [] for name in trees}
     print(f"{'round':>5}  {'tree':<9} {'median step (s)':>16}")

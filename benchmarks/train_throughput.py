@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+from _smoke import add_smoke, skip
 
 PROMPT, RESPONSE, G, GROUPS = 40, 64, 8, 2
 
@@ -112,9 +113,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
+    add_smoke(parser)
     args = parser.parse_args()
 
-    from postrl.models.gguf import smollm2_dir
+    from postrl.models.gguf import smollm2_dir, smollm2_gguf_path
+
+    if args.smoke:
+        args.rounds = 1
+        try:
+            smollm2_gguf_path()
+        except FileNotFoundError as exc:
+            skip(str(exc), args.json)
+            return 0
     from postrl.models.loading import load_causal_lm
 
     torch.manual_seed(0)

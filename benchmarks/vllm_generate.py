@@ -14,6 +14,14 @@ import time
 
 
 def main() -> None:
+    if "--smoke" in sys.argv:  # a helper, not a benchmark: rollout_throughput.py --smoke starts it where vLLM is
+        import importlib.util
+
+        why = "vLLM is not installed here" if importlib.util.find_spec("vllm") is None else "it is a helper"
+        print(f"skipped: {why}; rollout_throughput.py runs this script inside .venv-vllm (scripts/setup_vllm.sh)")
+        if "--json" in sys.argv:
+            print(json.dumps({"skipped": why}))
+        return
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -5,7 +5,6 @@ reward is 1 when the model's turn contains the secret."""
 from __future__ import annotations
 
 import threading
-import time
 
 from postrl.rollout.agentic.env import StepResult
 from postrl.rollout.agentic.tools import Tool, ToolBox
@@ -97,8 +96,8 @@ class ToolCaller(GuessNumber):
     """Offers ``tool``; whatever the model writes, calls it with ``arguments`` (the test's fault),
     then ends the episode with reward 1 when the tool answered and 0 when it erred."""
 
-    def __init__(self, tool=add, arguments=None, tool_timeout_s: float = 120.0):
-        self.tools = [Tool.from_function(tool)]
+    def __init__(self, tool: str = "add", arguments=None, tool_timeout_s: float = 120.0):
+        self.tools = [Tool.from_function(globals()[tool])]
         self.box = ToolBox(self.tools, timeout_s=tool_timeout_s)
         self.arguments = arguments if arguments is not None else {"a": "2", "b": "3"}
 

@@ -130,7 +130,14 @@ class ScriptedEnv:
 
 
 def run_script(
-    tok, turns: list[list[int]], env, n: int = 2, limits=EpisodeLimits(), policy="split", row: dict | None = None
+    tok,
+    turns: list[list[int]],
+    env,
+    n: int = 2,
+    limits=EpisodeLimits(),
+    policy="split",
+    row: dict | None = None,
+    tools_in_prompt="template",
 ) -> list[Rollout]:
     """Episodes whose model turns are ``turns`` (the same for every episode), through the runner
     with a scripted engine that checks the prompts it is given."""
@@ -146,7 +153,7 @@ def run_script(
             out.append(Rollout(i, list(p.prompt_ids), ids, [-0.5] * len(ids), tok.decode(ids), finish, 3))
         return out
 
-    runner = EpisodeRunner(generate, env, tok, limits, policy)
+    runner = EpisodeRunner(generate, env, tok, limits, policy, tools_in_prompt=tools_in_prompt)
     try:
         return runner.run([Prompt("Hi", [], columns=row or {}, messages=None)], SamplingParams(n=n, max_tokens=64))
     finally:

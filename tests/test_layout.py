@@ -103,3 +103,14 @@ def test_no_function_over_60_lines():
                 if length > 60:
                     long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({length} lines)")
     assert not long, long
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_every_benchmark_has_a_smoke_mode():
+    """tests/test_benchmarks.py runs each benchmark with --smoke: one without it would go unseen."""
+    scripts = [p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")]
+    assert len(scripts) >= 14
+    missing = [p.name for p in scripts if "add_smoke(parser)" not in p.read_text() and '"--smoke"' not in p.read_text()]
+    assert not missing, f"benchmarks without --smoke: {missing}"

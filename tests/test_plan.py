@@ -232,7 +232,7 @@ def test_train_refuses_a_run_that_does_not_fit_before_loading(tmp_path, capsys, 
         "output_dir": str(tmp_path / "runs"),
         "data": {"task": "arithmetic", "max_prompt_tokens": 64},
     }
-    with pytest.raises(ConfigError, match=r"train rank needs \d\d\.\d\d GB per GPU.*model\.lora\.r=16"):
+    with pytest.raises(ConfigError, match=r"train rank needs \d\d\.\d\d GB on the CPU.*model\.lora\.r=16"):
         train(RunConfig.model_validate(run))
     assert not (tmp_path / "runs").exists()  # nothing written
     warned = RunConfig.model_validate({**run, "plan": {"check": "warn"}})

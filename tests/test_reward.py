@@ -76,9 +76,9 @@ def test_custom_function_by_import_path_gets_columns():
 
 
 def test_unimportable_function_fails_at_start():
-    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.rewards': No module named 'no_such_pkg'"):
+    with pytest.raises(ValueError, match="function='no_such_pkg.rewards:score': no module named 'no_such_pkg'"):
         service(components=[custom("no_such_pkg.rewards:score")])
-    with pytest.raises(ValueError, match="has no callable 'nope'"):
+    with pytest.raises(ValueError, match=r"module 'tests.reward_fns' \(.*reward_fns.py\) has no 'nope'; it has: "):
         service(components=[custom("tests.reward_fns:nope")])
 
 

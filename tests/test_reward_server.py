@@ -178,7 +178,7 @@ def test_health_reports_protections_and_metrics_are_prometheus(code_server):
     _, url = code_server
     headers = {"Authorization": f"Bearer {TOKEN}"}
     health = httpx.get(url + "/health", headers=headers).json()
-    assert health["components"] == [{"name": "code", "type": "code", "weight": 1.0}]
+    assert health["components"] == [{"name": "code", "type": "code", "weight": 1.0, "accuracy": False}]
     assert health["sandbox_protections"]["resource_limits"] is True
     text = httpx.get(url + "/metrics", headers=headers).text
     assert "# TYPE postrl_reward_request_seconds histogram" in text

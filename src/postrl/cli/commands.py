@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
@@ -102,7 +103,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         target = target_for(args.gpu, args.gpu_memory)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    plan = make_plan(config, target, args.gpus)
+    gpus = args.gpus
+    if gpus is None and not target.accelerator:  # one machine: as postrl train checks it (plan.check)
+        gpus = max(1, config.scheduler.train.workers)
+    plan = make_plan(config, target, gpus)
     print(json.dumps(plan.to_dict()) if args.json else render_plan(plan))
     return 0 if plan.fits else 1
 
@@ -246,9 +250,19 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert_gguf(args: argparse.Namespace) -> int:
-    from postrl.models.gguf import convert_gguf
+    from postrl.models.gguf import GGUF_EXTRA, convert_gguf, smollm2_dir, smollm2_gguf_path
 
-    print(f"wrote {convert_gguf(args.file, args.out_dir)}")
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+        raise ConfigError(f"convert-gguf needs the gguf and accelerate packages: {GGUF_EXTRA}")
+    if args.file == "smollm2":
+        source = smollm2_gguf_path()  # FileNotFoundError: says how to install it
+        print(f"SmolLM2-135M-Instruct: {source}")
+        out = smollm2_dir() if args.out_dir is None else convert_gguf(source, args.out_dir)
+    elif args.out_dir is None:
+        raise ConfigError("convert-gguf FILE OUT_DIR: give the folder to write (only 'smollm2' has a default)")
+    else:
+        out = convert_gguf(args.file, args.out_dir)
+    print(f"wrote {out}")
     return 0
 
 
@@ -263,7 +277,10 @@ def _cmd_check_template(args: argparse.Namespace) -> int:
         raise ConfigError(f"--tools: unknown tool {unknown[0]!r} (built in: {', '.join(sorted(BUILTIN_TOOLS))})")
     model = args.model
     if model.endswith(".gguf"):
-        from postrl.models.gguf import convert_gguf
+        from postrl.models.gguf import GGUF_EXTRA, convert_gguf
+
+        if importlib.util.find_spec("gguf") is None:
+            raise ConfigError(f"reading {model} needs the gguf package: {GGUF_EXTRA}")
 
         model = str(convert_gguf(model, tempfile.mkdtemp(prefix="postrl-gguf-")))
     tokenizer = load_tokenizer(model)
@@ -272,8 +289,9 @@ def _cmd_check_template(args: argparse.Namespace) -> int:
     report = check_template(tokenizer, [Tool.from_function(BUILTIN_TOOLS[t], t).schema for t in args.tools] or None)
     for case in report.cases:
         print(case.line())
+    print(report.tools_line())
     print(report.summary())
-    return 0 if report.append_only else 1
+    return 0 if report.append_only and report.tools_rendered else 1
 
 
 def _cmd_serve_env(args: argparse.Namespace) -> int:

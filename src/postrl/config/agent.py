@@ -47,9 +47,18 @@ class AgentConfig(Section):
         description="environment: an episode's reward is the sum of its environment's rewards; service: the "
         "reward components score the transcript (their columns get messages and env_info).",
     )
+    tools_in_prompt: Literal["template", "system", "none"] = Field(
+        "template",
+        description="How the model learns of the environment's tools: template passes them to the chat template "
+        "(tools=; a run whose template drops them is refused), system writes them into a system message "
+        "(with the <tool_call> format) for templates that ignore tools=, as SmolLM2's does; none describes them "
+        "nowhere (the model was trained on them, or the environment's messages describe them).",
+    )
     env_workers: int = Field(
-        32, ge=1, description="Environment calls (or agent functions) run concurrently in this many threads; a call "
-        "abandoned at its time limit frees its place."
+        32,
+        ge=1,
+        description="Environment calls (or agent functions) run concurrently in this many threads; a call "
+        "abandoned at its time limit frees its place.",
     )
     env_timeout_s: float = Field(
         60.0,

@@ -20,6 +20,11 @@ class PreferenceDataConfig(Section):
     )
     max_tokens: int = Field(512, ge=2, description="Longest prompt + completion; longer pairs are errors (or skipped).")
     on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip.")
+    apply_chat_template: bool = Field(
+        False,
+        description="Wrap a string prompt as one user message (chat template, generation prompt added), and "
+        "its chosen and rejected strings as the assistant's answer; message lists always use the template.",
+    )
 
 
 class DPOConfig(Section):

@@ -34,7 +34,9 @@ def import_callable(spec: str, field: str) -> Callable[..., Any]:
         where = getattr(module, "__file__", None) or module_name
         raise ValueError(f"{field}={spec!r}: module '{module_name}' ({where}) has no '{attr}'; {_contents(module)}")
     if not callable(found):
-        raise ValueError(f"{field}={spec!r}: '{attr}' in module '{module_name}' is a {type(found).__name__}, not a class or function")
+        raise ValueError(
+            f"{field}={spec!r}: '{attr}' in module '{module_name}' is a {type(found).__name__}, not a class or function"
+        )
     return found
 
 

@@ -56,6 +56,11 @@ class _Component(Section):
         description="[low, high] the values should lie in; a value outside is kept but flagged "
         "(reward/flagged metric, the sample's 'flags', a console note).",
     )
+    accuracy: bool = Field(
+        False,
+        description="This component is the accuracy metric: a sample is correct when its value reaches "
+        "reward.accuracy_threshold (at most one component; default: the first exact_match or math one).",
+    )
 
     @model_validator(mode="after")
     def _range_in_order(self) -> _Component:
@@ -191,10 +196,19 @@ class RewardConfig(Section):
         min_length=1,
         description="Named, weighted reward terms summed into the reward, each logged as reward/<name>/mean.",
     )
+
+    @field_validator("components")
+    @classmethod
+    def _one_accuracy_component(cls, v: list[Any]) -> list[Any]:
+        marked = [c.name for c in v if c.accuracy]
+        if len(marked) > 1:
+            raise ValueError(f"components {marked} are all marked accuracy: true; mark one")
+        return v
+
     accuracy_threshold: float = Field(
         1.0,
-        description="A sample counts as correct (the accuracy metric) when its first math/exact_match "
-        "component reaches this value.",
+        description="A sample counts as correct (the accuracy metric) when its accuracy component (the one "
+        "marked accuracy: true, else the first math/exact_match one) reaches this value.",
     )
     timeout_s: float = Field(5.0, gt=0.0, description="Per-sample scoring timeout; the worker is killed past it.")
     num_workers: int = Field(2, ge=1, description="Scoring worker processes.")

@@ -78,6 +78,7 @@ class Components:
     buffer: ExperienceStore
     scheduler: Scheduler | None = None  # placed the workers; closed last
     critic: Critic | None = None  # when algorithm.critic is set (PPO with GAE)
+    episodes: EpisodeSource | None = None  # an agent: run's episodes (built and checked before the run starts)
 
 
 class Controller:
@@ -109,8 +110,7 @@ class Controller:
         self.syncer: BackgroundSync | None = None
         self._pipeline_state: dict[str, Any] | None = None
         self._report: ProducedBatch | None = None  # async: the batch the step in progress trains on
-        errors_log = self.config.run_dir / "episode_errors.log"
-        self.episodes = None if self.config.agent is None else EpisodeSource(self.config.agent, parts.tokenizer, errors_log)
+        self.episodes = parts.episodes
         self.last_sync_bytes = 0
         self.engine_healthy = True
 
@@ -283,12 +283,17 @@ class Controller:
             "data/skipped_rows": float(len(self.parts.dataset.skipped)),
             "rollout/weight_version": float(min(r.weight_version for r in rollouts)),
             "rollout/partial_rollouts": float(sum(r.token_versions() is not None for r in rollouts)),
-            **accuracy(rewards, self.parts.reward.accuracy_component, self.config.reward.accuracy_threshold),
+            **accuracy(rewards, self.accuracy_name, self.config.reward.accuracy_threshold),
             **{f"time/{name}_s": value for name, value in seconds.items()},
             **stage_metrics,
             **episode_metrics(rollouts),
         }
         return ProducedBatch(values, step_notes(rewards, values["reward/no_signal_groups"]))
+
+    @property
+    def accuracy_name(self) -> str | None:
+        """The reward component that is the ``accuracy`` metric (an agent run's environment reward)."""
+        return "environment" if self.episodes and self.episodes.scores_itself else self.parts.reward.accuracy_component
 
     def consume(self, timer: StageTimer, metrics: dict[str, float]) -> TrainMetrics:
         """Get a step's experiences from the buffer, train, learn from the update, sync."""

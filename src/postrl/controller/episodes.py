@@ -29,7 +29,11 @@ class EpisodeSource:
     """Whole episodes for a batch: an environment's (``agent.env``), or an OpenAI-API agent's
     recorded calls (``agent.function``)."""
 
-    def __init__(self, config: AgentConfig, tokenizer: Any, errors_log: Path | None = None) -> None:
+    def __init__(
+        self, config: AgentConfig, tokenizer: Any, errors_log: Path | None = None, model: str = "the model"
+    ) -> None:
+        """Finds the environment (or agent function) and checks, before the run starts, that one can be
+        made and that its tools reach the prompt; a ConfigError names the field to change."""
         self.config, self.tokenizer, self.errors_log = config, tokenizer, errors_log
         self.limits = EpisodeLimits(
             config.max_turns,
@@ -44,8 +48,20 @@ class EpisodeSource:
             report = check_template(tokenizer)
         else:
             assert config.env is not None
-            self.make_env = environment_factory(config.env)
-            report = check_template(tokenizer, self._probe_tools() or None)
+            try:
+                self.make_env = environment_factory(config.env)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            tools = self._probe_tools()
+            report = check_template(tokenizer, tools or None)
+            if tools and not report.tools_rendered and config.tools_in_prompt == "template":
+                names = ", ".join(t["function"]["name"] for t in tools)
+                raise ConfigError(
+                    f"agent.tools_in_prompt=template: the chat template of {model} ignores tools=, so the model "
+                    f"would never see the tools of agent.env={config.env} ({names}); set agent.tools_in_prompt: "
+                    "system (postrl writes them into a system message), none (the model was trained on them) or use a "
+                    "model whose template renders tools"
+                )
         (log.info if report.append_only else log.warning)("agent: %s", report.summary(config.on_prefix_break))
 
     def _probe_tools(self) -> list[dict[str, Any]]:
@@ -76,6 +92,7 @@ class EpisodeSource:
             self.config.on_prefix_break,
             self.config.env_workers,
             self.config.env_options,
+            self.config.tools_in_prompt,
         )
         try:
             return runner.run(prompts, sampling)
@@ -96,22 +113,23 @@ class EpisodeSource:
         service's on the transcript. An episode that failed (its environment or agent function raised,
         timed out or answered malformed) is unscorable with the failure as its reason, in either mode,
         and its traceback goes to ``episode_errors.log``."""
-        if self.scores_itself:
-            results = self.rewards(rollouts)
-        else:
-            results = [failed_result(r) for r in rollouts]
-            todo = [i for i, res in enumerate(results) if res is None]
-            try:
-                scored = reward.score_batch(self.requests(prompts, [rollouts[i] for i in todo]))
-            except RewardServiceError as exc:
-                scored = [RewardResult(reward=None, error=str(exc)) for _ in todo]
-            for i, res in zip(todo, scored, strict=True):
-                results[i] = res
         self._log_failures(prompts, rollouts)
+        if self.scores_itself:
+            return self.rewards(rollouts)
+        results: list[RewardResult | None] = [failed_result(r) for r in rollouts]
+        todo = [i for i, res in enumerate(results) if res is None]
+        try:
+            scored = reward.score_batch(self.requests(prompts, [rollouts[i] for i in todo]))
+        except RewardServiceError as exc:
+            scored = [RewardResult(reward=None, error=str(exc)) for _ in todo]
+        for i, res in zip(todo, scored, strict=True):
+            results[i] = res
         return [res for res in results if res is not None]
 
     def _log_failures(self, prompts: list[Prompt], rollouts: list[Rollout]) -> None:
-        failed = [r for r in rollouts if r.episode is not None and r.episode.part == 0 and "env_error" in r.episode.info]
+        failed = [
+            r for r in rollouts if r.episode is not None and r.episode.part == 0 and "env_error" in r.episode.info
+        ]
         if not failed or self.errors_log is None:
             return
         self.errors_log.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,6 @@ def _first_traceback(rollouts: list[Rollout], log: Path) -> str:
     for r in rollouts:
         text = r.episode.info.get("env_traceback") if r.episode is not None else None
         if text:
-            lines = [line for line in text.rstrip().splitlines() if line.strip()]
+            lines = [line for line in text.rstrip().splitlines() if line.strip(" ^~")]  # no 3.11 caret lines
             return f"\nthe first failure (every traceback is in {log}):\n" + "\n".join(lines[-3:])
     return ""

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from postrl.types import Prompt, RewardResult, Rollout, StepBatch
+from postrl.types.episode import Episode
 
 T = TypeVar("T")
 
@@ -82,9 +83,19 @@ def write_samples(
                 "prompt_index": r.prompt_index,
                 "source": prompt.source,
                 "metadata": None if step is None else _plain_metadata(step, i),
+                "episode": None if r.episode is None else _episode_row(r.episode),
             }
-            f.write(json.dumps(row, allow_nan=True) + "\n")
+            f.write(json.dumps(row, allow_nan=True, default=repr) + "\n")  # an env's info may hold anything
     return path
+
+
+def _episode_row(episode: Episode) -> dict[str, Any]:
+    """What the samples file shows of a rollout's episode: how it ended, where its time went, and
+    its failure (the traceback is in episode_errors.log)."""
+    info = {k: v for k, v in episode.info.items() if k != "env_traceback"}
+    return {"finish_reason": episode.finish_reason, "turns": len(episode.turns), "tool_calls": episode.tool_calls,
+            "tool_errors": episode.tool_errors, "env_s": round(episode.env_s, 3),
+            "generate_s": round(episode.generate_s, 3), "part": episode.part, "info": info}  # fmt: skip
 
 
 def _plain_metadata(step: StepBatch, row: int) -> dict:

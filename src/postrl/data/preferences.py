@@ -24,7 +24,9 @@ def _completion_ids(tokenizer: Any, text: str) -> list[int]:
     return ids + ([eos] if eos is not None and (not ids or ids[-1] != eos) else [])
 
 
-def pair_from_row(row: Any, tokenizer: Any, max_tokens: int) -> tuple[list[int], list[int], list[int]]:
+def pair_from_row(
+    row: Any, tokenizer: Any, max_tokens: int, chat_template: bool = False
+) -> tuple[list[int], list[int], list[int]]:
     """(prompt, chosen, rejected) token ids of one row; ValueError with the reason when malformed."""
     if not isinstance(row, dict):
         raise ValueError(f"row must be an object, got {type(row).__name__}")
@@ -36,7 +38,12 @@ def pair_from_row(row: Any, tokenizer: Any, max_tokens: int) -> tuple[list[int],
         prompt = row.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"'prompt' must be a non-empty string, got {prompt!r}")
-        prompt_ids = tokenizer(prompt)["input_ids"]
+        if chat_template:  # as a chat: the prompt is the user's message, rendered with the generation prompt
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)  # fmt: skip
+            prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            prompt_ids = tokenizer(prompt)["input_ids"]
         pair = (prompt_ids, _completion_ids(tokenizer, chosen), _completion_ids(tokenizer, rejected))
     elif isinstance(chosen, list) and isinstance(rejected, list):
         for name, messages in (("chosen", chosen), ("rejected", rejected)):
@@ -63,10 +70,10 @@ def pair_from_row(row: Any, tokenizer: Any, max_tokens: int) -> tuple[list[int],
 
 
 def load_preference_pairs(
-    files: list[str], tokenizer: Any, max_tokens: int, on_bad_row: str = "error"
+    files: list[str], tokenizer: Any, max_tokens: int, on_bad_row: str = "error", chat_template: bool = False
 ) -> tuple[list[PreferencePair], list[str]]:
     def parse(source: str, row: Any) -> PreferencePair:
-        return PreferencePair(*pair_from_row(row, tokenizer, max_tokens), source)
+        return PreferencePair(*pair_from_row(row, tokenizer, max_tokens, chat_template), source)
 
     pairs, skipped = parse_rows(file_rows(files), parse, on_bad_row)
     if not pairs:

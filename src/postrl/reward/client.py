@@ -44,7 +44,9 @@ class RemoteRewardService:
         self.retries_done = 0
         self.info = self._request("GET", "/health")
         self.components = self.info.get("components", [])
-        self.accuracy_component = accuracy_component([(c["name"], c.get("type", "")) for c in self.components])
+        self.accuracy_component = accuracy_component(
+            [(c["name"], c.get("type", ""), bool(c.get("accuracy"))) for c in self.components]
+        )
 
     def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
         return self.score_batch([ScoreRequest(prompt, response, columns)])[0]

@@ -70,10 +70,12 @@ def component_type(comp: RewardComponentConfig) -> ComponentType:
     return COMPONENT_TYPES[comp.type]
 
 
-def accuracy_component(components: list[tuple[str, str]]) -> str | None:
-    """The first verifiable component of ``(name, type)`` pairs: its value counts as correct."""
-    return next(
-        (name for name, kind in components if kind in COMPONENT_TYPES and COMPONENT_TYPES[kind].verifiable), None
+def accuracy_component(components: list[tuple[str, str, bool]]) -> str | None:
+    """The component whose value counts as correct, of ``(name, type, marked)`` triples: the one
+    marked ``accuracy: true``, else the first verifiable one (exact_match, math), else none."""
+    marked = next((name for name, _, flag in components if flag), None)
+    return marked or next(
+        (name for name, kind, _ in components if kind in COMPONENT_TYPES and COMPONENT_TYPES[kind].verifiable), None
     )
 
 

@@ -43,7 +43,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from postrl.reward.pool_jobs import (
-    Batch, Job, JobResult, PoolClosedError, PoolStats, Worker, kill_worker, sibling_key,
+    Batch,
+    Job,
+    JobResult,
+    PoolClosedError,
+    PoolStats,
+    Worker,
+    kill_worker,
+    sibling_key,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)

@@ -101,7 +101,9 @@ def build_reward_app(service: RewardService, server: RewardServerConfig, token: 
     def health() -> dict[str, Any]:
         return {
             "status": "ok",
-            "components": [{"name": c.name, "type": c.type, "weight": c.weight} for c in service.components],
+            "components": [
+                {"name": c.name, "type": c.type, "weight": c.weight, "accuracy": c.accuracy} for c in service.components
+            ],
             "sandbox_protections": service.sandbox_protections,
             "workers": service.config.num_workers,
         }

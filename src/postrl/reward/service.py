@@ -52,7 +52,7 @@ class RewardService:
             if self._pooled
             else None
         )
-        self.accuracy_component = accuracy_component([(c.name, c.type) for c in self.components])
+        self.accuracy_component = accuracy_component([(c.name, c.type, c.accuracy) for c in self.components])
 
     # -- what a component's builder may ask (postrl.reward.components.BuildContext) ----------------
     @property

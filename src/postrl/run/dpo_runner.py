@@ -54,7 +54,11 @@ def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = Fals
     site.check(resume, overwrite)
     tokenizer = load_tokenizer(config.model.path)
     pairs, skipped = load_preference_pairs(
-        config.data.train_files, tokenizer, config.data.max_tokens, config.data.on_bad_row
+        config.data.train_files,
+        tokenizer,
+        config.data.max_tokens,
+        config.data.on_bad_row,
+        config.data.apply_chat_template,
     )
     default_decay_steps(config.train, config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size))
     site.open(resume, overwrite, echo)

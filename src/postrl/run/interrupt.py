@@ -75,7 +75,9 @@ def leave_now_if_threads_hang(code: int, grace_s: float = 3.0) -> None:
         if thread is threading.current_thread() or thread.daemon:
             continue
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    stuck = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+    stuck = [
+        t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon and t.is_alive()
+    ]
     if stuck:
         print(f"leaving {len(stuck)} stuck thread(s) behind: {', '.join(sorted(stuck)[:5])}", file=sys.stderr)
         sys.stdout.flush()

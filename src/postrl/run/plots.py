@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from postrl.run.metrics import read_metrics
@@ -11,12 +12,14 @@ def plot_metrics(run_dir: Path, held_out: tuple[float, float] | None = None, tit
     """``run_dir/reward_accuracy.png`` from ``metrics.jsonl``; None when there is nothing to draw."""
     path = run_dir / "metrics.jsonl"
     rows = [r for r in read_metrics(path) if "reward/mean" in r] if path.is_file() else []
+    rows = [r for r in rows if math.isfinite(r["reward/mean"])]  # a step with every sample unscorable has none
     if not rows:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -31,6 +34,7 @@ def plot_metrics(run_dir: Path, held_out: tuple[float, float] | None = None, tit
     if held_out is not None:
         ax.scatter([0, steps[-1]], list(held_out), color="black", zorder=3, label="held-out accuracy (greedy)")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 1.5 on a short run's axis
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title or f"postrl: {run_dir.name}")

@@ -17,13 +17,13 @@ import torch
 from postrl.config.loading import save_config
 from postrl.config.run import ConfigError, RewardConfig, RunConfig
 from postrl.controller.controller import Components, Controller
+from postrl.controller.episodes import EpisodeSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.models.devices import DeviceError, resolve_device
 from postrl.models.loading import context_length, load_tokenizer
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
-from postrl.rollout.agentic.env import environment_factory
 from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
 from postrl.run.lifecycle import RunSite, StepLoop, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
@@ -69,11 +69,9 @@ def build_components(config: RunConfig) -> Components:
     dataset = load_dataset(config, tokenizer)
     if config.scores_with_components:
         check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
-    if config.agent is not None and config.agent.env is not None:
-        try:
-            environment_factory(config.agent.env)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    episodes = None
+    if config.agent is not None:  # the environment found, made once and its tools checked against the template
+        episodes = EpisodeSource(config.agent, tokenizer, config.run_dir / "episode_errors.log", config.model.path)
     scheduler = make_scheduler(config)
     built: list = []
     try:
@@ -99,6 +97,7 @@ def build_components(config: RunConfig) -> Components:
         buffer,
         scheduler,
         critic[0] if critic else None,
+        episodes,
     )
 
 
@@ -142,6 +141,17 @@ def make_sinks(
     return sinks
 
 
+def describe_accuracy(config: RunConfig, component: str | None) -> str:
+    """Which number the run's ``accuracy`` is, said once at the start."""
+    if not config.scores_with_components:
+        return f"accuracy: the environment's reward >= {config.reward.accuracy_threshold:g}"
+    if component is None:
+        return ("accuracy: none (no exact_match or math component; mark one component accuracy: true to "
+                "report one)")  # fmt: skip
+    return f"accuracy: reward component '{component}' >= {config.reward.accuracy_threshold:g}"
+
+
+NOTHING_TO_PLOT = "plot: nothing to plot (no step had a scorable sample; see samples/ and reward_workers.log)"
 DEFAULT_MAX_PROMPT_TOKENS = 512  # for models that do not declare a context length
 
 
@@ -287,6 +297,7 @@ def train(
             report_skipped_rows(parts.dataset, run_dir, echo)
             parts.reward.set_log_file(run_dir / "reward_workers.log")
             echo(describe_placement(config))
+            echo(describe_accuracy(config, parts.reward.accuracy_component))
             if place.url:
                 echo(f"run: {place.url} (working copy on this machine: {run_dir})")
             controller = Controller(parts, sync_dir=Path(sync_dir))
@@ -369,7 +380,7 @@ def _run_loop(
         sinks=lambda echo: make_sinks(config, config.run_dir, resume_step, echo=echo, total=config.steps),
         observers=observers,
         published_at_end=PUBLISHED_AT_END,
-        at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else None,
+        at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else NOTHING_TO_PLOT,
     )
     loop.run(TrainJob(controller))
 

@@ -120,3 +120,18 @@ class ChatRenderer:
             if token and tail.startswith(token):
                 return [self.tokenizer.convert_tokens_to_ids(token)]
         return []
+
+
+def with_tools_system_message(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the tools described in their system message (one is added first when there
+    is none): for chat templates that ignore ``tools=`` (``agent.tools_in_prompt: system``)."""
+    import json
+
+    lines = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    text = (
+        'You may call these tools. To call one, write <tool_call>{"name": ..., "arguments": {...}}</tool_call>; '
+        f"its answer comes back in a tool message.\n<tools>\n{lines}\n</tools>"
+    )
+    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

@@ -59,7 +59,9 @@ def check_step_result(result: Any) -> StepResult:
     reward = result.reward
     if reward is not None:
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-            raise EnvironmentOutputError(f"StepResult.reward must be a number or None, got {type(reward).__name__} {reward!r:.40}")
+            raise EnvironmentOutputError(
+                f"StepResult.reward must be a number or None, got {type(reward).__name__} {reward!r:.40}"
+            )
         if not math.isfinite(reward):
             raise EnvironmentOutputError(f"StepResult.reward must be finite, got {reward}")
         result.reward = float(reward)

@@ -17,9 +17,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
-from postrl.rollout.agentic.chat import ChatRenderer
+from postrl.rollout.agentic.chat import ChatRenderer, with_tools_system_message
 from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, StepResult
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
@@ -100,15 +101,17 @@ class EpisodeRunner:
         on_prefix_break: PrefixPolicy = "split",
         env_workers: int = 8,
         env_options: dict[str, Any] | None = None,
+        tools_in_prompt: Literal["template", "system", "none"] = "template",
     ) -> None:
         self.generate, self.make_env, self.tokenizer = generate, make_env, tokenizer
         self.limits, self.on_prefix_break = limits, on_prefix_break
         self.env_options = env_options or {}
-        self.env_workers = env_workers
+        self.env_workers, self.tools_in_prompt = env_workers, tools_in_prompt
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
         jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
-        started = self._limited([lambda p=p: self._reset(p) for _, p in jobs], "environment reset")
+        resets: list[Callable[[], Any]] = [partial(self._reset, p) for _, p in jobs]
+        started = self._limited(resets, "environment reset")
         try:
             episodes = [self._start(job, outcome) for job, outcome in zip(jobs, started)]
             renderer = self._renderer(episodes)
@@ -118,7 +121,8 @@ class EpisodeRunner:
                 self._turn(running, renderer, turn)
             return [r for e in episodes for r in self._rollouts(e, renderer)]
         finally:  # unwinding (a stop signal, an error): closes get a second, not the whole time limit
-            self._close([o.value[0] for o in started if o.error is None], 1.0 if sys.exc_info()[0] else None)
+            made = [o.value[0] for o in started if o.value is not None]
+            self._close(made, 1.0 if sys.exc_info()[0] else None)
 
     def _limited(self, calls: list[Callable[[], Any]], what: str) -> list[Outcome[Any]]:
         return run_limited(calls, self.limits.env_timeout_s, self.env_workers, what)
@@ -132,7 +136,12 @@ class EpisodeRunner:
 
     def _renderer(self, episodes: list[_Live]) -> ChatRenderer:
         env = next((e.env for e in episodes if e.env is not None), None)
-        return ChatRenderer(self.tokenizer, [t.schema for t in env.tools] if env is not None else None)
+        return self._renderer_for(env)
+
+    def _renderer_for(self, env: Environment | None) -> ChatRenderer:
+        """The chat template with the environment's tools (none: they are in the system message)."""
+        tools = [t.schema for t in env.tools] if env is not None and self.tools_in_prompt == "template" else None
+        return ChatRenderer(self.tokenizer, tools)
 
     def _reset(self, prompt: Prompt) -> tuple[Environment, list[dict[str, Any]] | Exception]:
         """A new environment and its first messages, or, once it is made, the reason its reset failed
@@ -148,12 +157,15 @@ class EpisodeRunner:
         """The episode after its reset; one whose environment could not be made or reset is over
         (env_error) before its first turn."""
         index, prompt = job
-        env, messages = outcome.value if outcome.error is None else (None, outcome.error)
-        if isinstance(messages, BaseException):
+        env, messages = outcome.value if outcome.value is not None else (None, outcome.error)
+        if env is None or not isinstance(messages, list):
             failed = _Live(index, f"episode-{next(_keys)}", env, [], "", TrajectorySample([]), finish="env_error")
+            assert isinstance(messages, BaseException)
             failed.info.update(failure_info(messages, "reset"))
             return failed
-        renderer = ChatRenderer(self.tokenizer, [t.schema for t in env.tools])
+        if self.tools_in_prompt == "system" and env.tools:
+            messages = with_tools_system_message(messages, [t.schema for t in env.tools])
+        renderer = self._renderer_for(env)
         text = renderer.render(messages, generation_prompt=True)
         ids = renderer.encode(text)
         if len(ids) >= self.limits.max_context:
@@ -186,7 +198,7 @@ class EpisodeRunner:
         for e, r in generated:
             self._record_generation(e, r, renderer)
         stepping = [e for e, _ in generated if e.finish == "pending"]
-        steps = [lambda e=e: check_step_result(e.env.step(e.contents[-1])) for e in stepping]
+        steps: list[Callable[[], Any]] = [partial(_step, e) for e in stepping]
         for e, outcome in zip(stepping, self._limited(steps, "environment step"), strict=True):
             e.env_s += outcome.seconds
             self._observe(e, outcome, renderer)
@@ -273,10 +285,16 @@ class EpisodeRunner:
         """Nothing to free: the environments of a run are closed at its end."""
 
 
+def _step(e: _Live) -> StepResult:
+    """The episode's environment answering the model's last turn, checked."""
+    assert e.env is not None
+    return check_step_result(e.env.step(e.contents[-1]))
+
+
 def failed_rollout(prompt_index: int, prompt_ids: list[int], episode: Episode) -> Rollout:
     """An episode that failed before the model's first token: no tokens to train on, but a row that
     carries its failure to the reward, the failure rate and the samples file."""
-    return Rollout(prompt_index, list(prompt_ids), [], [], "", "env_error", 0, episode=episode)  # type: ignore[arg-type]
+    return Rollout(prompt_index, list(prompt_ids), [], [], "", "env_error", 0, episode=episode)
 
 
 def sample_rollout(

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 _PACKAGE = str(Path(__file__).resolve().parents[2])  # src/postrl: frames of ours are not the user's
@@ -99,7 +99,7 @@ def call_limited(fn: Callable[[], T], timeout_s: float | None, what: str = "call
     (outcome,) = run_limited([fn], timeout_s, 1, what)
     if outcome.error is not None:
         raise outcome.error
-    return outcome.value  # type: ignore[return-value]
+    return cast(T, outcome.value)
 
 
 class LimitedWorker:
@@ -129,7 +129,7 @@ class LimitedWorker:
             raise CallTimedOut(f"{what} timed out after {timeout_s:g} s") from None
         if outcome.error is not None:
             raise outcome.error
-        return outcome.value  # type: ignore[no-any-return]
+        return cast(T, outcome.value)
 
     def close(self) -> None:
         if self._jobs is not None:

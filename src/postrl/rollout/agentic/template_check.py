@@ -79,6 +79,7 @@ class CaseReport:
 @dataclass(frozen=True)
 class TemplateReport:
     cases: list[CaseReport]
+    tools_rendered: bool = True  # the tool definitions (tools=) reach the rendered prompt
 
     @property
     def append_only(self) -> bool:
@@ -89,17 +90,45 @@ class TemplateReport:
 
     def summary(self, policy: str | None = None) -> str:
         if self.append_only:
-            return "the chat template is append-only in every probe: each turn's context extends the last exactly"
-        text = f"the chat template rewrites earlier turns in: {', '.join(self.broken())}"
-        if policy is not None:
-            text += f"; agent.on_prefix_break={policy} applies there"
-        return text
+            text = "the chat template is append-only in every probe: each turn's context extends the last exactly"
+        else:
+            text = f"the chat template rewrites earlier turns in: {', '.join(self.broken())}"
+            if policy is not None:
+                text += f"; agent.on_prefix_break={policy} applies there"
+        return text if self.tools_rendered else f"{text}; {TOOLS_DROPPED}"
+
+    def tools_line(self) -> str:
+        return (
+            "tools               rendered into the prompt"
+            if self.tools_rendered
+            else f"tools               {TOOLS_DROPPED}"
+        )
+
+
+TOOLS_DROPPED = (
+    "the template DROPS the tool definitions (tools=): the model never sees them; set agent.tools_in_prompt: "
+    "system (postrl writes them into a system message), none (the model knows them) or use a template that "
+    "renders tools"
+)
+
+
+def tools_reach_prompt(renderer: ChatRenderer) -> bool:
+    """Whether the template puts the renderer's tools into the prompt: the rendering changes with
+    them and names each tool."""
+    if not renderer.tools:
+        return True
+    messages = [_user("Say hi")]
+    bare = ChatRenderer(renderer.tokenizer).render(messages, generation_prompt=True)
+    full = renderer.render(messages, generation_prompt=True)
+    names = [t.get("function", {}).get("name", "") for t in renderer.tools]
+    return full != bare and all(name in full for name in names)
 
 
 def check_template(tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> TemplateReport:
     renderer = ChatRenderer(tokenizer, tools or [CALCULATOR_SCHEMA])
     end = "".join(renderer.decode(renderer.end_of_turn_ids()))
-    return TemplateReport([_check_case(renderer, name, *PROBES[name], end) for name in PROBES])
+    cases = [_check_case(renderer, name, *PROBES[name], end) for name in PROBES]
+    return TemplateReport(cases, tools_reach_prompt(renderer))
 
 
 def _check_case(

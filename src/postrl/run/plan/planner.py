@@ -36,11 +36,12 @@ class Problem:
     available_bytes: int
     fixes: list[str]
     sized_by: str = ""  # the fields that set the sequences' length
+    per: str = "per GPU"  # "on the CPU" for a plan of this machine
 
     def message(self) -> str:
         sized = f" with sequences of {self.sized_by}" if self.sized_by else ""
         return (
-            f"{self.role} needs {self.needed_bytes / GB:.2f} GB per GPU{sized}, more than the "
+            f"{self.role} needs {self.needed_bytes / GB:.2f} GB {self.per}{sized}, more than the "
             f"{self.available_bytes / GB:.2f} GB usable; " + "; or ".join(self.fixes)
         )
 
@@ -100,6 +101,10 @@ class Plan:
         }
 
 
+def where_on(target: Target) -> str:
+    return "per GPU" if target.accelerator else "on the CPU"
+
+
 def make_plan(config: RunConfig, target: Target, gpus: int | None = None, eff: Efficiency = Efficiency()) -> Plan:
     """The plan of ``config`` on ``gpus`` GPUs of ``target`` (None: as many as it takes)."""
     shape = load_shape(config.model.path)
@@ -115,11 +120,13 @@ def make_plan(config: RunConfig, target: Target, gpus: int | None = None, eff: E
     plan.roles.append(memory)
     if plan.train_fsdp is None:
         fixes = train_fixes(config, shape, run, usable, limit)
-        plan.problems.append(Problem(memory.role, memory.total, usable, fixes, run.sized_by))
+        plan.problems.append(Problem(memory.role, memory.total, usable, fixes, run.sized_by, where_on(target)))
     for role in side_roles(config, shape, run, setup.micro, memory.ranks):
         plan.roles.append(role)
         if role.total > usable:
-            plan.problems.append(Problem(role.role, role.total, usable, [f"more GPUs for the {role.role}"]))
+            plan.problems.append(
+                Problem(role.role, role.total, usable, [f"more GPUs for the {role.role}"], per=where_on(target))
+            )
     tp, concurrency = plan.rollout_tp or 1, plan.rollout_max_concurrency or 1
     gen_s, train_s = step_seconds(
         config, shape, run, target, tp, min(concurrency, rollout_setup(config, run).concurrency), eff
@@ -154,7 +161,7 @@ def plan_rollout(plan: Plan, config: RunConfig, shape: ModelShape, run: RunShape
     plan.roles.append(memory)
     if plan.rollout_tp is None:
         fixes = rollout_fixes(shape, setup, usable, limit)
-        plan.problems.append(Problem(memory.role, memory.total, usable, fixes, run.sized_by))
+        plan.problems.append(Problem(memory.role, memory.total, usable, fixes, run.sized_by, where_on(plan.target)))
 
 
 def side_roles(config: RunConfig, shape: ModelShape, run: RunShape, micro: MicroBatch, ranks: int) -> list[RoleMemory]:

@@ -23,9 +23,10 @@ def count(n: int) -> str:
 
 def render_plan(plan: Plan) -> str:
     g = plan.target.gpu
+    per = "per GPU" if plan.target.accelerator else "in all"
     lines = [
         f"postrl plan: {plan.model} ({count(plan.params)} parameters) on {g.name} "
-        f"({g.memory_gb:g} GB, {plan.target.usable_bytes / GB:.1f} GB usable per GPU)",
+        f"({g.memory_gb:.1f} GB, {plan.target.usable_bytes / GB:.1f} GB usable {per})",
         "",
         *memory_table(plan),
         "",
@@ -43,14 +44,14 @@ def render_plan(plan: Plan) -> str:
 def memory_table(plan: Plan) -> list[str]:
     names = [r.role for r in plan.roles]
     width = max(14, *(len(n) + 2 for n in names))
-    head = "per GPU".ljust(18) + "".join(n.rjust(width) for n in names)
+    head = ("per GPU" if plan.target.accelerator else "on the CPU").ljust(18) + "".join(n.rjust(width) for n in names)
     ranks = "ranks".ljust(18) + "".join(
         (f"TP={r.ranks}" if r.role == "rollout engine" else f"FSDP={r.ranks}").rjust(width) for r in plan.roles
     )
     rows = [head, ranks]
     for item in ITEMS:
         if any(item in r.items for r in plan.roles):
-            cells = [size(r.items[item]) if item in r.items else "-" for r in plan.roles]
+            cells = [size(r.items[item]) if r.items.get(item) else "-" for r in plan.roles]
             rows.append(item.replace("_", " ").ljust(18) + "".join(c.rjust(width) for c in cells))
     rows.append("total".ljust(18) + "".join(size(r.total).rjust(width) for r in plan.roles))
     return rows
@@ -63,7 +64,7 @@ def sizes_lines(plan: Plan) -> list[str]:
     out.append(
         f"training: FSDP size {plan.train_fsdp or 'none fits'}; micro-batch of {d['micro_batch_tokens']} tokens: "
         f"activations {size(float(d['activations_without_checkpointing']))} without checkpointing, "
-        f"{size(float(d['activations_with_checkpointing']))} with; {float(d['model_state_bytes_per_param']):g} "
+        f"{size(float(d['activations_with_checkpointing']))} with; {float(d['model_state_bytes_per_param']):.3g} "
         "bytes of model state per parameter"
     )
     if plan.rollout_max_concurrency is not None:
@@ -77,6 +78,8 @@ def sizes_lines(plan: Plan) -> list[str]:
 
 
 def split_lines(plan: Plan) -> list[str]:
+    if not plan.target.accelerator:  # the rates a GPU estimate rests on say nothing of a CPU's step
+        return ["time: no estimate on a CPU (its speed is not modelled: run a few steps and read time/step_s)"]
     s = plan.split
     eff = s["efficiency"]
     assumed = (
