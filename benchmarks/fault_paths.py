@@ -167,10 +167,13 @@ AGENT_FAULTS = {  # name: (overrides, expected outcome)
     "non-numeric reward": (["agent.env=tests.fault_envs:NonNumericReward"], "run_stopped_clearly"),
     "step hangs (1 prompt in 4)": (["agent.env=tests.fault_envs:SomeStepsHang"], "episode_unscorable"),
     "tool hangs": (
-        ["agent.env=tests.fault_envs:ToolCaller", "agent.env_options={tool: slow_lookup, arguments: {key: x}}"],
+        ["agent.env=tests.fault_envs:ToolCaller", "agent.env_options={tool: slow_lookup, arguments: {key: x}}",
+         "agent.tools_in_prompt=none"],
         "run_stopped_clearly",
     ),
-    "tool gets wrongly typed arguments": (["agent.env=tests.fault_envs:ToolCaller"], "tool_error_counted"),
+    "tool gets wrongly typed arguments": (
+        ["agent.env=tests.fault_envs:ToolCaller", "agent.tools_in_prompt=none"], "tool_error_counted"
+    ),
     "agent function raises": (["agent.env=null", "agent.function=tests.fault_envs:agent_raises"], "run_stopped_clearly"),
     "serve-env reset fails": (["agent.env={serve_env}"], "run_stopped_clearly"),
 }  # fmt: skip
@@ -197,7 +200,7 @@ def agent_config(folder: Path, timeout_s: float) -> Path:
         "data": {"train_files": [str(folder / "rows.jsonl")], "shuffle": False},
         "rollout": {"n": 4, "max_tokens": 8},
         "agent": {"env": "tests.fault_envs:GuessNumber", "max_context": 100, "max_tokens_per_turn": 8,
-                  "env_timeout_s": timeout_s, "function_timeout_s": timeout_s},
+                  "env_timeout_s": timeout_s, "function_timeout_s": 10 * timeout_s},
         "train": {"mini_batch_size": 16, "micro_batch_size": 16},
         "checkpoint": {"every_steps": 0},
         "logging": {"progress_bar": False, "trackers": ["jsonl"], "samples_first_steps": 1},
@@ -228,6 +231,10 @@ def judge(name: str, expected: str, run: Path, reply: dict, episodes: int) -> di
         outcome = f"unexpected (exit {reply['code']})"
     ended = max((r["episode"]["env_s"] for r in failed if r["episode"]), default=None)
     reason = next((line for line in err.splitlines() if "error:" in line), "")
+    if not reason and failed:  # the run went on: what its samples file says of the failed episodes
+        reason = f"run finished; {len(failed)}/{len(rows)} episodes unscorable: {failed[0]['error']}"
+    elif not reason and metrics:
+        reason = f"run finished; agent/tool_errors {metrics[-1].get('agent/tool_errors', 0):g} of {episodes} episodes"
     return {
         "fault": name,
         "outcome": outcome,
@@ -279,7 +286,7 @@ def agent_faults(timeout_s: float) -> dict:
         server, url = start_cli_server(["serve-env", "tests.fault_envs:ResetRaises"])
         try:
             runs = [["train", str(config), f"output_dir={folder / 'runs'}", f"name=fault{i}",
-                     *[o.format(serve_env=url) for o in overrides]]
+                     *[o.replace("{serve_env}", url) for o in overrides]]
                     for i, (overrides, _) in enumerate(AGENT_FAULTS.values())]  # fmt: skip
             out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, json.dumps(runs)], cwd=ROOT,
                                  capture_output=True, text=True, timeout=1800)  # fmt: skip

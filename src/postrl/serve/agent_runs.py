@@ -45,6 +45,7 @@ class RecordedAgents:
         workers: int = 8,
         timeout_s: float | None = None,
     ) -> None:
+        import openai  # noqa: F401 - imported once here, not inside the first episodes' time limits
         import uvicorn
 
         self.function, self.workers, self.timeout_s = function, workers, timeout_s

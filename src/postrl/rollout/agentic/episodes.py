@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Literal
 
+from postrl.config.run import ConfigError
 from postrl.rollout.agentic.chat import ChatRenderer, with_tools_system_message
 from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, StepResult
@@ -170,7 +171,7 @@ class EpisodeRunner:
         ids = renderer.encode(text)
         if len(ids) >= self.limits.max_context:
             where = f" {prompt.source}" if prompt.source else ""
-            raise ValueError(
+            raise ConfigError(
                 f"prompt{where} renders to {len(ids)} tokens: agent.max_context={self.limits.max_context} leaves no "
                 "room for a turn"
             )
