@@ -177,9 +177,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     add_smoke(parser)
     args = parser.parse_args()
-    rounds, prompt_count = (1, 8) if args.smoke else (2, 64)
+    rounds, prompt_count = (1, 64) if args.smoke else (2, 64)
     if args.smoke:
-        args.steps = 2
+        args.steps = 3  # the first 2 steps are not timed
     with tempfile.TemporaryDirectory() as tmp:  # interleaved, best of 2 each: the machine's speed drifts
         runs: dict[str, list[float]] = {"local": [], "ray": []}
         for i in range(rounds):
@@ -187,8 +187,9 @@ def main() -> None:
                 runs[kind].append(demo_seconds_per_step({"type": kind}, args.steps, Path(tmp) / f"{kind}{i}"))
         local, under_ray = min(runs["local"]), min(runs["ray"])
     tokenizer, prompts = demo_prompts(prompt_count)
-    one = rollout_tokens_per_s(1, prompts, tokenizer)
-    two = rollout_tokens_per_s(2, prompts, tokenizer)
+    timed_rounds = 1 if args.smoke else 3
+    one = rollout_tokens_per_s(1, prompts, tokenizer, timed_rounds)
+    two = rollout_tokens_per_s(2, prompts, tokenizer, timed_rounds)
     lost, duplicated, restarts = recovery(prompts, tokenizer)
     diff = fsdp_loss_diff()
     result = {
