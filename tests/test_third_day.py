@@ -433,3 +433,14 @@ def test_plan_on_a_cpu_speaks_of_the_cpu_and_guesses_no_time(capsys):
     assert "on the CPU" in out and "time: no estimate on a CPU" in out
     assert "master weights                   -               -" in out
     assert re.search(r"; \d+(\.\d{1,2})? bytes of model state per parameter", out)
+
+
+def test_a_run_with_nothing_scorable_has_nothing_to_plot(tmp_path):
+    from postrl.run.plots import plot_metrics
+
+    rows = [{"step": s, "reward/mean": float("nan")} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_metrics(tmp_path) is None and not (tmp_path / "reward_accuracy.png").exists()
+    rows[1]["reward/mean"] = 0.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_metrics(tmp_path) == tmp_path / "reward_accuracy.png"
