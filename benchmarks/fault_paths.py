@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -254,20 +253,9 @@ def second_signal(folder: Path, config: Path) -> float:
             f"output_dir={folder / 'signal'}", "name=signal"]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "postrl.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not (folder / "signal" / "signal" / "config.yaml").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(2.0)
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    second = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return float("inf")
-    took = time.monotonic() - second
+    from tests.fault_envs import sigterm_twice
+
+    took, err = sigterm_twice(proc, folder / "signal" / "signal" / "config.yaml")
     if "Traceback" in err:
         print(f"second signal: a traceback was printed:\n{err[-2000:]}", file=sys.stderr)
         return float("inf")

@@ -5,6 +5,7 @@ reward is 1 when the model's turn contains the secret."""
 from __future__ import annotations
 
 import threading
+import time
 
 from postrl.rollout.agentic.env import StepResult
 from postrl.rollout.agentic.tools import Tool, ToolBox
@@ -117,3 +118,25 @@ def agent_answers(client, row):
         model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4
     )
     return float(str(row["secret"]) in (reply.choices[0].message.content or ""))
+
+
+def sigterm_twice(proc, started, wait_s: float = 60.0) -> tuple[float, str]:
+    """Once ``started`` (a run's config.yaml) exists and its step has begun, SIGTERM ``proc`` twice:
+    the seconds from the second signal to the exit (inf when it outlives ``wait_s``) and its stderr."""
+    import signal
+    import subprocess
+
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.0)  # into the step: the episodes' environment steps hang
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    second = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return float("inf"), proc.communicate()[1]
+    return time.monotonic() - second, err

@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_transformers()
     verbose = getattr(args, "verbose", False)
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(  # force: a second main() in one process (a notebook, the tests) logs to today's stderr
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True
     )
     from postrl.controller.failures import RewardFailureError
     from postrl.data import DatasetError

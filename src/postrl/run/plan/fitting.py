@@ -3,6 +3,7 @@ that would make it fit, each checked with the memory model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from postrl.config.run import RunConfig
@@ -122,10 +123,13 @@ def largest_token_budget(shape: ModelShape, setup: TrainSetup, run: RunShape, us
         micro = micro_batch(1, run.n, run.prompt_tokens, run.response_tokens, budget)
         return fit_train(shape, replace(setup, micro=micro), usable, ranks)[0] is not None
 
-    low, high = (
-        run.prompt_tokens + run.response_tokens,
-        max(setup.micro.tokens, run.prompt_tokens + run.response_tokens),
-    )
+    least = run.prompt_tokens + run.response_tokens
+    return largest_that_fits(fits, least, max(setup.micro.tokens, least))
+
+
+def largest_that_fits(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The largest size in ``[low, high]`` that ``fits`` (to 1/64 of it, by bisection); None when
+    not even ``low`` does."""
     if not fits(low):
         return None
     while high - low > max(1, low // 64):
@@ -143,13 +147,7 @@ def largest_agent_context(config: RunConfig, shape: ModelShape, run: RunShape, u
         shorter = replace(run, prompt_tokens=prompt, response_tokens=response)
         return fit_train(shape, train_setup(config, shorter), usable, ranks)[0] is not None
 
-    low, high = 64, config.agent.max_context
-    if not fits(low):
-        return None
-    while high - low > max(1, low // 64):
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    return largest_that_fits(fits, 64, config.agent.max_context)
 
 
 def rollout_fixes(shape: ModelShape, setup: RolloutSetup, usable: int, limit: int) -> list[str]:
