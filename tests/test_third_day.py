@@ -431,3 +431,18 @@ def test_a_run_with_nothing_scorable_has_nothing_to_plot(tmp_path):
     rows[1]["reward/mean"] = 0.5
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert plot_metrics(tmp_path) == tmp_path / "reward_accuracy.png"
+
+
+def test_the_nothing_learned_warning_names_where_an_agent_runs_rewards_come_from():
+    from postrl.config.run import RunConfig
+    from postrl.run.watch import run_watches
+    from postrl.types import StepMetrics
+
+    said: list[str] = []
+    config = RunConfig.model_validate({"agent": {"env": "tests.fault_envs:GuessNumber"}})
+    watches = run_watches(config, said.append)
+    for step in (1, 2, 3):
+        for watch in watches:
+            watch.observe(StepMetrics(step=step, weight_version=step, values={"reward/no_signal_groups": 1.0}))
+    assert len(said) == 1 and "Check the environment's rewards (agent.env)" in said[0]
+    assert "reward function" not in said[0]

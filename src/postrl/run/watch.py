@@ -18,15 +18,15 @@ class Watch(Protocol):
 class NoSignalWatch:
     """Says so plainly when several steps in a row had no group with differing rewards."""
 
-    def __init__(self, echo: Callable[[str], None], limit: int = 3) -> None:
-        self.echo, self.limit, self.streak = echo, limit, 0
+    def __init__(self, echo: Callable[[str], None], limit: int = 3, source: str = "the reward function") -> None:
+        self.echo, self.limit, self.streak, self.source = echo, limit, 0, source
 
     def observe(self, metrics: StepMetrics) -> None:
         self.streak = self.streak + 1 if metrics.values.get("reward/no_signal_groups", 0.0) >= 1.0 else 0
         if self.streak == self.limit:
             self.echo(
                 f"warning: in the last {self.limit} steps every group's samples got identical rewards, so nothing "
-                "was learned: the reward never varies. Check the reward function (postrl eval --run, "
+                f"was learned: the reward never varies. Check {self.source} (postrl eval --run, "
                 "samples/step_N.jsonl) or the task's difficulty (every answer right, or every answer wrong)"
             )
 
@@ -79,7 +79,10 @@ class MismatchWatch:
 
 
 def run_watches(config: RunConfig, echo: Callable[[str], None]) -> list[Watch]:
-    return [NoSignalWatch(echo), MismatchWatch(config, echo)]
+    source = "the reward function" if config.scores_with_components else "the environment's rewards (agent.env)"
+    if config.agent is not None and config.agent.function is not None and not config.scores_with_components:
+        source = "the rewards your agent function returns (agent.function)"
+    return [NoSignalWatch(echo, source=source), MismatchWatch(config, echo)]
 
 
 def describe_placement(config: RunConfig) -> str:
