@@ -3,6 +3,7 @@ time limits, tools that check their arguments, errors that say what to do."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -90,21 +91,29 @@ def test_b2_b3_environment_failures_past_the_rate_stop_the_run_with_the_error_an
     assert "Traceback (most recent call last)" in (run / "episode_errors.log").read_text()
 
 
+def one_odd_env(odd: type):
+    """An environment factory whose first environment is ``odd`` and every other a GuessNumber
+    (the runner makes them from several threads: ``next`` on a count is atomic, a list's len is not)."""
+    made = itertools.count()
+    return lambda **_: odd() if next(made) == 0 else fault_envs.GuessNumber()
+
+
+def by_finish(rollouts) -> dict[str, list]:
+    """The rollouts by finish reason (which episode got the odd environment depends on the threads)."""
+    out: dict[str, list] = {}
+    for r in rollouts:
+        out.setdefault(r.finish_reason, []).append(r)
+    return out
+
+
 def test_b3_a_reset_that_fails_ends_its_episode_while_the_others_run():
     tok = family_tokenizer("qwen2.5")
-
-    made: list[int] = []
-
-    def factory(**_):
-        made.append(0)
-        return fault_envs.ResetRaises() if len(made) == 2 else fault_envs.GuessNumber()
-
-    rollouts = run_script(tok, one_turn(tok), factory, n=3, row={"secret": 2})
-    assert [r.finish_reason for r in rollouts] == ["stop", "env_error", "stop"]
-    failed = rollouts[1]
+    rollouts = by_finish(run_script(tok, one_turn(tok), one_odd_env(fault_envs.ResetRaises), n=3, row={"secret": 2}))
+    assert sorted(rollouts) == ["env_error", "stop"] and len(rollouts["env_error"]) == 1
+    (failed,) = rollouts["env_error"]
     assert failed.response_ids == [] and failed.episode.info["env_failed_in"] == "reset"
     assert failed.episode.info["env_error"].startswith("RuntimeError: the maze file is missing (")
-    assert [r.episode.reward for r in rollouts if r.finish_reason == "stop"] == [1.0, 1.0]
+    assert [r.episode.reward for r in rollouts["stop"]] == [1.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -139,18 +148,14 @@ def test_check_messages_accepts_text_parts_and_names_the_bad_field():
 # -- M1, B5: time limits and signals ---------------------------------------------------------------
 def test_m1_a_hanging_step_is_cut_at_the_time_limit_while_another_episode_finishes():
     tok = family_tokenizer("qwen2.5")
-    made: list[int] = []
-
-    def factory(**_):
-        made.append(0)
-        return fault_envs.StepHangs() if len(made) == 1 else fault_envs.GuessNumber()
-
     began = time.monotonic()
-    rollouts = run_script(tok, one_turn(tok), factory, n=2, limits=EpisodeLimits(env_timeout_s=0.5), row={"secret": 2})
+    limits = EpisodeLimits(env_timeout_s=0.5)
+    ran = run_script(tok, one_turn(tok), one_odd_env(fault_envs.StepHangs), n=2, limits=limits, row={"secret": 2})
     took = time.monotonic() - began
-    assert [r.finish_reason for r in rollouts] == ["env_error", "stop"]
-    assert rollouts[0].episode.info["env_error"] == "environment step timed out after 0.5 s"
-    assert rollouts[1].episode.reward == 1.0
+    rollouts = by_finish(ran)
+    assert sorted(rollouts) == ["env_error", "stop"] and len(ran) == 2
+    assert rollouts["env_error"][0].episode.info["env_error"] == "environment step timed out after 0.5 s"
+    assert rollouts["stop"][0].episode.reward == 1.0
     assert took < 2 * 0.5 + 0.5  # one time limit, not the hang
 
 

@@ -167,10 +167,7 @@ class EpisodeSource:
 def failure_reason(r: Rollout) -> str:
     """Why the rollout's episode failed: where (reset, step, the agent function) and the error."""
     assert r.episode is not None
-    stage = r.episode.info.get("env_failed_in", "step")
-    who = "agent function" if stage == "agent" else f"environment {stage}"
-    error = str(r.episode.info.get("env_error", ""))
-    return error if "timed out" in error else f"{who} failed: {error}"
+    return str(r.episode.info["env_reason"])
 
 
 def failed_result(r: Rollout) -> RewardResult | None:

@@ -10,6 +10,7 @@ says where the two first differ instead of re-tokenizing anything.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,8 +126,6 @@ class ChatRenderer:
 def with_tools_system_message(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` with the tools described in their system message (one is added first when there
     is none): for chat templates that ignore ``tools=`` (``agent.tools_in_prompt: system``)."""
-    import json
-
     lines = "\n".join(json.dumps(t.get("function", t)) for t in tools)
     text = (
         'You may call these tools. To call one, write <tool_call>{"name": ..., "arguments": {...}}</tool_call>; '

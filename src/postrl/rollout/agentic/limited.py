@@ -158,8 +158,11 @@ def describe_failure(exc: BaseException) -> tuple[str, str]:
 
 
 def failure_info(exc: BaseException, stage: str) -> dict[str, Any]:
-    """An episode's ``info`` entries for a failure in ``stage`` (reset, step, close, agent)."""
+    """An episode's ``info`` entries for a failure in ``stage`` (reset, step, close, agent): the
+    error, the one-line reason the run reports (``environment step failed: KeyError: 'k'
+    (envs.py:41)``, or the time-out's own message) and, for a raised error, its traceback."""
     if isinstance(exc, CallTimedOut):
-        return {"env_error": str(exc), "env_failed_in": stage}
-    reason, text = describe_failure(exc)
-    return {"env_error": reason, "env_traceback": text, "env_failed_in": stage}
+        return {"env_error": str(exc), "env_reason": str(exc), "env_failed_in": stage}
+    error, text = describe_failure(exc)
+    who = "agent function" if stage == "agent" else f"environment {stage}"
+    return {"env_error": error, "env_reason": f"{who} failed: {error}", "env_traceback": text, "env_failed_in": stage}
