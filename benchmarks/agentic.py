@@ -189,6 +189,7 @@ def learn(args: argparse.Namespace) -> dict:
         subprocess.run([*build, *(["--steps", "5"] if args.smoke else [])], check=True)
     from postrl.config.loading import load_config
     from postrl.controller.episodes import EpisodeSource
+    from postrl.controller.source import Episodes
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.run.train_runner import check_context_length, train
@@ -207,7 +208,7 @@ def learn(args: argparse.Namespace) -> dict:
 
     def held_out(path: str) -> dict[str, float]:
         engine = NativeRolloutWorker.from_hf(load_causal_lm(path), tokenizer, torch.float32)
-        return validator.run(engine, None, None, episodes)
+        return validator.run(Episodes(episodes, engine, None), None)  # the environment scores: no reward service
 
     before = held_out(str(model_dir))
     began = time.perf_counter()

@@ -9,7 +9,8 @@ import torch
 
 from postrl.buffer import ExperienceBuffer
 from postrl.config.loading import build_config
-from postrl.controller.controller import Components, Controller
+from postrl.controller.components import Components
+from postrl.controller.controller import Controller
 from postrl.controller.failures import RewardFailureError
 from postrl.data.dataset import PromptDataset
 from postrl.rollout.common import EngineBase, EngineUnhealthyError, Health

@@ -176,10 +176,11 @@ def test_async_run_under_ray_overlaps_generation_and_leaves_nothing_running(tmp_
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["buffer/lag_max"] for r in rows) <= 1 and rows[-1]["buffer/lag_max"] == 1.0
+    from postrl.controller.async_pipelines import ThreadedPipeline
     from postrl.scheduling.buffer_actor import BufferClient
 
     assert isinstance(controller.parts.buffer, BufferClient)  # the Experience Buffer was an actor of its own
-    assert controller.producer is not None and not controller.producer.alive()
+    assert isinstance(controller.pipeline, ThreadedPipeline) and not controller.pipeline.producer.alive()
     assert not ray.is_initialized()
     assert ray_processes() == []
 

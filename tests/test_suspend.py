@@ -5,17 +5,20 @@ suspended batch in its checkpoint and continues it afterwards (after a restart t
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 
 import pytest
 import torch
 
-from postrl.controller.async_pipeline import BatchSteps, ProducedBatch, Producer
+from postrl.controller.async_pipelines import Producer
 from postrl.controller.generated import Generated
+from postrl.controller.pipeline import Batch, ProducedBatch
+from postrl.controller.step_metrics import StageTimer
 from postrl.rollout.continuation import continue_rollouts, merged
 from postrl.rollout.native import NativeRolloutWorker
-from postrl.types import Experience, Prompt, Rollout, SamplingParams
+from postrl.types import Experience, Prompt, RewardResult, Rollout, SamplingParams
 from tests.conftest import make_tiny_model
 
 MAX_TOKENS = 10
@@ -122,22 +125,29 @@ class _FakeEngines:
         self.generating, self.stop_asked = threading.Event(), threading.Event()
         self.calls: list[tuple[int, bool]] = []
 
-    def generate(self, number: int, resumed: Generated | None):
-        self.calls.append((number, resumed is not None))
-        if resumed is not None:
-            rollouts = [
-                Rollout(0, [1], r.response_ids + [9], [0.0] * (len(r.response_ids) + 1), "", "stop", 0)
-                for r in resumed.rollouts
-            ]
-            return Generated(number, resumed.prompts, rollouts, resumed.generated_at), None
+    def begin(self, number: int, timer: StageTimer, alone: bool) -> Batch:
+        self.calls.append((number, False))
         if len(self.calls) == 1:
             self.generating.set()
             assert self.stop_asked.wait(10)
-            return Generated(number, [Prompt("p", [1])], [Rollout(0, [1], [4], [0.0], "", "suspended", 0)], 1.0), None
-        return Generated(number, [Prompt("p", [1])], [Rollout(0, [1], [4, 9], [0.0, 0.0], "", "stop", 0)], 1.0), None
+            rollouts = [Rollout(0, [1], [4], [0.0], "", "suspended", 0)]
+        else:
+            rollouts = [Rollout(0, [1], [4, 9], [0.0, 0.0], "", "stop", 0)]
+        return Batch(Generated(number, [Prompt("p", [1])], rollouts, 1.0), timer, alone)
 
-    def finish(self, begun):
-        generated, _ = begun
+    def resume(self, suspended: Generated) -> Batch:
+        self.calls.append((suspended.number, True))
+        rollouts = [
+            Rollout(0, [1], r.response_ids + [9], [0.0] * (len(r.response_ids) + 1), "", "stop", 0)
+            for r in suspended.rollouts
+        ]
+        return Batch(dataclasses.replace(suspended, rollouts=rollouts), StageTimer(), True)
+
+    def score_batch(self, batch: Batch) -> list[RewardResult]:
+        return [RewardResult(1.0) for _ in batch.generated.rollouts]
+
+    def finish(self, batch: Batch, rewards: list[RewardResult]):
+        generated = batch.generated
         exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, 1.0, 1.0, 0) for r in generated.rollouts]
         return exps, ProducedBatch({"batch": float(generated.number)})
 
@@ -147,8 +157,7 @@ class _FakeEngines:
 
 
 def _producer(engines: _FakeEngines, delivered: list, total: int = 2) -> Producer:
-    steps = BatchSteps(engines.generate, engines.finish, engines.suspend)
-    return Producer(steps, delivered.append, lambda k: True, total, 0, threading.Condition())
+    return Producer(engines, delivered.append, lambda k: True, total, 0, threading.Condition())
 
 
 def test_a_checkpoint_suspends_the_producers_generation_and_saves_it():

@@ -12,14 +12,14 @@ from postrl.config.agent import AgentConfig
 from postrl.config.run import ConfigError
 from postrl.controller.failures import RewardFailureError
 from postrl.controller.stages.base import Groups
-from postrl.reward.client import RewardServiceError
+from postrl.reward.requests import score_with
 from postrl.rollout.agentic.env import environment_factory
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
 from postrl.rollout.agentic.limited import call_limited, failure_info, run_limited
 from postrl.rollout.agentic.template_check import check_template
 from postrl.rollout.base import RolloutWorker
 from postrl.serve.agent_runs import RecordedAgents, load_agent_function
-from postrl.types import Prompt, RewardResult, Rollout, SamplingParams, ScoreRequest
+from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 from postrl.workers.roles import RewardService
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,7 @@ class EpisodeSource:
             return self.rewards(rollouts)
         results: list[RewardResult | None] = [failed_result(r) for r in rollouts]
         todo = [i for i, res in enumerate(results) if res is None]
-        try:
-            scored = reward.score_batch(self.requests(prompts, [rollouts[i] for i in todo]))
-        except RewardServiceError as exc:
-            scored = [RewardResult(reward=None, error=str(exc)) for _ in todo]
+        scored = score_with(reward, prompts, [rollouts[i] for i in todo])
         for i, res in zip(todo, scored, strict=True):
             results[i] = res
         return [res for res in results if res is not None]
@@ -149,18 +146,6 @@ class EpisodeSource:
             reward = 0.0 if r.episode is None or r.episode.reward is None else r.episode.reward
             # an episode cut at a limit before any reward is worth 0
             out.append(failed or RewardResult(reward, components={"environment": reward}))
-        return out
-
-    @staticmethod
-    def requests(prompts: list[Prompt], rollouts: list[Rollout]) -> list[ScoreRequest]:
-        """For ``agent.reward: service``: the transcript of each episode, with its messages and the
-        environment's info among the columns."""
-        out = []
-        for r in rollouts:
-            p = prompts[r.prompt_index]
-            assert r.episode is not None
-            columns = {**p.columns, "messages": r.episode.messages, "env_info": r.episode.info}
-            out.append(ScoreRequest(p.text, r.episode.transcript(), columns, len(r.response_ids)))
         return out
 
 

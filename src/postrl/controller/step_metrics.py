@@ -141,12 +141,6 @@ def reward_values(rollouts: list[Rollout], rewards: list[RewardResult]) -> dict[
     return values
 
 
-def accuracy(rewards: list[RewardResult], component: str | None, threshold: float) -> dict[str, float]:
-    """``accuracy``: the share of samples whose verifiable component reaches ``threshold``."""
-    verified = [r.components[component] for r in rewards if component is not None and component in r.components]
-    return {"accuracy": sum(x >= threshold for x in verified) / len(rewards)} if verified else {}
-
-
 def operating_figures(pool: Any, reward: Any, buffer: Any, engine_healthy: bool, sync_bytes: int) -> dict[str, float]:
     """What an operator watches besides learning: the engines, their restarts and the ones lost in
     syncs, the last sync's bytes, the reward service's errors, the buffer's size."""

@@ -1,6 +1,8 @@
-"""How new weights reach the engines of a pool: ``direct`` (each engine is handed the state dict or
-the safetensors path; in-process, a child process or an actor) or ``broadcast`` (one
-torch.distributed group, bucket by bucket; see :mod:`postrl.rollout.broadcast`).
+"""How new weights reach the engines of a pool, one transport per value of ``rollout.weight_sync``:
+``memory`` (:class:`DirectTransport`: each engine is handed the state dict; in-process, a child
+process or an actor), ``safetensors`` (:class:`FileTransport`: one file in ``rollout.sync_dir``
+that each engine loads) or ``broadcast`` (:class:`BroadcastTransport`: one torch.distributed group,
+bucket by bucket; see :mod:`postrl.rollout.broadcast`).
 
 ``push`` answers which engines did not take the version because they were lost (died, timed out,
 or their transfer broke when another engine died); an engine that received weights that do not
@@ -8,10 +10,14 @@ match the manifest refuses them, which is an error, not a loss."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Protocol
 
-from postrl.models.weights import WeightSyncError
+from postrl.models.weights import WeightSyncError, write_sync_file
 from postrl.rollout.broadcast import open_sender_store, plan_buckets, send_state
 from postrl.workers import Handle, WorkerDiedError, WorkerTimeoutError
 from postrl.workers.handles import submit
@@ -56,6 +62,27 @@ class DirectTransport:
     ) -> dict[str, str]:
         futures = [h.call_async("update_weights", weights, version, manifest, timeout=self.timeout_s) for h in engines]
         return _outcomes(engines, futures, version)
+
+
+class FileTransport:
+    """Writes each version once as ``policy.safetensors`` in a folder of its own under ``sync_dir``
+    (None: the system's temporary folder; on a cluster, storage every engine reads) and hands the
+    engines its path. The folder goes when the transport does."""
+
+    def __init__(self, sync_dir: str | None = None, timeout_s: float | None = 600.0) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="postrl-sync-", dir=sync_dir))
+        self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self.direct = DirectTransport(timeout_s)
+        self._written: tuple[int, int] | None = None  # (id of the state, version) last written
+
+    def push(
+        self, engines: list[Handle], weights: Any, version: int, manifest: dict[str, str] | None
+    ) -> dict[str, str]:
+        path = self.folder / "policy.safetensors"
+        if self._written != (id(weights), version):  # an engine replaced mid-sync reads the same file
+            write_sync_file(weights, path)
+            self._written = (id(weights), version)
+        return self.direct.push(engines, path, version, manifest)
 
 
 class BroadcastTransport:

@@ -12,6 +12,7 @@ import torch
 from postrl.config.loading import load_config
 from postrl.config.run import ConfigError, RewardConfig, RunConfig
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
+from postrl.reward.accuracy import accuracy
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
 from postrl.rollout import HFRolloutWorker
@@ -21,12 +22,24 @@ from postrl.types import Rollout, SamplingParams
 
 @dataclass
 class EvalResult:
+    """A built-in task's held-out accuracy (its verifier's)."""
+
     task: str
     accuracy: float
     correct: int
     total: int
-    mean_reward: float | None = None
-    unscorable: int = 0
+
+
+@dataclass
+class ScoredEval:
+    """Held-out prompts scored by a run's reward components."""
+
+    name: str
+    accuracy: float | None  # None: no reward component is an accuracy (see postrl.reward.accuracy)
+    correct: int
+    total: int
+    mean_reward: float | None
+    unscorable: int
 
 
 def greedy_rollouts(
@@ -60,37 +73,28 @@ def evaluate_with_rewards(
     max_tokens: int,
     name: str,
     out: Path | None = None,
-) -> EvalResult:
-    """Greedy responses scored by ``reward``'s components; accuracy is the share of samples whose
-    accuracy component (the first math/exact_match one), else whose reward, reaches
-    ``reward.accuracy_threshold``."""
+) -> ScoredEval:
+    """Greedy responses scored by ``reward``'s components, as training scores them; accuracy is
+    :func:`postrl.reward.accuracy.accuracy` (None without an accuracy component)."""
     from postrl.controller.step_metrics import write_samples
-    from postrl.reward import ScoreRequest
+    from postrl.reward.requests import score_with
     from postrl.run.train_runner import make_reward_service
 
     rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens)
     service = make_reward_service(reward)
     try:
-        results = service.score_batch(
-            [
-                ScoreRequest(dataset[r.prompt_index].text, r.text, dataset[r.prompt_index].columns, len(r.response_ids))
-                for r in rollouts
-            ]
-        )
-        name_acc = service.accuracy_component
+        results = score_with(service, dataset.prompts, rollouts)
+        component = service.accuracy_component
     finally:
         service.close()
     if out is not None:
         write_samples(out, dataset.prompts, rollouts, results)
-    if name_acc:
-        correct = sum(res.components.get(name_acc, float("-inf")) >= reward.accuracy_threshold for res in results)
-    else:
-        correct = sum(res.reward is not None and res.reward >= reward.accuracy_threshold for res in results)
+    acc = accuracy(results, component, reward.accuracy_threshold)
     scored = [res.reward for res in results if res.reward is not None]
-    return EvalResult(
-        task=name,
-        accuracy=correct / len(results),
-        correct=int(correct),
+    return ScoredEval(
+        name=name,
+        accuracy=acc,
+        correct=round((acc or 0.0) * len(results)),
         total=len(results),
         mean_reward=sum(scored) / len(scored) if scored else None,
         unscorable=len(results) - len(scored),
@@ -197,8 +201,8 @@ def run_eval(
         data = _held_out_files(run, run_config)
     if not data:
         task = task or (run_config.data.task if run_config and run_config.data.task else "arithmetic")
-        result = evaluate_model(policy, tokenizer, task, max_tokens=max_tokens or 16)
-        print(f"{result.task}: held-out accuracy {result.accuracy:.3f} ({result.correct}/{result.total}) [{model}]")
+        on_task = evaluate_model(policy, tokenizer, task, max_tokens=max_tokens or 16)
+        print(f"{task}: held-out accuracy {on_task.accuracy:.3f} ({on_task.correct}/{on_task.total}) [{model}]")
         return 0
     if run_config is None:
         raise ConfigError("postrl eval --data needs the reward to score with: --run runs/NAME or --config CONFIG.yaml")
@@ -223,8 +227,13 @@ def run_eval(
         Path(out) if out else None,
     )
     mean = "n/a" if result.mean_reward is None else f"{result.mean_reward:.3f}"
+    acc = (
+        "accuracy n/a (no reward component is an accuracy: mark one accuracy: true)"
+        if result.accuracy is None
+        else f"accuracy {result.accuracy:.3f} ({result.correct}/{result.total})"
+    )
     print(
-        f"{name}: accuracy {result.accuracy:.3f} ({result.correct}/{result.total}), mean reward {mean}, "
+        f"{name}: {acc}, mean reward {mean}, "
         f"unscorable {result.unscorable} [{model}]" + (f"; samples in {out}" if out else "")
     )
     return 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ import torch
 
 from postrl.config.loading import save_config
 from postrl.config.run import ConfigError, RewardConfig, RunConfig
-from postrl.controller.controller import Components, Controller
+from postrl.controller.components import Components
+from postrl.controller.controller import Controller
 from postrl.controller.episodes import EpisodeSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.models.devices import DeviceError, resolve_device
@@ -287,34 +287,33 @@ def train(
     check_plan(config, echo)
     check_servers(config)
     resolve_lr_decay(config)
-    with tempfile.TemporaryDirectory(prefix="postrl-sync-", dir=config.rollout.sync_dir) as sync_dir:
-        parts = build_components(config)
+    parts = build_components(config)
+    try:
+        validator = make_validator(config, parts.tokenizer)
+        site.open(resume, overwrite, echo)
+        save_config(config, run_dir / "config.yaml")
+        place.publish("config.yaml")
+        report_skipped_rows(parts.dataset, run_dir, echo)
+        parts.reward.set_log_file(run_dir / "reward_workers.log")
+        echo(describe_placement(config))
+        echo(describe_accuracy(config, parts.reward.accuracy_component))
+        if place.url:
+            echo(f"run: {place.url} (working copy on this machine: {run_dir})")
+        controller = Controller(parts)
+        resume_step = None
+        if resume:
+            resume_step = _resume(controller, place, echo)
+        else:
+            controller.start()
         try:
-            validator = make_validator(config, parts.tokenizer)
-            site.open(resume, overwrite, echo)
-            save_config(config, run_dir / "config.yaml")
-            place.publish("config.yaml")
-            report_skipped_rows(parts.dataset, run_dir, echo)
-            parts.reward.set_log_file(run_dir / "reward_workers.log")
-            echo(describe_placement(config))
-            echo(describe_accuracy(config, parts.reward.accuracy_component))
-            if place.url:
-                echo(f"run: {place.url} (working copy on this machine: {run_dir})")
-            controller = Controller(parts, sync_dir=Path(sync_dir))
-            resume_step = None
-            if resume:
-                resume_step = _resume(controller, place, echo)
-            else:
-                controller.start()
-            try:
-                _run_loop(controller, config, resume_step, on_step, place, validator)
-            finally:
-                controller.close()
+            _run_loop(controller, config, resume_step, on_step, place, validator)
         finally:
-            try:
-                close_components(parts)
-            finally:
-                site.close()
+            controller.close()
+    finally:
+        try:
+            close_components(parts)
+        finally:
+            site.close()
     if place.url and not config.keep_local_copy:
         place.drop_local_copy(echo)
     return controller
@@ -358,18 +357,9 @@ def _run_loop(
     place: RunPlace,
     validator: Validator | None = None,
 ) -> None:
-    parts = controller.parts
     observers: list[Callable[[StepMetrics], None]] = []
     if validator is not None:
-        observers.append(
-            lambda m: validator.observe(
-                m,
-                parts.rollout,
-                parts.reward,
-                None if controller.asynchronous else m.weight_version,
-                controller.episodes,
-            )
-        )
+        observers.append(lambda m: validator.observe(m, controller.source, controller.batches.generation_version))
     observers += [watch.observe for watch in run_watches(config, stderr_echo)]
     if on_step is not None:
         observers.append(on_step)

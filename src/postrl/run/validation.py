@@ -12,12 +12,13 @@ import time
 from typing import Any
 
 from postrl.config.run import RunConfig
-from postrl.controller.episodes import EpisodeSource
+from postrl.controller.source import BatchSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
+from postrl.reward.accuracy import accuracy
 from postrl.reward.columns import check_columns
 from postrl.rollout.agentic.episodes import episode_metrics
 from postrl.tasks import task_rows
-from postrl.types import RewardResult, Rollout, SamplingParams, ScoreRequest, StepMetrics
+from postrl.types import RewardResult, Rollout, SamplingParams, StepMetrics
 
 
 def load_validation_set(config: RunConfig, tokenizer: Any) -> PromptDataset | None:
@@ -54,46 +55,23 @@ class Validator:
         every = self.config.logging.eval_every
         return bool(every) and (step % every == 0 or step == self.config.steps)
 
-    def observe(
-        self,
-        metrics: StepMetrics,
-        rollout: Any,
-        reward: Any,
-        weight_version: int | None,
-        episodes: EpisodeSource | None = None,
-    ) -> None:
+    def observe(self, metrics: StepMetrics, source: BatchSource, weight_version: int | None) -> None:
         """After a step: when validation is due, its metrics (and seconds) join the step's."""
         if self.due(metrics.step):
             began = time.perf_counter()
-            metrics.values.update(self.run(rollout, reward, weight_version, episodes))
+            metrics.values.update(self.run(source, weight_version))
             metrics.values["time/validate_s"] = time.perf_counter() - began
 
-    def run(
-        self, rollout: Any, reward: Any, weight_version: int | None, episodes: EpisodeSource | None = None
-    ) -> dict[str, float]:
-        """Greedy answers scored; with ``episodes`` (an ``agent:`` run) whole episodes, scored as
-        the run scores them, one per prompt (the first training sample of a split episode)."""
+    def run(self, source: BatchSource, weight_version: int | None) -> dict[str, float]:
+        """Greedy answers, scored as the run scores them; an ``agent:`` run's whole episodes, one per
+        prompt (the first training sample of a split episode)."""
         prompts = self.dataset.prompts
-        if episodes is not None:
-            ran = episodes.run(rollout, prompts, self.sampling, weight_version)
-            rollouts = [r for r in ran if r.episode is not None and r.episode.part == 0]
-            results = episodes.score(prompts, rollouts, reward)
-            return {
-                **self.metrics(
-                    rollouts, results, "environment" if episodes.scores_itself else reward.accuracy_component
-                ),
-                **episode_metrics(rollouts, "val/agent"),
-            }
-        rollouts = rollout.generate(prompts, self.sampling, weight_version)
-        results = reward.score_batch(
-            [
-                ScoreRequest(prompts[r.prompt_index].text, r.text, prompts[r.prompt_index].columns, len(r.response_ids))
-                for r in rollouts
-            ]
-        )
-        return self.metrics(rollouts, results, reward.accuracy_component)
+        ran = source.generate(prompts, self.sampling, weight_version)
+        rollouts = [r for r in ran if r.episode is None or r.episode.part == 0]
+        results = source.score(prompts, rollouts)
+        return {**self.metrics(rollouts, results, source.accuracy_component), **episode_metrics(rollouts, "val/agent")}
 
-    def metrics(self, rollouts: list[Rollout], results: list[RewardResult], accuracy: str | None) -> dict[str, float]:
+    def metrics(self, rollouts: list[Rollout], results: list[RewardResult], component: str | None) -> dict[str, float]:
         prompts = self.dataset.prompts
         scored = [res.reward for res in results if res.reward is not None]
         values = {
@@ -102,10 +80,9 @@ class Validator:
             "val/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts),
             "val/prompts": float(len(prompts)),
         }
-        name = accuracy
-        if name:
-            hits = [res.components.get(name, float("-inf")) >= self.config.reward.accuracy_threshold for res in results]
-            values["val/accuracy"] = sum(hits) / len(hits)
+        acc = accuracy(results, component, self.config.reward.accuracy_threshold)
+        if acc is not None:
+            values["val/accuracy"] = acc
         for comp in sorted({k for res in results for k in res.components}):
             vals = [res.components[comp] for res in results if comp in res.components]
             values[f"val/{comp}/mean"] = sum(vals) / len(vals)

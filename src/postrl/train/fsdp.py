@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from postrl.algorithms import LossNormalizer
+from postrl.models.weights import dedupe_tied
 from postrl.train.lora import base_of, lora_export_state, save_lora_model
 from postrl.train.sharding import split_rows_by_tokens
 from postrl.train.stats import Stats
@@ -99,7 +100,9 @@ class FSDPTrainWorker(TrainWorker):
         :mod:`postrl.train.lora`). Every rank must call it: the gather is a collective."""
         if self.lora is not None:
             return super().policy_state()
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return dedupe_tied(
+            get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        )
 
     def save_pretrained(self, folder: str | Path) -> None:
         if self.lora is not None:

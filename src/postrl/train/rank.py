@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from postrl.models.devices import resolve_device
-from postrl.models.weights import dedupe_tied
 from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.worker import TrainWorker
 from postrl.types import ExperienceBatch, TrainMetrics
@@ -88,7 +87,7 @@ class TrainRank:
     def policy_state(self) -> dict[str, torch.Tensor] | None:
         """The full weights on rank 0 (tied tensors once), None on the others."""
         state = self.worker.policy_state()
-        return dedupe_tied(state) if self.rank == 0 else None
+        return state if self.rank == 0 else None
 
     def save_checkpoint(self, path: str) -> None:
         self.worker.save_checkpoint(Path(path))

@@ -27,7 +27,7 @@ from postrl.algorithms.importance import interpolated_proximal
 from postrl.config.algorithm import ProximalSource
 from postrl.config.run import AlgorithmConfig, LoraConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
-from postrl.models.weights import save_weights
+from postrl.models.weights import dedupe_tied, save_weights
 from postrl.train.logprobs import token_logprobs
 from postrl.train.lora import adapter_state, merged_state, save_lora_model
 from postrl.train.memory import PeakMemory
@@ -318,8 +318,8 @@ class TrainWorker:
         see FSDPTrainWorker), or with LoRA the adapters (``model.lora.sync: adapter``) or the
         merged weights (:mod:`postrl.train.lora`)."""
         if self.lora is None:
-            return self.model.state_dict()
-        return adapter_state(self.model) if self.lora.sync == "adapter" else merged_state(self.model)
+            return dedupe_tied(self.model.state_dict())
+        return dedupe_tied(adapter_state(self.model) if self.lora.sync == "adapter" else merged_state(self.model))
 
     def save_pretrained(self, folder: str | Path) -> None:
         """The policy as a Hugging Face folder (config + safetensors); with LoRA merged or as an

@@ -1,18 +1,6 @@
-"""``controller.mode: async``: the producer side of the step (sample, generate, score, prepare
-advantages) runs in its own thread, ahead of training by at most ``buffer.max_staleness`` batches,
-and new weights reach the rollout engines from a background thread.
-
-The producer may start its k-th batch (counted from 1 over the whole run) once the trainer's
-version is at least ``k - 1 - max_staleness``, so that the batch, trained at step k under version
-``k - 1``, lags by at most ``max_staleness``; with ``buffer.on_stale: wait`` it also waits for the
-engines to hold that version (nothing can go stale), with ``drop`` it generates on whatever they
-hold and the buffer drops what went stale. ``max_staleness: 1`` is one-step-off training.
-
-A checkpoint pauses the producer between two batches, so the buffer, the sampler, the engines'
-generators and the unconsumed batches' reports are one consistent state: a resumed run trains
-every sample once. On 2 cores the threads share the CPU: only waiting (a remote verifier, a
-weight transfer) is hidden, not compute.
-"""
+"""The async pipelines (``controller.mode: async``): :class:`ThreadedPipeline` produces in a thread of
+its own, :class:`InlinePipeline` generates between two updates and scores beside training; both
+push new weights from a :class:`BackgroundSync` thread. See :mod:`postrl.controller.pipeline`."""
 
 from __future__ import annotations
 
@@ -21,36 +9,25 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
+from postrl.config.run import RunConfig
 from postrl.controller.generated import Generated
+from postrl.controller.pipeline import (
+    Batch,
+    BatchSteps,
+    PipelineError,
+    ProducedBatch,
+    Weights,
+    ledger_of,
+    ledger_state,
+)
+from postrl.controller.step_metrics import StageTimer
+from postrl.controller.versions import Versions
 from postrl.types import Experience
-
-
-@dataclass
-class ProducedBatch:
-    """What the producer side says about one batch it put into the buffer: its metrics (rewards,
-    lengths, its own stage timings) and notes for the console."""
-
-    values: dict[str, float]
-    notes: dict[str, str] = field(default_factory=dict)
-
-
-def ledger_state(produced: int, reports: deque[ProducedBatch]) -> dict[str, Any]:
-    """A producer's part of the checkpoint: batches produced in all, the reports not yet consumed."""
-    return {"produced": produced, "reports": [(r.values, r.notes) for r in reports]}
-
-
-def ledger_of(state: dict[str, Any]) -> tuple[int, deque[ProducedBatch]]:
-    return int(state["produced"]), deque(ProducedBatch(dict(v), dict(n)) for v, n in state["reports"])
-
-
-class PipelineError(RuntimeError):
-    """The producer or the weight-sync thread stopped with an error (the cause is chained)."""
 
 
 class BackgroundSync:
@@ -125,18 +102,6 @@ class BackgroundSync:
         return True
 
 
-@dataclass(frozen=True)
-class BatchSteps:
-    """What the producer thread does to make a batch: ``generate(number, resumed)`` a new batch,
-    or continues ``resumed`` (one a checkpoint suspended), returning it and whatever ``finish``
-    needs; ``finish(begun)`` scores and prepares it; ``suspend()`` asks the engines to stop the
-    generate in progress (True when they did)."""
-
-    generate: Callable[[int, Generated | None], tuple[Generated, Any]]
-    finish: Callable[[tuple[Generated, Any]], tuple[list[Experience], ProducedBatch]]
-    suspend: Callable[[], bool]
-
-
 class Producer:
     """The producer thread (``overlap: generation``). ``may_start(k)`` says whether batch k may
     start now (checked under the shared condition, which the consumer and the sync thread notify
@@ -168,10 +133,13 @@ class Producer:
         self._thread = threading.Thread(target=self._run, name="postrl-producer", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the thread (once); the first :meth:`next_report` does, after a resumed run's state is loaded."""
+        if self._thread.ident is None:
+            self._thread.start()
 
     def next_report(self) -> ProducedBatch:
         """The oldest unconsumed batch's report, once there is one (its experiences are in the buffer)."""
+        self.start()
         with self.cv:
             self.cv.wait_for(lambda: self.reports or self._exited)
             if self.reports:
@@ -209,6 +177,10 @@ class Producer:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def give_back(self, report: ProducedBatch) -> None:
+        with self.cv:
+            self.reports.appendleft(report)
+
     def _ready(self) -> bool:
         if self._stopped or self.failed():
             return True
@@ -240,14 +212,17 @@ class Producer:
                 return False
             self._busy = True
             resumed, self.in_flight = self.in_flight, None
-        begun = self.steps.generate(self.produced + 1, resumed)
-        if begun[0].suspended:  # a checkpoint is waiting: hold the batch, continue it afterwards
+        if resumed is None:
+            batch = self.steps.begin(self.produced + 1, StageTimer(), alone=True)
+        else:
+            batch = self.steps.resume(resumed)
+        if batch.generated.suspended:  # a checkpoint is waiting: hold the batch, continue it afterwards
             with self.cv:
-                self.in_flight, self._busy = begun[0], False
+                self.in_flight, self._busy = batch.generated, False
                 self.suspended += 1
                 self.cv.notify_all()
             return True
-        experiences, report = self.steps.finish(begun)
+        experiences, report = self.steps.finish(batch, self.steps.score_batch(batch))
         with self.cv:
             self.deliver(experiences)
             self.reports.append(report)
@@ -267,42 +242,86 @@ class Producer:
         self.in_flight = None if held is None else Generated.of_state(held)
 
 
-class InlineProducer:
+class ThreadedPipeline:
+    """``overlap: generation``: the :class:`Producer` thread, and the weights in the background."""
+
+    def __init__(
+        self,
+        steps: BatchSteps,
+        deliver: Callable[[list[Experience]], None],
+        versions: Versions,
+        push: Callable[[Weights, int], None],
+        config: RunConfig,
+    ) -> None:
+        threads = config.controller.producer_threads
+        self.syncer = BackgroundSync(push, versions.engines_hold, threads, versions.wake)
+        may_start = lambda k: versions.may_start(k, config.buffer)  # noqa: E731
+        failed = lambda: self.syncer.error is not None  # noqa: E731
+        self.producer = Producer(steps, deliver, may_start, config.steps, 0, versions.cv, threads, failed)
+
+    def next_report(self, timer: StageTimer) -> ProducedBatch:
+        return timer.run("wait", self.producer.next_report)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "time/producer_waited_s": self.producer.waited_s,
+            "rollout/suspended_batches": float(self.producer.suspended),
+            "time/weight_push_s": self.syncer.last_s,
+        }
+
+    def publish(self, state: Weights, version: int) -> None:
+        self.syncer.post({k: v.detach().clone() for k, v in state.items()}, version)
+
+    def give_back(self, report: ProducedBatch | None, taken: bool) -> bool:
+        if taken:  # what was taken from the buffer cannot be put back
+            return False
+        if report is not None:
+            self.producer.give_back(report)
+        return True
+
+    def paused(self) -> AbstractContextManager[None]:
+        return self.producer.paused()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.producer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.producer.load_state_dict(state)
+
+    def close(self) -> None:
+        self.producer.stop()
+        try:
+            self.syncer.flush()
+        finally:
+            self.syncer.close()
+
+
+class InlinePipeline:
     """``controller.overlap: scoring``: generation and the stages' compute run on the consumer's
     thread, between two updates, and only the waiting runs beside training: the batch generated
     for the next step is scored in a thread of its own while this step trains, and the weights
     travel in the background. On a machine where generation and training share the cores this is
     the faster pipeline (two threads computing at once contend for the cores and the interpreter
     lock), and it bounds the lag the same way: the next batch is generated by the weights the
-    engines hold before this step's update.
-
-    The interface is :class:`Producer`'s; the work happens inside :meth:`next_report`.
-    """
+    engines hold before this step's update. A checkpoint never meets a generation in progress."""
 
     def __init__(
         self,
-        begin: Callable[[int], Any],
-        score: Callable[[Any], Any],
-        finish: Callable[[Any, Any], tuple[list[Experience], ProducedBatch]],
+        steps: BatchSteps,
         deliver: Callable[[list[Experience]], None],
-        may_start: Callable[[int], bool],
-        total: int,
-        produced: int,
-        cv: threading.Condition,
-        failed: Callable[[], bool] = lambda: False,
+        versions: Versions,
+        push: Callable[[Weights, int], None],
+        config: RunConfig,
     ) -> None:
-        self.begin, self.score, self.finish, self.deliver = begin, score, finish, deliver
-        self.may_start, self.total, self.produced, self.cv, self.failed = may_start, total, produced, cv, failed
+        self.steps, self.deliver, self.versions, self.config = steps, deliver, versions, config
+        self.syncer = BackgroundSync(push, versions.engines_hold, config.controller.producer_threads, versions.wake)
+        self.produced = 0
         self.reports: deque[ProducedBatch] = deque()
         self.waited_s = 0.0
-        self.suspended = 0  # a checkpoint never meets a generation here: it runs between two steps
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="postrl-scoring")
-        self._in_flight: tuple[Any, Future] | None = None
+        self._in_flight: tuple[Batch, Future] | None = None
 
-    def start(self) -> None:
-        """Nothing runs ahead of the first step."""
-
-    def next_report(self) -> ProducedBatch:
+    def next_report(self, timer: StageTimer) -> ProducedBatch:
         """The next batch's report. The batch after it is generated first (then scored while this
         one trains), so a step abandoned during that generation leaves the report in place."""
         self._complete()
@@ -310,31 +329,46 @@ class InlineProducer:
             self._begin()
             self._complete()
         if not self.reports:
-            raise PipelineError(f"the producer has no batch left ({self.produced} of {self.total} produced)")
+            raise PipelineError(f"the producer has no batch left ({self.produced} of {self.config.steps} produced)")
         self._begin()
         return self.reports.popleft()
 
+    def metrics(self) -> dict[str, float]:
+        return {"time/producer_waited_s": self.waited_s, "time/weight_push_s": self.syncer.last_s}
+
+    def publish(self, state: Weights, version: int) -> None:
+        self.syncer.post({k: v.detach().clone() for k, v in state.items()}, version)
+
+    def give_back(self, report: ProducedBatch | None, taken: bool) -> bool:
+        if taken:
+            return False
+        if report is not None:
+            self.reports.appendleft(report)
+        return True
+
     def _begin(self) -> None:
         number = self.produced + 1
-        if self._in_flight is not None or number > self.total:
+        if self._in_flight is not None or number > self.config.steps:
             return
         began = time.perf_counter()
-        with self.cv:
-            self.cv.wait_for(lambda: self.may_start(number) or self.failed())
-        if self.failed():
-            raise PipelineError("the background weight sync stopped")
+        with self.versions.cv:
+            self.versions.cv.wait_for(
+                lambda: self.versions.may_start(number, self.config.buffer) or self.syncer.error is not None
+            )
+        if self.syncer.error is not None:
+            raise PipelineError("the background weight sync stopped") from self.syncer.error
         self.waited_s += time.perf_counter() - began
-        token = self.begin(number)
-        self._in_flight = (token, self._pool.submit(self.score, token))
+        batch = self.steps.begin(number, StageTimer(), alone=True)
+        self._in_flight = (batch, self._pool.submit(self.steps.score_batch, batch))
 
     def _complete(self) -> None:
         """The batch being scored, finished into the buffer; it stays in flight until delivered, so
         an interrupted wait is waited out again by the next call (the checkpoint's)."""
         if self._in_flight is None:
             return
-        token, scoring = self._in_flight
-        experiences, report = self.finish(token, scoring.result())
-        with self.cv:
+        batch, scoring = self._in_flight
+        experiences, report = self.steps.finish(batch, scoring.result())
+        with self.versions.cv:
             self.deliver(experiences)
             self.reports.append(report)
             self.produced += 1
@@ -346,17 +380,18 @@ class InlineProducer:
         self._complete()
         yield
 
-    def stop(self) -> None:
-        if self._in_flight is not None:  # the run is ending: wait for the scoring, keep nothing
-            self._in_flight[1].exception()
-            self._in_flight = None
-        self._pool.shutdown(wait=True)
-
-    def alive(self) -> bool:
-        return True
-
     def state_dict(self) -> dict[str, Any]:
         return ledger_state(self.produced, self.reports)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.produced, self.reports = ledger_of(state)
+
+    def close(self) -> None:
+        try:
+            if self._in_flight is not None:  # the run is ending: wait for the scoring, keep nothing
+                self._in_flight[1].exception()
+                self._in_flight = None
+            self._pool.shutdown(wait=True)
+            self.syncer.flush()
+        finally:
+            self.syncer.close()

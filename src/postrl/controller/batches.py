@@ -1,0 +1,150 @@
+"""The producer side of a step: a batch's prompts drawn, generated and scored by the run's batch
+source, the stages that select and prepare, one :class:`~postrl.types.StepBatch`, its advantages,
+the samples file and the batch's report. The pipeline decides when a batch is made; this is how."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from postrl.config.run import RolloutConfig
+from postrl.controller.advantage import compute_advantage
+from postrl.controller.components import Components
+from postrl.controller.failures import check_failure_rate
+from postrl.controller.generated import Generated
+from postrl.controller.pipeline import Batch, ProducedBatch
+from postrl.controller.source import BatchSource
+from postrl.controller.stages import Groups, StageContext, build_stages
+from postrl.controller.stages.kl import KLCoefficient
+from postrl.controller.step_metrics import StageTimer, reward_values, step_notes, write_samples
+from postrl.controller.versions import Versions
+from postrl.data import PromptSampler
+from postrl.reward.accuracy import accuracy
+from postrl.rollout.agentic.episodes import episode_metrics
+from postrl.rollout.continuation import continue_rollouts
+from postrl.types import Experience, Prompt, RewardResult, Rollout, SamplingParams, StepBatch
+
+
+def run_sampling(rollout: RolloutConfig) -> SamplingParams:
+    """The sampling parameters of the run's training rollouts."""
+    r = rollout
+    stop, stop_ids = tuple(r.stop), tuple(r.stop_token_ids)
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                          stop=stop, stop_token_ids=stop_ids)  # fmt: skip
+
+
+class BatchMaker:
+    """Makes the run's batches (:class:`~postrl.controller.pipeline.BatchSteps`), and is what the
+    stages may ask of the step (:class:`~postrl.controller.stages.StepServices`): more prompts,
+    generations and scores."""
+
+    def __init__(self, parts: Components, source: BatchSource, versions: Versions, kl: KLCoefficient) -> None:
+        self.parts, self.config, self.source, self.versions = parts, parts.config, source, versions
+        c = self.config
+        self.sampler = PromptSampler(len(parts.dataset), seed=c.seed, shuffle=c.data.shuffle)
+        self.sampling = run_sampling(c.rollout)
+        self.pins_version = c.controller.mode == "sync"  # async: generate on whatever the engines hold
+        self.stages = build_stages(StageContext(c, self, parts.trainer, parts.critic, kl))  # last: self is whole
+
+    # -- what stages may ask -------------------------------------------------------------------
+    def sample_prompts(self) -> list[Prompt]:
+        return [self.parts.dataset[i] for i in self.sampler.next_indices(self.config.prompts_per_step)]
+
+    @property
+    def generation_version(self) -> int | None:
+        """The weight version generation asks the engines for (None: the one they hold)."""
+        return self.versions.weight if self.pins_version else None
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams | None = None) -> list[Rollout]:
+        return self.source.generate(prompts, sampling or self.sampling, self.generation_version)
+
+    def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
+        """Rewards in rollout order; too many unscorable samples stop the run
+        (:func:`~postrl.controller.failures.check_failure_rate`)."""
+        rewards = self.source.score(prompts, rollouts)
+        c = self.config
+        check_failure_rate(c.run_dir, self.versions.step + 1, c.reward.max_failure_rate, prompts, rollouts, rewards)
+        return rewards
+
+    # -- a batch, step by step -----------------------------------------------------------------
+    def begin(self, number: int, timer: StageTimer, alone: bool) -> Batch:
+        """Batch ``number``: its prompts drawn and generated. A generation that fails (or is
+        abandoned) gives its prompts back to the sampler, so the batch is drawn again."""
+        drawn_from = self.sampler.state_dict()
+        prompts = self.sample_prompts()
+        try:
+            rollouts = timer.run("generate", self.generate, prompts)
+        except BaseException:
+            self.sampler.load_state_dict(drawn_from)
+            raise
+        return Batch(Generated(number, prompts, rollouts, time.time()), timer, alone)
+
+    def resume(self, suspended: Generated) -> Batch:
+        """The rollouts a checkpoint suspended, continued on the engines."""
+        timer = StageTimer()
+        rollouts = timer.run(
+            "generate", continue_rollouts, self.generate, suspended.prompts, suspended.rollouts, self.sampling,
+            self.parts.tokenizer,
+        )  # fmt: skip
+        return Batch(dataclasses.replace(suspended, rollouts=rollouts), timer, alone=True)
+
+    def score_batch(self, batch: Batch) -> list[RewardResult]:
+        return batch.timer.run("reward", self.score, batch.generated.prompts, batch.generated.rollouts)
+
+    def suspend(self) -> bool:
+        return self.parts.rollout.suspend()
+
+    def finish(self, batch: Batch, rewards: list[RewardResult]) -> tuple[list[Experience], ProducedBatch]:
+        """The stages that select groups, one StepBatch, the stages that prepare it, the advantages;
+        its experiences and its report."""
+        generated, timer = batch.generated, batch.timer
+        number, metrics = generated.number, dict[str, float]()
+        groups = self.select_groups(self.source.trainable(Groups(generated.prompts, generated.rollouts, rewards),
+                                                          number), timer, metrics)  # fmt: skip
+        step = StepBatch.build(
+            groups.prompts,
+            groups.rollouts,
+            groups.rewards,
+            self.parts.tokenizer.pad_token_id,
+            batch=number,
+            generated_at=generated.generated_at,
+            scored_at=time.time(),
+        )
+        for stage in self.stages.prepare:
+            metrics.update(timer.run(stage.timer_name("prepare"), stage.prepare, step))
+        compute_advantage(step, self.config.algorithm)
+        self.record_samples(step, number)
+        seconds = {**timer.seconds, "produce": timer.total()["step"]} if batch.alone else timer.seconds
+        return step.experiences(), self.report(step, seconds, metrics)
+
+    def select_groups(self, groups: Groups, timer: StageTimer, metrics: dict[str, float]) -> Groups:
+        for stage in self.stages.select:
+            groups, produced = timer.run(stage.timer_name("select"), stage.select, groups)
+            metrics.update(produced)
+        return groups
+
+    def record_samples(self, step: StepBatch, number: int) -> None:
+        lg = self.config.logging
+        if number <= lg.samples_first_steps or (lg.samples_every > 0 and number % lg.samples_every == 0):
+            path = self.config.run_dir / "samples" / f"step_{number}.jsonl"
+            write_samples(path, step.prompts, step.rollouts, step.results, step)
+
+    def report(self, step: StepBatch, seconds: dict[str, float], stage_metrics: dict[str, float]) -> ProducedBatch:
+        """The producer side's metrics of ``step``: rewards, lengths, accuracy, generation speed,
+        its stages' metrics and timings."""
+        rollouts, rewards = step.rollouts, step.results
+        acc = accuracy(rewards, self.source.accuracy_component, self.config.reward.accuracy_threshold)
+        values = {
+            **reward_values(rollouts, rewards),
+            "perf/gen_tokens_per_s": sum(len(r.response_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
+            "reward/samples": float(len(rewards)),
+            "data/epoch": float(self.sampler.epoch),
+            "data/skipped_rows": float(len(self.parts.dataset.skipped)),
+            "rollout/weight_version": float(min(r.weight_version for r in rollouts)),
+            "rollout/partial_rollouts": float(sum(r.token_versions() is not None for r in rollouts)),
+            **({} if acc is None else {"accuracy": acc}),
+            **{f"time/{name}_s": value for name, value in seconds.items()},
+            **stage_metrics,
+            **episode_metrics(rollouts),
+        }
+        return ProducedBatch(values, step_notes(rewards, values["reward/no_signal_groups"]))

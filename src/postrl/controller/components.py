@@ -1,0 +1,33 @@
+"""What a Controller drives, as one record built by :func:`postrl.run.train_runner.build_components`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from postrl.buffer import ExperienceStore
+from postrl.config.run import RunConfig
+from postrl.controller.episodes import EpisodeSource
+from postrl.data import PromptDataset
+from postrl.rollout.base import ScalableRolloutWorker
+from postrl.workers.roles import Critic, RewardService, Scheduler, TrainWorker
+
+
+class Tokenizer(Protocol):
+    pad_token_id: int
+
+    def save_pretrained(self, folder: Any) -> Any: ...
+
+
+@dataclass
+class Components:
+    config: RunConfig
+    tokenizer: Tokenizer
+    dataset: PromptDataset
+    rollout: ScalableRolloutWorker
+    reward: RewardService
+    trainer: TrainWorker
+    buffer: ExperienceStore
+    scheduler: Scheduler | None = None  # placed the workers; closed last
+    critic: Critic | None = None  # when algorithm.critic is set (PPO with GAE)
+    episodes: EpisodeSource | None = None  # an agent: run's episodes (built and checked before the run starts)
