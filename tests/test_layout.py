@@ -114,3 +114,37 @@ def test_every_benchmark_has_a_smoke_mode():
     assert len(scripts) >= 14
     missing = [p.name for p in scripts if "add_smoke(parser)" not in p.read_text() and '"--smoke"' not in p.read_text()]
     assert not missing, f"benchmarks without --smoke: {missing}"
+
+
+METRIC_NAMES = SRC / "types" / "metric_names.py"
+
+
+def metric_literals(root: Path = SRC) -> list[str]:
+    """Places in ``root`` that write a metric name (a value of :mod:`postrl.types.metric_names`)
+    as a string instead of importing its constant. ``accuracy`` is also a reward component's flag,
+    so it is looked for only as a dict key or a subscript outside ``reward/`` and ``config/``."""
+    from postrl.types import metric_names
+
+    names = {v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str) and "/" in v}
+    found = []
+    for path in root.rglob("*.py"):
+        if path == METRIC_NAMES:
+            continue
+        tree = ast.parse(path.read_text())
+        keys = {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k is not None}
+        keys |= {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                flag_here = path.relative_to(root).parts[0] in ("reward", "config")
+                if node.value in names or (node.value == metric_names.ACCURACY and id(node) in keys and not flag_here):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_no_metric_name_is_written_as_a_string():
+    assert not metric_literals(), metric_literals()
+
+
+def test_the_metric_name_check_sees_a_string_name(tmp_path):
+    (tmp_path / "reader.py").write_text('def kl(m):\n    return m["actor/kl"], {"accuracy": 1}\n')
+    assert metric_literals(tmp_path) == ["reader.py:2 'actor/kl'", "reader.py:2 'accuracy'"]

@@ -327,3 +327,29 @@ def test_the_alert_rules_and_the_dashboard_use_served_series():
             ["promtool", "check", "rules", str(DOCS / "prometheus_alerts.yml")], capture_output=True, text=True
         )
         assert checked.returncode == 0 and "SUCCESS: 5 rules found" in checked.stdout, checked.stdout + checked.stderr
+
+
+def documented_metric_names(text: str) -> set[str]:
+    import re
+
+    groups = "actor|critic|reward|response|perf|rollout|buffer|data|time|sync|val|sft|dpo|kl"
+    return set(re.findall(rf"`((?:{groups})/[a-z_0-9/]+)`", text))
+
+
+def unknown_metric_names(documented: set[str]) -> set[str]:
+    """Documented names the code does not write: not a constant of :mod:`postrl.types.metric_names`,
+    nor one of the names it builds (a component's mean, a stage's seconds, validation's episodes)."""
+    import re
+
+    from postrl.types import metric_names
+
+    known = {v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)}
+    built = re.compile(rf"(reward|val)/\w+/mean|time/\w+_s|{metric_names.VAL_AGENT}/\w+")
+    return {n for n in documented if n not in known and not built.fullmatch(n)}
+
+
+def test_every_metric_the_docs_name_is_one_the_code_writes():
+    text = "".join(p.read_text() for p in [*DOCS.glob("*.md"), DOCS.parent / "README.md"])
+    documented = documented_metric_names(text)
+    assert len(documented) >= 30 and not unknown_metric_names(documented), unknown_metric_names(documented)
+    assert unknown_metric_names({"actor/kl_divergence", "actor/kl", "time/wait_s"}) == {"actor/kl_divergence"}

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from postrl.config.off_policy import ReplayConfig
 from postrl.types import Experience
+from postrl.types.metric_names import BUFFER_DROPPED, BUFFER_LAG_MAX, BUFFER_LAG_MEAN
 
 
 class StaleExperienceError(RuntimeError):
@@ -58,9 +59,9 @@ class BufferBatch:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "buffer/lag_mean": sum(self.lags) / len(self.lags) if self.lags else 0.0,
-            "buffer/lag_max": float(max(self.lags, default=0)),
-            "buffer/dropped": float(self.dropped),
+            BUFFER_LAG_MEAN: sum(self.lags) / len(self.lags) if self.lags else 0.0,
+            BUFFER_LAG_MAX: float(max(self.lags, default=0)),
+            BUFFER_DROPPED: float(self.dropped),
         }
 
 

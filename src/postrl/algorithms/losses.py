@@ -17,6 +17,13 @@ from typing import Literal
 import torch
 
 from postrl.algorithms.registry import Registry
+from postrl.types.metric_names import (
+    ACTOR_APPROX_KL,
+    ACTOR_CLIP_FRACTION,
+    ACTOR_CLIP_HIGH,
+    ACTOR_CLIP_LOW,
+    ACTOR_DUAL_CLIP,
+)
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
@@ -62,13 +69,13 @@ def clip_metrics(
     """The clip fractions (either bound, each bound, the dual clip) and k3 KL(pi_old || pi)."""
     f, mask = inputs.logprobs.dtype, inputs.mask
     metrics = {
-        "actor/clip_fraction": TokenMetric((at_low | at_high).to(f) * mask),
-        "actor/clip_low": TokenMetric(at_low.to(f) * mask),
-        "actor/clip_high": TokenMetric(at_high.to(f) * mask),
-        "actor/approx_kl": TokenMetric(_approx_kl(inputs)),
+        ACTOR_CLIP_FRACTION: TokenMetric((at_low | at_high).to(f) * mask),
+        ACTOR_CLIP_LOW: TokenMetric(at_low.to(f) * mask),
+        ACTOR_CLIP_HIGH: TokenMetric(at_high.to(f) * mask),
+        ACTOR_APPROX_KL: TokenMetric(_approx_kl(inputs)),
     }
     if dual is not None:
-        metrics["actor/dual_clip"] = TokenMetric(dual.to(f) * mask)
+        metrics[ACTOR_DUAL_CLIP] = TokenMetric(dual.to(f) * mask)
     return metrics
 
 
@@ -155,7 +162,7 @@ def reinforce_loss(inputs: LossInputs) -> PolicyLossOutput:
     """Plain REINFORCE: -A * log pi per token, no importance ratio and no clipping (on-policy only)."""
     adv, mask = _token_advantages(inputs), inputs.mask
     return PolicyLossOutput(
-        per_token=-adv * inputs.logprobs * mask, metrics={"actor/approx_kl": TokenMetric(_approx_kl(inputs))}
+        per_token=-adv * inputs.logprobs * mask, metrics={ACTOR_APPROX_KL: TokenMetric(_approx_kl(inputs))}
     )
 
 

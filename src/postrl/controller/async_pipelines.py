@@ -28,6 +28,7 @@ from postrl.controller.pipeline import (
 from postrl.controller.step_metrics import StageTimer
 from postrl.controller.versions import Versions
 from postrl.types import Experience
+from postrl.types.metric_names import ROLLOUT_SUSPENDED_BATCHES, TIME_PRODUCER_WAITED_S, TIME_WEIGHT_PUSH_S
 
 
 class BackgroundSync:
@@ -264,9 +265,9 @@ class ThreadedPipeline:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "time/producer_waited_s": self.producer.waited_s,
-            "rollout/suspended_batches": float(self.producer.suspended),
-            "time/weight_push_s": self.syncer.last_s,
+            TIME_PRODUCER_WAITED_S: self.producer.waited_s,
+            ROLLOUT_SUSPENDED_BATCHES: float(self.producer.suspended),
+            TIME_WEIGHT_PUSH_S: self.syncer.last_s,
         }
 
     def publish(self, state: Weights, version: int) -> None:
@@ -334,7 +335,7 @@ class InlinePipeline:
         return self.reports.popleft()
 
     def metrics(self) -> dict[str, float]:
-        return {"time/producer_waited_s": self.waited_s, "time/weight_push_s": self.syncer.last_s}
+        return {TIME_PRODUCER_WAITED_S: self.waited_s, TIME_WEIGHT_PUSH_S: self.syncer.last_s}
 
     def publish(self, state: Weights, version: int) -> None:
         self.syncer.post({k: v.detach().clone() for k, v in state.items()}, version)

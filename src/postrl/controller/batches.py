@@ -23,6 +23,17 @@ from postrl.reward.accuracy import accuracy
 from postrl.rollout.agentic.episodes import episode_metrics
 from postrl.rollout.continuation import continue_rollouts
 from postrl.types import Experience, Prompt, RewardResult, Rollout, SamplingParams, StepBatch
+from postrl.types.metric_names import (
+    ACCURACY,
+    DATA_EPOCH,
+    DATA_SKIPPED_ROWS,
+    PERF_GEN_TOKENS_PER_S,
+    REWARD_NO_SIGNAL_GROUPS,
+    REWARD_SAMPLES,
+    ROLLOUT_PARTIAL_ROLLOUTS,
+    ROLLOUT_WEIGHT_VERSION,
+    seconds_of,
+)
 
 
 def run_sampling(rollout: RolloutConfig) -> SamplingParams:
@@ -136,15 +147,15 @@ class BatchMaker:
         acc = accuracy(rewards, self.source.accuracy_component, self.config.reward.accuracy_threshold)
         values = {
             **reward_values(rollouts, rewards),
-            "perf/gen_tokens_per_s": sum(len(r.response_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
-            "reward/samples": float(len(rewards)),
-            "data/epoch": float(self.sampler.epoch),
-            "data/skipped_rows": float(len(self.parts.dataset.skipped)),
-            "rollout/weight_version": float(min(r.weight_version for r in rollouts)),
-            "rollout/partial_rollouts": float(sum(r.token_versions() is not None for r in rollouts)),
-            **({} if acc is None else {"accuracy": acc}),
-            **{f"time/{name}_s": value for name, value in seconds.items()},
+            PERF_GEN_TOKENS_PER_S: sum(len(r.response_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
+            REWARD_SAMPLES: float(len(rewards)),
+            DATA_EPOCH: float(self.sampler.epoch),
+            DATA_SKIPPED_ROWS: float(len(self.parts.dataset.skipped)),
+            ROLLOUT_WEIGHT_VERSION: float(min(r.weight_version for r in rollouts)),
+            ROLLOUT_PARTIAL_ROLLOUTS: float(sum(r.token_versions() is not None for r in rollouts)),
+            **({} if acc is None else {ACCURACY: acc}),
+            **{seconds_of(name): value for name, value in seconds.items()},
             **stage_metrics,
             **episode_metrics(rollouts),
         }
-        return ProducedBatch(values, step_notes(rewards, values["reward/no_signal_groups"]))
+        return ProducedBatch(values, step_notes(rewards, values[REWARD_NO_SIGNAL_GROUPS]))

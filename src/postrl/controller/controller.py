@@ -27,6 +27,7 @@ from postrl.controller.versions import Versions
 from postrl.models.weights import weight_manifest
 from postrl.rollout.common import EngineUnhealthyError
 from postrl.types import ExperienceBatch, StepMetrics, TrainMetrics
+from postrl.types.metric_names import ACTOR_KL_BETA, BUFFER_LAG_MASKED_TOKENS, PERF_TRAIN_TOKENS_PER_S, seconds_of
 
 
 class Controller:
@@ -99,9 +100,9 @@ class Controller:
         batch = batch.with_lags(self.versions.weight)
         if self.config.algorithm.max_token_lag is not None:
             batch, masked = mask_lagging_tokens(batch, self.config.algorithm.max_token_lag)
-            metrics["buffer/lag_masked_tokens"] = masked
+            metrics[BUFFER_LAG_MASKED_TOKENS] = masked
         train = timer.run("train", self.update, batch)
-        metrics["perf/train_tokens_per_s"] = float(batch.attention_mask.sum()) / max(timer.seconds["train"], 1e-9)
+        metrics[PERF_TRAIN_TOKENS_PER_S] = float(batch.attention_mask.sum()) / max(timer.seconds["train"], 1e-9)
         for stage in self.stages.after_update:
             metrics.update(timer.run(stage.timer_name("after_update"), stage.after_update, batch, train))
         timer.run("sync", self.sync_weights)
@@ -127,8 +128,8 @@ class Controller:
         values = {
             **report.values,
             **train.values,
-            "actor/kl_beta": self.kl.beta,
-            **{f"time/{name}_s": seconds for name, seconds in timings.items()},
+            ACTOR_KL_BETA: self.kl.beta,
+            **{seconds_of(name): seconds for name, seconds in timings.items()},
             **consumed,
             **self.operations(),
         }

@@ -13,6 +13,26 @@ import torch
 
 from postrl.types import Prompt, RewardResult, Rollout, StepBatch
 from postrl.types.episode import Episode
+from postrl.types.metric_names import (
+    BUFFER_SIZE,
+    RESPONSE_CLIP_RATIO,
+    RESPONSE_LENGTH_MAX,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_FLAGGED,
+    REWARD_MAX,
+    REWARD_MEAN,
+    REWARD_MIN,
+    REWARD_NO_SIGNAL_GROUPS,
+    REWARD_SERVICE_ERRORS,
+    REWARD_STD,
+    REWARD_UNSCORABLE,
+    ROLLOUT_ENGINE_HEALTHY,
+    ROLLOUT_ENGINE_RESTARTS,
+    ROLLOUT_ENGINES,
+    SYNC_BYTES,
+    SYNC_FAILURES,
+    component_mean,
+)
 
 T = TypeVar("T")
 
@@ -124,20 +144,20 @@ def reward_values(rollouts: list[Rollout], rewards: list[RewardResult]) -> dict[
     lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
     nan = float("nan")
     values = {
-        "reward/mean": float(scored.mean()) if scored.numel() else nan,
-        "reward/std": float(scored.std(unbiased=False)) if scored.numel() else nan,
-        "reward/min": float(scored.min()) if scored.numel() else nan,
-        "reward/max": float(scored.max()) if scored.numel() else nan,
-        "reward/unscorable": float(sum(r.unscorable for r in rewards)),
-        "reward/flagged": float(sum(bool(r.flags) for r in rewards)),
-        "reward/no_signal_groups": no_signal_fraction(rollouts, rewards),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+        REWARD_MEAN: float(scored.mean()) if scored.numel() else nan,
+        REWARD_STD: float(scored.std(unbiased=False)) if scored.numel() else nan,
+        REWARD_MIN: float(scored.min()) if scored.numel() else nan,
+        REWARD_MAX: float(scored.max()) if scored.numel() else nan,
+        REWARD_UNSCORABLE: float(sum(r.unscorable for r in rewards)),
+        REWARD_FLAGGED: float(sum(bool(r.flags) for r in rewards)),
+        REWARD_NO_SIGNAL_GROUPS: no_signal_fraction(rollouts, rewards),
+        RESPONSE_LENGTH_MEAN: float(lengths.mean()),
+        RESPONSE_LENGTH_MAX: float(lengths.max()),
+        RESPONSE_CLIP_RATIO: sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
     }
     for name in sorted({k for r in rewards for k in r.components}):
         vals = [r.components[name] for r in rewards if name in r.components]
-        values[f"reward/{name}/mean"] = sum(vals) / len(vals)
+        values[component_mean(name)] = sum(vals) / len(vals)
     return values
 
 
@@ -145,11 +165,11 @@ def operating_figures(pool: Any, reward: Any, buffer: Any, engine_healthy: bool,
     """What an operator watches besides learning: the engines, their restarts and the ones lost in
     syncs, the last sync's bytes, the reward service's errors, the buffer's size."""
     return {
-        "rollout/engines": float(len(pool.engines)),
-        "rollout/engine_healthy": float(engine_healthy),
-        "rollout/engine_restarts": float(pool.restarts),
-        "sync/bytes": float(sync_bytes),
-        "sync/failures": float(pool.sync_failures),
-        "reward/service_errors": float(reward.error_count()),
-        "buffer/size": float(len(buffer)),
+        ROLLOUT_ENGINES: float(len(pool.engines)),
+        ROLLOUT_ENGINE_HEALTHY: float(engine_healthy),
+        ROLLOUT_ENGINE_RESTARTS: float(pool.restarts),
+        SYNC_BYTES: float(sync_bytes),
+        SYNC_FAILURES: float(pool.sync_failures),
+        REWARD_SERVICE_ERRORS: float(reward.error_count()),
+        BUFFER_SIZE: float(len(buffer)),
     }

@@ -25,6 +25,7 @@ from postrl.train.dpo import DPOWorker
 from postrl.train.lora import apply_lora
 from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import StepMetrics
+from postrl.types.metric_names import DATA_EPOCH, TIME_STEP_S
 
 REFERENCE_FILE = "reference_logprobs.pt"
 
@@ -83,7 +84,7 @@ class DPOJob(MiniBatchJob):
         self.updating = True
         values = self.trainer.update_pairs([self.pairs[i] for i in chosen], self.reference[chosen])
         self.step_count, self.updating = step + 1, False
-        values.update({"data/epoch": float(step // self.per_epoch), "time/step_s": time.perf_counter() - began})
+        values.update({DATA_EPOCH: float(step // self.per_epoch), TIME_STEP_S: time.perf_counter() - began})
         return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
 
 

@@ -9,20 +9,37 @@ from pathlib import Path
 from typing import Protocol
 
 from postrl.types import StepMetrics
+from postrl.types.metric_names import (
+    ACCURACY,
+    ACTOR_ENTROPY,
+    ACTOR_GRAD_NORM,
+    ACTOR_KL,
+    DPO_LOSS,
+    DPO_MARGIN,
+    DPO_REWARD_ACCURACY,
+    PERF_GEN_TOKENS_PER_S,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+    REWARD_UNSCORABLE,
+    SFT_LOSS,
+    TIME_STEP_S,
+    VAL_ACCURACY,
+    VAL_REWARD_MEAN,
+)
 
 CONSOLE_KEYS = [
-    ("sft/loss", "loss", "{:.4f}"),
-    ("reward/mean", "reward", "{:.3f}"),
-    ("accuracy", "acc", "{:.3f}"),
-    ("response/length_mean", "len", "{:.1f}"),
-    ("actor/kl", "kl", "{:.4f}"),
-    ("actor/entropy", "ent", "{:.3f}"),
-    ("actor/grad_norm", "gnorm", "{:.3f}"),
-    ("perf/gen_tokens_per_s", "tok/s", "{:.0f}"),
-    ("dpo/loss", "dpo loss", "{:.4f}"),
-    ("dpo/reward_accuracy", "pref acc", "{:.3f}"),
-    ("dpo/margin", "margin", "{:.3f}"),
-    ("time/step_s", "s", "{:.1f}"),
+    (SFT_LOSS, "loss", "{:.4f}"),
+    (REWARD_MEAN, "reward", "{:.3f}"),
+    (ACCURACY, "acc", "{:.3f}"),
+    (RESPONSE_LENGTH_MEAN, "len", "{:.1f}"),
+    (ACTOR_KL, "kl", "{:.4f}"),
+    (ACTOR_ENTROPY, "ent", "{:.3f}"),
+    (ACTOR_GRAD_NORM, "gnorm", "{:.3f}"),
+    (PERF_GEN_TOKENS_PER_S, "tok/s", "{:.0f}"),
+    (DPO_LOSS, "dpo loss", "{:.4f}"),
+    (DPO_REWARD_ACCURACY, "pref acc", "{:.3f}"),
+    (DPO_MARGIN, "margin", "{:.3f}"),
+    (TIME_STEP_S, "s", "{:.1f}"),
 ]
 
 
@@ -48,12 +65,12 @@ def console_line(metrics: StepMetrics, total: int | None = None) -> str:
         value = metrics.values.get(key)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
             parts.append(f"{label} {fmt.format(value)}")
-    if metrics.values.get("reward/unscorable", 0):
+    if metrics.values.get(REWARD_UNSCORABLE, 0):
         note = metrics.notes.get("unscorable_reason")
         parts.append(
-            f"unscorable {int(metrics.values['reward/unscorable'])}" + (f" (most common: {note})" if note else "")
+            f"unscorable {int(metrics.values[REWARD_UNSCORABLE])}" + (f" (most common: {note})" if note else "")
         )
-    for key, label in (("val/accuracy", "val acc"), ("val/reward_mean", "val reward")):
+    for key, label in ((VAL_ACCURACY, "val acc"), (VAL_REWARD_MEAN, "val reward")):
         if key in metrics.values:
             parts.append(f"{label} {metrics.values[key]:.3f}")
             break

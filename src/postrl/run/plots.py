@@ -6,13 +6,14 @@ import math
 from pathlib import Path
 
 from postrl.run.metrics import read_metrics
+from postrl.types.metric_names import ACCURACY, REWARD_MEAN, VAL_ACCURACY, VAL_REWARD_MEAN
 
 
 def plot_metrics(run_dir: Path, held_out: tuple[float, float] | None = None, title: str | None = None) -> Path | None:
     """``run_dir/reward_accuracy.png`` from ``metrics.jsonl``; None when there is nothing to draw."""
     path = run_dir / "metrics.jsonl"
-    rows = [r for r in read_metrics(path) if "reward/mean" in r] if path.is_file() else []
-    rows = [r for r in rows if math.isfinite(r["reward/mean"])]  # a step with every sample unscorable has none
+    rows = [r for r in read_metrics(path) if REWARD_MEAN in r] if path.is_file() else []
+    rows = [r for r in rows if math.isfinite(r[REWARD_MEAN])]  # a step with every sample unscorable has none
     if not rows:
         return None
     import matplotlib
@@ -23,10 +24,10 @@ def plot_metrics(run_dir: Path, held_out: tuple[float, float] | None = None, tit
 
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward/mean"] for r in rows], label="reward (train batch mean)")
-    if all("accuracy" in r for r in rows):
-        ax.plot(steps, [r["accuracy"] for r in rows], "--", label="accuracy (train batch)")
-    for key, label in (("val/accuracy", "validation accuracy (greedy)"), ("val/reward_mean", "validation reward")):
+    ax.plot(steps, [r[REWARD_MEAN] for r in rows], label="reward (train batch mean)")
+    if all(ACCURACY in r for r in rows):
+        ax.plot(steps, [r[ACCURACY] for r in rows], "--", label="accuracy (train batch)")
+    for key, label in ((VAL_ACCURACY, "validation accuracy (greedy)"), (VAL_REWARD_MEAN, "validation reward")):
         val = [r for r in rows if key in r]
         if val:
             ax.plot([r["step"] for r in val], [r[key] for r in val], "o-", label=label)

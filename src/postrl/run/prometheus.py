@@ -21,40 +21,62 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from postrl.config.observability import PrometheusConfig
 from postrl.types import StepMetrics
+from postrl.types.metric_names import (
+    ACCURACY,
+    ACTOR_CLIP_FRACTION,
+    ACTOR_ENTROPY,
+    ACTOR_GRAD_NORM,
+    ACTOR_KL,
+    BUFFER_DROPPED,
+    BUFFER_SIZE,
+    PERF_GEN_TOKENS_PER_S,
+    PERF_TRAIN_TOKENS_PER_S,
+    RESPONSE_CLIP_RATIO,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+    REWARD_SAMPLES,
+    REWARD_SERVICE_ERRORS,
+    REWARD_UNSCORABLE,
+    ROLLOUT_ENGINE_HEALTHY,
+    ROLLOUT_ENGINE_RESTARTS,
+    ROLLOUT_ENGINES,
+    SYNC_BYTES,
+    SYNC_FAILURES,
+)
 
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 # series set from one step metric each: name -> (metric key, help)
 GAUGES = {
     "postrl_generated_tokens_per_second": (
-        "perf/gen_tokens_per_s",
+        PERF_GEN_TOKENS_PER_S,
         "Response tokens generated per second in the step.",
     ),
-    "postrl_trained_tokens_per_second": ("perf/train_tokens_per_s", "Prompt and response tokens trained per second."),
-    "postrl_reward_mean": ("reward/mean", "Mean reward of the step's scored samples."),
-    "postrl_accuracy": ("accuracy", "Share of the step's samples the accuracy component counts as right."),
-    "postrl_kl": ("actor/kl", "KL of the policy to the reference (actor/kl)."),
-    "postrl_entropy": ("actor/entropy", "Mean token entropy of the policy on the step's responses."),
-    "postrl_response_length_mean": ("response/length_mean", "Mean response length in tokens."),
-    "postrl_response_truncated_ratio": ("response/clip_ratio", "Share of responses cut at rollout.max_tokens."),
-    "postrl_grad_norm": ("actor/grad_norm", "Gradient norm before clipping."),
-    "postrl_clip_fraction": ("actor/clip_fraction", "Share of tokens whose ratio was clipped."),
-    "postrl_sync_bytes": ("sync/bytes", "Bytes of the last weight sync."),
-    "postrl_engines": ("rollout/engines", "Rollout engines in the pool."),
-    "postrl_engine_healthy": ("rollout/engine_healthy", "1 when every engine passed the last health check."),
-    "postrl_buffer_size": ("buffer/size", "Experiences waiting in the Experience Buffer after the step."),
+    "postrl_trained_tokens_per_second": (PERF_TRAIN_TOKENS_PER_S, "Prompt and response tokens trained per second."),
+    "postrl_reward_mean": (REWARD_MEAN, "Mean reward of the step's scored samples."),
+    "postrl_accuracy": (ACCURACY, "Share of the step's samples the accuracy component counts as right."),
+    "postrl_kl": (ACTOR_KL, "KL of the policy to the reference (actor/kl)."),
+    "postrl_entropy": (ACTOR_ENTROPY, "Mean token entropy of the policy on the step's responses."),
+    "postrl_response_length_mean": (RESPONSE_LENGTH_MEAN, "Mean response length in tokens."),
+    "postrl_response_truncated_ratio": (RESPONSE_CLIP_RATIO, "Share of responses cut at rollout.max_tokens."),
+    "postrl_grad_norm": (ACTOR_GRAD_NORM, "Gradient norm before clipping."),
+    "postrl_clip_fraction": (ACTOR_CLIP_FRACTION, "Share of tokens whose ratio was clipped."),
+    "postrl_sync_bytes": (SYNC_BYTES, "Bytes of the last weight sync."),
+    "postrl_engines": (ROLLOUT_ENGINES, "Rollout engines in the pool."),
+    "postrl_engine_healthy": (ROLLOUT_ENGINE_HEALTHY, "1 when every engine passed the last health check."),
+    "postrl_buffer_size": (BUFFER_SIZE, "Experiences waiting in the Experience Buffer after the step."),
 }
 # cumulative counts the step metrics carry as running totals: name -> (metric key, help)
 TOTALS = {
-    "postrl_weight_sync_failures_total": ("sync/failures", "Engines lost during a weight sync (each replaced)."),
-    "postrl_engine_restarts_total": ("rollout/engine_restarts", "Rollout engines restarted after they were lost."),
-    "postrl_reward_service_errors_total": ("reward/service_errors", "Reward service errors (lost workers, retries)."),
+    "postrl_weight_sync_failures_total": (SYNC_FAILURES, "Engines lost during a weight sync (each replaced)."),
+    "postrl_engine_restarts_total": (ROLLOUT_ENGINE_RESTARTS, "Rollout engines restarted after they were lost."),
+    "postrl_reward_service_errors_total": (REWARD_SERVICE_ERRORS, "Reward service errors (lost workers, retries)."),
 }
 # per-step counts, added up: name -> (metric key, help)
 COUNTS = {
-    "postrl_samples_total": ("reward/samples", "Samples scored."),
-    "postrl_unscorable_samples_total": ("reward/unscorable", "Samples the reward could not score."),
-    "postrl_samples_dropped_total": ("buffer/dropped", "Samples dropped for staleness (buffer.max_staleness)."),
+    "postrl_samples_total": (REWARD_SAMPLES, "Samples scored."),
+    "postrl_unscorable_samples_total": (REWARD_UNSCORABLE, "Samples the reward could not score."),
+    "postrl_samples_dropped_total": (BUFFER_DROPPED, "Samples dropped for staleness (buffer.max_staleness)."),
 }
 
 

@@ -11,32 +11,52 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from postrl.config.run import ConfigError
+from postrl.types.metric_names import (
+    ACCURACY,
+    ACTOR_APPROX_KL,
+    ACTOR_CLIP_FRACTION,
+    ACTOR_ENTROPY,
+    ACTOR_GRAD_NORM,
+    ACTOR_KL,
+    PERF_GEN_TOKENS_PER_S,
+    PERF_TRAIN_TOKENS_PER_S,
+    RESPONSE_CLIP_RATIO,
+    RESPONSE_LENGTH_MAX,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+    TIME_GENERATE_S,
+    TIME_REWARD_S,
+    TIME_STEP_S,
+    TIME_SYNC_S,
+    TIME_TRAIN_S,
+    VAL_ACCURACY,
+)
 
 # (title, [(metric key, line label)], y label)
 PANELS: list[tuple[str, list[tuple[str, str]], str]] = [
     (
         "reward and accuracy",
-        [("reward/mean", "reward"), ("accuracy", "accuracy"), ("val/accuracy", "val accuracy")],
+        [(REWARD_MEAN, "reward"), (ACCURACY, ACCURACY), (VAL_ACCURACY, "val accuracy")],
         "",
     ),
-    ("KL to the reference", [("actor/kl", "kl"), ("actor/approx_kl", "approx kl (old policy)")], ""),
-    ("entropy", [("actor/entropy", "entropy")], "nats/token"),
-    ("response length", [("response/length_mean", "mean"), ("response/length_max", "max")], "tokens"),
-    ("truncated responses", [("response/clip_ratio", "cut at max_tokens")], "fraction"),
-    ("clip fraction", [("actor/clip_fraction", "clipped ratio")], "fraction of tokens"),
-    ("grad norm", [("actor/grad_norm", "before clipping")], ""),
+    ("KL to the reference", [(ACTOR_KL, "kl"), (ACTOR_APPROX_KL, "approx kl (old policy)")], ""),
+    ("entropy", [(ACTOR_ENTROPY, "entropy")], "nats/token"),
+    ("response length", [(RESPONSE_LENGTH_MEAN, "mean"), (RESPONSE_LENGTH_MAX, "max")], "tokens"),
+    ("truncated responses", [(RESPONSE_CLIP_RATIO, "cut at max_tokens")], "fraction"),
+    ("clip fraction", [(ACTOR_CLIP_FRACTION, "clipped ratio")], "fraction of tokens"),
+    ("grad norm", [(ACTOR_GRAD_NORM, "before clipping")], ""),
     (
         "phase seconds",
         [
-            ("time/generate_s", "generate"),
-            ("time/reward_s", "reward"),
-            ("time/train_s", "train"),
-            ("time/sync_s", "sync"),
-            ("time/step_s", "step"),
+            (TIME_GENERATE_S, "generate"),
+            (TIME_REWARD_S, "reward"),
+            (TIME_TRAIN_S, "train"),
+            (TIME_SYNC_S, "sync"),
+            (TIME_STEP_S, "step"),
         ],
         "s",
     ),  # fmt: skip
-    ("throughput", [("perf/gen_tokens_per_s", "generated"), ("perf/train_tokens_per_s", "trained")], "tokens/s"),
+    ("throughput", [(PERF_GEN_TOKENS_PER_S, "generated"), (PERF_TRAIN_TOKENS_PER_S, "trained")], "tokens/s"),
 ]
 STYLES: list = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
 

@@ -29,6 +29,17 @@ from postrl.run.train_runner import make_sinks
 from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import Experience, ExperienceBatch, StepMetrics
+from postrl.types.metric_names import (
+    ACTOR_GRAD_NORM,
+    ACTOR_LOSS,
+    ACTOR_LR,
+    ACTOR_SKIPPED_UPDATES,
+    DATA_EPOCH,
+    SFT_LOSS,
+    SFT_PERPLEXITY,
+    SFT_TOKENS,
+    TIME_STEP_S,
+)
 
 # -log pi on the trained tokens: REINFORCE with every advantage 1
 SFT_ALGORITHM = AlgorithmConfig(advantage="grpo", policy_loss="reinforce", loss_agg="token_mean", kl_beta=0.0)
@@ -150,16 +161,16 @@ class SFTJob(MiniBatchJob):
         self.updating = True
         metrics = self.trainer.update(sft_batch(chosen, self.tokenizer.pad_token_id))
         self.step_count, self.updating = step + 1, False
-        loss = metrics.get("actor/loss")
+        loss = metrics.get(ACTOR_LOSS)
         values = {
-            "sft/loss": loss,
-            "sft/perplexity": math.exp(min(loss, 50.0)),
-            "sft/tokens": float(sum(sum(e.loss_mask) for e in chosen)),
-            "actor/grad_norm": metrics.get("actor/grad_norm"),
-            "actor/lr": metrics.get("actor/lr"),
-            "actor/skipped_updates": float(metrics.skipped_steps),
-            "data/epoch": float(step // self.per_epoch),
-            "time/step_s": time.perf_counter() - began,
+            SFT_LOSS: loss,
+            SFT_PERPLEXITY: math.exp(min(loss, 50.0)),
+            SFT_TOKENS: float(sum(sum(e.loss_mask) for e in chosen)),
+            ACTOR_GRAD_NORM: metrics.get(ACTOR_GRAD_NORM),
+            ACTOR_LR: metrics.get(ACTOR_LR),
+            ACTOR_SKIPPED_UPDATES: float(metrics.skipped_steps),
+            DATA_EPOCH: float(step // self.per_epoch),
+            TIME_STEP_S: time.perf_counter() - began,
         }
         return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
 

@@ -19,6 +19,16 @@ from postrl.reward.columns import check_columns
 from postrl.rollout.agentic.episodes import episode_metrics
 from postrl.tasks import task_rows
 from postrl.types import RewardResult, Rollout, SamplingParams, StepMetrics
+from postrl.types.metric_names import (
+    TIME_VALIDATE_S,
+    VAL_ACCURACY,
+    VAL_AGENT,
+    VAL_PROMPTS,
+    VAL_RESPONSE_LENGTH,
+    VAL_REWARD_MEAN,
+    VAL_UNSCORABLE,
+    component_mean,
+)
 
 
 def load_validation_set(config: RunConfig, tokenizer: Any) -> PromptDataset | None:
@@ -60,7 +70,7 @@ class Validator:
         if self.due(metrics.step):
             began = time.perf_counter()
             metrics.values.update(self.run(source, weight_version))
-            metrics.values["time/validate_s"] = time.perf_counter() - began
+            metrics.values[TIME_VALIDATE_S] = time.perf_counter() - began
 
     def run(self, source: BatchSource, weight_version: int | None) -> dict[str, float]:
         """Greedy answers, scored as the run scores them; an ``agent:`` run's whole episodes, one per
@@ -69,21 +79,21 @@ class Validator:
         ran = source.generate(prompts, self.sampling, weight_version)
         rollouts = [r for r in ran if r.episode is None or r.episode.part == 0]
         results = source.score(prompts, rollouts)
-        return {**self.metrics(rollouts, results, source.accuracy_component), **episode_metrics(rollouts, "val/agent")}
+        return {**self.metrics(rollouts, results, source.accuracy_component), **episode_metrics(rollouts, VAL_AGENT)}
 
     def metrics(self, rollouts: list[Rollout], results: list[RewardResult], component: str | None) -> dict[str, float]:
         prompts = self.dataset.prompts
         scored = [res.reward for res in results if res.reward is not None]
         values = {
-            "val/reward_mean": sum(scored) / len(scored) if scored else float("nan"),
-            "val/unscorable": float(len(results) - len(scored)),
-            "val/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts),
-            "val/prompts": float(len(prompts)),
+            VAL_REWARD_MEAN: sum(scored) / len(scored) if scored else float("nan"),
+            VAL_UNSCORABLE: float(len(results) - len(scored)),
+            VAL_RESPONSE_LENGTH: sum(len(r.response_ids) for r in rollouts) / len(rollouts),
+            VAL_PROMPTS: float(len(prompts)),
         }
         acc = accuracy(results, component, self.config.reward.accuracy_threshold)
         if acc is not None:
-            values["val/accuracy"] = acc
+            values[VAL_ACCURACY] = acc
         for comp in sorted({k for res in results for k in res.components}):
             vals = [res.components[comp] for res in results if comp in res.components]
-            values[f"val/{comp}/mean"] = sum(vals) / len(vals)
+            values[component_mean(comp, "val")] = sum(vals) / len(vals)
         return values

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from postrl.config.run import RunConfig
 from postrl.types import StepMetrics
+from postrl.types.metric_names import REWARD_NO_SIGNAL_GROUPS, ROLLOUT_LOGPROB_DIFF_MAX, ROLLOUT_MISMATCH_KL
 
 
 class Watch(Protocol):
@@ -22,7 +23,7 @@ class NoSignalWatch:
         self.echo, self.limit, self.streak, self.source = echo, limit, 0, source
 
     def observe(self, metrics: StepMetrics) -> None:
-        self.streak = self.streak + 1 if metrics.values.get("reward/no_signal_groups", 0.0) >= 1.0 else 0
+        self.streak = self.streak + 1 if metrics.values.get(REWARD_NO_SIGNAL_GROUPS, 0.0) >= 1.0 else 0
         if self.streak == self.limit:
             self.echo(
                 f"warning: in the last {self.limit} steps every group's samples got identical rewards, so nothing "
@@ -60,8 +61,8 @@ class MismatchWatch:
     def observe(self, metrics: StepMetrics) -> None:
         if not self.config.on_policy:
             return
-        diff = metrics.values.get("rollout/logprob_diff_max", float("nan"))
-        kl = metrics.values.get("rollout/mismatch_kl", float("nan"))
+        diff = metrics.values.get(ROLLOUT_LOGPROB_DIFF_MAX, float("nan"))
+        kl = metrics.values.get(ROLLOUT_MISMATCH_KL, float("nan"))
         if self.warned or not (diff > self.max_diff or kl > self.max_kl):
             return
         self.warned = True

@@ -15,6 +15,7 @@ import torch
 from postrl.config.algorithm import CriticConfig
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.types import ExperienceBatch
+from postrl.types.metric_names import CRITIC_CLIP_FRACTION, CRITIC_VALUE_LOSS
 
 
 class ValueModel(torch.nn.Module):
@@ -85,7 +86,7 @@ class CriticWorker:
             raise ValueError("the critic's update needs the batch's values and returns (advantage: gae)")
         self.model.train()
         total = max(float(batch.response_mask.sum()), 1.0)
-        stats = {"critic/value_loss": 0.0, "critic/clip_fraction": 0.0}
+        stats = {CRITIC_VALUE_LOSS: 0.0, CRITIC_CLIP_FRACTION: 0.0}
         for _ in range(self.cfg.epochs):
             for micro in batch.split(self.cfg.micro_batch_size):
                 micro = micro.trimmed().to(self.device)
@@ -93,8 +94,8 @@ class CriticWorker:
                 values = self.model(micro.input_ids, micro.attention_mask)
                 loss, clipped = clipped_value_loss(values, micro.values, micro.returns, mask, self.cfg.value_clip)
                 (loss.sum() / total).backward()
-                stats["critic/value_loss"] += float(loss.detach().sum()) / total / self.cfg.epochs
-                stats["critic/clip_fraction"] += float(clipped.sum()) / total / self.cfg.epochs
+                stats[CRITIC_VALUE_LOSS] += float(loss.detach().sum()) / total / self.cfg.epochs
+                stats[CRITIC_CLIP_FRACTION] += float(clipped.sum()) / total / self.cfg.epochs
             self.optimization.step(float(self.optimization.clip_gradients()))
         self.model.eval()
         return stats

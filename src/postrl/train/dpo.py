@@ -21,6 +21,16 @@ from postrl.train.lora import save_lora_model
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.worker import prepare_for_training
 from postrl.types import pad_sequences
+from postrl.types.metric_names import (
+    ACTOR_GRAD_NORM,
+    ACTOR_LR,
+    ACTOR_SKIPPED_UPDATES,
+    DPO_CHOSEN_REWARD,
+    DPO_LOSS,
+    DPO_MARGIN,
+    DPO_REJECTED_REWARD,
+    DPO_REWARD_ACCURACY,
+)
 
 
 def pair_batch(pairs: list[PreferencePair], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -106,12 +116,12 @@ class DPOWorker:
         self.optimization.step(norm)
         self.model.eval()
         values = (sums / len(pairs)).tolist()
-        names = ["dpo/loss", "dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward"]
+        names = [DPO_LOSS, DPO_REWARD_ACCURACY, DPO_MARGIN, DPO_CHOSEN_REWARD, DPO_REJECTED_REWARD]
         return {
             **dict(zip(names, values)),
-            "actor/grad_norm": norm,
-            "actor/lr": self.optimization.lr,
-            "actor/skipped_updates": float(self.optimization.skipped),
+            ACTOR_GRAD_NORM: norm,
+            ACTOR_LR: self.optimization.lr,
+            ACTOR_SKIPPED_UPDATES: float(self.optimization.skipped),
         }
 
     def save_pretrained(self, folder: str | Path) -> None:

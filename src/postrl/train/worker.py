@@ -35,9 +35,22 @@ from postrl.train.micro_batching import token_budget_micro_batches
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.stats import TOKENS, Stats
 from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.types.metric_names import (
+    ACTOR_ENTROPY,
+    ACTOR_GRAD_NORM,
+    ACTOR_KL,
+    ACTOR_LOSS,
+    ACTOR_LR,
+    ACTOR_SKIPPED_UPDATES,
+    ROLLOUT_IS_REJECTED_FRACTION,
+    ROLLOUT_IS_WEIGHT_MAX,
+    ROLLOUT_IS_WEIGHT_MEAN,
+    ROLLOUT_LOGPROB_DIFF_MAX,
+    ROLLOUT_MISMATCH_KL,
+)
 
 # measured on the update's first optimizer step only: the behaviour policy against the proximal one
-MEASURED_BEFORE_UPDATE = ("rollout/mismatch_kl", "rollout/logprob_diff_max")
+MEASURED_BEFORE_UPDATE = (ROLLOUT_MISMATCH_KL, ROLLOUT_LOGPROB_DIFF_MAX)
 
 
 def prepare_for_training(model: torch.nn.Module, attention: str, gradient_checkpointing: bool) -> None:
@@ -141,9 +154,9 @@ class TrainWorker:
         self.model.eval()
         values = {k: v for k, v in total.finish(empty=0.0).items() if k not in MEASURED_BEFORE_UPDATE}
         values.update({k: v for k, v in before_update.finish().items() if k in MEASURED_BEFORE_UPDATE})
-        values["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-        values["actor/lr"] = self.optimization.lr
-        values["actor/skipped_updates"] = float(self.optimization.skipped)
+        values[ACTOR_GRAD_NORM] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        values[ACTOR_LR] = self.optimization.lr
+        values[ACTOR_SKIPPED_UPDATES] = float(self.optimization.skipped)
         return TrainMetrics(values, self.optimization.steps, self.optimization.skipped)
 
     def _own_proximal_progress(self, progress: float) -> float | None:
@@ -264,17 +277,17 @@ class TrainWorker:
             current = logp.detach().float() if micro.proximal_logprobs is None else proximal
             stats = Stats()
             stats.add(TOKENS, "sum", mask.sum())
-            stats.add("actor/loss", "token_mean", (per_token * mask).sum())
-            stats.add("actor/kl", "token_mean", kl.sum())
-            stats.add("actor/entropy", "token_mean", (entropy.detach() * mask).sum())
+            stats.add(ACTOR_LOSS, "token_mean", (per_token * mask).sum())
+            stats.add(ACTOR_KL, "token_mean", kl.sum())
+            stats.add(ACTOR_ENTROPY, "token_mean", (entropy.detach() * mask).sum())
             for name, metric in out.metrics.items():
                 stats.add(name, metric.reduce, metric.reduced())
-            stats.add("rollout/mismatch_kl", "token_mean", (kl_k3(micro.old_logprobs, current) * mask).sum())
-            stats.add("rollout/logprob_diff_max", "max", ((current - micro.old_logprobs) * mask).abs().max())
+            stats.add(ROLLOUT_MISMATCH_KL, "token_mean", (kl_k3(micro.old_logprobs, current) * mask).sum())
+            stats.add(ROLLOUT_LOGPROB_DIFF_MAX, "max", ((current - micro.old_logprobs) * mask).abs().max())
             if micro.proximal_logprobs is not None:
-                stats.add("rollout/is_weight_mean", "token_mean", weights.weights.sum())
-                stats.add("rollout/is_weight_max", "max", weights.weights.max())
-                stats.add("rollout/is_rejected_fraction", "token_mean", (weights.rejected.float() * mask).sum())
+                stats.add(ROLLOUT_IS_WEIGHT_MEAN, "token_mean", weights.weights.sum())
+                stats.add(ROLLOUT_IS_WEIGHT_MAX, "max", weights.weights.max())
+                stats.add(ROLLOUT_IS_REJECTED_FRACTION, "token_mean", (weights.rejected.float() * mask).sum())
             return stats
 
     def _reference(self, micro: ExperienceBatch) -> torch.Tensor:

@@ -5,6 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from postrl.types.metric_names import (
+    ACTOR_ENTROPY,
+    ACTOR_GRAD_NORM,
+    ACTOR_KL,
+    ACTOR_LOSS,
+    ACTOR_LR,
+    ACTOR_SKIPPED_UPDATES,
+    ROLLOUT_MISMATCH_KL,
+)
+
 
 @dataclass
 class TrainMetrics:
@@ -23,8 +33,8 @@ class TrainMetrics:
     def skipped() -> TrainMetrics:
         """A step whose policy update did not run (the critic's warm-up): NaN metrics, no step."""
         nan = math.nan
-        names = ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/lr", "rollout/mismatch_kl")
-        return TrainMetrics({**{name: nan for name in names}, "actor/skipped_updates": 0.0}, 0, 0)
+        names = (ACTOR_LOSS, ACTOR_KL, ACTOR_ENTROPY, ACTOR_GRAD_NORM, ACTOR_LR, ROLLOUT_MISMATCH_KL)
+        return TrainMetrics({**{name: nan for name in names}, ACTOR_SKIPPED_UPDATES: 0.0}, 0, 0)
 
 
 @dataclass

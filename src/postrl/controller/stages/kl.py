@@ -9,6 +9,7 @@ from postrl.algorithms import kl_penalty
 from postrl.algorithms.kl_control import adaptive_kl_coef
 from postrl.controller.stages.base import Stage
 from postrl.types import ExperienceBatch, StepBatch, TrainMetrics
+from postrl.types.metric_names import ACTOR_KL, KL_REWARD_PENALTY
 from postrl.workers.roles import TrainWorker
 
 
@@ -42,7 +43,7 @@ class KLPenalty(Stage):
         kl = kl_penalty(batch.old_logprobs, ref, self.estimator, self.clamp) * step.model_mask
         self.last_mean = float(kl.sum() / step.model_mask.sum().clamp(min=1))
         step.kl_penalty = -self.coef.beta * kl
-        return {"kl/reward_penalty": self.last_mean}
+        return {KL_REWARD_PENALTY: self.last_mean}
 
 
 class AdaptiveKL(Stage):
@@ -56,7 +57,7 @@ class AdaptiveKL(Stage):
         self.coef, self.target, self.horizon, self.penalty = coef, target, horizon, penalty
 
     def after_update(self, batch: ExperienceBatch, train: TrainMetrics) -> dict[str, float]:
-        observed = self.penalty.last_mean if self.penalty is not None else train.get("actor/kl")
+        observed = self.penalty.last_mean if self.penalty is not None else train.get(ACTOR_KL)
         self.coef.set(adaptive_kl_coef(self.coef.beta, observed, self.target, batch.size, self.horizon))
         return {}
 

@@ -27,6 +27,7 @@ from postrl.rollout.agentic.env import Environment, EnvironmentFactory, StepResu
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
 from postrl.types.episode import Episode, Turn
+from postrl.types.metric_names import AGENT
 
 log = logging.getLogger(__name__)
 PrefixPolicy = Literal["split", "keep_context"]
@@ -321,7 +322,7 @@ def sample_rollout(
     )
 
 
-def episode_metrics(rollouts: list[Rollout], prefix: str = "agent") -> dict[str, float]:
+def episode_metrics(rollouts: list[Rollout], prefix: str = AGENT) -> dict[str, float]:
     """The step's ``agent/*`` metrics from its rollouts' episodes (each episode counted once)."""
     episodes = [r.episode for r in rollouts if r.episode is not None and r.episode.part == 0]
     if not episodes:
