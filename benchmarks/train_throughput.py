@@ -72,7 +72,7 @@ def time_micro_batch(model, batch, lean: bool) -> float:
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, _ = token_logprobs(model, ids, attention, 1.0, True, target_mask=target, group_ids=groups, lean=lean)
+        logp, _ = token_logprobs(model, ids, attention, 1.0, "value", target_mask=target, group_ids=groups, lean=lean)
     (logp.sum() / target.sum()).backward()
     return time.perf_counter() - start
 

@@ -51,7 +51,7 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_full_softmax(chunk, te
 
 def test_entropy_without_grad_leaves_the_gradient_to_the_logprobs():
     hidden, weight, targets, _ = inputs(torch.float64)
-    logp, entropy = chunked_token_logprobs(hidden, weight, targets, with_entropy=True, chunk=4)
+    logp, entropy = chunked_token_logprobs(hidden, weight, targets, with_entropy="value", chunk=4)
     assert not entropy.requires_grad
     (g,) = torch.autograd.grad(logp.sum(), (hidden,))
     want, _ = reference(hidden, weight, targets, 1.0)
@@ -94,14 +94,14 @@ def test_fused_bf16_head_matches_the_eager_one_and_reuses_its_probabilities(monk
     hidden, weight, targets, upstream = inputs(torch.bfloat16, n=40, vocab=300)
     upstream = (upstream[0], torch.zeros_like(upstream[1]))
     eager = grads(
-        lambda: chunked_token_logprobs(hidden, weight, targets, with_entropy=True, chunk=8, fused=False),
+        lambda: chunked_token_logprobs(hidden, weight, targets, with_entropy="value", chunk=8, fused=False),
         hidden,
         weight,
         upstream,
     )
     assert calls == []
     fused = grads(
-        lambda: chunked_token_logprobs(hidden, weight, targets, with_entropy=True, chunk=8, fused=True),
+        lambda: chunked_token_logprobs(hidden, weight, targets, with_entropy="value", chunk=8, fused=True),
         hidden,
         weight,
         upstream,

@@ -4,6 +4,7 @@ behaviour policy, and how ``algorithm.old_logprobs`` resolves."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -240,3 +241,26 @@ def test_token_lags_count_from_the_trainers_version():
     batch = ExperienceBatch.from_experiences([Experience([1, 2], [3, 4], [-0.5, -0.5], 1.0, 1.0, 3)], 0)
     batch.logprob_versions = torch.tensor([[-1, 3, 4]])  # the second token came after an in-flight update
     assert batch.with_lags(5).token_lags.tolist() == [[-1, 2, 1]]
+
+
+def test_each_old_logprobs_value_is_one_proximal_object():
+    """rollout: no correction; recompute: the batch's prepass, or in a one-epoch update the first
+    mini-batch's own forward; approximate: its own forward before any step, interpolated after."""
+    from postrl.train.proximal import Approximate, BehaviourIsOld, Recompute, proximal_policy
+
+    behaviour, own = torch.tensor([[0.0, -1.0, -2.0]]), torch.tensor([[0.0, -0.5, -1.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    prepass = torch.tensor([[0.0, -0.7, -1.4]])
+    micro = SimpleNamespace(old_logprobs=behaviour, response_mask=mask, proximal_logprobs=prepass,
+                            token_lags=torch.tensor([[0, 2, 2]]))  # fmt: skip
+    assert proximal_policy("rollout", None, 1).for_micro(micro, own, 0.5) is None
+    assert isinstance(proximal_policy("rollout", None, 1), BehaviourIsOld)
+    one_epoch, two = Recompute(None, epochs=1), Recompute(None, epochs=2)
+    assert torch.equal(one_epoch.for_micro(micro, own, 0.0), own * mask)
+    assert one_epoch.for_micro(micro, own, 0.25) is prepass and two.for_micro(micro, own, 0.0) is prepass
+    approx = Approximate()
+    assert torch.equal(approx.for_micro(micro, own, 0.0), own * mask)
+    after = approx.for_micro(micro, own, 0.5)
+    assert not torch.equal(after, own * mask) and float(after[0, 0]) == 0.0  # interpolated, still masked
+    with pytest.raises(ValueError, match="token_lags"):
+        approx.prepare(SimpleNamespace(token_lags=None), torch.arange(1))

@@ -198,9 +198,9 @@ def test_masked_logprobs_equal_full_logprobs_on_the_mask(char_tokenizer):
         Experience([1, 20], [40, 41, 42, 2], [-1.0] * 4, 1.0, -1.0, 0),
     ]
     b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
-    full, full_ent = token_logprobs(model, b.input_ids, b.attention_mask, 0.9, with_entropy=True)
+    full, full_ent = token_logprobs(model, b.input_ids, b.attention_mask, 0.9, with_entropy="value")
     part, part_ent = token_logprobs(
-        model, b.input_ids, b.attention_mask, 0.9, with_entropy=True, target_mask=b.response_mask
+        model, b.input_ids, b.attention_mask, 0.9, with_entropy="value", target_mask=b.response_mask
     )
     m = b.response_mask.bool()
     assert torch.allclose(full[m], part[m], atol=1e-12) and torch.allclose(full_ent[m], part_ent[m], atol=1e-12)
@@ -241,10 +241,10 @@ def test_shared_prompt_packing_gives_the_unpacked_logprobs_and_gradients(char_to
         model.set_attn_implementation("eager")
         if name == "packed":
             logp, ent = token_logprobs(
-                model, batch.input_ids, batch.attention_mask, 0.7, True, batch.response_mask, batch.group_ids
+                model, batch.input_ids, batch.attention_mask, 0.7, "value", batch.response_mask, batch.group_ids
             )
         else:
-            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, True)
+            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, "value")
             logp, ent = logp * batch.response_mask, ent * batch.response_mask
         (logp * batch.advantages).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -263,3 +263,34 @@ def test_shared_prompt_packing_gives_the_unpacked_logprobs_and_gradients(char_to
     wrong[5] = 0
     with pytest.raises(ValueError, match="rows 0 and 5 of group 0 do not share their prompt"):
         pack_shared_prompts(batch.input_ids, batch.attention_mask, batch.response_mask, wrong)
+
+
+def test_the_forward_is_chosen_in_one_dispatch_and_the_worker_reports_it(char_tokenizer, caplog):
+    """plan_forward names the path that runs; each path gives the same logprobs; the worker logs
+    the path of its forwards and counts them."""
+    from postrl.train.logprobs import plan_forward, token_logprobs
+
+    exps = [
+        Experience([1, 20, 21], [30, 31, 2], [0.0] * 3, 1.0, 0.5, 0, group_id=0),
+        Experience([1, 20, 21], [32], [0.0], 1.0, -0.5, 0, group_id=0),
+        Experience([1, 22, 23, 24], [33, 34], [0.0] * 2, 1.0, 1.0, 0, group_id=1),
+    ]
+    b = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+    model = make_tiny_model("llama", char_tokenizer).float()
+    ids, att, target, groups = b.input_ids, b.attention_mask, b.response_mask, b.group_ids
+    paths = {
+        "lean": plan_forward(model, ids, att, target, groups, lean=True),
+        "shared_prompts": plan_forward(model, ids, att, target, groups, lean=False),
+        "selected": plan_forward(model, ids, att, target, None, lean=False),
+        "full": plan_forward(model, ids, att, None, groups, lean=True),
+    }
+    assert {name: plan.path for name, plan in paths.items()} == {name: name for name in paths}
+    with torch.no_grad():
+        results = {n: token_logprobs(model, ids, att, target_mask=target, plan=p)[0] for n, p in paths.items()}
+    for name, logp in results.items():
+        torch.testing.assert_close(logp * target, results["full"] * target, atol=1e-5, rtol=1e-5, msg=name)
+    worker = TrainWorker(model, TrainConfig(mini_batch_size=3, micro_batch_size=3), AlgorithmConfig())
+    with caplog.at_level("INFO", logger="postrl.train.worker"):
+        worker.update(b)
+    assert dict(worker.forward_paths) == {"lean": 1}
+    assert "train forward: lean" in caplog.text

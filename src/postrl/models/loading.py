@@ -25,6 +25,13 @@ class ModelNotFoundError(ConfigError):
     """A model path that is neither a model folder nor a loadable model id."""
 
 
+def hf(model: torch.nn.Module) -> Any:
+    """A transformers (or peft) model as what it is: its methods (``get_output_embeddings``,
+    ``save_pretrained``, ``disable_adapter``, ...) come from the library, which ``torch.nn.Module``
+    does not declare."""
+    return model
+
+
 def resolve_model_path(path: str) -> str:
     """The folder to load ``path`` from (``demo`` = the shipped model), or ``path`` itself when it
     can only be a hub id. A path that is neither fails here, in one line."""

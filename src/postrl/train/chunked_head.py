@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
 log = logging.getLogger(__name__)
 
+Entropy = Literal["off", "value", "grad"]  # none; its value (no gradient); a term of the loss
 CHUNK_ELEMENTS = 1 << 25  # float32 logits per chunk: 128 MB
 KEPT_PROBS_ELEMENTS = 1 << 27  # half-precision probabilities kept for the backward: 256 MB
 
@@ -98,7 +100,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     on [rows, vocab] tensors the passes, not the matmuls, are the cost."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused):
         dtype = _compute_dtype(hidden)
         h, w = hidden.to(dtype), weight.to(dtype)
         out = _float(dtype)
@@ -141,7 +143,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         return logp, (entropy if entropy is not None else torch.zeros_like(logp))
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_logp, grad_entropy):
         hidden, w, targets, lse, entropy, probs = ctx.saved_tensors
         h = hidden.to(ctx.dtype)
         accumulate = _float(ctx.dtype)
@@ -214,7 +216,7 @@ def chunked_token_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    with_entropy: bool | str = False,
+    with_entropy: Entropy = "off",
     chunk: int | None = None,
     fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -223,7 +225,8 @@ def chunked_token_logprobs(
     in half precision (the lean forward asks for it), the compiled single-pass softmax (:func:`fused_softmax_stats`) where it applies."""
     chunk = chunk or rows_per_chunk(weight.shape[0])
     fused = fused and with_entropy != "grad"
-    logp, entropy = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk, bool(with_entropy), fused)
-    if not with_entropy:
+    wanted = with_entropy != "off"
+    logp, entropy = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, chunk, wanted, fused)
+    if not wanted:
         return logp, None
     return logp, entropy if with_entropy == "grad" else entropy.detach()

@@ -9,6 +9,7 @@ token is generated.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ class CriticWorker:
         torch.manual_seed(seed)
         self.cfg, self.pad_id = config, pad_id
         self.device = resolve_device(device, "train.device")
-        lm = load_causal_lm(config.path or policy_path, model_dtype)
+        lm: Any = load_causal_lm(config.path or policy_path, model_dtype)  # a transformers model
         self.model = ValueModel(lm.get_decoder(), lm.config.hidden_size).to(self.device)
         settings = OptimizerSettings(lr=config.lr, grad_clip=config.grad_clip, what="algorithm.critic")
         self.optimization = Optimization(self.model, settings)
@@ -92,6 +93,7 @@ class CriticWorker:
                 micro = micro.trimmed().to(self.device)
                 mask = micro.response_mask
                 values = self.model(micro.input_ids, micro.attention_mask)
+                assert micro.values is not None and micro.returns is not None  # the critic stage set them
                 loss, clipped = clipped_value_loss(values, micro.values, micro.returns, mask, self.cfg.value_clip)
                 (loss.sum() / total).backward()
                 stats[CRITIC_VALUE_LOSS] += float(loss.detach().sum()) / total / self.cfg.epochs

@@ -5,6 +5,7 @@ process, each rank of an FSDP2 group in its own, each Ray actor in its."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,7 +76,7 @@ def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -
         from postrl.train.lora import apply_lora
 
         policy = apply_lora(policy, spec.lora)
-    common = dict(
+    common: dict[str, Any] = dict(
         temperature=spec.temperature,
         ref_model=ref,
         seed=spec.seed,

@@ -12,6 +12,7 @@ collective.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from postrl.algorithms import LossNormalizer
+from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.models.weights import dedupe_tied
 from postrl.train.lora import base_of, lora_export_state, save_lora_model
 from postrl.train.sharding import split_rows_by_tokens
@@ -30,7 +32,7 @@ from postrl.types import ExperienceBatch
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a Hugging Face causal LM (``model.model.layers`` and the like)."""
     for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
-        node = model
+        node: Any = model
         for part in path.split("."):
             node = getattr(node, part, None)
             if node is None:
@@ -47,24 +49,31 @@ def shard_model(model: torch.nn.Module, bf16: bool = False) -> FSDPModule:
     base weights and trainable adapters share each layer's shards. With ``bf16``
     the forward and backward run in bf16 while the sharded fp32 parameters stay the master copy."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kwargs = {"mp_policy": policy} if policy is not None else {}
     for layer in decoder_layers(base_of(model)):
-        fully_shard(layer, **kwargs)
-    return fully_shard(model, **kwargs)
+        fully_shard(layer, mp_policy=policy) if policy is not None else fully_shard(layer)
+    root = fully_shard(model, mp_policy=policy) if policy is not None else fully_shard(model)
+    assert isinstance(root, FSDPModule)
+    return root
 
 
 class FSDPTrainWorker(TrainWorker):
     """A :class:`TrainWorker` whose model is sharded across the ranks of the default process group."""
 
     def __init__(
-        self, model: torch.nn.Module, *args, bf16: bool = False, ref_model: torch.nn.Module | None = None, **kwargs
+        self,
+        model: torch.nn.Module,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        bf16: bool = False,
+        ref_model: torch.nn.Module | None = None,
+        **options: Any,
     ) -> None:
+        """``options``: the other keyword arguments of :class:`TrainWorker`."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sharded = shard_model(model, bf16)
         if ref_model is not None:
             shard_model(ref_model, bf16)
-        super().__init__(model, *args, ref_model=ref_model, **kwargs)
-        self.is_main = self.rank == 0
+        super().__init__(model, train, algorithm, ref_model=ref_model, is_main=self.rank == 0, **options)
 
     def micro_batches(self, mini: ExperienceBatch) -> list[tuple[torch.Tensor, ExperienceBatch]]:
         """This rank's micro-batches of ``mini`` (its rows balanced by tokens), padded with rows that
@@ -77,16 +86,18 @@ class FSDPTrainWorker(TrainWorker):
         nothing = mine[:0]
         return local + [(nothing, zero_weight(mini)) for _ in range(int(count) - len(local))]
 
-    def accumulate_gradients(self, mini: ExperienceBatch, own_progress: float | None = None) -> Stats:
+    def loss_normalizer(self, mini: ExperienceBatch) -> LossNormalizer:
+        """The mini-batch's tokens and sequences over all ranks, divided by the number of ranks:
+        FSDP averages the ranks' gradients."""
         part = mini.select(split_rows_by_tokens(mini, self.world)[self.rank].to(mini.input_ids.device))
         counts = torch.stack([part.loss_mask.sum(), (part.loss_mask.sum(dim=-1) > 0).sum().to(part.loss_mask.dtype)])
         dist.all_reduce(counts)
-        norm = LossNormalizer(counts[0] / self.world, counts[1] / self.world, self.max_response_tokens)
-        micro_batches = self.micro_batches(mini)
-        stats = Stats()
-        for i, (_, micro) in enumerate(micro_batches):
-            self.sharded.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            stats = stats.merge(self._micro_batch_backward(micro, norm, own_progress))
+        return LossNormalizer(counts[0] / self.world, counts[1] / self.world, self.max_response_tokens)
+
+    def before_micro_batch(self, index: int, count: int) -> None:
+        self.sharded.set_requires_gradient_sync(index == count - 1)  # one gradient reduction per mini-batch
+
+    def reduce_stats(self, stats: Stats) -> Stats:
         return stats.all_reduce()
 
     def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -100,9 +111,8 @@ class FSDPTrainWorker(TrainWorker):
         :mod:`postrl.train.lora`). Every rank must call it: the gather is a collective."""
         if self.lora is not None:
             return super().policy_state()
-        return dedupe_tied(
-            get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        )
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return dedupe_tied({name: t for name, t in state.items() if isinstance(t, torch.Tensor)})
 
     def save_pretrained(self, folder: str | Path) -> None:
         if self.lora is not None:
@@ -122,7 +132,7 @@ def zero_weight(mini: ExperienceBatch) -> ExperienceBatch:
     return row
 
 
-def save_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+def save_full_state(model: Any, state: dict[str, torch.Tensor], folder: Path) -> None:
     """A Hugging Face folder from gathered weights. ``fully_shard`` renames the model's class
     (``FSDPLlamaForCausalLM``), so the config names the original architecture."""
     model.save_pretrained(folder, state_dict=state, safe_serialization=True)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
-from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
+from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES, hf
 
 
 def supports_lean_forward(model: torch.nn.Module) -> bool:  # model: unwrapped (lora.base_of)
@@ -57,7 +57,7 @@ def supports_lean_forward(model: torch.nn.Module) -> bool:  # model: unwrapped (
         + (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
     ]
     plain = all(type(m) is torch.nn.Linear or _plain_lora(m) for m in projections)
-    return plain and type(model.get_output_embeddings()) is torch.nn.Linear
+    return plain and type(hf(model).get_output_embeddings()) is torch.nn.Linear
 
 
 def _plain_lora(module: torch.nn.Module) -> bool:
@@ -252,17 +252,18 @@ class LeanForward:
     """Hidden states of a :class:`BlockLayout` under a Llama-family model's own parameters."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        cfg = model.config
-        self.model = model
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.eps = cfg.rms_norm_eps
+        cfg: Any = model.config
+        self.model: Any = model  # a transformers Llama-family model: its submodules are reached by name
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
+        self.eps = float(cfg.rms_norm_eps)
 
     def _dtype(self, device: torch.device) -> torch.dtype:
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
-        return self.model.model.embed_tokens.weight.dtype
+        dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
+        return dtype
 
     def hidden(self, layout: BlockLayout) -> torch.Tensor:
         """``[T, hidden]`` after the final norm."""

@@ -3,14 +3,61 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
-from postrl.train.chunked_head import chunked_token_logprobs
+from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES, hf
+from postrl.train.chunked_head import Entropy, chunked_token_logprobs
 from postrl.train.lean_forward import LeanForward, group_layout, shared_prompt_groups, supports_lean_forward
 from postrl.train.lora import base_of
+
+ForwardPath = Literal["lean", "shared_prompts", "selected", "full"]
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Which forward computes a batch's logprobs, with what it prepared for it and why it was chosen.
+
+    - ``lean``: the Llama family through :mod:`postrl.train.lean_forward` (shared prompts run once,
+      the head only at the wanted positions);
+    - ``shared_prompts``: the transformers forward over the samples of a group packed behind their
+      one prompt (:func:`pack_shared_prompts`), the head only at the wanted positions;
+    - ``selected``: the transformers forward, the head only at the wanted positions;
+    - ``full``: the transformers forward with whole logits (no ``target_mask``, or a head with a
+      bias or another model type).
+    """
+
+    path: ForwardPath
+    why: str
+    spans: list[tuple[int, int]] | None = None  # lean: each row's (prompt, response) lengths
+    packed: PackedPrompts | None = None  # shared_prompts
+
+
+def plan_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor | None,
+    group_ids: torch.Tensor | None,
+    lean: bool,
+) -> ForwardPlan:
+    """The first of the four forwards that applies (see :class:`ForwardPlan`)."""
+    model_type = getattr(model.config, "model_type", "")
+    if target_mask is None:
+        return ForwardPlan("full", "every position's logprob is wanted (no target_mask)")
+    if model_type not in PLAIN_HEAD_MODEL_TYPES:
+        return ForwardPlan("full", f"model type {model_type or '?'} is not one whose head can be applied apart")
+    if lean and supports_lean_forward(base_of(model)):
+        spans = _prompt_response_spans(attention_mask, target_mask)
+        if spans is not None:
+            return ForwardPlan("lean", "a Llama-family model and rows of prompt + one response", spans=spans)
+    if group_ids is not None:
+        packed = pack_shared_prompts(input_ids, attention_mask, target_mask, group_ids)
+        if packed is not None:
+            return ForwardPlan("shared_prompts", "samples of a group share their prompt", packed=packed)
+    return ForwardPlan("selected", "no prompt to share (or rows that are not prompt + response)")
 
 
 def token_logprobs(
@@ -18,11 +65,12 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: Entropy = "off",
     target_mask: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
     lean: bool = True,
     fused_head: bool = True,
+    plan: ForwardPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob of ``input_ids[:, 1:]`` under ``log_softmax(logits / T)``, shape ``[B, T-1]``.
 
@@ -30,44 +78,46 @@ def token_logprobs(
     ``target_mask`` (``[B, T-1]``, 1 where a logprob is needed), positions outside it are 0 and,
     for Llama/Qwen2/Mistral, their vocabulary projection is skipped (prompt tokens are often
     half of a GRPO batch, and the projection + softmax over a 49k vocabulary is its costliest part),
-    and rows of the same ``group_ids`` entry (samples of one prompt) run their prompt once
-    (:func:`pack_shared_prompts`). With ``lean`` (and a model it supports) the Llama family runs
-    :mod:`postrl.train.lean_forward` instead of the transformers forward, and ``fused_head`` lets
-    its half-precision head run as one compiled pass (:func:`~postrl.train.chunked_head.fused_softmax_stats`).
+    and rows of the same ``group_ids`` entry (samples of one prompt) run their prompt once. The
+    forward is chosen by :func:`plan_forward` (or given as ``plan``); ``lean`` allows the lean one,
+    and ``fused_head`` lets its half-precision head run as one compiled pass
+    (:func:`~postrl.train.chunked_head.fused_softmax_stats`).
     """
-    plain_head = target_mask is not None and getattr(model.config, "model_type", "") in PLAIN_HEAD_MODEL_TYPES
-    inner = base_of(model)
-    if plain_head and lean and supports_lean_forward(inner):
-        spans = _prompt_response_spans(attention_mask, target_mask)
-        if spans is not None:
-            layout, predictors = group_layout(input_ids, spans, group_ids)
-            hidden = LeanForward(inner).hidden(layout)[predictors]
-            where = target_mask.bool()
-            head = inner.get_output_embeddings().weight
-            targets = input_ids[:, 1:][where]
-            logp_sel, ent_sel = chunked_token_logprobs(
-                hidden, head, targets, temperature, with_entropy, fused=fused_head
-            )
-            return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
-    if plain_head and group_ids is not None:
-        packed = pack_shared_prompts(input_ids, attention_mask, target_mask, group_ids)
-        if packed is not None:
-            return _shared_prompt_logprobs(model, packed, input_ids, target_mask, temperature, with_entropy)
+    plan = plan or plan_forward(model, input_ids, attention_mask, target_mask, group_ids, lean)
+    if plan.path == "full":
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+        logp, entropy = _logprobs(logits.logits[:, :-1, :], input_ids[:, 1:], temperature, with_entropy)
+        return (logp, entropy) if target_mask is None else (logp * target_mask, entropy)
+    assert target_mask is not None  # every other path projects only the wanted positions
+    where, targets = target_mask.bool(), input_ids[:, 1:]
+    if plan.path == "lean":
+        assert plan.spans is not None
+        inner = base_of(model)
+        layout, predictors = group_layout(input_ids, plan.spans, group_ids)
+        hidden = LeanForward(inner).hidden(layout)[predictors]
+        head = output_head(inner).weight
+        logp_sel, ent_sel = chunked_token_logprobs(
+            hidden, head, targets[where], temperature, with_entropy, fused=fused_head
+        )
+        return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
+    if plan.path == "shared_prompts":
+        assert plan.packed is not None
+        return _shared_prompt_logprobs(model, plan.packed, input_ids, target_mask, temperature, with_entropy)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    targets = input_ids[:, 1:]
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
-    if plain_head:
-        where = target_mask.bool()
-        rows, cols = where.nonzero(as_tuple=True)  # row-major, as masked_scatter fills
-        return _selected_logprobs(model, kwargs, rows, cols, targets, where, temperature, with_entropy)
-    logits = model(**kwargs).logits[:, :-1, :]
-    logp, entropy = _logprobs(logits, targets, temperature, with_entropy)
-    if target_mask is not None:
-        logp = logp * target_mask
-    return logp, entropy
+    rows, cols = where.nonzero(as_tuple=True)  # row-major, as masked_scatter fills
+    return _selected_logprobs(model, kwargs, rows, cols, targets, where, temperature, with_entropy)
 
 
-def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool | str):
+def output_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """The model's vocabulary projection."""
+    head = hf(model).get_output_embeddings()
+    assert isinstance(head, torch.nn.Linear)
+    return head
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: Entropy):
     """From whole logits, by the formulas of :class:`~postrl.train.chunked_head.ChunkedTokenLogprobs`'s
     forward, so that both paths round alike."""
     out = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -76,7 +126,7 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, w
     log_p = torch.log_softmax(logits, dim=-1, dtype=out)
     logp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
-    if with_entropy:  # "grad": the entropy takes part in the loss (an entropy bonus)
+    if with_entropy != "off":  # "grad": the entropy takes part in the loss (an entropy bonus)
         with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
             entropy = -(torch.exp(log_p) * log_p).sum(-1)
     return logp, entropy
@@ -196,8 +246,8 @@ def _selected_logprobs(model, kwargs: dict, rows, cols, targets, where, temperat
     sharded with FSDP2 must be called through its own forward (that is where its root parameters
     are gathered), so there the logits are asked for by ``logits_to_keep`` (the positions any row
     needs) instead."""
-    head = model.get_output_embeddings()
-    if isinstance(model, FSDPModule) or getattr(head, "bias", None) is not None:
+    head = output_head(model)
+    if isinstance(model, FSDPModule) or head.bias is not None:
         keep = torch.unique(cols)
         logits = model(**kwargs, logits_to_keep=keep).logits  # [S, len(keep), V]
         logp_sel, ent_sel = _logprobs(

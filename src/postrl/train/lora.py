@@ -34,7 +34,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     if missing:
         raise ConfigError(f"model.lora.target_modules: the model has no layer named {missing}")
     peft_cfg = PeftLoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none"
+        r=cfg.r,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r, a float works
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
     )
     return get_peft_model(model, peft_cfg)
 
@@ -62,7 +66,7 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter or buffer as a full, detached tensor: a sharded one (DTensor) gathered to the CPU
     (a collective), a plain one where it is."""
     if isinstance(tensor, DTensor):
-        return tensor.detach().full_tensor().cpu()
+        return tensor.detach().full_tensor().cpu()  # type: ignore[attr-defined]  # DTensor's, narrowed above
     return tensor.detach()
 
 

@@ -79,7 +79,7 @@ class Optimization:
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip to ``grad_clip``; the norm before clipping, still on the device."""

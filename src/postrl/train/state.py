@@ -40,7 +40,7 @@ def save_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, f
 def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Load into the current layout (sharded or not) whatever layout wrote ``folder``."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -8,8 +8,9 @@ A non-finite gradient norm skips the optimizer step and is counted; too many in 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
+import logging
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -23,16 +24,18 @@ from postrl.algorithms import (
     kl_k3,
     kl_penalty,
 )
-from postrl.algorithms.importance import interpolated_proximal
 from postrl.config.algorithm import ProximalSource
 from postrl.config.run import AlgorithmConfig, LoraConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
+from postrl.models.loading import hf
 from postrl.models.weights import dedupe_tied, save_weights
-from postrl.train.logprobs import token_logprobs
+from postrl.train.chunked_head import Entropy
+from postrl.train.logprobs import ForwardPath, plan_forward, token_logprobs
 from postrl.train.lora import adapter_state, merged_state, save_lora_model
 from postrl.train.memory import PeakMemory
 from postrl.train.micro_batching import token_budget_micro_batches
 from postrl.train.optimization import Optimization, OptimizerSettings
+from postrl.train.proximal import proximal_policy
 from postrl.train.stats import TOKENS, Stats
 from postrl.types import ExperienceBatch, TrainMetrics
 from postrl.types.metric_names import (
@@ -51,6 +54,7 @@ from postrl.types.metric_names import (
 
 # measured on the update's first optimizer step only: the behaviour policy against the proximal one
 MEASURED_BEFORE_UPDATE = (ROLLOUT_MISMATCH_KL, ROLLOUT_LOGPROB_DIFF_MAX)
+log = logging.getLogger(__name__)
 
 
 def prepare_for_training(model: torch.nn.Module, attention: str, gradient_checkpointing: bool) -> None:
@@ -58,7 +62,7 @@ def prepare_for_training(model: torch.nn.Module, attention: str, gradient_checkp
     activation checkpointing."""
     set_training_attention(model, attention)
     if gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None) or hf(model).gradient_checkpointing_enable
         enable()
 
 
@@ -91,9 +95,12 @@ class TrainWorker:
         max_response_tokens: int = 64,
         proximal: ProximalSource = "rollout",
         lora: LoraConfig | None = None,
+        is_main: bool = True,
     ) -> None:
         self.model, self.cfg, self.algo = model, train, algorithm
-        self.proximal = proximal  # algorithm.old_logprobs, resolved (PolicySpec.of_run)
+        self.is_main = is_main  # the process that writes files for the whole group
+        # algorithm.old_logprobs, resolved (PolicySpec.of_run)
+        self.proximal = proximal_policy(proximal, self.proximal_logprobs, train.epochs)
         self.temperature = temperature
         self.max_response_tokens = max_response_tokens  # Dr. GRPO's constant normaliser
         self.ref_model = ref_model.eval() if ref_model is not None else None
@@ -112,8 +119,7 @@ class TrainWorker:
         )
         self.optimization = Optimization(model, OptimizerSettings.of_train(train))
         self.generator = torch.Generator().manual_seed(seed)
-
-    is_main = True  # the process that writes files for the whole group
+        self.forward_paths: Counter[ForwardPath] = Counter()  # micro-batch forwards per path (plan_forward)
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
         """The policy update over ``batch``, with its peak memory (``memory/train_peak_mb``)."""
@@ -130,13 +136,7 @@ class TrainWorker:
         grad_norms: list[float] = []
         steps_at_start = self.optimization.steps
         orders = [self._group_shuffled_order(batch) for _ in range(self.cfg.epochs)]
-        # one epoch: the first mini-batch's own forward is the proximal policy (no extra forward)
-        first_own = self.cfg.epochs == 1
-        if self.proximal == "recompute":
-            proximal = self.proximal_logprobs(batch, orders[0], skip_first=first_own)
-            batch = dataclasses.replace(batch, proximal_logprobs=proximal)
-        if self.proximal == "approximate" and batch.token_lags is None:
-            raise ValueError("old_logprobs=approximate needs the batch's token_lags (ExperienceBatch.with_lags)")
+        batch = self.proximal.prepare(batch, orders[0])
         starts = range(0, batch.size, self.cfg.mini_batch_size)
         for epoch, order in enumerate(orders):
             for i, start in enumerate(starts):
@@ -144,8 +144,8 @@ class TrainWorker:
                 if mini.num_tokens == 0:
                     continue
                 still_pi_old = self.optimization.steps == steps_at_start
-                own = self._own_proximal_progress((epoch * len(starts) + i) / (len(orders) * len(starts)))
-                stats, norm = self._mini_batch_step(mini, own_progress=own)
+                progress = (epoch * len(starts) + i) / (len(orders) * len(starts))
+                stats, norm = self._mini_batch_step(mini, progress)
                 total = total.merge(stats)
                 if still_pi_old:
                     before_update = before_update.merge(stats)
@@ -158,15 +158,6 @@ class TrainWorker:
         values[ACTOR_LR] = self.optimization.lr
         values[ACTOR_SKIPPED_UPDATES] = float(self.optimization.skipped)
         return TrainMetrics(values, self.optimization.steps, self.optimization.skipped)
-
-    def _own_proximal_progress(self, progress: float) -> float | None:
-        """Whether a mini-batch's proximal logprobs come from its own training forward: at which
-        share of the update's optimizer steps (``approximate``: interpolated there; ``recompute``:
-        the first mini-batch of a one-epoch update, before any step), or None (they are the
-        batch's: recomputed before the update, or the behaviour's)."""
-        if self.proximal == "approximate" or (self.proximal == "recompute" and self.cfg.epochs == 1 and progress == 0):
-            return progress
-        return None
 
     def _group_shuffled_order(self, batch: ExperienceBatch) -> torch.Tensor:
         """A random order of the rows that keeps the samples of one group (one prompt) together.
@@ -193,15 +184,29 @@ class TrainWorker:
         size, rows = self.cfg.micro_batch_size, torch.arange(batch.size, device=batch.input_ids.device)
         return [rows[s : s + size] for s in range(0, batch.size, size)]
 
-    def accumulate_gradients(self, mini: ExperienceBatch, own_progress: float | None = None) -> Stats:
-        """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token count.
-        ``own_progress`` (not None): each micro-batch's proximal logprobs come from its own forward,
-        this far into the update (:meth:`_own_proximal_progress`). Returns the summed statistics,
-        still on the device."""
-        norm = self.normalizer(mini.loss_mask)
+    def accumulate_gradients(self, mini: ExperienceBatch, progress: float = 0.0) -> Stats:
+        """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token
+        count. ``progress``: the share of the update's mini-batches done (the proximal policy may
+        depend on it). Returns the summed statistics, still on the device."""
+        norm = self.loss_normalizer(mini)
+        micro_batches = self.micro_batches(mini)
         stats = Stats()
-        for _, micro in self.micro_batches(mini):
-            stats = stats.merge(self._micro_batch_backward(micro, norm, own_progress))
+        for i, (_, micro) in enumerate(micro_batches):
+            self.before_micro_batch(i, len(micro_batches))
+            stats = stats.merge(self._micro_batch_backward(micro, norm, progress))
+        return self.reduce_stats(stats)
+
+    def loss_normalizer(self, mini: ExperienceBatch) -> LossNormalizer:
+        """The mini-batch's trained tokens and sequences, by which every micro-batch's loss is divided."""
+        mask = mini.loss_mask
+        tokens, sequences = mask.sum(), (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
+        return LossNormalizer(tokens, sequences, self.max_response_tokens)
+
+    def before_micro_batch(self, index: int, count: int) -> None:
+        """Called before each of a mini-batch's ``count`` micro-batches (a sharded worker syncs gradients on the last)."""
+
+    def reduce_stats(self, stats: Stats) -> Stats:
+        """A mini-batch's statistics over the workers that shared it (one process: as they are)."""
         return stats
 
     @torch.no_grad()
@@ -216,7 +221,7 @@ class TrainWorker:
             index = order[start : start + self.cfg.mini_batch_size].to(out.device)
             mini = batch.select(index)
             for rows, micro in self.micro_batches(mini):
-                logp, _ = self._policy_logprobs(micro, with_entropy=False)
+                logp, _ = self._policy_logprobs(micro, "off")
                 out[index[rows]] = logp.detach().to(out.dtype)
         return self.gather_rows(out)
 
@@ -224,46 +229,45 @@ class TrainWorker:
         """Rows computed by the ranks, each its own part; one process computed them all."""
         return rows
 
-    def _policy_logprobs(self, micro: ExperienceBatch, with_entropy: bool | str):
+    def _policy_logprobs(self, micro: ExperienceBatch, with_entropy: Entropy) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's logprobs of ``micro``'s responses, and their entropy (zeros when "off")."""
+        lean = self.cfg.forward == "lean"
+        plan = plan_forward(
+            self.model, micro.input_ids, micro.attention_mask, micro.response_mask, micro.group_ids, lean
+        )
+        if plan.path not in self.forward_paths:
+            log.info("train forward: %s (%s)", plan.path, plan.why)
+        self.forward_paths[plan.path] += 1
         with self._autocast():
-            return token_logprobs(
+            logp, entropy = token_logprobs(
                 self.model,
                 micro.input_ids,
                 micro.attention_mask,
                 self.temperature,
-                with_entropy=with_entropy,
-                target_mask=micro.response_mask,
-                group_ids=micro.group_ids,
-                lean=self.cfg.forward == "lean",
+                with_entropy,
+                micro.response_mask,
+                micro.group_ids,
                 fused_head=self.cfg.fused_head,
+                plan=plan,
             )
+        return logp, torch.zeros_like(logp) if entropy is None else entropy
 
-    def normalizer(self, loss_mask: torch.Tensor, ranks: int = 1) -> LossNormalizer:
-        """The mini-batch's trained tokens and sequences (already summed over ranks), over ``ranks``
-        when the ranks' gradients are averaged."""
-        tokens, sequences = loss_mask.sum(), (loss_mask.sum(dim=-1) > 0).sum().to(loss_mask.dtype)
-        return LossNormalizer(tokens / ranks, sequences / ranks, self.max_response_tokens)
-
-    def _mini_batch_step(self, mini: ExperienceBatch, own_progress: float | None) -> tuple[Stats, float | None]:
+    def _mini_batch_step(self, mini: ExperienceBatch, progress: float) -> tuple[Stats, float | None]:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
         the device together, once."""
-        sums = self.accumulate_gradients(mini, own_progress)
+        sums = self.accumulate_gradients(mini, progress)
         stats, (norm,) = sums.read(self.optimization.clip_gradients())
         return stats, norm if self.optimization.step(norm) else None
 
-    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer, own_progress: float | None) -> Stats:
+    def _micro_batch_backward(self, micro: ExperienceBatch, norm: LossNormalizer, progress: float) -> Stats:
         mask = micro.loss_mask
         bonus = self.algo.entropy_coef
-        logp, entropy = self._policy_logprobs(micro, with_entropy="grad" if bonus else True)
-        if own_progress is not None:
-            own = logp.detach().to(micro.old_logprobs.dtype)
-            if own_progress > 0:  # after a step: A-3PO's interpolation (token_lags checked in update)
-                own = interpolated_proximal(micro.old_logprobs, own, micro.token_lags, own_progress)  # type: ignore[arg-type]
-            micro = dataclasses.replace(micro, proximal_logprobs=own * micro.response_mask)
-        proximal = micro.old_logprobs if micro.proximal_logprobs is None else micro.proximal_logprobs
-        out = self.policy_loss(LossInputs(logprobs=logp, old_logprobs=proximal, advantages=micro.advantages, mask=mask))
+        logp, entropy = self._policy_logprobs(micro, "grad" if bonus else "value")
+        proximal = self.proximal.for_micro(micro, logp.detach().to(micro.old_logprobs.dtype), progress)
+        old = micro.old_logprobs if proximal is None else proximal
+        out = self.policy_loss(LossInputs(logprobs=logp, old_logprobs=old, advantages=micro.advantages, mask=mask))
         per_token = out.per_token
-        if micro.proximal_logprobs is not None:  # decoupled PPO: weigh by pi_prox / pi_behaviour
+        if proximal is not None:  # decoupled PPO: weigh by pi_prox / pi_behaviour
             weights = self.importance(proximal, micro.old_logprobs, mask)
             per_token = per_token * weights.weights
         kl = torch.zeros_like(logp)
@@ -274,7 +278,7 @@ class TrainWorker:
             per_token = per_token - bonus * entropy * mask
         self.aggregate(per_token, mask, norm).backward()
         with torch.no_grad():
-            current = logp.detach().float() if micro.proximal_logprobs is None else proximal
+            current = logp.detach().float() if proximal is None else proximal
             stats = Stats()
             stats.add(TOKENS, "sum", mask.sum())
             stats.add(ACTOR_LOSS, "token_mean", (per_token * mask).sum())
@@ -284,7 +288,7 @@ class TrainWorker:
                 stats.add(name, metric.reduce, metric.reduced())
             stats.add(ROLLOUT_MISMATCH_KL, "token_mean", (kl_k3(micro.old_logprobs, current) * mask).sum())
             stats.add(ROLLOUT_LOGPROB_DIFF_MAX, "max", ((current - micro.old_logprobs) * mask).abs().max())
-            if micro.proximal_logprobs is not None:
+            if proximal is not None:
                 stats.add(ROLLOUT_IS_WEIGHT_MEAN, "token_mean", weights.weights.sum())
                 stats.add(ROLLOUT_IS_WEIGHT_MAX, "max", weights.weights.max())
                 stats.add(ROLLOUT_IS_REJECTED_FRACTION, "token_mean", (weights.rejected.float() * mask).sum())
@@ -293,7 +297,7 @@ class TrainWorker:
     def _reference(self, micro: ExperienceBatch) -> torch.Tensor:
         """The reference model's logprobs of ``micro``'s response tokens (no gradient)."""
         reference = self.ref_model if self.ref_model is not None else self.model
-        adapters_off = self.model.disable_adapter() if self.ref_model is None else contextlib.nullcontext()
+        adapters_off = hf(self.model).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
         with torch.no_grad(), self._autocast(), adapters_off:
             ref_logp, _ = token_logprobs(
                 reference,
