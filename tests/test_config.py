@@ -137,3 +137,30 @@ def test_a_cuda_device_this_machine_lacks_is_refused_by_train(tmp_path):
     with pytest.raises(ConfigError, match=f"train.device={wanted}, but"):
         train(config)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "field", "named"),
+    [
+        ("dpo", "train.precision=bf16_autocast", "is used by postrl train and postrl sft, not by postrl dpo"),
+        ("dpo", "train.epochs=2", "is used by postrl train, not by postrl dpo"),
+        ("dpo", "train.micro_batch_tokens=256", "is used by postrl train and postrl sft, not by postrl dpo"),
+        ("dpo", "train.fused_head=false", "is used by postrl train and postrl sft, not by postrl dpo"),
+        (
+            "sft",
+            "train.epochs=2",
+            "is used by postrl train, not by postrl sft, which would ignore it: remove it (the top-level epochs is",
+        ),
+    ],
+)
+def test_a_field_the_command_would_ignore_is_refused_by_name(tmp_path, command, field, named):
+    """postrl dpo used to ignore four train.* fields and an SFT config had two epochs: each command's
+    train section now has only what it uses, and the refusal says the field is another command's."""
+    from postrl.config.loading import command_models, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {train_files: [x.jsonl]}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), [field], model=command_models()[command])
+    assert f"config field '{field.split('=')[0]}' {named}" in str(err.value)
+    assert load_config(str(path), ["train.lr=0.001"], model=command_models()[command]).train.lr == 0.001

@@ -12,7 +12,7 @@ from postrl.config.run import ConfigError, RewardServiceFile, RunConfig
 
 # numeric fields that are unbounded on purpose
 UNBOUNDED = {
-    ("RunConfig", "seed"): "any integer seeds the generators",
+    ("RunCommandConfig", "seed"): "any integer seeds the generators",
     ("_Component", "weight"): "a component may subtract from the reward",
     ("RewardConfig", "accuracy_threshold"): "rewards have no fixed scale",
     ("_Component", "expected_range"): "ranges of any scale",

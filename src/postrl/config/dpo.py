@@ -8,8 +8,8 @@ from typing import Literal
 from pydantic import Field
 
 from postrl.config.base import Section
-from postrl.config.location import RunLocation
-from postrl.config.run import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
+from postrl.config.command import RunCommandConfig
+from postrl.config.training import OptimizerConfig
 
 
 class PreferenceDataConfig(Section):
@@ -37,17 +37,15 @@ class DPOConfig(Section):
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="cdpo: the assumed rate of flipped labels.")
 
 
-class DPORunConfig(RunLocation, Section):
+class DPORunConfig(RunCommandConfig):
+    """``postrl dpo``: its ``train:`` section is the optimizer and batching only (the DPO update has
+    no epochs over a mini-batch, no token-budget micro-batches and no bf16 autocast)."""
+
     name: str = Field("dpo", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
-    output_dir: str = Field("runs", description="Runs go to output_dir/name.")
-    seed: int = Field(0, description="Seeds the pair order and the trainer.")
     epochs: int = Field(1, ge=1, description="Passes over the pairs.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy (and, frozen, the reference).")
     data: PreferenceDataConfig = Field(description="The preference pairs.")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="The loss.")
-    train: TrainConfig = Field(
-        default_factory=lambda: TrainConfig(lr=5e-6, mini_batch_size=32, micro_batch_size=8),
+    train: OptimizerConfig = Field(
+        default_factory=lambda: OptimizerConfig(lr=5e-6, mini_batch_size=32, micro_batch_size=8),
         description="Optimizer and batching, in pairs (mini_batch_size pairs per step).",
     )
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")

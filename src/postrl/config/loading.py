@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from postrl.config.command import RunCommandConfig
 from postrl.config.run import ConfigError, RunConfig
 
 
@@ -73,6 +74,31 @@ def _allowed(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
     return f" (allowed: {', '.join(names)})" if names else ""
 
 
+def _unused_here(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """How to name a field the config has no place for: one another command uses (``train.precision``
+    in a ``postrl dpo`` config) is named as such, so it is not mistaken for a typo."""
+    others = [name for name, other in command_models().items() if other is not model and _has_field(other, loc)]
+    where = ".".join(_user_location(model, loc)[0]) or "<config>"
+    if not others:
+        return f"unknown config field '{where}'"
+    mine = next((name for name, m in command_models().items() if m is model), "this command")
+    users = " and ".join(f"postrl {name}" for name in others)
+    name = where.rsplit(".", 1)[-1]
+    own = f" (the top-level {name} is postrl {mine}'s)" if "." in where and name in model.model_fields else ""
+    return f"config field '{where}' is used by {users}, not by postrl {mine}, which would ignore it: remove it{own}"
+
+
+def _has_field(model: type[BaseModel], loc: tuple[Any, ...]) -> bool:
+    parts, _ = _user_location(model, loc)
+    current: Any = model
+    for part in parts:
+        fields = getattr(current, "model_fields", None)
+        if fields is None or part not in fields:
+            return False
+        current = fields[part].annotation
+    return True
+
+
 def format_validation_error(err: ValidationError, model: type[BaseModel] = RunConfig) -> str:
     lines = []
     seen = set()
@@ -80,7 +106,7 @@ def format_validation_error(err: ValidationError, model: type[BaseModel] = RunCo
         loc = tuple(e["loc"])
         where = ".".join(_user_location(model, loc)[0]) or "<config>"
         if e["type"] == "extra_forbidden":
-            line = f"unknown config field '{where}'{_allowed(model, loc)}"
+            line = f"{_unused_here(model, loc)}{_allowed(model, loc)}"
         elif e["type"] == "missing":
             line = f"config field '{where}' is required"
         elif e["type"] == "value_error":  # our own validators: the message names the fields
@@ -214,5 +240,5 @@ def find_data_file(name: str, config_dir: Path | None) -> str:
     return str(near) if near.exists() else name
 
 
-def save_config(config: RunConfig, path: Path) -> None:
+def save_config(config: RunCommandConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

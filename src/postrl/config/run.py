@@ -6,7 +6,6 @@ value given and what is allowed (:class:`ConfigError`).
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -14,8 +13,9 @@ from pydantic import Field, field_validator, model_validator
 from postrl.config.agent import AgentConfig
 from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config.base import DEVICE_PATTERN, Section
-from postrl.config.location import RunLocation
-from postrl.config.observability import LoggingConfig, PlanConfig
+from postrl.config.command import RunCommandConfig
+from postrl.config.model import LoraConfig, ModelConfig  # noqa: F401 - the config's public names
+from postrl.config.observability import PlanConfig
 from postrl.config.off_policy import BufferConfig, ControllerConfig
 from postrl.config.reward import (  # noqa: F401 - the config's public names
     CodeComponent,
@@ -26,51 +26,11 @@ from postrl.config.reward import (  # noqa: F401 - the config's public names
     SandboxConfig,
 )
 from postrl.config.scheduler import SchedulerConfig
+from postrl.config.training import CheckpointConfig, TrainConfig  # noqa: F401 - the config's public names
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names every offending field."""
-
-
-class LoraConfig(Section):
-    r: int = Field(16, ge=1, description="Adapter rank.")
-    alpha: float = Field(32.0, gt=0.0, description="Adapter scale numerator: the update is (alpha / r) * B A.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-        description="Names of the linear layers that get adapters.",
-    )
-    sync: Literal["adapter", "merged"] = Field(
-        "adapter",
-        description="What a weight sync sends: adapter (A, B and the scale; the engine applies them "
-        "unmerged, x W + s (x A) B, as the trainer computes) or merged (W + s B A in the engine's dtype).",
-    )
-    export: Literal["merged", "adapter"] = Field(
-        "merged", description="final_model/: a merged Hugging Face folder, or an adapter folder that peft loads."
-    )
-
-    @model_validator(mode="after")
-    def _peft_is_installed(self) -> LoraConfig:
-        if importlib.util.find_spec("peft") is None:
-            raise ValueError("model.lora needs peft, which is not installed: pip install 'postrl[lora]'")
-        return self
-
-
-class ModelConfig(Section):
-    path: str = Field("demo", description="A local Hugging Face folder, a hub id, or 'demo' for the shipped model.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for training and rollout.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    lora: LoraConfig | None = Field(
-        None,
-        description="Train low-rank adapters (through peft) instead of every weight; the reference model is "
-        "the base model with the adapters disabled (no second copy).",
-    )
-
-    @property
-    def synced_adapter_rank(self) -> int | None:
-        """The LoRA rank a rollout engine must apply when syncs send adapters (None: whole weights)."""
-        return self.lora.r if self.lora is not None and self.lora.sync == "adapter" else None
 
 
 class DataConfig(Section):
@@ -242,100 +202,15 @@ class RewardServiceFile(Section):
     )
 
 
-class TrainConfig(Section):
-    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (after warmup).")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
-    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
-        (0.9, 0.999), description="AdamW's (beta1, beta2)."
-    )
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup, in optimizer steps.")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant",
-        description="After warm-up: constant, or a linear / cosine decay to min_lr_ratio * lr at "
-        "lr_decay_steps (then held).",
-    )
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="The decayed learning rate, as a fraction of lr.")
-    lr_decay_steps: int | None = Field(
-        None,
-        ge=1,
-        description="Optimizer steps until the decay ends. None: the run's own length (steps x "
-        "optimizer steps per step, estimated from prompts_per_step x rollout.n, mini_batch_size and epochs; "
-        "for dpo and sft, epochs x batches per epoch), recorded in the run's config.yaml.",
-    )
-    grad_clip: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global norm.")
-    mini_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
-    micro_batch_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Tokens per forward/backward of the policy update instead of micro_batch_size "
-        "sequences: whole groups (the prompt counted once, its responses) packed into as few, about "
-        "equally heavy micro-batches as fit; a group over the budget is cut into runs of rows. The "
-        "update equals the fixed-size split's (the loss is normalised by the mini-batch's tokens).",
-    )
-    epochs: int = Field(1, ge=1, description="Passes over each step's experiences.")
-    max_consecutive_nan: int = Field(3, ge=1, description="Stop the run after this many skipped updates in a row.")
-    device: str = Field(
-        "auto",
-        pattern=DEVICE_PATTERN,
-        description="Where the policy, the reference model, the "
-        "batches and the optimizer state live: auto (CUDA when present), cpu, cuda, cuda:N.",
-    )
-    precision: Literal["auto", "float32", "bf16_autocast"] = Field(
-        "auto",
-        description="bf16_autocast: forward/backward matmuls in bf16, fp32 master weights and optimizer "
-        "state. auto: bf16_autocast on a GPU with bf16, float32 elsewhere.",
-    )
-    forward: Literal["lean", "transformers"] = Field(
-        "lean",
-        description="The training forward. lean: Llama / Qwen2 / Mistral models run postrl's own forward "
-        "(flat tokens, per-block attention over shared-prompt groups, fused norms; values and gradients "
-        "equal the transformers model's up to rounding), any other model (or a sharded one, or adapters other "
-        "than plain LoRA) the transformers forward. transformers: always the transformers forward.",
-    )
-    fused_head: bool = Field(
-        True,
-        description="With the lean forward in bf16/fp16 at temperature 1: each chunk's softmax statistics "
-        "(logprobs, entropy and the probabilities the backward reuses instead of recomputing the logits) "
-        "as one kernel compiled by torch.compile (about 30 s the first time on a machine, then loaded "
-        "from Inductor's cache; eager operations where it cannot compile). false: eager operations.",
-    )
-    attention: Literal["auto", "eager", "sdpa"] = Field(
-        "auto",
-        description="Attention kernel of the trained model. auto: eager on CPU (PyTorch's CPU SDPA backward is "
-        "~20x slower than its forward), sdpa elsewhere.",
-    )
+class RunConfig(RunCommandConfig):
+    """``postrl train``: an RL run."""
 
-    @model_validator(mode="after")
-    def _micro_fits_mini(self) -> TrainConfig:
-        if self.micro_batch_size > self.mini_batch_size:
-            raise ValueError(
-                f"train.micro_batch_size={self.micro_batch_size} must be <= train.mini_batch_size={self.mini_batch_size}"
-            )
-        return self
-
-
-class CheckpointConfig(Section):
-    every_steps: int = Field(10, ge=0, description="Write a checkpoint every k steps; 0 = only at the end.")
-    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
-    on_interrupt: bool = Field(
-        True, description="On Ctrl-C/SIGTERM, checkpoint the last completed step before exiting (resume from it)."
-    )
-
-
-class RunConfig(RunLocation, Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
-    output_dir: str = Field(
-        "runs",
-        description="Runs go to output_dir/name; a URL (s3://bucket/runs, file://...) "
-        "keeps the run there through fsspec, working in a local copy.",
-    )
     keep_local_copy: bool = Field(
         False,
         description="A URL run (output_dir s3://...) works in a local copy, "
         "removed once the run has ended well and everything is published; true keeps it.",
     )
-    seed: int = Field(0, description="Seeds the sampler, the engine's and the trainer's generators.")
     import_paths: list[str] = Field(
         default_factory=list,
         description="Folders put on the import path for custom reward functions (module:function). The folder "
@@ -343,7 +218,6 @@ class RunConfig(RunLocation, Section):
     )
     steps: int = Field(100, ge=1, description="RL steps (generate, score, update, sync) to run in all.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts sampled per step; each gets rollout.n responses.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=lambda: DataConfig(task="arithmetic"), description="The prompts.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="How responses are generated.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How responses are scored.")
@@ -351,9 +225,7 @@ class RunConfig(RunLocation, Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="The optimizer and batching.")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Staleness bound and replay of experiences.")
     controller: ControllerConfig = Field(default_factory=ControllerConfig, description="Sync or async steps.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
     plan: PlanConfig = Field(default_factory=PlanConfig, description="The memory check before a run starts.")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
     scheduler: SchedulerConfig = Field(
         default_factory=SchedulerConfig,
         description="Where the workers run (`scheduler: ray` is short for `scheduler: {type: ray}`).",

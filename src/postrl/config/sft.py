@@ -8,9 +8,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from postrl.config.base import Section
-from postrl.config.location import RunLocation
-from postrl.config.run import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
+from postrl.config.command import RunCommandConfig
 from postrl.config.scheduler import SchedulerConfig
+from postrl.config.training import PolicyTrainConfig
 
 
 class SFTDataConfig(Section):
@@ -29,24 +29,21 @@ class SFTDataConfig(Section):
     on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed or too-long rows: fail or skip.")
 
 
-class SFTRunConfig(RunLocation, Section):
+class SFTRunConfig(RunCommandConfig):
+    """``postrl sft``."""
+
     name: str = Field("sft", pattern=r"^[A-Za-z0-9_.-]+$", description="Run folder name under output_dir.")
-    output_dir: str = Field("runs", description="Runs go to output_dir/name (a URL keeps the run there).")
-    seed: int = Field(0, description="Seeds the example order and the trainer.")
     import_paths: list[str] = Field(
         default_factory=list,
         description="Folders put on the import path (the config's folder is added when it is loaded).",
     )
     epochs: int = Field(1, ge=1, description="Passes over the examples.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="The model to fine-tune.")
     data: SFTDataConfig = Field(description="The examples.")
-    train: TrainConfig = Field(
-        default_factory=lambda: TrainConfig(lr=1e-4, mini_batch_size=32, micro_batch_size=8),
+    train: PolicyTrainConfig = Field(
+        default_factory=lambda: PolicyTrainConfig(lr=1e-4, mini_batch_size=32, micro_batch_size=8),
         description="Optimizer and batching, in examples (mini_batch_size per step); the loss "
         "is the mean negative log-likelihood over the trained tokens.",
     )
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When checkpoints are written.")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="What is logged, and where.")
     scheduler: SchedulerConfig = Field(
         default_factory=SchedulerConfig,
         description="Where the train ranks run: "

@@ -13,13 +13,11 @@ import torch
 
 from postrl.config.dpo import DPORunConfig
 from postrl.config.loading import save_config
-from postrl.config.run import ConfigError
 from postrl.data.preferences import PreferencePair, load_preference_pairs
 from postrl.models.devices import resolve_device
 from postrl.models.loading import load_causal_lm, load_tokenizer
-from postrl.run.checkpoint import latest_checkpoint, load_run_state
-from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop
-from postrl.run.place import RunPlace
+from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped, resume_point
+from postrl.run.place import RunPlace, check_steps_left
 from postrl.run.train_runner import make_sinks
 from postrl.train.dpo import DPOWorker
 from postrl.train.lora import apply_lora
@@ -46,13 +44,9 @@ def reference_logprobs(config: DPORunConfig, pairs: list[PreferencePair], pad_id
     return logprobs
 
 
-def pair_order(n: int, seed: int, epoch: int) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
-
-
 def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = False, echo=print) -> DPOWorker:
     site = RunSite(config, "dpo")
-    site.check(resume, overwrite)
+    done = site.check(resume, overwrite)
     tokenizer = load_tokenizer(config.model.path)
     pairs, skipped = load_preference_pairs(
         config.data.train_files,
@@ -61,10 +55,12 @@ def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = Fals
         config.data.on_bad_row,
         config.data.apply_chat_template,
     )
-    default_decay_steps(config.train, config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size))
+    total = config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size)
+    check_steps_left(total, done, f"epochs={config.epochs}")
+    default_decay_steps(config.train, total)
     site.open(resume, overwrite, echo)
     try:
-        return _train(config, site.place, tokenizer, pairs, skipped, resume, echo)
+        return _train(config, site.place, tokenizer, pairs, skipped, resume, total, echo)
     finally:
         site.close()
 
@@ -80,7 +76,7 @@ class DPOJob(MiniBatchJob):
 
     def step(self) -> StepMetrics:
         began, step = time.perf_counter(), self.step_count
-        chosen = self.chosen(pair_order, len(self.pairs))
+        chosen = self.chosen(len(self.pairs))
         self.updating = True
         values = self.trainer.update_pairs([self.pairs[i] for i in chosen], self.reference[chosen])
         self.step_count, self.updating = step + 1, False
@@ -88,11 +84,11 @@ class DPOJob(MiniBatchJob):
         return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
 
 
-def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, resume: bool, echo) -> DPOWorker:
+def _train(
+    config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, resume: bool, total: int, echo
+) -> DPOWorker:
     run_dir = config.run_dir
-    if skipped:
-        (run_dir / "skipped_rows.txt").write_text("".join(line + "\n" for line in skipped))
-        echo(f"skipped {len(skipped)} bad pairs (data.on_bad_row=skip); listed in {run_dir / 'skipped_rows.txt'}")
+    report_skipped(skipped, run_dir, echo)
     reference = reference_logprobs(config, pairs, tokenizer.pad_token_id, run_dir)
     device = resolve_device(config.train.device, "train.device")
     model = load_causal_lm(config.model.path, config.model.dtype).to(device)
@@ -101,32 +97,19 @@ def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, res
     worker = DPOWorker(
         model, config.train, config.dpo, tokenizer.pad_token_id, config.model.gradient_checkpointing, config.model.lora
     )
-    total, step = config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size), 0
+    step = 0
     if resume:
-        step = _resume(config, place, worker, total, echo)
-    save_config(config, run_dir / "config.yaml")  # type: ignore[arg-type]
+        checkpoint, state = resume_point(place, echo)
+        worker.load_checkpoint(checkpoint)
+        step = int(state["step"])
+    save_config(config, run_dir / "config.yaml")
     place.publish("config.yaml")
     loop = StepLoop(
         config,
         place,
         total,
-        sinks=lambda out: make_sinks(config, run_dir, step if resume else None, out, total=total),  # type: ignore[arg-type]
+        sinks=lambda out: make_sinks(config, run_dir, step if resume else None, out, total=total),
         published_at_end=("final_model", "metrics.jsonl", "tensorboard", REFERENCE_FILE, "skipped_rows.txt"),
     )
     loop.run(DPOJob(config, worker, tokenizer, pairs, reference, step))
     return worker
-
-
-def _resume(config: DPORunConfig, place: RunPlace, worker: DPOWorker, total: int, echo) -> int:
-    checkpoint = latest_checkpoint(config.run_dir)
-    if checkpoint is None:
-        raise FileNotFoundError(f"no complete checkpoint under {config.run_dir / 'checkpoints'} to resume from")
-    worker.load_checkpoint(checkpoint)
-    step = int(load_run_state(checkpoint)["step"])
-    if total < step:
-        raise ConfigError(
-            f"epochs={config.epochs} gives {total} steps, below the {step} this run has already "
-            "done; a resume can only continue it"
-        )
-    echo(f"resumed {place.location} from step {step} ({checkpoint})")
-    return step

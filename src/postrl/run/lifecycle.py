@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from tqdm import tqdm
 
 from postrl.run.checkpoint import latest_checkpoint
@@ -80,12 +81,42 @@ class RunSite:
         self.lease.release()
 
 
+def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
+    """The order of a data set's ``count`` items in ``epoch``: seeded, so a resumed run continues it."""
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+
+
+def report_skipped(skipped: list[str], run_dir: Path, echo: Callable[[str], None], shown: int = 10) -> None:
+    """Print the rows ``data.on_bad_row=skip`` left out (file:line and why), the first ``shown`` of
+    them, and list them all in ``skipped_rows.txt``."""
+    if not skipped:
+        return
+    (run_dir / "skipped_rows.txt").write_text("".join(line + "\n" for line in skipped))
+    echo(f"skipped {len(skipped)} bad rows (data.on_bad_row=skip):")
+    for line in skipped[:shown]:
+        echo(f"  {line}")
+    if len(skipped) > shown:
+        echo(f"  ... and {len(skipped) - shown} more, all listed in {run_dir / 'skipped_rows.txt'}")
+
+
+def resume_point(place: RunPlace, echo: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+    """The latest complete checkpoint of a run being resumed, and the run state saved with it."""
+    from postrl.run.checkpoint import load_run_state
+
+    checkpoint = latest_checkpoint(place.local)
+    if checkpoint is None:
+        raise FileNotFoundError(f"no complete checkpoint under {place.location}/checkpoints to resume from")
+    state = load_run_state(checkpoint)
+    echo(f"resumed {place.location} from step {int(state['step'])} ({checkpoint})")
+    return checkpoint, state
+
+
 class MiniBatchJob:
     """What ``postrl dpo`` and ``postrl sft`` share: one optimizer step of a trainer per step over
     a mini-batch of the run's examples; checkpoints hold the trainer and the step; a step abandoned
     before the trainer was called is undone (none of its work changed the weights)."""
 
-    command = "train"
+    command: str  # the CLI command (sft, dpo), for the resume message
 
     def __init__(self, config: Any, trainer: Any, tokenizer: Any, count: int, step: int) -> None:
         self.config, self.trainer, self.tokenizer, self.step_count = config, trainer, tokenizer, step
@@ -96,10 +127,10 @@ class MiniBatchJob:
     def completed_steps(self) -> int:
         return self.step_count
 
-    def chosen(self, order: Callable[[int, int, int], list[int]], count: int) -> list[int]:
+    def chosen(self, count: int) -> list[int]:
         """This step's example indices: its slice of its epoch's seeded order."""
         step, mini = self.step_count, self.config.train.mini_batch_size
-        ranked = order(count, self.config.seed, step // self.per_epoch)
+        ranked = epoch_order(count, self.config.seed, step // self.per_epoch)
         return ranked[(step % self.per_epoch) * mini : (step % self.per_epoch + 1) * mini]
 
     def restore_abandoned_step(self) -> bool:
@@ -168,15 +199,13 @@ class StepLoop:
             final = self.config.run_dir / "final_model"
             job.save_final(final)
             extra = self.at_end() if self.at_end is not None else None
-            for sink in sinks:
-                sink.close()
+            _close(sinks)  # flushed before they are published
             self.place.publish(*self.published_at_end)
             where = f"{self.place.location}/final_model" if self.place.url else final
             print(f"trained model: {where}" + (f"\n{extra}" if extra else ""))
         finally:
             bar.close()
-            for sink in sinks:
-                sink.close()
+            _close(sinks)
 
     def _steps(self, job: SteppedJob, stopper: GracefulStop, sinks: list[MetricSink], bar: tqdm) -> None:
         saved_at = self._latest_saved()
@@ -212,3 +241,9 @@ class StepLoop:
     def _latest_saved(self) -> int | None:
         checkpoint = latest_checkpoint(self.config.run_dir)
         return None if checkpoint is None else int(checkpoint.name.split("_")[1])
+
+
+def _close(sinks: list[MetricSink]) -> None:
+    """Close each sink once (the list is emptied)."""
+    while sinks:
+        sinks.pop(0).close()

@@ -189,12 +189,10 @@ def _resumed(path: Path, overrides: list[str], model: type, force_change: list[s
     return config
 
 
-def check_steps_left(config: Any, done: int, length_field: str = "steps") -> None:
+def check_steps_left(total: int, done: int, setting: str) -> None:
     """A resume may lengthen a run, never shorten it below what it has done (that would rewrite
-    final_model/ and record the lower number)."""
-    wanted = getattr(config, length_field)
-    if wanted < done:
+    final_model/ and record the lower number); ``setting`` names what sets the length."""
+    if total < done:
         raise ConfigError(
-            f"{length_field}={wanted} is below the {done} steps this run has already done; a resume "
-            f"can only continue it ({length_field} >= {done})"
+            f"{setting} gives {total} steps, below the {done} this run has already done; a resume can only continue it"
         )

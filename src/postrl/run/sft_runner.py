@@ -14,17 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from postrl.config.algorithm import AlgorithmConfig
 from postrl.config.loading import save_config
-from postrl.config.run import ConfigError
 from postrl.config.sft import SFTRunConfig
+from postrl.config.training import TrainConfig
 from postrl.data.sft import SFTExample, load_sft_examples
 from postrl.models.loading import load_tokenizer
-from postrl.run.checkpoint import latest_checkpoint, load_run_state
-from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop
-from postrl.run.place import RunPlace
+from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped, resume_point
+from postrl.run.place import RunPlace, check_steps_left
 from postrl.run.train_runner import make_sinks
 from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.lr_schedule import default_decay_steps
@@ -43,10 +40,6 @@ from postrl.types.metric_names import (
 
 # -log pi on the trained tokens: REINFORCE with every advantage 1
 SFT_ALGORITHM = AlgorithmConfig(advantage="grpo", policy_loss="reinforce", loss_agg="token_mean", kl_beta=0.0)
-
-
-def example_order(n: int, seed: int, epoch: int) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
 
 
 def sft_batch(examples: list[SFTExample], pad_id: int) -> ExperienceBatch:
@@ -70,10 +63,12 @@ def sft_batch(examples: list[SFTExample], pad_id: int) -> ExperienceBatch:
 
 
 def policy_spec(config: SFTRunConfig) -> PolicySpec:
+    """The Train Worker of an SFT run: its ``train:`` section, one pass over each mini-batch."""
+    train = TrainConfig.model_validate({**config.train.model_dump(), "epochs": 1})
     return PolicySpec(
         config.model.path,
         config.model.dtype,
-        config.train,
+        train,
         SFT_ALGORITHM,
         temperature=1.0,
         seed=config.seed,
@@ -123,13 +118,8 @@ def train_sft(
         d.max_tokens,
         d.on_bad_row,
     )
-    per_epoch = math.ceil(len(examples) / config.train.mini_batch_size)
-    total = config.epochs * per_epoch
-    if total < done:
-        raise ConfigError(
-            f"epochs={config.epochs} gives {total} steps, below the {done} this run has already done; "
-            "a resume can only continue it"
-        )
+    total = config.epochs * math.ceil(len(examples) / config.train.mini_batch_size)
+    check_steps_left(total, done, f"epochs={config.epochs}")
     default_decay_steps(config.train, total)
     trainer, scheduler = make_trainer(config)
     try:
@@ -157,7 +147,7 @@ class SFTJob(MiniBatchJob):
 
     def step(self) -> StepMetrics:
         began, step = time.perf_counter(), self.step_count
-        chosen = [self.examples[i] for i in self.chosen(example_order, len(self.examples))]
+        chosen = [self.examples[i] for i in self.chosen(len(self.examples))]
         self.updating = True
         metrics = self.trainer.update(sft_batch(chosen, self.tokenizer.pad_token_id))
         self.step_count, self.updating = step + 1, False
@@ -186,25 +176,20 @@ def _run(
     total: int,
     echo: Callable[[str], None],
 ) -> int:
-    run_dir = config.run_dir
-    step = 0
+    run_dir, step = config.run_dir, 0
     if resume:
-        checkpoint = latest_checkpoint(run_dir)  # there: train_sft checked the run is resumable
-        assert checkpoint is not None
+        checkpoint, state = resume_point(place, echo)
         trainer.load_checkpoint(checkpoint)
-        step = int(load_run_state(checkpoint)["step"])
-        echo(f"resumed {place.location} from step {step} ({checkpoint})")
-    save_config(config, run_dir / "config.yaml")  # type: ignore[arg-type]
+        step = int(state["step"])
+    save_config(config, run_dir / "config.yaml")
     place.publish("config.yaml")
-    if skipped:
-        (run_dir / "skipped_rows.txt").write_text("".join(line + "\n" for line in skipped))
-        echo(f"skipped {len(skipped)} bad rows (data.on_bad_row=skip); listed in {run_dir / 'skipped_rows.txt'}")
+    report_skipped(skipped, run_dir, echo)
     job = SFTJob(config, trainer, tokenizer, examples, step)
     loop = StepLoop(
         config,
         place,
         total,
-        sinks=lambda out: make_sinks(config, run_dir, step if resume else None, out, total=total),  # type: ignore[arg-type]
+        sinks=lambda out: make_sinks(config, run_dir, step if resume else None, out, total=total),
         published_at_end=("final_model", "metrics.jsonl", "tensorboard", "skipped_rows.txt"),
     )
     loop.run(job)

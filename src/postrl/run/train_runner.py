@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from postrl.config.command import RunCommandConfig
 from postrl.config.loading import save_config
 from postrl.config.run import ConfigError, RewardConfig, RunConfig
 from postrl.controller.components import Components
@@ -24,8 +25,8 @@ from postrl.models.loading import context_length, load_tokenizer
 from postrl.reward import RewardService
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
-from postrl.run.checkpoint import latest_checkpoint, load_run_state, save_checkpoint
-from postrl.run.lifecycle import RunSite, StepLoop, stderr_echo
+from postrl.run.checkpoint import save_checkpoint
+from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plan.check import check_plan
@@ -120,7 +121,11 @@ def make_reward_service(config: RewardConfig) -> RewardService | RemoteRewardSer
 
 
 def make_sinks(
-    config: RunConfig, run_dir: Path, resume_step: int | None, echo: Callable[[str], None], total: int | None = None
+    config: RunCommandConfig,
+    run_dir: Path,
+    resume_step: int | None,
+    echo: Callable[[str], None],
+    total: int | None = None,
 ) -> list[MetricSink]:
     """The console, then each of ``logging.trackers``, then the Prometheus endpoint when configured."""
     lg = config.logging
@@ -255,18 +260,6 @@ def check_devices(config: RunConfig) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def report_skipped_rows(dataset: PromptDataset, run_dir: Path, echo: Callable[[str], None], shown: int = 10) -> None:
-    """Print the skipped rows once (file:line and why) and list them all in ``skipped_rows.txt``."""
-    if not dataset.skipped:
-        return
-    (run_dir / "skipped_rows.txt").write_text("".join(line + "\n" for line in dataset.skipped))
-    echo(f"skipped {len(dataset.skipped)} bad rows (data.on_bad_row=skip):")
-    for line in dataset.skipped[:shown]:
-        echo(f"  {line}")
-    if len(dataset.skipped) > shown:
-        echo(f"  ... and {len(dataset.skipped) - shown} more, all listed in {run_dir / 'skipped_rows.txt'}")
-
-
 def train(
     config: RunConfig,
     resume: bool = False,
@@ -280,7 +273,7 @@ def train(
     place = site.place
     done = site.check(resume, overwrite)  # a second live controller on this run is refused before any work
     if resume:
-        check_steps_left(config, done)
+        check_steps_left(config.steps, done, f"steps={config.steps}")
     check_context_length(config)
     check_devices(config)
     echo = stderr_echo
@@ -293,7 +286,7 @@ def train(
         site.open(resume, overwrite, echo)
         save_config(config, run_dir / "config.yaml")
         place.publish("config.yaml")
-        report_skipped_rows(parts.dataset, run_dir, echo)
+        report_skipped(parts.dataset.skipped, run_dir, echo)
         parts.reward.set_log_file(run_dir / "reward_workers.log")
         echo(describe_placement(config))
         echo(describe_accuracy(config, parts.reward.accuracy_component))
@@ -376,12 +369,9 @@ def _run_loop(
 
 
 def _resume(controller: Controller, place: RunPlace, echo: Callable[[str], None]) -> int:
-    checkpoint = latest_checkpoint(place.local)
-    if checkpoint is None:
-        raise FileNotFoundError(f"no complete checkpoint under {place.location}/checkpoints to resume from")
+    checkpoint, state = resume_point(place, echo)
     controller.parts.trainer.load_checkpoint(checkpoint)
     if controller.parts.critic is not None:
         controller.parts.critic.load_checkpoint(checkpoint / "critic")
-    controller.start(load_run_state(checkpoint))
-    echo(f"resumed {place.location} from step {controller.step_count} ({checkpoint})")
+    controller.start(state)
     return controller.step_count

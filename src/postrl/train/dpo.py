@@ -13,7 +13,8 @@ import torch
 from postrl.algorithms import DPO_LOSSES
 from postrl.algorithms.preference import margin
 from postrl.config.dpo import DPOConfig
-from postrl.config.run import LoraConfig, TrainConfig
+from postrl.config.model import LoraConfig
+from postrl.config.training import OptimizerConfig
 from postrl.data.preferences import PreferencePair
 from postrl.models.weights import save_weights
 from postrl.train.logprobs import token_logprobs
@@ -60,7 +61,7 @@ class DPOWorker:
     def __init__(
         self,
         model: torch.nn.Module,
-        train: TrainConfig,
+        train: OptimizerConfig,
         dpo: DPOConfig,
         pad_id: int,
         gradient_checkpointing: bool = False,

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from postrl.config.run import TrainConfig
+from postrl.config.training import OptimizerConfig
 
 
 def lr_factor(step: int, schedule: str, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float) -> float:
@@ -41,7 +41,7 @@ def make_scheduler(
     )
 
 
-def default_decay_steps(train: TrainConfig, optimizer_steps: int) -> None:
+def default_decay_steps(train: OptimizerConfig, optimizer_steps: int) -> None:
     """An unset ``train.lr_decay_steps`` of a decaying schedule becomes the run's length in optimizer
     steps (recorded in the run's config.yaml, so a resume keeps the same curve)."""
     if train.lr_schedule != "constant" and train.lr_decay_steps is None:
