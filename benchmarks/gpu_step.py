@@ -98,7 +98,7 @@ def measure(
     from postrl.config.run import AlgorithmConfig, RolloutConfig, TrainConfig
     from postrl.models.weights import dedupe_tied
     from postrl.rollout.factory import rollout_worker_for_model
-    from postrl.train.worker import TrainWorker
+    from postrl.train.worker import PolicyTrainer
     from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
 
     model = build_model(shape, device)
@@ -112,7 +112,7 @@ def measure(
         seed=0,
     )
     engine._eos = set()  # every sample runs to NEW_TOKENS: the same work in every step
-    trainer = TrainWorker(
+    trainer = PolicyTrainer(
         model,
         TrainConfig(lr=1e-6, mini_batch_size=prompts_n * G, micro_batch_size=MICRO, device=str(device)),
         AlgorithmConfig(),

@@ -62,12 +62,13 @@ def demo_prompts(count: int):
 
 
 def pool_for(workers: int, threads: int | None):
+    from postrl.rollout.factory import EngineSpec
     from postrl.scheduling.ray_scheduler import RayScheduler
 
     config = build_config(
         {**DEMO_SETTINGS, "scheduler": {"type": "ray", "rollout": {"workers": workers, "threads": threads}}}
     )
-    return RayScheduler(config)
+    return RayScheduler(config.scheduler, config.import_paths), EngineSpec.of_run(config)
 
 
 def rollout_tokens_per_s(workers: int, prompts, tokenizer, rounds: int = 3) -> float:
@@ -75,9 +76,9 @@ def rollout_tokens_per_s(workers: int, prompts, tokenizer, rounds: int = 3) -> f
     from postrl.models.weights import dedupe_tied
     from postrl.types import SamplingParams
 
-    scheduler = pool_for(workers, threads=1)
+    scheduler, engine = pool_for(workers, threads=1)
     try:
-        pool = scheduler.rollout_pool(tokenizer)
+        pool = scheduler.rollout_pool(engine, tokenizer)
         pool.update_weights(dedupe_tied(load_causal_lm("demo").state_dict()), 1, None)
         sp = SamplingParams(n=8, temperature=1.0, max_tokens=16)
         pool.generate(prompts, sp, 1)  # warm-up
@@ -96,9 +97,9 @@ def recovery(prompts, tokenizer) -> tuple[int, int, int]:
     from postrl.models.weights import dedupe_tied
     from postrl.types import SamplingParams
 
-    scheduler = pool_for(2, threads=1)
+    scheduler, engine = pool_for(2, threads=1)
     try:
-        pool = scheduler.rollout_pool(tokenizer)
+        pool = scheduler.rollout_pool(engine, tokenizer)
         pool.update_weights(dedupe_tied(load_causal_lm("demo").state_dict()), 1, None)
         sp = SamplingParams(n=8, temperature=1.0, max_tokens=64)
         pool.generate(prompts[:4], sp, 1)
@@ -134,10 +135,12 @@ def fsdp_loss_diff(updates: int = 3) -> float:
     from postrl.train.factory import PolicySpec
     from postrl.train.group import TrainGroup
     from postrl.train.rank import GroupSpec, TrainRank
-    from postrl.train.worker import TrainWorker
+    from postrl.train.worker import PolicyTrainer
     from postrl.types import Experience, ExperienceBatch
+    from postrl.workers.clients import client
     from postrl.workers.net import free_port
     from postrl.workers.process import ProcessHandle
+    from postrl.workers.roles import TrainWorker
 
     path = str(resolve_model_path("demo"))
     train = TrainConfig(lr=1e-4, mini_batch_size=32, micro_batch_size=8, device="cpu")
@@ -159,10 +162,12 @@ def fsdp_loss_diff(updates: int = 3) -> float:
                 )
             )
     batch = ExperienceBatch.from_experiences(exps, 0)
-    single = TrainWorker(load_causal_lm(path), train, AlgorithmConfig(), seed=0)
+    single = PolicyTrainer(load_causal_lm(path), train, AlgorithmConfig(), seed=0)
     spec = GroupSpec(world=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=120)
     policy = PolicySpec(path, "float32", train, AlgorithmConfig(), temperature=1.0, seed=0)
-    group = TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(2)])
+    group = client(
+        TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(2)]), TrainWorker
+    )
     try:
         return max(
             abs(single.update(batch).get("actor/loss") - group.update(batch).get("actor/loss")) for _ in range(updates)

@@ -3,7 +3,7 @@
 1. Math: answers checked by math-verify, batches of 256 (32 problems x 8 samples, answers in
    mixed forms: integers, fractions, LaTeX, decimals; about half right), through
    `postrl serve-reward` on loopback with RemoteRewardService, and through the in-process
-   RewardService with the same number of scoring processes. Target: >= 1,000 samples/s over HTTP.
+   LocalRewardService with the same number of scoring processes. Target: >= 1,000 samples/s over HTTP.
 2. Code: short Python programs with 3 assert tests each, in the sandbox, same two paths.
    Target: >= 50 programs/s over HTTP.
 3. Soak: 10,000 /score requests at concurrency 64 (2 samples each; in 5% of requests the first
@@ -37,7 +37,7 @@ from _smoke import add_smoke
 from postrl.config.run import RemoteRewardConfig, RewardConfig
 from postrl.reward.client import RemoteRewardService
 from postrl.reward.diagnostics import process_descendants
-from postrl.reward.service import RewardService, ScoreRequest
+from postrl.reward.service import LocalRewardService, ScoreRequest
 
 WORKERS = 2
 
@@ -145,7 +145,7 @@ def alive(pids: list[int]) -> list[int]:
 
 def compare(reward: dict, batches: list[list[ScoreRequest]], tmp: Path) -> tuple[float, float, bool]:
     """(in-process rate, HTTP rate, same results) on one workload."""
-    local = RewardService(RewardConfig(**reward))
+    local = LocalRewardService(RewardConfig(**reward))
     try:
         local_rate, local_results = rate(local, batches)
     finally:

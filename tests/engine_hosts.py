@@ -10,7 +10,7 @@ from postrl.rollout.host import RolloutEngineHost
 class SlowHost(RolloutEngineHost):
     def generate(self, prompts, sampling_params, weight_version):
         time.sleep(1.5)
-        return super().generate(prompts, sampling_params, weight_version)
+        return self.target.generate(prompts, sampling_params, weight_version)
 
 
 class Refusing:

@@ -13,7 +13,7 @@ from postrl.types import ExperienceBatch
 class GradProbe(TrainRank):
     def gradients(self, batch: ExperienceBatch) -> tuple[float, float, dict[str, torch.Tensor]]:
         """(summed loss, tokens, full gradients) of one mini-batch, without an optimizer step."""
-        worker = self.worker
+        worker = self.target
         worker.model.train()
         stats = worker.accumulate_gradients(batch)
         grads = {name: full_tensor(p.grad).detach().clone() for name, p in worker.model.named_parameters()}

@@ -13,8 +13,8 @@ from postrl.controller.components import Components
 from postrl.controller.controller import Controller
 from postrl.controller.failures import RewardFailureError
 from postrl.data.dataset import PromptDataset
-from postrl.rollout.common import EngineBase, EngineUnhealthyError, Health
-from postrl.types import Prompt, RewardResult, Rollout, TrainMetrics
+from postrl.rollout.common import EngineBase, EngineUnhealthyError
+from postrl.types import Health, Prompt, RewardResult, Rollout, TrainMetrics
 
 
 class FakeRollout(EngineBase):

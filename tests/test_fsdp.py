@@ -12,10 +12,12 @@ from postrl.train.factory import PolicySpec
 from postrl.train.group import TrainGroup, TrainWorkerDiedError
 from postrl.train.rank import GroupSpec, TrainRank
 from postrl.train.sharding import split_rows_by_tokens
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 from postrl.types import Experience, ExperienceBatch
+from postrl.workers.clients import client
 from postrl.workers.net import free_port
 from postrl.workers.process import ProcessHandle
+from postrl.workers.roles import TrainWorker
 from tests.fsdp_probe import GradProbe
 
 TRAIN = TrainConfig(lr=1e-2, mini_batch_size=12, micro_batch_size=2, device="cpu")
@@ -60,7 +62,7 @@ def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, ch
     """Fixed micro-batches on one process against the group's, fixed or by a token budget (each rank
     packs its share: 42 tokens into 2 micro-batches)."""
     batch = uneven_batch(char_tokenizer.pad_token_id)
-    single = TrainWorker(load_causal_lm(str(tiny_model_dir)), TRAIN, AlgorithmConfig(), seed=0)
+    single = PolicyTrainer(load_causal_lm(str(tiny_model_dir)), TRAIN, AlgorithmConfig(), seed=0)
     single.model.train()
     stats = single.accumulate_gradients(batch)
     want_grads = {n: p.grad.clone() for n, p in single.model.named_parameters()}
@@ -87,9 +89,9 @@ def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, ch
 def test_group_update_matches_one_process_and_checkpoint_resumes_in_one(tiny_model_dir, char_tokenizer, tmp_path):
     batch = uneven_batch(char_tokenizer.pad_token_id)
     train = TRAIN.model_copy(update={"mini_batch_size": 6, "forward": "transformers"})  # the ranks' forward
-    single = TrainWorker(load_causal_lm(str(tiny_model_dir)), train, AlgorithmConfig(), seed=0)
+    single = PolicyTrainer(load_causal_lm(str(tiny_model_dir)), train, AlgorithmConfig(), seed=0)
     want = single.update(batch)
-    group = TrainGroup(group_of(2, tiny_model_dir, train=train))
+    group = client(TrainGroup(group_of(2, tiny_model_dir, train=train)), TrainWorker)
     try:
         got = group.update(batch)
         assert got.optimizer_steps == want.optimizer_steps == 2
@@ -102,7 +104,7 @@ def test_group_update_matches_one_process_and_checkpoint_resumes_in_one(tiny_mod
     finally:
         group.close()
     # the DCP checkpoint of 2 ranks, resumed by one plain process: identical weights and optimizer
-    resumed = TrainWorker(load_causal_lm(str(tiny_model_dir)), train, AlgorithmConfig(), seed=0)
+    resumed = PolicyTrainer(load_causal_lm(str(tiny_model_dir)), train, AlgorithmConfig(), seed=0)
     resumed.load_checkpoint(tmp_path / "ckpt")
     for name, tensor in resumed.model.state_dict().items():
         if name in state:
@@ -115,11 +117,12 @@ def test_group_update_matches_one_process_and_checkpoint_resumes_in_one(tiny_mod
 
 
 def test_a_dead_rank_stops_the_group_naming_it(tiny_model_dir, char_tokenizer):
-    group = TrainGroup(group_of(2, tiny_model_dir))
-    group.ranks[1].kill()
+    ranks = group_of(2, tiny_model_dir)
+    group = client(TrainGroup(ranks), TrainWorker)
+    ranks[1].kill()
     with pytest.raises(TrainWorkerDiedError, match="train rank 1"):
         group.update(uneven_batch(char_tokenizer.pad_token_id))
-    assert not any(h.alive() for h in group.ranks)
+    assert not any(h.alive() for h in ranks)
 
 
 def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
@@ -154,7 +157,7 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
     # one process takes the 2-rank checkpoint: with no step left to run, final_model is what it loaded
     (tmp_path / "fsdp" / "final_model" / "model.safetensors").unlink()
     same = train(resume_config(tmp_path / "fsdp", ["scheduler.train.workers=1"]), resume=True)
-    assert same.step_count == 2 and isinstance(same.parts.trainer.handle.obj, TrainWorker)  # one in-process worker
+    assert same.step_count == 2 and isinstance(same.parts.trainer.handle.obj, PolicyTrainer)  # one in-process worker
     reloaded = load_causal_lm(str(tmp_path / "fsdp" / "final_model")).state_dict()
     assert all(torch.equal(saved[n], reloaded[n]) for n in saved)
     more = train(resume_config(tmp_path / "fsdp", ["steps=3", "scheduler.train.workers=1"]), resume=True)
@@ -167,11 +170,13 @@ def test_sequence_aggregations_are_exact_across_ranks(tiny_model_dir, char_token
     batch = uneven_batch(char_tokenizer.pad_token_id)
     train = TRAIN.model_copy(update={"mini_batch_size": 6})
     algorithm = AlgorithmConfig(loss_agg=loss_agg)
-    single = TrainWorker(load_causal_lm(str(tiny_model_dir)), train, algorithm, seed=0)
+    single = PolicyTrainer(load_causal_lm(str(tiny_model_dir)), train, algorithm, seed=0)
     want = single.update(batch)
     spec = GroupSpec(world=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=60)
     policy = PolicySpec(str(tiny_model_dir), "float32", train, algorithm, temperature=1.0, seed=0)
-    group = TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(2)])
+    group = client(
+        TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, spec, policy) for r in range(2)]), TrainWorker
+    )
     try:
         got = group.update(batch)
         assert abs(got.get("actor/grad_norm") - want.get("actor/grad_norm")) <= 1e-4
@@ -203,7 +208,9 @@ def test_lora_group_update_equals_one_process_and_resumes_in_one(tiny_model_dir,
     want = single.update(batch)
     want_state = adapter_state(single.model)
     group_spec = GroupSpec(world=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=60)
-    group = TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, group_spec, spec) for r in range(2)])
+    group = client(
+        TrainGroup([ProcessHandle(f"train rank {r}", TrainRank, r, group_spec, spec) for r in range(2)]), TrainWorker
+    )
     try:
         got = group.update(batch)
         assert got.optimizer_steps == want.optimizer_steps == 2

@@ -13,7 +13,7 @@ from postrl.config.run import AlgorithmConfig, RolloutConfig, TrainConfig
 from postrl.models.devices import DeviceError, resolve_device
 from postrl.models.loading import load_causal_lm
 from postrl.rollout.factory import rollout_worker_for_model
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
 from tests.conftest import hf_greedy, make_tiny_model
 
@@ -41,7 +41,7 @@ def test_native_engine_on_cuda_matches_the_hf_model_greedily(char_tokenizer):
 @pytest.mark.gpu
 def test_train_worker_on_cuda_uses_bf16_autocast_with_fp32_master_weights(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer).to("cuda")
-    worker = TrainWorker(
+    worker = PolicyTrainer(
         model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, device="cuda"), AlgorithmConfig()
     )
     exps = [Experience([1, 20, 21], [30, 31, 2], [-1.0, -1.2, -0.5], 1.0, a, 0, group_id=0) for a in (1, -1, 1, -1)]

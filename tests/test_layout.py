@@ -65,7 +65,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_find_cycle_sees_a_cycle_through_a_function_level_import():
-    a = ast.parse("def f():\n    from postrl.train.worker import TrainWorker\n")
+    a = ast.parse("def f():\n    from postrl.train.worker import PolicyTrainer\n")
     b = ast.parse("from postrl.scheduling import local\n")
     graph = {"scheduling": imported_units(a), "train": imported_units(b)}
     assert find_cycle(graph) == ["scheduling", "train", "scheduling"]

@@ -13,7 +13,7 @@ from postrl.models.weights import weight_manifest
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.train.logprobs import token_logprobs
 from postrl.train.lora import adapter_state, apply_lora, merged_state
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 from postrl.types import Experience, ExperienceBatch, SamplingParams
 from tests.conftest import make_tiny_model
 from tests.test_microbatch import grouped_batch
@@ -23,9 +23,9 @@ LORA = LoraConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", 
 TRAIN = TrainConfig(lr=5e-2, mini_batch_size=12, micro_batch_size=4, precision="float32")
 
 
-def lora_worker(base, lora=LORA, kl_beta=0.1, seed=0) -> TrainWorker:
+def lora_worker(base, lora=LORA, kl_beta=0.1, seed=0) -> PolicyTrainer:
     policy = apply_lora(copy.deepcopy(base), lora)
-    return TrainWorker(policy, TRAIN, AlgorithmConfig(kl_beta=kl_beta), lora=lora, seed=seed)
+    return PolicyTrainer(policy, TRAIN, AlgorithmConfig(kl_beta=kl_beta), lora=lora, seed=seed)
 
 
 def sampled_and_rescored(engine, policy, base, tokenizer):

@@ -33,10 +33,10 @@ def test_cpu_peak_counts_the_phase_and_resets_for_the_next():
 def test_train_update_reports_its_peak(tiny_model_dir, char_tokenizer):
     from postrl.config.run import AlgorithmConfig, TrainConfig
     from postrl.models.loading import load_causal_lm
-    from postrl.train.worker import TrainWorker
+    from postrl.train.worker import PolicyTrainer
     from tests.test_fsdp import uneven_batch
 
-    worker = TrainWorker(
+    worker = PolicyTrainer(
         load_causal_lm(str(tiny_model_dir)), TrainConfig(mini_batch_size=12, micro_batch_size=4), AlgorithmConfig()
     )
     metrics = worker.update(uneven_batch(char_tokenizer.pad_token_id))

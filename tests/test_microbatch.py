@@ -9,7 +9,7 @@ import torch
 
 from postrl.algorithms import register_loss_aggregation
 from postrl.config.run import AlgorithmConfig, TrainConfig
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 from postrl.types import Experience, ExperienceBatch
 from tests.conftest import make_tiny_model
 
@@ -34,7 +34,7 @@ def naive_micro_mean(per_token: torch.Tensor, mask: torch.Tensor, norm) -> torch
 def grads_with_micro(
     model, batch, micro: int, kl_beta: float = 0.0, ref=None, loss_agg: str = "token_mean"
 ) -> tuple[list[torch.Tensor], float]:
-    worker = TrainWorker(
+    worker = PolicyTrainer(
         model,
         TrainConfig(lr=1e-3, mini_batch_size=6, micro_batch_size=micro),
         AlgorithmConfig(kl_beta=kl_beta, loss_agg=loss_agg),
@@ -82,7 +82,7 @@ def test_entropy_bonus_subtracts_coef_times_the_token_mean_entropy_gradient(char
     base = make_tiny_model("llama", char_tokenizer).double()
     plain, _ = grads_with_micro(copy.deepcopy(base), batch, 2)
     model = copy.deepcopy(base)
-    worker = TrainWorker(
+    worker = PolicyTrainer(
         model, TrainConfig(lr=1e-3, mini_batch_size=6, micro_batch_size=2), AlgorithmConfig(entropy_coef=0.05)
     )
     model.zero_grad(set_to_none=True)
@@ -144,7 +144,7 @@ def test_token_budget_split_gives_the_fixed_split_loss_and_gradients(char_tokeni
 
     def grads(loss_agg="token_mean", **train):
         model = copy.deepcopy(base)
-        worker = TrainWorker(
+        worker = PolicyTrainer(
             model, TrainConfig(lr=1e-3, mini_batch_size=12, **train), AlgorithmConfig(loss_agg=loss_agg)
         )
         model.zero_grad(set_to_none=True)

@@ -55,7 +55,9 @@ def test_first_day(tmp_path):
                 "data": {"train_files": ["train.jsonl"]},
                 "rollout": {"n": 4, "max_tokens": 16},
                 "reward": {
-                    "components": [{"name": "exact", "type": "custom", "function": "my_rewards:exact"}],
+                    "components": [
+                        {"name": "exact", "type": "custom", "function": "my_rewards:exact", "accuracy": True}
+                    ],
                     "num_workers": 1,
                 },
                 "train": {"lr": 1e-4, "mini_batch_size": 32, "micro_batch_size": 16},

@@ -13,7 +13,7 @@ from postrl.algorithms import IMPORTANCE_CORRECTIONS
 from postrl.config.run import AlgorithmConfig, RunConfig, TrainConfig
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.train.factory import old_logprobs_source
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
 from tests.conftest import make_tiny_model
 
@@ -88,7 +88,7 @@ def _engine_batch(tokenizer, model, dtype=torch.float32, n=4, advantage=lambda i
 def test_recomputed_proximal_logprobs_equal_the_fp32_engines(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     batch = _engine_batch(char_tokenizer, model)
-    worker = TrainWorker(model, TrainConfig(mini_batch_size=4, micro_batch_size=2), AlgorithmConfig())
+    worker = PolicyTrainer(model, TrainConfig(mini_batch_size=4, micro_batch_size=2), AlgorithmConfig())
     proximal = worker.proximal_logprobs(batch, worker._group_shuffled_order(batch))
     diff = ((proximal - batch.old_logprobs) * batch.response_mask).abs().max().item()
     assert diff < 1e-4
@@ -115,7 +115,7 @@ def test_with_recompute_the_first_micro_batchs_ratio_is_exactly_one(char_tokeniz
     model = make_tiny_model("llama", char_tokenizer)
     batch = _engine_batch(char_tokenizer, model)
     batch.old_logprobs = batch.old_logprobs - 0.3 * batch.response_mask  # a behaviour policy that differs
-    worker = TrainWorker(
+    worker = PolicyTrainer(
         model, TrainConfig(mini_batch_size=6, micro_batch_size=3, lr=1e-2), AlgorithmConfig(), proximal="recompute"
     )
     seen = _recording(worker)
@@ -141,7 +141,7 @@ def test_with_recompute_the_first_micro_batchs_ratio_is_exactly_one(char_tokeniz
         math.exp(0.3) - 0.3 - 1, rel=1e-3
     )  # k3 of KL(behaviour || proximal)
     # the engine's logprobs used directly: the ratio is e^0.3 from the start
-    direct = TrainWorker(
+    direct = PolicyTrainer(
         make_tiny_model("llama", char_tokenizer), TrainConfig(mini_batch_size=6, micro_batch_size=3), AlgorithmConfig()
     )
     seen = _recording(direct)
@@ -161,7 +161,7 @@ def test_decoupled_loss_is_the_clipped_surrogate_times_the_weight(char_tokenizer
         batch = batch._map(lambda t: t.double() if t.is_floating_point() else t)
         algo = AlgorithmConfig(importance={"type": "mis", "low": 0.5, "high": 2.0})
         train = TrainConfig(mini_batch_size=12, micro_batch_size=12, grad_clip=1e9)
-        worker = TrainWorker(model, train, algo, proximal="recompute")
+        worker = PolicyTrainer(model, train, algo, proximal="recompute")
         proximal = worker.proximal_logprobs(batch, torch.arange(batch.size))
         batch.old_logprobs = (proximal - shift) * batch.response_mask
         worker.optimization.step = lambda norm: False  # keep the gradient, take no step
@@ -212,7 +212,7 @@ def test_approximate_needs_no_extra_forward_and_interpolates_after_the_first_ste
     train = TrainConfig(mini_batch_size=6, micro_batch_size=3, lr=1e-2)
     forwards = {}
     for source in ("recompute", "approximate"):
-        worker = TrainWorker(make_tiny_model("llama", char_tokenizer), train, AlgorithmConfig(), proximal=source)
+        worker = PolicyTrainer(make_tiny_model("llama", char_tokenizer), train, AlgorithmConfig(), proximal=source)
         calls: list[int] = []
         worker.model.get_input_embeddings().register_forward_hook(lambda *_, calls=calls: calls.append(1))
         seen = _recording(worker)
@@ -232,7 +232,7 @@ def test_approximate_needs_no_extra_forward_and_interpolates_after_the_first_ste
     assert torch.allclose(last.old_logprobs, expected, atol=1e-6)
     assert not torch.allclose(last.old_logprobs, last.logprobs.detach() * response, atol=1e-3)
     with pytest.raises(ValueError, match="needs the batch's token_lags"):
-        TrainWorker(model, train, AlgorithmConfig(), proximal="approximate").update(
+        PolicyTrainer(model, train, AlgorithmConfig(), proximal="approximate").update(
             _engine_batch(char_tokenizer, model)
         )
 

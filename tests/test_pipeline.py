@@ -8,10 +8,9 @@ import torch
 
 from postrl.config.loading import build_config
 from postrl.config.run import AlgorithmConfig, TrainConfig
-from postrl.rollout.common import Health
 from postrl.train.logprobs import token_logprobs
-from postrl.train.worker import TrainWorker
-from postrl.types import Experience, ExperienceBatch, Prompt, RewardResult, Rollout, StepBatch
+from postrl.train.worker import PolicyTrainer
+from postrl.types import Experience, ExperienceBatch, Health, Prompt, RewardResult, Rollout, StepBatch
 from tests.conftest import make_tiny_model
 
 
@@ -87,7 +86,7 @@ def one_update(tokenizer, advantage: float, precision: str = "float32", lr: floa
     """One PPO-clip update on one sample whose behaviour logprobs are the policy's own (ratio 1)."""
     torch.manual_seed(0)
     model = make_tiny_model("llama", tokenizer)
-    worker = TrainWorker(model, TrainConfig(lr=lr, precision=precision, grad_clip=1e9), AlgorithmConfig())
+    worker = PolicyTrainer(model, TrainConfig(lr=lr, precision=precision, grad_clip=1e9), AlgorithmConfig())
     prompt, response = [1, 20, 21], [30, 31, 2]
     probe = ExperienceBatch.from_experiences([Experience(prompt, response, [0.0] * 3, 0.0, 0.0, 0)], 0)
     with torch.no_grad():
@@ -119,7 +118,7 @@ def test_bf16_autocast_computes_the_forward_in_bf16(char_tokenizer):
         dtypes: set = set()
         layer = model.model.layers[0].mlp.down_proj
         layer.register_forward_hook(lambda _m, _i, out, dtypes=dtypes: dtypes.add(out.dtype))
-        worker = TrainWorker(model, TrainConfig(precision=precision), AlgorithmConfig())
+        worker = PolicyTrainer(model, TrainConfig(precision=precision), AlgorithmConfig())
         batch = ExperienceBatch.from_experiences([Experience([1, 20], [30, 2], [-1.0, -1.0], 1.0, 1.0, 0)], 0)
         worker.update(batch)
         seen[precision] = dtypes

@@ -19,10 +19,15 @@ from postrl.config.loading import build_config  # noqa: E402
 from postrl.config.observability import PrometheusConfig  # noqa: E402
 from postrl.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from postrl.models.weights import dedupe_tied, weight_manifest  # noqa: E402
-from postrl.reward import ScoreRequest  # noqa: E402
-from postrl.run.train_runner import make_reward_service, train  # noqa: E402
+from postrl.reward.factory import make_reward_service  # noqa: E402
+from postrl.rollout.factory import EngineSpec  # noqa: E402
+from postrl.run.train_runner import train  # noqa: E402
 from postrl.scheduling.ray_scheduler import RayScheduler  # noqa: E402
-from postrl.types import Prompt, SamplingParams  # noqa: E402
+from postrl.types import (  # noqa: E402
+    Prompt,
+    SamplingParams,
+    ScoreRequest,  # noqa: E402
+)
 from tests.engine_hosts import SlowHost  # noqa: E402
 from tests.trained_samples import record_trained_samples  # noqa: E402
 
@@ -104,10 +109,10 @@ def test_three_step_ray_run_then_nothing_left_running(tmp_path, tiny_model_dir, 
 
 def test_rollout_actor_killed_mid_step_loses_and_duplicates_nothing(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
-    scheduler = RayScheduler(config)
+    scheduler = RayScheduler(config.scheduler, config.import_paths)
     try:
         tokenizer = load_tokenizer(str(tiny_model_dir))
-        pool = scheduler.rollout_pool(tokenizer, host_class=SlowHost)  # answers after 1.5 s
+        pool = scheduler.rollout_pool(EngineSpec.of_run(config), tokenizer, host_class=SlowHost)  # answers after 1.5 s
         state = dedupe_tied(load_causal_lm(str(tiny_model_dir)).state_dict())
         pool.update_weights(state, 1, weight_manifest(state))
         prompts = [Prompt(t, tokenizer(t)["input_ids"]) for t in [f"{a}+{a}=" for a in range(10, 26)]]
@@ -118,10 +123,10 @@ def test_rollout_actor_killed_mid_step_loses_and_duplicates_nothing(tmp_path, ti
         assert pool.restarts == 1 and pool.requeued_prompts == 8
         assert [r.prompt_index for r in out] == [i for i in range(16) for _ in range(8)]
         assert all(r.weight_version == 1 for r in out)
-        assert [slot.handle.call("version") for slot in pool.engines] == [1, 1]
+        assert [slot.handle.attribute("weight_version") for slot in pool.engines] == [1, 1]
         pool.close()
         # the Reward Service actor dies: it is started again and the batch scored again
-        reward = scheduler.reward_service(make_reward_service)
+        reward = scheduler.reward_service(make_reward_service, config.reward)
         requests = [ScoreRequest("1+1=", "22", {}, 2), ScoreRequest("1+1=", "a", {}, 1)]
         want = [r.components for r in reward.score_batch(requests)]
         reward.handle.kill()
@@ -177,9 +182,11 @@ def test_async_run_under_ray_overlaps_generation_and_leaves_nothing_running(tmp_
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["buffer/lag_max"] for r in rows) <= 1 and rows[-1]["buffer/lag_max"] == 1.0
     from postrl.controller.async_pipelines import ThreadedPipeline
-    from postrl.scheduling.buffer_actor import BufferClient
+    from postrl.scheduling.ray_scheduler import RayHandle
+    from postrl.workers.clients import RoleClient
 
-    assert isinstance(controller.parts.buffer, BufferClient)  # the Experience Buffer was an actor of its own
+    buffer = controller.parts.buffer  # the Experience Buffer was an actor of its own
+    assert isinstance(buffer, RoleClient) and isinstance(buffer.handle, RayHandle)
     assert isinstance(controller.pipeline, ThreadedPipeline) and not controller.pipeline.producer.alive()
     assert not ray.is_initialized()
     assert ray_processes() == []
@@ -194,9 +201,12 @@ def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_samp
     from ray.cluster_utils import Cluster
 
     from postrl.config.off_policy import BufferConfig, ControllerConfig
-    from postrl.scheduling.buffer_actor import BufferClient
+    from postrl.workers.clients import client_class
+    from postrl.workers.roles import ExperienceStore
 
-    trained = record_trained_samples(monkeypatch, BufferClient)  # the buffer is an actor: what reaches the trainer
+    trained = record_trained_samples(
+        monkeypatch, client_class(ExperienceStore)
+    )  # the buffer is an actor: what reaches the trainer
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"train_node": 4}})
     generation = cluster.add_node(num_cpus=2, resources={"gen_node": 1})
     cluster.wait_for_nodes()
@@ -238,10 +248,10 @@ def test_rollout_actors_take_weights_mid_generate_and_suspend_when_asked(tmp_pat
     its next decode step (the tokens after carry the new version), and a suspend stops the generate
     (its samples come back suspended) instead of waiting behind it."""
     config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl, rollout={"workers": 1, "threads": 1})
-    scheduler = RayScheduler(config)
+    scheduler = RayScheduler(config.scheduler, config.import_paths)
     try:
         tokenizer = load_tokenizer(str(tiny_model_dir))
-        pool = scheduler.rollout_pool(tokenizer)
+        pool = scheduler.rollout_pool(EngineSpec.of_run(config), tokenizer)
         assert pool.engines[0].handle.concurrent
         state = dedupe_tied(load_causal_lm(str(tiny_model_dir)).state_dict())
         pool.update_weights(state, 1)

@@ -121,7 +121,7 @@ def test_a_killed_driver_leaves_no_ray_process(tmp_path, tiny_model_dir, arithme
         from postrl.config.run import RunConfig
         from postrl.scheduling.ray_scheduler import RayScheduler
         config = RunConfig.model_validate_json(open({str(tmp_path / "config.json")!r}).read())
-        scheduler = RayScheduler(config)
+        scheduler = RayScheduler(config.scheduler, config.import_paths)
         print("placed", flush=True)
         time.sleep(600)
     """)
@@ -145,7 +145,7 @@ def test_a_placement_that_cannot_succeed_names_the_short_resource(tmp_path, tiny
     config = ray_config(tmp_path, tiny_model_dir, arithmetic_jsonl, train={"workers": 1, "num_gpus": 1})
     start = time.monotonic()
     with pytest.raises(PlacementError) as err:
-        RayScheduler(config)
+        RayScheduler(config.scheduler, config.import_paths)
     assert time.monotonic() - start < 60
     assert "the train workers cannot be placed: short of GPU: asked 1, the cluster has 0 (0 free)" in str(err.value)
     assert not ray.is_initialized()

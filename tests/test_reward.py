@@ -8,8 +8,9 @@ import time
 import pytest
 
 from postrl.config.run import RewardConfig
-from postrl.reward import RewardService, ScoreRequest, ScoringPool
+from postrl.reward.pool import ScoringPool
 from postrl.reward.rules import format_reward, length_penalty
+from postrl.reward.service import LocalRewardService, ScoreRequest
 from postrl.reward.verifiers import exact_match, extract_final_answer, math_equal
 
 
@@ -36,8 +37,8 @@ def test_format_and_length_rules():
     assert length_penalty(10, 0) == 0.0 and length_penalty(8, 10) == 0.0 and length_penalty(15, 10) == -0.5
 
 
-def service(**kw) -> RewardService:
-    return RewardService(RewardConfig(**kw))
+def service(**kw) -> LocalRewardService:
+    return LocalRewardService(RewardConfig(**kw))
 
 
 def custom(function: str) -> dict:

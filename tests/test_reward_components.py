@@ -12,7 +12,7 @@ from postrl.config.loading import build_config
 from postrl.config.run import ConfigError, RewardConfig
 from postrl.reward.code import extract_program, parse_tests
 from postrl.reward.pool import ScoringPool
-from postrl.reward.service import RewardService, ScoreRequest
+from postrl.reward.service import LocalRewardService, ScoreRequest
 from tests.http_stub import LoopbackJSONServer
 from tests.test_reward_server import start_server, stop_server
 from tests.test_train_e2e import write_config
@@ -34,7 +34,7 @@ def test_extract_program_and_parse_tests():
 
 
 def test_code_component_all_or_nothing_and_bad_tests_are_unscorable():
-    svc = RewardService(
+    svc = LocalRewardService(
         RewardConfig(
             num_workers=1,
             components=[{"name": "code", "type": "code", "code_score": "all_or_nothing", "sandbox": {"wall_s": 3}}],
@@ -77,7 +77,9 @@ def test_local_reward_model_scores_in_batches(tmp_path, char_tokenizer):
     )
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     char_tokenizer.save_pretrained(tmp_path / "rm")
-    svc = RewardService(RewardConfig(components=[{"name": "rm", "type": "reward_model", "path": str(tmp_path / "rm")}]))
+    svc = LocalRewardService(
+        RewardConfig(components=[{"name": "rm", "type": "reward_model", "path": str(tmp_path / "rm")}])
+    )
     pairs = [("1+1=", "2"), ("2+2=", "45"), ("3+3=", "6")]
     batched = svc.score_batch([ScoreRequest(p, r, {}) for p, r in pairs])
     alone = [svc.score(p, r) for p, r in pairs]
@@ -98,7 +100,7 @@ def test_local_reward_model_scores_in_batches(tmp_path, char_tokenizer):
 
 
 def test_components_apply_to_their_task_types():
-    svc = RewardService(
+    svc = LocalRewardService(
         RewardConfig(
             num_workers=1,
             components=[
@@ -143,7 +145,7 @@ def test_remote_reward_model_and_judge_mix_with_weights(monkeypatch):
 
     judge = LoopbackJSONServer(chat)
     monkeypatch.setenv("JUDGE_KEY", "sk-test")
-    svc = RewardService(
+    svc = LocalRewardService(
         RewardConfig(
             components=[
                 {"name": "rm", "type": "remote_reward_model", "url": rm.url + "/rm", "weight": 0.1},
@@ -258,3 +260,21 @@ def test_dead_remote_service_fails_fast_with_the_url(tmp_path, tiny_model_dir, a
     # refused before anything is written, naming the URL
     assert "reward.remote.url=http://127.0.0.1:9 cannot be reached (Connection refused)" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "tiny").exists()
+
+
+def test_one_accuracy_rule_for_training_validation_and_eval():
+    """The share of samples whose accuracy component reaches the threshold; an unscorable sample is a
+    miss; no accuracy component (or nothing scored) is no accuracy, not a guess from the reward."""
+    from postrl.reward.accuracy import accuracy
+    from postrl.types import RewardResult
+
+    results = [
+        RewardResult(1.0, components={"acc": 1.0}),
+        RewardResult(0.5, components={"acc": 0.5}),
+        RewardResult(None, error="timeout"),
+        RewardResult(1.0, components={"acc": 1.0}),
+    ]
+    assert accuracy(results, "acc", 1.0) == 2 / 4
+    assert accuracy(results, "acc", 0.5) == 3 / 4
+    assert accuracy(results, None, 1.0) is None
+    assert accuracy([RewardResult(None, error="x")], "acc", 1.0) is None

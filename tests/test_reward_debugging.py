@@ -15,15 +15,15 @@ import yaml
 
 from postrl.cli import main
 from postrl.config.run import RewardConfig
-from postrl.reward import RewardService
 from postrl.reward.pool import ScoringPool
+from postrl.reward.service import LocalRewardService
 from tests.test_train_e2e import write_config
 
 FN = "tests.reward_fns"
 
 
-def _service(*components: dict, **extra) -> RewardService:
-    return RewardService(RewardConfig(components=list(components), num_workers=1, **extra))
+def _service(*components: dict, **extra) -> LocalRewardService:
+    return LocalRewardService(RewardConfig(components=list(components), num_workers=1, **extra))
 
 
 def test_non_numbers_are_unscorable_with_what_was_returned():
@@ -222,8 +222,8 @@ def test_a_killed_trainer_leaves_no_sandboxed_program_behind():
     script = textwrap.dedent("""
         import threading, time
         from postrl.config.run import RewardConfig
-        from postrl.reward import RewardService
-        service = RewardService(RewardConfig(num_workers=1, components=[
+        from postrl.reward.service import LocalRewardService
+        service = LocalRewardService(RewardConfig(num_workers=1, components=[
             {"name": "code", "type": "code", "timeout_s": 600, "sandbox": {"wall_s": 500, "cpu_s": 500}}]))
         program = "```python\\nimport time\\ntime.sleep(3600)\\n```"
         threading.Thread(target=service.score, args=("p", program), kwargs={"tests": ["assert True"]},
@@ -259,12 +259,12 @@ def test_whole_hanging_groups_cost_about_one_timeout():
     """A hang is caused by the prompt, so all G samples of a prompt hang together: 3 of 16 prompts
     x G=4 hanging at timeout 3 s used to cost a timeout per sample queued on a worker (~12 s)."""
     from postrl.config.run import RewardConfig
-    from postrl.reward.service import RewardService, ScoreRequest
+    from postrl.reward.service import LocalRewardService, ScoreRequest
 
     config = RewardConfig(
         components=[{"type": "custom", "name": "h", "function": f"{FN}:hangs_on_marked"}], timeout_s=3.0
     )
-    service = RewardService(config)
+    service = LocalRewardService(config)
     try:
         requests = [
             ScoreRequest(f"{p}+1=", f"answer {g}", {"hang": p in (2, 7, 11), "answer": str(p)})

@@ -12,6 +12,7 @@ import torch
 from postrl.config.run import RolloutConfig
 from postrl.models.loading import load_causal_lm
 from postrl.models.weights import WeightSyncError, dedupe_tied, weight_manifest
+from postrl.rollout.factory import EngineSpec
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
 from postrl.rollout.weight_transport import BroadcastTransport, DirectTransport
@@ -26,7 +27,7 @@ SP = SamplingParams(n=3, temperature=1.0, max_tokens=6)
 def starter(model_dir, host=RolloutEngineHost, slow=()):
     def start(i: int) -> ProcessHandle:
         cls = SlowHost if i in slow else host
-        return ProcessHandle(f"rollout engine {i}", cls, CONFIG, str(model_dir), "float32", 100 + i, 1)
+        return ProcessHandle(f"rollout engine {i}", cls, EngineSpec(CONFIG, str(model_dir), "float32", 100 + i, 1))
 
     return start
 
@@ -45,7 +46,7 @@ def new_weights(model_dir, scale=1.01):
 
 
 def versions(pool):
-    return [slot.handle.call("version") for slot in pool.engines]
+    return [slot.handle.attribute("weight_version") for slot in pool.engines]
 
 
 def test_prompts_spread_by_outstanding_work_and_groups_stay_together(tiny_model_dir, char_tokenizer):
@@ -157,11 +158,7 @@ def test_an_engine_in_a_child_process_takes_weights_and_a_suspend_beside_its_gen
     handle = ProcessHandle(
         "rollout engine 0",
         RolloutEngineHost,
-        CONFIG,
-        str(tiny_model_dir),
-        "float32",
-        7,
-        1,
+        EngineSpec(CONFIG, str(tiny_model_dir), "float32", 7, 1),
         side_calls=ENGINE_SIDE_CALLS,
     )
     try:
@@ -169,7 +166,7 @@ def test_an_engine_in_a_child_process_takes_weights_and_a_suspend_beside_its_gen
         state, _ = new_weights(tiny_model_dir, scale=1.0)  # the same weights under new versions: same speed
         long = SamplingParams(n=8, temperature=1.0, max_tokens=100, stop_token_ids=())
         ps = prompts(char_tokenizer, 16)
-        handle.call("version")  # started: the generate below is timed alone
+        handle.attribute("weight_version")  # started: the generate below is timed alone
         began = time.monotonic()
         handle.call("generate", ps, long, None)
         took = time.monotonic() - began

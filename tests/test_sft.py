@@ -18,7 +18,7 @@ from postrl.data.sft import conversation_tokens, load_sft_examples
 from postrl.models.loading import load_causal_lm
 from postrl.run.metrics import read_metrics
 from postrl.run.sft_runner import SFT_ALGORITHM, sft_batch
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,7 @@ def test_the_loss_is_the_mean_nll_of_the_trained_tokens(tmp_path, tiny_model_dir
             nll -= float(picked.sum())
             count += len(e.response_ids)
     train = TrainConfig(lr=1e-3, mini_batch_size=3, micro_batch_size=2, device="cpu")
-    worker = TrainWorker(model, train, SFT_ALGORITHM, temperature=1.0, seed=0)
+    worker = PolicyTrainer(model, train, SFT_ALGORITHM, temperature=1.0, seed=0)
     metrics = worker.update(sft_batch(examples, char_tokenizer.pad_token_id))
     assert metrics.get("actor/loss") == pytest.approx(nll / count, rel=1e-5)
     assert metrics.optimizer_steps == 1

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from postrl.config.run import AlgorithmConfig, TrainConfig
 from postrl.train.optimization import NonFiniteLossError
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 from postrl.types import Experience, ExperienceBatch
 from tests.conftest import make_tiny_model
 
@@ -68,7 +68,7 @@ def test_loss_mask_keeps_tokens_in_context_but_out_of_the_loss(char_tokenizer):
     grads = []
     for masked_advantage in (100.0, -100.0):
         model = make_tiny_model("llama", char_tokenizer).double()
-        worker = TrainWorker(model, TrainConfig(mini_batch_size=2, micro_batch_size=2), AlgorithmConfig())
+        worker = PolicyTrainer(model, TrainConfig(mini_batch_size=2, micro_batch_size=2), AlgorithmConfig())
         exps = [
             Experience(
                 [1, 20, 21],
@@ -91,7 +91,7 @@ def test_loss_mask_keeps_tokens_in_context_but_out_of_the_loss(char_tokenizer):
 def test_group_shuffle_keeps_groups_together(char_tokenizer):
     exps = [Experience([1, 20 + g], [30], [-1.0], 1.0, 0.5, 0, group_id=g) for g in (3, 1, 3, 2, 1, 3)]
     batch = ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
-    worker = TrainWorker(make_tiny_model("llama", char_tokenizer), TrainConfig(), AlgorithmConfig(), seed=5)
+    worker = PolicyTrainer(make_tiny_model("llama", char_tokenizer), TrainConfig(), AlgorithmConfig(), seed=5)
     for _ in range(5):
         order = worker._group_shuffled_order(batch).tolist()
         groups = [exps[i].group_id for i in order]
@@ -102,7 +102,7 @@ def test_group_shuffle_keeps_groups_together(char_tokenizer):
 def test_update_changes_weights_and_reports_metrics(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    worker = TrainWorker(
+    worker = PolicyTrainer(
         model, TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=1, epochs=2), AlgorithmConfig()
     )
     metrics = worker.update(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
@@ -114,7 +114,7 @@ def test_update_changes_weights_and_reports_metrics(char_tokenizer):
 
 def test_non_finite_gradient_skips_step_then_stops_the_run(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
-    worker = TrainWorker(
+    worker = PolicyTrainer(
         model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4, max_consecutive_nan=2), AlgorithmConfig()
     )
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -128,7 +128,7 @@ def test_non_finite_gradient_skips_step_then_stops_the_run(char_tokenizer):
 
 def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenizer, tmp_path):
     model = make_tiny_model("llama", char_tokenizer)
-    worker = TrainWorker(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4), AlgorithmConfig())
+    worker = PolicyTrainer(model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4), AlgorithmConfig())
     worker.update(batch_of(char_tokenizer, [1.0, -1.0, 1.0, -1.0]))
     worker.save_checkpoint(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "model" / "model.safetensors").is_file()
@@ -136,7 +136,7 @@ def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenize
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
     state = torch.load(tmp_path / "ckpt" / "optimization.pt", weights_only=True)
     assert state["counters"] == [1, 0, 0]  # steps, skipped, skipped in a row
-    fresh = TrainWorker(
+    fresh = PolicyTrainer(
         make_tiny_model("llama", char_tokenizer, seed=5),
         TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4),
         AlgorithmConfig(),
@@ -153,7 +153,7 @@ def test_save_checkpoint_writes_loadable_safetensors_and_optimizer(char_tokenize
 
 def test_kl_needs_reference_model(char_tokenizer):
     with pytest.raises(ValueError, match="needs a reference model"):
-        TrainWorker(make_tiny_model("llama", char_tokenizer), TrainConfig(), AlgorithmConfig(kl_beta=0.1))
+        PolicyTrainer(make_tiny_model("llama", char_tokenizer), TrainConfig(), AlgorithmConfig(kl_beta=0.1))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
@@ -164,7 +164,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
     grads = []
     for checkpointing in (False, True):
         model = copy.deepcopy(base)
-        worker = TrainWorker(
+        worker = PolicyTrainer(
             model,
             TrainConfig(mini_batch_size=4, micro_batch_size=2),
             AlgorithmConfig(),
@@ -179,7 +179,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
 
 def test_bf16_autocast_training_keeps_fp32_weights_and_learns(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
-    worker = TrainWorker(
+    worker = PolicyTrainer(
         model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, precision="bf16_autocast"), AlgorithmConfig()
     )
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -212,7 +212,7 @@ def test_training_attention_kernel_choice_gives_the_same_gradients(char_tokenize
     grads = {}
     for choice in ("sdpa", "auto"):
         model = make_tiny_model("llama", char_tokenizer)
-        worker = TrainWorker(
+        worker = PolicyTrainer(
             model, TrainConfig(attention=choice, mini_batch_size=4, micro_batch_size=2), AlgorithmConfig()
         )
         assert model.config._attn_implementation == ("eager" if choice == "auto" else "sdpa")
@@ -289,7 +289,7 @@ def test_the_forward_is_chosen_in_one_dispatch_and_the_worker_reports_it(char_to
         results = {n: token_logprobs(model, ids, att, target_mask=target, plan=p)[0] for n, p in paths.items()}
     for name, logp in results.items():
         torch.testing.assert_close(logp * target, results["full"] * target, atol=1e-5, rtol=1e-5, msg=name)
-    worker = TrainWorker(model, TrainConfig(mini_batch_size=3, micro_batch_size=3), AlgorithmConfig())
+    worker = PolicyTrainer(model, TrainConfig(mini_batch_size=3, micro_batch_size=3), AlgorithmConfig())
     with caplog.at_level("INFO", logger="postrl.train.worker"):
         worker.update(b)
     assert dict(worker.forward_paths) == {"lean": 1}

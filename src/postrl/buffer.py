@@ -25,11 +25,10 @@ import dataclasses
 import random
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from postrl.config.off_policy import ReplayConfig
-from postrl.types import Experience
-from postrl.types.metric_names import BUFFER_DROPPED, BUFFER_LAG_MAX, BUFFER_LAG_MEAN
+from postrl.types import BufferBatch, Experience
 
 
 class StaleExperienceError(RuntimeError):
@@ -46,40 +45,6 @@ class _Entry:
     experience: Experience
     serial: int  # which put it came in (a step's batch)
     uses: int = 0
-
-
-@dataclass(frozen=True)
-class BufferBatch:
-    """What one ``get`` hands out: the experiences (group ids renumbered to be unique across the
-    puts they came from) and their lags; how many stale ones were dropped on the way."""
-
-    experiences: list[Experience]
-    lags: list[int]
-    dropped: int
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            BUFFER_LAG_MEAN: sum(self.lags) / len(self.lags) if self.lags else 0.0,
-            BUFFER_LAG_MAX: float(max(self.lags, default=0)),
-            BUFFER_DROPPED: float(self.dropped),
-        }
-
-
-class ExperienceStore(Protocol):
-    """What the Controller needs of a buffer: :class:`ExperienceBuffer` in this process, or the same
-    buffer as a Ray actor behind a client (``scheduler: ray``)."""
-
-    def put(self, experiences: list[Experience]) -> None: ...
-
-    def get(self, batch_size: int | None, current_version: int) -> BufferBatch: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def __len__(self) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class ExperienceBuffer:

@@ -210,7 +210,7 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
     from postrl.config.loading import load_config
     from postrl.config.run import RewardServiceFile, activate_import_paths
     from postrl.reward.server import build_reward_app
-    from postrl.reward.service import RewardService
+    from postrl.reward.service import LocalRewardService
     from postrl.serve.run import serve_app
     from postrl.workers.http_guard import is_loopback, read_token
 
@@ -227,7 +227,7 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
     if not is_loopback(server.host) and token is None:
         print(f"warning: serving rewards on {server.host} without a token (set server.token_env)", file=sys.stderr)
     activate_import_paths(cfg.import_paths)
-    service = RewardService(cfg.reward)
+    service = LocalRewardService(cfg.reward)
     service.set_log_stream(sys.stderr.buffer)
     if service.sandbox_protections is not None:
         on = [k for k, v in service.sandbox_protections.items() if v]

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from postrl.buffer import ExperienceStore
 from postrl.config.run import RunConfig
 from postrl.controller.episodes import EpisodeSource
 from postrl.data import PromptDataset
-from postrl.rollout.base import ScalableRolloutWorker
-from postrl.workers.roles import Critic, RewardService, Scheduler, TrainWorker
+from postrl.scheduling.base import Scheduler
+from postrl.workers.roles import Critic, ExperienceStore, RewardService, ScalableRolloutWorker, TrainWorker
 
 
 class Tokenizer(Protocol):

@@ -17,10 +17,9 @@ from postrl.rollout.agentic.env import environment_factory
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
 from postrl.rollout.agentic.limited import call_limited, failure_info, run_limited
 from postrl.rollout.agentic.template_check import check_template
-from postrl.rollout.base import RolloutWorker
 from postrl.serve.agent_runs import RecordedAgents, load_agent_function
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
-from postrl.workers.roles import RewardService
+from postrl.workers.roles import RewardService, RolloutWorker
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,8 @@ from typing import Protocol
 from postrl.controller.episodes import EpisodeSource, trainable
 from postrl.controller.stages.base import Groups
 from postrl.reward.requests import score_with
-from postrl.rollout.base import RolloutWorker
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
-from postrl.workers.roles import RewardService
+from postrl.workers.roles import RewardService, RolloutWorker
 
 
 class BatchSource(Protocol):

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from postrl.config.run import RewardServerConfig
-from postrl.reward.service import RewardService, ScoreRequest, result_to_json
+from postrl.reward.service import LocalRewardService, ScoreRequest, result_to_json
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -93,7 +93,7 @@ class ServerMetrics:
         return "\n".join(lines) + "\n"
 
 
-def build_reward_app(service: RewardService, server: RewardServerConfig, token: str | None = None) -> FastAPI:
+def build_reward_app(service: LocalRewardService, server: RewardServerConfig, token: str | None = None) -> FastAPI:
     app = FastAPI(title="postrl reward service")
     metrics = ServerMetrics()
 

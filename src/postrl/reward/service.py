@@ -23,7 +23,7 @@ from postrl.types import RewardResult, Score, ScoreRequest
 log = logging.getLogger(__name__)
 
 
-class RewardService:
+class LocalRewardService:
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
         self.components = list(config.components)

@@ -3,25 +3,14 @@ sampling generator's state, and the health report."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from safetensors.torch import load_file
 
 from postrl.models.weights import verify_manifest
-
-
-@dataclass(frozen=True)
-class Health:
-    """A health check's answer; falsy when the engine cannot serve, with the reason."""
-
-    ok: bool
-    reason: str = ""
-
-    def __bool__(self) -> bool:
-        return self.ok
+from postrl.types import Health
 
 
 def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
@@ -56,6 +45,7 @@ class EngineBase:
 
     weight_version: int = 0
     generator: torch.Generator | None = None
+    streams_tokens: ClassVar[bool] = False  # generate takes on_token (the engines that sample token by token)
 
     def suspend(self) -> bool:
         """Ask a ``generate`` in progress to return at once, its unfinished samples ``suspended``

@@ -1,20 +1,57 @@
-"""Choosing the rollout backend from the config."""
+"""Choosing the rollout backend from the config, and :class:`EngineSpec`: one engine of a run, built
+the same way in this process, a child process, a Ray actor and ``postrl eval``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from postrl.config.run import RolloutConfig
+from postrl.config.run import RolloutConfig, RunConfig
 from postrl.models.devices import bf16_matmul_supported, resolve_device
 from postrl.models.loading import context_length, load_causal_lm, resolve_model_path
-from postrl.rollout.base import RolloutWorker
 from postrl.rollout.hf_engine import HFRolloutWorker
 from postrl.rollout.native import SUPPORTED_MODEL_TYPES, NativeRolloutWorker
+from postrl.workers.roles import RolloutWorker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What builds one rollout engine: the run's ``rollout`` section, the model, the seed (each
+    engine of a pool its own), the CPU threads of its process, and the LoRA rank of synced adapters."""
+
+    rollout: RolloutConfig
+    model_path: str
+    model_dtype: str
+    seed: int
+    threads: int | None = None  # set in the engine's own process (None: torch's default)
+    adapter_rank: int | None = None  # model.synced_adapter_rank
+
+    @staticmethod
+    def of_run(config: RunConfig) -> EngineSpec:
+        """The first engine of the run's pool (:meth:`for_index` gives the others)."""
+        m = config.model
+        return EngineSpec(config.rollout, m.path, m.dtype, config.seed, None, m.synced_adapter_rank)
+
+    def for_index(self, index: int, threads: int | None = None) -> EngineSpec:
+        """Engine ``index`` of a pool whose first engine this is: its own seed, ``threads`` CPU threads."""
+        return dataclasses.replace(self, seed=self.seed + index, threads=threads)
+
+    def build(self, tokenizer: Any = None) -> RolloutWorker:
+        """The engine (``tokenizer``: the run's, when it is built in the run's process)."""
+        from postrl.models.loading import load_tokenizer
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
+        return make_rollout_worker(
+            self.rollout, self.model_path, tokenizer, self.model_dtype, self.seed, self.adapter_rank
+        )
 
 
 def bf16_is_fast(device: torch.device) -> bool:

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from postrl.models.weights import load_state_checked
-from postrl.rollout.common import EngineBase, Health, non_finite
+from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
-from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
+from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 class HFRolloutWorker(EngineBase):
+    streams_tokens = True
+
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_size: int = 256, seed: int = 0) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -18,8 +18,8 @@ import httpx
 import torch
 
 from postrl.models.weights import WeightSyncError, write_sync_file
-from postrl.rollout.common import EngineBase, Health, http_health
-from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.rollout.common import EngineBase, http_health
+from postrl.types import Health, Prompt, Rollout, SamplingParams
 
 
 class RemoteEngineError(RuntimeError):

@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from postrl.rollout.common import Health
 from postrl.rollout.weight_transport import WeightTransport
-from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.types import Health, Prompt, Rollout, SamplingParams
 from postrl.workers import Handle, WorkerDiedError, WorkerTimeoutError
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import torch
 
 from postrl.models.adapters import adapter_modules, is_adapter_state, write_peft_adapter
 from postrl.models.weights import safetensors_keys, write_sync_file
-from postrl.rollout.common import EngineBase, Health, http_health
-from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.rollout.common import EngineBase, http_health
+from postrl.types import Health, Prompt, Rollout, SamplingParams
 from postrl.workers.net import free_port
 
 SERVER_FILE = Path(__file__).with_name("vllm_server.py")

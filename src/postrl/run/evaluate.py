@@ -77,8 +77,8 @@ def evaluate_with_rewards(
     """Greedy responses scored by ``reward``'s components, as training scores them; accuracy is
     :func:`postrl.reward.accuracy.accuracy` (None without an accuracy component)."""
     from postrl.controller.step_metrics import write_samples
+    from postrl.reward.factory import make_reward_service
     from postrl.reward.requests import score_with
-    from postrl.run.train_runner import make_reward_service
 
     rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens)
     service = make_reward_service(reward)

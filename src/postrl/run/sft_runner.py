@@ -23,7 +23,8 @@ from postrl.models.loading import load_tokenizer
 from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped, resume_point
 from postrl.run.place import RunPlace, check_steps_left
 from postrl.run.train_runner import make_sinks
-from postrl.train.factory import PolicySpec, build_train_worker
+from postrl.scheduling.base import Scheduler, make_scheduler
+from postrl.train.factory import PolicySpec
 from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import Experience, ExperienceBatch, StepMetrics
 from postrl.types.metric_names import (
@@ -37,6 +38,7 @@ from postrl.types.metric_names import (
     SFT_TOKENS,
     TIME_STEP_S,
 )
+from postrl.workers.roles import TrainWorker
 
 # -log pi on the trained tokens: REINFORCE with every advantage 1
 SFT_ALGORITHM = AlgorithmConfig(advantage="grpo", policy_loss="reinforce", loss_agg="token_mean", kl_beta=0.0)
@@ -76,28 +78,14 @@ def policy_spec(config: SFTRunConfig) -> PolicySpec:
     )
 
 
-def make_trainer(config: SFTRunConfig) -> tuple[Any, Any]:
+def make_trainer(config: SFTRunConfig) -> tuple[TrainWorker, Scheduler]:
     """(trainer, scheduler): a Train Worker in this process, an FSDP2 group of processes, or Ray actors."""
-    s = config.scheduler
-    scheduler: Any
-    if s.type == "ray":
-        from postrl.scheduling.ray_scheduler import RayScheduler
-
-        scheduler = RayScheduler(config, roles=("train",))  # type: ignore[arg-type]  # it reads the fields both configs share
-        try:
-            return scheduler.train_group(policy_spec(config)), scheduler
-        except BaseException:
-            scheduler.close()
-            raise
-    if s.train.workers > 1:
-        from postrl.scheduling.local import LocalScheduler
-
-        scheduler = LocalScheduler(config)  # type: ignore[arg-type]
+    scheduler = make_scheduler(config.scheduler, config.import_paths, roles=("train",))
+    try:
         return scheduler.train_group(policy_spec(config)), scheduler
-    from postrl.models.devices import resolve_device
-
-    worker = build_train_worker(policy_spec(config), resolve_device(config.train.device, "train.device"))
-    return worker, None
+    except BaseException:
+        scheduler.close()
+        raise
 
 
 def train_sft(
@@ -128,8 +116,7 @@ def train_sft(
     finally:
         try:
             trainer.close()
-            if scheduler is not None:
-                scheduler.close()
+            scheduler.close()
         finally:
             site.close()
 

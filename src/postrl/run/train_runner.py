@@ -15,16 +15,16 @@ import torch
 
 from postrl.config.command import RunCommandConfig
 from postrl.config.loading import save_config
-from postrl.config.run import ConfigError, RewardConfig, RunConfig
+from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
 from postrl.controller.episodes import EpisodeSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.models.devices import DeviceError, resolve_device
 from postrl.models.loading import context_length, load_tokenizer
-from postrl.reward import RewardService
-from postrl.reward.client import RemoteRewardService
 from postrl.reward.columns import check_columns
+from postrl.reward.factory import make_reward_service
+from postrl.rollout.factory import EngineSpec
 from postrl.run.checkpoint import save_checkpoint
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
@@ -34,7 +34,10 @@ from postrl.run.plots import plot_metrics
 from postrl.run.trackers import make_tracker
 from postrl.run.validation import Validator, load_validation_set
 from postrl.run.watch import describe_placement, run_watches
+from postrl.scheduling.base import make_scheduler
 from postrl.tasks import task_rows
+from postrl.train.critic import CriticSpec
+from postrl.train.factory import PolicySpec
 from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import StepMetrics
 from postrl.workers.net import can_connect, host_port
@@ -50,17 +53,6 @@ def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
     return load_prompt_dataset(d.train_files, tokenizer, **options)
 
 
-def make_scheduler(config: RunConfig):
-    """Where the workers run: this process (and child processes), or Ray actors."""
-    if config.scheduler.type == "ray":
-        from postrl.scheduling.ray_scheduler import RayScheduler
-
-        return RayScheduler(config)
-    from postrl.scheduling.local import LocalScheduler
-
-    return LocalScheduler(config)
-
-
 def build_components(config: RunConfig) -> Components:
     """The parts of a run, placed by the configured scheduler; the step code does not know where.
     Settings decided from the model (an unset ``data.max_prompt_tokens``) are decided here first."""
@@ -73,18 +65,18 @@ def build_components(config: RunConfig) -> Components:
     episodes = None
     if config.agent is not None:  # the environment found, made once and its tools checked against the template
         episodes = EpisodeSource(config.agent, tokenizer, config.run_dir / "episode_errors.log", config.model.path)
-    scheduler = make_scheduler(config)
+    scheduler = make_scheduler(config.scheduler, config.import_paths, critic=config.algorithm.critic is not None)
     built: list = []
     try:
-        built.append(scheduler.train_group())
-        built.append(scheduler.rollout_pool(tokenizer))
-        built.append(scheduler.reward_service(make_reward_service))
-        built.append(scheduler.experience_buffer())
+        built.append(scheduler.train_group(PolicySpec.of_run(config)))
+        built.append(scheduler.rollout_pool(EngineSpec.of_run(config), tokenizer))
+        built.append(scheduler.reward_service(make_reward_service, config.reward))
+        built.append(scheduler.experience_buffer(config.buffer, config.seed))
         if config.algorithm.critic is not None:
-            built.append(scheduler.critic_worker(tokenizer.pad_token_id))
+            built.append(scheduler.critic_worker(CriticSpec.of_run(config, tokenizer.pad_token_id)))
     except BaseException:
         for part in built:
-            getattr(part, "close", lambda: None)()
+            part.close()
         scheduler.close()
         raise
     trainer, rollout, reward, buffer, *critic = built
@@ -111,13 +103,6 @@ def close_components(parts: Components) -> None:
     finally:
         if parts.scheduler is not None:
             parts.scheduler.close()
-
-
-def make_reward_service(config: RewardConfig) -> RewardService | RemoteRewardService:
-    """The remote service when ``reward.remote`` is set, else scoring in this process's worker pool."""
-    if config.remote is not None:
-        return RemoteRewardService(config.remote)
-    return RewardService(config)
 
 
 def make_sinks(

@@ -15,19 +15,32 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from postrl.config.run import ConfigError, RunConfig
+from postrl.config.off_policy import BufferConfig
+from postrl.config.run import ConfigError, RewardConfig
+from postrl.config.scheduler import SchedulerConfig
+from postrl.rollout.factory import EngineSpec
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
-from postrl.scheduling.buffer_actor import BufferClient
+from postrl.scheduling.base import RewardFactory
 from postrl.scheduling.placement import make_pool
 from postrl.scheduling.reaper import Reaper
+from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
-from postrl.workers.clients import CriticClient, RewardServiceClient
+from postrl.workers.clients import RewardServiceClient, client
 from postrl.workers.errors import RemoteFailure, WorkerCallError
-from postrl.workers.handles import InProcessHandle, PlacementError, WorkerDiedError, WorkerTimeoutError, submit
+from postrl.workers.handles import (
+    InProcessHandle,
+    PlacementError,
+    WorkerDiedError,
+    WorkerTimeoutError,
+    member_of,
+    methods_of,
+    submit,
+)
 from postrl.workers.net import can_connect, host_port
+from postrl.workers.roles import Critic, ExperienceStore, TrainWorker
 from postrl.workers.wire import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -45,12 +58,15 @@ class ActorHost:
     def call(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
         """("ok", the packed result), or ("error", a RemoteFailure) when the method raised."""
         try:
-            return "ok", pack(getattr(self.obj, method)(*unpack(args), **unpack(kwargs)))
+            return "ok", pack(member_of(self.obj, method)(*unpack(args), **unpack(kwargs)))
         except Exception as exc:  # noqa: BLE001 - sent back typed, raised again on the caller's side
             return "error", RemoteFailure.of(exc)
 
     def attribute(self, name: str) -> Any:
-        return getattr(self.obj, name)
+        return member_of(self.obj, name)
+
+    def methods(self) -> frozenset[str]:
+        return methods_of(self.obj)
 
     def ping(self) -> bool:
         return True
@@ -102,6 +118,11 @@ class RayHandle:
         import ray
 
         return ray.get(self.actor.attribute.remote(name), timeout=60)
+
+    def methods(self) -> frozenset[str]:
+        import ray
+
+        return ray.get(self.actor.methods.remote(), timeout=60)
 
     def alive(self) -> bool:
         import ray
@@ -194,24 +215,32 @@ class RayScheduler:
     START_TIMEOUT_S = 300.0
     PLACE_TIMEOUT_S = 120.0
 
-    def __init__(self, config: RunConfig, roles: tuple[str, ...] = ("rollout", "train")) -> None:
-        """``roles``: the placement groups to reserve (``postrl sft`` places only train ranks)."""
+    def __init__(
+        self,
+        scheduler: SchedulerConfig,
+        import_paths: list[str] | None = None,
+        roles: tuple[str, ...] = ("rollout", "train"),
+        critic: bool = False,
+    ) -> None:
+        """``roles``: the placement groups to reserve (``postrl sft`` places only train ranks);
+        ``import_paths``: the run's, for the actors' imports; ``critic``: room for a critic actor."""
         import ray
 
-        self.config, self.roles = config, roles
+        self.scheduler, self.roles = scheduler, roles
+        self.import_paths, self.critic = import_paths or [], critic
         self.started_here = not ray.is_initialized()
         self.reaper: Reaper | None = None
         self.groups: dict[str, Any] = {}
         if self.started_here:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             local = {}
-            if config.scheduler.address is None:  # the loop's stages take turns, so the CPUs may be promised twice
+            if scheduler.address is None:  # the loop's stages take turns, so the CPUs may be promised twice
                 local["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(self._cpus_asked())))
                 self.reaper = Reaper()  # the Ray instance started for the run dies with this process
             try:
                 connect_ray(
-                    config.scheduler.address,
-                    config.scheduler.connect_timeout_s,
+                    scheduler.address,
+                    scheduler.connect_timeout_s,
                     dict(
                         include_dashboard=False,
                         log_to_driver=False,
@@ -237,16 +266,16 @@ class RayScheduler:
     def _actor_env(self) -> dict[str, str]:
         """The actors import what the driver imports: the working directory and the config's import paths
         (custom reward functions, plugins) go on their PYTHONPATH."""
-        paths = [os.getcwd(), *(os.path.abspath(p) for p in self.config.import_paths)]
+        paths = [os.getcwd(), *(os.path.abspath(p) for p in self.import_paths)]
         if os.environ.get("PYTHONPATH"):
             paths.append(os.environ["PYTHONPATH"])
         return {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(paths)}
 
     def _cpus_asked(self) -> float:
-        s = self.config.scheduler
+        s = self.scheduler
         if "rollout" not in self.roles:
             return s.train.workers * s.train.num_cpus
-        critic = s.train.num_cpus if self.config.algorithm.critic is not None else 0.0
+        critic = s.train.num_cpus if self.critic else 0.0
         critic += s.buffer.num_cpus  # and the Experience Buffer's actor
         if s.colocate:
             pairs = max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus)
@@ -267,7 +296,7 @@ class RayScheduler:
         import ray
         from ray.util.placement_group import placement_group
 
-        s = self.config.scheduler
+        s = self.scheduler
         if s.colocate:
             n = max(s.rollout.workers, s.train.workers)
             self.groups["rollout"] = self.groups["train"] = placement_group(
@@ -354,44 +383,32 @@ class RayScheduler:
                 + short_resources({"CPU": num_cpus * len(late), "GPU": num_gpus * len(late)})
             )
 
-    def rollout_pool(self, tokenizer: Any, host_class: type = RolloutEngineHost) -> RolloutPool:
+    def rollout_pool(self, engine: EngineSpec, tokenizer: Any, host_class: type = RolloutEngineHost) -> RolloutPool:
         """Engines as actors hosting ``host_class`` (a :class:`RolloutEngineHost` or a subclass of it)."""
         import ray
 
-        c, r = self.config, self.config.scheduler.rollout
+        r = self.scheduler.rollout
         n = max(1, len(self.groups["rollout"].bundle_specs))
 
         def start(i: int) -> RayHandle:
+            spec = engine.for_index(i)  # the actor's threads are set by ActorHost
             return self._actor(
-                f"rollout engine {i}",
-                "rollout",
-                i % n,
-                host_class,
-                c.rollout,
-                c.model.path,
-                c.model.dtype,
-                c.seed + i,
-                None,
-                c.model.synced_adapter_rank,
-                num_cpus=r.num_cpus,
-                num_gpus=r.num_gpus,
-                threads=r.threads,
-                concurrency=ENGINE_CONCURRENCY,
-            )
+                f"rollout engine {i}", "rollout", i % n, host_class, spec, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
+                threads=r.threads, concurrency=ENGINE_CONCURRENCY,
+            )  # fmt: skip
 
-        return make_pool(c, start, host=ray.util.get_node_ip_address())
+        return make_pool(engine.rollout, self.scheduler, start, host=ray.util.get_node_ip_address())
 
-    def train_group(self, policy: PolicySpec | None = None) -> TrainGroup:
-        """The train ranks as actors, building ``policy`` (default: the run's policy)."""
+    def train_group(self, policy: PolicySpec) -> TrainWorker:
+        """The train ranks as actors, building ``policy``."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        c, t = self.config, self.config.scheduler.train
+        s, t = self.scheduler, self.scheduler.train
         strategy = PlacementGroupSchedulingStrategy(self.groups["train"], placement_group_bundle_index=0)
         host, port = ray.get(ray.remote(rendezvous_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
-        spec = GroupSpec(world=t.workers, master_addr=host, master_port=port, timeout_s=c.scheduler.call_timeout_s)
+        group = GroupSpec(world=t.workers, master_addr=host, master_port=port, timeout_s=s.call_timeout_s)
         # all ranks are asked for together; TrainGroup then joins them into the process group at once
-        policy = policy or PolicySpec.of_run(c)
         ranks = [
             self._start_actor(
                 f"train rank {r}",
@@ -399,64 +416,49 @@ class RayScheduler:
                 r,
                 TrainRank,
                 r,
-                spec,
+                group,
                 policy,
                 num_cpus=t.num_cpus,
                 num_gpus=t.num_gpus,
                 threads=t.threads,
-            )
+            )  # fmt: skip
             for r in range(t.workers)
         ]
         self._await_started(ranks, t.num_cpus, t.num_gpus)
-        return TrainGroup(ranks, call_timeout_s=c.scheduler.call_timeout_s)
+        return client(TrainGroup(ranks, call_timeout_s=s.call_timeout_s), TrainWorker)
 
-    def critic_worker(self, pad_id: int) -> CriticClient:
+    def critic_worker(self, critic: CriticSpec) -> Critic:
         """The critic as its own actor, with the train role's resources."""
-        from postrl.train.critic import CriticWorker
-
-        c, t = self.config, self.config.scheduler.train
+        t = self.scheduler.train
         handle = self._actor(
-            "critic",
-            "critic",
-            0,
-            CriticWorker,
-            c.algorithm.critic,
-            c.model.path,
-            c.model.dtype,
-            pad_id,
-            seed=c.seed,
-            device=c.train.device,
-            num_cpus=t.num_cpus,
-            num_gpus=t.num_gpus,
-            threads=t.threads,
+            "critic", "critic", 0, critic.build, num_cpus=t.num_cpus, num_gpus=t.num_gpus, threads=t.threads
         )
-        return CriticClient(handle, timeout=c.scheduler.call_timeout_s)
+        return client(handle, Critic, timeout=self.scheduler.call_timeout_s)
 
-    def reward_service(self, make: Any) -> RewardServiceClient:
+    def reward_service(self, make: RewardFactory, reward: RewardConfig) -> RewardServiceClient:
         """The Reward Service as an actor (started again when it dies); a remote service by URL
         (``reward.remote``) is called from the driver."""
-        if self.config.reward.remote is not None:
-            return RewardServiceClient(InProcessHandle(make(self.config.reward), "reward service"))
+        if reward.remote is not None:
+            return RewardServiceClient(InProcessHandle(make(reward), "reward service"))
 
         def start() -> RayHandle:
-            placed = self.config.scheduler.reward
+            placed = self.scheduler.reward
             return self._actor(
-                "reward service", "reward", 0, make, self.config.reward, num_cpus=placed.num_cpus,
-                resources=placed.resources,
-            )  # fmt: skip
+                "reward service", "reward", 0, make, reward, num_cpus=placed.num_cpus, resources=placed.resources
+            )
 
-        return RewardServiceClient(start(), timeout=self.config.scheduler.call_timeout_s, restart=start)
+        return RewardServiceClient(start(), timeout=self.scheduler.call_timeout_s, restart=start)
 
-    def experience_buffer(self) -> BufferClient:
+    def experience_buffer(self, buffer: BufferConfig, seed: int) -> ExperienceStore:
         """The Experience Buffer as an actor of its own, apart from the engines and the trainer."""
         from postrl.buffer import ExperienceBuffer
 
-        b, placed = self.config.buffer, self.config.scheduler.buffer
+        placed = self.scheduler.buffer
         handle = self._actor(
-            "experience buffer", "buffer", 0, ExperienceBuffer, b.max_staleness, b.on_stale, b.replay,
-            seed=self.config.seed, num_cpus=placed.num_cpus, resources=placed.resources,
+            "experience buffer", "buffer", 0, ExperienceBuffer, buffer.max_staleness, buffer.on_stale, buffer.replay,
+            seed=seed, num_cpus=placed.num_cpus, resources=placed.resources,
         )  # fmt: skip
-        return BufferClient(handle, timeout=self.config.scheduler.call_timeout_s)
+        return client(handle, ExperienceStore, timeout=self.scheduler.call_timeout_s)
 
     def close(self) -> None:
         import ray

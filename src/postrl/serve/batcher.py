@@ -8,7 +8,6 @@ engine's batch instead of taking turns. The engine is only ever touched from tha
 from __future__ import annotations
 
 import asyncio
-import inspect
 import queue
 import threading
 from collections.abc import Callable
@@ -17,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from postrl.rollout.base import RolloutWorker
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
+from postrl.workers.roles import RolloutWorker
 
 
 @dataclass
@@ -34,7 +33,7 @@ class EngineBatcher:
         self.worker = worker
         self.max_batch_prompts = max_batch_prompts
         # engines that report tokens as they go stream them; others stream each response when it is done
-        self.streams_tokens = "on_token" in inspect.signature(worker.generate).parameters
+        self.streams_tokens = worker.streams_tokens
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="postrl-engine", daemon=True)
         self._thread.start()

@@ -8,12 +8,14 @@ token is generated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from postrl.config.algorithm import CriticConfig
+from postrl.config.run import RunConfig
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.types import ExperienceBatch
 from postrl.types.metric_names import CRITIC_CLIP_FRACTION, CRITIC_VALUE_LOSS
@@ -46,6 +48,29 @@ def clipped_value_loss(
     bounded = old_values + torch.clamp(values - old_values, -clip, clip)
     clipped = (bounded - returns) ** 2
     return 0.5 * torch.maximum(plain, clipped) * mask, (clipped > plain).float() * mask
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    """What builds a run's critic (``algorithm.critic``), wherever it is placed."""
+
+    config: CriticConfig
+    policy_path: str  # the critic starts from the policy unless algorithm.critic.path is set
+    model_dtype: str
+    pad_id: int
+    seed: int = 0
+    device: str = "cpu"
+
+    @staticmethod
+    def of_run(config: RunConfig, pad_id: int) -> CriticSpec:
+        critic = config.algorithm.critic
+        if critic is None:
+            raise ValueError("a critic worker needs algorithm.critic")
+        m = config.model
+        return CriticSpec(critic, m.path, m.dtype, pad_id, config.seed, config.train.device)
+
+    def build(self) -> CriticWorker:
+        return CriticWorker(self.config, self.policy_path, self.model_dtype, self.pad_id, self.seed, self.device)
 
 
 class CriticWorker:

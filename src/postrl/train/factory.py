@@ -12,7 +12,7 @@ import torch
 from postrl.config.algorithm import AlgorithmConfig, ProximalSource
 from postrl.config.run import LoraConfig, RunConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def old_logprobs_source(config: RunConfig) -> ProximalSource:
     return "rollout" if config.on_policy and engine_fp32 and trainer_fp32 and same_device else "recompute"
 
 
-def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -> TrainWorker:
+def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -> PolicyTrainer:
     """A Train Worker on ``device``; with ``world > 1`` one rank of an FSDP2 group (the default
     process group must be initialised), whose forward and backward run in bf16 when the train
     precision asks for it."""
@@ -86,9 +86,9 @@ def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -
         lora=spec.lora,
     )
     if world == 1:  # one process: a plain Train Worker (no collectives, no sharding)
-        return TrainWorker(policy, spec.train, spec.algorithm, **common)
-    from postrl.train.fsdp import FSDPTrainWorker
+        return PolicyTrainer(policy, spec.train, spec.algorithm, **common)
+    from postrl.train.fsdp import FSDPPolicyTrainer
 
     precision = spec.train.precision
     bf16 = precision == "bf16_autocast" or (precision == "auto" and bf16_matmul_supported(device))
-    return FSDPTrainWorker(policy, spec.train, spec.algorithm, bf16=bf16, **common)
+    return FSDPPolicyTrainer(policy, spec.train, spec.algorithm, bf16=bf16, **common)

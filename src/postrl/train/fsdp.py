@@ -25,7 +25,7 @@ from postrl.models.weights import dedupe_tied
 from postrl.train.lora import base_of, lora_export_state, save_lora_model
 from postrl.train.sharding import split_rows_by_tokens
 from postrl.train.stats import Stats
-from postrl.train.worker import TrainWorker
+from postrl.train.worker import PolicyTrainer
 from postrl.types import ExperienceBatch
 
 
@@ -56,8 +56,8 @@ def shard_model(model: torch.nn.Module, bf16: bool = False) -> FSDPModule:
     return root
 
 
-class FSDPTrainWorker(TrainWorker):
-    """A :class:`TrainWorker` whose model is sharded across the ranks of the default process group."""
+class FSDPPolicyTrainer(PolicyTrainer):
+    """A :class:`PolicyTrainer` whose model is sharded across the ranks of the default process group."""
 
     def __init__(
         self,
@@ -68,7 +68,7 @@ class FSDPTrainWorker(TrainWorker):
         ref_model: torch.nn.Module | None = None,
         **options: Any,
     ) -> None:
-        """``options``: the other keyword arguments of :class:`TrainWorker`."""
+        """``options``: the other keyword arguments of :class:`PolicyTrainer`."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sharded = shard_model(model, bf16)
         if ref_model is not None:

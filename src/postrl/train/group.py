@@ -1,5 +1,5 @@
-"""The driver's view of a multi-process train group: the Train Worker interface, fanned out to
-every rank (each call is a collective), answered by rank 0.
+"""The driver's view of a multi-process train group: one handle whose calls fan out to every rank
+(each call is a collective), answered by rank 0.
 
 A rank that dies or stops answering stops the run with a message naming it; the other ranks are
 then stopped too, since they would wait for it in their next collective."""
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.types import ExperienceBatch
 from postrl.workers import Handle, WorkerDiedError, WorkerTimeoutError, gather
 from postrl.workers.handles import submit
 
@@ -23,17 +22,42 @@ class TrainWorkerDiedError(RuntimeError):
 
 
 class TrainGroup:
-    def __init__(self, ranks: Sequence[Handle], call_timeout_s: float | None = None) -> None:
+    """The ranks of a train group behind one :class:`~postrl.workers.handles.Handle`: a call goes to
+    every rank at once (each is a collective) and rank 0 answers; a client made from the
+    :class:`~postrl.workers.roles.TrainWorker` Protocol over it is the group's Train Worker."""
+
+    concurrent = False
+
+    def __init__(self, ranks: Sequence[Handle], call_timeout_s: float | None = None, name: str = "train group") -> None:
         if not ranks:
             raise ValueError("a train group needs at least one rank")
-        self.ranks = list(ranks)
+        self.ranks, self.name = list(ranks), name
         self.call_timeout_s = call_timeout_s
         self._all("join")  # every rank enters the process group at once (each waits for the others)
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """``method`` on every rank (batches go as CPU tensors, paths as strings); rank 0's answer."""
+        sent = tuple(
+            a.to("cpu") if isinstance(a, ExperienceBatch) else str(a) if isinstance(a, Path) else a for a in args
+        )
+        return self._all(method, *sent, **kwargs)[0]
+
+    def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
+        return submit(self.call, method, *args, timeout=timeout, **kwargs)
+
+    def attribute(self, name: str) -> Any:
+        return self.ranks[0].attribute(name)
+
+    def methods(self) -> frozenset[str]:
+        return self.ranks[0].methods()
+
+    def alive(self) -> bool:
+        return all(h.alive() for h in self.ranks)
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call every rank; on any failure stop them all (the others would wait for the failed one in
         their next collective) and raise, naming the rank."""
-        futures = [h.call_async(method, *args, timeout=self.call_timeout_s) for h in self.ranks]
+        futures = [h.call_async(method, *args, timeout=self.call_timeout_s, **kwargs) for h in self.ranks]
         try:
             return gather(futures, [h.name for h in self.ranks])
         except Exception as exc:
@@ -56,27 +80,6 @@ class TrainGroup:
             if dead or time.monotonic() > deadline:
                 return dead
             time.sleep(0.05)
-
-    def update(self, batch: ExperienceBatch) -> TrainMetrics:
-        return self._all("update", batch.to("cpu"))[0]
-
-    def reference_logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
-        return self._all("reference_logprobs", batch.to("cpu"))[0]
-
-    def set_kl_beta(self, beta: float) -> None:
-        self._all("set_kl_beta", beta)
-
-    def policy_state(self) -> dict[str, torch.Tensor]:
-        return self._all("policy_state")[0]
-
-    def save_checkpoint(self, path: str | Path) -> None:
-        self._all("save_checkpoint", str(path))
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        self._all("load_checkpoint", str(path))
-
-    def save_pretrained(self, folder: str | Path) -> None:
-        self._all("save_pretrained", str(folder))
 
     def close(self) -> None:
         """Every rank leaves the process group and ends, all at once (a rank may wait for its peers)."""

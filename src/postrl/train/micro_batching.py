@@ -8,7 +8,7 @@ about equally heavy. A group heavier than the budget is cut into runs of its row
 run pays the prompt again); a single row heavier than the budget is a micro-batch of its own.
 
 The split changes nothing but the order of the arithmetic: the loss of every micro-batch is
-normalised by the whole mini-batch's token count (:meth:`TrainWorker.normalizer`).
+normalised by the whole mini-batch's token count (:meth:`PolicyTrainer.loss_normalizer`).
 """
 
 from __future__ import annotations

@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from postrl.models.devices import resolve_device
 from postrl.train.factory import PolicySpec, build_train_worker
-from postrl.train.worker import TrainWorker
-from postrl.types import ExperienceBatch, TrainMetrics
+from postrl.train.worker import PolicyTrainer
+from postrl.workers.handles import WorkerHost
 
 
 @dataclass(frozen=True)
@@ -35,17 +34,18 @@ def rank_device(name: str, rank: int) -> torch.device:
     return device
 
 
-class TrainRank:
+class TrainRank(WorkerHost):
     """Built in two phases so that a group can start all its ranks before any of them blocks:
     the constructor only records what to build; :meth:`join` (called on every rank at once by
-    :class:`~postrl.train.group.TrainGroup`) enters the process group and loads the model."""
+    :class:`~postrl.train.group.TrainGroup`) enters the process group and builds the Train Worker,
+    which then answers every call the rank does not define itself."""
 
     def __init__(self, rank: int, group: GroupSpec, policy: PolicySpec) -> None:
         self.rank, self.group, self.policy = rank, group, policy
-        self._worker: TrainWorker | None = None
+        self._worker: PolicyTrainer | None = None
 
     @property
-    def worker(self) -> TrainWorker:
+    def target(self) -> PolicyTrainer:
         if self._worker is None:
             raise RuntimeError(f"train rank {self.rank} has not joined its group yet (call join first)")
         return self._worker
@@ -74,29 +74,11 @@ class TrainRank:
         self._worker = build_train_worker(policy, device, group.world)
         return self.rank
 
-    def update(self, batch: ExperienceBatch) -> TrainMetrics:
-        return self.worker.update(batch)
-
-    def reference_logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
-        """Every rank runs the whole batch (the forward is a collective); rank 0's answer is used."""
-        return self.worker.reference_logprobs(batch)
-
-    def set_kl_beta(self, beta: float) -> None:
-        self.worker.set_kl_beta(beta)
-
     def policy_state(self) -> dict[str, torch.Tensor] | None:
-        """The full weights on rank 0 (tied tensors once), None on the others."""
-        state = self.worker.policy_state()
+        """The full weights on rank 0 (every rank takes part in gathering them), None on the others:
+        only rank 0's answer is used, so the others send nothing back."""
+        state = self.target.policy_state()
         return state if self.rank == 0 else None
-
-    def save_checkpoint(self, path: str) -> None:
-        self.worker.save_checkpoint(Path(path))
-
-    def load_checkpoint(self, path: str) -> None:
-        self.worker.load_checkpoint(Path(path))
-
-    def save_pretrained(self, folder: str) -> None:
-        self.worker.save_pretrained(Path(folder))
 
     def close(self) -> None:
         if dist.is_initialized():

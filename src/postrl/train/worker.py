@@ -82,7 +82,7 @@ def set_training_attention(model: torch.nn.Module, choice: str) -> str:
     return choice
 
 
-class TrainWorker:
+class PolicyTrainer:
     def __init__(
         self,
         model: torch.nn.Module,
@@ -332,7 +332,7 @@ class TrainWorker:
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """What a weight sync sends: the full weights by name (a multi-process worker gathers them;
-        see FSDPTrainWorker), or with LoRA the adapters (``model.lora.sync: adapter``) or the
+        see FSDPPolicyTrainer), or with LoRA the adapters (``model.lora.sync: adapter``) or the
         merged weights (:mod:`postrl.train.lora`)."""
         if self.lora is None:
             return dedupe_tied(self.model.state_dict())

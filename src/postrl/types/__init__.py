@@ -8,8 +8,10 @@ from postrl.types.batch import ExperienceBatch, Padded, StepBatch, group_ids_of,
 from postrl.types.metrics import StepMetrics, TrainMetrics
 from postrl.types.records import (
     OPTIONAL_PER_TOKEN,
+    BufferBatch,
     Experience,
     FinishReason,
+    Health,
     Prompt,
     RewardResult,
     Rollout,
@@ -22,6 +24,8 @@ from postrl.types.records import (
 
 __all__ = [
     "OPTIONAL_PER_TOKEN",
+    "BufferBatch",
+    "Health",
     "Experience",
     "ExperienceBatch",
     "FinishReason",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from postrl.types.episode import Episode
+from postrl.types.metric_names import BUFFER_DROPPED, BUFFER_LAG_MAX, BUFFER_LAG_MEAN
 
 
 @dataclass
@@ -159,3 +160,31 @@ class Experience:
 
 
 OPTIONAL_PER_TOKEN = ("values", "returns")  # per-token floats only some algorithms have (the critic's)
+
+
+@dataclass(frozen=True)
+class Health:
+    """A health check's answer; falsy when the engine cannot serve, with the reason."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class BufferBatch:
+    """What one ``get`` hands out: the experiences (group ids renumbered to be unique across the
+    puts they came from) and their lags; how many stale ones were dropped on the way."""
+
+    experiences: list[Experience]
+    lags: list[int]
+    dropped: int
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            BUFFER_LAG_MEAN: sum(self.lags) / len(self.lags) if self.lags else 0.0,
+            BUFFER_LAG_MAX: float(max(self.lags, default=0)),
+            BUFFER_DROPPED: float(self.dropped),
+        }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 
@@ -41,6 +41,10 @@ class Handle(Protocol):
         """An attribute of the worker (read once by a client, e.g. the reward's accuracy component)."""
         ...
 
+    def methods(self) -> frozenset[str]:
+        """The methods the worker answers (a client checks its role's against them when it is made)."""
+        ...
+
     def alive(self) -> bool: ...
 
     def kill(self) -> None:
@@ -52,7 +56,29 @@ class Handle(Protocol):
         ...
 
 
-_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="postrl-call")
+class WorkerHost:
+    """What runs in a worker's own process (a child process, a Ray actor) when the worker needs more
+    than its role's methods there: the host builds the worker (``target``) and adds its own calls
+    (joining a process group, receiving a broadcast); every other call goes to the worker itself,
+    so a host has no forwarders to keep in step with the role."""
+
+    target: Any
+
+
+def member_of(obj: Any, name: str) -> Any:
+    """``obj.name``, where ``obj`` is the object a handle calls: a host's own member, else its worker's."""
+    if isinstance(obj, WorkerHost) and not hasattr(type(obj), name):
+        return getattr(obj.target, name)
+    return getattr(obj, name)
+
+
+def methods_of(obj: Any) -> frozenset[str]:
+    """The public methods (and ``__len__``) of the object a handle calls, with its worker's for a host."""
+    kind = type(obj)
+    names = {n for n in dir(kind) if (not n.startswith("_") or n == "__len__") and callable(getattr(kind, n, None))}
+    if isinstance(obj, WorkerHost):
+        names |= methods_of(obj.target)
+    return frozenset(names)
 
 
 class InProcessHandle:
@@ -77,7 +103,7 @@ class InProcessHandle:
         if self._killed:
             raise WorkerDiedError(f"{self.name} was stopped")
         with self._lock:
-            return getattr(self.obj, method)(*args, **kwargs)
+            return member_of(self.obj, method)(*args, **kwargs)
 
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
         future: Future = Future()
@@ -88,7 +114,10 @@ class InProcessHandle:
         return future
 
     def attribute(self, name: str) -> Any:
-        return getattr(self.obj, name)
+        return member_of(self.obj, name)
+
+    def methods(self) -> frozenset[str]:
+        return methods_of(self.obj)
 
     def alive(self) -> bool:
         return not self._killed
@@ -96,17 +125,29 @@ class InProcessHandle:
     def kill(self) -> None:
         if not self._killed:
             self._killed = True
-            close = getattr(self.obj, "close", None)
-            if close is not None:
-                close()
+            if "close" in methods_of(self.obj):
+                member_of(self.obj, "close")()
 
     def close(self) -> None:
         self.kill()  # in this process, ending the worker is closing it
 
 
 def submit(fn: Any, *args: Any, **kwargs: Any) -> Future:
-    """Run ``fn`` on the shared call pool (for handles whose calls block)."""
-    return _POOL.submit(fn, *args, **kwargs)
+    """Run ``fn`` in a daemon thread of its own (for handles whose calls block). Not a pool: a pool's
+    idle threads are joined at exit, and one blocked on a hung worker would hold a stopped run's
+    process open (every remote call has its own timeout)."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="postrl-call", daemon=True).start()
+    return future
 
 
 def gather(futures: list[Future], names: list[str], timeout: float | None = None) -> list[Any]:

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from postrl.workers.errors import RemoteFailure
-from postrl.workers.handles import WorkerDiedError, WorkerTimeoutError, submit
+from postrl.workers.handles import WorkerDiedError, WorkerTimeoutError, member_of, methods_of, submit
 
 
 def _serve(conn: Any, side: Any, factory: Any, args: tuple, kwargs: dict) -> None:
@@ -32,7 +32,8 @@ def _serve(conn: Any, side: Any, factory: Any, args: tuple, kwargs: dict) -> Non
         threading.Thread(target=_serve_calls, args=(side, obj), name="postrl-side-lane", daemon=True).start()
     conn.send(("ok", None))
     _serve_calls(conn, obj)
-    getattr(obj, "close", lambda: None)()  # a clean exit: the worker releases what it holds first
+    if "close" in methods_of(obj):
+        member_of(obj, "close")()  # a clean exit: the worker releases what it holds first
 
 
 def _serve_calls(conn: Any, obj: Any) -> None:
@@ -47,14 +48,17 @@ def _serve_calls(conn: Any, obj: Any) -> None:
         method, call_args, call_kwargs = message
         try:
             if method == ATTRIBUTE:
-                conn.send(("ok", getattr(obj, call_args[0])))
+                conn.send(("ok", member_of(obj, call_args[0])))
+            elif method == METHODS:
+                conn.send(("ok", methods_of(obj)))
             else:
-                conn.send(("ok", getattr(obj, method)(*call_args, **call_kwargs)))
+                conn.send(("ok", member_of(obj, method)(*call_args, **call_kwargs)))
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             conn.send(("error", RemoteFailure.of(exc)))
 
 
 ATTRIBUTE = "__attribute__"  # the message that reads an attribute of the worker instead of calling it
+METHODS = "__methods__"  # the message that asks which methods the worker answers
 
 
 class _Lane:
@@ -140,6 +144,9 @@ class ProcessHandle:
 
     def attribute(self, name: str) -> Any:
         return self.call(ATTRIBUTE, name, timeout=60.0)
+
+    def methods(self) -> frozenset[str]:
+        return frozenset(self.call(METHODS, timeout=60.0))
 
     def alive(self) -> bool:
         return self.process.is_alive()

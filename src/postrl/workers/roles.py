@@ -1,19 +1,31 @@
-"""The roles of a run as Protocols: what the Controller calls, wherever the worker lives.
-
-The Rollout Worker's own Protocol is :class:`postrl.rollout.base.RolloutWorker` (the engines
-implement it); the others are here. A scheduler hands each role out as an object with these
-methods: the worker itself in this process, or a typed client of its handle (a child process, a
-Ray actor, an HTTP service).
+"""The roles of a run as Protocols, all of them here: what the Controller calls, wherever the
+worker lives. A scheduler hands each role out as a client made from its Protocol
+(:func:`postrl.workers.clients.client`): exactly these methods, each a call of the worker, in this
+process, a child process or a Ray actor. The implementations are named apart: the
+:class:`~postrl.train.worker.PolicyTrainer`, the engines and :class:`~postrl.rollout.pool.RolloutPool`,
+:class:`~postrl.reward.service.LocalRewardService`, :class:`~postrl.train.critic.CriticWorker`,
+:class:`~postrl.buffer.ExperienceBuffer`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from postrl.types import ExperienceBatch, RewardResult, ScoreRequest, TrainMetrics
+from postrl.types import (
+    BufferBatch,
+    Experience,
+    ExperienceBatch,
+    Health,
+    Prompt,
+    RewardResult,
+    Rollout,
+    SamplingParams,
+    ScoreRequest,
+    TrainMetrics,
+)
 
 
 class TrainWorker(Protocol):
@@ -61,6 +73,10 @@ class RewardService(Protocol):
 
     accuracy_component: str | None  # the component whose value counts as correct for ``accuracy``
 
+    def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
+        """One response's reward (``columns``: the prompt's data columns, e.g. ``answer``)."""
+        ...
+
     def score_batch(self, requests: list[ScoreRequest]) -> list[RewardResult]: ...
 
     def error_count(self) -> int: ...
@@ -70,17 +86,84 @@ class RewardService(Protocol):
     def close(self) -> None: ...
 
 
-class Scheduler(Protocol):
-    """Places the workers of a run and hands out their roles."""
+@runtime_checkable
+class RolloutWorker(Protocol):
+    weight_version: int
+    streams_tokens: ClassVar[bool]  # generate takes on_token (a TokenCallback), called for every token sampled
 
-    def train_group(self, policy: Any = None) -> TrainWorker: ...
+    def generate(
+        self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int | None
+    ) -> list[Rollout]:
+        """``sampling_params.n`` responses per prompt, grouped by prompt, in prompt order.
 
-    def rollout_pool(self, tokenizer: Any) -> Any: ...
+        With ``sampling_params.top_logprobs = k`` each rollout also carries the ``k`` most likely
+        tokens at every position. Engines that declare ``streams_tokens`` also take an ``on_token``
+        keyword (:data:`postrl.types.TokenCallback`), called for every token as it is sampled; the
+        server streams whole responses from the others."""
+        ...
 
-    def critic_worker(self, pad_id: int) -> Critic: ...
+    def update_weights(
+        self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
+    ) -> None:
+        """Load new weights in place; with a manifest (see postrl.models.weights), verify what arrived."""
+        ...
 
-    def reward_service(self, make: Any) -> RewardService: ...
+    def suspend(self) -> bool:
+        """Ask a ``generate`` in progress (in another thread) to return at its next decode step,
+        every unfinished sample with ``finish_reason="suspended"`` and its tokens so far (none for
+        samples not yet started); True when a generate was running."""
+        ...
 
-    def experience_buffer(self) -> Any: ...
+    def health_check(self) -> Health:
+        """Real work, not a flag: the engine checks its weights (and cache) and generates a token, or
+        asks its server. Falsy, with the reason, when it cannot serve."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Release processes and memory; the worker is not used afterwards."""
+        ...
+
+
+class ScalableRolloutWorker(RolloutWorker, Protocol):
+    """The Rollout Worker the Controller drives: one or more engines behind one interface
+    (:class:`postrl.rollout.pool.RolloutPool`), which can grow and shrink between steps."""
+
+    @property
+    def engines(self) -> list[Any]:
+        """The engines' handles."""
+        ...
+
+    @property
+    def restarts(self) -> int:
+        """Engines restarted in this run after they were lost."""
+        ...
+
+    @property
+    def sync_failures(self) -> int:
+        """Engines lost during a weight sync in this run (each replaced and synced again)."""
+        ...
+
+    def scale(self, engines: int) -> None:
+        """Start or stop engines until there are ``engines``; new ones start on the current weights."""
+        ...
+
+
+class ExperienceStore(Protocol):
+    """What the Controller needs of a buffer: :class:`ExperienceBuffer` in this process, or the same
+    buffer as a Ray actor behind a client (``scheduler: ray``)."""
+
+    def put(self, experiences: list[Experience]) -> None: ...
+
+    def get(self, batch_size: int | None, current_version: int) -> BufferBatch: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def __len__(self) -> int: ...
 
     def close(self) -> None: ...

@@ -33,13 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from postrl.models.weights import WeightSyncError
-from postrl.rollout.common import EngineBase, Health, non_finite
+from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.hf_engine import eos_ids
 from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, KeptCaches, KVCache, shared_prefix_length
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
-from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
+from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ class _PendingWeights:
 
 
 class NativeRolloutWorker(EngineBase):
+    streams_tokens = True
+
     def __init__(
         self,
         model: NativeCausalLM,

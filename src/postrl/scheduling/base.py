@@ -1,0 +1,56 @@
+"""What a scheduler is: it places the workers of a run, each built from its spec (a
+:class:`~postrl.train.factory.PolicySpec`, an :class:`~postrl.rollout.factory.EngineSpec`, a
+:class:`~postrl.train.critic.CriticSpec`), and hands each role out as a client made from its
+Protocol. Where a worker runs (this process, a child process, a Ray actor) is the scheduler's only
+decision; what it is, is its spec's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from postrl.config.off_policy import BufferConfig
+from postrl.config.run import RewardConfig
+from postrl.config.scheduler import SchedulerConfig
+from postrl.rollout.factory import EngineSpec
+from postrl.rollout.pool import RolloutPool
+from postrl.train.critic import CriticSpec
+from postrl.train.factory import PolicySpec
+from postrl.workers.roles import Critic, ExperienceStore, RewardService, TrainWorker
+
+RewardFactory = Callable[[RewardConfig], Any]  # a RewardConfig -> the Reward Service object it describes
+
+
+class Scheduler(Protocol):
+    def train_group(self, policy: PolicySpec) -> TrainWorker:
+        """The policy's trainer: one worker, or the ranks of an FSDP2 group behind one client."""
+        ...
+
+    def rollout_pool(self, engine: EngineSpec, tokenizer: Any) -> RolloutPool:
+        """The pool of ``scheduler.rollout.workers`` engines (engine i: ``engine.for_index(i)``)."""
+        ...
+
+    def critic_worker(self, critic: CriticSpec) -> Critic: ...
+
+    def reward_service(self, make: RewardFactory, reward: RewardConfig) -> RewardService: ...
+
+    def experience_buffer(self, buffer: BufferConfig, seed: int) -> ExperienceStore: ...
+
+    def close(self) -> None: ...
+
+
+def make_scheduler(
+    scheduler: SchedulerConfig,
+    import_paths: Sequence[str] = (),
+    roles: tuple[str, ...] = ("rollout", "train"),
+    critic: bool = False,
+) -> Scheduler:
+    """Where the workers run: this process (and child processes), or Ray actors (``roles``: the
+    placement groups to reserve; ``critic``: room for a critic actor too)."""
+    if scheduler.type == "ray":
+        from postrl.scheduling.ray_scheduler import RayScheduler
+
+        return RayScheduler(scheduler, list(import_paths), roles, critic)
+    from postrl.scheduling.local import LocalScheduler
+
+    return LocalScheduler(scheduler)
