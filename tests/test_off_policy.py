@@ -264,3 +264,15 @@ def test_each_old_logprobs_value_is_one_proximal_object():
     assert not torch.equal(after, own * mask) and float(after[0, 0]) == 0.0  # interpolated, still masked
     with pytest.raises(ValueError, match="token_lags"):
         approx.prepare(SimpleNamespace(token_lags=None), torch.arange(1))
+
+
+def test_tokens_lagging_past_max_token_lag_leave_the_loss_and_are_counted():
+    """lags [-1, 2, 1] from version 5: with max_token_lag=1 the lag-2 token leaves the loss (one token
+    masked), the lag-1 token and the prompt position stay as they were."""
+    batch = ExperienceBatch.from_experiences([Experience([1, 2], [3, 4], [-0.5, -0.5], 1.0, 1.0, 3)], 0)
+    batch.logprob_versions = torch.tensor([[-1, 3, 4]])
+    kept, masked = batch.with_lags(5).without_lagging_tokens(1)
+    assert kept.loss_mask.tolist() == [[0.0, 0.0, 1.0]] and masked == 1.0
+    assert batch.with_lags(5).without_lagging_tokens(2)[1] == 0.0
+    with pytest.raises(ValueError, match="token_lags"):
+        batch.without_lagging_tokens(1)

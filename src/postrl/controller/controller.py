@@ -18,7 +18,6 @@ import torch
 from postrl.controller.async_pipelines import InlinePipeline, ThreadedPipeline
 from postrl.controller.batches import BatchMaker
 from postrl.controller.components import Components
-from postrl.controller.lagging import mask_lagging_tokens
 from postrl.controller.pipeline import Pipeline, ProducedBatch, SyncPipeline, Weights, ledger_state
 from postrl.controller.source import batch_source
 from postrl.controller.stages.kl import KLCoefficient
@@ -99,7 +98,7 @@ class Controller:
         batch = ExperienceBatch.from_experiences(taken.experiences, self.parts.tokenizer.pad_token_id)
         batch = batch.with_lags(self.versions.weight)
         if self.config.algorithm.max_token_lag is not None:
-            batch, masked = mask_lagging_tokens(batch, self.config.algorithm.max_token_lag)
+            batch, masked = batch.without_lagging_tokens(self.config.algorithm.max_token_lag)
             metrics[BUFFER_LAG_MASKED_TOKENS] = masked
         train = timer.run("train", self.update, batch)
         metrics[PERF_TRAIN_TOKENS_PER_S] = float(batch.attention_mask.sum()) / max(timer.seconds["train"], 1e-9)

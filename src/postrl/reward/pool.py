@@ -52,6 +52,7 @@ from postrl.reward.pool_jobs import (
     kill_worker,
     sibling_key,
 )  # fmt: skip
+from postrl.reward.worker_log import WorkerLog
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,7 @@ class ScoringPool:
         self.max_workers = max(num_workers, max_workers if max_workers is not None else 8 * num_workers)
         self.stall_after_s, self.hang_limit = stall_after_s, hang_limit
         self.pipeline_depth = pipeline_depth
-        self._log: Any = None
-        self._borrowed: Any = None  # a stream given to set_log_file: written to, never closed here
-        self._early_log = bytearray()  # worker output before a log file is set (kept up to 1 MB)
-        self._log_lock = threading.Lock()
+        self.log = WorkerLog()  # what the workers write to stderr
         if log_file is not None:
             self.set_log_file(log_file)
         self.preload = preload  # functions imported before a worker reports ready
@@ -120,16 +118,7 @@ class ScoringPool:
     def set_log_file(self, path: str | os.PathLike | Any) -> None:
         """Append what the workers write to stderr (reward functions' prints) to ``path``, or to an
         open binary stream (a server passes its own stderr)."""
-        fh = path if hasattr(path, "write") else open(path, "ab")
-        with self._log_lock:
-            old, self._log = self._log, fh
-            if self._early_log:
-                fh.write(bytes(self._early_log))
-                fh.flush()
-                self._early_log.clear()
-            if old is not None and old is not self._borrowed:
-                old.close()
-            self._borrowed = fh if hasattr(path, "write") else None
+        self.log.set_file(path)
 
     def submit(self, jobs: list[dict[str, Any]]) -> list[Future]:
         """Queue jobs (dicts with fn, prompt, response, columns, options and optionally timeout_s)."""
@@ -164,10 +153,7 @@ class ScoringPool:
         self._workers = []
         os.close(self._wake_r)
         os.close(self._wake_w)
-        with self._log_lock:
-            if self._log is not None and self._log is not self._borrowed:
-                self._log.close()
-            self._log = None
+        self.log.close()
 
     def __enter__(self) -> ScoringPool:
         return self
@@ -224,7 +210,7 @@ class ScoringPool:
                         except BlockingIOError:
                             pass
                     elif isinstance(key.data, tuple):
-                        self._read_stderr(key.data[1])
+                        self.log.read(key.data[1].stderr)
                     else:
                         self._read(key.data)
                 with self._lock:
@@ -262,7 +248,7 @@ class ScoringPool:
                 selector.unregister(stream)
             except (KeyError, ValueError):
                 pass
-        self._drain_stderr(worker)
+        self.log.drain(worker.stderr)
         kill_worker(worker)
         while worker.pending:
             worker.pop_head()
@@ -380,32 +366,6 @@ class ScoringPool:
             if w.ready and not w.stalled(now, self.stall_after_s) and (queued or len(w.pending) > 1)
         ]
         return max(0.0, min(times)) + 0.001
-
-    def _read_stderr(self, worker: Worker) -> None:
-        try:
-            chunk = os.read(worker.stderr.fileno(), 1 << 16)
-        except (BlockingIOError, ValueError, OSError):
-            return
-        if chunk:
-            self._write_log(chunk)
-
-    def _drain_stderr(self, worker: Worker) -> None:
-        while True:
-            try:
-                chunk = os.read(worker.stderr.fileno(), 1 << 16)
-            except (BlockingIOError, ValueError, OSError):
-                return
-            if not chunk:
-                return
-            self._write_log(chunk)
-
-    def _write_log(self, chunk: bytes) -> None:
-        with self._log_lock:
-            if self._log is not None:
-                self._log.write(chunk)
-                self._log.flush()
-            elif len(self._early_log) < 1 << 20:
-                self._early_log += chunk[: (1 << 20) - len(self._early_log)]
 
     def _read(self, worker: Worker) -> None:
         try:

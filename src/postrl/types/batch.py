@@ -99,6 +99,16 @@ class ExperienceBatch:
         lags = torch.where(self.logprob_versions >= 0, trainer_version - self.logprob_versions, -1)
         return replace(self, token_lags=lags)
 
+    def without_lagging_tokens(self, max_lag: int) -> tuple[ExperienceBatch, float]:
+        """``algorithm.max_token_lag``: response tokens whose weights lag the trainer's by more than
+        ``max_lag`` versions (:attr:`token_lags`) leave the loss (they stay in the context); the
+        batch and how many tokens were masked."""
+        if self.token_lags is None:
+            raise ValueError("without_lagging_tokens needs the batch's token_lags (ExperienceBatch.with_lags)")
+        keep = (self.token_lags <= max_lag).to(self.loss_mask.dtype)
+        masked = float((self.loss_mask * (1 - keep)).sum().item())
+        return replace(self, loss_mask=self.loss_mask * keep), masked
+
     @property
     def num_tokens(self) -> int:
         """Tokens the loss is computed over."""

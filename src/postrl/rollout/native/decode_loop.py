@@ -1,0 +1,283 @@
+"""The native engine's continuous batching: one ``generate`` call admits prompts into free decode
+slots (a prompt prefilled once, its K/V copied to the slots of its other samples), decodes all
+active slots in one step, samples every row at once, and frees a slot the moment its sequence
+finishes; weights that arrived meanwhile are applied between two steps (see
+:mod:`postrl.rollout.native.engine`)."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, shared_prefix_length
+from postrl.rollout.sampling import sample_tokens, top_logprobs
+from postrl.rollout.stops import StopChecker
+from postrl.types import Prompt, SamplingParams, TokenCallback
+
+if TYPE_CHECKING:
+    from postrl.rollout.native.engine import NativeRolloutWorker
+
+
+@dataclass
+class Sequence:
+    """One sample being generated: its tokens so far, with their logprobs and versions."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weights that produced each token
+    kv_versions: list[int] = field(default_factory=list)  # the oldest weights behind the cache it attended to
+    cache_key: str | None = None  # kept in KeptCaches under this key when it finishes
+
+
+class DecodeLoop:
+    """One ``generate`` call: admits prompts into free slots and decodes until all are done."""
+
+    def __init__(
+        self,
+        engine: NativeRolloutWorker,
+        prompts: list[Prompt],
+        sp: SamplingParams,
+        slots: int,
+        on_token: TokenCallback | None = None,
+        suspendable: bool = True,
+    ) -> None:
+        """``suspendable=False``: the run ignores :meth:`NativeRolloutWorker.suspend` (a health
+        check's probe, which must finish)."""
+        self.e, self.sp, self.n_slots, self.on_token = engine, sp, slots, on_token
+        self.suspendable = suspendable
+        self.cache = engine.cache
+        self.device = engine.model.device
+        self.waiting = deque((i, p.prompt_ids) for i, p in enumerate(prompts))
+        self.keys = [p.cache_key for p in prompts]
+        self.remaining = {i: sp.n for i in range(len(prompts))}
+        self.free = list(range(slots))
+        heapq.heapify(self.free)
+        self.active: dict[int, Sequence] = {}
+        self.pos = torch.zeros(slots, dtype=torch.long, device=self.device)  # next write position
+        self.is_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        self.last = torch.zeros(slots, dtype=torch.long, device=self.device)  # last sampled token
+        self.stop_ids = torch.tensor(sorted(engine._eos | set(sp.stop_token_ids)), dtype=torch.long, device=self.device)
+        self.checker = StopChecker(engine.tokenizer, sp.stop)
+        self.finished: list[tuple[Sequence, str]] = []
+        self.kv_version = [engine.weight_version] * slots  # the oldest weights behind each slot's cache
+        self.kept_versions: dict[int, int] = {}  # prompt index -> version of the K/V restored for it
+
+    def run(self) -> list[tuple[Sequence, str]]:
+        while self.waiting or self.active:
+            if self.e._suspending and self.suspendable:
+                self._suspend_all()
+                break
+            if self.e._pending is not None and self.e.apply_pending_weights():
+                self._after_update()
+            row_slots, logits = [], []
+            if self.active:
+                start = time.perf_counter()
+                slots, lg = self._decode()
+                self.e.stats["decode_s"] += time.perf_counter() - start
+                self.e.stats["decode_tokens"] += len(slots)
+                row_slots.append(slots)
+                logits.append(lg)
+            start = time.perf_counter()
+            admitted = self._admit()
+            self.e.stats["prefill_s"] += time.perf_counter() - start
+            if admitted is not None:
+                row_slots.append(admitted[0])
+                logits.append(admitted[1])
+            slots, rows = torch.cat(row_slots), torch.cat(logits)
+            tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, self.e.generator)
+            top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
+            self._record(slots, tokens, lps, top)
+        self.finished.sort(key=lambda t: (t[0].prompt_index, t[0].sample_index))
+        return self.finished
+
+    def _suspend_all(self) -> None:
+        """Every unfinished sample is finished as ``suspended``: the active ones with their tokens
+        (each sampled token's logprob is recorded; its K/V is not, a continuation prefills it), the
+        samples not yet admitted with none."""
+        for slot in sorted(self.active):
+            self.finished.append((self.active.pop(slot), "suspended"))
+            self.is_active[slot] = False
+            heapq.heappush(self.free, slot)
+        for i, ids in self.waiting:
+            started = self.sp.n - self.remaining[i]
+            self.finished += [(Sequence(i, k, ids), "suspended") for k in range(started, self.sp.n)]
+            self.remaining[i] = 0
+        self.waiting.clear()
+
+    def _after_update(self) -> None:
+        """New weights mid-generation: the in-flight sequences continue from their prefix. With
+        ``kv_after_update=recompute`` the prefix's K/V (prompt and every token but the last, which
+        the next decode feeds) is recomputed under the new weights."""
+        self.e.updates_in_flight += 1
+        if self.e.kv_after_update == "keep" or not self.active:
+            return
+        items = [(s, seq.prompt_ids + seq.tokens[:-1]) for s, seq in sorted(self.active.items())]
+        self._prefill(items, start=0)
+        for s, _ in items:
+            self.kv_version[s] = self.e.weight_version
+
+    # decode: one token for every active slot, over the dense range [0, hi)
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        active = sorted(self.active)
+        hi = active[-1] + 1
+        live = self.is_active[:hi]
+        positions = torch.where(live, self.pos[:hi], 0)  # free slots in range write a dummy at 0
+        cfg = self.e.model.cfg
+        # attend over the cache's whole (contiguous) length with an additive mask: on CPU, bf16
+        # batched matmuls on contiguous blocks beat both SDPA and strided slices of the live part
+        span = torch.arange(self.cache.max_len, device=self.device)
+        bias = torch.zeros((hi, 1, 1, self.cache.max_len), dtype=torch.float32, device=self.device)
+        bias.masked_fill_((span.unsqueeze(0) > positions.unsqueeze(1)).view(hi, 1, 1, -1), float("-inf"))
+        groups, scale = cfg.heads // cfg.kv_heads, cfg.head_dim**-0.5
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qg = q.view(hi, cfg.kv_heads, groups, cfg.head_dim)
+            scores = torch.add(bias, torch.matmul(qg, self.cache.k[layer][:hi].transpose(-1, -2)), alpha=scale)
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            return torch.matmul(probs, self.cache.v[layer][:hi]).reshape(hi, cfg.heads * cfg.head_dim)
+
+        logits = self.e.model.forward(
+            self.last[:hi], positions, self.cache, torch.arange(hi, device=self.device), attend
+        )
+        self.pos[:hi] += live.long()
+        active_t = torch.tensor(active, dtype=torch.long, device=self.device)
+        return active_t, logits[active_t] if len(active) != hi else logits
+
+    # admit waiting prompts into free slots: prefill, then prefix copy to each group's slots
+    def _admit(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        groups: list[tuple[int, list[int], list[int]]] = []  # (prompt index, prompt ids, slots)
+        budget = self.e.max_prefill_tokens
+        while self.waiting and self.free:
+            i, ids = self.waiting[0]
+            if groups and len(ids) > budget:
+                break
+            take = min(self.remaining[i], len(self.free))
+            slots = [heapq.heappop(self.free) for _ in range(take)]
+            self.remaining[i] -= take
+            if self.remaining[i] == 0:
+                self.waiting.popleft()
+            groups.append((i, ids, slots))
+            budget -= len(ids)
+        if not groups:
+            return None
+        starts = self._restore_kept(groups)
+        shared = 0 if any(starts) else shared_prefix_length([ids for _, ids, _ in groups])
+        if shared >= MIN_SHARED_PREFIX:  # e.g. a common system prompt: compute its K/V once
+            first = groups[0][2][0]
+            self._prefill([(first, groups[0][1][:shared])], start=0)
+            others = torch.tensor([slots[0] for _, _, slots in groups[1:]], device=self.device)
+            self.cache.copy_prefix(first, others, shared)
+            starts = [shared] * len(groups)
+        logits = self._prefill([(slots[0], ids) for _, ids, slots in groups], start=starts)
+        row_slots, repeat = [], []
+        for i, ids, slots in groups:
+            if len(slots) > 1:  # the G samples of a prompt share its K/V
+                self.cache.copy_prefix(slots[0], torch.tensor(slots[1:], device=self.device), len(ids))
+            first = self._first_sample_index(i, len(slots))
+            for k, s in enumerate(slots):
+                key = self.keys[i] if self.keys[i] is None or self.sp.n == 1 else f"{self.keys[i]}#{first + k}"
+                self.active[s] = Sequence(i, first + k, ids, cache_key=key)
+                self.kv_version[s] = self.kept_versions.get(i, self.e.weight_version)
+                self.pos[s] = len(ids)
+                self.is_active[s] = True
+            row_slots.extend(slots)
+            repeat.append(len(slots))
+        logits = logits.repeat_interleave(torch.tensor(repeat, device=self.device), dim=0)
+        return torch.tensor(row_slots, dtype=torch.long, device=self.device), logits
+
+    def _restore_kept(self, groups: list[tuple[int, list[int], list[int]]]) -> list[int]:
+        """Each group's tokens already in its slot: the K/V a previous call kept for its
+        ``cache_key`` (the last turn of its episode), put back; 0 where there is none."""
+        starts = []
+        for i, ids, slots in groups:
+            kept = self.e.kept.take(self.keys[i], ids) if self.sp.n == 1 else None
+            if kept is not None:
+                self.cache.restore(slots[0], kept)
+                self.kept_versions[i] = kept.version
+            starts.append(0 if kept is None else len(kept.ids))
+        return starts
+
+    def _prefill(self, items: list[tuple[int, list[int]]], start: int | list[int]) -> torch.Tensor:
+        """Run tokens ``ids[start:]`` of each (slot, ids) through the model, packed without padding;
+        positions before ``start`` (one for all, or one per item) are already in the slot's cache.
+        Returns each item's last logits.
+
+        Attention runs on a padded [items, longest, ...] view and reads keys from the cache, so a
+        suffix attends to its cached prefix and, causally, to itself."""
+        starts = [start] * len(items) if isinstance(start, int) else start
+        lengths = [len(ids) - st for (_, ids), st in zip(items, starts, strict=True)]
+        tokens = torch.tensor(
+            [t for (_, ids), st in zip(items, starts) for t in ids[st:]], dtype=torch.long, device=self.device
+        )
+        first = torch.tensor(starts, dtype=torch.long, device=self.device)
+        col = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        row = torch.cat([torch.full((n,), g, dtype=torch.long, device=self.device) for g, n in enumerate(lengths)])
+        slots = torch.tensor([s for s, _ in items], dtype=torch.long, device=self.device)
+        total = torch.tensor([len(ids) for _, ids in items], device=self.device)
+        longest_q, longest_k = max(lengths), int(total.max())
+        key_pos = torch.arange(longest_k, device=self.device).view(1, 1, 1, -1)
+        query_pos = first.view(-1, 1, 1, 1) + torch.arange(longest_q, device=self.device).view(1, 1, -1, 1)
+        mask = (key_pos <= query_pos) & (key_pos < total.view(-1, 1, 1, 1))
+        cfg = self.e.model.cfg
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qp = q.new_zeros((len(items), longest_q, cfg.heads, cfg.head_dim))
+            qp[row, col] = q
+            keys = self.cache.k[layer][slots, :, :longest_k]
+            values = self.cache.v[layer][slots, :, :longest_k]
+            out = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=cfg.kv_heads != cfg.heads
+            )
+            return out.transpose(1, 2)[row, col].reshape(-1, cfg.heads * cfg.head_dim)
+
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        logits = self.e.model.forward(tokens, first[row] + col, self.cache, slots[row], attend, logits_rows=ends)
+        self.e.stats["prefill_tokens"] += len(tokens)
+        return logits
+
+    def _first_sample_index(self, prompt_index: int, now: int) -> int:
+        """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""
+        return self.sp.n - self.remaining[prompt_index] - now
+
+    def _record(
+        self, slots: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, top: list[list[tuple[int, float]]] | None
+    ) -> None:
+        self.last[slots] = tokens
+        is_stop = torch.isin(tokens, self.stop_ids).tolist()
+        for row, (s, tok, lp, stop) in enumerate(zip(slots.tolist(), tokens.tolist(), lps.tolist(), is_stop)):
+            seq = self.active[s]
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(self.e.weight_version)
+            seq.kv_versions.append(self.kv_version[s])
+            if top is not None:
+                seq.top.append(top[row])
+            finish = None
+            if stop or self.checker.hit(seq.tokens):
+                finish = "stop"
+            elif len(seq.tokens) >= self.sp.max_tokens:
+                finish = "length"
+            if self.on_token is not None:
+                self.on_token(seq.prompt_index, seq.sample_index, tok, lp, top[row] if top else None, finish)
+            if finish:
+                self._finish(s, finish)
+
+    def _finish(self, slot: int, reason: str) -> None:
+        seq = self.active.pop(slot)
+        if seq.cache_key is not None:  # its cache holds every token but the last sampled one
+            length = int(self.pos[slot])
+            ids = (seq.prompt_ids + seq.tokens)[:length]
+            self.e.kept.keep(seq.cache_key, ids, self.cache, slot, self.kv_version[slot])
+        self.finished.append((seq, reason))
+        self.is_active[slot] = False
+        heapq.heappush(self.free, slot)
