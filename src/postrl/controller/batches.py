@@ -44,6 +44,13 @@ def run_sampling(rollout: RolloutConfig) -> SamplingParams:
                           stop=stop, stop_token_ids=stop_ids)  # fmt: skip
 
 
+def greedy_sampling(rollout: RolloutConfig, max_tokens: int | None = None) -> SamplingParams:
+    """Held-out answers (validation, ``postrl eval``): one greedy response, the run's stops."""
+    stop, stop_ids = tuple(rollout.stop), tuple(rollout.stop_token_ids)
+    return SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens or rollout.max_tokens, stop=stop,
+                          stop_token_ids=stop_ids)  # fmt: skip
+
+
 class BatchMaker:
     """Makes the run's batches (:class:`~postrl.controller.pipeline.BatchSteps`), and is what the
     stages may ask of the step (:class:`~postrl.controller.stages.StepServices`): more prompts,

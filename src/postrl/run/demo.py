@@ -62,10 +62,10 @@ def run_demo(overrides: list[str] | None = None, echo=print) -> DemoResult:
     tokenizer = load_tokenizer(config.model.path)
     task = config.data.task or "arithmetic"
 
-    before = evaluate_model(load_causal_lm(config.model.path), tokenizer, task)
+    before = evaluate_model(load_causal_lm(config.model.path), tokenizer, task, rollout=config.rollout)
     echo(f"held-out accuracy before GRPO: {before.accuracy:.3f} ({before.correct}/{before.total})")
     controller = train(config)
-    after = evaluate_model(load_causal_lm(str(config.run_dir / "final_model")), tokenizer, task)
+    after = evaluate_model(load_causal_lm(str(config.run_dir / "final_model")), tokenizer, task, rollout=config.rollout)
     echo(f"held-out accuracy after  GRPO: {after.accuracy:.3f} ({after.correct}/{after.total})")
     plot = plot_metrics(config.run_dir, (before.accuracy, after.accuracy), "postrl demo: GRPO on 3-digit addition")
     echo(f"plot with held-out accuracy: {plot}")

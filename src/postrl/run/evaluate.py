@@ -10,14 +10,15 @@ from typing import Any
 import torch
 
 from postrl.config.loading import load_config
-from postrl.config.run import ConfigError, RewardConfig, RunConfig
+from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
+from postrl.controller.batches import greedy_sampling
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.reward.accuracy import accuracy
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
-from postrl.rollout import HFRolloutWorker
+from postrl.rollout.factory import rollout_worker_for_model
 from postrl.tasks import get_task, task_rows
-from postrl.types import Rollout, SamplingParams
+from postrl.types import Rollout
 
 
 @dataclass
@@ -43,22 +44,26 @@ class ScoredEval:
 
 
 def greedy_rollouts(
-    model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, max_tokens: int, batch_size: int = 256
+    model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, max_tokens: int, rollout: RolloutConfig
 ) -> list[Rollout]:
-    engine = HFRolloutWorker(model, tokenizer, max_batch_size=batch_size)
+    """One greedy answer per prompt from the engine training generates with (``rollout``: the run's
+    section; the native engine for a Llama-family model, in its dtype), with the run's stops."""
+    engine = rollout_worker_for_model(rollout, model, tokenizer, "float32", seed=0)
     was_training = model.training
     try:
-        return engine.generate(dataset.prompts, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), 0)
+        return engine.generate(dataset.prompts, greedy_sampling(rollout, max_tokens), 0)
     finally:
+        engine.close()
         model.train(was_training)
 
 
 def evaluate_model(
-    model: torch.nn.Module, tokenizer: Any, task: str, max_tokens: int = 16, batch_size: int = 256
+    model: torch.nn.Module, tokenizer: Any, task: str, max_tokens: int = 16, rollout: RolloutConfig | None = None
 ) -> EvalResult:
+    """A built-in task's test split, scored by its verifier (``rollout``: the run's section, else the default)."""
     dataset = build_prompts(iter(task_rows(task, "test")), tokenizer)
     verifier = resolve(VERIFIERS[get_task(task).verifier])
-    rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens, batch_size)
+    rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens, rollout or RolloutConfig())
     correct = sum(
         verifier(dataset[r.prompt_index].text, r.text, **dataset[r.prompt_index].columns) >= 1.0 for r in rollouts
     )
@@ -70,6 +75,7 @@ def evaluate_with_rewards(
     tokenizer: Any,
     dataset: PromptDataset,
     reward: RewardConfig,
+    rollout: RolloutConfig,
     max_tokens: int,
     name: str,
     out: Path | None = None,
@@ -80,7 +86,7 @@ def evaluate_with_rewards(
     from postrl.reward.factory import make_reward_service
     from postrl.reward.requests import score_with
 
-    rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens)
+    rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens, rollout)
     service = make_reward_service(reward)
     try:
         results = score_with(service, dataset.prompts, rollouts)
@@ -201,7 +207,7 @@ def run_eval(
         data = _held_out_files(run, run_config)
     if not data:
         task = task or (run_config.data.task if run_config and run_config.data.task else "arithmetic")
-        on_task = evaluate_model(policy, tokenizer, task, max_tokens=max_tokens or 16)
+        on_task = evaluate_model(policy, tokenizer, task, max_tokens or 16, run_config.rollout if run_config else None)
         print(f"{task}: held-out accuracy {on_task.accuracy:.3f} ({on_task.correct}/{on_task.total}) [{model}]")
         return 0
     if run_config is None:
@@ -222,6 +228,7 @@ def run_eval(
         tokenizer,
         dataset,
         run_config.reward,
+        run_config.rollout,
         max_tokens or run_config.rollout.max_tokens,
         name,
         Path(out) if out else None,

@@ -12,13 +12,14 @@ import time
 from typing import Any
 
 from postrl.config.run import RunConfig
+from postrl.controller.batches import greedy_sampling
 from postrl.controller.source import BatchSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.reward.accuracy import accuracy
 from postrl.reward.columns import check_columns
 from postrl.rollout.agentic.episodes import episode_metrics
 from postrl.tasks import task_rows
-from postrl.types import RewardResult, Rollout, SamplingParams, StepMetrics
+from postrl.types import RewardResult, Rollout, StepMetrics
 from postrl.types.metric_names import (
     TIME_VALIDATE_S,
     VAL_ACCURACY,
@@ -53,13 +54,7 @@ class Validator:
 
     def __init__(self, config: RunConfig, dataset: PromptDataset) -> None:
         self.config, self.dataset = config, dataset
-        self.sampling = SamplingParams(
-            n=1,
-            temperature=0.0,
-            max_tokens=config.rollout.max_tokens,
-            stop=tuple(config.rollout.stop),
-            stop_token_ids=tuple(config.rollout.stop_token_ids),
-        )
+        self.sampling = greedy_sampling(config.rollout)
 
     def due(self, step: int) -> bool:
         every = self.config.logging.eval_every
