@@ -192,7 +192,8 @@ def learn(args: argparse.Namespace) -> dict:
     from postrl.controller.source import Episodes
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.native import NativeRolloutWorker
-    from postrl.run.train_runner import check_context_length, train
+    from postrl.run.resolve import resolved_run
+    from postrl.run.train_runner import train
     from postrl.run.validation import Validator, load_validation_set
 
     out = Path(args.cache) / "runs"
@@ -201,7 +202,7 @@ def learn(args: argparse.Namespace) -> dict:
         f"seed={args.seed}", *args.override,
     ]  # fmt: skip
     config = load_config(str(ROOT / "examples" / "calculator_agent.yaml"), overrides)
-    check_context_length(config)
+    config = resolved_run(config)
     tokenizer = load_tokenizer(str(model_dir))
     validator = Validator(config, load_validation_set(config, tokenizer))
     episodes = EpisodeSource(config.agent, tokenizer)

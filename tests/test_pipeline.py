@@ -76,7 +76,8 @@ def test_build_components_works_on_a_default_config():
     config = build_config({})
     parts = build_components(config)
     try:
-        assert config.data.max_prompt_tokens == 64  # the demo model's context 128 minus rollout.max_tokens 64
+        assert parts.config.data.max_prompt_tokens == 64  # the demo model's context 128 minus rollout.max_tokens 64
+        assert config.data.max_prompt_tokens is None  # the given config is left as it was
         assert len(parts.dataset) == 5000 and parts.critic is None
     finally:
         close_components(parts)

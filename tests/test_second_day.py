@@ -51,7 +51,7 @@ def test_resume_refuses_a_new_model_and_fewer_steps(tmp_path, tiny_model_dir, ar
     err = capsys.readouterr().err
     assert f"model.path: '{tiny_model_dir}' -> 'demo'" in err and "--force-change model.path" in err
     assert main(["train", "--resume", str(run), "steps=1"]) == 2
-    assert "steps=1 is below the 2 steps this run has already done" in capsys.readouterr().err
+    assert "steps=1 is below the 2 this run has already done" in capsys.readouterr().err
     assert (run / "config.yaml").read_text() == saved  # nothing was rewritten
     assert (run / "final_model" / "model.safetensors").read_bytes() == final
     assert main(["train", "--resume", str(run), "steps=3", "logging.console=false"]) == 0
@@ -144,25 +144,25 @@ def test_an_unreachable_rollout_url_is_refused_before_anything_is_written(
 def test_vllm_max_model_len_defaults_to_what_the_run_needs(tmp_path, tiny_model_dir, arithmetic_jsonl):
     """The default used to be 2048, which vLLM refuses for a 128-token model only after its start-up."""
     from postrl.config.loading import build_config
-    from postrl.run.train_runner import check_context_length
+    from postrl.run.resolve import resolved_run
 
     base = {
         "model": {"path": str(tiny_model_dir)},
         "data": {"train_files": [str(arithmetic_jsonl)]},
         "rollout": {"backend": "vllm", "max_tokens": 16},
     }
-    config = build_config(base)
-    check_context_length(config)
+    given = build_config(base)
+    config = resolved_run(given)
     assert config.rollout.vllm.max_model_len == 128 and config.data.max_prompt_tokens == 112
-    config = build_config(base, ["data.max_prompt_tokens=40"])
-    check_context_length(config)
+    assert given.rollout.vllm.max_model_len is None and given.data.max_prompt_tokens is None  # left as it was
+    config = resolved_run(build_config(base, ["data.max_prompt_tokens=40"]))
     assert config.rollout.vllm.max_model_len == 56
     with pytest.raises(
         ConfigError, match="rollout.vllm.max_model_len=2048 is more than the model's context length 128"
     ):
-        check_context_length(build_config(base, ["rollout.vllm.max_model_len=2048"]))
+        resolved_run(build_config(base, ["rollout.vllm.max_model_len=2048"]))
     with pytest.raises(ConfigError, match="rollout.vllm.max_model_len=32 is less than"):
-        check_context_length(build_config(base, ["rollout.vllm.max_model_len=32"]))
+        resolved_run(build_config(base, ["rollout.vllm.max_model_len=32"]))
 
 
 def test_validation_progress_and_no_signal_in_a_run(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):

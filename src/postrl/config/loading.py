@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from postrl.config.command import RunCommandConfig
-from postrl.config.run import ConfigError, RunConfig
+from postrl.config.run import ConfigError, RunConfig, activate_import_paths
 
 
 def _union_members(annotation: Any) -> list[tuple[Any, set[str]]]:
@@ -150,6 +150,9 @@ def build_config(data: dict[str, Any], overrides: list[str] | None = None, model
     """Validate ``data`` + overrides as ``model`` (default :class:`RunConfig`)."""
     model = model or RunConfig
     data = apply_overrides(copy.deepcopy(data), overrides or [])
+    if "import_paths" in model.model_fields:  # plugins and custom reward functions are imported while validating
+        paths = data.get("import_paths")
+        activate_import_paths([str(p) for p in paths] if isinstance(paths, list) else [])
     try:
         return model.model_validate(data)
     except ValidationError as err:

@@ -236,15 +236,10 @@ class RunConfig(RunCommandConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _import_paths_first(cls, data: Any) -> Any:
-        """Put import_paths on sys.path before the sections are checked: algorithm.plugins and
-        custom reward functions may live next to the config. The one place this happens: every
-        RunConfig passes here before it is used."""
-        if isinstance(data, dict):
-            if isinstance(data.get("scheduler"), str):
-                data = {**data, "scheduler": {"type": data["scheduler"]}}
-            paths = data.get("import_paths")
-            activate_import_paths([str(p) for p in paths] if isinstance(paths, list) else [])
+    def _scheduler_shorthand(cls, data: Any) -> Any:
+        """``scheduler: ray`` is short for ``scheduler: {type: ray}``."""
+        if isinstance(data, dict) and isinstance(data.get("scheduler"), str):
+            data = {**data, "scheduler": {"type": data["scheduler"]}}
         return data
 
     @model_validator(mode="after")

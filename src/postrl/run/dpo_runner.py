@@ -18,10 +18,10 @@ from postrl.models.devices import resolve_device
 from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped, resume_point
 from postrl.run.place import RunPlace, check_steps_left
+from postrl.run.resolve import decay_settings, with_settings
 from postrl.run.train_runner import make_sinks
 from postrl.train.dpo import DPOWorker
 from postrl.train.lora import apply_lora
-from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import StepMetrics
 from postrl.types.metric_names import DATA_EPOCH, TIME_STEP_S
 
@@ -57,7 +57,7 @@ def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = Fals
     )
     total = config.epochs * math.ceil(len(pairs) / config.train.mini_batch_size)
     check_steps_left(total, done, f"epochs={config.epochs}")
-    default_decay_steps(config.train, total)
+    config = with_settings(config, decay_settings(config.train, total))
     site.open(resume, overwrite, echo)
     try:
         return _train(config, site.place, tokenizer, pairs, skipped, resume, total, echo)

@@ -196,7 +196,7 @@ def run_eval(
 ) -> int:
     """``postrl eval``: prints one line with the held-out accuracy (and mean reward with --data)."""
     from postrl.models.loading import load_causal_lm, load_tokenizer
-    from postrl.run.train_runner import DEFAULT_MAX_PROMPT_TOKENS
+    from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
 
     model, run_config = _resolve_run(model, run, task, config)
     if task and data:

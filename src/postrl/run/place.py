@@ -191,8 +191,10 @@ def _resumed(path: Path, overrides: list[str], model: type, force_change: list[s
 
 def check_steps_left(total: int, done: int, setting: str) -> None:
     """A resume may lengthen a run, never shorten it below what it has done (that would rewrite
-    final_model/ and record the lower number); ``setting`` names what sets the length."""
+    final_model/ and record the lower number); ``setting`` names what sets the length (``steps=N``,
+    ``epochs=N``)."""
     if total < done:
+        length = " is" if setting == f"steps={total}" else f" gives {total} steps,"
         raise ConfigError(
-            f"{setting} gives {total} steps, below the {done} this run has already done; a resume can only continue it"
+            f"{setting}{length} below the {done} this run has already done; a resume can only continue it"
         )

@@ -22,10 +22,10 @@ from postrl.data.sft import SFTExample, load_sft_examples
 from postrl.models.loading import load_tokenizer
 from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped, resume_point
 from postrl.run.place import RunPlace, check_steps_left
+from postrl.run.resolve import decay_settings, with_settings
 from postrl.run.train_runner import make_sinks
 from postrl.scheduling.base import Scheduler, make_scheduler
 from postrl.train.factory import PolicySpec
-from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import Experience, ExperienceBatch, StepMetrics
 from postrl.types.metric_names import (
     ACTOR_GRAD_NORM,
@@ -108,7 +108,7 @@ def train_sft(
     )
     total = config.epochs * math.ceil(len(examples) / config.train.mini_batch_size)
     check_steps_left(total, done, f"epochs={config.epochs}")
-    default_decay_steps(config.train, total)
+    config = with_settings(config, decay_settings(config.train, total))
     trainer, scheduler = make_trainer(config)
     try:
         site.open(resume, overwrite, echo)

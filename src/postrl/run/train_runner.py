@@ -6,7 +6,6 @@ The entry point reads like a table of contents: :func:`train` = setup -> loop ->
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from postrl.controller.controller import Controller
 from postrl.controller.episodes import EpisodeSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.models.devices import DeviceError, resolve_device
-from postrl.models.loading import context_length, load_tokenizer
+from postrl.models.loading import load_tokenizer
 from postrl.reward.columns import check_columns
 from postrl.reward.factory import make_reward_service
 from postrl.rollout.factory import EngineSpec
@@ -31,6 +30,7 @@ from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSi
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plan.check import check_plan
 from postrl.run.plots import plot_metrics
+from postrl.run.resolve import resolved_run
 from postrl.run.trackers import make_tracker
 from postrl.run.validation import Validator, load_validation_set
 from postrl.run.watch import describe_placement, run_watches
@@ -38,7 +38,6 @@ from postrl.scheduling.base import make_scheduler
 from postrl.tasks import task_rows
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
-from postrl.train.lr_schedule import default_decay_steps
 from postrl.types import StepMetrics
 from postrl.workers.net import can_connect, host_port
 
@@ -56,7 +55,7 @@ def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
 def build_components(config: RunConfig) -> Components:
     """The parts of a run, placed by the configured scheduler; the step code does not know where.
     Settings decided from the model (an unset ``data.max_prompt_tokens``) are decided here first."""
-    check_context_length(config)
+    config = resolved_run(config)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     dataset = load_dataset(config, tokenizer)
@@ -142,65 +141,6 @@ def describe_accuracy(config: RunConfig, component: str | None) -> str:
 
 
 NOTHING_TO_PLOT = "plot: nothing to plot (no step had a scorable sample; see samples/ and reward_workers.log)"
-DEFAULT_MAX_PROMPT_TOKENS = 512  # for models that do not declare a context length
-
-
-def check_context_length(config: RunConfig) -> None:
-    """Prompts plus responses must fit the model's context; decided before any work. An unset
-    ``data.max_prompt_tokens`` becomes the room the context leaves after ``rollout.max_tokens``."""
-    limit = context_length(config.model.path)
-    prompt = config.data.max_prompt_tokens
-    if config.agent is not None:  # an episode's first prompt only has to leave room for a turn
-        if prompt is None:
-            config.data.max_prompt_tokens = config.agent.max_context - 1
-    elif prompt is None:
-        if limit is not None and limit <= config.rollout.max_tokens:
-            raise ConfigError(
-                f"rollout.max_tokens={config.rollout.max_tokens} leaves no room for a prompt in the "
-                f"model's context length {limit} ({config.model.path})"
-            )
-        config.data.max_prompt_tokens = (
-            DEFAULT_MAX_PROMPT_TOKENS if limit is None else limit - config.rollout.max_tokens
-        )
-    elif limit is not None and prompt + config.rollout.max_tokens > limit:
-        raise ConfigError(
-            f"data.max_prompt_tokens={prompt} + rollout.max_tokens={config.rollout.max_tokens} = "
-            f"{prompt + config.rollout.max_tokens} is more than the model's context length {limit} "
-            f"({config.model.path}); lower one of them"
-        )
-    if config.agent is not None and limit is not None and config.agent.max_context > limit:
-        raise ConfigError(
-            f"agent.max_context={config.agent.max_context} is more than the model's context length {limit} "
-            f"({config.model.path})"
-        )
-    if config.rollout.backend == "vllm":
-        check_vllm_context(config, limit)
-
-
-def check_vllm_context(config: RunConfig, limit: int | None) -> None:
-    """vLLM refuses a max_model_len over the model's context only after its slow start-up: decide it here.
-    Unset, it is what the run needs (prompt budget plus response tokens)."""
-    vllm = config.rollout.vllm
-    needed = (config.data.max_prompt_tokens or 0) + config.rollout.max_tokens
-    if vllm.max_model_len is None:
-        vllm.max_model_len = needed
-    elif limit is not None and vllm.max_model_len > limit:
-        raise ConfigError(
-            f"rollout.vllm.max_model_len={vllm.max_model_len} is more than the model's context length "
-            f"{limit} ({config.model.path}); leave it unset (the run needs {needed}) or lower it"
-        )
-    elif vllm.max_model_len < needed:
-        raise ConfigError(
-            f"rollout.vllm.max_model_len={vllm.max_model_len} is less than data.max_prompt_tokens + "
-            f"rollout.max_tokens = {needed}; raise it or leave it unset"
-        )
-
-
-def resolve_lr_decay(config: RunConfig) -> None:
-    """An unset ``train.lr_decay_steps`` of a decaying schedule becomes the run's optimizer steps."""
-    t = config.train
-    per_step = math.ceil(config.prompts_per_step * config.rollout.n / t.mini_batch_size) * t.epochs
-    default_decay_steps(t, config.steps * per_step)
 
 
 def make_validator(config: RunConfig, tokenizer: Any) -> Validator | None:
@@ -259,12 +199,11 @@ def train(
     done = site.check(resume, overwrite)  # a second live controller on this run is refused before any work
     if resume:
         check_steps_left(config.steps, done, f"steps={config.steps}")
-    check_context_length(config)
+    config = resolved_run(config)  # what the run uses and config.yaml records; the caller's config is unchanged
     check_devices(config)
     echo = stderr_echo
     check_plan(config, echo)
     check_servers(config)
-    resolve_lr_decay(config)
     parts = build_components(config)
     try:
         validator = make_validator(config, parts.tokenizer)

@@ -13,8 +13,6 @@ from functools import partial
 
 import torch
 
-from postrl.config.training import OptimizerConfig
-
 
 def lr_factor(step: int, schedule: str, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float) -> float:
     """The multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
@@ -39,10 +37,3 @@ def make_scheduler(
             lr_factor, schedule=schedule, warmup_steps=warmup_steps, decay_steps=decay_steps, min_lr_ratio=min_lr_ratio
         ),
     )
-
-
-def default_decay_steps(train: OptimizerConfig, optimizer_steps: int) -> None:
-    """An unset ``train.lr_decay_steps`` of a decaying schedule becomes the run's length in optimizer
-    steps (recorded in the run's config.yaml, so a resume keeps the same curve)."""
-    if train.lr_schedule != "constant" and train.lr_decay_steps is None:
-        train.lr_decay_steps = optimizer_steps
