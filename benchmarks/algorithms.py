@@ -65,7 +65,7 @@ def run(name: str, steps: int, out: str, extra: list[str] = ()) -> dict:
         f"steps={steps}",
         "logging.progress_bar=false",
         "logging.console=false",
-        "logging.tensorboard=false",
+        "logging.trackers=[jsonl]",
         *ALGORITHMS[name],
         *extra,
     ]
@@ -136,7 +136,7 @@ def run_dpo(out: str, prompts_limit: int = 2000, epochs: int = 3) -> dict:
             "train": {"lr": 3e-5, "mini_batch_size": 64, "micro_batch_size": 64},
             "epochs": epochs,
             "checkpoint": {"every_steps": 0},
-            "logging": {"console": False, "tensorboard": False, "progress_bar": False},
+            "logging": {"console": False, "trackers": ["jsonl"], "progress_bar": False},
         },
         model=DPORunConfig,
     )

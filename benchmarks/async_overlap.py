@@ -76,7 +76,7 @@ def run_one(spec: dict) -> dict:
     make = train_runner.make_reward_service
     train_runner.make_reward_service = lambda config: SlowVerifier(make(config), spec["delay"])
     settings = dict(DEMO_SETTINGS, name=spec["name"], output_dir=spec["out"], steps=spec["steps"], seed=spec["seed"])
-    settings["logging"] = {"console": False, "tensorboard": False, "progress_bar": False, **spec.get("logging", {})}
+    settings["logging"] = {"console": False, "trackers": ["jsonl"], "progress_bar": False, **spec.get("logging", {})}
     config = build_config(settings, spec["overrides"])
     began = time.perf_counter()
     train_runner.train(config)

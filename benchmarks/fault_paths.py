@@ -76,7 +76,7 @@ def write_run(folder: Path, name: str, hanging: tuple[int, ...], timeout_s: floa
         },
         "train": {"mini_batch_size": 64, "micro_batch_size": 64},
         "checkpoint": {"every_steps": 0},
-        "logging": {"tensorboard": False, "console": False},
+        "logging": {"trackers": ["jsonl"], "console": False},
     }
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps(config))

@@ -76,7 +76,7 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = 
                 "precision": "bf16_autocast",
             },
             "checkpoint": {"every_steps": 0},
-            "logging": {"progress_bar": False, "tensorboard": False, "console": False},
+            "logging": {"progress_bar": False, "trackers": ["jsonl"], "console": False},
         }
     )
     times, rewards, phases = [], [], []

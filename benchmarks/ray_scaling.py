@@ -43,7 +43,7 @@ def demo_seconds_per_step(scheduler: dict, steps: int, out: Path) -> float:
         "output_dir": str(out),
         "steps": steps,
         "scheduler": scheduler,
-        "logging": {"progress_bar": False, "tensorboard": False, "console": False},
+        "logging": {"progress_bar": False, "trackers": ["jsonl"], "console": False},
     }
     times: list[float] = []
     train(build_config(settings), on_step=lambda m: times.append(m.values["time/step_s"]))

@@ -34,7 +34,7 @@ except ImportError:  # the layout before the pipeline issue (0.2.0)
     from postrl.demo import DEMO_SETTINGS
     from postrl.runner import train
 settings = dict(DEMO_SETTINGS, name="timed", output_dir=sys.argv[1], steps=int(sys.argv[2]))
-settings["logging"] = {"console": False, "tensorboard": False, "progress_bar": False}
+settings["logging"] = {"console": False, "trackers": ["jsonl"], "progress_bar": False}
 train(build_config(settings))
 rows = [json.loads(line) for line in open(sys.argv[1] + "/timed/metrics.jsonl")]
 print(json.dumps([r["time/step_s"] for r in rows]))

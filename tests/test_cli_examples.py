@@ -122,7 +122,7 @@ def test_dpo_example_runs(tmp_path, monkeypatch):
                 "epochs=1",
                 "train.mini_batch_size=256",
                 "train.micro_batch_size=128",
-                "logging.tensorboard=false",
+                "logging.trackers=[jsonl]",
             ]
         )
         == 0

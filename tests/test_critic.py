@@ -80,7 +80,7 @@ def test_ppo_run_trains_the_critic_checkpoints_and_resumes_it(tmp_path, tiny_mod
             "algorithm": {"advantage": "gae", "critic": {"lr": 1e-2, "warmup_steps": 1}},
             "train": {"lr": 1e-2, "mini_batch_size": 8, "micro_batch_size": 8},
             "checkpoint": {"every_steps": 1},
-            "logging": {"tensorboard": False},
+            "logging": {"trackers": ["jsonl"]},
         }
     )
     controller = train(config)

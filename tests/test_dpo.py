@@ -72,7 +72,7 @@ def test_postrl_dpo_learns_the_preferences_caches_the_reference_and_resumes(tmp_
         f"name: d\noutput_dir: {tmp_path}/runs\nmodel: {{path: {tiny_model_dir}}}\n"
         f"data: {{train_files: [{data}]}}\ndpo: {{beta: 0.5}}\n"
         "train: {lr: 1.0e-2, mini_batch_size: 8, micro_batch_size: 4}\nepochs: 2\n"
-        "checkpoint: {every_steps: 2}\nlogging: {tensorboard: false}\n"
+        "checkpoint: {every_steps: 2}\nlogging: {trackers: [jsonl]}\n"
     )
     assert main(["dpo", str(config)]) == 0
     run = tmp_path / "runs" / "d"
@@ -121,7 +121,7 @@ def test_postrl_dpo_stops_cleanly_on_ctrl_c_and_resumes(tmp_path, tiny_model_dir
     config.write_text(
         f"name: d\noutput_dir: {tmp_path}/runs\nmodel: {{path: {tiny_model_dir}}}\n"
         f"data: {{train_files: [{data}]}}\ntrain: {{lr: 1.0e-3, mini_batch_size: 2, micro_batch_size: 2}}\n"
-        "epochs: 50\ncheckpoint: {every_steps: 0, keep_last: 1}\nlogging: {tensorboard: false}\n"
+        "epochs: 50\ncheckpoint: {every_steps: 0, keep_last: 1}\nlogging: {trackers: [jsonl]}\n"
     )
     env = {**os.environ, "PYTHONPATH": REPO}
     command = [sys.executable, "-m", "postrl.cli", "dpo"]

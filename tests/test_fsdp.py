@@ -144,7 +144,7 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
         "reward": {"components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]},
         "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 4, "device": "cpu"},
         "checkpoint": {"every_steps": 1},
-        "logging": {"tensorboard": False},
+        "logging": {"trackers": ["jsonl"]},
         "scheduler": {"train": {"workers": 2}},
     }
     controller = train(build_config(settings))
@@ -263,7 +263,7 @@ def test_lora_train_run_on_two_ranks_syncs_adapters_and_resumes_on_one(tmp_path,
         "algorithm": {"kl_beta": 0.05},
         "train": {"lr": 3e-2, "mini_batch_size": 16, "micro_batch_size": 4, "device": "cpu"},
         "checkpoint": {"every_steps": 1},
-        "logging": {"tensorboard": False},
+        "logging": {"trackers": ["jsonl"]},
         "scheduler": {"train": {"workers": 2}},
     }
     assert train(build_config(settings)).step_count == 2

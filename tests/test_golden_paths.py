@@ -67,7 +67,7 @@ def test_dpo_matches_golden_values(tmp_path, tiny_model_dir):
         f"name: d\noutput_dir: {tmp_path}/runs\nseed: 3\nmodel: {{path: {tiny_model_dir}}}\n"
         f"data: {{train_files: [{data}]}}\ndpo: {{beta: 0.5}}\n"
         "train: {lr: 1.0e-2, mini_batch_size: 8, micro_batch_size: 4}\nepochs: 1\n"
-        "checkpoint: {every_steps: 0}\nlogging: {tensorboard: false}\n"
+        "checkpoint: {every_steps: 0}\nlogging: {trackers: [jsonl]}\n"
     )
     assert main(["dpo", str(config)]) == 0
     keys = ["dpo/loss", "dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "actor/grad_norm"]

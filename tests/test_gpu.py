@@ -73,7 +73,7 @@ def test_two_step_run_on_cuda(tmp_path, tiny_model_dir, arithmetic_jsonl):
             "reward": {
                 "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
             },
-            "logging": {"tensorboard": False},
+            "logging": {"trackers": ["jsonl"]},
         }
     )
     controller = train(config)

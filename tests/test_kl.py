@@ -49,7 +49,7 @@ def run(tmp_path, model_dir, data, algorithm, name):
             "algorithm": algorithm,
             "train": {"lr": 5e-2, "mini_batch_size": 16, "micro_batch_size": 8},
             "checkpoint": {"every_steps": 1},
-            "logging": {"tensorboard": False},
+            "logging": {"trackers": ["jsonl"]},
         }
     )
     controller = train(config)

@@ -172,7 +172,7 @@ def test_train_and_dpo_runs_with_lora_end_to_end(tmp_path, tiny_model_dir, arith
     dpo.write_text(
         f"name: d\noutput_dir: {tmp_path}/runs\nmodel: {{path: {tiny_model_dir}, lora: {{r: 4}}}}\n"
         f"data: {{train_files: [{pairs}]}}\ntrain: {{lr: 1.0e-2, mini_batch_size: 8, micro_batch_size: 4}}\n"
-        "checkpoint: {every_steps: 0}\nlogging: {tensorboard: false}\n"
+        "checkpoint: {every_steps: 0}\nlogging: {trackers: [jsonl]}\n"
     )
     assert main(["dpo", str(dpo)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "d" / "final_model")

@@ -271,9 +271,7 @@ def test_a_missing_tracker_package_is_a_validation_error_naming_the_extra(monkey
         load_config("examples/arithmetic_grpo.yaml", ["logging.trackers=[jsonl,wandb]"])
 
 
-def test_the_old_tensorboard_switch_still_reads():
-    config = RunConfig.model_validate({"logging": {"tensorboard": False}})
-    assert config.logging.trackers == ["jsonl"]
+def test_a_tracker_listed_twice_is_refused():
     with pytest.raises(ValueError, match="lists a tracker twice"):
         RunConfig.model_validate({"logging": {"trackers": ["jsonl", "jsonl"]}})
 

@@ -60,7 +60,7 @@ def ray_config(tmp_path, model_dir, data, **scheduler):
             },
             "train": {"mini_batch_size": 16, "micro_batch_size": 8, "device": "cpu"},
             "checkpoint": {"every_steps": 2},
-            "logging": {"tensorboard": False},
+            "logging": {"trackers": ["jsonl"]},
             "scheduler": {"type": "ray", "rollout": {"workers": 2, "threads": 1}, "train": {"threads": 1}, **scheduler},
         }
     )

@@ -64,7 +64,7 @@ def _write_config(tmp_path, model_dir, data) -> str:
                 "rollout": {"n": 2, "max_tokens": 4, "device": "cpu"},
                 "train": {"device": "cpu"},
                 "reward": {"components": [{"type": "math", "name": "acc"}]},
-                "logging": {"tensorboard": False},
+                "logging": {"trackers": ["jsonl"]},
             }
         )
     )
@@ -165,7 +165,7 @@ def test_sft_runs_its_train_ranks_as_ray_actors(tmp_path, tiny_model_dir):
                 "output_dir": str(tmp_path / "runs"),
                 "model": {"path": str(tiny_model_dir)},
                 "data": {"train_files": ["d.jsonl"]},
-                "logging": {"tensorboard": False},
+                "logging": {"trackers": ["jsonl"]},
                 "train": {"mini_batch_size": 4, "micro_batch_size": 2, "device": "cpu"},
                 "scheduler": {"type": "ray", "train": {"workers": 2, "threads": 1}},
             }

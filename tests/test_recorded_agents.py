@@ -117,7 +117,7 @@ def test_postrl_train_runs_an_openai_api_agent_from_its_recordings(tmp_path, ari
     args = [
         "train", str(config), f"output_dir={tmp_path}/runs", "name=agent", "model.path=demo", "steps=2",
         f"data.train_files=[{arithmetic_jsonl}]", "data.task=null", "prompts_per_step=2", "rollout.n=2",
-        "checkpoint.every_steps=0", "logging.tensorboard=false", "train.mini_batch_size=4",
+        "checkpoint.every_steps=0", "logging.trackers=[jsonl]", "train.mini_batch_size=4",
         "train.micro_batch_size=4",
     ]  # fmt: skip
     assert main(args) == 0

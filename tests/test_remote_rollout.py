@@ -43,7 +43,7 @@ def test_run_trains_with_rollouts_from_servers_behind_the_router(tmp_path, tiny_
                     "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
                 },
                 "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 8},
-                "logging": {"tensorboard": False},
+                "logging": {"trackers": ["jsonl"]},
             }
         )
         controller = train(config)

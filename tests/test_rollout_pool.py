@@ -65,14 +65,31 @@ def test_prompts_spread_by_outstanding_work_and_groups_stay_together(tiny_model_
         pool.close()
 
 
-def test_broadcast_sync_reaches_every_engine_and_a_corrupted_tensor_is_refused(tiny_model_dir, char_tokenizer):
+def tamper_with_buckets(monkeypatch, tamper) -> None:
+    """``tamper(i, buffer)`` sees each bucket the sender packs (counted from 0) before it is sent."""
+    from postrl.rollout import broadcast
+
+    pack, count = broadcast.pack, [0]
+
+    def packed(*args):
+        buffer = pack(*args)
+        tamper(count[0], buffer)
+        count[0] += 1
+        return buffer
+
+    monkeypatch.setattr(broadcast, "pack", packed)
+
+
+def test_broadcast_sync_reaches_every_engine_and_a_corrupted_tensor_is_refused(
+    tiny_model_dir, char_tokenizer, monkeypatch
+):
     state, manifest = new_weights(tiny_model_dir)
     pool = RolloutPool(starter(tiny_model_dir), 2, BroadcastTransport(bucket_bytes=4096, timeout_s=30))
     try:
         pool.update_weights(state, 1, manifest)
         assert versions(pool) == [1, 1]
         flipped = lambda i, buffer: buffer.__setitem__(7, buffer[7] ^ 0xFF) if i == 2 else None  # noqa: E731
-        pool.transport.tamper = flipped
+        tamper_with_buckets(monkeypatch, flipped)
         state2, manifest2 = new_weights(tiny_model_dir, 1.02)
         with pytest.raises(WeightSyncError, match="refused by 2 engine"):
             pool.update_weights(state2, 2, manifest2)
@@ -82,13 +99,15 @@ def test_broadcast_sync_reaches_every_engine_and_a_corrupted_tensor_is_refused(t
         pool.close()
 
 
-def test_engine_killed_mid_transfer_leaves_others_on_new_version_and_comes_back(tiny_model_dir, char_tokenizer):
+def test_engine_killed_mid_transfer_leaves_others_on_new_version_and_comes_back(
+    tiny_model_dir, char_tokenizer, monkeypatch
+):
     state, manifest = new_weights(tiny_model_dir)
     pool = RolloutPool(starter(tiny_model_dir), 3, BroadcastTransport(bucket_bytes=2048, timeout_s=30))
     try:
         pool.update_weights(*new_weights(tiny_model_dir, 0.99)[:1], 1, None)
         victim = pool.engines[1].handle
-        pool.transport.tamper = lambda i, buffer: victim.kill() if i == 3 else None
+        tamper_with_buckets(monkeypatch, lambda i, buffer: victim.kill() if i == 3 else None)
         started = time.monotonic()
         pool.update_weights(state, 2, manifest)
         assert time.monotonic() - started < 60
@@ -139,7 +158,7 @@ def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(
                 "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
             },
             "train": {"lr": 1e-2, "mini_batch_size": 8, "micro_batch_size": 8},
-            "logging": {"tensorboard": False},
+            "logging": {"trackers": ["jsonl"]},
             "scheduler": {"rollout_schedule": {2: 3, 3: 2}},
         }
     )
@@ -183,3 +202,36 @@ def test_an_engine_in_a_child_process_takes_weights_and_a_suspend_beside_its_gen
         assert suspended and all(len(r.response_ids) < 100 for r in suspended)
     finally:
         handle.close()
+
+
+def test_the_engines_counters_reach_the_step_as_what_changed_since_the_last_step():
+    """The native engine counts prefill and decode seconds; the pool sums its engines' counters and
+    reports what changed since it was last asked, never a negative change (a replaced engine
+    starts again from 0)."""
+    from postrl.rollout.common import EngineBase
+    from postrl.workers.handles import InProcessHandle
+
+    class Counting(EngineBase):
+        def __init__(self) -> None:
+            self.count = {"rollout/prefill_s": 1.0}
+
+        def counters(self) -> dict[str, float]:
+            return dict(self.count)
+
+    engines = [Counting(), Counting()]
+    pool = RolloutPool(lambda i: InProcessHandle(engines[i], f"e{i}"), 2, DirectTransport())
+    assert pool.counters() == {"rollout/prefill_s": 2.0}
+    engines[0].count["rollout/prefill_s"] = 1.5
+    assert pool.counters() == {"rollout/prefill_s": 0.5}
+    engines[1].count["rollout/prefill_s"] = 0.0  # replaced: its count starts again
+    assert pool.counters() == {"rollout/prefill_s": 0.0}
+
+
+def test_the_native_engine_counts_its_prefill_and_decode(tiny_model_dir, char_tokenizer):
+    from postrl.rollout.native import NativeRolloutWorker
+
+    engine = NativeRolloutWorker.from_hf(load_causal_lm(str(tiny_model_dir)), char_tokenizer)
+    assert engine.counters() == {"rollout/prefill_s": 0.0, "rollout/decode_s": 0.0, "rollout/updates_mid_generate": 0.0}
+    engine.generate(prompts(char_tokenizer, 2), SP, 0)
+    counted = engine.counters()
+    assert counted["rollout/prefill_s"] > 0 and counted["rollout/decode_s"] > 0

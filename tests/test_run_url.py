@@ -29,7 +29,7 @@ def url_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=2):
             },
             "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 8},
             "checkpoint": {"every_steps": 1, "keep_last": 1},
-            "logging": {"tensorboard": False},
+            "logging": {"trackers": ["jsonl"]},
         }
     )
 

@@ -80,7 +80,7 @@ def _write_data(folder):
         "name: my-sft\nepochs: 2\nmodel: {path: " + str(folder / "model") + "}\n"
         "data: {train_files: [mine.jsonl]}\n"
         "train: {lr: 1.0e-3, mini_batch_size: 4, micro_batch_size: 2, device: cpu, lr_schedule: linear}\n"
-        "checkpoint: {every_steps: 2}\nlogging: {tensorboard: false}\n"
+        "checkpoint: {every_steps: 2}\nlogging: {trackers: [jsonl]}\n"
     )
 
 

@@ -4,9 +4,9 @@ endpoint), and the memory check before it starts."""
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from postrl.config.base import Section
 
@@ -40,9 +40,6 @@ class MlflowConfig(Section):
 
 
 class LoggingConfig(Section):
-    """``tensorboard: false`` / ``jsonl: false`` (the fields before ``trackers``) are still read:
-    they take that tracker out of ``trackers``."""
-
     console: bool = Field(True, description="One line of metrics per step on stdout.")
     progress_bar: bool = Field(True, description="A progress bar on a terminal (never when stderr is not a TTY).")
     trackers: list[Tracker] = Field(
@@ -80,20 +77,6 @@ class LoggingConfig(Section):
         description="Validate (data.val_files, or the task's test split) every k steps "
         "and after the last one, as val/* metrics in every sink and on the plot; 0 = never.",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_switches(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not ({"tensorboard", "jsonl"} & data.keys()):
-            return data
-        data = dict(data)
-        trackers = list(data.get("trackers", ["tensorboard", "jsonl"]))
-        for name in ("tensorboard", "jsonl"):
-            if name in data:
-                on = data.pop(name)
-                trackers = [t for t in trackers if t != name] + ([name] if on in (True, "true", "True") else [])
-        data["trackers"] = trackers
-        return data
 
     @field_validator("trackers")
     @classmethod

@@ -163,8 +163,10 @@ def reward_values(rollouts: list[Rollout], rewards: list[RewardResult]) -> dict[
 
 def operating_figures(pool: Any, reward: Any, buffer: Any, engine_healthy: bool, sync_bytes: int) -> dict[str, float]:
     """What an operator watches besides learning: the engines, their restarts and the ones lost in
-    syncs, the last sync's bytes, the reward service's errors, the buffer's size."""
+    syncs, what they counted in the step (prefill and decode seconds), the last sync's bytes, the
+    reward service's errors, the buffer's size."""
     return {
+        **pool.counters(),
         ROLLOUT_ENGINES: float(len(pool.engines)),
         ROLLOUT_ENGINE_HEALTHY: float(engine_healthy),
         ROLLOUT_ENGINE_RESTARTS: float(pool.restarts),

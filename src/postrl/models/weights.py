@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from postrl.workers.errors import remote_error
 
@@ -26,16 +26,6 @@ def tied_keys(model: torch.nn.Module) -> set[str]:
 def save_weights(model: torch.nn.Module, folder: Path) -> None:
     """A Hugging Face folder (config + safetensors) that ``from_pretrained`` can load."""
     model.save_pretrained(folder, safe_serialization=True)
-
-
-def load_weights_into(model: torch.nn.Module, folder: Path) -> None:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    load_state_checked(model, state, source=str(folder))
 
 
 def load_state_checked(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

@@ -90,17 +90,15 @@ def open_sender_store(host: str, port: int, world: int, timeout_s: float) -> dis
 
 
 def send_state(
-    store: dist.TCPStore, state: dict[str, torch.Tensor], plan: BroadcastPlan, world: int, timeout_s: float, tamper=None
+    store: dist.TCPStore, state: dict[str, torch.Tensor], plan: BroadcastPlan, world: int, timeout_s: float
 ) -> None:
-    """Broadcast every bucket from rank 0. ``tamper`` (tests only) may alter a packed bucket."""
+    """Broadcast every bucket from rank 0."""
     _, group = _group("", 0, 0, world, timeout_s, store)
     options = dist.BroadcastOptions()
     options.rootRank = 0
     try:
-        for i, (specs, size) in enumerate(zip(plan.buckets, plan.sizes)):
+        for specs, size in zip(plan.buckets, plan.sizes):
             buffer = pack(state, specs, size)
-            if tamper is not None:
-                tamper(i, buffer)
             group.broadcast([buffer], options).wait()
     finally:
         del group  # closes the connections: receivers of a broken transfer fail at once instead of waiting

@@ -47,6 +47,10 @@ class EngineBase:
     generator: torch.Generator | None = None
     streams_tokens: ClassVar[bool] = False  # generate takes on_token (the engines that sample token by token)
 
+    def counters(self) -> dict[str, float]:
+        """Nothing counted (see :meth:`postrl.workers.roles.RolloutWorker.counters`)."""
+        return {}
+
     def suspend(self) -> bool:
         """Ask a ``generate`` in progress to return at once, its unfinished samples ``suspended``
         (tokens so far kept); True when one was running. Engines that cannot stop mid-call finish

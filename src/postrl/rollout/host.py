@@ -10,8 +10,8 @@ from postrl.workers.handles import WorkerHost
 from postrl.workers.roles import RolloutWorker
 
 # the calls a hosted engine takes beside a generate in progress (it orders them itself: new weights
-# wait for its next decode step, a suspend stops the generate there)
-ENGINE_SIDE_CALLS = frozenset({"update_weights", "receive_broadcast", "suspend"})
+# wait for its next decode step, a suspend stops the generate there, its counters are read beside it)
+ENGINE_SIDE_CALLS = frozenset({"update_weights", "receive_broadcast", "suspend", "counters"})
 
 
 class RolloutEngineHost(WorkerHost):

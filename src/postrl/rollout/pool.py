@@ -60,6 +60,7 @@ class RolloutPool:
         self.restarts = 0
         self.sync_failures = 0  # engines lost during a weight sync (each replaced and synced again)
         self.requeued_prompts = 0
+        self._counted: dict[str, float] = {}  # the engines' counters at the last counters() call
         # async mode generates (producer thread) while weights are pushed (sync thread): an engine
         # lost under both is replaced once
         self._replacing = threading.Lock()
@@ -214,6 +215,17 @@ class RolloutPool:
                 self._push([slot], *self._weights)
             return slot.handle.call("health_check", timeout=120)
 
+    def counters(self) -> dict[str, float]:
+        """The engines' counters, summed, as the change since the last call (a step's share); an
+        engine replaced meanwhile starts again from 0, so a counter never goes down."""
+        totals: dict[str, float] = {}
+        for slot in self.engines:
+            for name, value in slot.handle.call("counters", timeout=60).items():
+                totals[name] = totals.get(name, 0.0) + value
+        change = {name: max(0.0, value - self._counted.get(name, 0.0)) for name, value in totals.items()}
+        self._counted = totals
+        return change
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "weight_version": self.weight_version,
@@ -221,8 +233,7 @@ class RolloutPool:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        engines = state.get("engines", [state])  # a one-engine run's checkpoint holds the engine's own state
-        for slot, engine_state in zip(self.engines, engines):
+        for slot, engine_state in zip(self.engines, state["engines"]):
             slot.handle.call("load_state_dict", engine_state, timeout=60)
         self.weight_version = int(state["weight_version"])
 

@@ -88,10 +88,8 @@ class FileTransport:
 class BroadcastTransport:
     """Rank 0 is this process; engine ``i`` of the push is rank ``i + 1``."""
 
-    def __init__(
-        self, host: str = "127.0.0.1", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0, tamper: Any = None
-    ) -> None:
-        self.host, self.bucket_bytes, self.timeout_s, self.tamper = host, bucket_bytes, timeout_s, tamper
+    def __init__(self, host: str = "127.0.0.1", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0) -> None:
+        self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s
 
     def push(
         self, engines: list[Handle], weights: Any, version: int, manifest: dict[str, str] | None
@@ -121,7 +119,7 @@ class BroadcastTransport:
             )
             for rank, h in enumerate(alive, start=1)
         ]
-        sending = submit(send_state, store, weights, plan, world, self.timeout_s, self.tamper)
+        sending = submit(send_state, store, weights, plan, world, self.timeout_s)
         try:
             lost.update(_outcomes(alive, futures, version))
         finally:

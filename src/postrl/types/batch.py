@@ -307,7 +307,7 @@ class StepBatch:
                     prompt_ids=r.prompt_ids,
                     response_ids=r.response_ids,
                     logprobs=r.logprobs,
-                    reward=0.0 if res.reward is None else res.reward,
+                    reward=res.reward,
                     advantage=self.batch.advantages[row, span].tolist(),
                     weight_version=r.weight_version,
                     metadata=self.metadata(row),

@@ -148,7 +148,7 @@ class Experience:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
-    reward: float
+    reward: float | None  # None: the sample was unscorable (it trains with no weight)
     advantage: float | list[float] | None
     weight_version: int
     metadata: dict[str, Any] = field(default_factory=dict)

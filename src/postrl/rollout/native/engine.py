@@ -35,6 +35,7 @@ from postrl.rollout.native.decode_loop import DecodeLoop, Sequence
 from postrl.rollout.native.kv_cache import KeptCaches, KVCache
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
+from postrl.types.metric_names import ROLLOUT_DECODE_S, ROLLOUT_PREFILL_S, ROLLOUT_UPDATES_MID_GENERATE
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,13 @@ class NativeRolloutWorker(EngineBase):
             with self._swap:
                 self._generating, self._suspending = False, False
                 self.apply_pending_weights()
+
+    def counters(self) -> dict[str, float]:
+        return {
+            ROLLOUT_PREFILL_S: self.stats["prefill_s"],
+            ROLLOUT_DECODE_S: self.stats["decode_s"],
+            ROLLOUT_UPDATES_MID_GENERATE: float(self.updates_in_flight),
+        }
 
     def suspend(self) -> bool:
         """Ask the generate in progress (another thread's) to return before its next decode step:
