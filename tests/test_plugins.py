@@ -43,7 +43,7 @@ def scratch_registries(monkeypatch):
 
     for registry in (ADVANTAGES, POLICY_LOSSES, STAGES):
         monkeypatch.setattr(registry, "_entries", dict(registry._entries))
-        monkeypatch.setattr(registry, "_needs", dict(registry._needs))
+    monkeypatch.setattr(ADVANTAGES, "_needs", dict(ADVANTAGES._needs))
     yield
     sys.modules.pop("my_algos", None)
 

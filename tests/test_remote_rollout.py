@@ -13,7 +13,8 @@ from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.run.train_runner import train
 from postrl.serve.batcher import EngineBatcher
-from postrl.serve.openai_server import ServerLimits, build_app
+from postrl.serve.limits import ServerLimits
+from postrl.serve.openai_server import build_app
 from postrl.serve.router import LeastOutstandingRouter, build_router_app
 from tests.test_serve import Server
 

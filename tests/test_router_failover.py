@@ -12,7 +12,8 @@ from openai import OpenAI
 
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.serve.batcher import EngineBatcher
-from postrl.serve.openai_server import ServerLimits, build_app
+from postrl.serve.limits import ServerLimits
+from postrl.serve.openai_server import build_app
 from postrl.serve.router import LeastOutstandingRouter, build_router_app
 from tests.conftest import make_tiny_model
 from tests.test_serve import Server, free_port

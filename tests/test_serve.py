@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from postrl.models.weights import dedupe_tied, weight_manifest
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.serve.batcher import EngineBatcher
-from postrl.serve.openai_server import ServerLimits, build_app
+from postrl.serve.limits import ServerLimits
+from postrl.serve.openai_server import build_app
 from postrl.serve.router import LeastOutstandingRouter, build_router_app
 from postrl.workers.net import free_port  # noqa: F401 - other tests import it from here
 from tests.conftest import hf_greedy, make_tiny_model

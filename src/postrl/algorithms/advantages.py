@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from postrl.algorithms.registry import Registry
+from postrl.algorithms.registry import AdvantageRegistry, Registry
 
-ADVANTAGES: Registry = Registry("advantage estimator")
+ADVANTAGES: AdvantageRegistry = AdvantageRegistry("advantage estimator")
 register_advantage = ADVANTAGES.register
 # the critic's regression targets of an estimator that declares needs_values, by the same name
 VALUE_TARGETS: Registry = Registry("value target")

@@ -31,9 +31,42 @@ class Registry(Generic[F]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Register ``name`` (a second registration of it is an error)."""
+
+        def decorator(fn: F) -> F:
+            self._add(name, fn)
+            return fn
+
+        return decorator
+
+    def _add(self, name: str, fn: F) -> None:
+        if name in self._entries:
+            raise ValueError(f"{self.kind} '{name}' is already registered (by {self._entries[name].__module__})")
+        self._entries[name] = fn
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def check(self, name: str) -> str:
+        if name not in self._entries:
+            raise ValueError(f"unknown {self.kind} '{name}'; registered: {', '.join(sorted(self._entries))}")
+        return name
+
+    def get(self, name: str) -> F:
+        return self._entries[self.check(name)]
+
+
+class AdvantageRegistry(Registry[F]):
+    """The advantage estimators: each entry declares, where it is registered, what it needs from the
+    step (:class:`Needs`), which drives the config checks and the stages a run gets."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
         self._needs: dict[str, Needs] = {}
 
-    def register(
+    def register(  # an estimator's needs are declared with it
         self,
         name: str,
         *,
@@ -46,9 +79,7 @@ class Registry(Generic[F]):
         needs = Needs(groups=needs_groups, baseline=needs_baseline, values=needs_values, token_level=token_level)
 
         def decorator(fn: F) -> F:
-            if name in self._entries:
-                raise ValueError(f"{self.kind} '{name}' is already registered (by {self._entries[name].__module__})")
-            self._entries[name] = fn
+            self._add(name, fn)
             self._needs[name] = needs
             return fn
 
@@ -57,14 +88,6 @@ class Registry(Generic[F]):
     def needs(self, name: str) -> Needs:
         return self._needs[self.check(name)]
 
-    def names(self, where: Callable[[Needs], bool] = lambda needs: True) -> list[str]:
-        """The registered names, sorted; with ``where``, those whose needs match."""
+    def names_needing(self, where: Callable[[Needs], bool]) -> list[str]:
+        """The registered names whose needs match ``where``, sorted."""
         return sorted(n for n in self._entries if where(self._needs[n]))
-
-    def check(self, name: str) -> str:
-        if name not in self._entries:
-            raise ValueError(f"unknown {self.kind} '{name}'; registered: {', '.join(sorted(self._entries))}")
-        return name
-
-    def get(self, name: str) -> F:
-        return self._entries[self.check(name)]

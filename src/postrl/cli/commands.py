@@ -144,7 +144,8 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     from postrl.rollout.agentic.recorder import EpisodeRecorder
     from postrl.rollout.factory import rollout_worker_for_model
     from postrl.serve.batcher import EngineBatcher
-    from postrl.serve.openai_server import ServerLimits, build_app
+    from postrl.serve.limits import ServerLimits
+    from postrl.serve.openai_server import build_app
     from postrl.serve.run import serve_app
     from postrl.workers.http_guard import is_loopback, read_token
 

@@ -20,6 +20,7 @@ from postrl.cli.commands import (
     _cmd_sft,
     _cmd_train,
 )
+from postrl.serve.limits import ServerLimits
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -187,11 +188,20 @@ def _add_serve_rollout(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--weights-dir", help="the only folder /update_weights may read from (default: /update_weights is disabled)"
     )
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
-    p.add_argument("--max-n", type=int, default=64, help="largest n (choices per prompt) a request may ask for")
-    p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
-    p.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
-    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    limits = ServerLimits()  # the defaults are the server's own
+    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help="larger request bodies get 413")
+    p.add_argument(
+        "--max-n", type=int, default=limits.max_n, help="largest n (choices per prompt) a request may ask for"
+    )
+    p.add_argument(
+        "--max-tokens-limit", type=int, default=limits.max_tokens, help="largest max_tokens a request may ask for"
+    )
+    p.add_argument(
+        "--max-prompts", type=int, default=limits.max_prompts, help="most prompts in one completions request"
+    )
+    p.add_argument(
+        "--default-max-tokens", type=int, default=limits.default_max_tokens, help="max_tokens when a request gives none"
+    )
     p.add_argument(
         "--record",
         action="store_true",

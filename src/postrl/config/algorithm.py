@@ -4,6 +4,7 @@ registered by a plugin module takes its keyword arguments in ``options``."""
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
@@ -15,8 +16,11 @@ def _shorthand(value: Any) -> Any:
     return {"type": value} if isinstance(value, str) else value
 
 
-def _kind(builtins: set[str]) -> Any:
-    """Pick the built-in model named by ``type``, the plugin model for any other registered name."""
+def _kind(members: Any) -> Any:
+    """Pick the member of the tagged union ``members`` named by ``type`` (its ``Tag``), the plugin
+    model for any other registered name: the built-in names are the union's own tags."""
+    builtins = {m.tag for arg in typing.get_args(members) for m in typing.get_args(arg)[1:] if isinstance(m, Tag)}
+    builtins.discard("plugin")
 
     def pick(value: Any) -> str:
         value = _shorthand(value)
@@ -151,7 +155,7 @@ class PluginLoss(_PluginEntry):
         return POLICY_LOSSES.check(v)
 
 
-AdvantageConfig = Annotated[
+_Advantages = (
     Annotated[GRPOAdvantage, Tag("grpo")]
     | Annotated[DrGRPOAdvantage, Tag("dr_grpo")]
     | Annotated[RLOOAdvantage, Tag("rloo")]
@@ -159,17 +163,17 @@ AdvantageConfig = Annotated[
     | Annotated[ReinforcePPAdvantage, Tag("reinforce_pp_baseline")]
     | Annotated[ReMaxAdvantage, Tag("remax")]
     | Annotated[GAEAdvantage, Tag("gae")]
-    | Annotated[PluginAdvantage, Tag("plugin")],
-    _kind({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"}),
-]
-PolicyLossConfig = Annotated[
+    | Annotated[PluginAdvantage, Tag("plugin")]
+)
+AdvantageConfig = Annotated[_Advantages, _kind(_Advantages)]
+_PolicyLosses = (
     Annotated[PPOClipLoss, Tag("ppo_clip")]
     | Annotated[GSPOLoss, Tag("gspo")]
     | Annotated[CISPOLoss, Tag("cispo")]
     | Annotated[ReinforceLoss, Tag("reinforce")]
-    | Annotated[PluginLoss, Tag("plugin")],
-    _kind({"ppo_clip", "gspo", "cispo", "reinforce"}),
-]
+    | Annotated[PluginLoss, Tag("plugin")]
+)
+PolicyLossConfig = Annotated[_PolicyLosses, _kind(_PolicyLosses)]
 
 
 class ImportanceCorrectionConfig(Section):
@@ -317,7 +321,7 @@ class AlgorithmConfig(Section):
             raise ValueError("algorithm.kl_in=reward puts -kl_beta x KL in the reward: set kl_beta > 0")
         from postrl.algorithms import ADVANTAGES
 
-        token_level = ADVANTAGES.names(lambda needs: needs.token_level)
+        token_level = ADVANTAGES.names_needing(lambda needs: needs.token_level)
         if self.kl_in == "reward" and not ADVANTAGES.needs(self.advantage.type).token_level:
             raise ValueError(
                 f"algorithm.kl_in=reward puts a per-token penalty into the rewards, which "
@@ -336,7 +340,7 @@ class AlgorithmConfig(Section):
                 f"algorithm.advantage={self.advantage.type} needs a critic: set algorithm.critic (e.g. critic: {{lr: 1e-4}})"
             )
         if self.critic is not None and not wants_values:
-            users = ", ".join(ADVANTAGES.names(lambda needs: needs.values))
+            users = ", ".join(ADVANTAGES.names_needing(lambda needs: needs.values))
             raise ValueError(f"algorithm.critic is only used by advantage={users}, not {self.advantage.type}")
         return self
 

@@ -22,7 +22,8 @@ from postrl.rollout.agentic.episodes import failed_rollout
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.rollout.agentic.recorder import EpisodeRecorder, RecordedEpisode
 from postrl.serve.batcher import EngineBatcher
-from postrl.serve.openai_server import ServerLimits, build_app
+from postrl.serve.limits import ServerLimits
+from postrl.serve.openai_server import build_app
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.net import free_port
 from postrl.workers.roles import RolloutWorker

@@ -17,7 +17,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from postrl.rollout.agentic.recorder import EpisodeRecorder
 from postrl.serve.batcher import EngineBatcher
+from postrl.serve.limits import ServerLimits
 from postrl.serve.openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -42,18 +42,6 @@ from postrl.serve.openai_protocol import (
 from postrl.serve.recorded_chat import add_episode_routes, recorded_chat
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware, confined_path, detail
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one request may ask for; larger requests get a 400 naming the bound."""
-
-    max_n: int = 64
-    max_tokens: int = 4096
-    max_prompts: int = 64
-    default_max_tokens: int = 256
-    weights_dir: str | None = None  # /update_weights reads only files under it; None disables it
-    max_body_bytes: int = 4 << 20
 
 
 class _ChoiceStream:
