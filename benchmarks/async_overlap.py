@@ -45,6 +45,11 @@ class SlowVerifier:
         self.inner, self.delay = inner, delay
         self.accuracy_component = inner.accuracy_component
 
+    def score(self, prompt, response, **columns):
+        from postrl.types import ScoreRequest
+
+        return self.score_batch([ScoreRequest(prompt, response, columns)])[0]
+
     def score_batch(self, requests):
         time.sleep(self.delay)
         return self.inner.score_batch(requests)

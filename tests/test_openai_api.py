@@ -385,7 +385,9 @@ def _always_500_app():
 
 
 class _NoStreamEngine:
-    """An engine without ``on_token`` (like the vLLM backend): streams arrive whole at the end."""
+    """An engine that does not stream tokens (like the vLLM backend): streams arrive whole at the end."""
+
+    streams_tokens = False
 
     def __init__(self, inner) -> None:
         self.inner = inner

@@ -99,17 +99,41 @@ def test_group_shuffle_keeps_groups_together(char_tokenizer):
         assert sorted(order) == list(range(6)) and sorted(runs) == [1, 2, 3]
 
 
-def test_update_changes_weights_and_reports_metrics(char_tokenizer):
+def test_update_raises_the_good_response_and_lowers_the_bad_one(char_tokenizer):
+    """Two responses to one prompt, advantage +1 and -1: after the update the first is more likely
+    and the second less (a sign flip in the loss or the advantages fails here), and the metrics are
+    those of real steps."""
+    from postrl.train.logprobs import token_logprobs
+
     model = make_tiny_model("llama", char_tokenizer)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    worker = PolicyTrainer(
-        model, TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=1, epochs=2), AlgorithmConfig()
-    )
-    metrics = worker.update(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
-    assert metrics.optimizer_steps == 4 and metrics.skipped_steps == 0
+
+    def batch_with(old: list[list[float]]) -> ExperienceBatch:
+        exps = [
+            Experience([1, 20, 21], [30, 31, 32], old[0], 1.0, 1.0, 0, group_id=0),
+            Experience([1, 20, 21], [40, 41, 42], old[1], 0.0, -1.0, 0, group_id=0),
+        ]
+        return ExperienceBatch.from_experiences(exps, char_tokenizer.pad_token_id)
+
+    def logprobs(batch: ExperienceBatch) -> torch.Tensor:
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, target_mask=batch.response_mask)
+        return logp
+
+    def mean_logprobs() -> list[float]:
+        logp = logprobs(batch)
+        return ((logp * batch.response_mask).sum(-1) / batch.response_mask.sum(-1)).tolist()
+
+    probe = batch_with([[0.0] * 3, [0.0] * 3])
+    current = logprobs(probe)
+    batch = batch_with([row[mask.bool()].tolist() for row, mask in zip(current, probe.response_mask)])  # on-policy
+    before = mean_logprobs()
+    worker = PolicyTrainer(model, TrainConfig(lr=1e-3, mini_batch_size=2, micro_batch_size=1), AlgorithmConfig())
+    metrics = worker.update(batch)
+    after = mean_logprobs()
+    assert after[0] > before[0] + 0.01 and after[1] < before[1] - 0.01, (before, after)
+    assert metrics.optimizer_steps == 1 and metrics.skipped_steps == 0
     assert metrics.get("actor/grad_norm") > 0 and metrics.get("actor/entropy") > 0
     assert 0 <= metrics.get("actor/clip_fraction") <= 1
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_non_finite_gradient_skips_step_then_stops_the_run(char_tokenizer):
@@ -178,15 +202,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(char_tokenizer):
 
 
 def test_bf16_autocast_training_keeps_fp32_weights_and_learns(char_tokenizer):
-    model = make_tiny_model("llama", char_tokenizer)
-    worker = PolicyTrainer(
-        model, TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, precision="bf16_autocast"), AlgorithmConfig()
+    """Under bf16 autocast the weights stay fp32 and move as the fp32 update moves them, but not
+    bit for bit (the matmuls did run in bf16: a precision setting that did nothing fails here)."""
+    results = {}
+    for precision in ("bf16_autocast", "float32"):
+        torch.manual_seed(0)
+        model = make_tiny_model("llama", char_tokenizer)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        train = TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2, precision=precision)
+        metrics = PolicyTrainer(model, train, AlgorithmConfig()).update(
+            batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5])
+        )
+        assert metrics.optimizer_steps == 1 and metrics.get("actor/grad_norm") > 0
+        assert all(v.dtype == torch.float32 for v in model.state_dict().values())
+        results[precision] = {k: v - before[k] for k, v in model.state_dict().items()}
+    bf16, fp32 = results["bf16_autocast"], results["float32"]
+    moved = [k for k in fp32 if fp32[k].abs().max() > 0]
+    assert moved and any(not torch.equal(bf16[k], fp32[k]) for k in moved)
+    cos = torch.nn.functional.cosine_similarity(
+        torch.cat([bf16[k].flatten() for k in moved]), torch.cat([fp32[k].flatten() for k in moved]), dim=0
     )
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    metrics = worker.update(batch_of(char_tokenizer, [1.0, -1.0, 0.5, -0.5]))
-    assert metrics.optimizer_steps == 1 and metrics.get("actor/grad_norm") > 0
-    assert all(v.dtype == torch.float32 for v in model.state_dict().values())
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert cos > 0.9, float(cos)
 
 
 def test_masked_logprobs_equal_full_logprobs_on_the_mask(char_tokenizer):

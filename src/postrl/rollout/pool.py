@@ -41,6 +41,8 @@ class EngineSlot:
 
 
 class RolloutPool:
+    streams_tokens = False  # its engines' tokens are not relayed one by one
+
     def __init__(
         self,
         start_engine: Callable[[int], Handle],
