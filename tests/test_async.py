@@ -28,6 +28,7 @@ def _threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("postrl-") and t.name != "postrl-lease"]
 
 
+@pytest.mark.slow
 def test_async_run_keeps_the_lag_bound_and_stops_cleanly(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl, steps=5, **ASYNC, checkpoint={"every_steps": 0})
     before = set(_threads())
@@ -95,6 +96,7 @@ def _resume_recorded(script: Path, run_dir: Path, env: dict) -> None:
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_async_run_killed_and_resumed_trains_every_sample_exactly_once(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = write_config(
         tmp_path, tiny_model_dir, arithmetic_jsonl, steps=STEPS, **ASYNC, checkpoint={"every_steps": 3, "keep_last": 20}
@@ -139,6 +141,7 @@ def test_async_run_killed_and_resumed_trains_every_sample_exactly_once(tmp_path,
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_an_async_checkpoint_keeps_the_batch_being_generated_and_the_resumed_run_continues_it(
     tmp_path, tiny_model_dir, arithmetic_jsonl
 ):

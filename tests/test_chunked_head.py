@@ -82,6 +82,7 @@ def test_fp32_weights_under_autocast_project_in_bf16():
     assert gw.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_fused_bf16_head_matches_the_eager_one_and_reuses_its_probabilities(monkeypatch):
     """The compiled single pass (logprobs, entropy, probabilities kept for the backward) against the
     eager chunks: the same logprobs and entropy to float32 rounding, gradients one bf16 rounding

@@ -111,6 +111,7 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
         assert {"reward/math/mean", "reward/code/mean"} <= set(first)
 
 
+@pytest.mark.slow
 def test_dpo_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     assert (
@@ -131,6 +132,7 @@ def test_dpo_example_runs(tmp_path, monkeypatch):
     assert len(rows) == 2 and rows[-1]["dpo/reward_accuracy"] > 0.5  # 512 pairs, 256 a step
 
 
+@pytest.mark.slow
 def test_progress_output_to_a_file_has_no_carriage_returns(tmp_path):
     log = tmp_path / "train.log"
     with log.open("w") as fh:
@@ -156,6 +158,7 @@ def test_progress_output_to_a_file_has_no_carriage_returns(tmp_path):
 
 
 @pytest.mark.parametrize("name", SERVICE_EXAMPLES)
+@pytest.mark.slow
 def test_reward_service_example_serves(name):
     port = free_port()
     proc = subprocess.Popen(

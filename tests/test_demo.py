@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from transformers import AutoModelForCausalLM
 
 from postrl.cli import main
@@ -24,6 +25,7 @@ def test_task_splits_are_disjoint_and_seeded():
     assert exact_match(row["prompt"], "<answer>522</answer>", **columns) == 0.0
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path, capsys):
     assert main(["demo", f"output_dir={tmp_path}", "steps=2", "prompts_per_step=4", "logging.progress_bar=false"]) == 0
     out = capsys.readouterr().out

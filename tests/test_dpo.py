@@ -107,6 +107,7 @@ def test_preference_pairs_from_parquet_name_the_row(tmp_path, char_tokenizer):
     assert len(pairs) == 1 and pairs[0].source == f"{path}:row 1" and len(skipped) == 1
 
 
+@pytest.mark.slow
 def test_postrl_dpo_stops_cleanly_on_ctrl_c_and_resumes(tmp_path, tiny_model_dir):
     import os
     import signal

@@ -30,6 +30,7 @@ def env_server():
     stop_server(proc)
 
 
+@pytest.mark.slow
 def test_an_episode_over_http_is_the_same_trajectory_as_in_process(env_server, monkeypatch):
     monkeypatch.setenv("ENV_TOKEN", TOKEN)
     tok = family_tokenizer("qwen2.5")
@@ -67,6 +68,7 @@ def test_a_bad_token_and_a_bad_body_are_refused(env_server, monkeypatch):
     env.close()
 
 
+@pytest.mark.slow
 def test_an_episode_saved_on_one_server_goes_on_on_another(monkeypatch):
     """Suspend and resume across a restart: the episode's state from the first server, restored on
     a second after the first stopped, is scored as if nothing happened."""

@@ -58,6 +58,7 @@ def test_token_split_balances_tokens_and_keeps_groups(char_tokenizer):
 
 
 @pytest.mark.parametrize("micro_batch_tokens", [None, 30])
+@pytest.mark.slow
 def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, char_tokenizer, micro_batch_tokens):
     """Fixed micro-batches on one process against the group's, fixed or by a token budget (each rank
     packs its share: 42 tokens into 2 micro-batches)."""
@@ -86,6 +87,7 @@ def test_two_rank_loss_gradients_and_update_equal_one_process(tiny_model_dir, ch
             h.close()
 
 
+@pytest.mark.slow
 def test_group_update_matches_one_process_and_checkpoint_resumes_in_one(tiny_model_dir, char_tokenizer, tmp_path):
     batch = uneven_batch(char_tokenizer.pad_token_id)
     train = TRAIN.model_copy(update={"mini_batch_size": 6, "forward": "transformers"})  # the ranks' forward
@@ -116,6 +118,7 @@ def test_group_update_matches_one_process_and_checkpoint_resumes_in_one(tiny_mod
     assert all(torch.equal(reloaded.state_dict()[n], state[n]) for n in state)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_group_naming_it(tiny_model_dir, char_tokenizer):
     ranks = group_of(2, tiny_model_dir)
     group = client(TrainGroup(ranks), TrainWorker)
@@ -125,6 +128,7 @@ def test_a_dead_rank_stops_the_group_naming_it(tiny_model_dir, char_tokenizer):
     assert not any(h.alive() for h in ranks)
 
 
+@pytest.mark.slow
 def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
     """`scheduler.train.workers=2` through the runner, then `--resume` with one process: the
     resumed run starts from the 2-rank checkpoint's exact weights."""
@@ -165,6 +169,7 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
 
 
 @pytest.mark.parametrize("loss_agg", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.slow
 def test_sequence_aggregations_are_exact_across_ranks(tiny_model_dir, char_tokenizer, loss_agg):
     """The sequence normalisers are global too: 2 ranks give the one-process update."""
     batch = uneven_batch(char_tokenizer.pad_token_id)
@@ -187,6 +192,7 @@ def test_sequence_aggregations_are_exact_across_ranks(tiny_model_dir, char_token
         group.close()
 
 
+@pytest.mark.slow
 def test_lora_group_update_equals_one_process_and_resumes_in_one(tiny_model_dir, char_tokenizer, tmp_path):
     """LoRA under FSDP2: 2 ranks (base weights and adapters sharded together) take the one-process
     update; the gathered adapter sync, the peft export and the checkpoint (resumed by one process)
@@ -238,6 +244,7 @@ def test_lora_group_update_equals_one_process_and_resumes_in_one(tiny_model_dir,
         assert float((peft(input_ids=ids).logits - single.model(input_ids=ids).logits).abs().max()) < 1e-5
 
 
+@pytest.mark.slow
 def test_lora_train_run_on_two_ranks_syncs_adapters_and_resumes_on_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
     """`model.lora` with `scheduler.train.workers=2` through the runner: the engine applies the
     adapters the group gathered (its logprobs equal the trainer's), the merged export (gathered

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from postrl.cli import main
 from tests.test_golden import check_golden
 from tests.test_train_e2e import write_config
@@ -21,6 +23,7 @@ LENGTH_REWARD = {
 }
 
 
+@pytest.mark.slow
 def test_ppo_clip_over_two_epochs_matches_golden_values(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = write_config(
         tmp_path,
@@ -41,6 +44,7 @@ def test_ppo_clip_over_two_epochs_matches_golden_values(tmp_path, tiny_model_dir
     assert max(r["actor/clip_fraction"] for r in rows) > 0  # the second epoch moves past the clip range
 
 
+@pytest.mark.slow
 def test_ppo_with_a_critic_and_whitened_gae_matches_golden_values(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = write_config(
         tmp_path,

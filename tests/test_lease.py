@@ -49,6 +49,7 @@ def test_stale_heartbeat_of_another_host_is_not_live(tmp_path):
     assert not lease.is_live({"host": "elsewhere", "pid": 1, "heartbeat": time.time() - 61})
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_second_controller_on_a_run(tmp_path, tiny_model_dir, arithmetic_jsonl):
     run_dir = tmp_path / "busy"
     run_dir.mkdir()

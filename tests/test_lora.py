@@ -116,6 +116,7 @@ def test_checkpoint_resume_is_bit_exact(char_tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("export", ["merged", "adapter"])
+@pytest.mark.slow
 def test_exports_load_in_transformers_and_peft(char_tokenizer, tmp_path, export):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -136,6 +137,7 @@ def test_exports_load_in_transformers_and_peft(char_tokenizer, tmp_path, export)
     assert float((got - want).abs().max()) < 1e-5
 
 
+@pytest.mark.slow
 def test_train_and_dpo_runs_with_lora_end_to_end(tmp_path, tiny_model_dir, arithmetic_jsonl):
     import json
 

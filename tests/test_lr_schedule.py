@@ -40,6 +40,7 @@ def test_the_scheduler_follows_the_factors_and_needs_a_horizon():
         make_scheduler(opt, "cosine", 0, None, 0.0)
 
 
+@pytest.mark.slow
 def test_a_cosine_run_decays_over_its_length_and_resumes_on_the_curve(tmp_path, tiny_model_dir, arithmetic_jsonl):
     # 4 steps x (4 prompts x 4 samples / mini-batch 8) = 8 optimizer steps; lr 1e-3 -> 1e-4
     schedule = ["train.lr_schedule=cosine", "train.min_lr_ratio=0.1", "checkpoint.every_steps=2"]

@@ -6,9 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test runs torch in a subprocess
+
 PHASES = """
 import json, torch
 from postrl.train.memory import PeakMemory
+
 cpu = torch.device("cpu")
 with PeakMemory(cpu) as quiet:
     pass

@@ -29,6 +29,7 @@ def test_greedy_equals_transformers_token_for_token(char_tokenizer, kind):
         assert (r.response_ids, r.finish_reason) == hf_greedy(model, char_tokenizer, text, 16)
 
 
+@pytest.mark.slow
 def test_continuous_batching_equals_one_at_a_time(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=10, stop=("9",))
@@ -48,6 +49,7 @@ def test_continuous_batching_equals_one_at_a_time(char_tokenizer):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_sampled_logprobs_match_trainer_within_1e4(char_tokenizer, kind):
     model = make_tiny_model(kind, char_tokenizer)
     engine = NativeRolloutWorker.from_hf(model, char_tokenizer, max_batch_size=4, seed=3)

@@ -12,10 +12,13 @@ import sys
 import textwrap
 import time
 
+import pytest
 import yaml
 from openai import OpenAI
 
 from tests.test_serve import free_port
+
+pytestmark = pytest.mark.slow  # Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier
 
 
 def postrl(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -114,6 +114,7 @@ def test_health_answers_503_when_no_step_finishes_in_time():
 @pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs Debian's prometheus (scripts/setup.sh installs it as root)"
 )
+@pytest.mark.slow
 def test_a_real_prometheus_scrapes_every_phase_of_a_5_step_run(tmp_path, monkeypatch):
     from postrl.run.train_runner import train
 
@@ -157,6 +158,7 @@ def test_a_real_prometheus_scrapes_every_phase_of_a_5_step_run(tmp_path, monkeyp
         server.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_mlflow_reads_back_every_step_and_the_artifacts(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -203,6 +205,7 @@ def wandb_history(run_dir: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_directory_holds_the_scalars(tmp_path, monkeypatch):
     from postrl.run.train_runner import train
 
@@ -216,6 +219,7 @@ def test_wandb_offline_run_directory_holds_the_scalars(tmp_path, monkeypatch):
     assert rows[0]["actor/grad_norm"] == expected[0]["actor/grad_norm"]
 
 
+@pytest.mark.slow
 def test_a_tracker_that_fails_mid_run_warns_once_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient

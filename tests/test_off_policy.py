@@ -150,6 +150,7 @@ def test_with_recompute_the_first_micro_batchs_ratio_is_exactly_one(char_tokeniz
     assert ratio.min().item() == pytest.approx(math.exp(0.3), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_decoupled_loss_is_the_clipped_surrogate_times_the_weight(char_tokenizer):
     """MIS drops the tokens whose behaviour ratio leaves the bounds: their gradient is zero, the
     others' is the plain PPO gradient times the weight."""

@@ -283,6 +283,7 @@ def test_token_and_weights_folder_protect_the_server(char_tokenizer, tmp_path):
         batcher.close()
 
 
+@pytest.mark.slow
 def test_serve_rollout_refuses_a_public_address_without_a_token():
     done = subprocess.run(
         [

@@ -127,6 +127,7 @@ def test_bf16_autocast_computes_the_forward_in_bf16(char_tokenizer):
     assert seen == {"float32": {torch.float32}, "bf16_autocast": {torch.bfloat16}}
 
 
+@pytest.mark.slow
 def test_remote_errors_arrive_typed_from_a_child_process():
     from postrl.models.weights import WeightSyncError
     from postrl.workers.errors import WorkerCallError

@@ -154,6 +154,7 @@ def test_a_run_that_does_not_fit_names_the_role_and_the_fix(tmp_path):
         ),
     ],
 )
+@pytest.mark.slow
 def test_planned_peaks_are_within_15_percent_of_measured(name, model, extra, tmp_path, char_tokenizer):
     """Measured: peak bytes of live tensors (TensorBytes) in the trainer's second update of a
     full-length step and in the engine's generation; planned: the same config on this CPU."""

@@ -31,6 +31,8 @@ from postrl.types import (  # noqa: E402
 from tests.engine_hosts import SlowHost  # noqa: E402
 from tests.trained_samples import record_trained_samples  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier
+
 
 def ray_processes() -> list[str]:
     """Running Ray processes (zombies already exited: they only wait to be reaped)."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -80,6 +81,7 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_process_killed_while_checkpointing_leaves_previous_checkpoint(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = write_config(tmp_path, tiny_model_dir, arithmetic_jsonl)
     assert main(["train", config, "steps=2", "checkpoint.every_steps=2"]) == 0

@@ -231,6 +231,7 @@ def test_failure_rate_stops_the_run_and_keeps_the_samples(tmp_path, tiny_model_d
     assert len(saved) == 16 and "response" in json.loads(saved[0])
 
 
+@pytest.mark.slow
 def test_training_through_the_remote_reward_service(tmp_path, tiny_model_dir, arithmetic_jsonl):
     server_config = {
         "reward": {

@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from postrl.cli import main
@@ -68,6 +69,7 @@ def _worker_pids(pool_pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_every_sample_hanging_ends_within_two_timeouts():
     jobs = [{"fn": f"{FN}:hangs", "prompt": "p", "response": str(i), "columns": {}} for i in range(64)]
     with ScoringPool(num_workers=2, timeout_s=2.0, preload=(f"{FN}:hangs",)) as pool:
@@ -84,6 +86,7 @@ def test_every_sample_hanging_ends_within_two_timeouts():
     assert skipped and all(r.error.startswith(f"not run: {FN}:hangs timed out on") for r in skipped)
 
 
+@pytest.mark.slow
 def test_a_few_hanging_samples_cost_about_one_timeout():
     jobs = [
         {"fn": f"{FN}:hangs_on_marked", "prompt": "p", "response": str(i), "columns": {"hang": i % 10 == 3}}
@@ -127,6 +130,7 @@ def test_workers_die_with_a_killed_trainer(tmp_path):
     assert _worker_pids(proc.pid) == []
 
 
+@pytest.mark.slow
 def test_train_with_an_always_hanging_reward_stops_in_seconds(tmp_path, tiny_model_dir, arithmetic_jsonl, capsys):
     config = write_config(
         tmp_path,
@@ -256,6 +260,7 @@ def test_a_non_finite_in_process_score_is_unscorable():
     assert result.unscorable and result.error == "f: returned nan (not finite)"
 
 
+@pytest.mark.slow
 def test_whole_hanging_groups_cost_about_one_timeout():
     """A hang is caused by the prompt, so all G samples of a prompt hang together: 3 of 16 prompts
     x G=4 hanging at timeout 3 s used to cost a timeout per sample queued on a worker (~12 s)."""
@@ -285,6 +290,7 @@ def test_whole_hanging_groups_cost_about_one_timeout():
     assert all(r.reward == 1.0 for i, r in enumerate(results) if i not in hung)
 
 
+@pytest.mark.slow
 def test_adjacent_hanging_siblings_time_out_together():
     """4 adjacent jobs of one prompt hanging at a 2 s timeout: 8.1 s before (queued behind one another)."""
     jobs = [

@@ -95,6 +95,7 @@ def code_sample(program: str, tests: list[str] | None = None) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_good_and_partial_programs_score_their_fraction_in_order(code_server):
     _, url = code_server
     add = "def add(a, b):\n    return a + b"
@@ -116,6 +117,7 @@ def test_stdin_stdout_tests(code_server):
     assert result["reward"] == 0.5 and "wrong output" in result["reasons"]["code"]
 
 
+@pytest.mark.slow
 def test_adversarial_programs_are_contained(code_server, tmp_path):
     proc, url = code_server
     listener = socket.socket()
@@ -211,6 +213,7 @@ def test_token_body_size_and_json_checks(code_server):
     assert too_many.status_code == 413 and "max_batch" in too_many.text
 
 
+@pytest.mark.slow
 def test_remote_client_scores_in_order_against_the_server(tmp_path):
     config = {
         "reward": {

@@ -49,6 +49,7 @@ def versions(pool):
     return [slot.handle.attribute("weight_version") for slot in pool.engines]
 
 
+@pytest.mark.slow
 def test_prompts_spread_by_outstanding_work_and_groups_stay_together(tiny_model_dir, char_tokenizer):
     pool = RolloutPool(starter(tiny_model_dir), 2, DirectTransport())
     try:
@@ -80,6 +81,7 @@ def tamper_with_buckets(monkeypatch, tamper) -> None:
     monkeypatch.setattr(broadcast, "pack", packed)
 
 
+@pytest.mark.slow
 def test_broadcast_sync_reaches_every_engine_and_a_corrupted_tensor_is_refused(
     tiny_model_dir, char_tokenizer, monkeypatch
 ):
@@ -99,6 +101,7 @@ def test_broadcast_sync_reaches_every_engine_and_a_corrupted_tensor_is_refused(
         pool.close()
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_transfer_leaves_others_on_new_version_and_comes_back(
     tiny_model_dir, char_tokenizer, monkeypatch
 ):
@@ -123,6 +126,7 @@ def test_engine_killed_mid_transfer_leaves_others_on_new_version_and_comes_back(
         pool.close()
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_generate_is_replaced_and_its_prompts_requeued(tiny_model_dir, char_tokenizer):
     state, manifest = new_weights(tiny_model_dir)
     pool = RolloutPool(starter(tiny_model_dir, slow=(1,)), 2, DirectTransport())
@@ -171,6 +175,7 @@ def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(
     assert pool.weight_version == 3 and all(slot.handle.obj.weight_version == 3 for slot in pool.engines)
 
 
+@pytest.mark.slow
 def test_an_engine_in_a_child_process_takes_weights_and_a_suspend_beside_its_generate(tiny_model_dir, char_tokenizer):
     from postrl.rollout.host import ENGINE_SIDE_CALLS
 

@@ -8,6 +8,7 @@ import logging
 import time
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from postrl.rollout.native import NativeRolloutWorker
@@ -52,6 +53,7 @@ def test_models_fail_over_and_all_down_is_a_503_naming_the_backends(char_tokeniz
         batcher.close()
 
 
+@pytest.mark.slow
 def test_a_backend_back_after_a_long_outage_rejoins_within_one_interval(char_tokenizer, caplog):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

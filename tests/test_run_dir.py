@@ -140,6 +140,7 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 120) ->
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.slow
 def test_signal_stops_after_the_step_and_checkpoints(tmp_path, tiny_model_dir, arithmetic_jsonl, sig):
     config = write_config(
         tmp_path, tiny_model_dir, arithmetic_jsonl, steps=200, checkpoint={"every_steps": 0, "keep_last": 1}
@@ -208,6 +209,7 @@ def test_jsonl_errors_name_the_right_column_and_skipped_rows_are_listed(tmp_path
     assert [x.split(": ")[0] for x in listed] == [f"{data}:101", f"{data}:102"]
 
 
+@pytest.mark.slow
 def test_second_signal_abandons_the_step_and_keeps_the_last_completed_one(tmp_path, tiny_model_dir, arithmetic_jsonl):
     config = write_config(
         tmp_path,

@@ -213,6 +213,7 @@ def test_a_data_path_on_the_command_line_is_found_next_to_the_config(
     ) in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_of_a_run_uses_its_own_held_out_data_and_works_for_url_runs(
     tmp_path, tiny_model_dir, arithmetic_jsonl, capsys, monkeypatch
 ):
@@ -310,6 +311,7 @@ def test_a_large_logprob_mismatch_is_warned_once_naming_both_dtypes():
     assert said == []
 
 
+@pytest.mark.slow
 def test_the_console_says_where_workers_run_and_a_url_run_drops_its_working_copy(
     tmp_path, tiny_model_dir, arithmetic_jsonl, capsys, monkeypatch
 ):

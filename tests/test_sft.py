@@ -117,6 +117,7 @@ def test_a_run_from_another_directory_stopped_and_resumed(tmp_path, tiny_model_d
     assert AutoModelForCausalLM.from_pretrained(run / "final_model") is not None
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_give_the_one_process_losses(tmp_path, tiny_model_dir):
     import shutil
 

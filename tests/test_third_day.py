@@ -171,6 +171,7 @@ def test_limited_calls_keep_their_order_abandon_the_slow_and_free_their_place():
         call_limited(lambda: {}["k"], 1.0)
 
 
+@pytest.mark.slow
 def test_b5_a_second_sigterm_ends_a_run_whose_environment_hangs(tmp_path):
     args = agent_run(tmp_path, "agent.env=tests.fault_envs:StepHangs", "agent.env_timeout_s=600")
     proc = subprocess.Popen(
@@ -238,6 +239,7 @@ def test_an_agent_function_that_always_raises_stops_the_run_with_its_error_and_t
     assert 'raise ValueError(f"no parser for' in log
 
 
+@pytest.mark.slow
 def test_serve_env_answers_a_failing_reset_with_json_and_refuses_a_done_episode(tmp_path, capsys):
     proc, url = start_cli_server(["serve-env", "tests.fault_envs:ResetRaises"])
     try:
