@@ -1,6 +1,8 @@
-"""``postrl train``: set up from a config, run the steps, checkpoint, clean up.
+"""``postrl train``: check a config, build the run's parts, run the steps, clean up.
 
-The entry point reads like a table of contents: :func:`train` = setup -> loop -> cleanup.
+:func:`train` checks everything it can before writing anything (the run directory, the model's
+context, devices, the memory plan, remote servers), builds the parts (:func:`build_components`),
+then hands the Controller to the step loop every command shares (:mod:`postrl.run.lifecycle`).
 """
 
 from __future__ import annotations
