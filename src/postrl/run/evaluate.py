@@ -80,19 +80,25 @@ def evaluate_with_rewards(
     name: str,
     out: Path | None = None,
 ) -> ScoredEval:
-    """Greedy responses scored by ``reward``'s components, as training scores them; accuracy is
-    :func:`postrl.reward.accuracy.accuracy` (None without an accuracy component)."""
+    """Greedy responses from the engine training generates with, scored by ``reward``'s components
+    through the same batch source training uses; accuracy is :func:`postrl.reward.accuracy.accuracy`
+    (None without an accuracy component)."""
+    from postrl.controller.source import SingleTurn
     from postrl.controller.step_metrics import write_samples
     from postrl.reward.factory import make_reward_service
-    from postrl.reward.requests import score_with
 
-    rollouts = greedy_rollouts(model, tokenizer, dataset, max_tokens, rollout)
+    engine = rollout_worker_for_model(rollout, model, tokenizer, "float32", seed=0)
     service = make_reward_service(reward)
+    was_training = model.training
     try:
-        results = score_with(service, dataset.prompts, rollouts)
-        component = service.accuracy_component
+        source = SingleTurn(engine, service)
+        rollouts = source.generate(dataset.prompts, greedy_sampling(rollout, max_tokens), 0)
+        results = source.score(dataset.prompts, rollouts)
+        component = source.accuracy_component
     finally:
         service.close()
+        engine.close()
+        model.train(was_training)
     if out is not None:
         write_samples(out, dataset.prompts, rollouts, results)
     acc = accuracy(results, component, reward.accuracy_threshold)
