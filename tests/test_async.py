@@ -216,6 +216,7 @@ def test_async_mode_runs_every_kind_of_step(tmp_path, tiny_model_dir, arithmetic
     rows = read_metrics(tmp_path / "runs" / "tiny" / "metrics.jsonl")
     bound = {**ASYNC, **extra}["buffer"]["max_staleness"]
     assert [r["step"] for r in rows] == [1, 2, 3] and max(r["buffer/lag_max"] for r in rows) <= bound
+    assert all(r["time/wait_s"] >= 0 and r["time/weight_push_s"] >= 0 for r in rows)  # the pipeline's own figures
     assert all(r["actor/grad_norm"] == r["actor/grad_norm"] or "critic/value_loss" in r for r in rows)
 
 

@@ -243,7 +243,39 @@ class Producer:
         self.in_flight = None if held is None else Generated.of_state(held)
 
 
-class ThreadedPipeline:
+class BackgroundWeights:
+    """What both async pipelines share: the batch steps, the buffer's put, the versions, and new
+    weights pushed from a :class:`BackgroundSync` thread (a copy, so training goes on)."""
+
+    def __init__(
+        self,
+        steps: BatchSteps,
+        deliver: Callable[[list[Experience]], None],
+        versions: Versions,
+        push: Callable[[Weights, int], None],
+        config: RunConfig,
+    ) -> None:
+        self.steps, self.deliver, self.versions, self.config = steps, deliver, versions, config
+        self.syncer = BackgroundSync(push, versions.engines_hold, config.controller.producer_threads, versions.wake)
+
+    def publish(self, state: Weights, version: int) -> None:
+        self.syncer.post({k: v.detach().clone() for k, v in state.items()}, version)
+
+    def may_start(self, batch: int) -> bool:
+        return self.versions.may_start(batch, self.config.buffer)
+
+    def sync_failed(self) -> bool:
+        return self.syncer.error is not None
+
+    def close_sync(self) -> None:
+        """The last weights onto the engines, then the sync thread ends."""
+        try:
+            self.syncer.flush()
+        finally:
+            self.syncer.close()
+
+
+class ThreadedPipeline(BackgroundWeights):
     """``overlap: generation``: the :class:`Producer` thread, and the weights in the background."""
 
     def __init__(
@@ -254,11 +286,11 @@ class ThreadedPipeline:
         push: Callable[[Weights, int], None],
         config: RunConfig,
     ) -> None:
+        super().__init__(steps, deliver, versions, push, config)
         threads = config.controller.producer_threads
-        self.syncer = BackgroundSync(push, versions.engines_hold, threads, versions.wake)
-        may_start = lambda k: versions.may_start(k, config.buffer)  # noqa: E731
-        failed = lambda: self.syncer.error is not None  # noqa: E731
-        self.producer = Producer(steps, deliver, may_start, config.steps, 0, versions.cv, threads, failed)
+        self.producer = Producer(
+            steps, deliver, self.may_start, config.steps, 0, versions.cv, threads, self.sync_failed
+        )
 
     def next_report(self, timer: StageTimer) -> ProducedBatch:
         return timer.run("wait", self.producer.next_report)
@@ -269,9 +301,6 @@ class ThreadedPipeline:
             ROLLOUT_SUSPENDED_BATCHES: float(self.producer.suspended),
             TIME_WEIGHT_PUSH_S: self.syncer.last_s,
         }
-
-    def publish(self, state: Weights, version: int) -> None:
-        self.syncer.post({k: v.detach().clone() for k, v in state.items()}, version)
 
     def give_back(self, report: ProducedBatch | None, taken: bool) -> bool:
         if taken:  # what was taken from the buffer cannot be put back
@@ -291,13 +320,10 @@ class ThreadedPipeline:
 
     def close(self) -> None:
         self.producer.stop()
-        try:
-            self.syncer.flush()
-        finally:
-            self.syncer.close()
+        self.close_sync()
 
 
-class InlinePipeline:
+class InlinePipeline(BackgroundWeights):
     """``controller.overlap: scoring``: generation and the stages' compute run on the consumer's
     thread, between two updates, and only the waiting runs beside training: the batch generated
     for the next step is scored in a thread of its own while this step trains, and the weights
@@ -314,8 +340,7 @@ class InlinePipeline:
         push: Callable[[Weights, int], None],
         config: RunConfig,
     ) -> None:
-        self.steps, self.deliver, self.versions, self.config = steps, deliver, versions, config
-        self.syncer = BackgroundSync(push, versions.engines_hold, config.controller.producer_threads, versions.wake)
+        super().__init__(steps, deliver, versions, push, config)
         self.produced = 0
         self.reports: deque[ProducedBatch] = deque()
         self.waited_s = 0.0
@@ -323,8 +348,12 @@ class InlinePipeline:
         self._in_flight: tuple[Batch, Future] | None = None
 
     def next_report(self, timer: StageTimer) -> ProducedBatch:
-        """The next batch's report. The batch after it is generated first (then scored while this
-        one trains), so a step abandoned during that generation leaves the report in place."""
+        """The next batch's report (``time/wait_s``: finishing it and generating the one after)."""
+        return timer.run("wait", self._next_report)
+
+    def _next_report(self) -> ProducedBatch:
+        """The batch after this one is generated first (then scored while this one trains), so a
+        step abandoned during that generation leaves the report in place."""
         self._complete()
         if not self.reports:  # nothing ran ahead (the first step, or the first after a resume)
             self._begin()
@@ -336,9 +365,6 @@ class InlinePipeline:
 
     def metrics(self) -> dict[str, float]:
         return {TIME_PRODUCER_WAITED_S: self.waited_s, TIME_WEIGHT_PUSH_S: self.syncer.last_s}
-
-    def publish(self, state: Weights, version: int) -> None:
-        self.syncer.post({k: v.detach().clone() for k, v in state.items()}, version)
 
     def give_back(self, report: ProducedBatch | None, taken: bool) -> bool:
         if taken:
@@ -353,10 +379,8 @@ class InlinePipeline:
             return
         began = time.perf_counter()
         with self.versions.cv:
-            self.versions.cv.wait_for(
-                lambda: self.versions.may_start(number, self.config.buffer) or self.syncer.error is not None
-            )
-        if self.syncer.error is not None:
+            self.versions.cv.wait_for(lambda: self.may_start(number) or self.sync_failed())
+        if self.sync_failed():
             raise PipelineError("the background weight sync stopped") from self.syncer.error
         self.waited_s += time.perf_counter() - began
         batch = self.steps.begin(number, StageTimer(), alone=True)
@@ -393,6 +417,5 @@ class InlinePipeline:
                 self._in_flight[1].exception()
                 self._in_flight = None
             self._pool.shutdown(wait=True)
-            self.syncer.flush()
         finally:
-            self.syncer.close()
+            self.close_sync()
