@@ -335,7 +335,7 @@ def documented_metric_names(text: str) -> set[str]:
     import re
 
     groups = "actor|critic|reward|response|perf|rollout|buffer|data|time|sync|val|sft|dpo|kl"
-    return set(re.findall(rf"`((?:{groups})/[a-z_0-9/]+)`", text))
+    return set(re.findall(rf"`((?:{groups})/[a-z_0-9/]*[a-z_0-9])`", text))  # a folder ends with /
 
 
 def unknown_metric_names(documented: set[str]) -> set[str]:
