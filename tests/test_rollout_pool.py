@@ -230,6 +230,8 @@ def test_the_engines_counters_reach_the_step_as_what_changed_since_the_last_step
     assert pool.counters() == {"rollout/prefill_s": 0.5}
     engines[1].count["rollout/prefill_s"] = 0.0  # replaced: its count starts again
     assert pool.counters() == {"rollout/prefill_s": 0.0}
+    pool.engines[1].handle.kill()  # lost after its step: left out, the step's figures still come
+    assert pool.counters() == {"rollout/prefill_s": 0.0}
 
 
 def test_the_native_engine_counts_its_prefill_and_decode(tiny_model_dir, char_tokenizer):

@@ -219,10 +219,16 @@ class RolloutPool:
 
     def counters(self) -> dict[str, float]:
         """The engines' counters, summed, as the change since the last call (a step's share); an
-        engine replaced meanwhile starts again from 0, so a counter never goes down."""
+        engine replaced meanwhile starts again from 0, so a counter never goes down. An engine lost
+        since the step is left out (the next generate or sync replaces it): reading figures never
+        fails a step."""
         totals: dict[str, float] = {}
         for slot in self.engines:
-            for name, value in slot.handle.call("counters", timeout=60).items():
+            try:
+                counted = slot.handle.call("counters", timeout=60)
+            except LOST:
+                continue
+            for name, value in counted.items():
                 totals[name] = totals.get(name, 0.0) + value
         change = {name: max(0.0, value - self._counted.get(name, 0.0)) for name, value in totals.items()}
         self._counted = totals
