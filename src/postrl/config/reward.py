@@ -84,6 +84,17 @@ class MathComponent(_Component):
     answer_column: str = Field("answer", description="The column holding the reference answer.")
 
 
+class ReasoningGymComponent(_Component):
+    type: Literal["reasoning_gym"] = Field(
+        description="reasoning-gym's scorer on the <answer> extracted from the response (rows of data.reasoning_gym)."
+    )
+    scorer: Literal["reasoning_gym", "cascade"] = Field(
+        "reasoning_gym",
+        description="reasoning_gym: the task's own score_answer (no credit for merely containing the reference); "
+        "cascade: all or nothing, exact, then whitespace/case, then numeric equality, then the task's full marks.",
+    )
+
+
 class CustomComponent(_Component):
     type: Literal["custom"] = Field(description="Your function score(prompt, response, **columns).")
     function: str = Field(description="'package.module:function' (a module next to the config imports as is).")
@@ -168,6 +179,7 @@ class OverlongComponent(_Component):
 RewardComponentConfig = Annotated[
     ExactMatchComponent
     | MathComponent
+    | ReasoningGymComponent
     | CustomComponent
     | CodeComponent
     | RewardModelComponent

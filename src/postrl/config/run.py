@@ -17,9 +17,11 @@ from postrl.config.command import RunCommandConfig
 from postrl.config.model import LoraConfig, ModelConfig  # noqa: F401 - the config's public names
 from postrl.config.observability import PlanConfig
 from postrl.config.off_policy import BufferConfig, ControllerConfig
+from postrl.config.reasoning_gym import EvalSetConfig, ReasoningGymConfig
 from postrl.config.reward import (  # noqa: F401 - the config's public names
     CodeComponent,
     CustomComponent,
+    ReasoningGymComponent,
     RemoteRewardConfig,
     RewardComponentConfig,
     RewardConfig,
@@ -54,6 +56,16 @@ class DataConfig(Section):
         "Empty: a built-in task's test split, else no validation.",
     )
     val_size: int | None = Field(None, ge=1, description="Validate on the first N held-out prompts (None: all).")
+    reasoning_gym: ReasoningGymConfig | None = Field(
+        None,
+        description="Procedural problems from reasoning-gym (postrl[gym]): tasks, weights, configs, sizes, "
+        "seeds; replaces task and train_files, and its held-out problems are the validation set.",
+    )
+    eval_sets: list[EvalSetConfig] = Field(
+        default_factory=list,
+        description="Named held-out sets (files or reasoning-gym specs), validated every logging.eval_every "
+        "steps beside the main one (val/<name>/...) and reported by postrl eval.",
+    )
 
     def prompt_options(self) -> dict[str, Any]:
         """How rows become prompts: the keyword arguments of the dataset loaders."""
@@ -74,10 +86,16 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        if self.task is None and not self.train_files:
-            raise ValueError("set data.task or data.train_files")
-        if self.task is not None and self.train_files:
-            raise ValueError("set only one of data.task and data.train_files")
+        given = [name for name, set_ in (("task", self.task is not None), ("train_files", bool(self.train_files)),
+                                          ("reasoning_gym", self.reasoning_gym is not None)) if set_]  # fmt: skip
+        if not given:
+            raise ValueError("set data.task, data.train_files or data.reasoning_gym")
+        if len(given) > 1:
+            raise ValueError(f"set only one of data.{' and data.'.join(given)}")
+        names = [s.name for s in self.eval_sets]
+        doubled = sorted({n for n in names if names.count(n) > 1})
+        if doubled:
+            raise ValueError(f"eval_sets {doubled} are named more than once")
         return self
 
 
@@ -241,6 +259,13 @@ class RunConfig(RunCommandConfig):
         if isinstance(data, dict) and isinstance(data.get("scheduler"), str):
             data = {**data, "scheduler": {"type": data["scheduler"]}}
         return data
+
+    @model_validator(mode="after")
+    def _gym_rows_scored_by_their_scorer(self) -> RunConfig:
+        """reasoning-gym problems without a reward section are scored by reasoning-gym's own scorer."""
+        if self.data.reasoning_gym is not None and "reward" not in self.model_fields_set:
+            self.reward = RewardConfig(components=[ReasoningGymComponent(name="correct", type="reasoning_gym")])
+        return self
 
     @model_validator(mode="after")
     def _openai_backend_needs_a_url(self) -> RunConfig:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
-from postrl.config.run import RolloutConfig
+from postrl.config.run import RolloutConfig, RunConfig
 from postrl.controller.advantage import compute_advantage
 from postrl.controller.components import Components
 from postrl.controller.failures import check_failure_rate
@@ -18,8 +19,10 @@ from postrl.controller.stages import Groups, StageContext, build_stages
 from postrl.controller.stages.kl import KLCoefficient
 from postrl.controller.step_metrics import StageTimer, reward_values, step_notes, write_samples
 from postrl.controller.versions import Versions
-from postrl.data import PromptSampler
-from postrl.reward.accuracy import accuracy
+from postrl.data import PromptDataset
+from postrl.data.curriculum import LeveledDraw
+from postrl.data.sampler import DatasetDraw, PromptDraw
+from postrl.reward.accuracy import accuracy, per_task_accuracy
 from postrl.rollout.agentic.episodes import episode_metrics
 from postrl.rollout.continuation import continue_rollouts
 from postrl.types import Experience, Prompt, RewardResult, Rollout, SamplingParams, StepBatch
@@ -51,6 +54,16 @@ def greedy_sampling(rollout: RolloutConfig, max_tokens: int | None = None) -> Sa
                           stop_token_ids=stop_ids)  # fmt: skip
 
 
+def prompt_draw(config: RunConfig, dataset: PromptDataset, tokenizer: Any) -> PromptDraw:
+    """The run's prompts: the dataset in a seeded order, or with a reasoning-gym curriculum, problems
+    generated at each task's current level."""
+    gym = config.data.reasoning_gym
+    if gym is not None and gym.curriculum is not None:
+        assert config.data.max_prompt_tokens is not None, "resolved_run decides data.max_prompt_tokens"
+        return LeveledDraw(gym, tokenizer, config.data.max_prompt_tokens, config.seed, config.data.shuffle)
+    return DatasetDraw(dataset, config.seed, config.data.shuffle)
+
+
 class BatchMaker:
     """Makes the run's batches (:class:`~postrl.controller.pipeline.BatchSteps`), and is what the
     stages may ask of the step (:class:`~postrl.controller.stages.StepServices`): more prompts,
@@ -59,14 +72,15 @@ class BatchMaker:
     def __init__(self, parts: Components, source: BatchSource, versions: Versions, kl: KLCoefficient) -> None:
         self.parts, self.config, self.source, self.versions = parts, parts.config, source, versions
         c = self.config
-        self.sampler = PromptSampler(len(parts.dataset), seed=c.seed, shuffle=c.data.shuffle)
+        self.draw = prompt_draw(c, parts.dataset, parts.tokenizer)
         self.sampling = run_sampling(c.rollout)
         self.pins_version = c.controller.mode == "sync"  # async: generate on whatever the engines hold
-        self.stages = build_stages(StageContext(c, self, parts.trainer, parts.critic, kl))  # last: self is whole
+        context = StageContext(c, self, parts.trainer, parts.critic, kl, self.draw, source.accuracy_component)
+        self.stages = build_stages(context)  # last: self is whole
 
     # -- what stages may ask -------------------------------------------------------------------
     def sample_prompts(self) -> list[Prompt]:
-        return [self.parts.dataset[i] for i in self.sampler.next_indices(self.config.prompts_per_step)]
+        return self.draw.next_prompts(self.config.prompts_per_step)
 
     @property
     def generation_version(self) -> int | None:
@@ -88,12 +102,12 @@ class BatchMaker:
     def begin(self, number: int, timer: StageTimer, alone: bool) -> Batch:
         """Batch ``number``: its prompts drawn and generated. A generation that fails (or is
         abandoned) gives its prompts back to the sampler, so the batch is drawn again."""
-        drawn_from = self.sampler.state_dict()
+        drawn_from = self.draw.state_dict()
         prompts = self.sample_prompts()
         try:
             rollouts = timer.run("generate", self.generate, prompts)
         except BaseException:
-            self.sampler.load_state_dict(drawn_from)
+            self.draw.load_state_dict(drawn_from)
             raise
         return Batch(Generated(number, prompts, rollouts, time.time()), timer, alone)
 
@@ -156,11 +170,13 @@ class BatchMaker:
             **reward_values(rollouts, rewards),
             PERF_GEN_TOKENS_PER_S: sum(len(r.response_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
             REWARD_SAMPLES: float(len(rewards)),
-            DATA_EPOCH: float(self.sampler.epoch),
+            DATA_EPOCH: float(self.draw.epoch),
             DATA_SKIPPED_ROWS: float(len(self.parts.dataset.skipped)),
             ROLLOUT_WEIGHT_VERSION: float(min(r.weight_version for r in rollouts)),
             ROLLOUT_PARTIAL_ROLLOUTS: float(sum(r.token_versions() is not None for r in rollouts)),
             **({} if acc is None else {ACCURACY: acc}),
+            **per_task_accuracy(step.prompts, rollouts, rewards, self.source.accuracy_component,
+                                self.config.reward.accuracy_threshold),
             **{seconds_of(name): value for name, value in seconds.items()},
             **stage_metrics,
             **episode_metrics(rollouts),

@@ -191,7 +191,7 @@ class Controller:
         return {
             "step": self.versions.step,
             "weight_version": self.versions.weight,
-            "sampler": self.batches.sampler.state_dict(),
+            "sampler": self.batches.draw.state_dict(),
             "rollout": self.parts.rollout.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "stages": self.stages.state_dict(),
@@ -205,7 +205,7 @@ class Controller:
     def _load_state(self, state: dict[str, Any]) -> None:
         self.versions.step = int(state["step"])
         self.versions.weight = int(state["weight_version"])
-        self.batches.sampler.load_state_dict(state["sampler"])
+        self.batches.draw.load_state_dict(state["sampler"])
         self.parts.rollout.load_state_dict(state["rollout"])
         torch.set_rng_state(state["torch_rng"])
         self.stages.load_state_dict(state["stages"])

@@ -1,8 +1,15 @@
-"""A seeded, shuffled, epoch-aware prompt sampler whose position is part of the run state."""
+"""A seeded, shuffled, epoch-aware prompt sampler whose position is part of the run state, and the
+prompt draws built on it."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol
+
 import torch
+
+if TYPE_CHECKING:
+    from postrl.data.dataset import PromptDataset
+    from postrl.types import Prompt
 
 
 class PromptSampler:
@@ -44,3 +51,37 @@ class PromptSampler:
             raise ValueError(f"sampler state is for a dataset of {state['size']} prompts, this one has {self.size}")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._order_for(self.epoch)
+
+
+class PromptDraw(Protocol):
+    """Where a run's prompts come from, batch after batch; its state is saved in checkpoints."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def next_prompts(self, count: int) -> list[Prompt]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class DatasetDraw:
+    """A fixed dataset's prompts in the order of a :class:`PromptSampler` (its state is the sampler's)."""
+
+    def __init__(self, dataset: PromptDataset, seed: int, shuffle: bool) -> None:
+        self.dataset = dataset
+        self.sampler = PromptSampler(len(dataset), seed=seed, shuffle=shuffle)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def next_prompts(self, count: int) -> list[Prompt]:
+        return [self.dataset[i] for i in self.sampler.next_indices(count)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)

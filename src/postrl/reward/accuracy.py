@@ -6,7 +6,10 @@ accuracy (a reward is not a pass or a fail)."""
 
 from __future__ import annotations
 
-from postrl.types import RewardResult
+from postrl.types import Prompt, RewardResult, Rollout
+from postrl.types.metric_names import task_accuracy
+
+TASK_COLUMN = "task_type"  # the column that names a row's task (per-task figures, applies_to)
 
 
 def accuracy(results: list[RewardResult], component: str | None, threshold: float) -> float | None:
@@ -15,3 +18,27 @@ def accuracy(results: list[RewardResult], component: str | None, threshold: floa
     if component is None or not any(component in res.components for res in results):
         return None
     return sum(res.components.get(component, float("-inf")) >= threshold for res in results) / len(results)
+
+
+def is_correct(result: RewardResult, component: str, threshold: float) -> bool:
+    """One sample as :func:`accuracy` counts it."""
+    return result.components.get(component, float("-inf")) >= threshold
+
+
+def per_task_accuracy(
+    prompts: list[Prompt],
+    rollouts: list[Rollout],
+    results: list[RewardResult],
+    component: str | None,
+    threshold: float,
+    prefix: str = "",
+) -> dict[str, float]:
+    """:func:`accuracy` over each task's samples, for rows that name their task (a ``task_type``
+    column, as reasoning-gym rows do): ``accuracy/<task>``, or ``<prefix>/<task>/accuracy``."""
+    by_task: dict[str, list[RewardResult]] = {}
+    for rollout, result in zip(rollouts, results, strict=True):
+        task = prompts[rollout.prompt_index].task_type
+        if isinstance(task, str):
+            by_task.setdefault(task, []).append(result)
+    values = {task_accuracy(task, prefix): accuracy(rs, component, threshold) for task, rs in sorted(by_task.items())}
+    return {name: value for name, value in values.items() if value is not None}

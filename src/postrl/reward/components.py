@@ -19,6 +19,7 @@ from postrl.reward.verifiers import VERIFIERS
 from postrl.types import Score, ScoreRequest
 
 CODE_REWARD = "postrl.reward.code:code_reward"
+GYM_REWARD = "postrl.reward.reasoning_gym:score"
 LocalScorer = Callable[[list[ScoreRequest]], list[Score]]
 
 
@@ -87,6 +88,11 @@ def _verifier(comp: Any, ctx: BuildContext) -> PooledScorer:
 
 register_component_type("exact_match", pooled=True, verifiable=True)(_verifier)
 register_component_type("math", pooled=True, verifiable=True)(_verifier)
+
+
+@register_component_type("reasoning_gym", pooled=True, verifiable=True)
+def _reasoning_gym(comp: Any, ctx: BuildContext) -> PooledScorer:
+    return PooledScorer(GYM_REWARD, {"scorer": comp.scorer}, comp.timeout_s or ctx.default_timeout_s)
 
 
 @register_component_type("custom", pooled=True)

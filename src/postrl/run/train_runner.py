@@ -21,6 +21,7 @@ from postrl.controller.components import Components
 from postrl.controller.controller import Controller
 from postrl.controller.episodes import EpisodeSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
+from postrl.data.reasoning_gym import build_gym_prompts
 from postrl.models.devices import DeviceError, resolve_device
 from postrl.models.loading import load_tokenizer
 from postrl.reward.columns import check_columns
@@ -34,7 +35,7 @@ from postrl.run.plan.check import check_plan
 from postrl.run.plots import plot_metrics
 from postrl.run.resolve import resolved_run
 from postrl.run.trackers import make_tracker
-from postrl.run.validation import Validator, load_validation_set
+from postrl.run.validation import Validator, load_eval_sets, load_validation_set
 from postrl.run.watch import describe_placement, run_watches
 from postrl.scheduling.base import make_scheduler
 from postrl.tasks import task_rows
@@ -51,6 +52,9 @@ def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
     options = d.prompt_options()
     if d.task is not None:
         return build_prompts(iter(task_rows(d.task, "train")), tokenizer, **options)
+    if d.reasoning_gym is not None:
+        gym = d.reasoning_gym
+        return build_gym_prompts(gym, tokenizer, gym.seed, gym.size, options["max_prompt_tokens"], None, d.on_bad_row)
     return load_prompt_dataset(d.train_files, tokenizer, **options)
 
 
@@ -145,17 +149,20 @@ def describe_accuracy(config: RunConfig, component: str | None) -> str:
 NOTHING_TO_PLOT = "plot: nothing to plot (no step had a scorable sample; see samples/ and reward_workers.log)"
 
 
-def make_validator(config: RunConfig, tokenizer: Any) -> Validator | None:
-    """Validation every logging.eval_every steps, on data.val_files or the task's test split."""
+def make_validator(config: RunConfig, tokenizer: Any, echo: Callable[[str], None] = print) -> Validator | None:
+    """Validation every logging.eval_every steps: data.val_files, the task's test split or the
+    reasoning-gym held-out problems, and data.eval_sets."""
     if not config.logging.eval_every:
         return None
-    dataset = load_validation_set(config, tokenizer)
-    if dataset is None or not len(dataset):
+    dataset = load_validation_set(config, tokenizer, echo)
+    named = load_eval_sets(config, tokenizer, echo)
+    if (dataset is None or not len(dataset)) and not named:
         raise ConfigError(
             f"logging.eval_every={config.logging.eval_every} needs held-out prompts: set "
-            "data.val_files (or train on a built-in data.task, whose test split is used)"
+            "data.val_files or data.eval_sets (or train on a built-in data.task or data.reasoning_gym, "
+            "whose held-out problems are used)"
         )
-    return Validator(config, dataset)
+    return Validator(config, dataset, named)
 
 
 def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
@@ -208,7 +215,7 @@ def train(
     check_servers(config)
     parts = build_components(config)
     try:
-        validator = make_validator(config, parts.tokenizer)
+        validator = make_validator(config, parts.tokenizer, echo)
         site.open(resume, overwrite, echo)
         save_config(config, run_dir / "config.yaml")
         place.publish("config.yaml")

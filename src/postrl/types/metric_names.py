@@ -124,3 +124,24 @@ def seconds_of(stage: str) -> str:
 def component_mean(component: str, prefix: str = "reward") -> str:
     """The mean of one reward component over the step's (``reward/``) or validation's (``val/``) samples."""
     return f"{prefix}/{component}/mean"
+
+
+def task_accuracy(task: str, prefix: str = "") -> str:
+    """The accuracy over one task's samples (a row's ``task_type``): ``accuracy/<task>`` in training,
+    ``val/<task>/accuracy`` (or ``val/<set>/<task>/accuracy``) in validation."""
+    return f"{prefix}/{task}/accuracy" if prefix else f"accuracy/{task}"
+
+
+def eval_set(name: str) -> str:
+    """The prefix of a named eval set's validation figures (``val/<set>``)."""
+    return f"val/{name}"
+
+
+def curriculum_level(task: str) -> str:
+    """A leveled reasoning-gym task's current curriculum level."""
+    return f"curriculum/{task}/level"
+
+
+def curriculum_accuracy(task: str) -> str:
+    """The accuracy over a leveled task's window of recent training samples."""
+    return f"curriculum/{task}/accuracy"

@@ -9,9 +9,12 @@ from postrl.algorithms.stages import STAGES
 from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.stages.base import Groups, Phase, Stage, StepServices
 from postrl.controller.stages.critic import CriticStage
+from postrl.controller.stages.curriculum import Curriculum
 from postrl.controller.stages.dynamic_sampling import DynamicSampling
 from postrl.controller.stages.greedy_baseline import GreedyBaseline
 from postrl.controller.stages.kl import AdaptiveKL, KLCoefficient, KLPenalty
+from postrl.data.curriculum import LeveledDraw
+from postrl.data.sampler import PromptDraw
 from postrl.workers.roles import Critic, TrainWorker
 
 __all__ = ["Groups", "Phase", "Stage", "StageContext", "StagePlan", "StepServices", "build_stages"]
@@ -26,6 +29,8 @@ class StageContext:
     trainer: TrainWorker
     critic: Critic | None
     kl: KLCoefficient
+    draw: PromptDraw | None = None  # where the step's prompts come from (a curriculum moves its levels)
+    accuracy_component: str | None = None  # the component whose value says a sample is correct
 
 
 class StagePlan:
@@ -58,6 +63,15 @@ def build_stages(context: StageContext) -> StagePlan:
     (``algorithm.stages``), in the order listed."""
     a = context.config.algorithm
     stages: list[Stage] = []
+    gym = context.config.data.reasoning_gym
+    if gym is not None and gym.curriculum is not None:
+        if not isinstance(context.draw, LeveledDraw):
+            raise ConfigError("data.reasoning_gym.curriculum needs the run's prompts drawn by level")
+        if context.accuracy_component is None:
+            raise ConfigError("data.reasoning_gym.curriculum follows accuracy: the reward needs an accuracy "
+                              "component (type reasoning_gym, or one marked accuracy: true)")  # fmt: skip
+        threshold = context.config.reward.accuracy_threshold
+        stages.append(Curriculum(context.draw, gym.curriculum, context.accuracy_component, threshold))
     if a.dynamic_sampling:
         stages.append(DynamicSampling(context.services, a.max_extra_rounds))
     if ADVANTAGES.needs(a.advantage.type).baseline:
