@@ -96,3 +96,10 @@ def slow_length(prompt, response, **columns):
 def digit_share(prompt, response, **columns):
     """The share of digits in the response: varies between samples of a random model."""
     return sum(ch.isdigit() for ch in response) / max(len(response), 1)
+
+
+def even_code_sum(prompt, response, **columns):
+    """1 when the prompt's and the response's character codes sum to an even number: whatever a
+    random tiny model answers, some prompts pass and others fail, and another answer to a prompt
+    flips its outcome, so a pass/fail figure tells two evaluations apart."""
+    return 1.0 if (sum(map(ord, prompt)) + sum(map(ord, response))) % 2 == 0 else 0.0

@@ -125,7 +125,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from postrl.run.evaluate import run_eval
+    from postrl.run.evaluate import SampledEval, run_eval
 
     return run_eval(
         model=args.model,
@@ -135,6 +135,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         config=args.config,
         max_tokens=args.max_tokens,
         out=args.out,
+        sampling=SampledEval(args.n, args.k, args.temperature, args.top_p, args.url, args.json),
     )
 
 

@@ -137,7 +137,9 @@ def _add_eval(command: Callable[..., argparse.ArgumentParser]) -> None:
         "eval",
         "held-out accuracy of a model: a built-in task, or your own prompt file scored by a run's reward components",
         epilog="examples:\n  postrl eval --model runs/demo/final_model --task arithmetic\n"
-        "  postrl eval --run runs/NAME --data heldout.jsonl --out scored.jsonl",
+        "  postrl eval --run runs/NAME --data heldout.jsonl --out scored.jsonl\n"
+        "  postrl eval --run runs/NAME --n 16 --k 1 4 16 --json   (its held-out and eval sets, pass@k)\n"
+        "  postrl eval --config gym.yaml --model MODEL --url http://127.0.0.1:8000 --n 8",
     )
     p.add_argument(
         "--model",
@@ -167,6 +169,22 @@ def _add_eval(command: Callable[..., argparse.ArgumentParser]) -> None:
         help="new tokens per response (default: the run's rollout.max_tokens, else 16)",
     )
     p.add_argument("--out", help="write every scored sample to this JSONL file")
+    p.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="sampled responses per prompt: with n > 1, mean@n, pass@k and maj@k per set and per task "
+        "beside greedy accuracy (default 1: greedy only)",
+    )
+    p.add_argument("--k", type=int, nargs="+", help="the k of pass@k and maj@k (default: 1, 2, 4, ... and n)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature with --n (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --n (default 1.0)")
+    p.add_argument(
+        "--url",
+        help="evaluate the model an OpenAI-compatible server holds (postrl serve-rollout, a vLLM server): "
+        "--model then names the folder whose tokenizer builds the prompts",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (every set, task and figure) last")
     p.set_defaults(func=_cmd_eval)
 
 

@@ -5,8 +5,10 @@ scores 0, however much of it matches the reference. Two scorers (``scorer`` of t
 ``reasoning_gym`` reward component):
 
 - ``reasoning_gym``: the task's own ``score_answer`` on the extracted answer (its partial credit
-  where the task defines one), except that the library's default rule, ``len(reference) /
-  len(answer)`` for an answer that merely contains the reference, is replaced by exact equality;
+  where the task defines one), except the rule of the library's default scorer and of many tasks'
+  own (``compute_decimal_reward``): ``len(reference) / len(answer)`` for an answer that merely
+  contains the reference. Such an answer earns 0: a partial score for an answer that contains the
+  reference is dropped;
 - ``cascade``: all or nothing, and stricter: 1 when the extracted answer equals the reference
   exactly, else after collapsing whitespace and case, else as numbers (relative 1e-9), else when
   the task's own scorer gives full marks; otherwise 0. (The pinned reasoning-gym has no cascade
@@ -40,12 +42,10 @@ def _dataset(task: str, config_json: str) -> Any:
 
 
 def _own_score(task: str, config: dict[str, Any], answer: str, entry: dict[str, Any]) -> float:
-    from reasoning_gym.dataset import ProceduralDataset
-
-    dataset = _dataset(task, json.dumps(config, sort_keys=True))
-    if type(dataset).score_answer is ProceduralDataset.score_answer:  # the containment rule: exact only
-        return 1.0 if answer == str(entry["answer"]).strip() else 0.0
-    return float(dataset.score_answer(answer, entry))
+    value = float(_dataset(task, json.dumps(config, sort_keys=True)).score_answer(answer, entry))
+    if value < 1.0 and str(entry["answer"]).strip() in answer:
+        return 0.0  # credit for containing the reference, not for being it
+    return value
 
 
 def _number(text: str) -> float | None:

@@ -191,6 +191,24 @@ def _held_out_files(run: str | None, run_config: RunConfig | None) -> list[str] 
     return None
 
 
+@dataclass(frozen=True)
+class SampledEval:
+    """``postrl eval``'s harness options: n samples per prompt, the k of pass@k and maj@k, the
+    sampling, an OpenAI-compatible server instead of a local model, JSON output."""
+
+    n: int = 1
+    ks: list[int] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    url: str | None = None
+    as_json: bool = False
+
+    def wanted(self, run_config: RunConfig | None) -> bool:
+        """Whether the harness runs: sampling, JSON, a URL, or a config with several or generated sets."""
+        named = run_config is not None and (bool(run_config.data.eval_sets) or run_config.data.reasoning_gym is not None)
+        return self.n > 1 or self.as_json or self.url is not None or named
+
+
 def run_eval(
     model: str | None,
     run: str | None,
@@ -199,14 +217,28 @@ def run_eval(
     config: str | None,
     max_tokens: int | None,
     out: str | None,
+    sampling: SampledEval | None = None,
 ) -> int:
-    """``postrl eval``: prints one line with the held-out accuracy (and mean reward with --data)."""
+    """``postrl eval``: one line with the held-out accuracy (and mean reward with --data), or with
+    sampling, several sets or --json, the harness's table of greedy, mean@n, pass@k and maj@k."""
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
 
+    sampling = sampling or SampledEval()
+    if sampling.n < 1:
+        raise ConfigError(f"--n {sampling.n}: give at least 1 response per prompt")
+    if sampling.url is not None and model is None:
+        raise ConfigError("--url needs --model FOLDER: the tokenizer that builds the prompts")
     model, run_config = _resolve_run(model, run, task, config)
     if task and data:
         raise ConfigError("give either --task or --data, not both")
+    if sampling.wanted(run_config):
+        from postrl.run.eval_report import run_harness
+
+        s = sampling
+        run_harness(model=model, url=s.url, run_config=run_config, task=task, data=data, n=s.n, ks=s.ks,
+                    temperature=s.temperature, top_p=s.top_p, max_tokens=max_tokens, as_json=s.as_json)  # fmt: skip
+        return 0
     tokenizer = load_tokenizer(model)
     policy = load_causal_lm(model)
     if not data and not task:

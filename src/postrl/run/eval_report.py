@@ -1,0 +1,135 @@
+"""``postrl eval`` with sampling (``--n``), several sets, ``--json`` or ``--url``: which sets, which
+engine, which reward; then the harness's table (:mod:`postrl.run.harness`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
+from postrl.controller.batches import greedy_sampling
+from postrl.controller.source import SingleTurn
+from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
+from postrl.run.eval_metrics import default_ks
+from postrl.run.harness import Harness, SetReport, table
+from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
+from postrl.run.validation import gym_held_out, load_eval_sets
+from postrl.types import SamplingParams
+
+HELD_OUT = "heldout"
+
+
+def eval_sets(
+    run_config: RunConfig | None, tokenizer: Any, task: str | None, data: list[str] | None, echo: Callable[[str], None]
+) -> dict[str, PromptDataset]:
+    """The sets to evaluate: ``--task``, ``--data``, else the config's held-out problems (its
+    reasoning-gym held-out set or val_files) and each of its ``data.eval_sets``."""
+    from postrl.tasks import task_rows
+
+    if task:
+        return {task: build_prompts(iter(task_rows(task, "test")), tokenizer)}
+    if run_config is None:
+        raise ConfigError("postrl eval needs what to evaluate on: --task NAME, --data FILE, --run or --config")
+    if run_config.data.max_prompt_tokens is None:  # a config not resolved by a run: the default bound
+        data_section = run_config.data.model_copy(update={"max_prompt_tokens": DEFAULT_MAX_PROMPT_TOKENS})
+        run_config = run_config.model_copy(update={"data": data_section})
+    d = run_config.data
+    options = d.prompt_options()
+    if data:
+        return {", ".join(Path(f).name for f in data): load_prompt_dataset(data, tokenizer, **options)}
+    sets: dict[str, PromptDataset] = {}
+    if d.val_files:
+        sets[HELD_OUT] = load_prompt_dataset(d.val_files, tokenizer, **options)
+    elif d.reasoning_gym is not None and d.reasoning_gym.val_size:
+        sets[HELD_OUT] = gym_held_out(d.reasoning_gym, tokenizer, options["max_prompt_tokens"], "data.reasoning_gym", echo)
+    elif d.task is not None:
+        sets[d.task] = build_prompts(iter(task_rows(d.task, "test")), tokenizer, **options)
+    if d.val_size is not None and HELD_OUT in sets:
+        sets[HELD_OUT].prompts = sets[HELD_OUT].prompts[: d.val_size]
+    sets.update(load_eval_sets(run_config, tokenizer, echo))
+    if not sets:
+        raise ConfigError("the config has no held-out prompts: set data.val_files, data.eval_sets or "
+                          "data.reasoning_gym (or pass --data FILE / --task NAME)")  # fmt: skip
+    return sets
+
+
+def task_reward(task: str) -> RewardConfig:
+    """A built-in task scored by its own verifier (its name is a reward component type)."""
+    from postrl.tasks import get_task
+
+    return RewardConfig.model_validate({"components": [{"name": "correct", "type": get_task(task).verifier}]})
+
+
+def run_harness(
+    *,
+    model: str,
+    url: str | None,
+    run_config: RunConfig | None,
+    task: str | None,
+    data: list[str] | None,
+    n: int,
+    ks: list[int] | None,
+    temperature: float,
+    top_p: float,
+    max_tokens: int | None,
+    as_json: bool,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Evaluate every set; print the table (or, with ``as_json``, one JSON object last) and return the JSON."""
+    from postrl.models.loading import load_tokenizer
+    from postrl.reward.factory import make_reward_service
+
+    ks = sorted(set(ks or default_ks(n))) if n > 1 else []
+    if ks and (ks[0] < 1 or ks[-1] > n):
+        raise ConfigError(f"--k {ks}: every k must lie in 1..--n={n}")
+    tokenizer = load_tokenizer(model)
+    reward = task_reward(task) if task else (run_config.reward if run_config else None)
+    if reward is None:
+        raise ConfigError("postrl eval needs a reward to score with: --task NAME, --run or --config")
+    rollout = run_config.rollout if run_config else RolloutConfig()
+    tokens = max_tokens or (rollout.max_tokens if run_config else 16)
+    sets = eval_sets(run_config, tokenizer, task, data, echo if not as_json else lambda _: None)
+    greedy = greedy_sampling(rollout, tokens)
+    sampling = None
+    if n > 1:
+        sampling = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=tokens, stop=greedy.stop,
+                                  stop_token_ids=greedy.stop_token_ids)  # fmt: skip
+    engine = make_engine(model, url, tokenizer, rollout)
+    service = make_reward_service(reward.model_copy(update={"num_workers": 1}))
+    try:
+        source = SingleTurn(engine, service)
+        component = source.accuracy_component
+        if component is None:
+            raise ConfigError("the reward has no accuracy component (reasoning_gym, exact_match, math, or one "
+                              "marked accuracy: true): pass@k and maj@k count correct answers")  # fmt: skip
+        harness = Harness(source, component, reward.accuracy_threshold, greedy, sampling)
+        reports = [harness.report(name, dataset, ks) for name, dataset in sets.items()]
+    finally:
+        service.close()
+        engine.close()
+    result = summary(model if url is None else url, n, temperature, top_p, reports)
+    if not as_json:
+        echo(table(reports, ks, n if n > 1 else 0))
+    else:
+        echo(json.dumps(result))
+    return result
+
+
+def summary(model: str, n: int, temperature: float, top_p: float, reports: list[SetReport]) -> dict[str, Any]:
+    return {"model": model, "n": n, "temperature": temperature, "top_p": top_p,
+            "sets": {r.name: r.as_json() for r in reports}}  # fmt: skip
+
+
+def make_engine(model: str, url: str | None, tokenizer: Any, rollout: RolloutConfig) -> Any:
+    """The run's engine over a model folder (fp32), or the OpenAI-compatible server at ``url``
+    (``model`` then only gives the tokenizer that builds the prompts)."""
+    if url is not None:
+        from postrl.rollout.openai_remote import OpenAIRolloutWorker
+
+        return OpenAIRolloutWorker(url, tokenizer, None, rollout.api_key_env)
+    from postrl.models.loading import load_causal_lm
+    from postrl.rollout.factory import rollout_worker_for_model
+
+    return rollout_worker_for_model(rollout, load_causal_lm(model), tokenizer, "float32", seed=0)

@@ -1,0 +1,130 @@
+"""The evaluation harness behind ``postrl eval --n``: named held-out sets answered greedily and with
+n samples per prompt, scored by the run's reward, reported per set and per task as greedy accuracy,
+mean@n, pass@k and maj@k (:mod:`postrl.run.eval_metrics`), as a table and as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from postrl.controller.source import SingleTurn
+from postrl.data.dataset import PromptDataset
+from postrl.reward.accuracy import is_correct
+from postrl.reward.verifiers import extract_final_answer
+from postrl.run.eval_metrics import maj_at_k, pass_at_k
+from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
+
+ALL_TASKS = "(all)"
+
+
+@dataclass
+class Figures:
+    """One set's (or one task's) figures; None where not measured (no sampling, or no accuracy)."""
+
+    prompts: int
+    greedy: float | None = None
+    mean_at_n: float | None = None
+    pass_at: dict[int, float] = field(default_factory=dict)
+    maj_at: dict[int, float] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "prompts": self.prompts,
+            "greedy": self.greedy,
+            "mean_at_n": self.mean_at_n,
+            "pass_at_k": {str(k): v for k, v in self.pass_at.items()},
+            "maj_at_k": {str(k): v for k, v in self.maj_at.items()},
+        }
+
+
+@dataclass
+class PromptOutcome:
+    """One prompt's answers: greedy correct or not, and its n samples' extracted answers and scores."""
+
+    task: str | None
+    greedy: bool | None = None
+    answers: list[str | None] = field(default_factory=list)
+    correct: list[bool] = field(default_factory=list)
+
+
+def figures(outcomes: list[PromptOutcome], ks: list[int]) -> Figures:
+    out = Figures(prompts=len(outcomes))
+    if not outcomes:
+        return out
+    if outcomes[0].greedy is not None:
+        out.greedy = sum(bool(o.greedy) for o in outcomes) / len(outcomes)
+    if outcomes[0].correct:
+        n = len(outcomes[0].correct)
+        out.mean_at_n = sum(sum(o.correct) / n for o in outcomes) / len(outcomes)
+        out.pass_at = {k: sum(pass_at_k(n, sum(o.correct), k) for o in outcomes) / len(outcomes) for k in ks}
+        out.maj_at = {k: sum(maj_at_k(o.answers, o.correct, k) for o in outcomes) / len(outcomes) for k in ks}
+    return out
+
+
+@dataclass
+class SetReport:
+    name: str
+    overall: Figures
+    per_task: dict[str, Figures]
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.overall.as_json(), "per_task": {t: f.as_json() for t, f in self.per_task.items()}}
+
+
+class Harness:
+    """Answers and scores held-out sets through one batch source (engine + Reward Service)."""
+
+    def __init__(
+        self, source: SingleTurn, component: str, threshold: float, greedy: SamplingParams, sampling: SamplingParams | None
+    ) -> None:
+        self.source, self.component, self.threshold = source, component, threshold
+        self.greedy, self.sampling = greedy, sampling
+
+    @property
+    def ks_limit(self) -> int:
+        """The largest k the samples allow (0: greedy only)."""
+        return 0 if self.sampling is None else self.sampling.n
+
+    def outcomes(self, prompts: list[Prompt]) -> list[PromptOutcome]:
+        """Greedy answers, then (with ``sampling``) its ``n`` samples per prompt."""
+        outcomes = [PromptOutcome(task=p.task_type if isinstance(p.task_type, str) else None) for p in prompts]
+        for rollout, result in self.answer(prompts, self.greedy):
+            outcomes[rollout.prompt_index].greedy = is_correct(result, self.component, self.threshold)
+        if self.sampling is not None:
+            for rollout, result in self.answer(prompts, self.sampling):
+                outcome = outcomes[rollout.prompt_index]
+                outcome.answers.append(extract_final_answer(rollout.text))
+                outcome.correct.append(is_correct(result, self.component, self.threshold))
+        return outcomes
+
+    def answer(self, prompts: list[Prompt], sampling: SamplingParams) -> list[tuple[Rollout, RewardResult]]:
+        rollouts = self.source.generate(prompts, sampling, None)
+        return list(zip(rollouts, self.source.score(prompts, rollouts), strict=True))
+
+    def report(self, name: str, dataset: PromptDataset, ks: list[int]) -> SetReport:
+        outcomes = self.outcomes(dataset.prompts)
+        tasks = sorted({o.task for o in outcomes if o.task is not None})
+        per_task = {t: figures([o for o in outcomes if o.task == t], ks) for t in tasks}
+        return SetReport(name, figures(outcomes, ks), per_task)
+
+
+def table(reports: list[SetReport], ks: list[int], n: int) -> str:
+    """One row per set and per task: prompts, greedy, mean@n, pass@k..., maj@k..."""
+    head = ["set", "task", "prompts", "greedy"]
+    if n:
+        head += [f"mean@{n}", *(f"pass@{k}" for k in ks), *(f"maj@{k}" for k in ks)]
+
+    def cells(f: Figures) -> list[str]:
+        values = [f.greedy]
+        if n:
+            values += [f.mean_at_n, *(f.pass_at.get(k) for k in ks), *(f.maj_at.get(k) for k in ks)]
+        return [str(f.prompts)] + ["n/a" if v is None else f"{v:.3f}" for v in values]
+
+    rows = [head]
+    for report in reports:
+        rows.append([report.name, ALL_TASKS, *cells(report.overall)])
+        rows.extend([report.name, task, *cells(f)] for task, f in report.per_task.items())
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
