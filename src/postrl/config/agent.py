@@ -13,8 +13,9 @@ from postrl.config.imports import import_callable
 class AgentConfig(Section):
     env: str | None = Field(
         None,
-        description="The environment: a registered name (calculator, tools), module:Class of your own package "
-        "(reset(row) -> messages, step(action) -> StepResult, close(), tools), or the URL of postrl serve-env.",
+        description="The environment: a registered name (calculator, tools), a library's environment "
+        "(textarena:Mastermind-v0, skyrl_gym:gsm8k_multi_turn, gem:game:Mastermind-v0-easy), module:Class of your own "
+        "package (reset(row) -> messages, step(action) -> StepResult, close(), tools), or the URL of postrl serve-env.",
     )
     function: str | None = Field(
         None,
@@ -77,7 +78,11 @@ class AgentConfig(Section):
     @field_validator("env")
     @classmethod
     def _env_exists(cls, v: str | None) -> str | None:
-        """``module:Class`` is imported here; a registered name is checked before the run starts."""
+        """``module:Class`` is imported here; a registered name or a library's environment
+        (``textarena:``, ``skyrl_gym:``, ``gem:``) is checked before the run starts."""
+        library = None if v is None else v.partition(":")[0].replace("-", "_")
+        if library in ("textarena", "skyrl_gym", "gem"):
+            return v
         if v is not None and ":" in v and not v.startswith(("http://", "https://")):
             import_callable(v, "agent.env")
         return v

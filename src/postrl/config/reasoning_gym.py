@@ -8,15 +8,16 @@ here, so the run's saved ``config.yaml`` regenerates exactly the same problems o
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from postrl.config.base import Section
 
-DEFAULT_INSTRUCTION = (
-    "Give your final answer inside <answer> and </answer> tags, for example <answer>42</answer>."
-)
+INSTRUCTIONS = {
+    "tags": "Give your final answer inside <answer> and </answer> tags, for example <answer>42</answer>.",
+    "last_number": "End your reply with the final answer as a number.",
+}
 GYM_EXTRA = "reasoning-gym is not installed: pip install 'postrl[gym]' (it pins the tested version)"
 
 
@@ -90,8 +91,15 @@ class ReasoningGymConfig(Section):
         description="Seed of the held-out problems; None: seed + 1. Held-out questions that also occur "
         "among the training questions are dropped (and counted) at start.",
     )
-    instruction: str = Field(
-        DEFAULT_INSTRUCTION, description="Appended to each question (a blank line between): the answer format."
+    answer_format: Literal["tags", "last_number"] = Field(
+        "tags",
+        description="Where the scorer finds the answer: tags, the last <answer>...</answer>; last_number, the "
+        "last number in the response (for tasks whose answers are numbers; a model that does not use tags yet).",
+    )
+    instruction: str | None = Field(
+        None,
+        description="Appended to each question (a blank line between), saying the answer format; None: the "
+        "answer_format's own sentence, '' none.",
     )
     system_prompt: str | None = Field(None, description="A system message before the question (None: none).")
     chat_template: bool = Field(True, description="Render the messages with the tokenizer's chat template.")
@@ -110,6 +118,10 @@ class ReasoningGymConfig(Section):
         if self.curriculum is not None and all(t.level is None for t in self.tasks):
             raise ValueError("curriculum is set but no task has a level: give a task level: 0 to start from")
         return self
+
+    @property
+    def answer_instruction(self) -> str:
+        return INSTRUCTIONS[self.answer_format] if self.instruction is None else self.instruction
 
     @property
     def held_out_seed(self) -> int:

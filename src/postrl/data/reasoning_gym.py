@@ -89,7 +89,8 @@ def rows(
     """``(source, row)`` pairs in the shape :func:`postrl.data.dataset.build_prompts` reads."""
     config = task_config(task, level)
     for i, entry in enumerate(problems(task, level, seed, size)):
-        content = f"{entry['question']}\n\n{gym.instruction}" if gym.instruction else entry["question"]
+        instruction = gym.answer_instruction
+        content = f"{entry['question']}\n\n{instruction}" if instruction else entry["question"]
         messages = [{"role": "user", "content": content}]
         if gym.system_prompt:
             messages.insert(0, {"role": "system", "content": gym.system_prompt})
@@ -98,6 +99,7 @@ def rows(
             TASK_COLUMN: task.name,
             "rg_task": task.name,
             "rg_config": config,
+            "rg_answer_format": gym.answer_format,
             "rg_entry": {"question": entry["question"], "answer": entry["answer"], "metadata": _jsonable(entry["metadata"])},
         }
         if gym.chat_template:

@@ -1,7 +1,9 @@
 """reasoning-gym's scoring of a response, on the answer extracted from it.
 
-The answer is the text of the last ``<answer>...</answer>`` in the response; a response without one
-scores 0, however much of it matches the reference. Two scorers (``scorer`` of the
+The answer is extracted as the row's ``rg_answer_format`` says (``data.reasoning_gym.answer_format``):
+``tags``, the text of the last ``<answer>...</answer>``; ``last_number``, the last number in the
+response (commas between digits dropped). A response without one scores 0, however much of it
+matches the reference. Two scorers (``scorer`` of the
 ``reasoning_gym`` reward component):
 
 - ``reasoning_gym``: the task's own ``score_answer`` on the extracted answer (its partial credit
@@ -24,11 +26,16 @@ from functools import lru_cache
 from typing import Any
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-SCORERS = ("reasoning_gym", "cascade")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 
 
-def extract_answer(response: str) -> str | None:
-    """The stripped text of the last ``<answer>`` tag, None without one."""
+def extract_answer(response: str, answer_format: str = "tags") -> str | None:
+    """The stripped text of the last ``<answer>`` tag (``tags``) or the last number (``last_number``);
+    None without one."""
+    if answer_format == "last_number":
+        numbers = _NUMBER.findall(_THOUSANDS.sub("", response))
+        return numbers[-1] if numbers else None
     found = _ANSWER.findall(response)
     return found[-1].strip() if found else None
 
@@ -73,13 +80,14 @@ def score(
     rg_config: dict[str, Any] | None = None,
     rg_entry: dict[str, Any] | None = None,
     scorer: str = "reasoning_gym",
+    rg_answer_format: str = "tags",
     **columns: object,
 ) -> float:
     """A reward function (:mod:`postrl.reward.verifiers`'s shape) for rows made by ``data.reasoning_gym``."""
     if rg_task is None or rg_entry is None:
         raise KeyError("row has no 'rg_task'/'rg_entry' columns: the reasoning_gym component scores rows "
                        "made by data.reasoning_gym")  # fmt: skip
-    answer = extract_answer(response)
+    answer = extract_answer(response, rg_answer_format)
     if answer is None:
         return 0.0
     if scorer == "cascade":

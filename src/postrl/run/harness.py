@@ -10,6 +10,7 @@ from typing import Any
 from postrl.controller.source import SingleTurn
 from postrl.data.dataset import PromptDataset
 from postrl.reward.accuracy import is_correct
+from postrl.reward.reasoning_gym import extract_answer as extract_gym_answer
 from postrl.reward.verifiers import extract_final_answer
 from postrl.run.eval_metrics import maj_at_k, pass_at_k
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
@@ -71,6 +72,15 @@ class SetReport:
         return {**self.overall.as_json(), "per_task": {t: f.as_json() for t, f in self.per_task.items()}}
 
 
+def answer_of(prompt: Prompt, response: str) -> str | None:
+    """The answer a response gives, for majority votes: as the row's scorer extracts it (a
+    reasoning-gym row's answer format), else the last ``\\boxed{}`` or the ``<answer>`` tag."""
+    answer_format = prompt.columns.get("rg_answer_format")
+    if isinstance(answer_format, str):
+        return extract_gym_answer(response, answer_format)
+    return extract_final_answer(response)
+
+
 class Harness:
     """Answers and scores held-out sets through one batch source (engine + Reward Service)."""
 
@@ -93,7 +103,7 @@ class Harness:
         if self.sampling is not None:
             for rollout, result in self.answer(prompts, self.sampling):
                 outcome = outcomes[rollout.prompt_index]
-                outcome.answers.append(extract_final_answer(rollout.text))
+                outcome.answers.append(answer_of(prompts[rollout.prompt_index], rollout.text))
                 outcome.correct.append(is_correct(result, self.component, self.threshold))
         return outcomes
 

@@ -65,10 +65,15 @@ def register_environment(name: str) -> Callable[[EnvironmentFactory], Environmen
 
 
 def environment_factory(spec: str) -> EnvironmentFactory:
-    """A registered environment's name, ``module:attribute`` of a user's package, or the URL of
-    ``postrl serve-env``."""
+    """A registered environment's name, ``library:env id`` of TextArena, skyrl-gym or GEM,
+    ``module:attribute`` of a user's package, or the URL of ``postrl serve-env``."""
     if spec in ENVIRONMENTS:
         return ENVIRONMENTS[spec]
+    from postrl.rollout.agentic.gym_libraries import library_environment
+
+    library = library_environment(spec)  # textarena:..., skyrl_gym:..., gem:...
+    if library is not None:
+        return library
     if spec.startswith(("http://", "https://")):  # postrl serve-env
         from postrl.rollout.agentic.remote_env import RemoteEnvironment
 
