@@ -21,31 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
+from _interleave import MARK, run_interleaved, wait_for_turn
 from _smoke import add_smoke, skip
 
 from postrl.tasks import chat_addition
 
 PROMPTS, G, NEW_TOKENS, MICRO, LR = 16, 8, 64, 16, 1e-6
-
-
-MARK = "@@grpo_step "  # the lines of the worker protocol on stdout (the frameworks print too)
-
-
-def wait_for_turn(step_s: float, reward: float) -> float:
-    """A worker's step is done: report it, wait until the parent says go (another framework's step
-    runs meanwhile), and return the time the next step starts."""
-    print(MARK + json.dumps({"step_s": step_s, "reward": reward}), flush=True)
-    sys.stdin.readline()
-    return time.perf_counter()
 
 
 def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = False) -> dict:
@@ -86,7 +73,7 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = 
         times.append(time.perf_counter() - last[0])
         rewards.append(metrics.values["reward/mean"])
         phases.append({k: round(metrics.values[f"time/{k}_s"], 1) for k in ("generate", "reward", "train", "sync")})
-        last[0] = wait_for_turn(times[-1], rewards[-1])
+        last[0] = wait_for_turn(step_s=times[-1], reward=rewards[-1])
 
     train(config, on_step=on_step)
     return {"step_s": times, "reward": rewards, "phases": phases}
@@ -114,7 +101,7 @@ def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> di
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 self.times.append(time.perf_counter() - self.last)
-                self.last = wait_for_turn(self.times[-1], logs["reward"])
+                self.last = wait_for_turn(step_s=self.times[-1], reward=logs["reward"])
 
     dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in data_rows])
     args = GRPOConfig(
@@ -167,64 +154,11 @@ def run_worker(framework: str, steps: int) -> dict:
     return {**result, "peak_mb": resident_high_water_mb()}
 
 
-class Worker:
-    """One framework's run in a process of its own (its memory and threads are its own), taking
-    one step each time :meth:`go` lets it. A thread drains its stdout, so that what the framework
-    prints never fills the pipe while another framework runs."""
-
-    def __init__(self, framework: str, steps: int) -> None:
-        self.framework = framework
-        cmd = [sys.executable, __file__, "--worker", framework, "--steps", str(steps)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.replies: queue.Queue[dict | None] = queue.Queue()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self.replies.put(json.loads(line[len(MARK) :]))
-        self.replies.put(None)
-
-    def reply(self) -> dict:
-        got = self.replies.get()
-        if got is None:
-            raise RuntimeError(f"the {self.framework} worker exited ({self.proc.wait()}) before it replied")
-        return got
-
-    def go(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-
-def run_interleaved(frameworks: list[str], steps: int, log: Path | None = None) -> dict[str, dict]:
-    """Each framework's first (warm-up, untimed) step, one framework after the other (at once
-    they would oversubscribe the cores many times over), then one timed step at a time,
-    framework after framework, in a rotating order: a slow phase of the shared machine hits
-    every framework alike."""
-    workers = []
-    for framework in frameworks:
-        workers.append(Worker(framework, steps))
-        record(log, framework, 1, workers[-1].reply())
-    for step in range(1, steps):
-        order = workers[step % len(workers) :] + workers[: step % len(workers)]
-        for w in order:
-            w.go()
-            record(log, w.framework, step + 1, w.reply())
-    results = {}
-    for w in workers:
-        w.go()
-        results[w.framework] = w.reply()
-        w.proc.wait()
-    return results
-
-
-def record(log: Path | None, framework: str, step: int, reply: dict) -> None:
-    """One finished step into ``log`` (JSONL), flushed at once."""
-    if log is not None:
-        with log.open("a") as f:
-            f.write(json.dumps({"framework": framework, "step": step, **reply}) + "\n")
+def run_frameworks(frameworks: list[str], steps: int, log: Path | None = None) -> dict[str, dict]:
+    """The frameworks' runs interleaved step by step (:func:`_interleave.run_interleaved`); each
+    one's result is its last reply, sent after its last step."""
+    commands = {f: [sys.executable, __file__, "--worker", f, "--steps", str(steps)] for f in frameworks}
+    return {name: replies[-1] for name, replies in run_interleaved(commands, steps, log).items()}
 
 
 def plot_curves(curves: dict[str, list[float]], png: Path) -> None:
@@ -284,11 +218,11 @@ def main() -> int:
         return 0
     steps = 2 if args.smoke else 30 if args.curve else max(2, args.steps)
     if args.worker:
-        print(MARK + json.dumps(run_worker(args.worker, steps)), flush=True)
+        print(MARK + json.dumps({**run_worker(args.worker, steps), "last": True}), flush=True)
         return 0
     if args.curve:
-        return report_curves(run_interleaved(["postrl", "trl"], steps, args.curve_log), args.png, args.json)
-    runs = run_interleaved(["postrl", "postrl_lora", "trl"], steps)
+        return report_curves(run_frameworks(["postrl", "trl"], steps, args.curve_log), args.png, args.json)
+    runs = run_frameworks(["postrl", "postrl_lora", "trl"], steps)
     postrl, lora, trl = runs["postrl"], runs["postrl_lora"], runs["trl"]
     p_s = sum(postrl["step_s"][1:]) / len(postrl["step_s"][1:])
     l_s = sum(lora["step_s"][1:]) / len(lora["step_s"][1:])

@@ -44,7 +44,9 @@ def assert_token_exact(rollout: Rollout) -> None:
     assert rollout.prompt_ids == renderer.encode(renderer.render(episode.messages[:1], generation_prompt=True))
     last = max(i for i, m in enumerate(episode.messages) if m["role"] == "assistant")
     trained = episode.messages[: last + 1]  # what came after the last model turn is not trained on
-    assert tok.decode(rollout.prompt_ids + rollout.response_ids) + "\n" == renderer.render(trained, generation_prompt=False)
+    assert tok.decode(rollout.prompt_ids + rollout.response_ids) + "\n" == renderer.render(
+        trained, generation_prompt=False
+    )
     model_tokens = sum(t.generated_tokens for t in episode.turns)
     assert sum(rollout.loss_mask) == model_tokens
 
@@ -66,7 +68,10 @@ def test_a_textarena_game_is_played_token_exact_with_seeded_reproducible_games()
     for r in first:
         assert_token_exact(r)
         assert r.episode.messages[0]["content"].startswith("You are playing Mastermind.")
-        assert "Feedback:" in r.episode.messages[2]["content"] and "[1 2 3 4]\nSubmitted" not in r.episode.messages[2]["content"]
+        assert (
+            "Feedback:" in r.episode.messages[2]["content"]
+            and "[1 2 3 4]\nSubmitted" not in r.episode.messages[2]["content"]
+        )
         assert r.episode.finish_reason == "max_turns" and len(r.episode.turns) == 4
 
 

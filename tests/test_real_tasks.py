@@ -47,8 +47,12 @@ def gym_config(tmp_path, model_dir, name: str, steps: int) -> dict:
                 "curriculum": {"window": 4, "raise_at": 0.75, "lower_at": 0.0},
             },
             "max_prompt_tokens": 400,
-            "eval_sets": [{"name": "harder", "reasoning_gym": {"tasks": [{"name": "chain_sum", "level": 5}], "val_size": 6,
-                                                                 "seed": 10}}],  # fmt: skip
+            "eval_sets": [
+                {
+                    "name": "harder",
+                    "reasoning_gym": {"tasks": [{"name": "chain_sum", "level": 5}], "val_size": 6, "seed": 10},
+                }
+            ],  # fmt: skip
         },
         "rollout": {"n": 2, "max_tokens": 6},
         "train": {"mini_batch_size": 8, "micro_batch_size": 8},
@@ -62,7 +66,9 @@ def metric_rows(run_dir):
 
 
 def sample_prompts(run_dir, step):
-    return [json.loads(line)["prompt"] for line in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)["prompt"] for line in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()
+    ]
 
 
 def test_a_resumed_curriculum_run_continues_at_the_same_levels_and_problems(tmp_path, long_tiny_dir):

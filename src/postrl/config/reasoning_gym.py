@@ -30,7 +30,9 @@ def check_task_name(name: str) -> str:
     if name not in DATASETS:
         near = difflib.get_close_matches(name, list(DATASETS), n=5, cutoff=0.6)
         hint = f" (close: {', '.join(near)})" if near else ""
-        raise ValueError(f"reasoning-gym has no task '{name}'{hint}; its {len(DATASETS)} tasks: reasoning_gym.factory.DATASETS")
+        raise ValueError(
+            f"reasoning-gym has no task '{name}'{hint}; its {len(DATASETS)} tasks: reasoning_gym.factory.DATASETS"
+        )
     return name
 
 
@@ -68,7 +70,9 @@ class GymTaskConfig(Section):
 
 
 class CurriculumConfig(Section):
-    raise_at: float = Field(0.7, gt=0.0, le=1.0, description="A task's recent training accuracy at or above this raises its level.")
+    raise_at: float = Field(
+        0.7, gt=0.0, le=1.0, description="A task's recent training accuracy at or above this raises its level."
+    )
     lower_at: float = Field(0.2, ge=0.0, lt=1.0, description="At or below this (and above level 0) lowers it.")
     window: int = Field(
         64, ge=1, description="Training samples of a task its recent accuracy is over; emptied when its level moves."
@@ -129,8 +133,12 @@ class ReasoningGymConfig(Section):
 
 
 class EvalSetConfig(Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Reported as val/<name>/... and in postrl eval's table.")
-    files: list[str] = Field(default_factory=list, description="JSONL or Parquet prompt files (scored with the run's reward).")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]+$", description="Reported as val/<name>/... and in postrl eval's table."
+    )
+    files: list[str] = Field(
+        default_factory=list, description="JSONL or Parquet prompt files (scored with the run's reward)."
+    )
     reasoning_gym: ReasoningGymConfig | None = Field(
         None, description="Or reasoning-gym problems: its tasks at val_size and val_seed (size is unused)."
     )

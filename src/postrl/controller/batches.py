@@ -175,8 +175,9 @@ class BatchMaker:
             ROLLOUT_WEIGHT_VERSION: float(min(r.weight_version for r in rollouts)),
             ROLLOUT_PARTIAL_ROLLOUTS: float(sum(r.token_versions() is not None for r in rollouts)),
             **({} if acc is None else {ACCURACY: acc}),
-            **per_task_accuracy(step.prompts, rollouts, rewards, self.source.accuracy_component,
-                                self.config.reward.accuracy_threshold),
+            **per_task_accuracy(
+                step.prompts, rollouts, rewards, self.source.accuracy_component, self.config.reward.accuracy_threshold
+            ),
             **{seconds_of(name): value for name, value in seconds.items()},
             **stage_metrics,
             **episode_metrics(rollouts),

@@ -21,7 +21,9 @@ from postrl.types import Prompt
 
 
 class LeveledDraw:
-    def __init__(self, gym: ReasoningGymConfig, tokenizer: Any, max_prompt_tokens: int, seed: int, shuffle: bool) -> None:
+    def __init__(
+        self, gym: ReasoningGymConfig, tokenizer: Any, max_prompt_tokens: int, seed: int, shuffle: bool
+    ) -> None:
         self.gym, self.tokenizer, self.max_prompt_tokens = gym, tokenizer, max_prompt_tokens
         self.seed, self.shuffle = seed, shuffle
         self.tasks = {t.name: t for t in gym.tasks}
@@ -82,7 +84,9 @@ class LeveledDraw:
         self.drawn = state["drawn"]
         for task, level in state["levels"].items():
             if task not in self.tasks:
-                raise ValueError(f"the checkpoint's curriculum has task '{task}', which data.reasoning_gym no longer lists")
+                raise ValueError(
+                    f"the checkpoint's curriculum has task '{task}', which data.reasoning_gym no longer lists"
+                )
             self.levels[task] = level
         self.samplers = {}
         for task, level, sampler_state in state["samplers"]:

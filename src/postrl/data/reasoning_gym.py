@@ -100,7 +100,11 @@ def rows(
             "rg_task": task.name,
             "rg_config": config,
             "rg_answer_format": gym.answer_format,
-            "rg_entry": {"question": entry["question"], "answer": entry["answer"], "metadata": _jsonable(entry["metadata"])},
+            "rg_entry": {
+                "question": entry["question"],
+                "answer": entry["answer"],
+                "metadata": _jsonable(entry["metadata"]),
+            },
         }
         if gym.chat_template:
             row["messages"] = messages

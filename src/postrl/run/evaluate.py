@@ -171,8 +171,9 @@ def _resolve_run(
                 model = run_model_path(_local_run(run_config))
     elif config is not None:
         run_config = load_config(config)
+        model = model or run_config.model.path  # the config's model, as training would start from it
     if model is None:
-        raise ConfigError("postrl eval needs --model PATH or --run runs/NAME")
+        raise ConfigError("postrl eval needs --model PATH, --run runs/NAME or --config CONFIG.yaml")
     return model, run_config
 
 
@@ -205,7 +206,9 @@ class SampledEval:
 
     def wanted(self, run_config: RunConfig | None) -> bool:
         """Whether the harness runs: sampling, JSON, a URL, or a config with several or generated sets."""
-        named = run_config is not None and (bool(run_config.data.eval_sets) or run_config.data.reasoning_gym is not None)
+        named = run_config is not None and (
+            bool(run_config.data.eval_sets) or run_config.data.reasoning_gym is not None
+        )
         return self.n > 1 or self.as_json or self.url is not None or named
 
 

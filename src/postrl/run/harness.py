@@ -85,7 +85,12 @@ class Harness:
     """Answers and scores held-out sets through one batch source (engine + Reward Service)."""
 
     def __init__(
-        self, source: SingleTurn, component: str, threshold: float, greedy: SamplingParams, sampling: SamplingParams | None
+        self,
+        source: SingleTurn,
+        component: str,
+        threshold: float,
+        greedy: SamplingParams,
+        sampling: SamplingParams | None,
     ) -> None:
         self.source, self.component, self.threshold = source, component, threshold
         self.greedy, self.sampling = greedy, sampling
@@ -136,5 +141,3 @@ def table(reports: list[SetReport], ks: list[int], n: int) -> str:
         rows.extend([report.name, task, *cells(f)] for task, f in report.per_task.items())
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
-
-

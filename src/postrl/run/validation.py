@@ -23,8 +23,8 @@ from postrl.data.reasoning_gym import held_out, training_questions
 from postrl.reward.accuracy import accuracy, per_task_accuracy
 from postrl.reward.columns import check_columns
 from postrl.rollout.agentic.episodes import episode_metrics
-from postrl.tasks import task_rows
 from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
+from postrl.tasks import task_rows
 from postrl.types import Prompt, RewardResult, Rollout, StepMetrics
 from postrl.types.metric_names import (
     TIME_VALIDATE_S,
@@ -93,7 +93,9 @@ class Validator:
     """Scores the held-out prompts (the main set and each named one) with the run's rollout engine
     and Reward Service."""
 
-    def __init__(self, config: RunConfig, dataset: PromptDataset | None, named: dict[str, PromptDataset] | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, dataset: PromptDataset | None, named: dict[str, PromptDataset] | None = None
+    ) -> None:
         self.config, self.dataset, self.named = config, dataset, named or {}
         self.sampling = greedy_sampling(config.rollout)
 
@@ -118,7 +120,9 @@ class Validator:
             values.update(self.run_set(dataset.prompts, source, weight_version, eval_set(name)))
         return values
 
-    def run_set(self, prompts: list[Prompt], source: BatchSource, weight_version: int | None, prefix: str) -> dict[str, float]:
+    def run_set(
+        self, prompts: list[Prompt], source: BatchSource, weight_version: int | None, prefix: str
+    ) -> dict[str, float]:
         ran = source.generate(prompts, self.sampling, weight_version)
         rollouts = [r for r in ran if r.episode is None or r.episode.part == 0]
         results = source.score(prompts, rollouts)

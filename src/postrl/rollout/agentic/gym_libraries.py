@@ -140,7 +140,9 @@ class TextArenaEnvironment:
 
         if game not in ENV_REGISTRY:
             near = sorted(g for g in ENV_REGISTRY if g.split("-")[0].lower() == game.split("-")[0].lower())[:5]
-            raise ValueError(f"TextArena has no game '{game}'" + (f" (its variants: {', '.join(near)})" if near else ""))
+            raise ValueError(
+                f"TextArena has no game '{game}'" + (f" (its variants: {', '.join(near)})" if near else "")
+            )
         self.game = game
         raw = f"{game}-raw" if f"{game}-raw" in ENV_REGISTRY else game
         with _no_downloads(game):
@@ -154,7 +156,9 @@ class TextArenaEnvironment:
             self.env.reset(num_players=1, seed=seed)
             players = self.env.state.num_players
             if players != 1:
-                raise ValueError(f"TextArena game {self.game} has {players} players; agent.env takes single-player games")
+                raise ValueError(
+                    f"TextArena game {self.game} has {players} players; agent.env takes single-player games"
+                )
             _, observations = self.env.get_observation()
         return [{"role": "user", "content": _text(observations)}]
 
