@@ -159,7 +159,6 @@ ONE_FUNCTION_MODULES = {
     "serve/run.py": "starting the server process",
     "train/sharding.py": "the ranks' token-balanced split",
     "reward/factory.py": "which Reward Service a reward section asks for",
-    "reward/accuracy.py": "the one accuracy rule of training, validation and eval",
     "run/plots.py": "the run's plot",
     "run/plan/design_example.py": "the design's 70B example, shared by the tests and the benchmark",
     "algorithms/kl_control.py": "the adaptive KL controller's formula",

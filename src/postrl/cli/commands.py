@@ -271,7 +271,9 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
         print(f"{title}: {source}")
         out = cached_dir() if args.out_dir is None else convert_gguf(source, args.out_dir)
     elif args.out_dir is None:
-        raise ConfigError("convert-gguf FILE OUT_DIR: give the folder to write (only 'smollm2' and 'gemma3' have a default)")
+        raise ConfigError(
+            "convert-gguf FILE OUT_DIR: give the folder to write (only 'smollm2' and 'gemma3' have a default)"
+        )
     else:
         out = convert_gguf(args.file, args.out_dir)
     print(f"wrote {out}")

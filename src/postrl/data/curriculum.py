@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from postrl.config.reasoning_gym import ReasoningGymConfig
+from postrl.config.reasoning_gym import ReasoningGymConfig, max_level
 from postrl.data.dataset import DatasetError, PromptDataset
-from postrl.data.reasoning_gym import build_gym_prompts, max_level, shares
+from postrl.data.reasoning_gym import build_gym_prompts, shares
 from postrl.data.sampler import PromptSampler
 from postrl.types import Prompt
 

@@ -15,9 +15,9 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-from postrl.config.reasoning_gym import GYM_EXTRA, GymTaskConfig, ReasoningGymConfig
+from postrl.config.reasoning_gym import GYM_EXTRA, GymTaskConfig, ReasoningGymConfig, max_level
 from postrl.data.dataset import DatasetError, PromptDataset, build_prompts
-from postrl.reward.accuracy import TASK_COLUMN
+from postrl.types.records import TASK_COLUMN
 
 
 def _gym() -> Any:
@@ -26,15 +26,6 @@ def _gym() -> Any:
     except ImportError:
         raise DatasetError(GYM_EXTRA) from None
     return reasoning_gym
-
-
-def max_level(task: str) -> int | None:
-    """The task's last curriculum level (its longest attribute's), None when it has no curriculum."""
-    from reasoning_gym.factory import CURRICULA, create_curriculum
-
-    if task not in CURRICULA:
-        return None
-    return max(len(attr.levels) for attr in create_curriculum(task).attributes.values()) - 1
 
 
 def task_config(task: GymTaskConfig, level: int | None) -> dict[str, Any]:
@@ -139,11 +130,15 @@ def question_of(prompt_columns: dict[str, Any]) -> str:
 
 
 def held_out(
-    gym: ReasoningGymConfig, tokenizer: Any, max_prompt_tokens: int, train_questions: set[str]
+    gym: ReasoningGymConfig,
+    tokenizer: Any,
+    max_prompt_tokens: int,
+    train_questions: set[str],
+    on_bad_row: str = "error",
 ) -> tuple[PromptDataset, int]:
     """The held-out problems (``val_seed``), less any whose question is among ``train_questions``;
     and how many were dropped for that."""
-    dataset = build_gym_prompts(gym, tokenizer, gym.held_out_seed, gym.val_size, max_prompt_tokens)
+    dataset = build_gym_prompts(gym, tokenizer, gym.held_out_seed, gym.val_size, max_prompt_tokens, None, on_bad_row)
     kept = [p for p in dataset.prompts if question_of(p.columns) not in train_questions]
     dropped = len(dataset.prompts) - len(kept)
     dataset.prompts = kept

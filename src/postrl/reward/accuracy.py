@@ -9,8 +9,6 @@ from __future__ import annotations
 from postrl.types import Prompt, RewardResult, Rollout
 from postrl.types.metric_names import task_accuracy
 
-TASK_COLUMN = "task_type"  # the column that names a row's task (per-task figures, applies_to)
-
 
 def accuracy(results: list[RewardResult], component: str | None, threshold: float) -> float | None:
     """The share of ``results`` whose ``component`` reaches ``threshold``; None when there is no

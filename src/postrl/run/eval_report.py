@@ -43,8 +43,9 @@ def eval_sets(
     if d.val_files:
         sets[HELD_OUT] = load_prompt_dataset(d.val_files, tokenizer, **options)
     elif d.reasoning_gym is not None and d.reasoning_gym.val_size:
+        where = "data.reasoning_gym"
         sets[HELD_OUT] = gym_held_out(
-            d.reasoning_gym, tokenizer, options["max_prompt_tokens"], "data.reasoning_gym", echo
+            d.reasoning_gym, tokenizer, options["max_prompt_tokens"], where, echo, d.on_bad_row
         )
     elif d.task is not None:
         sets[d.task] = build_prompts(iter(task_rows(d.task, "test")), tokenizer, **options)

@@ -204,6 +204,21 @@ class SampledEval:
     url: str | None = None
     as_json: bool = False
 
+    def checked(self, model: str | None) -> SampledEval:
+        if self.n < 1:
+            raise ConfigError(f"--n {self.n}: give at least 1 response per prompt")
+        if self.url is not None and model is None:
+            raise ConfigError("--url needs --model FOLDER: the tokenizer that builds the prompts")
+        return self
+
+    def run(
+        self, model: str, run_config: RunConfig | None, task: str | None, data: list[str] | None, max_tokens: int | None
+    ) -> None:
+        from postrl.run.eval_report import run_harness
+
+        run_harness(model=model, url=self.url, run_config=run_config, task=task, data=data, n=self.n, ks=self.ks,
+                    temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens, as_json=self.as_json)  # fmt: skip
+
     def wanted(self, run_config: RunConfig | None) -> bool:
         """Whether the harness runs: sampling, JSON, a URL, or a config with several or generated sets."""
         named = run_config is not None and (
@@ -227,20 +242,12 @@ def run_eval(
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
 
-    sampling = sampling or SampledEval()
-    if sampling.n < 1:
-        raise ConfigError(f"--n {sampling.n}: give at least 1 response per prompt")
-    if sampling.url is not None and model is None:
-        raise ConfigError("--url needs --model FOLDER: the tokenizer that builds the prompts")
+    sampling = (sampling or SampledEval()).checked(model)
     model, run_config = _resolve_run(model, run, task, config)
     if task and data:
         raise ConfigError("give either --task or --data, not both")
     if sampling.wanted(run_config):
-        from postrl.run.eval_report import run_harness
-
-        s = sampling
-        run_harness(model=model, url=s.url, run_config=run_config, task=task, data=data, n=s.n, ks=s.ks,
-                    temperature=s.temperature, top_p=s.top_p, max_tokens=max_tokens, as_json=s.as_json)  # fmt: skip
+        sampling.run(model, run_config, task, data, max_tokens)
         return 0
     tokenizer = load_tokenizer(model)
     policy = load_causal_lm(model)
@@ -253,16 +260,9 @@ def run_eval(
         return 0
     if run_config is None:
         raise ConfigError("postrl eval --data needs the reward to score with: --run runs/NAME or --config CONFIG.yaml")
-    d = run_config.data
-    dataset = load_prompt_dataset(
-        data,
-        tokenizer,
-        prompt_column=d.prompt_column,
-        messages_column=d.messages_column,
-        apply_chat_template=d.apply_chat_template,
-        max_prompt_tokens=d.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
-        on_bad_row=d.on_bad_row,
-    )
+    options = {**run_config.data.prompt_options()}
+    options["max_prompt_tokens"] = options["max_prompt_tokens"] or DEFAULT_MAX_PROMPT_TOKENS
+    dataset = load_prompt_dataset(data, tokenizer, **options)
     name = ", ".join(Path(f).name for f in data)
     result = evaluate_with_rewards(
         policy,

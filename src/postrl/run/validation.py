@@ -49,7 +49,8 @@ def load_validation_set(config: RunConfig, tokenizer: Any, echo: Callable[[str],
     elif d.task is not None:
         dataset = build_prompts(iter(task_rows(d.task, "test")), tokenizer, **options)
     elif d.reasoning_gym is not None and d.reasoning_gym.val_size:
-        dataset = gym_held_out(d.reasoning_gym, tokenizer, options["max_prompt_tokens"], "data.reasoning_gym", echo)
+        where = "data.reasoning_gym"
+        dataset = gym_held_out(d.reasoning_gym, tokenizer, options["max_prompt_tokens"], where, echo, d.on_bad_row)
     else:
         return None
     if d.val_size is not None:
@@ -60,10 +61,16 @@ def load_validation_set(config: RunConfig, tokenizer: Any, echo: Callable[[str],
 
 
 def gym_held_out(
-    gym: ReasoningGymConfig, tokenizer: Any, max_prompt_tokens: int | None, where: str, echo: Callable[[str], None]
+    gym: ReasoningGymConfig,
+    tokenizer: Any,
+    max_prompt_tokens: int | None,
+    where: str,
+    echo: Callable[[str], None],
+    on_bad_row: str = "error",
 ) -> PromptDataset:
     """reasoning-gym's held-out problems, disjoint from the training ones: the run says how many it dropped."""
-    dataset, dropped = held_out(gym, tokenizer, max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS, training_questions(gym))
+    tokens = max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS
+    dataset, dropped = held_out(gym, tokenizer, tokens, training_questions(gym), on_bad_row)
     echo(f"{where}: {len(dataset)} held-out problems (seed {gym.held_out_seed}); {dropped} dropped as "
          "also among the training questions")  # fmt: skip
     if not len(dataset):
@@ -78,7 +85,9 @@ def load_eval_sets(config: RunConfig, tokenizer: Any, echo: Callable[[str], None
     for spec in d.eval_sets:
         if spec.reasoning_gym is not None:
             where = f"data.eval_sets[{spec.name}]"
-            dataset = gym_held_out(spec.reasoning_gym, tokenizer, options["max_prompt_tokens"], where, echo)
+            dataset = gym_held_out(
+                spec.reasoning_gym, tokenizer, options["max_prompt_tokens"], where, echo, d.on_bad_row
+            )
         else:
             dataset = load_prompt_dataset(spec.files, tokenizer, **options)
         if spec.size is not None:

@@ -10,6 +10,9 @@ from postrl.types.episode import Episode
 from postrl.types.metric_names import BUFFER_DROPPED, BUFFER_LAG_MAX, BUFFER_LAG_MEAN
 
 
+TASK_COLUMN = "task_type"  # the column that names a row's task (per-task figures, applies_to, curricula)
+
+
 @dataclass
 class Prompt:
     """One prompt, tokenized, with the dataset row's other columns for the reward function."""
@@ -27,7 +30,7 @@ class Prompt:
     @property
     def task_type(self) -> str | None:
         """The row's ``task_type`` column (e.g. math, code), None when absent."""
-        return self.columns.get("task_type")
+        return self.columns.get(TASK_COLUMN)
 
     @property
     def answer(self) -> Any:
