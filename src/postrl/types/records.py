@@ -9,7 +9,6 @@ from typing import Any, Literal
 from postrl.types.episode import Episode
 from postrl.types.metric_names import BUFFER_DROPPED, BUFFER_LAG_MAX, BUFFER_LAG_MEAN
 
-
 TASK_COLUMN = "task_type"  # the column that names a row's task (per-task figures, applies_to, curricula)
 
 
