@@ -68,3 +68,26 @@ def test_figures_average_over_prompts_and_keep_greedy_apart():
     assert f.mean_at_n == pytest.approx((0.5 + 0.0) / 2)
     assert f.pass_at == {1: pytest.approx(0.25), 4: pytest.approx(0.5)}  # (0.5 + 0) / 2, (1 + 0) / 2
     assert f.maj_at == {1: pytest.approx(0.5), 4: pytest.approx(0.25)}  # tie 1/2 at k=4 for the first prompt
+
+
+def test_the_console_line_names_each_task_and_eval_set():
+    from postrl.run.metrics import console_line
+    from postrl.types import StepMetrics
+
+    values = {"val/accuracy": 0.5, "val/gcd/accuracy": 0.25, "val/chain_sum/accuracy": 0.75,
+              "val/harder/chain_sum/accuracy": 0.1, "val/harder/accuracy": 0.1}  # fmt: skip
+    line = console_line(StepMetrics(step=3, weight_version=3, values=values))
+    assert line == "step 3 | val acc 0.500 | val chain_sum 0.750, gcd 0.250, harder 0.100"
+
+
+def test_the_report_draws_a_panel_per_task_and_set_and_the_curriculum():
+    from postrl.run.report import RunMetrics, per_task_panels
+
+    rows = [{"step": 1, "accuracy/gcd": 0.1, "curriculum/gcd/level": 0.0},
+            {"step": 2, "val/accuracy": 0.2, "val/gcd/accuracy": 0.3, "val/harder/gcd/accuracy": 0.1}]  # fmt: skip
+    panels = {title: lines for title, lines, _ in per_task_panels([RunMetrics("r", rows)])}
+    assert panels == {
+        "held-out accuracy by set and task": [("val/gcd/accuracy", "gcd"), ("val/harder/gcd/accuracy", "harder/gcd")],
+        "training accuracy by task": [("accuracy/gcd", "gcd")],
+        "curriculum level": [("curriculum/gcd/level", "gcd")],
+    }

@@ -74,10 +74,21 @@ def console_line(metrics: StepMetrics, total: int | None = None) -> str:
         if key in metrics.values:
             parts.append(f"{label} {metrics.values[key]:.3f}")
             break
+    named = held_out_by_name(metrics.values)
+    if named:
+        parts.append("val " + ", ".join(f"{name} {value:.3f}" for name, value in named))
     for note in ("flagged", "no_signal"):
         if metrics.notes.get(note):
             parts.append(metrics.notes[note])
     return " | ".join(parts)
+
+
+def held_out_by_name(values: dict[str, float], most: int = 8) -> list[tuple[str, float]]:
+    """The held-out accuracy of each task and each named eval set (``val/<name>/accuracy``), for the
+    console line: the first ``most`` by name."""
+    found = [(k[len("val/") : -len("/accuracy")], v) for k, v in values.items()
+             if k.startswith("val/") and k.endswith("/accuracy") and k.count("/") == 2]  # fmt: skip
+    return sorted(found)[:most]
 
 
 class ConsoleSink:

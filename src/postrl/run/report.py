@@ -107,6 +107,19 @@ def unique_names(runs: list[RunMetrics], paths: list[str]) -> None:
 def panels_for(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str]], str]]:
     """The panels (and their lines) some run has data for."""
     panels = [(t, [(k, lab) for k, lab in keys if any(r.series(k)[0] for r in runs)], y) for t, keys, y in PANELS]
+    return [p for p in panels if p[1]] + per_task_panels(runs)
+
+
+def per_task_panels(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, str]], str]]:
+    """Held-out accuracy per eval set and per task (``val/<...>/accuracy``), training accuracy per
+    task (``accuracy/<task>``) and curriculum levels, for the keys some run has."""
+    keys = sorted({k for r in runs for row in r.rows for k in row if isinstance(row[k], (int, float))})
+    held_out = [(k, k[len("val/") : -len("/accuracy")]) for k in keys if k.startswith("val/") and k.endswith("/accuracy")
+                and k != VAL_ACCURACY]  # fmt: skip
+    trained = [(k, k[len("accuracy/") :]) for k in keys if k.startswith("accuracy/")]
+    levels = [(k, k.split("/")[1]) for k in keys if k.startswith("curriculum/") and k.endswith("/level")]
+    panels = [("held-out accuracy by set and task", held_out, ""), ("training accuracy by task", trained, ""),
+              ("curriculum level", levels, "level")]  # fmt: skip
     return [p for p in panels if p[1]]
 
 
