@@ -253,6 +253,67 @@ def trl_worker(model_dir: Path, minutes: float, eval_every: int, smoke: bool) ->
     return {"curve": curve, "last": True}
 
 
+GEMMA_TASK = {"name": "basic_arithmetic", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                                     "operators": ["+", "-"]}}  # fmt: skip
+
+
+def gemma_run(steps: int, smoke: bool) -> dict:
+    """Gemma 3 270M: converted from its GGUF chunks, greedy held-out accuracy on one task through a
+    ``postrl serve-rollout`` server and ``postrl eval --url`` before and after a short GRPO run."""
+    import yaml
+
+    from postrl.config.loading import build_config
+    from postrl.models.gguf import gemma3_dir
+    from postrl.run.train_runner import train
+
+    model_dir = gemma3_dir()
+    tmp = Path(tempfile.mkdtemp(prefix="real-task-gemma-"))
+    config = {
+        "name": "gemma", "output_dir": str(tmp), "seed": 0, "steps": 1 if smoke else steps,
+        "prompts_per_step": 2 if smoke else 8, "model": {"path": str(model_dir)},
+        "data": {"reasoning_gym": {"tasks": [GEMMA_TASK], "answer_format": "last_number", "size": 200,
+                                   "val_size": 8 if smoke else 60}, "max_prompt_tokens": 256},
+        "rollout": {"n": 2 if smoke else 8, "max_tokens": 8 if smoke else 24, "temperature": 1.0, "dtype": "float32"},
+        "reward": {"components": [{"name": "correct", "type": "reasoning_gym"}], "num_workers": 1},
+        "algorithm": {"kl_beta": 0.0},
+        "train": {"lr": LR, "mini_batch_size": 4 if smoke else 64, "micro_batch_size": 4 if smoke else 16},
+        "checkpoint": {"every_steps": 0},
+        "logging": {"trackers": ["jsonl"], "console": False, "progress_bar": False},
+    }  # fmt: skip
+    config_file = tmp / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    before = served_accuracy(model_dir, config_file)
+    began = time.perf_counter()
+    train(build_config(config))
+    wall = time.perf_counter() - began
+    after = served_accuracy(tmp / "gemma" / "final_model", config_file)
+    return {"gemma_acc_before": before, "gemma_acc_after": after, "gemma_steps": config["steps"], "gemma_wall_s": wall}
+
+
+def served_accuracy(model: Path, config_file: Path) -> float:
+    """``postrl serve-rollout`` on the model, then ``postrl eval --url`` (greedy) on the config's held-out set."""
+    import httpx
+
+    port = 8000 + os.getpid() % 1000
+    server = subprocess.Popen([sys.executable, "-m", "postrl.cli", "serve-rollout", "--model", str(model), "--port",
+                               str(port), "--dtype", "float32"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        cmd = [sys.executable, "-m", "postrl.cli", "eval", "--config", str(config_file), "--model", str(model),
+               "--url", url, "--json"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    finally:
+        server.terminate()
+        server.wait()
+    return json.loads(out)["sets"]["heldout"]["greedy"]
+
+
 def acc_at(curve: list[dict], wall_s: float) -> float:
     """The accuracy of the last evaluation at or before ``wall_s``."""
     return [p for p in curve if p["wall_s"] <= wall_s + 1e-9][-1]["acc"]
@@ -354,6 +415,8 @@ def main() -> int:
     parser.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer, steps interleaved")
     parser.add_argument("--png", type=Path, default=Path("docs/real_task_vs_trl.png"), help="the curves (--trl)")
     parser.add_argument("--log", type=Path, default=Path("real_task.jsonl"), help="each step as it ends")
+    parser.add_argument("--gemma", action="store_true", help="only the Gemma 3 270M part: before, a short run, after")
+    parser.add_argument("--gemma-steps", type=int, default=10, help="GRPO steps of the Gemma 3 run")
     parser.add_argument("--worker", choices=["postrl", "trl"], help=argparse.SUPPRESS)
     add_smoke(parser)
     args = parser.parse_args()
@@ -363,6 +426,14 @@ def main() -> int:
     from postrl.models.gguf import smollm2_dir
 
     minutes = 0.05 if args.smoke else args.minutes
+    if args.gemma:
+        result = gemma_run(args.gemma_steps, args.smoke)
+        print(f"Gemma 3 270M, {GEMMA_TASK['name']}: held-out greedy accuracy {result['gemma_acc_before']:.3f} -> "
+              f"{result['gemma_acc_after']:.3f} after {result['gemma_steps']} GRPO steps ({result['gemma_wall_s']:.0f} s), "
+              "served by postrl serve-rollout")  # fmt: skip
+        if args.json:
+            print(json.dumps(result))
+        return 0
     if args.worker:
         work = postrl_worker if args.worker == "postrl" else trl_worker
         every = args.eval_every if args.worker == "postrl" else args.trl_eval_every

@@ -65,7 +65,9 @@ def test_a_tiny_gemma3_trains_with_engine_logprobs_equal_to_the_trainers(tmp_pat
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
     before = load_causal_lm(str(tiny_gemma3_dir)).state_dict()
     after = load_causal_lm(str(config.run_dir / "final_model")).state_dict()
-    assert after["model.layers.0.self_attn.q_norm.weight"].shape == before["model.layers.0.self_attn.q_norm.weight"].shape
+    assert (
+        after["model.layers.0.self_attn.q_norm.weight"].shape == before["model.layers.0.self_attn.q_norm.weight"].shape
+    )
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2  # trained: most tensors moved
     assert load_causal_lm(str(config.run_dir / "final_model")).config.model_type == "gemma3_text"

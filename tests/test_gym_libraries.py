@@ -120,3 +120,40 @@ def test_unknown_library_environments_are_named():
         environment_factory("textarena:Mastermind-v9")()
     with pytest.raises(ValueError, match="skyrl-gym has no environment 'nope'"):
         environment_factory("skyrl_gym:nope")()
+
+
+@pytest.mark.slow
+def test_postrl_train_plays_a_textarena_game(tmp_path):
+    """Two GRPO steps of a tiny model on TextArena's Mastermind through ``postrl train``: the
+    game's reward is the episode's, the rows' seeds choose the codes."""
+    pytest.importorskip("textarena")
+    import json
+
+    from transformers import LlamaForCausalLM
+
+    from postrl.config.loading import build_config
+    from postrl.run.train_runner import train
+    from tests.conftest import make_tiny_model
+
+    tok = family_tokenizer("qwen2.5")
+    config = make_tiny_model("llama", tok).config
+    config.max_position_embeddings = 1024
+    model_dir = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "games.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Mastermind", "seed": s}) + "\n" for s in range(8)))
+    run = build_config({
+        "name": "mastermind", "output_dir": str(tmp_path), "steps": 2, "prompts_per_step": 2,
+        "model": {"path": str(model_dir)}, "data": {"train_files": [str(data)]},
+        "agent": {"env": "textarena:Mastermind-v0", "max_turns": 2, "max_tokens_per_turn": 6, "max_context": 1024,
+                  "on_turn_length": "continue"},
+        "rollout": {"n": 2, "max_tokens": 6}, "train": {"mini_batch_size": 4, "micro_batch_size": 4},
+        "logging": {"trackers": ["jsonl"], "samples_first_steps": 2},
+    })  # fmt: skip
+    assert train(run).step_count == 2
+    samples = [json.loads(line) for line in (run.run_dir / "samples" / "step_1.jsonl").read_text().splitlines()]
+    # a random model's guesses are invalid: the game warns after the first and ends itself after the second
+    assert [(s["episode"]["finish_reason"], s["episode"]["turns"]) for s in samples] == [("stop", 2)] * 4
+    assert all(s["components"] == {"environment": 0.0} and s["error"] is None for s in samples)
+    assert not (run.run_dir / "episode_errors.log").exists()

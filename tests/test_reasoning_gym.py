@@ -195,3 +195,12 @@ def test_the_curriculum_and_its_draw_resume_at_the_same_levels_and_prompts(char_
     assert [p.text for p in fresh_draw.next_prompts(12)] == expected
     _, metrics = fresh_stage.select(scripted_groups(fresh_draw, [True, True]))  # completes the resumed window
     assert metrics["curriculum/chain_sum/level"] == 3.0
+
+
+def test_without_reasoning_gym_the_config_error_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # an import of it now fails, as when not installed
+    monkeypatch.setitem(sys.modules, "reasoning_gym.factory", None)
+    with pytest.raises(ValueError, match=r"pip install 'postrl\[gym\]'"):
+        RunConfig.model_validate({"data": {"reasoning_gym": {"tasks": [{"name": "gcd"}]}}})
