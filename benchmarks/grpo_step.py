@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from _figures import save
 from _interleave import MARK, run_interleaved, wait_for_turn
 from _smoke import add_smoke, skip
 
@@ -174,12 +175,7 @@ def plot_curves(curves: dict[str, list[float]], png: Path) -> None:
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward (mean over 16 prompts x 8 samples)")
     ax.set_title(f"SmolLM2-135M-Instruct, chat addition, {PROMPTS}x{G}, {NEW_TOKENS} new tokens, bf16")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save(fig, ax, png)
 
 
 def missing_peers() -> str | None:

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _figures import save
 from _interleave import MARK, run_interleaved, wait_for_turn
 from _smoke import add_smoke, skip
 
@@ -337,12 +338,7 @@ def plot(curves: dict[str, list[dict]], png: Path) -> None:
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_title(f"SmolLM2-135M-Instruct, reasoning-gym {'/'.join(t['name'] for t in TASKS)}, "
                  f"{PROMPTS}x{G}, {NEW_TOKENS} tokens", fontsize=9)  # fmt: skip
-    ax.grid(alpha=0.3)
-    ax.legend()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save(fig, ax, png)
 
 
 def missing() -> str | None:

@@ -91,3 +91,19 @@ def test_the_report_draws_a_panel_per_task_and_set_and_the_curriculum():
         "training accuracy by task": [("accuracy/gcd", "gcd")],
         "curriculum level": [("curriculum/gcd/level", "gcd")],
     }
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"n": 0}, "--n 0: give at least 1"),
+        ({"ks": [4]}, "--k 4 needs sampled responses"),
+        ({"url": "http://127.0.0.1:9"}, "--url needs --model FOLDER"),
+    ],
+)
+def test_eval_options_that_cannot_work_are_refused_by_name(options, message):
+    from postrl.config.run import ConfigError
+    from postrl.run.evaluate import SampledEval
+
+    with pytest.raises(ConfigError, match=message):
+        SampledEval(**options).checked(None)

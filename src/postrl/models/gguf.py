@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 GGUF_EXTRA = "pip install 'postrl[gguf]' (from a checkout: .venv/bin/pip install -e '.[gguf]')"
@@ -69,17 +70,18 @@ def gemma3_gguf_path() -> Path:
 
 def gemma3_dir() -> Path:
     """A converted (dequantized) Gemma 3 270M folder, converted once and cached."""
-    out = cache_dir() / "gemma-3-270m"
+    return _cached("gemma-3-270m", gemma3_gguf_path)
+
+
+def _cached(folder: str, gguf_path: Callable[[], Path]) -> Path:
+    """``cache_dir()/folder``, converted from ``gguf_path()`` the first time (never committed)."""
+    out = cache_dir() / folder
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(gemma3_gguf_path(), out)
+        convert_gguf(gguf_path(), out)
     return out
 
 
 def smollm2_dir() -> Path:
     """A converted SmolLM2-135M-Instruct folder, converted once and cached (never committed)."""
-    out = cache_dir() / "SmolLM2-135M-Instruct"
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(smollm2_gguf_path(), out)
-    return out
+    return _cached("SmolLM2-135M-Instruct", smollm2_gguf_path)

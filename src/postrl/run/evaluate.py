@@ -207,6 +207,10 @@ class SampledEval:
     def checked(self, model: str | None) -> SampledEval:
         if self.n < 1:
             raise ConfigError(f"--n {self.n}: give at least 1 response per prompt")
+        if self.ks and self.n == 1:
+            raise ConfigError(
+                f"--k {' '.join(map(str, self.ks))} needs sampled responses: give --n (at least the largest k)"
+            )
         if self.url is not None and model is None:
             raise ConfigError("--url needs --model FOLDER: the tokenizer that builds the prompts")
         return self
@@ -247,6 +251,8 @@ def run_eval(
     if task and data:
         raise ConfigError("give either --task or --data, not both")
     if sampling.wanted(run_config):
+        if out:
+            raise ConfigError("--out writes the samples of a one-line evaluation (no --n, --json, --url or eval sets)")
         sampling.run(model, run_config, task, data, max_tokens)
         return 0
     tokenizer = load_tokenizer(model)

@@ -95,11 +95,6 @@ class Harness:
         self.source, self.component, self.threshold = source, component, threshold
         self.greedy, self.sampling = greedy, sampling
 
-    @property
-    def ks_limit(self) -> int:
-        """The largest k the samples allow (0: greedy only)."""
-        return 0 if self.sampling is None else self.sampling.n
-
     def outcomes(self, prompts: list[Prompt]) -> list[PromptOutcome]:
         """Greedy answers, then (with ``sampling``) its ``n`` samples per prompt."""
         outcomes = [PromptOutcome(task=p.task_type if isinstance(p.task_type, str) else None) for p in prompts]
