@@ -406,7 +406,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--minutes", type=float, default=30.0, help="each framework's training wall budget")
-    parser.add_argument("--eval-every", type=int, default=10, help="postrl's steps between held-out evaluations")
+    parser.add_argument("--eval-every", type=int, default=5, help="postrl's steps between held-out evaluations")
     parser.add_argument("--trl-eval-every", type=int, default=3, help="TRL's steps between held-out evaluations")
     parser.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer, steps interleaved")
     parser.add_argument("--png", type=Path, default=Path("docs/real_task_vs_trl.png"), help="the curves (--trl)")
