@@ -273,6 +273,7 @@ def gemma_run(steps: int, smoke: bool) -> dict:
         "name": "gemma", "output_dir": str(tmp), "seed": 0, "steps": 1 if smoke else steps,
         "prompts_per_step": 2 if smoke else 8, "model": {"path": str(model_dir)},
         "data": {"reasoning_gym": {"tasks": [GEMMA_TASK], "answer_format": "last_number", "size": 200,
+                                   "chat_template": False,  # the GGUF of this base model has no chat template
                                    "val_size": 8 if smoke else 60}, "max_prompt_tokens": 256},
         "rollout": {"n": 2 if smoke else 8, "max_tokens": 8 if smoke else 24, "temperature": 1.0, "dtype": "float32"},
         "reward": {"components": [{"name": "correct", "type": "reasoning_gym"}], "num_workers": 1},

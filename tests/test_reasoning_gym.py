@@ -204,3 +204,12 @@ def test_without_reasoning_gym_the_config_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym.factory", None)
     with pytest.raises(ValueError, match=r"pip install 'postrl\[gym\]'"):
         RunConfig.model_validate({"data": {"reasoning_gym": {"tasks": [{"name": "gcd"}]}}})
+
+
+def test_chat_rows_for_a_tokenizer_without_a_chat_template_name_the_setting():
+    from postrl.tasks.char_tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = None  # like the GGUF of Gemma 3 270M, a base model
+    with pytest.raises(DatasetError, match="no chat template .*data.reasoning_gym.chat_template: false"):
+        build_gym_prompts(gym(), tokenizer, 0, 4, 512)

@@ -124,6 +124,12 @@ def prompt_text(row: Any, tokenizer: Any, prompt_column: str, messages_column: s
             raise ValueError(problem)
     else:
         raise ValueError(f"row has neither '{prompt_column}' nor '{messages_column}' (columns: {sorted(row)})")
+    if not tokenizer.chat_template:
+        raise ValueError(
+            "the model's tokenizer has no chat template (a base model's, e.g. Gemma 3 270M's GGUF), so chat "
+            "rows cannot be rendered: give plain prompts (data.apply_chat_template: false, "
+            "data.reasoning_gym.chat_template: false) or use a model whose tokenizer has one"
+        )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
 
 
