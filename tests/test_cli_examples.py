@@ -101,7 +101,8 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
         extra = [f"model.path={tiny_model_dir}", "data.reasoning_gym.chat_template=false", "data.on_bad_row=skip",
                  "data.reasoning_gym.instruction=", "data.max_prompt_tokens=118", "rollout.max_tokens=8",
                  "prompts_per_step=4", "data.reasoning_gym.size=60", "data.reasoning_gym.val_size=12",
-                 "rollout.n=2", "train.mini_batch_size=8", "train.micro_batch_size=8"]  # fmt: skip
+                 "rollout.n=2", "train.mini_batch_size=8", "train.micro_batch_size=8",
+                 "data.eval_sets=[]"]  # fmt: skip
     if name == "mixed_math_code.yaml":
         extra += ["prompts_per_step=8", "train.mini_batch_size=16", "train.micro_batch_size=8"]  # every row once
     assert main(["train", str(EXAMPLES / name), *_example_overrides(tmp_path), *extra]) == 0
@@ -117,7 +118,8 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
         extra = [f"model.path={tiny_model_dir}", "data.reasoning_gym.chat_template=false", "data.on_bad_row=skip",
                  "data.reasoning_gym.instruction=", "data.max_prompt_tokens=118", "rollout.max_tokens=8",
                  "prompts_per_step=4", "data.reasoning_gym.size=60", "data.reasoning_gym.val_size=12",
-                 "rollout.n=2", "train.mini_batch_size=8", "train.micro_batch_size=8"]  # fmt: skip
+                 "rollout.n=2", "train.mini_batch_size=8", "train.micro_batch_size=8",
+                 "data.eval_sets=[]"]  # fmt: skip
     if name == "mixed_math_code.yaml":  # each component scored its own rows
         assert {"reward/math/mean", "reward/code/mean"} <= set(first)
 

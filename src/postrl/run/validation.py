@@ -73,8 +73,10 @@ def gym_held_out(
     dataset, dropped = held_out(gym, tokenizer, tokens, training_questions(gym), on_bad_row)
     echo(f"{where}: {len(dataset)} held-out problems (seed {gym.held_out_seed}); {dropped} dropped as "
          "also among the training questions")  # fmt: skip
-    if not len(dataset):
+    if not len(dataset) and dropped:
         raise DatasetError(f"{where}: every held-out problem is also a training problem; use other val_seed or tasks")
+    if not len(dataset):
+        raise DatasetError(f"{where}: no held-out problem is usable ({len(dataset.skipped)} skipped: {dataset.skipped[:1]})")
     return dataset
 
 
