@@ -76,7 +76,9 @@ def gym_held_out(
     if not len(dataset) and dropped:
         raise DatasetError(f"{where}: every held-out problem is also a training problem; use other val_seed or tasks")
     if not len(dataset):
-        raise DatasetError(f"{where}: no held-out problem is usable ({len(dataset.skipped)} skipped: {dataset.skipped[:1]})")
+        raise DatasetError(
+            f"{where}: no held-out problem is usable ({len(dataset.skipped)} skipped: {dataset.skipped[:1]})"
+        )
     return dataset
 
 
