@@ -114,12 +114,6 @@ def test_train_example_runs(name, tmp_path, tiny_model_dir, monkeypatch):
         assert math.isfinite(first["actor/loss"]) or name == "algorithms/ppo.yaml"
     if name == "calculator_agent.yaml":  # whole episodes, scored by the environment
         assert first["agent/turns_mean"] >= 1 and "reward/environment/mean" in first
-    if name == "reasoning_gym_grpo.yaml":  # SmolLM2 needs setup_bench.sh; the char model's context is 128 tokens
-        extra = [f"model.path={tiny_model_dir}", "data.reasoning_gym.chat_template=false", "data.on_bad_row=skip",
-                 "data.reasoning_gym.instruction=", "data.max_prompt_tokens=118", "rollout.max_tokens=8",
-                 "prompts_per_step=4", "data.reasoning_gym.size=60", "data.reasoning_gym.val_size=12",
-                 "rollout.n=2", "train.mini_batch_size=8", "train.micro_batch_size=8",
-                 "data.eval_sets=[]"]  # fmt: skip
     if name == "mixed_math_code.yaml":  # each component scored its own rows
         assert {"reward/math/mean", "reward/code/mean"} <= set(first)
 
