@@ -95,10 +95,11 @@ class CurriculumConfig(Section):
 class ReasoningGymConfig(Section):
     tasks: list[GymTaskConfig] = Field(min_length=1, description="The tasks mixed, each with its weight and config.")
     size: int = Field(1000, ge=1, description="Training problems over all tasks (per level, for a curriculum task).")
-    seed: int = Field(0, description="Seed of the training problems (each task's own seed derives from it).")
+    seed: int = Field(0, ge=0, description="Seed of the training problems (each task's own seed derives from it).")
     val_size: int = Field(100, ge=0, description="Held-out problems over all tasks (0: none).")
     val_seed: int | None = Field(
         None,
+        ge=0,
         description="Seed of the held-out problems; None: seed + 1. Held-out questions that also occur "
         "among the training questions are dropped (and counted) at start.",
     )
