@@ -255,7 +255,14 @@ def trl_worker(model_dir: Path, minutes: float, eval_every: int, smoke: bool) ->
 
 
 GEMMA_TASK = {"name": "basic_arithmetic", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-                                                     "operators": ["+", "-"]}}  # fmt: skip
+                                                     "operators": ["+"], "allow_negation": False,
+                                                     "allow_parentheses": False}}  # fmt: skip
+# A base model continues text. With the default instruction ("End your reply with ... a number") it
+# repeats the question; with "Reply with only the number." it writes "\n\nAnswer:\n\n4 + 1 = 5\n\n..."
+# (greedy 0.43 on 40 sums, HF transformers); ending the prompt in "Answer:" and stopping at the line's
+# end gives " 4 + 1 = 5." (greedy 0.65) and no run-on text to be clipped.
+GEMMA_INSTRUCTION, GEMMA_STOP = "Reply with only the number.\nAnswer:", ["\n"]
+GEMMA_LR, GEMMA_TOKENS, GEMMA_TEMPERATURE = 5e-6, 12, 0.7
 
 
 def gemma_run(steps: int, smoke: bool) -> dict:
@@ -274,11 +281,13 @@ def gemma_run(steps: int, smoke: bool) -> dict:
         "prompts_per_step": 2 if smoke else 8, "model": {"path": str(model_dir)},
         "data": {"reasoning_gym": {"tasks": [GEMMA_TASK], "answer_format": "last_number", "size": 200,
                                    "chat_template": False,  # the GGUF of this base model has no chat template
+                                   "instruction": GEMMA_INSTRUCTION,
                                    "val_size": 8 if smoke else 60}, "max_prompt_tokens": 256},
-        "rollout": {"n": 2 if smoke else 8, "max_tokens": 8 if smoke else 24, "temperature": 1.0, "dtype": "float32"},
+        "rollout": {"n": 2 if smoke else 8, "max_tokens": 8 if smoke else GEMMA_TOKENS, "temperature": GEMMA_TEMPERATURE,
+                    "stop": GEMMA_STOP, "dtype": "float32"},
         "reward": {"components": [{"name": "correct", "type": "reasoning_gym"}], "num_workers": 1},
         "algorithm": {"kl_beta": 0.0},
-        "train": {"lr": LR, "mini_batch_size": 4 if smoke else 64, "micro_batch_size": 4 if smoke else 16},
+        "train": {"lr": GEMMA_LR, "mini_batch_size": 4 if smoke else 64, "micro_batch_size": 4 if smoke else 16},
         "checkpoint": {"every_steps": 0},
         "logging": {"trackers": ["jsonl"], "console": False, "progress_bar": False},
     }  # fmt: skip
@@ -413,7 +422,7 @@ def main() -> int:
     parser.add_argument("--png", type=Path, default=Path("docs/real_task_vs_trl.png"), help="the curves (--trl)")
     parser.add_argument("--log", type=Path, default=Path("real_task.jsonl"), help="each step as it ends")
     parser.add_argument("--gemma", action="store_true", help="only the Gemma 3 270M part: before, a short run, after")
-    parser.add_argument("--gemma-steps", type=int, default=10, help="GRPO steps of the Gemma 3 run")
+    parser.add_argument("--gemma-steps", type=int, default=16, help="GRPO steps of the Gemma 3 run")
     parser.add_argument("--worker", choices=["postrl", "trl"], help=argparse.SUPPRESS)
     add_smoke(parser)
     args = parser.parse_args()
