@@ -17,7 +17,7 @@ interleaved (``_interleave``), each until ``--minutes`` of its own step time; th
 curves go to ``--png``. pass@1/4/16 on chain_sum before and after training come from
 ``postrl eval --n 16`` (the CLI, on the held-out chain_sum problems).
 
-    python benchmarks/real_task.py [--json] [--minutes 30] [--trl] [--png docs/real_task_vs_trl.png]
+    python benchmarks/real_task.py [--json] [--minutes 40] [--trl] [--png docs/real_task_vs_trl.png]
 """
 
 from __future__ import annotations
@@ -415,8 +415,8 @@ def report(runs: dict[str, list[dict]], png: Path, as_json: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    parser.add_argument("--minutes", type=float, default=30.0, help="each framework's training wall budget")
-    parser.add_argument("--eval-every", type=int, default=5, help="postrl's steps between held-out evaluations")
+    parser.add_argument("--minutes", type=float, default=40.0, help="each framework's training wall budget")
+    parser.add_argument("--eval-every", type=int, default=2, help="postrl's steps between held-out evaluations")
     parser.add_argument("--trl-eval-every", type=int, default=3, help="TRL's steps between held-out evaluations")
     parser.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer, steps interleaved")
     parser.add_argument("--png", type=Path, default=Path("docs/real_task_vs_trl.png"), help="the curves (--trl)")
