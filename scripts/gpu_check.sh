@@ -42,7 +42,7 @@ tests_s=$(( $(date +%s) - start ))
 
 start=$(date +%s)
 timeout 180 "$PYTHON" -m postrl demo output_dir="$OUT/runs" train.device=cuda rollout.device=cuda \
-    logging.tensorboard=false logging.progress_bar=false > "$OUT/demo.txt" 2>&1
+    logging.progress_bar=false > "$OUT/demo.txt" 2>&1
 demo_rc=$?
 demo_s=$(( $(date +%s) - start ))
 

@@ -7,7 +7,9 @@ import copy
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from postrl.train import lean_forward
 from postrl.train.lean_forward import block_layout, supports_lean_forward
 from postrl.train.logprobs import token_logprobs
 from tests.conftest import make_tiny_model
@@ -74,12 +76,20 @@ def test_lean_forward_under_bf16_autocast_stays_near_the_transformers_model(char
     assert min(float(c) for c in cosine) > 0.99
 
 
-def test_activation_checkpointing_gives_the_same_gradients(char_tokenizer):
+def test_activation_checkpointing_gives_the_same_gradients(char_tokenizer, monkeypatch):
     batch = grouped_batch(char_tokenizer)
     model = make_tiny_model("llama", char_tokenizer)
     plain = run(model, batch, lean=True)
     model.activation_checkpointing_enable()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(lean_forward, "checkpoint", counted)
     checkpointed = run(model, batch, lean=True)
+    assert len(calls) >= model.config.num_hidden_layers  # each layer is checkpointed
     assert torch.equal(plain[0], checkpointed[0])
     assert max(float((plain[2][n] - checkpointed[2][n]).abs().max()) for n in plain[2]) < 1e-6
 

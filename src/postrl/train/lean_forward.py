@@ -278,7 +278,9 @@ class LeanForward:
         bias = torch.zeros(layout.allowed.shape, dtype=torch.promote_types(dtype, torch.float32), device=device)
         bias = bias.masked_fill(~layout.allowed, float("-inf"))[:, None]  # [B, 1, Q, K]
         x = decoder.embed_tokens(layout.tokens).to(dtype)  # the module: its hooks see the forward
-        use_checkpoint = self.model.is_activation_checkpointing and torch.is_grad_enabled()
+        # the decoder's own flag, set by gradient_checkpointing_enable in every transformers version
+        # (PreTrainedModel.is_activation_checkpointing exists only in recent ones)
+        use_checkpoint = bool(decoder.gradient_checkpointing) and torch.is_grad_enabled()
         for layer in decoder.layers:
             if use_checkpoint:
                 x = checkpoint(self._layer, layer, x, cos, sin, bias, layout, use_reentrant=False)
