@@ -29,10 +29,19 @@ _QWEN_TOOL = (
     "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
 )
+_QWEN_CALLS = (  # an assistant message with tool_calls, as Qwen2.5's template writes it
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}{%- set call = call.function %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' + call.arguments | tojson + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+)
 QWEN25 = (
     _QWEN_SYSTEM + "{%- for message in messages %}"
-    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    + _QWEN_CALLS
     + _QWEN_TOOL
     + "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -63,12 +72,34 @@ LLAMA3 = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
-TEMPLATES = {"smollm2": SMOLLM2, "qwen2.5": QWEN25, "qwen3": QWEN3, "llama3": LLAMA3}
+# Llama 3.1's custom tools: described in the first user message; a call is the whole turn, as JSON
+LLAMA31_TOOLS = (
+    "{{- '<|begin_of_text|>' }}{%- if messages[0].role == 'system' %}{%- set system = messages[0].content | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{%- if tools %}{{- 'Environment: ipython\\n' }}{%- endif %}"
+    "{{- 'Cutting Knowledge Date: December 2023\\n\\n' + system + '<|eot_id|>' }}"
+    "{%- if tools and messages %}{%- set first = messages[0].content | trim %}{%- set messages = messages[1:] %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, please respond with a JSON "
+    "for a function call with its proper arguments that best answers the given prompt.\\n\\nRespond in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.Do not use variables.\\n\\n\' }}'
+    "{%- for t in tools %}{{- t | tojson }}{{- '\\n\\n' }}{%- endfor %}{{- first + '<|eot_id|>' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{%- set call = message.tool_calls[0].function %}"
+    '{{- \'<|start_header_id|>assistant<|end_header_id|>\\n\\n{"name": "\' + call.name + \'", "parameters": \' '
+    "+ call.arguments | tojson + '}<|eot_id|>' }}"
+    "{%- else %}{%- set role = 'ipython' if message.role == 'tool' else message.role %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+TEMPLATES = {"smollm2": SMOLLM2, "qwen2.5": QWEN25, "qwen3": QWEN3, "llama3": LLAMA3, "llama3.1-tools": LLAMA31_TOOLS}
 FAMILY_TOKENS = {
     "smollm2": [],
     "qwen2.5": [],
     "qwen3": ["<think>", "</think>"],
     "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "llama3.1-tools": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"],
 }
 
 

@@ -155,7 +155,7 @@ CAP_MARGIN = 20  # a file this close to the cap is split along a seam before it 
 # modules that hold one function, each a seam of its own (not code moved out to dodge the size cap)
 ONE_FUNCTION_MODULES = {
     "tasks/char_tokenizer.py": "the tests' and the demo's tokenizer",
-    "serve/recorded_chat.py": "the recorded-episode routes of the OpenAI server",
+    "serve/episode_routes.py": "the recorded-episode routes of the OpenAI server",
     "serve/run.py": "starting the server process",
     "train/sharding.py": "the ranks' token-balanced split",
     "reward/factory.py": "which Reward Service a reward section asks for",

@@ -178,10 +178,10 @@ def test_unimplemented_parameters_are_refused_by_name(api, extra, name):
     assert r.status_code == 400 and r.json()["error"]["param"] == name and f"'{name}'" in r.json()["error"]["message"]
 
 
-def test_chat_refuses_tools_and_accepts_text_parts(api):
+def test_chat_refuses_tools_a_template_drops_and_accepts_text_parts(api):
     server, _ = api
     client = client_for(server)
-    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="template drops tools=.*--tools-in-prompt system"):
         client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "hi"}],

@@ -74,11 +74,13 @@ def test_recorded_calls_are_the_in_process_trajectory(demo):
         assert max(len(r.episode.turns) for r in served) == 3 and all(r.episode.prefix_breaks == 0 for r in served)
         assert not agents.recorder.episodes  # every recording was taken
         assert engine.kept.hits > 0  # the server's calls continued each episode from its kept K/V
-        bad = httpx.post(
-            agents.url + "/chat/completions",
-            json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 2, "episode_id": "e"},
+        two = httpx.post(
+            agents.episode_url("e") + "/chat/completions",
+            json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 2, "max_tokens": 4},
         )
-        assert bad.status_code == 400 and "n=2 is over this server's limit of 1" in bad.text
+        assert two.status_code == 200 and len(two.json()["choices"]) == 2
+        view = httpx.get(agents.root + "/v1/episodes/e").json()  # each choice a sample, the second forked
+        assert (len(view["samples"]), view["forks"]) == (2, 1)
     finally:
         agents.close()
 

@@ -178,13 +178,16 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
     )
     recorder = EpisodeRecorder(tokenizer) if args.record else None
-    app = build_app(batcher, tokenizer, name, max_context=max_context, limits=limits, token=token, recorder=recorder)
+    app = build_app(
+        batcher, tokenizer, name, max_context=max_context, limits=limits, token=token, recorder=recorder,
+        tool_format=args.tool_format, tools_in_prompt=args.tools_in_prompt,
+    )  # fmt: skip
     engine = type(worker).__name__
     banner = (
         f"serving {name} ({engine}, context {max_context}) at http://{args.host}:{args.port}/v1"
         f"{'; bearer token required' if token else ''}"
         f"{f'; /update_weights reads {args.weights_dir}' if args.weights_dir else '; /update_weights disabled'}"
-        f"{'; recording episodes (episode_id or X-Episode-Id)' if recorder else ''}"
+        f"{'; recording episodes (episode_id, X-Episode-Id or /episodes/ID/v1)' if recorder else ''}"
     )
     try:
         serve_app(app, args.host, args.port, banner)

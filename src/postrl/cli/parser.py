@@ -21,6 +21,7 @@ from postrl.cli.commands import (
     _cmd_train,
 )
 from postrl.serve.limits import ServerLimits
+from postrl.serve.tool_formats import TOOL_FORMATS
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -223,8 +224,22 @@ def _add_serve_rollout(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--record",
         action="store_true",
-        help="record chat calls that name an episode (body episode_id or header X-Episode-Id) token for token; "
-        "GET/DELETE /v1/episodes/ID reads and takes a recording",
+        help="record chat calls that name an episode (body episode_id, header X-Episode-Id, or the base URL "
+        "http://HOST:PORT/episodes/ID/v1) token for token; GET/DELETE /v1/episodes/ID reads and takes a recording",
+    )
+    p.add_argument(
+        "--tool-format",
+        choices=sorted(TOOL_FORMATS),
+        default=None,
+        help="how the model writes tool calls (default: the one its chat template shows: <tool_call> is hermes, "
+        "<|python_tag|> llama3_json)",
+    )
+    p.add_argument(
+        "--tools-in-prompt",
+        choices=["template", "system", "none"],
+        default="template",
+        help="where a request's tools are described: the chat template's tools= (refused when the template drops "
+        "them), a system message asking for <tool_call> calls (for templates such as SmolLM2's), or nowhere",
     )
     p.set_defaults(func=_cmd_serve_rollout)
 

@@ -50,10 +50,11 @@ class AgentConfig(Section):
     )
     tools_in_prompt: Literal["template", "system", "none"] = Field(
         "template",
-        description="How the model learns of the environment's tools: template passes them to the chat template "
-        "(tools=; a run whose template drops them is refused), system writes them into a system message "
-        "(with the <tool_call> format) for templates that ignore tools=, as SmolLM2's does; none describes them "
-        "nowhere (the model was trained on them, or the environment's messages describe them).",
+        description="How the model learns of the environment's tools (or of the tools an agent.function's "
+        "requests offer): template passes them to the chat template (tools=; a run, or a request, whose template "
+        "drops them is refused), system writes them into a system message (with the <tool_call> format) for "
+        "templates that ignore tools=, as SmolLM2's does; none describes them nowhere (the model was trained on "
+        "them, or the environment's messages describe them).",
     )
     env_workers: int = Field(
         32,

@@ -81,7 +81,9 @@ class EpisodeSource:
         if self.config.function is not None:
             if self.agents is None:
                 c = self.config
-                self.agents = RecordedAgents(engine, self.tokenizer, self.function, c.env_workers, c.function_timeout_s)
+                self.agents = RecordedAgents(
+                    engine, self.tokenizer, self.function, c.env_workers, c.function_timeout_s, c.tools_in_prompt
+                )
             return self.agents.run(prompts, sampling)
         runner = EpisodeRunner(
             lambda ps, sp: engine.generate(ps, sp, version),

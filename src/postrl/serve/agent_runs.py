@@ -3,8 +3,11 @@
 The run starts an OpenAI-compatible server on loopback over its own rollout engine, recording
 every episode (:mod:`postrl.rollout.agentic.recorder`). For each prompt it runs the user's
 ``function(client, row) -> reward`` ``n`` times in threads, each with an ``openai.OpenAI`` client
-whose calls carry the episode's id; the recorded, token-exact trajectories are the batch. The
-function's return value is the episode's reward (None: the reward service scores the transcript).
+whose base URL is the episode's own (``http://127.0.0.1:PORT/episodes/ID/v1``): an agent
+framework pointed at ``str(client.base_url)`` records into the episode with no other change, on
+chat completions, the Responses API or (at the URL without ``/v1``) the Messages API. The
+recorded, token-exact trajectories are the batch. The function's return value is the episode's
+reward (None: the reward service scores the transcript).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from postrl.rollout.agentic.episodes import failed_rollout
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.rollout.agentic.recorder import EpisodeRecorder, RecordedEpisode
 from postrl.serve.batcher import EngineBatcher
+from postrl.serve.chat_turn import ToolsInPrompt
 from postrl.serve.limits import ServerLimits
 from postrl.serve.openai_server import build_app
 from postrl.types import Prompt, Rollout, SamplingParams
@@ -45,6 +49,7 @@ class RecordedAgents:
         function: AgentFunction,
         workers: int = 8,
         timeout_s: float | None = None,
+        tools_in_prompt: ToolsInPrompt = "template",
     ) -> None:
         import openai  # noqa: F401 - imported once here, not inside the first episodes' time limits
         import uvicorn
@@ -53,8 +58,10 @@ class RecordedAgents:
         self.renderer = ChatRenderer(tokenizer)
         self.recorder = EpisodeRecorder(tokenizer)
         self.batcher = EngineBatcher(engine)
-        limits = ServerLimits(max_prompts=1, max_n=1)
-        app = build_app(self.batcher, tokenizer, MODEL_NAME, limits=limits, recorder=self.recorder)
+        limits = ServerLimits(max_prompts=1, max_n=16)
+        app = build_app(
+            self.batcher, tokenizer, MODEL_NAME, limits=limits, recorder=self.recorder, tools_in_prompt=tools_in_prompt
+        )
         port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="postrl-agent-server", daemon=True)
@@ -64,7 +71,11 @@ class RecordedAgents:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the agent server did not start")
             time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{port}/v1"
+        self.root = f"http://127.0.0.1:{port}"
+
+    def episode_url(self, episode: str) -> str:
+        """The OpenAI base URL that records into ``episode``."""
+        return f"{self.root}/episodes/{episode}/v1"
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
         """Every episode's rollouts, in prompt order. A function that raises, returns something other
@@ -82,9 +93,7 @@ class RecordedAgents:
     def _call(self, prompt: Prompt, episode: str) -> float | None:
         import openai
 
-        client = openai.OpenAI(
-            base_url=self.url, api_key="postrl", default_headers={"X-Episode-Id": episode}, max_retries=0
-        )
+        client = openai.OpenAI(base_url=self.episode_url(episode), api_key="postrl", max_retries=0)
         row = {**prompt.columns, "prompt": prompt.text, "messages": prompt.messages}
         try:
             reward = self.function(client, row)

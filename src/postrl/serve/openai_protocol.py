@@ -20,11 +20,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "response_format": (None, {"type": "text"}),
     "min_tokens": (None, 0),
     "prediction": (None,),
@@ -70,12 +67,52 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object, as the OpenAI API carries it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    refusal: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(SamplingRequest):
@@ -84,6 +121,9 @@ class ChatRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -112,13 +152,19 @@ def check_parameters(req: SamplingRequest) -> None:
         raise bad_request(f"unknown parameter '{name}'", name, code="unknown_parameter")
 
 
-def message_text(message: ChatMessage) -> str:
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's text: its string, or its text parts joined by newlines (other parts refused)."""
+    if message.content is None:
+        return ""
     if isinstance(message.content, str):
         return message.content
     texts = []
     for i, part in enumerate(message.content):
         if part.type != "text" or part.text is None:
-            raise bad_request(f"content part {i} of type '{part.type}' is not supported (only text parts)", "messages")
+            raise bad_request(
+                f"messages.{index}.content.{i}: a part of type '{part.type}' is not supported (only text parts)",
+                "messages",
+            )
         texts.append(part.text)
     return "\n".join(texts)
 

@@ -1,8 +1,10 @@
 """An OpenAI-compatible HTTP server over a postrl Rollout Worker.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events with
-``stream: true``; sampled-token and top-k logprobs; as an extension, the token ids),
-``/v1/models``, ``/health`` and ``/update_weights`` (a safetensors path under the weights folder
+``stream: true``; sampled-token and top-k logprobs; as an extension, the token ids; tools and
+structured tool calls, :mod:`postrl.serve.chat_turn`), OpenAI's ``/v1/responses``
+(:mod:`postrl.serve.responses_api`) and Anthropic's ``/v1/messages``
+(:mod:`postrl.serve.messages_api`), ``/v1/models``, ``/health`` and ``/update_weights`` (a safetensors path under the weights folder
 named at start-up, a version, optionally a checksum manifest). Errors use OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` body. Parameters the server does not implement
 are refused by name, never ignored. Binds loopback unless told otherwise; see
@@ -12,11 +14,8 @@ and body limit.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from postrl.rollout.agentic.chat import ChatRenderer
 from postrl.rollout.agentic.recorder import EpisodeRecorder
+from postrl.rollout.agentic.template_check import tools_reach_prompt
 from postrl.serve.batcher import EngineBatcher
+from postrl.serve.chat_completions import chat_completion
+from postrl.serve.chat_turn import Tooling, ToolsInPrompt
+from postrl.serve.episode_routes import add_episode_routes
 from postrl.serve.limits import ServerLimits
+from postrl.serve.messages_api import MessagesRequest, create_message
 from postrl.serve.openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -35,40 +40,18 @@ from postrl.serve.openai_protocol import (
     UpdateWeightsRequest,
     bad_request,
     check_parameters,
-    cut_at_stop,
     final_text,
-    message_text,
 )
-from postrl.serve.recorded_chat import add_episode_routes, recorded_chat
+from postrl.serve.responses_api import ResponsesRequest, create_response
+from postrl.serve.sse import ChunkEncoder, SSEStream, choice_factory
+from postrl.serve.tool_formats import tool_format as find_tool_format
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware, confined_path, detail
 
-
-class _ChoiceStream:
-    """Incremental text of one streamed choice: releases only text that can no longer change
-    (a partly decoded character, or the start of a stop string, is held back)."""
-
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...], keep_stop: bool) -> None:
-        self.tokenizer, self.stops, self.keep_stop = tokenizer, stops, keep_stop
-        self.hold = 0 if keep_stop else max((len(s) for s in stops), default=1) - 1
-        self.tokens: list[int] = []
-        self.sent = 0  # characters released so far
-
-    def push(self, token: int, finished: bool) -> str:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if finished:
-            if not self.keep_stop:
-                text, _ = cut_at_stop(text, self.stops)
-            end = len(text)
-        else:
-            end = len(text) - self.hold
-            if text.endswith("\ufffd"):
-                end = min(end, len(text) - 1)
-        if end <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent : end], end
-        return delta
+PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe_tool_7", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 class OpenAIServer:
@@ -82,11 +65,33 @@ class OpenAIServer:
         max_context: int | None,
         limits: ServerLimits,
         recorder: EpisodeRecorder | None = None,
+        tool_format: str | None = None,
+        tools_in_prompt: ToolsInPrompt = "template",
     ) -> None:
         self.batcher, self.tokenizer, self.model_name = batcher, tokenizer, model_name
         self.max_context, self.limits = max_context, limits
         self.recorder = recorder
         self.created = int(time.time())
+        self._renderer = ChatRenderer(tokenizer) if tokenizer.chat_template else None
+        drops = self._renderer is not None and not tools_reach_prompt(ChatRenderer(tokenizer, [PROBE_TOOL]))
+        self.tooling = Tooling(find_tool_format(tool_format, tokenizer.chat_template), tools_in_prompt, drops)
+        ends = self._renderer.end_of_turn_ids() if self._renderer is not None else []
+        self.turn_end_ids = set(tokenizer.all_special_ids) | set(ends)  # tokens that end a model's turn
+
+    def chat_renderer(self) -> ChatRenderer:
+        if self._renderer is None:
+            raise bad_request(
+                "this model's tokenizer has no chat template: use /v1/completions, or serve a tokenizer with one",
+                "messages",
+            )
+        return self._renderer
+
+    def turn_text(self, r: Rollout, special: bool) -> str:
+        """A response's text less the token that ended the turn, with special tokens or without."""
+        ids = r.response_ids
+        if r.finish_reason == "stop" and ids and ids[-1] in self.turn_end_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=not special)
 
     # -- checking a request ------------------------------------------------------------------------
     def check_request(self, req: SamplingRequest, prompts: int) -> None:
@@ -207,7 +212,9 @@ class OpenAIServer:
         k = req.logprobs
         params = self.sampling(req, prompts, req.max_tokens, k or 0, "max_tokens")
         if req.stream:
-            return SSEStream(self, "completion", req, prompts, params, k).response()
+            encoder = ChunkEncoder(self, req, prompts, chat=False, k=k)
+            new_choice = choice_factory(self, params.stop, req.include_stop_str_in_output, None, chat=False)
+            return SSEStream(self, prompts, params, encoder, new_choice).response()
         rollouts = await self.batcher.generate(prompts, params)
         choices = []
         for r, sample in numbered(rollouts):
@@ -226,37 +233,28 @@ class OpenAIServer:
     async def chat(
         self, req: ChatRequest, x_episode_id: str | None = Header(None, max_length=200)
     ) -> dict[str, Any] | StreamingResponse:
-        self.check_request(req, 1)
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [
-            {"role": m.role if m.role != "developer" else "system", "content": message_text(m)} for m in req.messages
-        ]
-        episode = req.episode_id or x_episode_id
-        if episode is not None:
-            return await recorded_chat(self, req, episode, messages)
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts = self.to_prompts([self.tokenizer(text, add_special_tokens=False)["input_ids"]])
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        params = self.sampling(req, prompts, req.max_completion_tokens or req.max_tokens, k or 0, field)
-        if req.stream:
-            return SSEStream(self, "chat", req, prompts, params, k).response()
-        rollouts = await self.batcher.generate(prompts, params)
-        choices = []
-        for r, sample in numbered(rollouts):
-            lp = self.chat_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
-            message = {"role": "assistant", "content": final_text(r, params, req.include_stop_str_in_output)}
-            choices.append(
-                {
-                    "index": sample,
-                    "message": message,
-                    "finish_reason": r.finish_reason,
-                    "token_ids": r.response_ids,
-                    "logprobs": lp,
-                }
-            )
-        return self.envelope("chatcmpl", "chat.completion", choices, prompts, rollouts)
+        return await chat_completion(self, req, req.episode_id or x_episode_id)
+
+    async def episode_chat(self, episode: str, req: ChatRequest) -> dict[str, Any] | StreamingResponse:
+        """The same call with the episode in the base URL (``{server}/episodes/{id}/v1``): for agents
+        and frameworks that can only be pointed at a URL."""
+        return await chat_completion(self, req, episode)
+
+    async def responses(
+        self, req: ResponsesRequest, x_episode_id: str | None = Header(None, max_length=200)
+    ) -> dict[str, Any] | StreamingResponse:
+        return await create_response(self, req, req.episode_id or x_episode_id)
+
+    async def episode_responses(self, episode: str, req: ResponsesRequest) -> dict[str, Any] | StreamingResponse:
+        return await create_response(self, req, episode)
+
+    async def messages(
+        self, req: MessagesRequest, x_episode_id: str | None = Header(None, max_length=200)
+    ) -> dict[str, Any] | StreamingResponse:
+        return await create_message(self, req, req.episode_id or x_episode_id)
+
+    async def episode_messages(self, episode: str, req: MessagesRequest) -> dict[str, Any] | StreamingResponse:
+        return await create_message(self, req, episode)
 
     async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
         if self.limits.weights_dir is None:
@@ -284,97 +282,6 @@ def numbered(rollouts: list[Rollout]) -> list[tuple[Rollout, int]]:
         out.append((r, seen.get(r.prompt_index, 0)))
         seen[r.prompt_index] = out[-1][1] + 1
     return out
-
-
-class SSEStream:
-    """One streamed answer: token events from the engine become OpenAI chunks, then ``data: [DONE]``."""
-
-    def __init__(
-        self,
-        server: OpenAIServer,
-        kind: str,
-        req: SamplingRequest,
-        prompts: list[Prompt],
-        params: SamplingParams,
-        logprob_k: int | None,
-    ) -> None:
-        self.server, self.req, self.prompts, self.params, self.k = server, req, prompts, params, logprob_k
-        self.chat = kind == "chat"
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.object = "chat.completion.chunk" if self.chat else "text_completion"
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.choices: dict[int, _ChoiceStream] = {}
-        self.offsets: dict[int, int] = {}
-
-    def response(self) -> StreamingResponse:
-        task = asyncio.ensure_future(self.server.batcher.generate(self.prompts, self.params, self._on_token))
-        task.add_done_callback(lambda _: self.events.put_nowait(None))
-        return StreamingResponse(
-            self._body(task),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
-
-    def _on_token(
-        self, prompt_index: int, sample: int, token: int, logprob: float, top: Any, finish: str | None
-    ) -> None:
-        self.events.put_nowait((prompt_index * self.params.n + sample, token, logprob, top, finish))
-
-    def _chunk(self, choices: list[dict], **extra: Any) -> str:
-        body = {
-            "id": self.id,
-            "object": self.object,
-            "created": int(time.time()),
-            "model": self.server.model_name,
-            "choices": choices,
-            **extra,
-        }
-        return f"data: {json.dumps(body)}\n\n"
-
-    def _logprobs(self, index: int, token: int, logprob: float, top: Any) -> dict[str, Any] | None:
-        if self.k is None:
-            return None
-        if self.chat:
-            return self.server.chat_logprobs([token], [logprob], [top] if top else None, self.k)
-        offset = self.offsets.get(index, 0)
-        self.offsets[index] = offset + len(self.server.token_text(token))
-        return self.server.completion_logprobs([token], [logprob], [top] if top else None, self.k, offset)
-
-    async def _body(self, task: asyncio.Future) -> AsyncIterator[str]:
-        completion_tokens = 0
-        if self.chat:
-            for i in range(len(self.prompts) * self.params.n):
-                yield self._chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-        while (event := await self.events.get()) is not None:
-            index, token, logprob, top, finish = event
-            completion_tokens += 1
-            choice = self.choices.setdefault(
-                index, _ChoiceStream(self.server.tokenizer, self.params.stop, self.req.include_stop_str_in_output)
-            )
-            text = choice.push(token, finish is not None)
-            lp = self._logprobs(index, token, logprob, top)
-            if not text and lp is None and finish is None:
-                continue
-            if self.chat:
-                delta = {"content": text} if text else {}
-                yield self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}])
-            else:
-                yield self._chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}])
-        error = task.exception()
-        if error is not None:
-            yield f"data: {json.dumps(detail(f'generation failed: {error}'))}\n\n"
-        elif self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield self._chunk([], usage=self.server.usage(self.prompts, completion_tokens))
-        yield "data: [DONE]\n\n"
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -415,12 +322,14 @@ def build_app(
     limits: ServerLimits | None = None,
     token: str | None = None,
     recorder: EpisodeRecorder | None = None,
+    tool_format: str | None = None,
+    tools_in_prompt: ToolsInPrompt = "template",
 ) -> FastAPI:
     """With ``token``, every request needs ``Authorization: Bearer <token>``; with ``recorder``,
     chat requests that name an episode (``episode_id`` or ``X-Episode-Id``) are recorded token
     for token, and ``GET``/``DELETE /v1/episodes/{id}`` read and take a recording."""
     limits = limits or ServerLimits(default_max_tokens=default_max_tokens)
-    server = OpenAIServer(batcher, tokenizer, model_name, max_context, limits, recorder)
+    server = OpenAIServer(batcher, tokenizer, model_name, max_context, limits, recorder, tool_format, tools_in_prompt)
     app = FastAPI(title="postrl rollout server")
     app.add_middleware(BodyLimitMiddleware, limit=limits.max_body_bytes)
     if token:
@@ -443,7 +352,12 @@ def build_app(
 
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/v1/chat/completions", response_model=None)(server.chat)
+    app.post("/v1/responses", response_model=None)(server.responses)
+    app.post("/v1/messages", response_model=None)(server.messages)
     app.post("/update_weights")(server.update_weights)
     if recorder is not None:
+        app.post("/episodes/{episode}/v1/chat/completions", response_model=None)(server.episode_chat)
+        app.post("/episodes/{episode}/v1/responses", response_model=None)(server.episode_responses)
+        app.post("/episodes/{episode}/v1/messages", response_model=None)(server.episode_messages)
         add_episode_routes(app, recorder)
     return app

@@ -48,10 +48,13 @@ class ChatRenderer:
             raise ValueError("multi-turn episodes need a tokenizer with a chat template (tokenizer.chat_template)")
         self.tokenizer, self.tools, self.template_kwargs = tokenizer, tools or None, template_kwargs
 
-    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The conversation as the template writes it (``tools``: these instead of the renderer's)."""
         return self.tokenizer.apply_chat_template(
             messages,
-            tools=self.tools,
+            tools=tools or self.tools,
             tokenize=False,
             add_generation_prompt=generation_prompt,
             **self.template_kwargs,

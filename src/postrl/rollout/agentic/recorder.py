@@ -2,11 +2,22 @@
 
 An agent sends the whole conversation with every chat request; the server must not re-tokenize
 what the model already generated. For a request of a recorded episode the recorder renders the
-conversation, checks that the text the engine saw last time (the previous prompt plus the decoded
-response) is a prefix of it, and builds the prompt as the previous context's exact tokens plus
-the delta's; where the agent rewrote the history, a new training sample starts from the
-template's rendering (the break is counted). The engine then generates from those ids, and the
-recorder appends its tokens, logprobs and weight versions."""
+conversation and looks for a sample of the episode whose text (what its context's exact tokens
+stand for) is a prefix of it; the prompt is then that sample's exact tokens plus the delta's.
+After the model's turn, the sample's text becomes the template's own rendering of the assistant
+message the server returned (its tool calls in the template's format, its content as the template
+writes it), cut where the generated tokens end: an agent that sends the message back as it got
+it continues the exact tokens, even where the template formats a call differently from the model.
+
+One episode may hold several samples, by these rules (every generated token is trained once):
+- a request extends the idle sample with the longest text that its rendering starts with;
+- a request whose rendering starts with a sample's text while that sample is generating (an
+  agent calling the API concurrently on one conversation), and every choice after the first of a
+  call with ``n > 1``, forks: a new sample whose prompt is the shared context (its earlier model
+  tokens are not trained again in it);
+- a request that continues no sample (the agent rewrote the history, or a sub-agent started its
+  own conversation) starts a new sample from the template's rendering (counted in
+  ``prefix_breaks`` when the episode already had samples)."""
 
 from __future__ import annotations
 
@@ -23,10 +34,12 @@ from postrl.types.episode import Episode, Turn
 @dataclass
 class RecordedEpisode:
     samples: list[TrajectorySample] = field(default_factory=list)
-    seen: str | None = None  # the template text of the last sample's context
+    seen: list[str] = field(default_factory=list)  # per sample: the template text its context stands for
+    busy: set[int] = field(default_factory=set)  # samples with a turn being generated
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     prefix_breaks: int = 0
+    forks: int = 0
     finish_reason: str = "stop"
 
     def rollouts(self, prompt_index: int, renderer: ChatRenderer, reward: float | None) -> list[Rollout]:
@@ -41,6 +54,36 @@ class RecordedEpisode:
             self.messages, self.turns, reward, self.finish_reason, dict(info or {}), self.prefix_breaks, dropped
         )
 
+    def _new_sample(self, prompt_ids: list[int], seen: str) -> int:
+        self.samples.append(TrajectorySample(list(prompt_ids)))
+        self.seen.append(seen)
+        return len(self.samples) - 1
+
+
+@dataclass(frozen=True)
+class PendingTurn:
+    """A request's place in its episode until its answer is recorded."""
+
+    episode_id: str
+    sample: int
+    context: list[int]  # the prompt's exact ids
+    rendered: str  # the template text of the prompt (with any forced start of the turn)
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
+    @property
+    def cache_key(self) -> str:
+        return f"record:{self.episode_id}:{self.sample}"
+
+
+def _extend(sample: TrajectorySample, ids: list[int]) -> None:
+    """Inserted (not generated) tokens at the end of a sample's context."""
+    if not sample.response:
+        sample.prompt_ids += ids
+        return
+    n = len(ids)
+    sample.add(ids, [0.0] * n, [sample.versions[-1]] * n, [sample.cache_versions[-1]] * n, generated=False)
+
 
 class EpisodeRecorder:
     """Every recorded episode by id, until it is taken."""
@@ -51,38 +94,80 @@ class EpisodeRecorder:
         self.episodes: dict[str, RecordedEpisode] = {}
         self._lock = threading.Lock()
 
-    def prompt(self, episode_id: str, messages: list[dict[str, Any]]) -> list[int]:
-        """The exact prompt ids of this request of the episode (see the module docstring)."""
+    def prompt(
+        self,
+        episode_id: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        prefix: str = "",
+    ) -> PendingTurn:
+        """The exact prompt of this request of the episode (see the module docstring); ``prefix``
+        is text the model's turn is started with."""
+        full = self.renderer.render(messages, generation_prompt=True, tools=tools) + prefix
         with self._lock:
             if episode_id not in self.episodes and len(self.episodes) >= self.max_episodes:
                 raise ValueError(f"{self.max_episodes} episodes are recorded and not taken yet")
             ep = self.episodes.setdefault(episode_id, RecordedEpisode())
-        full = self.renderer.render(messages, generation_prompt=True)
-        if ep.seen is not None and full.startswith(ep.seen):
-            delta = self.renderer.encode(full[len(ep.seen) :])
-            sample = ep.samples[-1]
-            n = len(delta)
-            sample.add(delta, [0.0] * n, [sample.versions[-1]] * n, [sample.cache_versions[-1]] * n, generated=False)
-            if ep.turns:
-                ep.turns[-1].observation_tokens = n
-        else:
-            ep.prefix_breaks += ep.seen is not None
-            ep.samples.append(TrajectorySample(self.renderer.encode(full)))
-        ep.seen, ep.messages = full, list(messages)
-        return ep.samples[-1].context
+            continued = [i for i, seen in enumerate(ep.seen) if full.startswith(seen)]
+            idle = [i for i in continued if i not in ep.busy]
+            if idle:
+                index = max(idle, key=lambda i: len(ep.seen[i]))
+                delta = self.renderer.encode(full[len(ep.seen[index]) :])
+                _extend(ep.samples[index], delta)
+                if ep.turns:
+                    ep.turns[-1].observation_tokens = len(delta)
+                ep.seen[index] = full
+            elif continued:
+                shared = max(continued, key=lambda i: len(ep.seen[i]))
+                delta = self.renderer.encode(full[len(ep.seen[shared]) :])
+                index = ep._new_sample(ep.samples[shared].context + delta, full)
+                ep.forks += 1
+            else:
+                ep.prefix_breaks += bool(ep.samples)
+                index = ep._new_sample(self.renderer.encode(full), full)
+            ep.busy.add(index)
+            ep.messages = list(messages)
+            context = list(ep.samples[index].context)
+        return PendingTurn(episode_id, index, context, full, list(messages), tools)
 
-    def record(self, episode_id: str, rollout: Rollout) -> None:
-        """The engine's response to the episode's last prompt."""
-        ep = self.episodes[episode_id]
-        sample = ep.samples[-1]
-        if rollout.prompt_ids != sample.context:
-            raise ValueError(f"episode {episode_id}: the engine answered another prompt than the recorded one")
-        own = rollout.logprob_versions or [rollout.weight_version] * len(rollout.response_ids)
-        ep.turns.append(Turn(len(sample.context), len(rollout.response_ids)))
-        sample.add(rollout.response_ids, rollout.logprobs, own, rollout.kv_versions or own, generated=True)
-        _, seen = self.renderer.model_turn(rollout.response_ids, stopped=rollout.finish_reason == "stop")
-        ep.seen = (ep.seen or "") + seen
-        ep.finish_reason = rollout.finish_reason
+    def record(self, turn: PendingTurn, rollouts: list[Rollout], replies: list[dict[str, Any]]) -> None:
+        """The engine's responses to ``turn`` (the first continues its sample, each further one forks
+        a sample from the same prompt) and the assistant message returned for each, in template form."""
+        with self._lock:
+            ep = self.episodes[turn.episode_id]
+            ep.busy.discard(turn.sample)
+            for k, (rollout, reply) in enumerate(zip(rollouts, replies, strict=True)):
+                if rollout.prompt_ids != turn.context:
+                    raise ValueError(
+                        f"episode {turn.episode_id}: the engine answered another prompt than the recorded one"
+                    )
+                index = turn.sample if k == 0 else ep._new_sample(turn.context, turn.rendered)
+                ep.forks += k > 0
+                sample = ep.samples[index]
+                own = rollout.logprob_versions or [rollout.weight_version] * len(rollout.response_ids)
+                ep.turns.append(Turn(len(sample.context), len(rollout.response_ids)))
+                sample.add(rollout.response_ids, rollout.logprobs, own, rollout.kv_versions or own, generated=True)
+                ep.seen[index] = self._seen_after(turn, rollout, reply)
+                ep.finish_reason = rollout.finish_reason
+
+    def release(self, turn: PendingTurn) -> None:
+        """A turn that produced nothing (its generation failed): the sample is free again."""
+        with self._lock:
+            ep = self.episodes.get(turn.episode_id)
+            if ep is not None:
+                ep.busy.discard(turn.sample)
+
+    def _seen_after(self, turn: PendingTurn, rollout: Rollout, reply: dict[str, Any]) -> str:
+        """The template text a sample's context stands for after the model's turn: the template's
+        rendering of the returned message, up to where the generated tokens end; where the template
+        renders it otherwise than after the prompt, the prompt's text plus the decoded tokens."""
+        content, seen = self.renderer.model_turn(rollout.response_ids, stopped=rollout.finish_reason == "stop")
+        ended_by = seen[len(content) :]  # the end-of-turn text the model's stop token stands for
+        rendered = self.renderer.render([*turn.messages, reply], generation_prompt=False, tools=turn.tools)
+        tail = self.renderer.end_of_turn()
+        if tail and rendered.startswith(turn.rendered) and rendered.endswith(tail):
+            return rendered[: len(rendered) - len(tail)] + ended_by
+        return turn.rendered + seen
 
     def take(self, episode_id: str) -> RecordedEpisode | None:
         with self._lock:
@@ -98,4 +183,5 @@ class EpisodeRecorder:
              "versions": s.versions}
             for s in ep.samples
         ]  # fmt: skip
-        return {"episode_id": episode_id, "samples": samples, "turns": len(ep.turns), "prefix_breaks": ep.prefix_breaks}
+        return {"episode_id": episode_id, "samples": samples, "turns": len(ep.turns), "prefix_breaks": ep.prefix_breaks,
+                "forks": ep.forks}  # fmt: skip

@@ -1,0 +1,134 @@
+"""``POST /v1/chat/completions`` and the turn machinery the other chat APIs share.
+
+A call is rendered through the chat template (with its tools), its answer parsed into content and
+tool calls, streamed or not; with ``--record``, a call that names an episode (``episode_id``, the
+``X-Episode-Id`` header, or a base URL ``/episodes/{id}/v1``) is generated from the episode's exact
+tokens and recorded (:mod:`postrl.rollout.agentic.recorder`). The Responses and Messages endpoints
+translate their requests into a :class:`ChatRequest` and their answers from :class:`Answer`s, so
+every API records the same way."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import StreamingResponse
+
+from postrl.rollout.agentic.recorder import EpisodeRecorder, PendingTurn
+from postrl.serve.chat_turn import ChatTurn, template_message
+from postrl.serve.openai_protocol import ChatRequest, bad_request
+from postrl.serve.sse import ChunkEncoder, SSEStream, StreamEncoder, choice_factory, first_stop
+from postrl.types import Prompt, Rollout, SamplingParams
+
+if TYPE_CHECKING:
+    from postrl.serve.openai_server import OpenAIServer
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One generated choice as every API returns it."""
+
+    rollout: Rollout
+    message: dict[str, Any]  # the assistant message, in the chat API's form
+    stop_string: str | None  # the stop string it ended on
+
+
+@dataclass
+class PreparedTurn:
+    """A call ready to generate: its prompt, sampling, and where its answer is recorded."""
+
+    server: OpenAIServer
+    turn: ChatTurn
+    prompt: Prompt
+    params: SamplingParams
+    user_stops: tuple[str, ...]
+    keep_stop: bool
+    pending: PendingTurn | None
+
+    @staticmethod
+    def of(server: OpenAIServer, req: ChatRequest, episode: str | None) -> PreparedTurn:
+        server.check_request(req, 1)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        turn = ChatTurn.of(req, server.tooling)
+        prompt, pending = _prompt(server, turn, episode)
+        try:
+            params = _sampling(server, req, prompt, turn, pending is not None)
+        except Exception:
+            if pending is not None and server.recorder is not None:
+                server.recorder.release(pending)
+            raise
+        user_stops = tuple(s for s in params.stop if s not in turn.extra_stops)
+        return PreparedTurn(server, turn, prompt, params, user_stops, req.include_stop_str_in_output, pending)
+
+    def answers(self, rollouts: list[Rollout]) -> list[Answer]:
+        out = []
+        for r in rollouts:
+            raw, plain = self.server.turn_text(r, special=True), self.server.turn_text(r, special=False)
+            message = self.turn.reply(raw, plain, self.user_stops, self.keep_stop)
+            out.append(Answer(r, message, first_stop(raw, self.user_stops)))
+        return out
+
+    def record(self, done: asyncio.Future[list[Rollout]]) -> None:
+        """The generation's end: its answers recorded into the episode (a failed one frees its sample)."""
+        recorder: EpisodeRecorder | None = self.server.recorder
+        if self.pending is None or recorder is None:
+            return
+        if done.cancelled() or done.exception() is not None:
+            recorder.release(self.pending)
+            return
+        rollouts = done.result()
+        recorder.record(self.pending, rollouts, [template_message(a.message) for a in self.answers(rollouts)])
+
+    async def generate(self) -> list[Answer]:
+        task = asyncio.ensure_future(self.server.batcher.generate([self.prompt], self.params))
+        task.add_done_callback(self.record)  # before the caller resumes: the next call sees the recording
+        return self.answers(await task)
+
+    def stream(self, encoder: StreamEncoder) -> StreamingResponse:
+        new_choice = choice_factory(self.server, self.user_stops, self.keep_stop, self.turn, chat=True)
+        return SSEStream(self.server, [self.prompt], self.params, encoder, new_choice, self.record).response()
+
+
+def _prompt(server: OpenAIServer, turn: ChatTurn, episode: str | None) -> tuple[Prompt, PendingTurn | None]:
+    if episode is None:
+        renderer = server.chat_renderer()
+        text = renderer.render(turn.messages, generation_prompt=True, tools=turn.tools) + turn.prefix
+        return Prompt(text=text, prompt_ids=renderer.encode(text)), None
+    if server.recorder is None:
+        raise bad_request("this server does not record episodes (start it with --record)", "episode_id")
+    try:
+        pending = server.recorder.prompt(episode, turn.messages, turn.tools, turn.prefix)
+    except ValueError as exc:
+        raise bad_request(str(exc), "episode_id", 429) from None
+    return Prompt(text="", prompt_ids=pending.context, cache_key=pending.cache_key), pending
+
+
+def _sampling(server: OpenAIServer, req: ChatRequest, prompt: Prompt, turn: ChatTurn, recorded: bool) -> SamplingParams:
+    k = (req.top_logprobs or 0) if req.logprobs else 0
+    field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    params = server.sampling(req, [prompt], req.max_completion_tokens or req.max_tokens, k, field)
+    params = replace(params, stop=(*params.stop, *turn.extra_stops))
+    if recorded:  # the model's turn ends where the template's does
+        ends = server.chat_renderer().end_of_turn_ids()
+        params = replace(params, stop_token_ids=tuple(sorted({*params.stop_token_ids, *ends})))
+    return params
+
+
+async def chat_completion(
+    server: OpenAIServer, req: ChatRequest, episode: str | None
+) -> dict[str, Any] | StreamingResponse:
+    prepared = PreparedTurn.of(server, req, episode)
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    if req.stream:
+        return prepared.stream(ChunkEncoder(server, req, [prepared.prompt], chat=True, k=k))
+    answers = await prepared.generate()
+    choices = []
+    for sample, a in enumerate(answers):
+        r = a.rollout
+        lp = server.chat_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
+        reason = "tool_calls" if a.message.get("tool_calls") else r.finish_reason
+        choices.append({"index": sample, "message": a.message, "finish_reason": reason, "token_ids": r.response_ids,
+                        "logprobs": lp})  # fmt: skip
+    return server.envelope("chatcmpl", "chat.completion", choices, [prepared.prompt], [a.rollout for a in answers])
