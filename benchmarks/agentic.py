@@ -1,8 +1,8 @@
 """Multi-turn agentic RL: learning to use a tool, token exactness on a real model, KV reuse across turns.
 
 Parts (all by default):
-  learn   The ``calculator`` task (3-digit x 2-digit products, a calculator tool) from a warm-started
-          char model (scripts/build_agentic_model.py; built once into --cache): held-out success
+  learn   The ``calculator`` task (3-digit x 2-digit products, a calculator tool) from the shipped
+          warm-started char model (``agentic-demo``, made by scripts/build_agentic_model.py): held-out success
           before and after GRPO on the environment's reward, the wall time of the training run
           (at most --learn-minutes), the mean turns per held-out episode.
   exact   SmolLM2-135M-Instruct with its own chat template: 200 episodes of >= 3 turns whose
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import torch
 from _smoke import add_smoke
+
+from postrl.models.loading import AGENTIC_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 OBSERVATION = "total 48\n" + "".join(
@@ -183,10 +184,7 @@ def speed(args: argparse.Namespace) -> dict:
 
 
 def learn(args: argparse.Namespace) -> dict:
-    model_dir = Path(args.model) if args.model else Path(args.cache) / "agentic_model"
-    if not (model_dir / "model.safetensors").exists():
-        build = [sys.executable, str(ROOT / "scripts" / "build_agentic_model.py"), "--out", str(model_dir)]
-        subprocess.run([*build, *(["--steps", "5"] if args.smoke else [])], check=True)
+    model_dir = Path(args.model) if args.model else AGENTIC_MODEL_DIR  # the shipped warm start (agentic-demo)
     from postrl.config.loading import load_config
     from postrl.controller.episodes import EpisodeSource
     from postrl.controller.source import Episodes
@@ -238,7 +236,9 @@ def main() -> None:
     parser.add_argument("--learn-steps", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--override", action="append", default=[], help="a config override for the learn run (k=v)")
-    parser.add_argument("--model", default=None, help="learn: the warm-started model (default: built into --cache)")
+    parser.add_argument(
+        "--model", default=None, help="learn: the warm-started model (default: the shipped agentic-demo)"
+    )
     parser.add_argument("--cache", default=str(ROOT / "benchmarks" / ".cache"))
     parser.add_argument("--json", action="store_true")
     add_smoke(parser)
@@ -247,7 +247,7 @@ def main() -> None:
     result: dict = {}
     smollm2_missing = smollm2_unavailable() if args.smoke else None
     with tempfile.TemporaryDirectory() as tmp:
-        if args.smoke:  # a model warm-started for 5 steps, 2 RL steps, a few episodes
+        if args.smoke:  # 2 RL steps, a few episodes
             args.cache, args.episodes, args.learn_steps = tmp, 4, 2
             args.override += ["prompts_per_step=2", "rollout.n=2", "data.val_size=4", "train.mini_batch_size=4",
                               "train.micro_batch_size=4"]  # fmt: skip

@@ -7,7 +7,10 @@ wrong (no small model multiplies 3-digit by 2-digit numbers in its head). The mo
 ways and starts near ``p-tool`` held-out success; RL on the environment's reward then has to
 learn *when* to call the tool. Loss on the model's turns only (the tool's answer is read, never predicted).
 
-Run: ``python scripts/build_agentic_model.py --out DIR [--steps N]``. Deterministic on CPU.
+Run: ``python scripts/build_agentic_model.py [--out DIR] [--steps N]``. Deterministic on CPU. By
+default it writes the model the package ships as ``agentic-demo`` (``src/postrl/tasks/agentic_model``),
+which ``examples/calculator_agent.yaml`` and ``benchmarks/agentic.py`` start from; 2,000 steps take
+about 11 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_demo_model import DEFAULT_OUT, train  # noqa: E402
 
+from postrl.models.loading import AGENTIC_MODEL_DIR  # noqa: E402
 from postrl.rollout.agentic.chat import ChatRenderer  # noqa: E402
 from postrl.tasks.calculator_task import problems  # noqa: E402
 from postrl.tasks.char_tokenizer import build_char_tokenizer  # noqa: E402
@@ -62,7 +66,7 @@ def episode(renderer: ChatRenderer, a: int, b: int, use_tool: bool, rng: random.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=AGENTIC_MODEL_DIR)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)

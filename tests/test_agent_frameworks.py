@@ -14,6 +14,7 @@ import pytest
 from postrl.serve.agent_runs import RecordedAgents
 from postrl.types import Prompt, SamplingParams
 from tests.chat_templates import family_tokenizer
+from tests.conftest import make_tiny_model
 from tests.scripted_engine import ScriptedEngine
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -55,9 +56,23 @@ def test_a_framework_agent_is_recorded_token_exactly_across_its_tool_calls(name)
             )
 
 
+@pytest.fixture(scope="module")
+def qwen_style_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with the Qwen2.5-style chat template (it renders tools=), long enough
+    for the tools' schemas in characters."""
+    out = tmp_path_factory.mktemp("qwen_style")
+    tokenizer = family_tokenizer("qwen2.5")
+    model = make_tiny_model("llama", tokenizer)
+    model.config.max_position_embeddings = 4096
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.mark.parametrize("name", FRAMEWORKS)
-def test_postrl_train_takes_a_step_on_a_framework_agent(tmp_path, name):
-    """The example config, on the demo model (its template drops tools=: tools in a system message)."""
+def test_postrl_train_takes_a_step_on_a_framework_agent(tmp_path, qwen_style_model, name):
+    """The example config, on a tiny model: the framework's calls reach the run's engine through
+    the recording server and the step trains on the recorded episodes."""
     from postrl.cli import main
 
     data = tmp_path / "rows.jsonl"
@@ -66,10 +81,11 @@ def test_postrl_train_takes_a_step_on_a_framework_agent(tmp_path, name):
     )
     config = EXAMPLES / ("agents_sdk.yaml" if name == "agents_sdk" else "langgraph.yaml")
     args = [
-        "train", str(config), f"output_dir={tmp_path}/runs", "name=fw", "model.path=demo", "steps=1",
-        f"data.train_files=[{data}]", "prompts_per_step=2", "rollout.n=2", "agent.max_context=512",
-        "checkpoint.every_steps=0", "logging.trackers=[jsonl]", "train.mini_batch_size=4", "train.micro_batch_size=4",
+        "train", str(config), f"output_dir={tmp_path}/runs", "name=fw", f"model.path={qwen_style_model}", "steps=1",
+        f"data.train_files=[{data}]", "prompts_per_step=2", "rollout.n=2", "agent.max_context=4096",
+        "agent.tools_in_prompt=template", "checkpoint.every_steps=0", "logging.trackers=[jsonl]",
+        "train.mini_batch_size=4", "train.micro_batch_size=4",
     ]  # fmt: skip
     assert main(args) == 0
     (row,) = [json.loads(line) for line in (tmp_path / "runs" / "fw" / "metrics.jsonl").read_text().splitlines()]
-    assert row["agent/turns_mean"] >= 1 and row["train/tokens"] > 0
+    assert row["agent/turns_mean"] >= 1 and row["perf/train_tokens_per_s"] > 0 and "agent/finish_env_error" not in row

@@ -4,10 +4,13 @@ and prefix-break policies, and an ``agent:`` run end to end on the native engine
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
+import torch
 
+from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.rollout.agentic.builtin_tools import calculator
 from postrl.rollout.agentic.chat import ChatRenderer
 from postrl.rollout.agentic.env import StepResult, ToolEnvironment, environment_factory
@@ -289,3 +292,31 @@ def test_a_multi_turn_task_without_an_agent_is_refused_naming_the_environment():
         RunConfig.model_validate({"data": {"task": "calculator"}, "agent": {"env": "calculator"}}).agent.env
         == "calculator"
     )
+
+
+def test_the_shipped_agentic_warm_start_calls_its_tool_or_answers():
+    """``agentic-demo`` (scripts/build_agentic_model.py, shipped): greedy on 24 of its training
+    products it calls ``calculator(expression="a*b")`` on some (6 on the CPU it was built on) and
+    answers ``<answer>N</answer>`` on the others; the demo model it started from never calls it."""
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.tasks.calculator_task import problems
+
+    def first_turns(name: str) -> list[tuple[tuple[int, int], str]]:
+        tokenizer = load_tokenizer(name)
+        renderer = ChatRenderer(tokenizer)
+        engine = NativeRolloutWorker.from_hf(load_causal_lm(name), tokenizer, torch.float32)
+        pairs = problems(seed=0)[0][:24]
+        prompts = [
+            Prompt("", renderer.encode(renderer.render([{"role": "user", "content": f"{a}*{b}"}], True)))
+            for a, b in pairs
+        ]
+        greedy = SamplingParams(n=1, temperature=0.0, max_tokens=40, stop_token_ids=tuple(renderer.end_of_turn_ids()))
+        return [
+            (pair, r.text.removesuffix("<|im_end|>")) for pair, r in zip(pairs, engine.generate(prompts, greedy, None))
+        ]
+
+    turns = first_turns("agentic-demo")
+    calls = [(a, b) for (a, b), text in turns if text == f'calculator(expression="{a}*{b}")']
+    answers = [text for _, text in turns if re.fullmatch(r"<answer>\d+</answer>", text)]
+    assert 3 <= len(calls) <= 12 and len(calls) + len(answers) == 24
+    assert not any(text.startswith("calculator(") for _, text in first_turns("demo"))

@@ -184,7 +184,7 @@ def test_async_run_under_ray_overlaps_generation_and_leaves_nothing_running(tmp_
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["buffer/lag_max"] for r in rows) <= 1 and rows[-1]["buffer/lag_max"] == 1.0
     from postrl.controller.async_pipelines import ThreadedPipeline
-    from postrl.scheduling.ray_scheduler import RayHandle
+    from postrl.scheduling.ray_actors import RayHandle
     from postrl.workers.clients import RoleClient
 
     buffer = controller.parts.buffer  # the Experience Buffer was an actor of its own

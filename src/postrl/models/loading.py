@@ -14,6 +14,12 @@ import torch
 from postrl.config.run import ConfigError
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "tasks" / "demo_model"
+AGENTIC_MODEL_DIR = Path(__file__).resolve().parent.parent / "tasks" / "agentic_model"
+# the models shipped in the package, by the name a config uses, with the script that rebuilds each
+SHIPPED_MODELS = {
+    "demo": (DEMO_MODEL_DIR, "scripts/build_demo_model.py"),
+    "agentic-demo": (AGENTIC_MODEL_DIR, "scripts/build_agentic_model.py"),
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # decoder-only models whose logits are exactly lm_head(decoder(x)): the native engine runs them, and
 # training projects to the vocabulary only at trained positions
@@ -33,14 +39,13 @@ def hf(model: torch.nn.Module) -> Any:
 
 
 def resolve_model_path(path: str) -> str:
-    """The folder to load ``path`` from (``demo`` = the shipped model), or ``path`` itself when it
-    can only be a hub id. A path that is neither fails here, in one line."""
-    if path == "demo":
-        if not (DEMO_MODEL_DIR / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"the demo model is missing from {DEMO_MODEL_DIR}; rebuild it with scripts/build_demo_model.py"
-            )
-        return str(DEMO_MODEL_DIR)
+    """The folder to load ``path`` from (``demo``, ``agentic-demo``: the shipped models), or ``path``
+    itself when it can only be a hub id. A path that is neither fails here, in one line."""
+    if path in SHIPPED_MODELS:
+        folder, script = SHIPPED_MODELS[path]
+        if not (folder / "config.json").is_file():
+            raise ModelNotFoundError(f"the {path} model is missing from {folder}; rebuild it with {script}")
+        return str(folder)
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):

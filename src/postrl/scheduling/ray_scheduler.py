@@ -1,8 +1,8 @@
 """The Ray scheduler: the same worker classes as actors, placed by placement groups.
 
-An :class:`ActorHost` builds the worker class inside the actor and calls its methods by name, so
-the Controller drives Ray actors through the same handles (and the same step code) as local
-objects. Without ``scheduler.address`` a local Ray instance is started for the run and shut down
+An :class:`~postrl.scheduling.ray_actors.ActorHost` builds the worker class inside the actor and
+calls its methods by name, so the Controller drives Ray actors through the same handles (and the
+same step code) as local objects. Without ``scheduler.address`` a local Ray instance is started for the run and shut down
 at its end.
 """
 
@@ -11,204 +11,35 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
-from concurrent.futures import Future
 from typing import Any
 
 from postrl.config.off_policy import BufferConfig
-from postrl.config.run import ConfigError, RewardConfig
+from postrl.config.run import RewardConfig
 from postrl.config.scheduler import SchedulerConfig
 from postrl.rollout.factory import EngineSpec
 from postrl.rollout.host import RolloutEngineHost
 from postrl.rollout.pool import RolloutPool
 from postrl.scheduling.base import RewardFactory
 from postrl.scheduling.placement import make_pool
+from postrl.scheduling.ray_actors import ActorHost, RayHandle, rendezvous_address
+from postrl.scheduling.ray_cluster import connect_ray, short_resources
 from postrl.scheduling.reaper import Reaper
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
 from postrl.workers.clients import RewardServiceClient, client
-from postrl.workers.errors import RemoteFailure, WorkerCallError
 from postrl.workers.handles import (
     InProcessHandle,
     PlacementError,
-    WorkerDiedError,
-    WorkerTimeoutError,
-    member_of,
-    methods_of,
-    submit,
 )
-from postrl.workers.net import can_connect, host_port
 from postrl.workers.roles import Critic, ExperienceStore, TrainWorker
-from postrl.workers.wire import pack, unpack
 
 log = logging.getLogger(__name__)
-
-
-class ActorHost:
-    """Runs inside a Ray actor: ``factory(*args, **kwargs)``, then its methods by name."""
-
-    def __init__(self, factory: Any, args: tuple, kwargs: dict, threads: int | None) -> None:
-        import torch
-
-        torch.set_num_threads(threads or os.cpu_count() or 1)
-        self.obj = factory(*args, **kwargs)
-
-    def call(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
-        """("ok", the packed result), or ("error", a RemoteFailure) when the method raised."""
-        try:
-            return "ok", pack(member_of(self.obj, method)(*unpack(args), **unpack(kwargs)))
-        except Exception as exc:  # noqa: BLE001 - sent back typed, raised again on the caller's side
-            return "error", RemoteFailure.of(exc)
-
-    def attribute(self, name: str) -> Any:
-        return member_of(self.obj, name)
-
-    def methods(self) -> frozenset[str]:
-        return methods_of(self.obj)
-
-    def ping(self) -> bool:
-        return True
-
-
-def rendezvous_address() -> tuple[str, int]:
-    """An address and a free port on the node this runs on (for rank 0 of a train group)."""
-    import ray
-
-    from postrl.workers.net import free_port
-
-    host = ray.util.get_node_ip_address()
-    return host, free_port(host if host != "127.0.0.1" else "127.0.0.1")
-
 
 # a rollout engine's actor runs a generate, a weight update (or broadcast), a suspend and a health
 # check at once: the engine orders them itself (new weights wait for the next decode step)
 ENGINE_CONCURRENCY = 4
-
-
-class RayHandle:
-    def __init__(self, name: str, actor: Any, concurrent: bool = False) -> None:
-        """``concurrent``: the actor is threaded (``max_concurrency`` > 1) and its worker orders its
-        own calls, so a call may run beside one in progress (weights arriving during a generate)."""
-        self.name, self.actor, self.concurrent = name, actor, concurrent
-        self._killed = False
-
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        import ray
-
-        if self._killed:
-            raise WorkerDiedError(f"{self.name} was stopped")
-        try:
-            status, value = ray.get(self.actor.call.remote(method, pack(args), pack(kwargs)), timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerTimeoutError(f"{self.name} did not answer {method} within {timeout:g} s") from None
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerDiedError(f"{self.name} died during {method}: {str(exc).splitlines()[0]}") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise WorkerCallError(f"{self.name} failed in {method}: {exc}") from None
-        if status == "error":
-            raise value.error(self.name, method)
-        return unpack(value)
-
-    def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
-        return submit(self.call, method, *args, timeout=timeout, **kwargs)
-
-    def attribute(self, name: str) -> Any:
-        import ray
-
-        return ray.get(self.actor.attribute.remote(name), timeout=60)
-
-    def methods(self) -> frozenset[str]:
-        import ray
-
-        return ray.get(self.actor.methods.remote(), timeout=60)
-
-    def alive(self) -> bool:
-        import ray
-
-        if self._killed:
-            return False
-        try:
-            return ray.get(self.actor.ping.remote(), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return False
-
-    def kill(self) -> None:
-        import ray
-
-        if not self._killed:
-            self._killed = True
-            if ray.is_initialized():  # after shutdown the actor is gone (and ray.kill would start a new Ray)
-                ray.kill(self.actor, no_restart=True)
-
-    def close(self, timeout: float = 30.0) -> None:
-        if not self._killed:
-            try:
-                self.call("close", timeout=timeout)
-            except (WorkerDiedError, WorkerTimeoutError, WorkerCallError):
-                pass  # it is killed below either way
-        self.kill()
-
-
-class ClusterUnreachableError(ConfigError):
-    """The Ray cluster at ``scheduler.address`` could not be reached in ``scheduler.connect_timeout_s``."""
-
-
-def connect_ray(address: str | None, timeout_s: float, options: dict[str, Any]) -> None:
-    """``ray.init`` with a bounded wait. Ray itself retries an unreachable address without end, so a
-    TCP probe comes first and the connection itself runs under a watchdog."""
-    import ray
-
-    if address is None:
-        # a local instance: started from this (the main) thread, since Ray ties its processes' lives
-        # to the starting thread (parent-death signal), and nothing here can hang on a network
-        ray.init(**options)
-        return
-    where = f"scheduler.address={address}"
-    endpoint = host_port(address)
-    if endpoint is not None:
-        why = can_connect(*endpoint, timeout_s=min(timeout_s, 10.0))
-        if why is not None:
-            raise ClusterUnreachableError(f"cannot reach the Ray cluster at {address} ({where}): {why}")
-    failure: list[BaseException] = []
-
-    def init() -> None:
-        try:
-            ray.init(address=address, **options)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise ClusterUnreachableError(
-            f"could not connect to the Ray cluster at {address} ({where}) within "
-            f"{timeout_s:g} s (scheduler.connect_timeout_s); is a Ray head running there?"
-        )
-    if failure:
-        raise ClusterUnreachableError(
-            f"could not connect to the Ray cluster at {address} ({where}): {str(failure[0]).splitlines()[0]}"
-        ) from failure[0]
-
-
-def short_resources(asked: dict[str, float]) -> str:
-    """Which resource the cluster lacks for ``asked`` (e.g. 'short of GPU: asked 2, the cluster has 0')."""
-    import ray
-
-    total, free = ray.cluster_resources(), ray.available_resources()
-    short = [
-        f"{key}: asked {value:g}, the cluster has {total.get(key, 0.0):g} ({free.get(key, 0.0):g} free)"
-        for key, value in asked.items()
-        if value and value > free.get(key, 0.0)
-    ]
-    if short:
-        return "short of " + "; ".join(short) + " (lower scheduler.*.num_cpus / num_gpus / workers, or add nodes)"
-    return (
-        f"the cluster has the resources ({free} free), so an actor's constructor is slow or stuck "
-        "(see the Ray logs under /tmp/ray/session_latest/logs)"
-    )
 
 
 class RayScheduler:

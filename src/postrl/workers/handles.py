@@ -2,7 +2,7 @@
 
 The Controller's step code does not know where a worker is: an :class:`InProcessHandle` calls the
 object itself, a :class:`~postrl.workers.process.ProcessHandle` a child process, and a
-:class:`~postrl.scheduling.ray_scheduler.RayHandle` a Ray actor hosting the very same class. Every
+:class:`~postrl.scheduling.ray_actors.RayHandle` a Ray actor hosting the very same class. Every
 call can have a timeout, and every failure names the worker.
 """
 

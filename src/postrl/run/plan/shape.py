@@ -97,10 +97,10 @@ def shape_from_config(cfg: dict[str, Any], source: str = "config.json") -> Model
 
 
 def load_shape(path: str) -> ModelShape:
-    """``path``: a model folder (its ``config.json``), a ``config.json`` file, or ``demo``."""
-    from postrl.models.loading import DEMO_MODEL_DIR
+    """``path``: a model folder (its ``config.json``), a ``config.json`` file, or a shipped model's name."""
+    from postrl.models.loading import SHIPPED_MODELS
 
-    file = DEMO_MODEL_DIR / "config.json" if path == "demo" else Path(path).expanduser()
+    file = SHIPPED_MODELS[path][0] / "config.json" if path in SHIPPED_MODELS else Path(path).expanduser()
     if file.is_dir():
         file = file / "config.json"
     if not file.is_file():
