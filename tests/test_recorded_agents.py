@@ -5,6 +5,7 @@ in-process episode runner makes for the same episodes (greedy, the same engine).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -102,10 +103,12 @@ def test_an_agent_that_raises_ends_its_episode_not_the_batch(demo):
     finally:
         agents.close()
     by_prompt = {r.prompt_index: r for r in out}
+    lines = Path(__file__).read_text().splitlines()
+    raise_line = next(i for i, line in enumerate(lines, 1) if line.strip() == 'raise RuntimeError("the agent broke")')
     assert by_prompt[0].episode.reward == 1.0 and by_prompt[0].finish_reason != "env_error"
     assert (
         by_prompt[1].finish_reason == "env_error"
-        and by_prompt[1].episode.info["env_error"] == f"RuntimeError: the agent broke ({__file__}:94)"
+        and by_prompt[1].episode.info["env_error"] == f"RuntimeError: the agent broke ({__file__}:{raise_line})"
         and 'raise RuntimeError("the agent broke")' in by_prompt[1].episode.info["env_traceback"]
     )
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from postrl.serve.chat_completions import Answer, PreparedTurn
-from postrl.serve.openai_protocol import ChatRequest, bad_request
+from postrl.serve.openai_protocol import ChatRequest, FunctionDefinition, bad_request
 from postrl.serve.sse import Delta, sse_event
 
 if TYPE_CHECKING:
@@ -42,13 +42,10 @@ METADATA = (
 )
 
 
-class FunctionToolSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionToolSpec(FunctionDefinition):
+    """A Responses API function tool: the chat API's function definition with its ``type`` beside it."""
+
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunctionChoice(BaseModel):
