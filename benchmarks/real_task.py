@@ -422,7 +422,8 @@ def main() -> int:
     parser.add_argument("--trl-eval-every", type=int, default=3, help="TRL's steps between held-out evaluations")
     parser.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer, steps interleaved")
     parser.add_argument("--png", type=Path, default=Path("docs/real_task_vs_trl.png"), help="the curves (--trl)")
-    parser.add_argument("--log", type=Path, default=Path("real_task.jsonl"), help="each step as it ends")
+    parser.add_argument("--log", type=Path, default=Path(__file__).parent / ".cache" / "real_task.jsonl",
+                        help="each step as it ends")  # fmt: skip
     parser.add_argument("--gemma", action="store_true", help="only the Gemma 3 270M part: before, a short run, after")
     parser.add_argument("--gemma-steps", type=int, default=16, help="GRPO steps of the Gemma 3 run")
     parser.add_argument("--worker", choices=["postrl", "trl"], help=argparse.SUPPRESS)
@@ -453,6 +454,7 @@ def main() -> int:
     commands = {f: [sys.executable, __file__, "--worker", f, "--minutes", str(args.minutes), "--eval-every",
                     str(args.eval_every), "--trl-eval-every", str(args.trl_eval_every), *extra]
                 for f in frameworks}  # fmt: skip
+    args.log.parent.mkdir(parents=True, exist_ok=True)
     report(run_interleaved(commands, 10_000, args.log), args.png, args.json)
     return 0
 
