@@ -70,8 +70,9 @@ class PreparedTurn:
             out.append(Answer(r, message, first_stop(raw, self.user_stops)))
         return out
 
-    def record(self, done: asyncio.Future[list[Rollout]]) -> None:
-        """The generation's end: its answers recorded into the episode (a failed one frees its sample)."""
+    def record(self, done: asyncio.Future[list[Rollout]], answers: list[Answer] | None = None) -> None:
+        """The generation's end: its answers (parsed here when not given) recorded into the episode;
+        a failed or cancelled one frees its sample."""
         recorder: EpisodeRecorder | None = self.server.recorder
         if self.pending is None or recorder is None:
             return
@@ -79,12 +80,21 @@ class PreparedTurn:
             recorder.release(self.pending)
             return
         rollouts = done.result()
-        recorder.record(self.pending, rollouts, [template_message(a.message) for a in self.answers(rollouts)])
+        answers = self.answers(rollouts) if answers is None else answers
+        recorder.record(self.pending, rollouts, [template_message(a.message) for a in answers])
 
     async def generate(self) -> list[Answer]:
+        """The answers, recorded before they are returned (the agent's next call continues them):
+        parsed once, so the recorded messages are the returned ones, tool call ids included."""
         task = asyncio.ensure_future(self.server.batcher.generate([self.prompt], self.params))
-        task.add_done_callback(self.record)  # before the caller resumes: the next call sees the recording
-        return self.answers(await task)
+        try:
+            rollouts = await task
+        except BaseException:  # the generation failed, or this call was cancelled: free the sample when it ends
+            task.add_done_callback(self.record)
+            raise
+        answers = self.answers(rollouts)
+        self.record(task, answers)
+        return answers
 
     def stream(self, encoder: StreamEncoder) -> StreamingResponse:
         new_choice = choice_factory(self.server, self.user_stops, self.keep_stop, self.turn, chat=True)
