@@ -10,8 +10,10 @@ conversion, so an agent that sends it back continues the episode's exact tokens.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from postrl.rollout.agentic.chat import with_tools_system_message
@@ -90,6 +92,12 @@ class ChatTurn:
     prefix: str = ""  # the text the turn starts with (a forced call)
     extra_stops: tuple[str, ...] = ()  # where the engine stops for this turn (one call only)
     offered: frozenset[str] = field(default_factory=frozenset)
+    # the ids of this call's tool calls derive from it and the text, so a streamed turn and its
+    # recording, which each parse the text, name each call alike
+    salt: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def call_id(self, text: str, index: int) -> str:
+        return "call_" + hashlib.sha256(f"{self.salt}:{index}:{text}".encode()).hexdigest()[:24]
 
     @staticmethod
     def of(req: ChatRequest, tooling: Tooling) -> ChatTurn:
@@ -142,4 +150,5 @@ class ChatTurn:
         parsed = self.parser.parse(text, set(self.offered))
         if parsed is None:
             return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]}
+        calls = [replace(c, id=self.call_id(text, i)).openai() for i, c in enumerate(parsed.calls)]
+        return {"role": "assistant", "content": parsed.content, "tool_calls": calls}
