@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -175,3 +178,75 @@ def test_kv_cache_is_released_after_a_generate_unless_asked_to_keep_it(char_toke
     assert [r.response_ids for r in released.generate(prompts_for(char_tokenizer), params, 0)] == first
     assert [r.response_ids for r in kept.generate(prompts_for(char_tokenizer), params, 0)] == first
     assert kept.cache is not None and kept.cache.slots >= 2
+
+
+def test_a_concurrent_call_joins_the_running_loop_and_returns_before_it_ends(char_tokenizer):
+    """B is called while A decodes: it joins A's loop (the cache grows in slots and length to take
+    its longer prompt) and is answered while A still runs; both give exactly what they give alone."""
+    model = make_tiny_model("llama", char_tokenizer)
+    long_a = SamplingParams(temperature=0.0, max_tokens=40)
+    short_b = SamplingParams(temperature=0.0, max_tokens=4)
+    a, b = prompts_for(char_tokenizer, ["7+5="]), prompts_for(char_tokenizer, [TEXTS[-1] * 2])
+    alone_a = NativeRolloutWorker.from_hf(model, char_tokenizer).generate(a, long_a, 0)
+    alone_b = NativeRolloutWorker.from_hf(model, char_tokenizer).generate(b, short_b, 0)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, release_cache=False)
+    b_answer: list = []
+    b_returned = threading.Event()
+
+    b_finished = threading.Event()
+
+    def on_b_token(prompt_index, sample_index, token, logprob, top, finish):
+        if finish is not None:
+            b_finished.set()
+
+    def call_b() -> None:
+        b_answer.extend(engine.generate(b, short_b, 0, on_token=on_b_token))
+        b_returned.set()
+
+    waited_for_b = []
+
+    def on_a_token(prompt_index, sample_index, token, logprob, top, finish):
+        if not waited_for_b:
+            waited_for_b.append(None)
+            threading.Thread(target=call_b, daemon=True).start()
+            deadline = time.monotonic() + 10
+            while not engine._inbox and time.monotonic() < deadline:  # B is queued before A's next step
+                time.sleep(0.001)
+        elif len(waited_for_b) == 1 and b_finished.is_set():  # B's last token came in an earlier step
+            waited_for_b.append(b_returned.wait(timeout=10) and finish is None)  # answered, A not done
+
+    out_a = engine.generate(a, long_a, 0, on_token=on_a_token)
+    assert waited_for_b == [None, True]  # B returned while A was still decoding
+    assert seqs(out_a) == seqs(alone_a) and len(out_a[0].response_ids) == 40
+    assert seqs(b_answer) == seqs(alone_b) and b_answer[0].prompt_index == 0
+    assert engine.cache is not None and engine.cache.slots == 2 and engine.cache.max_len >= len(b[0].prompt_ids) + 4
+
+
+def test_a_call_with_other_sampling_waits_for_the_loop_and_runs_after(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    greedy, sampled = SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.9, max_tokens=6)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer)
+    started = threading.Event()
+    results: dict[str, list] = {}
+
+    def other() -> None:
+        started.wait(10)
+        results["sampled"] = engine.generate(prompts_for(char_tokenizer, ["hello"]), sampled, 0)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+
+    def hold(prompt_index, sample_index, token, logprob, top, finish):
+        if not started.is_set():
+            started.set()
+            deadline = time.monotonic() + 10
+            while not engine._inbox and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    results["greedy"] = engine.generate(prompts_for(char_tokenizer, ["7+5="]), greedy, 0, on_token=hold)
+    thread.join(10)
+    alone = NativeRolloutWorker.from_hf(model, char_tokenizer).generate(
+        prompts_for(char_tokenizer, ["7+5="]), greedy, 0
+    )
+    assert seqs(results["greedy"]) == seqs(alone)
+    assert len(results["sampled"]) == 1 and 1 <= len(results["sampled"][0].response_ids) <= 6

@@ -56,6 +56,18 @@ class AgentConfig(Section):
         "templates that ignore tools=, as SmolLM2's does; none describes them nowhere (the model was trained on "
         "them, or the environment's messages describe them).",
     )
+    scheduling: Literal["individual", "lockstep"] = Field(
+        "individual",
+        description="individual: each episode runs on its own, its turn goes to the engine as soon as its "
+        "environment answers, and one waiting on a tool delays no other (the native engine batches the turns in "
+        "flight continuously); lockstep: every turn waits for all running episodes' turns and steps their "
+        "environments together (the same seed gives the same tokens, which individual scheduling does not promise).",
+    )
+    max_concurrent_episodes: int | None = Field(
+        None,
+        ge=1,
+        description="Episodes in flight at once with scheduling: individual (None: all of a step's episodes).",
+    )
     env_workers: int = Field(
         32,
         ge=1,

@@ -94,6 +94,9 @@ class EpisodeSource:
             self.config.env_workers,
             self.config.env_options,
             self.config.tools_in_prompt,
+            self.config.scheduling,
+            engine.joins_calls,
+            self.config.max_concurrent_episodes,
         )
         try:
             return runner.run(prompts, sampling)

@@ -46,6 +46,7 @@ class EngineBase:
     weight_version: int = 0
     generator: torch.Generator | None = None
     streams_tokens: ClassVar[bool] = False  # generate takes on_token (the engines that sample token by token)
+    joins_calls: ClassVar[bool] = False  # concurrent generate calls share one batch (see RolloutWorker)
 
     def counters(self) -> dict[str, float]:
         """Nothing counted (see :meth:`postrl.workers.roles.RolloutWorker.counters`)."""

@@ -34,6 +34,14 @@ class EngineSlot:
     index: int
     handle: Handle
     outstanding: int = 0  # tokens of prompts sent and not yet answered
+    _joins: bool | None = None  # read from the engine once per handle
+
+    @property
+    def joins_calls(self) -> bool:
+        """The engine joins concurrent generate calls and its handle lets them run side by side."""
+        if self._joins is None:
+            self._joins = self.handle.runs_beside("generate") and bool(self.handle.attribute("joins_calls"))
+        return self._joins
 
     @property
     def name(self) -> str:
@@ -66,6 +74,11 @@ class RolloutPool:
         # async mode generates (producer thread) while weights are pushed (sync thread): an engine
         # lost under both is replaced once
         self._replacing = threading.Lock()
+
+    @property
+    def joins_calls(self) -> bool:
+        """Every engine shares its batch between concurrent generate calls (see RolloutWorker)."""
+        return all(slot.joins_calls for slot in self.engines)
 
     # -- generation --------------------------------------------------------------------------
     def generate(
@@ -152,7 +165,7 @@ class RolloutPool:
                     f"{cause}); stopping instead of restarting more"
                 )
             slot.handle.kill()
-            slot.handle = self._start(slot.index)
+            slot.handle, slot._joins = self._start(slot.index), None
 
     def scale(self, count: int) -> None:
         """Add engines (started with the current weights) or remove the newest ones, between steps."""

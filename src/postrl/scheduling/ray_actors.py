@@ -82,6 +82,9 @@ class RayHandle:
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
         return submit(self.call, method, *args, timeout=timeout, **kwargs)
 
+    def runs_beside(self, method: str) -> bool:
+        return self.concurrent
+
     def attribute(self, name: str) -> Any:
         import ray
 

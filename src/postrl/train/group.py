@@ -45,6 +45,9 @@ class TrainGroup:
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
         return submit(self.call, method, *args, timeout=timeout, **kwargs)
 
+    def runs_beside(self, method: str) -> bool:
+        return False  # every call is a collective of all ranks
+
     def attribute(self, name: str) -> Any:
         return self.ranks[0].attribute(name)
 

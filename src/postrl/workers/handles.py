@@ -37,6 +37,10 @@ class Handle(Protocol):
 
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future: ...
 
+    def runs_beside(self, method: str) -> bool:
+        """Whether a call of ``method`` runs while another call is in progress (else it waits for it)."""
+        ...
+
     def attribute(self, name: str) -> Any:
         """An attribute of the worker (read once by a client, e.g. the reward's accuracy component)."""
         ...
@@ -112,6 +116,9 @@ class InProcessHandle:
         except BaseException as exc:  # noqa: BLE001 - delivered through the future, as from a remote worker
             future.set_exception(exc)
         return future
+
+    def runs_beside(self, method: str) -> bool:
+        return self.concurrent
 
     def attribute(self, name: str) -> Any:
         return member_of(self.obj, name)

@@ -142,6 +142,9 @@ class ProcessHandle:
     def call_async(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
         return submit(self.call, method, *args, timeout=timeout, **kwargs)
 
+    def runs_beside(self, method: str) -> bool:
+        return method in self.side_calls
+
     def attribute(self, name: str) -> Any:
         return self.call(ATTRIBUTE, name, timeout=60.0)
 

@@ -91,6 +91,13 @@ class RolloutWorker(Protocol):
     weight_version: int
     streams_tokens: ClassVar[bool]  # generate takes on_token (a TokenCallback), called for every token sampled
 
+    @property
+    def joins_calls(self) -> bool:
+        """Concurrent ``generate`` calls (other threads) share the engine's batch, each returning when
+        its own samples are done (continuous batching across callers, e.g. episodes scheduled one by
+        one); False: they run one after another, and callers should merge what they send together."""
+        ...
+
     def generate(
         self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int | None
     ) -> list[Rollout]:

@@ -1,11 +1,19 @@
 """Many episodes through one rollout engine, turn by turn, into token-exact trajectories.
 
-Every turn, the episodes still running are generated together in one batched ``generate`` (each
-episode's prompt is its whole context, with a ``cache_key`` so an engine that keeps KV caches
-continues from the last turn instead of prefilling again), then their environments step
-concurrently. The trajectory is the engine's tokens, never re-tokenized text: a turn's prompt is
-the previous context plus the chat template's delta for the new messages (:mod:`.chat`), the
-engine's prompt is checked against it, and only the model's tokens are in the loss mask.
+Episodes are scheduled individually (``scheduling="individual"``): each runs in a thread of its
+own, its turn goes to the engine the moment its environment has answered, and an episode waiting on
+a tool holds no decode slot and delays no other. An engine that joins concurrent calls
+(``RolloutWorker.joins_calls``: the native engine) batches the turns in flight continuously; for
+another one the turns waiting are merged into batches (:mod:`.turn_batcher`). With
+``scheduling="lockstep"`` every turn waits for all the running episodes' turns, which are generated
+in one batch, then their environments step together: slower where environments take time, but the
+same seed gives the same tokens.
+
+Each episode's prompt is its whole context, with a ``cache_key`` so an engine that keeps KV caches
+continues from the last turn instead of prefilling again. The trajectory is the engine's tokens,
+never re-tokenized text: a turn's prompt is the previous context plus the chat template's delta for
+the new messages (:mod:`.chat`), the engine's prompt is checked against it, and only the model's
+tokens are in the loss mask.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from postrl.config.run import ConfigError
 from postrl.rollout.agentic.chat import ChatRenderer, with_tools_system_message
 from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, StepResult
+from postrl.rollout.agentic.individual import run_individually
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
 from postrl.types.episode import Episode, Turn
@@ -31,6 +40,7 @@ from postrl.types.metric_names import AGENT
 
 log = logging.getLogger(__name__)
 PrefixPolicy = Literal["split", "keep_context"]
+Scheduling = Literal["individual", "lockstep"]
 Generate = Callable[[list[Prompt], SamplingParams], list[Rollout]]
 _keys = itertools.count()
 
@@ -73,7 +83,7 @@ class TrajectorySample:
 
 
 @dataclass
-class _Live:
+class LiveEpisode:
     prompt_index: int
     key: str
     env: Environment | None  # None when making it failed
@@ -104,48 +114,62 @@ class EpisodeRunner:
         env_workers: int = 8,
         env_options: dict[str, Any] | None = None,
         tools_in_prompt: Literal["template", "system", "none"] = "template",
+        scheduling: Scheduling = "lockstep",
+        joins_calls: bool = False,
+        max_concurrent: int | None = None,
     ) -> None:
+        """``scheduling``: see the module; ``joins_calls``: the engine batches concurrent calls
+        itself (else an individual run merges the turns waiting); ``max_concurrent``: episodes in
+        flight at once in an individual run (None: all of them)."""
         self.generate, self.make_env, self.tokenizer = generate, make_env, tokenizer
         self.limits, self.on_prefix_break = limits, on_prefix_break
         self.env_options = env_options or {}
         self.env_workers, self.tools_in_prompt = env_workers, tools_in_prompt
+        self.scheduling, self.joins_calls, self.max_concurrent = scheduling, joins_calls, max_concurrent
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
+        """``sampling.n`` episodes of each prompt, their rollouts grouped by prompt, in order."""
         jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
-        resets: list[Callable[[], Any]] = [partial(self._reset, p) for _, p in jobs]
+        if self.scheduling == "individual":
+            return run_individually(self, jobs, self._turn_sampling(sampling))
+        resets: list[Callable[[], Any]] = [partial(self.reset_env, p) for _, p in jobs]
         started = self._limited(resets, "environment reset")
         try:
-            episodes = [self._start(job, outcome) for job, outcome in zip(jobs, started)]
+            episodes = [self.start(job, outcome) for job, outcome in zip(jobs, started)]
             renderer = self._renderer(episodes)
-            stop_ids = tuple(sorted(set(sampling.stop_token_ids) | set(renderer.end_of_turn_ids())))
-            turn = replace(sampling, n=1, stop_token_ids=stop_ids, stop=(*sampling.stop, "</tool_call>"))
+            turn = self._turn_sampling(sampling)
             while running := [e for e in episodes if e.finish is None]:
                 self._turn(running, renderer, turn)
-            return [r for e in episodes for r in self._rollouts(e, renderer)]
+            return [r for e in episodes for r in self.rollouts(e, renderer)]
         finally:  # unwinding (a stop signal, an error): closes get a second, not the whole time limit
             made = [o.value[0] for o in started if o.value is not None]
-            self._close(made, 1.0 if sys.exc_info()[0] else None)
+            self.close_envs(made, 1.0 if sys.exc_info()[0] else None)
+
+    def _turn_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """One model turn: one sample, ending at the template's end of turn or a tool call's end."""
+        stop_ids = set(sampling.stop_token_ids) | set(self.renderer_for(None).end_of_turn_ids())
+        return replace(sampling, n=1, stop_token_ids=tuple(sorted(stop_ids)), stop=(*sampling.stop, "</tool_call>"))
 
     def _limited(self, calls: list[Callable[[], Any]], what: str) -> list[Outcome[Any]]:
         return run_limited(calls, self.limits.env_timeout_s, self.env_workers, what)
 
-    def _close(self, envs: list[Environment], timeout_s: float | None = None) -> None:
+    def close_envs(self, envs: list[Environment], timeout_s: float | None = None) -> None:
         """Every episode's environment closed, within the time limit; a failing close is logged."""
         limit = self.limits.env_timeout_s if timeout_s is None else timeout_s
         for outcome in run_limited([env.close for env in envs], limit, self.env_workers, "environment close"):
             if outcome.error is not None:
                 log.warning("an environment's close() failed: %s", failure_info(outcome.error, "close")["env_error"])
 
-    def _renderer(self, episodes: list[_Live]) -> ChatRenderer:
+    def _renderer(self, episodes: list[LiveEpisode]) -> ChatRenderer:
         env = next((e.env for e in episodes if e.env is not None), None)
-        return self._renderer_for(env)
+        return self.renderer_for(env)
 
-    def _renderer_for(self, env: Environment | None) -> ChatRenderer:
+    def renderer_for(self, env: Environment | None) -> ChatRenderer:
         """The chat template with the environment's tools (none: they are in the system message)."""
         tools = [t.schema for t in env.tools] if env is not None and self.tools_in_prompt == "template" else None
         return ChatRenderer(self.tokenizer, tools)
 
-    def _reset(self, prompt: Prompt) -> tuple[Environment, list[dict[str, Any]] | Exception]:
+    def reset_env(self, prompt: Prompt) -> tuple[Environment, list[dict[str, Any]] | Exception]:
         """A new environment and its first messages, or, once it is made, the reason its reset failed
         (the environment is returned either way: its close() is still owed)."""
         env = self.make_env(**self.env_options)
@@ -155,19 +179,19 @@ class EpisodeRunner:
         except Exception as exc:
             return env, exc
 
-    def _start(self, job: tuple[int, Prompt], outcome: Outcome[Any]) -> _Live:
+    def start(self, job: tuple[int, Prompt], outcome: Outcome[Any]) -> LiveEpisode:
         """The episode after its reset; one whose environment could not be made or reset is over
         (env_error) before its first turn."""
         index, prompt = job
         env, messages = outcome.value if outcome.value is not None else (None, outcome.error)
         if env is None or not isinstance(messages, list):
-            failed = _Live(index, f"episode-{next(_keys)}", env, [], "", TrajectorySample([]), finish="env_error")
+            failed = LiveEpisode(index, f"episode-{next(_keys)}", env, [], "", TrajectorySample([]), finish="env_error")
             assert isinstance(messages, BaseException)
             failed.info.update(failure_info(messages, "reset"))
             return failed
         if self.tools_in_prompt == "system" and env.tools:
             messages = with_tools_system_message(messages, [t.schema for t in env.tools])
-        renderer = self._renderer_for(env)
+        renderer = self.renderer_for(env)
         text = renderer.render(messages, generation_prompt=True)
         ids = renderer.encode(text)
         if len(ids) >= self.limits.max_context:
@@ -176,36 +200,53 @@ class EpisodeRunner:
                 f"prompt{where} renders to {len(ids)} tokens: agent.max_context={self.limits.max_context} leaves no "
                 "room for a turn"
             )
-        return _Live(index, f"episode-{next(_keys)}", env, messages, text, TrajectorySample(ids))
+        return LiveEpisode(index, f"episode-{next(_keys)}", env, messages, text, TrajectorySample(ids))
 
-    def _turn(self, running: list[_Live], renderer: ChatRenderer, sampling: SamplingParams) -> None:
-        by_budget: dict[int, list[_Live]] = {}
+    def budget(self, e: LiveEpisode) -> int:
+        """New tokens the episode's next turn may have; 0: its context is full (it ends, max_context)."""
+        budget = min(self.limits.max_tokens_per_turn, self.limits.max_context - len(e.sample.context))
+        if budget <= 0:
+            e.finish = "max_context"
+        return max(budget, 0)
+
+    @staticmethod
+    def turn_prompt(e: LiveEpisode) -> Prompt:
+        return Prompt(e.seen, e.sample.context, cache_key=e.key)
+
+    @staticmethod
+    def check_trajectory(e: LiveEpisode, r: Rollout) -> None:
+        if r.prompt_ids != e.sample.context:
+            raise TrajectoryError(f"{e.key}: the engine generated from other tokens than the trajectory's")
+
+    def _turn(self, running: list[LiveEpisode], renderer: ChatRenderer, sampling: SamplingParams) -> None:
+        by_budget: dict[int, list[LiveEpisode]] = {}
         for e in running:
-            budget = min(self.limits.max_tokens_per_turn, self.limits.max_context - len(e.sample.context))
-            if budget <= 0:
-                e.finish = "max_context"
-                continue
-            by_budget.setdefault(budget, []).append(e)
-        generated: list[tuple[_Live, Rollout]] = []
+            if budget := self.budget(e):
+                by_budget.setdefault(budget, []).append(e)
+        generated: list[tuple[LiveEpisode, Rollout]] = []
         for budget, group in by_budget.items():
             began = time.perf_counter()
-            prompts = [Prompt(e.seen, e.sample.context, cache_key=e.key) for e in group]
-            rollouts = self.generate(prompts, replace(sampling, max_tokens=budget))
+            rollouts = self.generate([self.turn_prompt(e) for e in group], replace(sampling, max_tokens=budget))
             took = time.perf_counter() - began
             for e, r in zip(group, rollouts, strict=True):
-                if r.prompt_ids != e.sample.context:
-                    raise TrajectoryError(f"{e.key}: the engine generated from other tokens than the trajectory's")
+                self.check_trajectory(e, r)
                 e.generate_s += took
                 generated.append((e, r))
         for e, r in generated:
-            self._record_generation(e, r, renderer)
+            self.record_generation(e, r, renderer)
         stepping = [e for e, _ in generated if e.finish == "pending"]
-        steps: list[Callable[[], Any]] = [partial(_step, e) for e in stepping]
+        steps: list[Callable[[], Any]] = [partial(self.step_env, e) for e in stepping]
         for e, outcome in zip(stepping, self._limited(steps, "environment step"), strict=True):
             e.env_s += outcome.seconds
-            self._observe(e, outcome, renderer)
+            self.observe(e, outcome, renderer)
 
-    def _record_generation(self, e: _Live, r: Rollout, renderer: ChatRenderer) -> None:
+    @staticmethod
+    def step_env(e: LiveEpisode) -> StepResult:
+        """The episode's environment answering the model's last turn, checked."""
+        assert e.env is not None
+        return check_step_result(e.env.step(e.contents[-1]))
+
+    def record_generation(self, e: LiveEpisode, r: Rollout, renderer: ChatRenderer) -> None:
         own = r.logprob_versions or [r.weight_version] * len(r.response_ids)
         cache = r.kv_versions or own
         e.turns.append(Turn(len(e.sample.context), len(r.response_ids)))
@@ -222,7 +263,7 @@ class EpisodeRunner:
         else:
             e.finish = "pending"  # the environment decides
 
-    def _observe(self, e: _Live, outcome: Outcome[StepResult], renderer: ChatRenderer) -> None:
+    def observe(self, e: LiveEpisode, outcome: Outcome[StepResult], renderer: ChatRenderer) -> None:
         """The environment's answer to the model's last turn; a failure, a time-out or a malformed
         answer ends the episode (env_error: unscorable, the reason in ``info``)."""
         if outcome.error is not None:
@@ -263,7 +304,7 @@ class EpisodeRunner:
         e.seen = full
         turn.observation_tokens = n
 
-    def _rollouts(self, e: _Live, renderer: ChatRenderer) -> list[Rollout]:
+    def rollouts(self, e: LiveEpisode, renderer: ChatRenderer) -> list[Rollout]:
         """The episode's training samples; an episode that failed before the model wrote anything
         is one empty rollout, so its failure is counted and saved like any other."""
         every = [*e.done_samples, e.sample]
@@ -285,12 +326,6 @@ class EpisodeRunner:
 
     def close(self) -> None:
         """Nothing to free: the environments of a run are closed at its end."""
-
-
-def _step(e: _Live) -> StepResult:
-    """The episode's environment answering the model's last turn, checked."""
-    assert e.env is not None
-    return check_step_result(e.env.step(e.contents[-1]))
 
 
 def failed_rollout(prompt_index: int, prompt_ids: list[int], episode: Episode) -> Rollout:

@@ -1,21 +1,28 @@
-"""The native engine's continuous batching: one ``generate`` call admits prompts into free decode
-slots (a prompt prefilled once, its K/V copied to the slots of its other samples), decodes all
-active slots in one step, samples every row at once, and frees a slot the moment its sequence
-finishes; weights that arrived meanwhile are applied between two steps (see
-:mod:`postrl.rollout.native.engine`)."""
+"""The native engine's continuous batching: a loop admits prompts into free decode slots (a prompt
+prefilled once, its K/V copied to the slots of its other samples), decodes all active slots in one
+step, samples every row at once, and frees a slot the moment its sequence finishes; weights that
+arrived meanwhile are applied between two steps (see :mod:`postrl.rollout.native.engine`).
+
+The loop is open: ``generate`` calls made while it runs (other threads: episodes, server requests)
+join it between two steps as :class:`Request` s, each with its own ``n``, ``max_tokens`` and
+stops, and each answered the moment its last sample finishes, not when the loop ends. Calls join a
+loop whose sampling they share (temperature, top-k, top-p, top-logprobs: all rows are sampled in one
+call); the cache grows to take them."""
 
 from __future__ import annotations
 
 import heapq
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, shared_prefix_length
+from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, KVCache, shared_prefix_length
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.types import Prompt, SamplingParams, TokenCallback
@@ -24,13 +31,48 @@ if TYPE_CHECKING:
     from postrl.rollout.native.engine import NativeRolloutWorker
 
 
+SamplingKey = tuple[float, int, float, int]  # what the rows sampled together must share
+
+
+def sampling_key(sp: SamplingParams) -> SamplingKey:
+    return (sp.temperature, sp.top_k, sp.top_p, sp.top_logprobs)
+
+
+@dataclass(eq=False)
+class Request:
+    """One ``generate`` call in a loop: its prompts and sampling; its samples, sorted by prompt and
+    sample, go to ``done`` when the last one finishes."""
+
+    prompts: list[Prompt]
+    sp: SamplingParams
+    on_token: TokenCallback | None = None
+    done: Future[list[tuple[Sequence, str]]] = field(default_factory=Future)
+    finished: list[tuple[Sequence, str]] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # set when it joins a loop (the engine's EOS ids + its own)
+    checker: StopChecker | None = None
+
+    @property
+    def samples(self) -> int:
+        return len(self.prompts) * self.sp.n
+
+    def finish(self, seq: Sequence, reason: str) -> bool:
+        """Record a finished sample; True when it was the request's last (the request is answered)."""
+        self.finished.append((seq, reason))
+        if len(self.finished) < self.samples or self.done.done():
+            return False
+        self.done.set_result(sorted(self.finished, key=lambda t: (t[0].prompt_index, t[0].sample_index)))
+        return True
+
+
 @dataclass
 class Sequence:
-    """One sample being generated: its tokens so far, with their logprobs and versions."""
+    """One sample being generated: its tokens so far, with their logprobs and versions
+    (``prompt_index``: the prompt's index in its request)."""
 
     prompt_index: int
     sample_index: int
     prompt_ids: list[int]
+    request: Request
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -40,78 +82,153 @@ class Sequence:
 
 
 class DecodeLoop:
-    """One ``generate`` call: admits prompts into free slots and decodes until all are done."""
+    """Admits the requests' prompts into free slots and decodes until every sample is done, taking
+    the requests that join meanwhile (:meth:`add`, from ``joiners``)."""
 
     def __init__(
         self,
         engine: NativeRolloutWorker,
-        prompts: list[Prompt],
-        sp: SamplingParams,
-        slots: int,
-        on_token: TokenCallback | None = None,
+        first: Request,
+        joiners: Callable[[SamplingKey], list[Request]] | None = None,
         suspendable: bool = True,
+        on_answer: Callable[[], None] | None = None,
     ) -> None:
-        """``suspendable=False``: the run ignores :meth:`NativeRolloutWorker.suspend` (a health
-        check's probe, which must finish)."""
-        self.e, self.sp, self.n_slots, self.on_token = engine, sp, slots, on_token
-        self.suspendable = suspendable
-        self.cache = engine.cache
+        """``first`` sets the sampling every joining request shares; ``joiners(key)`` hands over the
+        calls made since the last step that can join (None: a closed loop). ``suspendable=False``:
+        the run ignores :meth:`NativeRolloutWorker.suspend` (a health check's probe, which must
+        finish). ``on_answer`` is called after a step that answered a request."""
+        self.e, self.sp, self.joiners, self.suspendable = engine, first.sp, joiners, suspendable
+        self.on_answer = on_answer
+        self.answered = 0  # requests answered so far
+        self.key = sampling_key(first.sp)
         self.device = engine.model.device
-        self.waiting = deque((i, p.prompt_ids) for i, p in enumerate(prompts))
-        self.keys = [p.cache_key for p in prompts]
-        self.remaining = {i: sp.n for i in range(len(prompts))}
-        self.free = list(range(slots))
-        heapq.heapify(self.free)
+        self.waiting: deque[tuple[int, list[int]]] = deque()  # (loop prompt index, ids)
+        self.owner: list[tuple[Request, int]] = []  # loop prompt index -> (request, its index there)
+        self.keys: list[str | None] = []
+        self.remaining: dict[int, int] = {}
         self.active: dict[int, Sequence] = {}
-        self.pos = torch.zeros(slots, dtype=torch.long, device=self.device)  # next write position
-        self.is_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
-        self.last = torch.zeros(slots, dtype=torch.long, device=self.device)  # last sampled token
-        self.stop_ids = torch.tensor(sorted(engine._eos | set(sp.stop_token_ids)), dtype=torch.long, device=self.device)
-        self.checker = StopChecker(engine.tokenizer, sp.stop)
-        self.finished: list[tuple[Sequence, str]] = []
-        self.kv_version = [engine.weight_version] * slots  # the oldest weights behind each slot's cache
-        self.kept_versions: dict[int, int] = {}  # prompt index -> version of the K/V restored for it
+        self.free: list[int] = []
+        self.n_slots = 0
+        self.cache: KVCache  # the engine's, set by the first add
+        self.pos = torch.zeros(0, dtype=torch.long, device=self.device)  # next write position
+        self.is_active = torch.zeros(0, dtype=torch.bool, device=self.device)
+        self.last = torch.zeros(0, dtype=torch.long, device=self.device)  # last sampled token
+        self.kv_version: list[int] = []  # the oldest weights behind each slot's cache
+        self.kept_versions: dict[int, int] = {}  # loop prompt index -> version of the K/V restored for it
+        self.requests: list[Request] = []
+        self.add(first)
 
-    def run(self) -> list[tuple[Sequence, str]]:
-        while self.waiting or self.active:
-            if self.e._suspending and self.suspendable:
-                self._suspend_all()
-                break
-            if self.e._pending is not None and self.e.apply_pending_weights():
-                self._after_update()
-            row_slots, logits = [], []
-            if self.active:
-                start = time.perf_counter()
-                slots, lg = self._decode()
-                self.e.stats["decode_s"] += time.perf_counter() - start
-                self.e.stats["decode_tokens"] += len(slots)
-                row_slots.append(slots)
-                logits.append(lg)
+    def add(self, request: Request) -> None:
+        """Queue a request's prompts; the cache grows (more slots, longer rows) to take them."""
+        request.stop_ids = frozenset(self.e._eos | set(request.sp.stop_token_ids))
+        request.checker = StopChecker(self.e.tokenizer, request.sp.stop)
+        self.requests.append(request)
+        for i, p in enumerate(request.prompts):
+            g = len(self.owner)
+            self.owner.append((request, i))
+            self.keys.append(p.cache_key)
+            self.remaining[g] = request.sp.n
+            self.waiting.append((g, p.prompt_ids))
+        wanted = sum(self.remaining[g] for g, _ in self.waiting) + len(self.active)
+        longest = max(len(p.prompt_ids) for p in request.prompts) + request.sp.max_tokens
+        self._grow(min(self.e.max_batch_size, wanted), longest)
+
+    def _grow(self, slots: int, max_len: int) -> None:
+        """At least ``slots`` slots of ``max_len`` positions: the engine's cache, reused when it fits,
+        else replaced by a larger one holding the active slots' K/V (slots at least double, so a
+        loop joined one request at a time copies its cache a logarithmic number of times)."""
+        if self.n_slots == 0:
+            self.e._ensure_cache(slots, max_len)
+            assert self.e.cache is not None
+            self._take_slots(self.e.cache)
+            return
+        if self.cache.fits(max(slots, self.n_slots), max_len):
+            return
+        slots = max(slots, self.n_slots if slots <= self.n_slots else min(2 * self.n_slots, self.e.max_batch_size))
+        bigger = self.cache.resized(max(slots, self.cache.slots), max(max_len, self.cache.max_len))
+        self.e.cache = bigger
+        self._take_slots(bigger)
+
+    def _take_slots(self, cache: KVCache) -> None:
+        """Use ``cache`` (its first ``n_slots`` rows keep this loop's K/V): the new rows are free."""
+        old, self.cache = self.n_slots, cache
+        self.n_slots = cache.slots
+        for s in range(old, cache.slots):
+            heapq.heappush(self.free, s)
+        extra = cache.slots - old
+        self.pos = torch.cat([self.pos, torch.zeros(extra, dtype=torch.long, device=self.device)])
+        self.is_active = torch.cat([self.is_active, torch.zeros(extra, dtype=torch.bool, device=self.device)])
+        self.last = torch.cat([self.last, torch.zeros(extra, dtype=torch.long, device=self.device)])
+        self.kv_version += [self.e.weight_version] * extra
+
+    def run(self, until: Callable[[], bool] | None = None) -> bool:
+        """Step until every request is answered (True), or until ``until()`` holds after a step
+        (False: the loop has work left; run it again to go on)."""
+        while self._take_joiners() or self.waiting or self.active:
+            answered = self.answered
+            self._step()
+            if self.answered != answered and self.on_answer is not None:
+                self.on_answer()
+            if until is not None and until() and (self.waiting or self.active):
+                return False
+        return True
+
+    def _step(self) -> None:
+        if self.e._suspending and self.suspendable:
+            self._suspend_all()
+            return
+        if self.e._pending is not None and self.e.apply_pending_weights():
+            self._after_update()
+        row_slots, logits = [], []
+        if self.active:
             start = time.perf_counter()
-            admitted = self._admit()
-            self.e.stats["prefill_s"] += time.perf_counter() - start
-            if admitted is not None:
-                row_slots.append(admitted[0])
-                logits.append(admitted[1])
-            slots, rows = torch.cat(row_slots), torch.cat(logits)
-            tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, self.e.generator)
-            top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
-            self._record(slots, tokens, lps, top)
-        self.finished.sort(key=lambda t: (t[0].prompt_index, t[0].sample_index))
-        return self.finished
+            slots, lg = self._decode()
+            self.e.stats["decode_s"] += time.perf_counter() - start
+            self.e.stats["decode_tokens"] += len(slots)
+            row_slots.append(slots)
+            logits.append(lg)
+        start = time.perf_counter()
+        admitted = self._admit()
+        self.e.stats["prefill_s"] += time.perf_counter() - start
+        if admitted is not None:
+            row_slots.append(admitted[0])
+            logits.append(admitted[1])
+        slots, rows = torch.cat(row_slots), torch.cat(logits)
+        tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, self.e.generator)
+        top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
+        self._record(slots, tokens, lps, top)
+
+    def _take_joiners(self) -> bool:
+        """Add the calls that joined since the last step; True when there were some."""
+        if self.joiners is None:
+            return False
+        joined = self.joiners(self.key)
+        for request in joined:
+            self.add(request)
+        return bool(joined)
+
+    def fail(self, exc: BaseException) -> None:
+        """Every request still waiting for its samples gets ``exc`` (the loop cannot go on)."""
+        for request in self.requests:
+            if not request.done.done():
+                request.done.set_exception(exc)
 
     def _suspend_all(self) -> None:
         """Every unfinished sample is finished as ``suspended``: the active ones with their tokens
         (each sampled token's logprob is recorded; its K/V is not, a continuation prefills it), the
         samples not yet admitted with none."""
+        self.e._suspending = False  # one suspend() ends what runs now, not the calls that join later
         for slot in sorted(self.active):
-            self.finished.append((self.active.pop(slot), "suspended"))
+            seq = self.active.pop(slot)
+            self.answered += seq.request.finish(seq, "suspended")
             self.is_active[slot] = False
             heapq.heappush(self.free, slot)
-        for i, ids in self.waiting:
-            started = self.sp.n - self.remaining[i]
-            self.finished += [(Sequence(i, k, ids), "suspended") for k in range(started, self.sp.n)]
-            self.remaining[i] = 0
+        for g, ids in self.waiting:
+            request, i = self.owner[g]
+            started = request.sp.n - self.remaining[g]
+            for k in range(started, request.sp.n):
+                self.answered += request.finish(Sequence(i, k, ids, request), "suspended")
+            self.remaining[g] = 0
         self.waiting.clear()
 
     def _after_update(self) -> None:
@@ -183,10 +300,11 @@ class DecodeLoop:
         for i, ids, slots in groups:
             if len(slots) > 1:  # the G samples of a prompt share its K/V
                 self.cache.copy_prefix(slots[0], torch.tensor(slots[1:], device=self.device), len(ids))
+            request, local = self.owner[i]
             first = self._first_sample_index(i, len(slots))
             for k, s in enumerate(slots):
-                key = self.keys[i] if self.keys[i] is None or self.sp.n == 1 else f"{self.keys[i]}#{first + k}"
-                self.active[s] = Sequence(i, first + k, ids, cache_key=key)
+                key = self.keys[i] if self.keys[i] is None or request.sp.n == 1 else f"{self.keys[i]}#{first + k}"
+                self.active[s] = Sequence(local, first + k, ids, request, cache_key=key)
                 self.kv_version[s] = self.kept_versions.get(i, self.e.weight_version)
                 self.pos[s] = len(ids)
                 self.is_active[s] = True
@@ -200,7 +318,7 @@ class DecodeLoop:
         ``cache_key`` (the last turn of its episode), put back; 0 where there is none."""
         starts = []
         for i, ids, slots in groups:
-            kept = self.e.kept.take(self.keys[i], ids) if self.sp.n == 1 else None
+            kept = self.e.kept.take(self.keys[i], ids) if self.owner[i][0].sp.n == 1 else None
             if kept is not None:
                 self.cache.restore(slots[0], kept)
                 self.kept_versions[i] = kept.version
@@ -247,15 +365,16 @@ class DecodeLoop:
 
     def _first_sample_index(self, prompt_index: int, now: int) -> int:
         """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""
-        return self.sp.n - self.remaining[prompt_index] - now
+        return self.owner[prompt_index][0].sp.n - self.remaining[prompt_index] - now
 
     def _record(
         self, slots: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, top: list[list[tuple[int, float]]] | None
     ) -> None:
         self.last[slots] = tokens
-        is_stop = torch.isin(tokens, self.stop_ids).tolist()
-        for row, (s, tok, lp, stop) in enumerate(zip(slots.tolist(), tokens.tolist(), lps.tolist(), is_stop)):
+        for row, (s, tok, lp) in enumerate(zip(slots.tolist(), tokens.tolist(), lps.tolist())):
             seq = self.active[s]
+            request = seq.request
+            assert request.checker is not None
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.e.weight_version)
@@ -263,12 +382,12 @@ class DecodeLoop:
             if top is not None:
                 seq.top.append(top[row])
             finish = None
-            if stop or self.checker.hit(seq.tokens):
+            if tok in request.stop_ids or request.checker.hit(seq.tokens):
                 finish = "stop"
-            elif len(seq.tokens) >= self.sp.max_tokens:
+            elif len(seq.tokens) >= request.sp.max_tokens:
                 finish = "length"
-            if self.on_token is not None:
-                self.on_token(seq.prompt_index, seq.sample_index, tok, lp, top[row] if top else None, finish)
+            if request.on_token is not None:
+                request.on_token(seq.prompt_index, seq.sample_index, tok, lp, top[row] if top else None, finish)
             if finish:
                 self._finish(s, finish)
 
@@ -278,6 +397,6 @@ class DecodeLoop:
             length = int(self.pos[slot])
             ids = (seq.prompt_ids + seq.tokens)[:length]
             self.e.kept.keep(seq.cache_key, ids, self.cache, slot, self.kv_version[slot])
-        self.finished.append((seq, reason))
+        self.answered += seq.request.finish(seq, reason)
         self.is_active[slot] = False
         heapq.heappush(self.free, slot)

@@ -8,6 +8,10 @@
   causal mask.
 - Every iteration samples all rows (decode and newly prefilled) in one call.
 - bf16 on CPUs with AMX (or any dtype asked for), the same code on CUDA.
+- Calls join: a ``generate`` made while another runs (another thread: an episode, a server
+  request) joins its loop between two decode steps and returns when its own samples are done, so
+  concurrent callers share one batch without waiting for each other (see
+  :mod:`postrl.rollout.native.decode_loop`). The loop runs on the engine's scheduler thread.
 - In-flight weight updates: weights that arrive (from another thread) while a ``generate`` runs
   are swapped in between two decode iterations; the in-flight sequences continue from their
   prefix, whose KV cache is recomputed under the new weights (``kv_after_update="recompute"``) or
@@ -31,7 +35,7 @@ import torch
 from postrl.models.weights import WeightSyncError
 from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.hf_engine import eos_ids
-from postrl.rollout.native.decode_loop import DecodeLoop, Sequence
+from postrl.rollout.native.decode_loop import DecodeLoop, Request, SamplingKey, Sequence, sampling_key
 from postrl.rollout.native.kv_cache import KeptCaches, KVCache
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
@@ -51,6 +55,7 @@ class _PendingWeights:
 
 class NativeRolloutWorker(EngineBase):
     streams_tokens = True
+    joins_calls = True
 
     def __init__(
         self,
@@ -68,11 +73,13 @@ class NativeRolloutWorker(EngineBase):
         if kv_after_update not in ("recompute", "keep"):
             raise ValueError(f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}")
         self.kv_after_update = kv_after_update
-        self._generation = threading.Lock()  # one scheduler run (generate, health check) at a time
         self._swap = threading.Condition()  # guards _generating and _pending
         self._generating = False
         self._suspending = False  # suspend() asked the scheduler run in progress to return
         self._pending: _PendingWeights | None = None
+        self._inbox: list[Request] = []  # generate calls not yet in a loop (guarded by _swap)
+        self._loop: DecodeLoop | None = None  # the loop in progress, driven by one caller at a time
+        self._driving = False  # a caller runs the loop (or a health check): guarded by _swap
         self.updates_in_flight = 0  # weight updates applied in the middle of a generate
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
@@ -102,20 +109,87 @@ class NativeRolloutWorker(EngineBase):
         weight_version: int | None,
         on_token: TokenCallback | None = None,
     ) -> list[Rollout]:
-        """``on_token`` (optional) sees every token as it is sampled, for streaming."""
+        """``on_token`` (optional) sees every token as it is sampled, for streaming. A call made
+        while a loop with the same sampling runs joins it; a seed applies to a call that starts a
+        loop."""
+        self.check_version(weight_version)
         if not prompts:
-            self.check_version(weight_version)
             return []
-        with self._generation, self._running():
-            self.check_version(weight_version)
-            self.seed(sampling_params.seed)
-            slots = min(self.max_batch_size, len(prompts) * sampling_params.n)
-            max_len = max(len(p.prompt_ids) for p in prompts) + sampling_params.max_tokens
-            self._ensure_cache(slots, max_len)
-            seqs = DecodeLoop(self, prompts, sampling_params, slots, on_token).run()
-            if self.release_cache:  # a trainer in this process or on this GPU gets the memory back
-                self.cache = None
+        request = Request(prompts, sampling_params, on_token)
+        with self._swap:
+            self._inbox.append(request)
+            self._swap.notify_all()
+        while not request.done.done():
+            with self._swap:
+                self._swap.wait_for(lambda: request.done.done() or not self._driving)
+                if request.done.done():
+                    break
+                self._driving = True
+            self._drive(request)
+        seqs = request.done.result()
         return [self._rollout(s, finish, bool(sampling_params.top_logprobs)) for s, finish in seqs]
+
+    def _drive(self, mine: Request) -> None:
+        """Run the engine's loop in this thread until ``mine`` is answered, then hand the loop (if
+        it has work left) to another waiting caller: torch work stays on the callers' threads, and
+        no caller waits for samples other than its own. A loop that fails fails every call in it."""
+        loop = self._loop
+        try:
+            if loop is None:
+                loop = self._start_loop()
+                if loop is None:
+                    return
+            if loop.run(until=mine.done.done):
+                self._end_loop()
+        except BaseException as exc:
+            if loop is not None:
+                loop.fail(exc if isinstance(exc, Exception) else RuntimeError(f"the decode loop was stopped: {exc!r}"))
+            self._end_loop()
+            raise
+        finally:
+            with self._swap:
+                self._driving = False
+                self._swap.notify_all()
+
+    def _start_loop(self) -> DecodeLoop | None:
+        """A loop for the oldest waiting call (the others that sample alike join it); None when no
+        call waits."""
+        with self._swap:
+            if not self._inbox:
+                return None
+            first = self._inbox.pop(0)
+            self._generating, self._suspending = True, False
+        self.seed(first.sp.seed)
+        try:
+            self._loop = DecodeLoop(self, first, self._joiners, on_answer=self._notify)
+        except BaseException as exc:
+            first.done.set_exception(exc)
+            raise
+        return self._loop
+
+    def _end_loop(self) -> None:
+        """The loop is done (or failed): weights that arrived meanwhile go in, and the cache is
+        released unless asked to keep it."""
+        self._loop = None
+        if self.release_cache:  # a trainer in this process or on this GPU gets the memory back
+            self.cache = None
+        with self._swap:
+            self._generating, self._suspending = False, False
+            self.apply_pending_weights()
+
+    def _notify(self) -> None:
+        """Wake the callers waiting for their answers (a step answered some)."""
+        with self._swap:
+            self._swap.notify_all()
+
+    def _joiners(self, key: SamplingKey) -> list[Request]:
+        """The waiting calls that sample like the running loop (``key``), in the order they came."""
+        with self._swap:
+            if not self._inbox:
+                return []
+            joined = [r for r in self._inbox if sampling_key(r.sp) == key]
+            self._inbox = [r for r in self._inbox if sampling_key(r.sp) != key]
+            return joined
 
     def _rollout(self, s: Sequence, finish: str, with_top: bool) -> Rollout:
         oldest, own, cache = compact_versions(s.versions, s.kv_versions, self.weight_version)
@@ -133,16 +207,19 @@ class NativeRolloutWorker(EngineBase):
         )
 
     @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
-        """Marks a scheduler run: weights arriving meanwhile wait for :meth:`apply_pending_weights`."""
+    def _alone(self) -> Iterator[None]:
+        """The engine to itself (a health check): no loop in progress, none started meanwhile;
+        weights arriving meanwhile wait for :meth:`apply_pending_weights`."""
         with self._swap:
-            self._generating, self._suspending = True, False
+            self._swap.wait_for(lambda: not self._driving and self._loop is None)
+            self._driving, self._generating, self._suspending = True, True, False
         try:
             yield
         finally:
             with self._swap:
-                self._generating, self._suspending = False, False
+                self._driving, self._generating, self._suspending = False, False, False
                 self.apply_pending_weights()
+                self._swap.notify_all()
 
     def counters(self) -> dict[str, float]:
         return {
@@ -206,13 +283,14 @@ class NativeRolloutWorker(EngineBase):
 
     def health_check(self) -> Health:
         """Finite weights, a KV cache that matches the model, and one greedy token generated through
-        the real scheduler (into slot 0 of the existing cache, whose contents are scratch between calls)."""
+        the real scheduler (into slot 0 of the existing cache, whose contents are scratch between
+        loops); it waits for the loop in progress to end."""
         bad = non_finite(list(self.model.params.items()))
         if bad:
             return Health(False, f"non-finite weights in {bad[:3]}")
         cfg = self.model.cfg
         probe = Prompt(text="", prompt_ids=[self.pad_id])
-        with self._generation, self._running():  # a generate in flight may release the cache
+        with self._alone():
             if self.cache is None:
                 self._ensure_cache(1, 2)
             assert self.cache is not None
@@ -223,9 +301,9 @@ class NativeRolloutWorker(EngineBase):
                     f"KV cache of {layers} layers x {kv_shape} does not match the model "
                     f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})",
                 )
-            seqs = DecodeLoop(
-                self, [probe], SamplingParams(n=1, temperature=0.0, max_tokens=1), 1, suspendable=False
-            ).run()
+            request = Request([probe], SamplingParams(n=1, temperature=0.0, max_tokens=1))
+            DecodeLoop(self, request, suspendable=False).run()
+        seqs = request.done.result(timeout=0)
         tokens, logprobs = seqs[0][0].tokens, seqs[0][0].logprobs
         if len(tokens) != 1 or not 0 <= tokens[0] < self.model.embed.shape[0] or not math.isfinite(logprobs[0]):
             return Health(False, f"generating one token gave {tokens} with logprobs {logprobs}")

@@ -45,6 +45,14 @@ class KVCache:
     def fits(self, slots: int, max_len: int) -> bool:
         return slots <= self.slots and max_len <= self.max_len
 
+    def resized(self, slots: int, max_len: int) -> KVCache:
+        """A cache of ``slots`` x ``max_len`` (each at least this one's) holding this one's contents."""
+        k0 = self.k[0]
+        bigger = KVCache(len(self.k), slots, k0.shape[1], max_len, k0.shape[3], k0.dtype, k0.device)
+        for new, old in zip((*bigger.k, *bigger.v), (*self.k, *self.v)):
+            new[: self.slots, :, : self.max_len] = old
+        return bigger
+
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``k``/``v`` are ``[T, kv_heads, head_dim]``; token t goes to ``[slots[t], :, positions[t]]``."""
         self.k[layer][slots, :, positions] = k

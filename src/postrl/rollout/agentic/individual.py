@@ -1,0 +1,112 @@
+"""Episodes scheduled individually: each in a thread of its own, from its reset to its close.
+
+An episode's turn goes to the engine the moment its environment has answered; while it waits on a
+tool or an environment it holds no decode slot and delays no other episode. An engine that joins
+concurrent calls batches the turns in flight continuously; for another one the turns waiting are
+merged (:class:`~postrl.rollout.agentic.turn_batcher.TurnBatcher`). Environment calls run at most
+``env_workers`` at a time, each within ``env_timeout_s``, and an episode's environment is closed as
+soon as it ends.
+
+Should one episode raise (a trajectory error, a bad prompt), the others stop after the call they
+are in and the error is raised; each closes its environment on its way out.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from postrl.rollout.agentic.limited import Outcome, run_limited
+from postrl.rollout.agentic.turn_batcher import TurnBatcher
+from postrl.types import Prompt, Rollout, SamplingParams
+
+if TYPE_CHECKING:
+    from postrl.rollout.agentic.chat import ChatRenderer
+    from postrl.rollout.agentic.episodes import EpisodeRunner, Generate, LiveEpisode
+
+
+class _Stopped(Exception):
+    """Another episode failed: this one stops where it is (its rollouts are not used)."""
+
+
+def run_individually(runner: EpisodeRunner, jobs: list[tuple[int, Prompt]], turn: SamplingParams) -> list[Rollout]:
+    """The rollouts of every job's episode, in job order."""
+    if not jobs:
+        return []
+    generate: Generate = runner.generate if runner.joins_calls else TurnBatcher(runner.generate)
+    stop = threading.Event()
+    env_calls = threading.Semaphore(runner.env_workers)
+    episode = partial(_run_episode, runner, generate, turn, stop, env_calls)
+    threads = min(len(jobs), runner.max_concurrent or len(jobs))
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="postrl-episode")
+    futures: list[Future[list[Rollout]]] = [pool.submit(episode, job) for job in jobs]
+    try:
+        while not all(f.done() for f in futures):
+            done, _ = wait(futures, timeout=1.0, return_when="FIRST_EXCEPTION")
+            failed = next((f for f in done if f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
+        return [r for f in futures for r in f.result()]
+    finally:
+        stop.set()  # a no-op when all are done; otherwise the others stop after their current call
+        pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
+
+
+def _run_episode(
+    runner: EpisodeRunner,
+    generate: Generate,
+    turn: SamplingParams,
+    stop: threading.Event,
+    env_calls: threading.Semaphore,
+    job: tuple[int, Prompt],
+) -> list[Rollout]:
+    def limited(call: Callable[[], Any], what: str, timeout_s: float | None = None) -> Outcome[Any]:
+        if stop.is_set():
+            raise _Stopped
+        limit = runner.limits.env_timeout_s if timeout_s is None else timeout_s
+        with env_calls:
+            return run_limited([call], limit, 1, what)[0]
+
+    started = limited(partial(runner.reset_env, job[1]), "environment reset")
+    made = started.value[0] if started.value is not None else None
+    try:
+        e = runner.start(job, started)
+        renderer = runner.renderer_for(e.env)
+        while e.finish is None:
+            _one_turn(runner, generate, turn, stop, e, renderer)
+            if e.finish != "pending":
+                break
+            outcome = limited(partial(runner.step_env, e), "environment step")
+            e.env_s += outcome.seconds
+            runner.observe(e, outcome, renderer)
+        return runner.rollouts(e, renderer)
+    finally:
+        if made is not None:  # unwinding (another episode failed, a stop): a second, not the whole limit
+            runner.close_envs([made], 1.0 if sys.exc_info()[0] else None)
+
+
+def _one_turn(
+    runner: EpisodeRunner,
+    generate: Generate,
+    turn: SamplingParams,
+    stop: threading.Event,
+    e: LiveEpisode,
+    renderer: ChatRenderer,
+) -> None:
+    """The episode's next model turn, generated and recorded (or its end, where its context is full)."""
+    budget = runner.budget(e)
+    if not budget:
+        return
+    if stop.is_set():
+        raise _Stopped
+    began = time.perf_counter()
+    (r,) = generate([runner.turn_prompt(e)], replace(turn, max_tokens=budget))
+    e.generate_s += time.perf_counter() - began
+    runner.check_trajectory(e, r)
+    runner.record_generation(e, r, renderer)
