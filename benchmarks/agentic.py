@@ -12,11 +12,15 @@ Parts (all by default):
           turns is a mismatch. The trainer's fp32 logprobs of the assembled trajectories against
           the engine's (fp32). Also how many trajectories naive re-tokenization (decode, then encode
           the text) would have changed.
+  latency 64 episodes of a tool task whose tool answers each call after a random 50-500 ms (a
+          remote sandbox; the delays drawn per episode and call from the seed, the same in both
+          runs): episodes per minute with episodes scheduled individually (each turn to the
+          engine as soon as its tool answers) against lockstep turns (every turn waits for all).
   speed   64 concurrent 4-turn episodes (SmolLM2, fp32), each on a document of its own (30 lines,
           ~270 tokens) with short tool outputs and 16-token turns: generated tokens/s with the K/V
           kept across turns against prefilling each turn's whole context again.
 
-    python benchmarks/agentic.py [--part learn|exact|speed|all] [--json]
+    python benchmarks/agentic.py [--part learn|exact|latency|speed|all] [--json]
 """
 
 from __future__ import annotations
@@ -62,6 +66,27 @@ class ToolReplies:
 
     def close(self) -> None:
         pass
+
+
+class SlowTool(ToolReplies):
+    """ToolReplies whose tool answers each call after a delay drawn from the episode's seed."""
+
+    def __init__(self, turns: int, low_s: float, high_s: float, seed: int) -> None:
+        super().__init__(turns, "ok")
+        self.low_s, self.high_s, self.seed = low_s, high_s, seed
+        self.delays: list[float] = []
+
+    def reset(self, row):
+        import random
+
+        rng = random.Random(self.seed * 1_000_003 + int(row["episode"]))
+        self.delays = [rng.uniform(self.low_s, self.high_s) for _ in range(self.turns)]
+        return super().reset(row)
+
+    def step(self, action: str):
+        if self.seen + 1 < self.turns:  # a tool call (the last turn is the answer: no tool)
+            time.sleep(self.delays[self.seen])
+        return super().step(action)
 
 
 def smollm2_unavailable() -> str | None:
@@ -142,6 +167,52 @@ def exact(args: argparse.Namespace) -> dict:
         "naive_retokenization_changed": naive,
         "max_logprob_diff": diff,
         "exact_s": round(took, 1),
+    }
+
+
+def latency(args: argparse.Namespace) -> dict:
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.types import Prompt, SamplingParams
+
+    model_dir = str(Path(args.model) if args.model else AGENTIC_MODEL_DIR)
+    model, tokenizer = load_causal_lm(model_dir).float().eval(), load_tokenizer(model_dir)
+    low, high = args.tool_latency_ms[0] / 1000, args.tool_latency_ms[1] / 1000
+    limits = EpisodeLimits(args.latency_turns, args.turn_tokens, 2048, end_on_turn_length=False)
+    episodes = [
+        Prompt(f"What is {100 + 7 * i} * {10 + i % 90}?", [], columns={"episode": i}, messages=None)
+        for i in range(args.latency_episodes)
+    ]
+    out: dict[str, tuple[float, int, int]] = {}
+    for mode in ("lockstep", "individual"):
+        engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed)
+        runner = EpisodeRunner(
+            lambda ps, sp, engine=engine: engine.generate(ps, sp, None),
+            lambda: SlowTool(args.latency_turns, low, high, args.seed),
+            tokenizer,
+            limits,
+            env_workers=args.env_workers,
+            scheduling=mode,  # type: ignore[arg-type]
+            joins_calls=True,
+        )
+        began = time.perf_counter()
+        rollouts = runner.run(episodes, SamplingParams(n=1, temperature=1.0, seed=args.seed))
+        took = time.perf_counter() - began
+        turns = sum(len(r.episode.turns) for r in rollouts if r.episode is not None)
+        out[mode] = (took, turns, sum(sum(r.loss_mask) for r in rollouts))
+        print(
+            f"  {mode:10s} {len(rollouts) / took * 60:7.1f} episodes/min  {took:5.1f} s  {turns} turns  "
+            f"{out[mode][2]} generated tokens",
+            file=sys.stderr,
+        )
+    n = len(episodes)
+    return {
+        "episode_throughput_ratio": round(out["lockstep"][0] / out["individual"][0], 3),
+        "episodes_per_min_individual": round(n / out["individual"][0] * 60, 1),
+        "episodes_per_min_lockstep": round(n / out["lockstep"][0] * 60, 1),
+        "latency_turns": out["individual"][1],
+        "latency_turns_lockstep": out["lockstep"][1],
     }
 
 
@@ -228,7 +299,12 @@ def learn(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["learn", "exact", "speed", "all"], default="all")
+    parser.add_argument("--part", choices=["learn", "exact", "latency", "speed", "all"], default="all")
+    parser.add_argument("--latency", action="store_true", help="the latency part only (same as --part latency)")
+    parser.add_argument("--latency-episodes", type=int, default=64)
+    parser.add_argument("--latency-turns", type=int, default=4, help="latency: model turns per episode")
+    parser.add_argument("--tool-latency-ms", type=float, nargs=2, default=[50.0, 500.0])
+    parser.add_argument("--env-workers", type=int, default=32, help="latency: environment calls at once")
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--turn-tokens", type=int, default=16)
     parser.add_argument("--exact-turn-tokens", type=int, default=48)
@@ -248,13 +324,15 @@ def main() -> None:
     smollm2_missing = smollm2_unavailable() if args.smoke else None
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:  # 2 RL steps, a few episodes
-            args.cache, args.episodes, args.learn_steps = tmp, 4, 2
+            args.cache, args.episodes, args.learn_steps, args.latency_episodes = tmp, 4, 2, 4
             args.override += ["prompts_per_step=2", "rollout.n=2", "data.val_size=4", "train.mini_batch_size=4",
                               "train.micro_batch_size=4"]  # fmt: skip
-        for part, fn in (("learn", learn), ("exact", exact), ("speed", speed)):
+        if args.latency:
+            args.part = "latency"
+        for part, fn in (("learn", learn), ("exact", exact), ("latency", latency), ("speed", speed)):
             if args.part not in (part, "all"):
                 continue
-            if part != "learn" and smollm2_missing:
+            if part in ("exact", "speed") and smollm2_missing:
                 print(f"skipped part {part}: {smollm2_missing}")
                 result[f"{part}_skipped"] = smollm2_missing
                 continue

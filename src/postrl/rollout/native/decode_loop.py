@@ -12,6 +12,7 @@ call); the cache grows to take them."""
 from __future__ import annotations
 
 import heapq
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from postrl.rollout.native.engine import NativeRolloutWorker
 
 
+LENGTH_STEP = 128  # a cache that must grow for a longer context grows to a multiple of this
 SamplingKey = tuple[float, int, float, int]  # what the rows sampled together must share
 
 
@@ -47,6 +49,7 @@ class Request:
     sp: SamplingParams
     on_token: TokenCallback | None = None
     done: Future[list[tuple[Sequence, str]]] = field(default_factory=Future)
+    wake: threading.Event = field(default_factory=threading.Event)  # set when answered (or to hand it the loop)
     finished: list[tuple[Sequence, str]] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # set when it joins a loop (the engine's EOS ids + its own)
     checker: StopChecker | None = None
@@ -55,13 +58,17 @@ class Request:
     def samples(self) -> int:
         return len(self.prompts) * self.sp.n
 
-    def finish(self, seq: Sequence, reason: str) -> bool:
-        """Record a finished sample; True when it was the request's last (the request is answered)."""
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Record a finished sample; the request is answered with its last."""
         self.finished.append((seq, reason))
-        if len(self.finished) < self.samples or self.done.done():
-            return False
-        self.done.set_result(sorted(self.finished, key=lambda t: (t[0].prompt_index, t[0].sample_index)))
-        return True
+        if len(self.finished) == self.samples and not self.done.done():
+            self.done.set_result(sorted(self.finished, key=lambda t: (t[0].prompt_index, t[0].sample_index)))
+            self.wake.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+            self.wake.set()
 
 
 @dataclass
@@ -91,15 +98,12 @@ class DecodeLoop:
         first: Request,
         joiners: Callable[[SamplingKey], list[Request]] | None = None,
         suspendable: bool = True,
-        on_answer: Callable[[], None] | None = None,
     ) -> None:
         """``first`` sets the sampling every joining request shares; ``joiners(key)`` hands over the
         calls made since the last step that can join (None: a closed loop). ``suspendable=False``:
         the run ignores :meth:`NativeRolloutWorker.suspend` (a health check's probe, which must
-        finish). ``on_answer`` is called after a step that answered a request."""
+        finish)."""
         self.e, self.sp, self.joiners, self.suspendable = engine, first.sp, joiners, suspendable
-        self.on_answer = on_answer
-        self.answered = 0  # requests answered so far
         self.key = sampling_key(first.sp)
         self.device = engine.model.device
         self.waiting: deque[tuple[int, list[int]]] = deque()  # (loop prompt index, ids)
@@ -137,14 +141,16 @@ class DecodeLoop:
         """At least ``slots`` slots of ``max_len`` positions: the engine's cache, reused when it fits,
         else replaced by a larger one holding the active slots' K/V (slots at least double, so a
         loop joined one request at a time copies its cache a logarithmic number of times)."""
-        if self.n_slots == 0:
-            self.e._ensure_cache(slots, max_len)
+        if self.n_slots == 0:  # as many slots as the last loop had: calls that come one by one join it
+            self.e._ensure_cache(max(slots, min(self.e.slots_hint, self.e.max_batch_size)), max_len)
             assert self.e.cache is not None
             self._take_slots(self.e.cache)
             return
         if self.cache.fits(max(slots, self.n_slots), max_len):
             return
         slots = max(slots, self.n_slots if slots <= self.n_slots else min(2 * self.n_slots, self.e.max_batch_size))
+        if max_len > self.cache.max_len:  # contexts grow turn by turn: grow in steps, not by each turn
+            max_len = -(-max_len // LENGTH_STEP) * LENGTH_STEP
         bigger = self.cache.resized(max(slots, self.cache.slots), max(max_len, self.cache.max_len))
         self.e.cache = bigger
         self._take_slots(bigger)
@@ -165,10 +171,7 @@ class DecodeLoop:
         """Step until every request is answered (True), or until ``until()`` holds after a step
         (False: the loop has work left; run it again to go on)."""
         while self._take_joiners() or self.waiting or self.active:
-            answered = self.answered
             self._step()
-            if self.answered != answered and self.on_answer is not None:
-                self.on_answer()
             if until is not None and until() and (self.waiting or self.active):
                 return False
         return True
@@ -210,8 +213,11 @@ class DecodeLoop:
     def fail(self, exc: BaseException) -> None:
         """Every request still waiting for its samples gets ``exc`` (the loop cannot go on)."""
         for request in self.requests:
-            if not request.done.done():
-                request.done.set_exception(exc)
+            request.fail(exc)
+
+    def unanswered(self) -> Request | None:
+        """The oldest request of the loop still waiting for its samples."""
+        return next((r for r in self.requests if not r.done.done()), None)
 
     def _suspend_all(self) -> None:
         """Every unfinished sample is finished as ``suspended``: the active ones with their tokens
@@ -220,14 +226,14 @@ class DecodeLoop:
         self.e._suspending = False  # one suspend() ends what runs now, not the calls that join later
         for slot in sorted(self.active):
             seq = self.active.pop(slot)
-            self.answered += seq.request.finish(seq, "suspended")
+            seq.request.finish(seq, "suspended")
             self.is_active[slot] = False
             heapq.heappush(self.free, slot)
         for g, ids in self.waiting:
             request, i = self.owner[g]
             started = request.sp.n - self.remaining[g]
             for k in range(started, request.sp.n):
-                self.answered += request.finish(Sequence(i, k, ids, request), "suspended")
+                request.finish(Sequence(i, k, ids, request), "suspended")
             self.remaining[g] = 0
         self.waiting.clear()
 
@@ -397,6 +403,6 @@ class DecodeLoop:
             length = int(self.pos[slot])
             ids = (seq.prompt_ids + seq.tokens)[:length]
             self.e.kept.keep(seq.cache_key, ids, self.cache, slot, self.kv_version[slot])
-        self.answered += seq.request.finish(seq, reason)
+        seq.request.finish(seq, reason)
         self.is_active[slot] = False
         heapq.heappush(self.free, slot)

@@ -80,6 +80,7 @@ class NativeRolloutWorker(EngineBase):
         self._inbox: list[Request] = []  # generate calls not yet in a loop (guarded by _swap)
         self._loop: DecodeLoop | None = None  # the loop in progress, driven by one caller at a time
         self._driving = False  # a caller runs the loop (or a health check): guarded by _swap
+        self.slots_hint = 0  # slots of the last loop: the next one starts with as many
         self.updates_in_flight = 0  # weight updates applied in the middle of a generate
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
@@ -118,21 +119,23 @@ class NativeRolloutWorker(EngineBase):
         request = Request(prompts, sampling_params, on_token)
         with self._swap:
             self._inbox.append(request)
-            self._swap.notify_all()
+            drive, self._driving = not self._driving, True
         while not request.done.done():
-            with self._swap:
-                self._swap.wait_for(lambda: request.done.done() or not self._driving)
+            if not drive:  # woken when answered, or when handed the loop (the role passes under _swap)
+                request.wake.wait()
+                request.wake.clear()
                 if request.done.done():
                     break
-                self._driving = True
             self._drive(request)
+            drive = False
         seqs = request.done.result()
         return [self._rollout(s, finish, bool(sampling_params.top_logprobs)) for s, finish in seqs]
 
     def _drive(self, mine: Request) -> None:
         """Run the engine's loop in this thread until ``mine`` is answered, then hand the loop (if
-        it has work left) to another waiting caller: torch work stays on the callers' threads, and
-        no caller waits for samples other than its own. A loop that fails fails every call in it."""
+        it has work left) to one waiting caller: torch work stays on the callers' threads, no caller
+        waits for samples other than its own, and only the caller handed the loop is woken. A loop
+        that fails fails every call in it."""
         loop = self._loop
         try:
             if loop is None:
@@ -148,8 +151,18 @@ class NativeRolloutWorker(EngineBase):
             raise
         finally:
             with self._swap:
-                self._driving = False
-                self._swap.notify_all()
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        """Pass the loop to the oldest caller waiting in it, or else in the inbox (it drives next:
+        ``_driving`` stays True); with none, nobody drives. Call with ``_swap`` held."""
+        successor = self._loop.unanswered() if self._loop is not None else None
+        successor = successor or (self._inbox[0] if self._inbox else None)
+        if successor is not None:
+            successor.wake.set()
+        else:
+            self._driving = False
+            self._swap.notify_all()  # a health check may be waiting
 
     def _start_loop(self) -> DecodeLoop | None:
         """A loop for the oldest waiting call (the others that sample alike join it); None when no
@@ -161,26 +174,23 @@ class NativeRolloutWorker(EngineBase):
             self._generating, self._suspending = True, False
         self.seed(first.sp.seed)
         try:
-            self._loop = DecodeLoop(self, first, self._joiners, on_answer=self._notify)
+            self._loop = DecodeLoop(self, first, self._joiners)
         except BaseException as exc:
-            first.done.set_exception(exc)
+            first.fail(exc)
             raise
         return self._loop
 
     def _end_loop(self) -> None:
         """The loop is done (or failed): weights that arrived meanwhile go in, and the cache is
         released unless asked to keep it."""
+        if self._loop is not None:
+            self.slots_hint = self._loop.n_slots
         self._loop = None
         if self.release_cache:  # a trainer in this process or on this GPU gets the memory back
             self.cache = None
         with self._swap:
             self._generating, self._suspending = False, False
             self.apply_pending_weights()
-
-    def _notify(self) -> None:
-        """Wake the callers waiting for their answers (a step answered some)."""
-        with self._swap:
-            self._swap.notify_all()
 
     def _joiners(self, key: SamplingKey) -> list[Request]:
         """The waiting calls that sample like the running loop (``key``), in the order they came."""
@@ -217,9 +227,9 @@ class NativeRolloutWorker(EngineBase):
             yield
         finally:
             with self._swap:
-                self._driving, self._generating, self._suspending = False, False, False
+                self._generating, self._suspending = False, False
                 self.apply_pending_weights()
-                self._swap.notify_all()
+                self._hand_off()  # calls made during the check
 
     def counters(self) -> dict[str, float]:
         return {
