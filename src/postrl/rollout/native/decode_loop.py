@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from postrl.rollout.native.engine import NativeRolloutWorker
 
 
+SPAN_STEP = 64  # decode attends over positions [0, span): the longest active, rounded up to this
+COMPACT_AT = 8  # idle slots below the highest active one that make decode move sequences down
 LENGTH_STEP = 128  # a cache that must grow for a longer context grows to a multiple of this
 SamplingKey = tuple[float, int, float, int]  # what the rows sampled together must share
 
@@ -69,6 +71,20 @@ class Request:
         if not self.done.done():
             self.done.set_exception(exc)
             self.wake.set()
+
+
+@dataclass
+class ForwardPass:
+    """Tokens for one forward of the model: their positions and cache slots, how they attend, and
+    the rows whose logits are wanted (a decode step also names the slots those rows sample for)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    rows: torch.Tensor
+    owners: torch.Tensor | None = None  # decode: the active slots of ``rows``
+    live: torch.Tensor | None = None  # decode: which slots of the dense range are active
 
 
 @dataclass
@@ -182,24 +198,55 @@ class DecodeLoop:
             return
         if self.e._pending is not None and self.e.apply_pending_weights():
             self._after_update()
+        decode = self._decode_pass() if self.active else None
+        admission = self._admission()
+        passes = [p for p in (decode, admission[1] if admission else None) if p is not None]
+        start = time.perf_counter()
+        outputs = self._forward(passes)  # decode and prefill in one pass of the model
+        took = time.perf_counter() - start
+        decoded = len(decode.tokens) if decode is not None else 0
+        share = decoded / sum(len(p.tokens) for p in passes)
+        self.e.stats["decode_s"] += took * share
+        self.e.stats["prefill_s"] += took * (1 - share)
         row_slots, logits = [], []
-        if self.active:
-            start = time.perf_counter()
-            slots, lg = self._decode()
-            self.e.stats["decode_s"] += time.perf_counter() - start
-            self.e.stats["decode_tokens"] += len(slots)
+        if decode is not None:
+            assert decode.live is not None
+            self.pos[: len(decode.live)] += decode.live.long()
+            self.e.stats["decode_tokens"] += len(decode.rows)
+            row_slots.append(decode.owners)
+            logits.append(outputs[0])
+        if admission is not None:
+            slots, lg = self._activate(admission[0], outputs[-1])
             row_slots.append(slots)
             logits.append(lg)
-        start = time.perf_counter()
-        admitted = self._admit()
-        self.e.stats["prefill_s"] += time.perf_counter() - start
-        if admitted is not None:
-            row_slots.append(admitted[0])
-            logits.append(admitted[1])
         slots, rows = torch.cat(row_slots), torch.cat(logits)
         tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, self.e.generator)
         top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
         self._record(slots, tokens, lps, top)
+
+    def _forward(self, passes: list[ForwardPass]) -> list[torch.Tensor]:
+        """Run the passes' tokens through the model at once (their attention each its own way);
+        each pass's logits rows."""
+        if len(passes) == 1:
+            p = passes[0]
+            return [self.e.model.forward(p.tokens, p.positions, self.cache, p.slots, p.attend, logits_rows=p.rows)]
+        offsets = [0]
+        for p in passes:
+            offsets.append(offsets[-1] + len(p.tokens))
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.cat([p.attend(layer, q[a:b], k[a:b], v[a:b]) for p, a, b in zip(passes, offsets, offsets[1:])])
+
+        rows = torch.cat([p.rows + a for p, a in zip(passes, offsets)])
+        logits = self.e.model.forward(
+            torch.cat([p.tokens for p in passes]),
+            torch.cat([p.positions for p in passes]),
+            self.cache,
+            torch.cat([p.slots for p in passes]),
+            attend,
+            logits_rows=rows,
+        )
+        return list(logits.split([len(p.rows) for p in passes]))
 
     def _take_joiners(self) -> bool:
         """Add the calls that joined since the last step; True when there were some."""
@@ -250,35 +297,68 @@ class DecodeLoop:
             self.kv_version[s] = self.e.weight_version
 
     # decode: one token for every active slot, over the dense range [0, hi)
-    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_pass(self) -> ForwardPass:
+        """One token for every active slot, computed over the dense range of slots [0, hi) (idle
+        slots in it write a dummy K/V at their last position, which no prompt reaches)."""
+        self._compact()
         active = sorted(self.active)
         hi = active[-1] + 1
-        live = self.is_active[:hi]
-        positions = torch.where(live, self.pos[:hi], 0)  # free slots in range write a dummy at 0
+        live = self.is_active[:hi].clone()
+        attended = torch.where(live, self.pos[:hi], 0)
+        written = torch.where(live, self.pos[:hi], self.cache.max_len - 1)
         cfg = self.e.model.cfg
-        # attend over the cache's whole (contiguous) length with an additive mask: on CPU, bf16
-        # batched matmuls on contiguous blocks beat both SDPA and strided slices of the live part
-        span = torch.arange(self.cache.max_len, device=self.device)
-        bias = torch.zeros((hi, 1, 1, self.cache.max_len), dtype=torch.float32, device=self.device)
-        bias.masked_fill_((span.unsqueeze(0) > positions.unsqueeze(1)).view(hi, 1, 1, -1), float("-inf"))
+        # attend over the cache's contiguous blocks with an additive mask: on CPU, batched matmuls on
+        # contiguous blocks beat both SDPA and gathers of the live part; each (slot, head) block of
+        # positions [0, span) is contiguous, so the span costs no copy
+        span = min(self.cache.max_len, -(-(int(attended.max()) + 1) // SPAN_STEP) * SPAN_STEP)
+        keys = torch.arange(span, device=self.device)
+        bias = torch.zeros((hi, 1, 1, span), dtype=torch.float32, device=self.device)
+        bias.masked_fill_((keys.unsqueeze(0) > attended.unsqueeze(1)).view(hi, 1, 1, -1), float("-inf"))
         groups, scale = cfg.heads // cfg.kv_heads, cfg.head_dim**-0.5
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             qg = q.view(hi, cfg.kv_heads, groups, cfg.head_dim)
-            scores = torch.add(bias, torch.matmul(qg, self.cache.k[layer][:hi].transpose(-1, -2)), alpha=scale)
+            cached_k, cached_v = self.cache.k[layer][:hi, :, :span], self.cache.v[layer][:hi, :, :span]
+            scores = torch.add(bias, torch.matmul(qg, cached_k.transpose(-1, -2)), alpha=scale)
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            return torch.matmul(probs, self.cache.v[layer][:hi]).reshape(hi, cfg.heads * cfg.head_dim)
+            return torch.matmul(probs, cached_v).reshape(hi, cfg.heads * cfg.head_dim)
 
-        logits = self.e.model.forward(
-            self.last[:hi], positions, self.cache, torch.arange(hi, device=self.device), attend
-        )
-        self.pos[:hi] += live.long()
         active_t = torch.tensor(active, dtype=torch.long, device=self.device)
-        return active_t, logits[active_t] if len(active) != hi else logits
+        slots = torch.arange(hi, device=self.device)
+        rows = active_t if len(active) != hi else slots
+        return ForwardPass(self.last[:hi], written, slots, attend, rows, owners=active_t, live=live)
+
+    def _compact(self) -> None:
+        """Move the highest active sequences into the free slots below them when the dense range
+        [0, hi) that decode computes holds ``COMPACT_AT`` or more idle slots (sequences that finish
+        at different times, calls that join one by one, leave holes); a move copies the sequence's
+        K/V, which costs less than computing an idle row at every step."""
+        active = sorted(self.active)
+        if not active or active[-1] + 1 - len(active) < COMPACT_AT:
+            return
+        holes = sorted(s for s in self.free if s < active[-1])
+        moves: list[tuple[int, int]] = []
+        while holes and active and holes[0] < active[-1]:
+            moves.append((active.pop(), holes.pop(0)))
+        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
+        self.cache.move(src, dst, int(self.pos[src].max()))
+        for name in ("pos", "last", "is_active"):
+            values = getattr(self, name)
+            values[dst] = values[src]
+        self.is_active[src] = False
+        for s, d in moves:
+            self.active[d] = self.active.pop(s)
+            self.kv_version[d] = self.kv_version[s]
+        moved_to = {d for _, d in moves}
+        self.free = [s for s in self.free if s not in moved_to] + [s for s, _ in moves]
+        heapq.heapify(self.free)
 
     # admit waiting prompts into free slots: prefill, then prefix copy to each group's slots
-    def _admit(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        groups: list[tuple[int, list[int], list[int]]] = []  # (prompt index, prompt ids, slots)
+    def _admission(self) -> tuple[list[tuple[int, list[int], list[int]]], ForwardPass] | None:
+        """The waiting prompts that get free slots now, as (prompt index, ids, slots) groups, with
+        the pass that prefills them (what a kept cache or a shared prefix already holds is not)."""
+        groups: list[tuple[int, list[int], list[int]]] = []
         budget = self.e.max_prefill_tokens
         while self.waiting and self.free:
             i, ids = self.waiting[0]
@@ -301,7 +381,12 @@ class DecodeLoop:
             others = torch.tensor([slots[0] for _, _, slots in groups[1:]], device=self.device)
             self.cache.copy_prefix(first, others, shared)
             starts = [shared] * len(groups)
-        logits = self._prefill([(slots[0], ids) for _, ids, slots in groups], start=starts)
+        return groups, self._prefill_pass([(slots[0], ids) for _, ids, slots in groups], starts)
+
+    def _activate(
+        self, groups: list[tuple[int, list[int], list[int]]], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefilled groups' sequences, active in their slots: their slots and first logits."""
         row_slots, repeat = [], []
         for i, ids, slots in groups:
             if len(slots) > 1:  # the G samples of a prompt share its K/V
@@ -332,13 +417,16 @@ class DecodeLoop:
         return starts
 
     def _prefill(self, items: list[tuple[int, list[int]]], start: int | list[int]) -> torch.Tensor:
-        """Run tokens ``ids[start:]`` of each (slot, ids) through the model, packed without padding;
-        positions before ``start`` (one for all, or one per item) are already in the slot's cache.
-        Returns each item's last logits.
+        """Run tokens ``ids[start:]`` of each (slot, ids) through the model; each item's last logits."""
+        starts = [start] * len(items) if isinstance(start, int) else start
+        return self._forward([self._prefill_pass(items, starts)])[0]
+
+    def _prefill_pass(self, items: list[tuple[int, list[int]]], starts: list[int]) -> ForwardPass:
+        """Tokens ``ids[start:]`` of each (slot, ids), packed without padding; positions before
+        ``start`` are already in the slot's cache. Its rows: each item's last token.
 
         Attention runs on a padded [items, longest, ...] view and reads keys from the cache, so a
         suffix attends to its cached prefix and, causally, to itself."""
-        starts = [start] * len(items) if isinstance(start, int) else start
         lengths = [len(ids) - st for (_, ids), st in zip(items, starts, strict=True)]
         tokens = torch.tensor(
             [t for (_, ids), st in zip(items, starts) for t in ids[st:]], dtype=torch.long, device=self.device
@@ -365,9 +453,8 @@ class DecodeLoop:
             return out.transpose(1, 2)[row, col].reshape(-1, cfg.heads * cfg.head_dim)
 
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-        logits = self.e.model.forward(tokens, first[row] + col, self.cache, slots[row], attend, logits_rows=ends)
         self.e.stats["prefill_tokens"] += len(tokens)
-        return logits
+        return ForwardPass(tokens, first[row] + col, slots[row], attend, ends)
 
     def _first_sample_index(self, prompt_index: int, now: int) -> int:
         """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""

@@ -81,6 +81,9 @@ class NativeRolloutWorker(EngineBase):
         self._loop: DecodeLoop | None = None  # the loop in progress, driven by one caller at a time
         self._driving = False  # a caller runs the loop (or a health check): guarded by _swap
         self.slots_hint = 0  # slots of the last loop: the next one starts with as many
+        self._helper: threading.Thread | None = None  # runs the loop handed over by a caller
+        self._helper_turn = threading.Event()
+        self._closed = False
         self.updates_in_flight = 0  # weight updates applied in the middle of a generate
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
@@ -120,49 +123,69 @@ class NativeRolloutWorker(EngineBase):
         with self._swap:
             self._inbox.append(request)
             drive, self._driving = not self._driving, True
-        while not request.done.done():
-            if not drive:  # woken when answered, or when handed the loop (the role passes under _swap)
-                request.wake.wait()
-                request.wake.clear()
-                if request.done.done():
-                    break
+        if drive:
             self._drive(request)
-            drive = False
+        request.wake.wait()  # answered by whoever ran the loop
         seqs = request.done.result()
         return [self._rollout(s, finish, bool(sampling_params.top_logprobs)) for s, finish in seqs]
 
-    def _drive(self, mine: Request) -> None:
-        """Run the engine's loop in this thread until ``mine`` is answered, then hand the loop (if
-        it has work left) to one waiting caller: torch work stays on the callers' threads, no caller
-        waits for samples other than its own, and only the caller handed the loop is woken. A loop
-        that fails fails every call in it."""
-        loop = self._loop
+    def _drive(self, mine: Request | None) -> None:
+        """Run the engine's loop in this thread until ``mine`` is answered (None: until the loop and
+        the calls waiting are all done), then hand what is left to the engine's helper thread. A
+        lone caller (a training step's generate) runs the loop on its own thread from start to end;
+        with callers that overlap (episodes), the helper runs it and each caller only waits for its
+        answer. A loop that fails fails every call in it."""
+        until = mine.done.done if mine is not None else None
         try:
-            if loop is None:
-                loop = self._start_loop()
+            while True:
+                loop = self._loop or self._start_loop()
                 if loop is None:
                     return
-            if loop.run(until=mine.done.done):
-                self._end_loop()
-        except BaseException as exc:
-            if loop is not None:
-                loop.fail(exc if isinstance(exc, Exception) else RuntimeError(f"the decode loop was stopped: {exc!r}"))
-            self._end_loop()
-            raise
+                try:
+                    finished = loop.run(until=until)
+                except BaseException as exc:
+                    failure = (
+                        exc if isinstance(exc, Exception) else RuntimeError(f"the decode loop was stopped: {exc!r}")
+                    )
+                    loop.fail(failure)
+                    self._end_loop()
+                    if mine is not None or not isinstance(exc, Exception):
+                        raise
+                    log.exception("the native engine's decode loop failed")
+                    continue
+                if finished:
+                    self._end_loop()
+                if mine is not None:
+                    return
         finally:
             with self._swap:
                 self._hand_off()
 
     def _hand_off(self) -> None:
-        """Pass the loop to the oldest caller waiting in it, or else in the inbox (it drives next:
-        ``_driving`` stays True); with none, nobody drives. Call with ``_swap`` held."""
-        successor = self._loop.unanswered() if self._loop is not None else None
-        successor = successor or (self._inbox[0] if self._inbox else None)
-        if successor is not None:
-            successor.wake.set()
+        """Wake the helper thread to run the loop or the calls waiting (``_driving`` stays True);
+        with none, nobody drives. Call with ``_swap`` held."""
+        if (self._loop is not None and self._loop.unanswered() is not None) or self._inbox:
+            if self._helper is None or not self._helper.is_alive():
+                self._helper = threading.Thread(target=self._help, name="postrl-native-loop", daemon=True)
+                self._helper.start()
+            self._helper_turn.set()
         else:
             self._driving = False
             self._swap.notify_all()  # a health check may be waiting
+
+    def _help(self) -> None:
+        """The helper thread: runs the loop whenever a caller hands it over, until the engine closes."""
+        while True:
+            self._helper_turn.wait()
+            self._helper_turn.clear()
+            if self._closed:
+                return
+            self._drive(None)
+
+    def close(self) -> None:
+        """Stop the helper thread (it finishes the loop it runs first)."""
+        self._closed = True
+        self._helper_turn.set()
 
     def _start_loop(self) -> DecodeLoop | None:
         """A loop for the oldest waiting call (the others that sample alike join it); None when no

@@ -64,6 +64,12 @@ class KVCache:
             kl[dst, :, :length] = kl[src, :, :length]
             vl[dst, :, :length] = vl[src, :, :length]
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy slots ``src``' first ``length`` positions into slots ``dst`` (a sequence moves)."""
+        for kl, vl in zip(self.k, self.v):
+            kl[dst, :, :length] = kl[src, :, :length]
+            vl[dst, :, :length] = vl[src, :, :length]
+
     def restore(self, slot: int, kept: KeptKV) -> None:
         """Put a kept sequence's K/V back into ``slot`` (its positions ``[0, len(kept.ids))``)."""
         n = len(kept.ids)
