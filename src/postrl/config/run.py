@@ -326,11 +326,21 @@ class RunConfig(RunCommandConfig):
         return self
 
     @model_validator(mode="after")
-    def _episodes_are_not_suspended(self) -> RunConfig:
-        if self.agent is not None and self.controller.mode == "async" and self.async_overlap == "generation":
+    def _suspended_episodes_can_resume(self) -> RunConfig:
+        """overlap=generation suspends episodes at a checkpoint and continues them from their saved
+        state: environment episodes scheduled individually (an agent.function's own code cannot be
+        saved mid-way)."""
+        if self.agent is None or self.controller.mode != "async" or self.async_overlap != "generation":
+            return self
+        if self.agent.function is not None:
             raise ValueError(
-                "agent episodes run in async mode with controller.overlap=scoring (the next batch of episodes runs "
-                "between updates); overlap=generation suspends generation mid-batch, which episodes do not resume yet"
+                "agent.function episodes cannot be suspended by a checkpoint (the function's own state cannot be "
+                "saved): run them with controller.overlap=scoring (the next batch runs between updates)"
+            )
+        if self.agent.scheduling != "individual":
+            raise ValueError(
+                "controller.overlap=generation suspends episodes between turns, which agent.scheduling=lockstep "
+                "does not do: set agent.scheduling=individual, or controller.overlap=scoring"
             )
         return self
 

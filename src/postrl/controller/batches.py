@@ -24,7 +24,6 @@ from postrl.data.curriculum import LeveledDraw
 from postrl.data.sampler import DatasetDraw, PromptDraw
 from postrl.reward.accuracy import accuracy, per_task_accuracy
 from postrl.rollout.agentic.episodes import episode_metrics
-from postrl.rollout.continuation import continue_rollouts
 from postrl.types import Experience, Prompt, RewardResult, Rollout, SamplingParams, StepBatch
 from postrl.types.metric_names import (
     ACCURACY,
@@ -112,11 +111,11 @@ class BatchMaker:
         return Batch(Generated(number, prompts, rollouts, time.time()), timer, alone)
 
     def resume(self, suspended: Generated) -> Batch:
-        """The rollouts a checkpoint suspended, continued on the engines."""
+        """The rollouts (or episodes) a checkpoint suspended, continued on the engines."""
         timer = StageTimer()
         rollouts = timer.run(
-            "generate", continue_rollouts, self.generate, suspended.prompts, suspended.rollouts, self.sampling,
-            self.parts.tokenizer,
+            "generate", self.source.resume, suspended.prompts, suspended.rollouts, self.sampling,
+            self.generation_version,
         )  # fmt: skip
         return Batch(dataclasses.replace(suspended, rollouts=rollouts), timer, alone=True)
 
@@ -124,7 +123,7 @@ class BatchMaker:
         return batch.timer.run("reward", self.score, batch.generated.prompts, batch.generated.rollouts)
 
     def suspend(self) -> bool:
-        return self.parts.rollout.suspend()
+        return self.source.suspend()
 
     def finish(self, batch: Batch, rewards: list[RewardResult]) -> tuple[list[Experience], ProducedBatch]:
         """The stages that select groups, one StepBatch, the stages that prepare it, the advantages;

@@ -35,7 +35,7 @@ class Controller:
         self.config = parts.config
         self.versions = Versions()
         self.kl = KLCoefficient(self.config.algorithm.kl_beta, parts.trainer)
-        self.source = batch_source(parts.rollout, parts.reward, parts.episodes)
+        self.source = batch_source(parts.rollout, parts.reward, parts.episodes, parts.tokenizer)
         self.batches = BatchMaker(parts, self.source, self.versions, self.kl)
         self.stages = self.batches.stages
         self.pipeline = self._make_pipeline()

@@ -42,6 +42,7 @@ class EpisodeSource:
             config.env_timeout_s,
         )
         self.agents: RecordedAgents | None = None
+        self._runners: set[EpisodeRunner] = set()  # the runs in progress (suspend() reaches them)
         if config.function is not None:
             self.function = load_agent_function(config.function)
             report = check_template(tokenizer)
@@ -85,6 +86,36 @@ class EpisodeSource:
                     engine, self.tokenizer, self.function, c.env_workers, c.function_timeout_s, c.tools_in_prompt
                 )
             return self.agents.run(prompts, sampling)
+        runner = self._runner(engine, version)
+        try:
+            return runner.run(prompts, sampling)
+        finally:
+            self._runners.discard(runner)
+            runner.close()
+
+    def resume(
+        self, engine: RolloutWorker, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams,
+        version: int | None,
+    ) -> list[Rollout]:  # fmt: skip
+        """A batch a checkpoint suspended: its suspended episodes continued from their saved state."""
+        if self.config.function is not None:
+            raise ValueError("agent.function episodes are not suspended, so none are resumed")
+        runner = self._runner(engine, version)
+        try:
+            return runner.resume(prompts, rollouts, sampling)
+        finally:
+            self._runners.discard(runner)
+            runner.close()
+
+    def suspend(self, engine: RolloutWorker) -> bool:
+        """A checkpoint: the episodes in progress stop at their next turn with their state saved
+        (the engines cut the turns being generated); True when some were running."""
+        runners = list(self._runners)
+        for runner in runners:
+            runner.suspend()
+        return engine.suspend() or bool(runners)
+
+    def _runner(self, engine: RolloutWorker, version: int | None) -> EpisodeRunner:
         runner = EpisodeRunner(
             lambda ps, sp: engine.generate(ps, sp, version),
             self.make_env,
@@ -98,10 +129,8 @@ class EpisodeSource:
             engine.joins_calls,
             self.config.max_concurrent_episodes,
         )
-        try:
-            return runner.run(prompts, sampling)
-        finally:
-            runner.close()
+        self._runners.add(runner)
+        return runner
 
     def close(self) -> None:
         if self.agents is not None:

@@ -6,13 +6,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from postrl.types import Prompt, Rollout
+from postrl.types.episode import episode_of_state
 
 
 @dataclass(frozen=True)
 class Generated:
     """A batch between generation and scoring: its number in the run, prompts and rollouts. Some
     rollouts may be ``suspended`` (an async run's checkpoint stopped the engines mid-batch): the
-    batch is continued (:func:`postrl.rollout.continuation.continue_rollouts`) before scoring."""
+    batch is continued by its source before scoring (a response from its prefix, an episode from
+    its saved state)."""
 
     number: int
     prompts: list[Prompt]
@@ -37,6 +39,12 @@ class Generated:
         return Generated(
             int(state["number"]),
             [Prompt(**p) for p in state["prompts"]],
-            [Rollout(**r) for r in state["rollouts"]],
+            [rollout_of_state(r) for r in state["rollouts"]],
             float(state["generated_at"]),
         )
+
+
+def rollout_of_state(state: dict[str, Any]) -> Rollout:
+    """A Rollout from its plain form, its episode (and a suspended episode's saved state) rebuilt."""
+    episode = state.get("episode")
+    return Rollout(**{**state, "episode": None if episode is None else episode_of_state(episode)})

@@ -4,11 +4,12 @@ validation and ``postrl eval`` all go through a batch source."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from postrl.controller.episodes import EpisodeSource, trainable
 from postrl.controller.stages.base import Groups
 from postrl.reward.requests import score_with
+from postrl.rollout.continuation import continue_rollouts
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 from postrl.workers.roles import RewardService, RolloutWorker
 
@@ -23,6 +24,12 @@ class BatchSource(Protocol):
         """Rollouts of ``prompts`` on weight ``version`` (None: whatever the engines hold)."""
         ...
 
+    def resume(
+        self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams, version: int | None
+    ) -> list[Rollout]:
+        """A batch an async run's checkpoint suspended (``finish_reason="suspended"``), continued."""
+        ...
+
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
         """A result per rollout, in order; a sample that cannot be scored is unscorable, not an error."""
         ...
@@ -31,14 +38,20 @@ class BatchSource(Protocol):
         """The scored groups that have tokens to train on."""
         ...
 
+    def suspend(self) -> bool:
+        """A checkpoint of an async run: the generation in progress returns what it has, to be
+        resumed (True when one was running)."""
+        ...
+
     def close(self) -> None: ...
 
 
 class SingleTurn:
     """One response per sample, from the rollout worker, scored by the Reward Service."""
 
-    def __init__(self, rollout: RolloutWorker, reward: RewardService) -> None:
-        self.rollout, self.reward = rollout, reward
+    def __init__(self, rollout: RolloutWorker, reward: RewardService, tokenizer: Any = None) -> None:
+        """``tokenizer``: the text of a continued response (see :meth:`resume`)."""
+        self.rollout, self.reward, self.tokenizer = rollout, reward, tokenizer
 
     @property
     def accuracy_component(self) -> str | None:
@@ -47,11 +60,24 @@ class SingleTurn:
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, version: int | None) -> list[Rollout]:
         return self.rollout.generate(prompts, sampling, version)
 
+    def resume(
+        self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams, version: int | None
+    ) -> list[Rollout]:
+        """Each suspended response continued from its prefix."""
+        if self.tokenizer is None:
+            raise ValueError("SingleTurn needs the tokenizer to continue suspended rollouts")
+        return continue_rollouts(
+            lambda ps, sp: self.rollout.generate(ps, sp, version), prompts, rollouts, sampling, self.tokenizer
+        )
+
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
         return score_with(self.reward, prompts, rollouts)
 
     def trainable(self, groups: Groups, batch: int) -> Groups:
         return groups
+
+    def suspend(self) -> bool:
+        return self.rollout.suspend()
 
     def close(self) -> None:
         """The rollout worker and the Reward Service are closed with the run's components."""
@@ -71,15 +97,26 @@ class Episodes:
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, version: int | None) -> list[Rollout]:
         return self.episodes.run(self.rollout, prompts, sampling, version)
 
+    def resume(
+        self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams, version: int | None
+    ) -> list[Rollout]:
+        """Each suspended episode continued from its saved state."""
+        return self.episodes.resume(self.rollout, prompts, rollouts, sampling, version)
+
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
         return self.episodes.score(prompts, rollouts, self.reward)
 
     def trainable(self, groups: Groups, batch: int) -> Groups:
         return trainable(groups, batch)
 
+    def suspend(self) -> bool:
+        return self.episodes.suspend(self.rollout)
+
     def close(self) -> None:
         self.episodes.close()
 
 
-def batch_source(rollout: RolloutWorker, reward: RewardService, episodes: EpisodeSource | None) -> BatchSource:
-    return SingleTurn(rollout, reward) if episodes is None else Episodes(episodes, rollout, reward)
+def batch_source(
+    rollout: RolloutWorker, reward: RewardService, episodes: EpisodeSource | None, tokenizer: Any
+) -> BatchSource:
+    return SingleTurn(rollout, reward, tokenizer) if episodes is None else Episodes(episodes, rollout, reward)

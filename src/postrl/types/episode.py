@@ -49,6 +49,7 @@ class Episode:
     part: int = 0
     env_s: float = 0.0
     generate_s: float = 0.0
+    saved: EpisodeState | None = None  # finish_reason "suspended": what the episode continues from
 
     @property
     def tool_calls(self) -> int:
@@ -61,3 +62,69 @@ class Episode:
     def transcript(self) -> str:
         """The conversation as text, one ``role: content`` block per message (for reward functions)."""
         return "\n".join(f"{m['role']}: {m.get('content', '')}" for m in self.messages)
+
+
+@dataclass
+class TrajectorySample:
+    """One training sample of an episode: its first context and everything after it (the model's
+    tokens with their logprobs and versions, the inserted ones with 0)."""
+
+    prompt_ids: list[int]
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cache_versions: list[int] = field(default_factory=list)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.response
+
+    def add(self, ids: list[int], logprobs: list[float], own: list[int], cache: list[int], generated: bool) -> None:
+        self.response += ids
+        self.logprobs += logprobs
+        self.mask += [int(generated)] * len(ids)
+        self.versions += own
+        self.cache_versions += cache
+
+
+@dataclass
+class EpisodeState:
+    """An episode a checkpoint suspended between two turns: what it has so far and its
+    environment's own state (``SavableEnvironment.state_dict()``), all plain data, so it is saved
+    with the checkpoint and continued after a restart. A turn the checkpoint cut is generated again
+    from its start (the environment never saw its tokens)."""
+
+    key: str
+    messages: list[dict[str, Any]]
+    seen: str
+    sample: TrajectorySample
+    done_samples: list[TrajectorySample]
+    turns: list[Turn]
+    contents: list[str]
+    rewards: list[float]
+    info: dict[str, Any]
+    breaks: int
+    env_s: float
+    generate_s: float
+    env_state: dict[str, Any] | None  # None: the environment failed before (the episode is over)
+
+
+def turn_of_state(state: dict[str, Any]) -> Turn:
+    calls = [ToolCallRecord(**c) for c in state.get("tool_calls", [])]
+    return Turn(**{**state, "tool_calls": calls})
+
+
+def episode_of_state(state: dict[str, Any]) -> Episode:
+    """An Episode from its plain form (``dataclasses.asdict``), nested records rebuilt."""
+    saved = state.get("saved")
+    if saved is not None:
+        saved = EpisodeState(
+            **{
+                **saved,
+                "sample": TrajectorySample(**saved["sample"]),
+                "done_samples": [TrajectorySample(**s) for s in saved["done_samples"]],
+                "turns": [turn_of_state(t) for t in saved["turns"]],
+            }
+        )
+    return Episode(**{**state, "turns": [turn_of_state(t) for t in state["turns"]], "saved": saved})

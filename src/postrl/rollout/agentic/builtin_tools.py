@@ -56,10 +56,31 @@ def calculator(expression: str) -> str:
 class SandboxTools:
     """The ``python`` and ``shell`` tools of one episode: one jailed interpreter (the reward
     sandbox's limits and protections), started at the first call, kept across turns, killed with
-    its working directory at ``close``."""
+    its working directory at ``close``.
+
+    Its state is the cells it ran: :meth:`state_dict` saves them and, in a new interpreter (after a
+    restart), :meth:`load_state_dict` has them run again before the next call, so variables and
+    files come back as far as the cells are deterministic (what used the clock or a random seed
+    differs)."""
 
     def __init__(self, cell_timeout_s: float = 8.0) -> None:
         self.session = PythonSession(SandboxLimits(wall_s=cell_timeout_s, cpu_s=60))
+        self.cells: list[str] = []  # every cell run in this episode, in order
+        self._replay: list[str] = []  # cells of a restored episode, to run before the next one
+
+    def _run(self, cell: str) -> str:
+        for earlier in self._replay:
+            self.session.run(earlier)
+        self._replay = []
+        output, _ = self.session.run(cell)
+        self.cells.append(cell)
+        return output
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cells": list(self.cells)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cells, self._replay = list(state["cells"]), list(state["cells"])
 
     def python(self, code: str) -> str:
         """Run Python code in a persistent interpreter (variables stay between calls); prints and
@@ -68,8 +89,7 @@ class SandboxTools:
         Args:
             code: Python statements
         """
-        output, _ = self.session.run(code)
-        return output or "(no output)"
+        return self._run(code) or "(no output)"
 
     def shell(self, command: str) -> str:
         """Run a shell command in the sandbox's working directory; stdout and stderr come back.
@@ -82,8 +102,7 @@ class SandboxTools:
             f"_r = _sp.run({command!r}, shell=True, capture_output=True, text=True)\n"
             "print(_r.stdout + _r.stderr + ('' if _r.returncode == 0 else f'(exit status {_r.returncode})'), end='')"
         )
-        output, _ = self.session.run(cell)
-        return output or "(no output)"
+        return self._run(cell) or "(no output)"
 
     def close(self) -> None:
         self.session.close()

@@ -131,12 +131,14 @@ class ToolEnvironment:
         return StepResult(messages, tool_calls=records)
 
     def state_dict(self) -> dict[str, Any]:
-        """The episode's answer key; a python/shell interpreter's variables are not saved (a
-        restored episode's first cell starts a fresh one, and the model is told if it relied on them)."""
-        return {"answer": self.answer}
+        """The episode's answer key and, with python/shell tools, the cells its interpreter ran
+        (a restored episode runs them again in its new interpreter before its next call)."""
+        return {"answer": self.answer, "sandbox": None if self.sandbox is None else self.sandbox.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.answer = state["answer"]
+        if self.sandbox is not None and state.get("sandbox") is not None:
+            self.sandbox.load_state_dict(state["sandbox"])
 
     def close(self) -> None:
         self.box.close()

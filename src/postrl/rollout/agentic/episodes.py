@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,11 +32,11 @@ from typing import Any, Literal
 from postrl.config.run import ConfigError
 from postrl.rollout.agentic.chat import ChatRenderer, with_tools_system_message
 from postrl.rollout.agentic.checks import check_messages, check_step_result
-from postrl.rollout.agentic.env import Environment, EnvironmentFactory, StepResult
+from postrl.rollout.agentic.env import Environment, EnvironmentFactory, SavableEnvironment, StepResult
 from postrl.rollout.agentic.individual import run_individually
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
-from postrl.types.episode import Episode, Turn
+from postrl.types.episode import Episode, EpisodeState, TrajectorySample, Turn
 from postrl.types.metric_names import AGENT
 
 log = logging.getLogger(__name__)
@@ -56,30 +57,6 @@ class EpisodeLimits:
     max_context: int = 2048
     end_on_turn_length: bool = True  # False: a turn cut at max_tokens_per_turn still goes to the environment
     env_timeout_s: float | None = 60.0  # a reset, step or close that passes it ends its episode (None: no limit)
-
-
-@dataclass
-class TrajectorySample:
-    """One training sample of an episode: its first context and everything after it (the model's
-    tokens with their logprobs and versions, the inserted ones with 0)."""
-
-    prompt_ids: list[int]
-    response: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    cache_versions: list[int] = field(default_factory=list)
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt_ids + self.response
-
-    def add(self, ids: list[int], logprobs: list[float], own: list[int], cache: list[int], generated: bool) -> None:
-        self.response += ids
-        self.logprobs += logprobs
-        self.mask += [int(generated)] * len(ids)
-        self.versions += own
-        self.cache_versions += cache
 
 
 @dataclass
@@ -126,6 +103,7 @@ class EpisodeRunner:
         self.env_options = env_options or {}
         self.env_workers, self.tools_in_prompt = env_workers, tools_in_prompt
         self.scheduling, self.joins_calls, self.max_concurrent = scheduling, joins_calls, max_concurrent
+        self.suspending = threading.Event()  # set by suspend(): episodes stop at their next turn
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
         """``sampling.n`` episodes of each prompt, their rollouts grouped by prompt, in order."""
@@ -144,6 +122,51 @@ class EpisodeRunner:
         finally:  # unwinding (a stop signal, an error): closes get a second, not the whole time limit
             made = [o.value[0] for o in started if o.value is not None]
             self.close_envs(made, 1.0 if sys.exc_info()[0] else None)
+
+    def suspend(self) -> None:
+        """Ask the episodes of an individually scheduled run in progress (another thread's) to stop
+        at their next turn with their state saved (see :mod:`.individual`)."""
+        self.suspending.set()
+
+    def resume(self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams) -> list[Rollout]:
+        """A batch a checkpoint suspended: its suspended episodes continued from their saved state
+        (individually scheduled), the others as they were; grouped by prompt."""
+        states = {i: r.episode.saved for i, r in enumerate(rollouts) if r.episode is not None and r.episode.saved}
+        jobs = [(rollouts[i].prompt_index, prompts[rollouts[i].prompt_index]) for i in states]
+        continued = run_individually(self, jobs, self._turn_sampling(sampling), list(states.values()))
+        kept = [r for i, r in enumerate(rollouts) if i not in states]
+        return sorted(kept + continued, key=lambda r: r.prompt_index)
+
+    def saved_state(self, e: LiveEpisode) -> EpisodeState:
+        """The episode between two turns, to continue later (its environment must be savable)."""
+        assert isinstance(e.env, SavableEnvironment), "only an episode whose environment saves its state is suspended"
+        return EpisodeState(
+            e.key, e.messages, e.seen, e.sample, e.done_samples, e.turns, e.contents, e.rewards, e.info, e.breaks,
+            e.env_s, e.generate_s, e.env.state_dict(),
+        )  # fmt: skip
+
+    @staticmethod
+    def suspended_rollout(e: LiveEpisode, state: EpisodeState) -> Rollout:
+        """The placeholder of a suspended episode in its batch: no tokens yet, its saved state."""
+        episode = Episode(e.messages, e.turns, None, "suspended", info=e.info, saved=state)
+        return Rollout(e.prompt_index, list(e.sample.prompt_ids), [], [], "", "suspended", 0, episode=episode)
+
+    def restore_env(self, state: EpisodeState) -> Environment:
+        """A new environment holding a suspended episode's state (in place of its reset)."""
+        env = self.make_env(**self.env_options)
+        if not isinstance(env, SavableEnvironment) or state.env_state is None:
+            env.close()
+            raise TypeError(f"{type(env).__name__} cannot load the saved state of a suspended episode")
+        env.load_state_dict(state.env_state)
+        return env
+
+    @staticmethod
+    def restored(prompt_index: int, state: EpisodeState, env: Environment) -> LiveEpisode:
+        s = state
+        return LiveEpisode(
+            prompt_index, s.key, env, s.messages, s.seen, s.sample, s.done_samples, s.turns, s.contents, s.rewards,
+            s.info, s.breaks, None, s.env_s, s.generate_s,
+        )  # fmt: skip
 
     def _turn_sampling(self, sampling: SamplingParams) -> SamplingParams:
         """One model turn: one sample, ending at the template's end of turn or a tool call's end."""

@@ -9,6 +9,13 @@ soon as it ends.
 
 Should one episode raise (a trajectory error, a bad prompt), the others stop after the call they
 are in and the error is raised; each closes its environment on its way out.
+
+A checkpoint of an async run suspends the engines: a turn that comes back ``suspended`` makes
+every episode stop at its next turn boundary (one in an environment call finishes that call
+first) and return a placeholder rollout holding its saved state (:class:`EpisodeState`, its
+environment's ``state_dict`` included), which :meth:`EpisodeRunner.resume` continues, after a
+restart too. The cut turn is generated again from its start. An episode whose environment cannot
+save its state is not suspended: it runs to its end.
 """
 
 from __future__ import annotations
@@ -18,13 +25,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from postrl.rollout.agentic.env import Environment, SavableEnvironment
 from postrl.rollout.agentic.limited import Outcome, run_limited
 from postrl.rollout.agentic.turn_batcher import TurnBatcher
 from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.types.episode import EpisodeState
 
 if TYPE_CHECKING:
     from postrl.rollout.agentic.chat import ChatRenderer
@@ -35,17 +44,30 @@ class _Stopped(Exception):
     """Another episode failed: this one stops where it is (its rollouts are not used)."""
 
 
-def run_individually(runner: EpisodeRunner, jobs: list[tuple[int, Prompt]], turn: SamplingParams) -> list[Rollout]:
-    """The rollouts of every job's episode, in job order."""
+@dataclass
+class _Signals:
+    suspend: threading.Event  # a checkpoint asked (the runner's, or the engines suspended a turn)
+    env_calls: threading.Semaphore
+    stop: threading.Event = field(default_factory=threading.Event)  # another episode failed
+
+
+def run_individually(
+    runner: EpisodeRunner,
+    jobs: list[tuple[int, Prompt]],
+    turn: SamplingParams,
+    saved: list[EpisodeState] | None = None,
+) -> list[Rollout]:
+    """The rollouts of every job's episode, in job order; ``saved[i]``: job i continues that
+    suspended episode instead of starting one."""
     if not jobs:
         return []
     generate: Generate = runner.generate if runner.joins_calls else TurnBatcher(runner.generate)
-    stop = threading.Event()
-    env_calls = threading.Semaphore(runner.env_workers)
-    episode = partial(_run_episode, runner, generate, turn, stop, env_calls)
+    signals = _Signals(runner.suspending, threading.Semaphore(runner.env_workers))
+    episode = partial(_run_episode, runner, generate, turn, signals)
     threads = min(len(jobs), runner.max_concurrent or len(jobs))
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="postrl-episode")
-    futures: list[Future[list[Rollout]]] = [pool.submit(episode, job) for job in jobs]
+    states: list[EpisodeState | None] = list(saved) if saved is not None else [None] * len(jobs)
+    futures: list[Future[list[Rollout]]] = [pool.submit(episode, job, s) for job, s in zip(jobs, states, strict=True)]
     try:
         while not all(f.done() for f in futures):
             done, _ = wait(futures, timeout=1.0, return_when="FIRST_EXCEPTION")
@@ -54,7 +76,7 @@ def run_individually(runner: EpisodeRunner, jobs: list[tuple[int, Prompt]], turn
                 raise failed.exception()  # type: ignore[misc]
         return [r for f in futures for r in f.result()]
     finally:
-        stop.set()  # a no-op when all are done; otherwise the others stop after their current call
+        signals.stop.set()  # a no-op when all are done; otherwise the others stop after their current call
         pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
 
 
@@ -62,24 +84,38 @@ def _run_episode(
     runner: EpisodeRunner,
     generate: Generate,
     turn: SamplingParams,
-    stop: threading.Event,
-    env_calls: threading.Semaphore,
+    signals: _Signals,
     job: tuple[int, Prompt],
+    saved: EpisodeState | None,
 ) -> list[Rollout]:
     def limited(call: Callable[[], Any], what: str, timeout_s: float | None = None) -> Outcome[Any]:
-        if stop.is_set():
+        if signals.stop.is_set():
             raise _Stopped
         limit = runner.limits.env_timeout_s if timeout_s is None else timeout_s
-        with env_calls:
+        with signals.env_calls:
             return run_limited([call], limit, 1, what)[0]
 
-    started = limited(partial(runner.reset_env, job[1]), "environment reset")
-    made = started.value[0] if started.value is not None else None
+    made: Environment | None
+    if saved is None:
+        started = limited(partial(runner.reset_env, job[1]), "environment reset")
+        made = started.value[0] if started.value is not None else None
+    else:
+        restored = limited(partial(runner.restore_env, saved), "environment restore")
+        if restored.error is not None:
+            raise RuntimeError(f"a suspended episode ({saved.key}) could not be restored") from restored.error
+        made = restored.value
     try:
-        e = runner.start(job, started)
+        if saved is None:
+            e = runner.start(job, started)
+        else:
+            assert made is not None
+            e = runner.restored(job[0], saved, made)
         renderer = runner.renderer_for(e.env)
         while e.finish is None:
-            _one_turn(runner, generate, turn, stop, e, renderer)
+            if signals.suspend.is_set() and isinstance(e.env, SavableEnvironment):
+                return [runner.suspended_rollout(e, runner.saved_state(e))]
+            if not _one_turn(runner, generate, turn, signals, e, renderer):
+                continue  # the engines suspended this turn: suspend here, or generate it again
             if e.finish != "pending":
                 break
             outcome = limited(partial(runner.step_env, e), "environment step")
@@ -95,18 +131,23 @@ def _one_turn(
     runner: EpisodeRunner,
     generate: Generate,
     turn: SamplingParams,
-    stop: threading.Event,
+    signals: _Signals,
     e: LiveEpisode,
     renderer: ChatRenderer,
-) -> None:
-    """The episode's next model turn, generated and recorded (or its end, where its context is full)."""
+) -> bool:
+    """The episode's next model turn, generated and recorded (or its end, where its context is
+    full); False when the engines suspended it (nothing recorded)."""
     budget = runner.budget(e)
     if not budget:
-        return
-    if stop.is_set():
+        return True
+    if signals.stop.is_set():
         raise _Stopped
     began = time.perf_counter()
     (r,) = generate([runner.turn_prompt(e)], replace(turn, max_tokens=budget))
     e.generate_s += time.perf_counter() - began
     runner.check_trajectory(e, r)
+    if r.finish_reason == "suspended":
+        signals.suspend.set()
+        return False
     runner.record_generation(e, r, renderer)
+    return True

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from postrl.rollout.agentic.chat import ChatRenderer
-from postrl.rollout.agentic.episodes import TrajectorySample, sample_rollout
+from postrl.rollout.agentic.episodes import sample_rollout
 from postrl.types import Rollout
-from postrl.types.episode import Episode, Turn
+from postrl.types.episode import Episode, TrajectorySample, Turn
 
 
 @dataclass
