@@ -16,6 +16,9 @@ Parts (all by default):
           remote sandbox; the delays drawn per episode and call from the seed, the same in both
           runs): episodes per minute with episodes scheduled individually (each turn to the
           engine as soon as its tool answers) against lockstep turns (every turn waits for all).
+          Then GRPO on the calculator task with the same 50-500 ms calculator, sync against async
+          (overlap=generation, max_staleness 1) for --async-steps steps: the training wall time and
+          held-out success after each (--latency-train 0 skips it)
   speed   64 concurrent 4-turn episodes (SmolLM2, fp32), each on a document of its own (30 lines,
           ~270 tokens) with short tool outputs and 16-token turns: generated tokens/s with the K/V
           kept across turns against prefilling each turn's whole context again.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -66,6 +70,48 @@ class ToolReplies:
 
     def close(self) -> None:
         pass
+
+
+class SlowCalculator:
+    """The calculator task's environment with its tool behind a remote sandbox: each call answers
+    after a delay drawn from the episode's problem (``agent.env=agentic:SlowCalculator``)."""
+
+    def __init__(self, low_s: float = 0.05, high_s: float = 0.5) -> None:
+        import random
+
+        from postrl.rollout.agentic.builtin_tools import calculator
+        from postrl.rollout.agentic.env import ToolEnvironment
+        from postrl.rollout.agentic.tools import Tool
+
+        self.rng = random.Random()
+
+        def remote_calculator(expression: str) -> str:
+            """Evaluate an arithmetic expression exactly (integers stay integers).
+
+            Args:
+                expression: numbers with + - * / // % ** and parentheses, e.g. "123 * (45 + 6)"
+            """
+            time.sleep(self.rng.uniform(low_s, high_s))
+            return calculator(expression)
+
+        self.env = ToolEnvironment([Tool.from_function(remote_calculator, "calculator")])
+        self.tools = self.env.tools
+
+    def reset(self, row):
+        self.rng.seed(str(row.get("answer")))
+        return self.env.reset(row)
+
+    def step(self, action: str):
+        return self.env.step(action)
+
+    def state_dict(self):
+        return self.env.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.env.load_state_dict(state)
+
+    def close(self) -> None:
+        self.env.close()
 
 
 class SlowTool(ToolReplies):
@@ -184,35 +230,87 @@ def latency(args: argparse.Namespace) -> dict:
         Prompt(f"What is {100 + 7 * i} * {10 + i % 90}?", [], columns={"episode": i}, messages=None)
         for i in range(args.latency_episodes)
     ]
-    out: dict[str, tuple[float, int, int]] = {}
-    for mode in ("lockstep", "individual"):
-        engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed)
-        runner = EpisodeRunner(
-            lambda ps, sp, engine=engine: engine.generate(ps, sp, None),
-            lambda: SlowTool(args.latency_turns, low, high, args.seed),
-            tokenizer,
-            limits,
-            env_workers=args.env_workers,
-            scheduling=mode,  # type: ignore[arg-type]
-            joins_calls=True,
-        )
+    walls: dict[str, list[float]] = {"lockstep": [], "individual": []}
+    turns: dict[str, int] = {}
+    for repeat in range(args.latency_repeats):  # alternating, so both see the machine's same moods
+        for mode in ("lockstep", "individual"):
+            engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed)
+            runner = EpisodeRunner(
+                lambda ps, sp, engine=engine: engine.generate(ps, sp, None),
+                lambda: SlowTool(args.latency_turns, low, high, args.seed),
+                tokenizer,
+                limits,
+                env_workers=args.env_workers,
+                scheduling=mode,  # type: ignore[arg-type]
+                joins_calls=True,
+            )
+            began = time.perf_counter()
+            rollouts = runner.run(episodes, SamplingParams(n=1, temperature=1.0, seed=args.seed))
+            took = time.perf_counter() - began
+            walls[mode].append(took)
+            turns[mode] = sum(len(r.episode.turns) for r in rollouts if r.episode is not None)
+            generated = sum(sum(r.loss_mask) for r in rollouts)
+            print(
+                f"  {repeat + 1}. {mode:10s} {len(rollouts) / took * 60:7.1f} episodes/min  {took:5.2f} s  "
+                f"{turns[mode]} turns  {generated} generated tokens",
+                file=sys.stderr,
+            )
+    n, wall = len(episodes), {mode: statistics.median(w) for mode, w in walls.items()}
+    result = {
+        "episode_throughput_ratio": round(wall["lockstep"] / wall["individual"], 3),
+        "episodes_per_min_individual": round(n / wall["individual"] * 60, 1),
+        "episodes_per_min_lockstep": round(n / wall["lockstep"] * 60, 1),
+        "episode_throughput_ratios": [round(a / b, 3) for a, b in zip(walls["lockstep"], walls["individual"])],
+        "latency_turns": turns["individual"],
+        "latency_turns_lockstep": turns["lockstep"],
+    }
+    if args.async_steps:
+        result.update(async_training(args))
+    return result
+
+
+def async_training(args: argparse.Namespace) -> dict:
+    """Sync against async GRPO on the calculator task whose tool answers after 50-500 ms."""
+    model_dir = Path(args.model) if args.model else AGENTIC_MODEL_DIR
+    from postrl.config.loading import load_config
+    from postrl.controller.episodes import EpisodeSource
+    from postrl.controller.source import Episodes
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.run.resolve import resolved_run
+    from postrl.run.train_runner import train
+    from postrl.run.validation import Validator, load_validation_set
+
+    out: dict[str, float] = {}
+    for mode in ("sync", "async"):
+        overrides = [
+            f"model.path={model_dir}", f"output_dir={Path(args.cache) / 'runs'}", f"name=latency-{mode}",
+            f"steps={args.async_steps}", f"seed={args.seed}", "agent.env=agentic:SlowCalculator",
+            "agent.scheduling=individual", f"agent.env_workers={args.env_workers}", f"controller.mode={mode}",
+            "logging.eval_every=0", "checkpoint.every_steps=0", *args.override,
+        ]  # fmt: skip
+        if mode == "async":
+            overrides += ["controller.overlap=generation", "buffer.max_staleness=1"]
+        config = resolved_run(load_config(str(ROOT / "examples" / "calculator_agent.yaml"), overrides))
         began = time.perf_counter()
-        rollouts = runner.run(episodes, SamplingParams(n=1, temperature=1.0, seed=args.seed))
-        took = time.perf_counter() - began
-        turns = sum(len(r.episode.turns) for r in rollouts if r.episode is not None)
-        out[mode] = (took, turns, sum(sum(r.loss_mask) for r in rollouts))
-        print(
-            f"  {mode:10s} {len(rollouts) / took * 60:7.1f} episodes/min  {took:5.1f} s  {turns} turns  "
-            f"{out[mode][2]} generated tokens",
-            file=sys.stderr,
-        )
-    n = len(episodes)
+        train(config, overwrite=True)
+        out[f"{mode}_wall_s"] = round(time.perf_counter() - began, 1)
+        instant = [o for o in overrides if not o.startswith("agent.env=")] + ["agent.env=calculator"]
+        held_out = resolved_run(load_config(str(ROOT / "examples" / "calculator_agent.yaml"), instant))
+        tokenizer = load_tokenizer(str(model_dir))
+        validator = Validator(held_out, load_validation_set(held_out, tokenizer))
+        engine = NativeRolloutWorker.from_hf(load_causal_lm(str(config.run_dir / "final_model")), tokenizer)
+        out[f"acc_{mode}"] = validator.run(Episodes(EpisodeSource(held_out.agent, tokenizer), engine, None), None)[
+            "val/accuracy"
+        ]
+        print(f"  {mode:6s} {args.async_steps} steps in {out[f'{mode}_wall_s']} s, held-out {out[f'acc_{mode}']:.3f}",
+              file=sys.stderr)  # fmt: skip
     return {
-        "episode_throughput_ratio": round(out["lockstep"][0] / out["individual"][0], 3),
-        "episodes_per_min_individual": round(n / out["individual"][0] * 60, 1),
-        "episodes_per_min_lockstep": round(n / out["lockstep"][0] * 60, 1),
-        "latency_turns": out["individual"][1],
-        "latency_turns_lockstep": out["lockstep"][1],
+        "async_wall_ratio": round(out["async_wall_s"] / out["sync_wall_s"], 3),
+        "acc_sync": out["acc_sync"],
+        "acc_async": out["acc_async"],
+        "sync_wall_s": out["sync_wall_s"],
+        "async_wall_s": out["async_wall_s"],
     }
 
 
@@ -303,8 +401,10 @@ def main() -> None:
     parser.add_argument("--latency", action="store_true", help="the latency part only (same as --part latency)")
     parser.add_argument("--latency-episodes", type=int, default=64)
     parser.add_argument("--latency-turns", type=int, default=4, help="latency: model turns per episode")
+    parser.add_argument("--latency-repeats", type=int, default=5, help="latency: runs of each mode (the median counts)")
     parser.add_argument("--tool-latency-ms", type=float, nargs=2, default=[50.0, 500.0])
     parser.add_argument("--env-workers", type=int, default=32, help="latency: environment calls at once")
+    parser.add_argument("--async-steps", type=int, default=30, help="latency: GRPO steps of sync and async (0: none)")
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--turn-tokens", type=int, default=16)
     parser.add_argument("--exact-turn-tokens", type=int, default=48)
@@ -324,7 +424,8 @@ def main() -> None:
     smollm2_missing = smollm2_unavailable() if args.smoke else None
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:  # 2 RL steps, a few episodes
-            args.cache, args.episodes, args.learn_steps, args.latency_episodes = tmp, 4, 2, 4
+            args.cache, args.episodes, args.learn_steps, args.latency_episodes, args.async_steps = tmp, 4, 2, 4, 2
+            args.latency_repeats = 1
             args.override += ["prompts_per_step=2", "rollout.n=2", "data.val_size=4", "train.mini_batch_size=4",
                               "train.micro_batch_size=4"]  # fmt: skip
         if args.latency:

@@ -182,3 +182,19 @@ def test_max_concurrent_episodes_bounds_the_episodes_in_flight(model_and_tokeniz
     spans = sorted((log.times(f"e{i}", "reset")[0], log.times(f"e{i}", "close")[0]) for i in range(4))
     overlaps = [sum(1 for s, e in spans if s <= start < e) for start, _ in spans]
     assert max(overlaps) == 2  # never three at once, but two did run together
+
+
+def test_an_episode_spanning_weight_versions_is_as_old_as_its_oldest_token():
+    """buffer.max_staleness counts from an episode's oldest token: its first turn by version 2, the
+    environment's tokens in between, its second turn by version 4."""
+    from postrl.rollout.agentic.chat import ChatRenderer
+    from postrl.rollout.agentic.episodes import sample_rollout
+    from postrl.types.episode import Episode, TrajectorySample
+
+    sample = TrajectorySample([1, 2, 3])
+    sample.add([10, 11], [-0.1, -0.2], [2, 2], [2, 2], generated=True)
+    sample.add([20], [0.0], [2], [2], generated=False)
+    sample.add([12, 13], [-0.3, -0.4], [4, 4], [3, 4], generated=True)
+    r = sample_rollout(0, sample, Episode([], [], 1.0, "stop"), 0, ChatRenderer(family_tokenizer("qwen2.5")))
+    assert r.weight_version == 2 and r.logprob_versions == [2, 2, 2, 4, 4] and r.kv_versions == [2, 2, 2, 3, 4]
+    assert r.token_versions() == [2, 2, 2, 3, 4] and r.loss_mask == [1, 1, 0, 1, 1]

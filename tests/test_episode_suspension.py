@@ -132,7 +132,9 @@ def test_an_episode_whose_environment_cannot_save_runs_to_its_end(model_and_toke
 def test_the_python_tools_variables_come_back_in_a_new_interpreter():
     env = ToolEnvironment(["python"])
     env.reset({"prompt": "compute", "answer": "42"})
-    first = env.step('<tool_call>{"name": "python", "arguments": {"code": "x = 40\\nopen(\'f.txt\', \'w\').write(\'2\')"}}</tool_call>')
+    first = env.step(
+        '<tool_call>{"name": "python", "arguments": {"code": "x = 40\\nopen(\'f.txt\', \'w\').write(\'2\')"}}</tool_call>'
+    )
     assert first.tool_calls[0].error is None
     saved = env.state_dict()
     env.close()  # the interpreter and its working directory are gone

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from postrl.rollout.agentic.env import Environment, SavableEnvironment
 from postrl.rollout.agentic.limited import Outcome, run_limited
 from postrl.rollout.agentic.turn_batcher import TurnBatcher
@@ -63,7 +65,7 @@ def run_individually(
         return []
     generate: Generate = runner.generate if runner.joins_calls else TurnBatcher(runner.generate)
     signals = _Signals(runner.suspending, threading.Semaphore(runner.env_workers))
-    episode = partial(_run_episode, runner, generate, turn, signals)
+    episode = partial(_in_thread, torch.get_num_threads(), partial(_run_episode, runner, generate, turn, signals))
     threads = min(len(jobs), runner.max_concurrent or len(jobs))
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="postrl-episode")
     states: list[EpisodeState | None] = list(saved) if saved is not None else [None] * len(jobs)
@@ -78,6 +80,14 @@ def run_individually(
     finally:
         signals.stop.set()  # a no-op when all are done; otherwise the others stop after their current call
         pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
+
+
+def _in_thread(threads: int, run: Callable[..., list[Rollout]], *args: Any) -> list[Rollout]:
+    """An episode's thread computes with as many torch threads as the run's caller (an async
+    producer's 1, see ``controller.producer_threads``): a second multi-threaded OpenMP team slows
+    the trainer's."""
+    torch.set_num_threads(threads)
+    return run(*args)
 
 
 def _run_episode(

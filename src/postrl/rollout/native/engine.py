@@ -166,15 +166,19 @@ class NativeRolloutWorker(EngineBase):
         with none, nobody drives. Call with ``_swap`` held."""
         if (self._loop is not None and self._loop.unanswered() is not None) or self._inbox:
             if self._helper is None or not self._helper.is_alive():
-                self._helper = threading.Thread(target=self._help, name="postrl-native-loop", daemon=True)
+                threads = torch.get_num_threads()  # the caller's: one more OpenMP team slows the others
+                self._helper = threading.Thread(
+                    target=self._help, args=(threads,), name="postrl-native-loop", daemon=True
+                )
                 self._helper.start()
             self._helper_turn.set()
         else:
             self._driving = False
             self._swap.notify_all()  # a health check may be waiting
 
-    def _help(self) -> None:
+    def _help(self, threads: int) -> None:
         """The helper thread: runs the loop whenever a caller hands it over, until the engine closes."""
+        torch.set_num_threads(threads)
         while True:
             self._helper_turn.wait()
             self._helper_turn.clear()
