@@ -19,6 +19,12 @@ Parts (all by default):
           Then GRPO on the calculator task with the same 50-500 ms calculator, sync against async
           (overlap=generation, max_staleness 1) for --async-steps steps: the training wall time and
           held-out success after each (--latency-train 0 skips it)
+  frameworks  SmolLM2-135M-Instruct (fp32) driven by the agent frameworks of examples/agents (the
+          OpenAI Agents SDK on the Responses API, LangGraph's ReAct agent on chat completions with
+          tools=), each pointed at postrl's recording server by its base URL, on the tool-arithmetic
+          prompts: episodes and tool calls recorded; every trajectory exactly the prompt + response
+          of each of its engine calls (retokenization_mismatches), and the trainer's fp32 logprobs
+          of the recorded trajectories against the engine's (max_logprob_diff).
   speed   64 concurrent 4-turn episodes (SmolLM2, fp32), each on a document of its own (30 lines,
           ~270 tokens) with short tool outputs and 16-token turns: generated tokens/s with the K/V
           kept across turns against prefilling each turn's whole context again.
@@ -314,6 +320,100 @@ def async_training(args: argparse.Namespace) -> dict:
     }
 
 
+def frameworks(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(ROOT / "examples" / "agents"))
+    import frameworks as examples  # examples/agents/frameworks.py
+
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.serve.agent_runs import RecordedAgents
+    from postrl.types import Prompt, SamplingParams
+
+    def recording(engine: NativeRolloutWorker, calls: list[tuple[list[int], list[int]]]) -> NativeRolloutWorker:
+        """The engine, keeping every call's prompt and response token ids."""
+        generate = engine.generate
+
+        def recorded(prompts, sampling_params, weight_version, on_token=None):
+            out = generate(prompts, sampling_params, weight_version, on_token)
+            calls.extend((list(r.prompt_ids), list(r.response_ids)) for r in out)
+            return out
+
+        engine.generate = recorded  # type: ignore[method-assign]
+        return engine
+
+    model, tokenizer = smollm2()
+    rows = [
+        json.loads(line) for line in (ROOT / "examples" / "data" / "tool_arithmetic.jsonl").read_text().splitlines()
+    ]
+    prompts = [Prompt(r["prompt"], [], columns=r) for r in rows[: args.framework_episodes]]
+    result: dict = {}
+    for name in ("agents_sdk", "langgraph_react"):
+        calls: list[tuple[list[int], list[int]]] = []
+        engine = recording(NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed), calls)
+        agents = RecordedAgents(engine, tokenizer, getattr(examples, name), 8, 600.0, tools_in_prompt="system")
+        began = time.perf_counter()
+        try:
+            rollouts = agents.run(prompts, SamplingParams(n=1, temperature=1.0, max_tokens=examples.MAX_TOKENS))
+        finally:
+            agents.close()
+        took = time.perf_counter() - began
+        recorded = [r for r in rollouts if r.response_ids]
+        mismatches = sum(not _exactly_engine_calls(r, calls) for r in recorded)
+        tool_calls = sum(
+            len(m.get("tool_calls") or [])
+            for r in recorded
+            if r.episode and r.episode.part == 0
+            for m in r.episode.messages
+        )
+        result[name] = {
+            "episodes": len({id(r.episode) for r in recorded}),
+            "samples": len(recorded),
+            "failed": sum(1 for r in rollouts if r.episode and "env_error" in r.episode.info),
+            "model_calls": len(calls),
+            "tool_calls": tool_calls,
+            "retokenization_mismatches": mismatches,
+            "max_logprob_diff": _max_logprob_diff(model, recorded),
+            "seconds": round(took, 1),
+        }
+        print(f"  {name:16s} {result[name]}", file=sys.stderr)
+    return {
+        "frameworks": result,
+        "retokenization_mismatches": sum(v["retokenization_mismatches"] for v in result.values()),
+        "max_logprob_diff": max(v["max_logprob_diff"] for v in result.values()),
+    }
+
+
+def _exactly_engine_calls(r, calls: list[tuple[list[int], list[int]]]) -> bool:
+    """The trajectory's model tokens are exactly engine outputs: each generated span (loss mask 1)
+    is the response of an engine call whose prompt is the trajectory up to that span."""
+    full, mask = r.prompt_ids + r.response_ids, [0] * len(r.prompt_ids) + list(r.loss_mask or [1] * len(r.response_ids))
+    by_prompt = {tuple(p): g for p, g in calls}
+    i = len(r.prompt_ids)
+    while i < len(full):
+        if not mask[i]:
+            i += 1
+            continue
+        end = i
+        while end < len(full) and mask[end]:
+            end += 1
+        answer = by_prompt.get(tuple(full[:i]))
+        if answer is None or answer != full[i:end]:
+            return False
+        i = end
+    return True
+
+
+def _max_logprob_diff(model, rollouts) -> float:
+    diff = 0.0
+    with torch.no_grad():
+        for r in rollouts:
+            ids = torch.tensor([r.prompt_ids + r.response_ids])
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1].float()
+            mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.response_ids).unsqueeze(1)).squeeze(1)
+            mask = torch.tensor(r.loss_mask or [1] * len(r.response_ids), dtype=torch.bool)
+            diff = max(diff, float((mine - torch.tensor(r.logprobs))[mask].abs().max()))
+    return diff
+
+
 def speed(args: argparse.Namespace) -> dict:
     from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
     from postrl.rollout.native import NativeRolloutWorker
@@ -397,7 +497,9 @@ def learn(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["learn", "exact", "latency", "speed", "all"], default="all")
+    parser.add_argument("--part", choices=["learn", "exact", "latency", "frameworks", "speed", "all"], default="all")
+    parser.add_argument("--frameworks", action="store_true", help="the frameworks part only")
+    parser.add_argument("--framework-episodes", type=int, default=24, help="frameworks: episodes per framework")
     parser.add_argument("--latency", action="store_true", help="the latency part only (same as --part latency)")
     parser.add_argument("--latency-episodes", type=int, default=64)
     parser.add_argument("--latency-turns", type=int, default=4, help="latency: model turns per episode")
@@ -425,15 +527,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:  # 2 RL steps, a few episodes
             args.cache, args.episodes, args.learn_steps, args.latency_episodes, args.async_steps = tmp, 4, 2, 4, 2
-            args.latency_repeats = 1
+            args.latency_repeats, args.framework_episodes = 1, 2
             args.override += ["prompts_per_step=2", "rollout.n=2", "data.val_size=4", "train.mini_batch_size=4",
                               "train.micro_batch_size=4"]  # fmt: skip
-        if args.latency:
-            args.part = "latency"
-        for part, fn in (("learn", learn), ("exact", exact), ("latency", latency), ("speed", speed)):
+        if args.latency or args.frameworks:
+            args.part = "latency" if args.latency else "frameworks"
+        parts = (("learn", learn), ("exact", exact), ("latency", latency), ("frameworks", frameworks), ("speed", speed))
+        for part, fn in parts:
             if args.part not in (part, "all"):
                 continue
-            if part in ("exact", "speed") and smollm2_missing:
+            if part in ("exact", "frameworks", "speed") and smollm2_missing:
                 print(f"skipped part {part}: {smollm2_missing}")
                 result[f"{part}_skipped"] = smollm2_missing
                 continue

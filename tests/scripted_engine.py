@@ -14,6 +14,7 @@ class ScriptedEngine(EngineBase):
     ending with the template's end-of-turn token; keeps every prompt it was given."""
 
     streams_tokens = True
+    joins_calls = False
 
     def __init__(self, tokenizer, end_id: int) -> None:
         self.tokenizer, self.end_id = tokenizer, end_id

@@ -250,3 +250,32 @@ def test_a_call_with_other_sampling_waits_for_the_loop_and_runs_after(char_token
     )
     assert seqs(results["greedy"]) == seqs(alone)
     assert len(results["sampled"]) == 1 and 1 <= len(results["sampled"][0].response_ids) <= 6
+
+
+def test_a_loop_left_by_an_answered_caller_goes_on_in_the_helper_thread_which_stops_at_close(char_tokenizer):
+    model = make_tiny_model("llama", char_tokenizer)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer)
+    short, long = SamplingParams(temperature=0.0, max_tokens=2), SamplingParams(temperature=0.0, max_tokens=30)
+    answers: dict[str, list] = {}
+    joined = threading.Event()
+
+    def first_token(*event):
+        if not joined.is_set():  # the long call is queued before the short one's next step
+            threading.Thread(
+                target=lambda: answers.update(long=engine.generate(prompts_for(char_tokenizer, ["hello"]), long, 0))
+            ).start()
+            deadline = time.monotonic() + 10
+            while not engine._inbox and time.monotonic() < deadline:
+                time.sleep(0.001)
+            joined.set()
+
+    answers["short"] = engine.generate(prompts_for(char_tokenizer, ["7+5="]), short, 0, on_token=first_token)
+    deadline = time.monotonic() + 30
+    while "long" not in answers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(answers["long"][0].response_ids) == 30 and engine._helper is not None  # finished by the helper
+    engine.close()
+    engine._helper.join(10)
+    assert not engine._helper.is_alive()
+    again = engine.generate(prompts_for(char_tokenizer, ["7+5="]), short, 0)  # a lone call still runs, on its thread
+    assert seqs(again) == seqs(answers["short"])

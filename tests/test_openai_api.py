@@ -389,6 +389,7 @@ class _NoStreamEngine:
     """An engine that does not stream tokens (like the vLLM backend): streams arrive whole at the end."""
 
     streams_tokens = False
+    joins_calls = False
 
     def __init__(self, inner) -> None:
         self.inner = inner

@@ -2,7 +2,11 @@
 
 Requests wait in a queue; a single worker thread takes everything queued, groups it by
 sampling parameters and runs one ``generate`` per group, so concurrent HTTP clients share the
-engine's batch instead of taking turns. The engine is only ever touched from that thread.
+engine's batch instead of taking turns. For an engine that joins concurrent calls into its running
+batch (``RolloutWorker.joins_calls``: the native engine) each group is handed to a thread of its
+own and the next requests go out at once, so a request never waits for another's answer (an
+agent's turn for the slowest of the turns sent with it); otherwise the engine is only ever touched
+from the worker thread, one group after another.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
 from postrl.workers.roles import RolloutWorker
@@ -34,6 +40,12 @@ class EngineBatcher:
         self.max_batch_prompts = max_batch_prompts
         # engines that report tokens as they go stream them; others stream each response when it is done
         self.streams_tokens = worker.streams_tokens
+        self._calls: ThreadPoolExecutor | None = None
+        if worker.joins_calls:  # each group on a thread of its own, with the creator's torch threads
+            threads = torch.get_num_threads()
+            self._calls = ThreadPoolExecutor(
+                max_batch_prompts, "postrl-engine-call", initializer=torch.set_num_threads, initargs=(threads,)
+            )
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="postrl-engine", daemon=True)
         self._thread.start()
@@ -64,6 +76,8 @@ class EngineBatcher:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
+        if self._calls is not None:
+            self._calls.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
         while True:
@@ -95,38 +109,45 @@ class EngineBatcher:
 
     def _flush(self, groups: dict[SamplingParams, list[_Job]]) -> None:
         for params, group in groups.items():
-            prompts = [p for job in group for p in job.payload[0]]
-            owners: list[tuple[_Job, int]] = []  # merged prompt index -> (job, its first index)
-            start = 0
-            for job in group:
-                owners += [(job, start)] * len(job.payload[0])
-                start += len(job.payload[0])
-            streaming = [job for job in group if job.on_token is not None]
-            kwargs: dict[str, Any] = {}
-            if streaming and self.streams_tokens:
+            if self._calls is not None:
+                self._calls.submit(self._generate, params, group)
+            else:
+                self._generate(params, group)
 
-                def on_token(prompt_index: int, *rest: Any, owners: list[tuple[_Job, int]] = owners) -> None:
-                    job, first = owners[prompt_index]
-                    if job.on_token is not None:
-                        job.on_token(prompt_index - first, *rest)
+    def _generate(self, params: SamplingParams, group: list[_Job]) -> None:
+        """One ``generate`` for the group's prompts; each job gets its own rollouts (or the error)."""
+        prompts = [p for job in group for p in job.payload[0]]
+        owners: list[tuple[_Job, int]] = []  # merged prompt index -> (job, its first index)
+        start = 0
+        for job in group:
+            owners += [(job, start)] * len(job.payload[0])
+            start += len(job.payload[0])
+        streaming = [job for job in group if job.on_token is not None]
+        kwargs: dict[str, Any] = {}
+        if streaming and self.streams_tokens:
 
-                kwargs["on_token"] = on_token
-            try:
-                out = self.worker.generate(prompts, params, self.worker.weight_version, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - each waiting request gets the error
-                for job in group:
-                    job.future.set_exception(exc)
-                continue
-            per_job: dict[int, list[Rollout]] = {id(job): [] for job in group}
-            for r in out:
-                job, first = owners[r.prompt_index]
-                r.prompt_index -= first
-                per_job[id(job)].append(r)
+            def on_token(prompt_index: int, *rest: Any, owners: list[tuple[_Job, int]] = owners) -> None:
+                job, first = owners[prompt_index]
+                if job.on_token is not None:
+                    job.on_token(prompt_index - first, *rest)
+
+            kwargs["on_token"] = on_token
+        try:
+            out = self.worker.generate(prompts, params, self.worker.weight_version, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - each waiting request gets the error
             for job in group:
-                mine = per_job[id(job)]
-                if job.on_token is not None and not self.streams_tokens:
-                    _replay_tokens(job.on_token, mine, params.n)
-                job.future.set_result(mine)
+                job.future.set_exception(exc)
+            return
+        per_job: dict[int, list[Rollout]] = {id(job): [] for job in group}
+        for r in out:
+            job, first = owners[r.prompt_index]
+            r.prompt_index -= first
+            per_job[id(job)].append(r)
+        for job in group:
+            mine = per_job[id(job)]
+            if job.on_token is not None and not self.streams_tokens:
+                _replay_tokens(job.on_token, mine, params.n)
+            job.future.set_result(mine)
 
     @staticmethod
     def _call(job: _Job, fn) -> None:

@@ -182,14 +182,17 @@ class NativeRolloutWorker(EngineBase):
         while True:
             self._helper_turn.wait()
             self._helper_turn.clear()
+            self._drive(None)  # after close() too: calls already made are answered
             if self._closed:
                 return
-            self._drive(None)
 
     def close(self) -> None:
-        """Stop the helper thread (it finishes the loop it runs first)."""
-        self._closed = True
-        self._helper_turn.set()
+        """Stop the helper thread once it has answered the calls made (it exits after its next run)."""
+        with self._swap:
+            self._closed = True
+            if not self._driving and self._helper is not None and self._helper.is_alive():
+                self._driving = True  # the helper takes the role, finds nothing to run and exits
+                self._helper_turn.set()
 
     def _start_loop(self) -> DecodeLoop | None:
         """A loop for the oldest waiting call (the others that sample alike join it); None when no
