@@ -77,3 +77,56 @@ def test_a_backend_back_after_a_long_outage_rejoins_within_one_interval(char_tok
     finally:
         front.stop()
         batcher.close()
+
+
+def test_an_episodes_requests_stay_on_the_backend_that_records_it():
+    """Through the router, an episode's turns (its base URL, or X-Episode-Id) all reach the backend
+    that served its first one, and its recording is read back through the router; other episodes
+    spread over both backends. Its backend down: the episode's next request is a 503 naming it."""
+    from postrl.rollout.agentic.recorder import EpisodeRecorder
+    from tests.chat_templates import family_tokenizer
+    from tests.scripted_engine import ScriptedEngine
+
+    tokenizer = family_tokenizer("qwen2.5")
+    servers, batchers = [], []
+    for _ in range(2):
+        engine = ScriptedEngine(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        engine.script = ["Hello there."] * 20
+        batchers.append(EngineBatcher(engine))
+        limits = ServerLimits(default_max_tokens=16)
+        servers.append(
+            Server(build_app(batchers[-1], tokenizer, "m", limits=limits, recorder=EpisodeRecorder(tokenizer)))
+        )
+    router = LeastOutstandingRouter([s.url for s in servers], health_interval_s=0.2)
+    front = Server(build_router_app(router))
+    try:
+        turn = [{"role": "user", "content": "Hi"}]
+        for episode in ("a", "b", "c", "d"):
+            client = OpenAI(base_url=f"{front.url}/episodes/{episode}/v1", api_key="x", max_retries=0)
+            first = client.chat.completions.create(model="m", messages=turn)
+            history = [*turn, {"role": "assistant", "content": first.choices[0].message.content}]
+            history.append({"role": "user", "content": "More"})
+            second = client.chat.completions.create(model="m", messages=history)
+            history.append({"role": "assistant", "content": second.choices[0].message.content})
+        httpx.post(  # episode d once more, named by the header
+            f"{front.url}/v1/chat/completions",
+            json={"model": "m", "messages": [*history, {"role": "user", "content": "Again"}]},
+            headers={"X-Episode-Id": "d"},
+        )
+        homes = {e: router.sticky[e] for e in "abcd"}
+        assert set(homes.values()) == {s.url for s in servers}  # the episodes spread over both
+        for episode in "abcd":
+            view = httpx.get(f"{front.url}/v1/episodes/{episode}").json()
+            turns = 3 if episode == "d" else 2
+            assert (len(view["samples"]), view["prefix_breaks"], view["turns"]) == (1, 0, turns)
+        home = next(s for s in servers if s.url == homes["a"])
+        home.stop()
+        time.sleep(0.6)
+        reply = httpx.post(f"{front.url}/episodes/a/v1/chat/completions", json={"model": "m", "messages": turn})
+        assert reply.status_code == 503 and "episode a" in reply.text
+    finally:
+        front.stop()
+        for s in servers:
+            s.stop()
+        for b in batchers:
+            b.close()

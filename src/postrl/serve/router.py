@@ -9,6 +9,11 @@ during an outage do not, so a backend that is healthy again rejoins at the next 
 the failed request is retried once on another backend (for a stream: when the failure comes
 before the first byte). ``/health`` reports every backend; ``/update_weights`` is sent to all of
 them (a sync must reach every engine, or the router reports which did not take it).
+
+Recorded episodes are sticky: every request of an episode (its base URL ``/episodes/ID/v1``, an
+``episode_id`` in the body or ``X-Episode-Id``) and ``GET``/``DELETE /v1/episodes/ID`` go to the
+backend that served its first request, where its recording is; if that backend is down the
+request fails (503 naming the episode) rather than starting a broken recording elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from postrl.workers.http_guard import detail
 
 log = logging.getLogger(__name__)
+MAX_STICKY_EPISODES = 100_000  # episodes whose backend the router remembers (the oldest are forgotten)
 
 
 @dataclass
@@ -62,6 +69,7 @@ class LeastOutstandingRouter:
         self.health_interval_s = health_interval_s
         self.token = token
         self.client = httpx.AsyncClient(timeout=timeout_s)
+        self.sticky: OrderedDict[str, str] = OrderedDict()  # episode -> the backend that records it
 
     # -- bookkeeping, kept for callers that read these maps ------------------------------------
     @property
@@ -78,6 +86,24 @@ class LeastOutstandingRouter:
             down = "; ".join(f"{s.url}: {s.last_error or 'unhealthy'}" for s in self.state.values())
             raise NoBackendError(f"no healthy backend to send the request to ({down})", none_healthy=not exclude)
         return min(live, key=lambda s: (s.outstanding, s.served)).url
+
+    def backend_of(self, episode: str) -> str:
+        """The backend that records ``episode``: the least busy healthy one at the episode's first
+        request, the same one for every request after (its recording is there); an episode whose
+        backend is down cannot go on elsewhere."""
+        url = self.sticky.get(episode)
+        if url is None:
+            url = self.pick()
+            self.sticky[episode] = url
+            if len(self.sticky) > MAX_STICKY_EPISODES:
+                self.sticky.popitem(last=False)
+        elif not self.state[url].healthy:
+            raise NoBackendError(
+                f"the backend recording episode {episode} ({url}) is down: {self.state[url].last_error or 'unhealthy'}",
+                none_healthy=True,
+            )
+        self.sticky.move_to_end(episode)
+        return url
 
     def mark_failed(self, url: str, error: str, backoff: bool = True) -> None:
         """Take a backend out of the rotation; a failed request (``backoff``) also delays its return."""
@@ -96,6 +122,9 @@ class LeastOutstandingRouter:
         auth = f"Bearer {self.token}" if self.token else (request_headers or {}).get("authorization")
         if auth:
             out["authorization"] = auth
+        episode = (request_headers or {}).get("x-episode-id")
+        if episode:
+            out["x-episode-id"] = episode
         return out
 
     # -- health ----------------------------------------------------------------------------------
@@ -122,9 +151,21 @@ class LeastOutstandingRouter:
             await asyncio.sleep(self.health_interval_s)
 
     # -- forwarding ------------------------------------------------------------------------------
-    async def _twice(self, attempt: Callable[[str], Awaitable[tuple[Any, str | None]]]) -> Any:
+    async def _twice(
+        self, attempt: Callable[[str], Awaitable[tuple[Any, str | None]]], episode: str | None = None
+    ) -> Any:
         """Run ``attempt(url)`` on the least busy healthy backend and, if it fails (returns an
-        error), once more on another; a failed backend leaves the rotation."""
+        error), once more on another; a failed backend leaves the rotation. A request of a recorded
+        ``episode`` goes to the episode's backend only."""
+        if episode is not None:
+            url = self.backend_of(episode)
+            result, error = await attempt(url)
+            if error is None:
+                return result
+            self.mark_failed(url, error)
+            raise NoBackendError(
+                f"the request of episode {episode} failed on its backend {url}: {error}", none_healthy=True
+            )
         tried: list[str] = []
         errors: list[str] = []
         for _ in range(2):
@@ -144,9 +185,15 @@ class LeastOutstandingRouter:
         raise NoBackendError("the request failed on " + "; then on ".join(errors))
 
     async def forward(
-        self, path: str, body: bytes | None, request_headers: Any = None, method: str = "POST"
+        self,
+        path: str,
+        body: bytes | None,
+        request_headers: Any = None,
+        method: str = "POST",
+        episode: str | None = None,
     ) -> httpx.Response:
-        """Send to the least busy healthy backend; on a failure, once more to another."""
+        """Send to the least busy healthy backend (``episode``: to the one recording it); on a
+        failure, once more to another."""
 
         async def attempt(url: str) -> tuple[httpx.Response | None, str | None]:
             backend = self.state[url]
@@ -165,9 +212,11 @@ class LeastOutstandingRouter:
             backend.consecutive = 0
             return response, None
 
-        return await self._twice(attempt)
+        return await self._twice(attempt, episode)
 
-    async def open_stream(self, path: str, body: bytes, request_headers: Any = None) -> tuple[str, httpx.Response]:
+    async def open_stream(
+        self, path: str, body: bytes, request_headers: Any = None, episode: str | None = None
+    ) -> tuple[str, httpx.Response]:
         """Start a streamed POST; retried on another backend only while nothing has been relayed."""
 
         async def attempt(url: str) -> tuple[tuple[str, httpx.Response] | None, str | None]:
@@ -186,7 +235,7 @@ class LeastOutstandingRouter:
             self.state[url].consecutive = 0
             return (url, response), None
 
-        return await self._twice(attempt)
+        return await self._twice(attempt, episode)
 
     async def broadcast(self, path: str, body: bytes, request_headers: Any = None) -> dict[str, Any]:
         async def one(b: str) -> tuple[str, int, Any]:
@@ -202,6 +251,61 @@ class LeastOutstandingRouter:
 
         results = await asyncio.gather(*(one(b) for b in self.backends))
         return {b: {"status_code": code, "body": body} for b, code, body in results}
+
+
+def _add_forwarding_routes(app: FastAPI, router: LeastOutstandingRouter) -> None:
+    """``POST /v1/...`` and ``/episodes/ID/v1/...`` to a backend (an episode's own, see
+    :meth:`LeastOutstandingRouter.backend_of`); a recording read or taken where it is."""
+
+    async def relay(path: str, request: Request, episode: str | None) -> Response:
+        body = await request.body()
+        try:
+            if _wants_stream(body):
+                url, upstream = await router.open_stream(path, body, request.headers, episode)
+                return _relay(router, url, upstream)
+            response = await router.forward(path, body, request.headers, episode=episode)
+        except NoBackendError as exc:
+            return _no_backend(exc)
+        return _answer(response)
+
+    @app.post("/v1/{endpoint:path}")
+    async def proxy(endpoint: str, request: Request) -> Response:
+        body = await request.body()
+        return await relay(f"/v1/{endpoint}", request, _episode_named(body, request.headers))
+
+    @app.post("/episodes/{episode}/v1/{endpoint:path}")
+    async def proxy_episode(episode: str, endpoint: str, request: Request) -> Response:
+        return await relay(f"/episodes/{episode}/v1/{endpoint}", request, episode)
+
+    @app.api_route("/v1/episodes/{episode}", methods=["GET", "DELETE"])
+    async def recorded(episode: str, request: Request) -> Response:
+        try:
+            response = await router.forward(
+                f"/v1/episodes/{episode}", None, request.headers, method=request.method, episode=episode
+            )
+        except NoBackendError as exc:
+            return _no_backend(exc)
+        if request.method == "DELETE":
+            router.sticky.pop(episode, None)
+        return _answer(response)
+
+
+def _answer(response: httpx.Response) -> Response:
+    return Response(
+        response.content,
+        status_code=response.status_code,
+        media_type=response.headers.get("content-type", "application/json"),
+    )
+
+
+def _episode_named(body: bytes, headers: Any) -> str | None:
+    """The episode a ``/v1`` request records into (``episode_id`` in its body, or ``X-Episode-Id``)."""
+    try:
+        payload = json.loads(body) if body else None
+    except ValueError:
+        payload = None
+    named = payload.get("episode_id") if isinstance(payload, dict) else None
+    return str(named) if named else headers.get("x-episode-id")
 
 
 def _wants_stream(body: bytes) -> bool:
@@ -223,22 +327,7 @@ def build_router_app(router: LeastOutstandingRouter) -> FastAPI:
             await router.client.aclose()
 
     app = FastAPI(title="postrl rollout router", lifespan=lifespan)
-
-    @app.post("/v1/{endpoint:path}")
-    async def proxy(endpoint: str, request: Request) -> Response:
-        body = await request.body()
-        try:
-            if _wants_stream(body):
-                url, upstream = await router.open_stream(f"/v1/{endpoint}", body, request.headers)
-                return _relay(router, url, upstream)
-            response = await router.forward(f"/v1/{endpoint}", body, request.headers)
-        except NoBackendError as exc:
-            return _no_backend(exc)
-        return Response(
-            response.content,
-            status_code=response.status_code,
-            media_type=response.headers.get("content-type", "application/json"),
-        )
+    _add_forwarding_routes(app, router)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -246,11 +335,7 @@ def build_router_app(router: LeastOutstandingRouter) -> FastAPI:
             response = await router.forward("/v1/models", None, request.headers, method="GET")
         except NoBackendError as exc:
             return _no_backend(exc)
-        return Response(
-            response.content,
-            status_code=response.status_code,
-            media_type=response.headers.get("content-type", "application/json"),
-        )
+        return _answer(response)
 
     @app.post("/update_weights")
     async def update(request: Request) -> JSONResponse:

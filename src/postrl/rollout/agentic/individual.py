@@ -63,6 +63,7 @@ def run_individually(
     suspended episode instead of starting one."""
     if not jobs:
         return []
+    runner.suspending.clear()  # a suspend() asks the run in progress, not the next one
     generate: Generate = runner.generate if runner.joins_calls else TurnBatcher(runner.generate)
     signals = _Signals(runner.suspending, threading.Semaphore(runner.env_workers))
     episode = partial(_in_thread, torch.get_num_threads(), partial(_run_episode, runner, generate, turn, signals))

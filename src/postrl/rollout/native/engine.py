@@ -35,9 +35,10 @@ import torch
 from postrl.models.weights import WeightSyncError
 from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.hf_engine import eos_ids
-from postrl.rollout.native.decode_loop import DecodeLoop, Request, SamplingKey, Sequence, sampling_key
+from postrl.rollout.native.decode_loop import DecodeLoop
 from postrl.rollout.native.kv_cache import KeptCaches, KVCache
 from postrl.rollout.native.model import NativeCausalLM
+from postrl.rollout.native.sequences import Request, SamplingKey, Sequence, sampling_key
 from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
 from postrl.types.metric_names import ROLLOUT_DECODE_S, ROLLOUT_PREFILL_S, ROLLOUT_UPDATES_MID_GENERATE
 
