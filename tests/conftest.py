@@ -85,3 +85,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    """A tiny random Llama with the Qwen2.5-style chat template, 1024 positions (episode tests)."""
+    from tests.chat_templates import family_tokenizer
+
+    tokenizer = family_tokenizer("qwen2.5")
+    model = make_tiny_model("llama", tokenizer)
+    model.config.max_position_embeddings = 1024
+    return model, tokenizer

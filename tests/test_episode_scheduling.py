@@ -18,7 +18,6 @@ from postrl.rollout.agentic.turn_batcher import TurnBatcher
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.types import Prompt, Rollout, SamplingParams
 from tests.chat_templates import family_tokenizer
-from tests.conftest import make_tiny_model
 
 LIMITS = EpisodeLimits(max_turns=3, max_tokens_per_turn=6, max_context=1024, end_on_turn_length=False)
 GREEDY = SamplingParams(n=1, temperature=0.0, max_tokens=6)
@@ -62,14 +61,6 @@ class SlowToolEnv:
 
     def close(self) -> None:
         self.log.add(self.name, "close")
-
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer():
-    tokenizer = family_tokenizer("qwen2.5")
-    model = make_tiny_model("llama", tokenizer)
-    model.config.max_position_embeddings = 1024
-    return model, tokenizer
 
 
 def run(model_and_tokenizer, rows, scheduling, joins=True, max_concurrent=None, limits=LIMITS, log=None):

@@ -57,14 +57,6 @@ class UnsavableSlowEnv(SavableSlowEnv):
     load_state_dict = None  # type: ignore[assignment]
 
 
-@pytest.fixture(scope="module")
-def model_and_tokenizer():
-    tokenizer = family_tokenizer("qwen2.5")
-    model = make_tiny_model("llama", tokenizer)
-    model.config.max_position_embeddings = 1024
-    return model, tokenizer
-
-
 def runner_for(model_and_tokenizer, env=SavableSlowEnv) -> EpisodeRunner:
     model, tokenizer = model_and_tokenizer
     engine = NativeRolloutWorker.from_hf(model, tokenizer)
