@@ -10,8 +10,8 @@ Conventions, where published implementations differ:
   (GRPO, RLOO; verl gives such a sample mean 0 / std 1, i.e. its raw reward, which rewards a lone
   sample for the reward's scale).
 - A group whose rewards are all equal gives 0 (the std is 0; ``eps`` keeps it finite).
-- GRPO's std is the unbiased sample std by default (``std: unbiased``, as torch.std and verl), or
-  the population std (``std: biased``, as TRL).
+- GRPO's std is the unbiased sample std by default (``std: unbiased``, as torch.std, verl and TRL,
+  whose ``nanstd`` applies Bessel's correction), or the population std (``std: biased``).
 """
 
 from __future__ import annotations

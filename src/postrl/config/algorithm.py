@@ -40,9 +40,9 @@ class GRPOAdvantage(_Entry):
     norm_by_std: bool = Field(
         True, description="Divide by the group's reward std; false: Dr.GRPO-style mean-centering only."
     )
-    eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing.")
+    eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing (verl: 1e-6, TRL: 1e-4).")
     std: Literal["unbiased", "biased"] = Field(
-        "unbiased", description="The group std: unbiased (n-1, torch and verl) or biased (n, TRL)."
+        "unbiased", description="The group std: unbiased (n-1, as torch, verl and TRL) or biased (n)."
     )
 
 
