@@ -301,9 +301,24 @@ def test_a_large_logprob_mismatch_is_warned_once_naming_both_dtypes():
         "warning: at step 2 the rollout's logprobs differ from the trainer's by up to 1.17 (mismatch KL 0.0300): "
         "rollouts come from the rollout servers at http://127.0.0.1:8200 (in the dtype they were started with: "
         "serve-rollout --dtype), the trainer computes in float32 (bf16 autocast on a GPU). The policy ratio then "
-        "mixes two policies; start the servers with `postrl serve-rollout --dtype float32` (or "
-        "train.precision=bf16_autocast) so both compute alike"
+        "mixes two policies; start the servers with `postrl serve-rollout --dtype float32` (and "
+        "train.precision=float32 on a GPU) so both compute alike in float32; or train.precision=bf16_autocast "
+        "brings the trainer closer to a bf16 engine"
     ]
+    # a setting already in force is never the advice (the issue-43 run was told to set the bf16 autocast it had)
+    both_bf16 = build_config({}, ["rollout.dtype=bfloat16", "train.precision=bf16_autocast"])
+    said.clear()
+    MismatchWatch(both_bf16, said.append).observe(StepMetrics(2, 2, {"rollout/logprob_diff_max": 0.54}))
+    assert said[0].endswith(
+        "the trainer computes in bf16 autocast. The policy ratio then mixes two policies; set rollout.dtype=float32 "
+        "and train.precision=float32 so both compute alike in float32"
+    )
+    fp32 = build_config({}, ["rollout.dtype=float32", "train.precision=float32", "algorithm.old_logprobs=rollout"])
+    said.clear()
+    MismatchWatch(fp32, said.append).observe(StepMetrics(2, 2, {"rollout/logprob_diff_max": 0.54}))
+    assert said[0].endswith(
+        "mixes two policies; algorithm.old_logprobs=recompute corrects the gap with importance weights"
+    )
     # samples that lag the trainer by design differ from it by the lag: nothing to say about precision
     lagging = build_config({}, ["controller.mode=async", "buffer.max_staleness=1"])
     said.clear()

@@ -66,17 +66,41 @@ class MismatchWatch:
         if self.warned or not (diff > self.max_diff or kl > self.max_kl):
             return
         self.warned = True
-        fix = (
-            "start the servers with `postrl serve-rollout --dtype float32`"
-            if self.config.rollout.backend == "openai"
-            else "set rollout.dtype=float32"
-        )
         self.echo(
             f"warning: at step {metrics.step} the rollout's logprobs differ from the trainer's by up to {diff:.2f} "
             f"(mismatch KL {kl:.4f}): rollouts come from {engine_precision(self.config)}, the trainer computes in "
-            f"{trainer_precision(self.config)}. The policy ratio then mixes two policies; {fix} (or "
-            "train.precision=bf16_autocast) so both compute alike"
+            f"{trainer_precision(self.config)}. The policy ratio then mixes two policies; {mismatch_fixes(self.config)}"
         )
+
+
+def mismatch_fixes(config: RunConfig) -> str:
+    """What would bring the engine's logprobs to the trainer's, naming only settings not already in force."""
+    from postrl.train.factory import old_logprobs_source
+
+    r, t = config.rollout, config.train
+    engine_fp32 = (r.dtype or config.model.dtype) == "float32" and r.backend != "openai"
+    fixes = []
+    if not engine_fp32:
+        fixes.append(
+            "start the servers with `postrl serve-rollout --dtype float32`"
+            if r.backend == "openai"
+            else "set rollout.dtype=float32"
+        )
+        if t.precision == "bf16_autocast":
+            fixes[-1] += " and train.precision=float32"
+        elif t.precision == "auto":
+            fixes[-1] += " (and train.precision=float32 on a GPU)"
+        fixes[-1] += " so both compute alike in float32"
+        if t.precision != "bf16_autocast":
+            fixes.append("train.precision=bf16_autocast brings the trainer closer to a bf16 engine")
+    if old_logprobs_source(config) == "rollout":
+        fixes.append("algorithm.old_logprobs=recompute corrects the gap with importance weights")
+    if not fixes:
+        return (
+            "engine and trainer already compute in float32 and the gap is corrected by algorithm.importance; "
+            "a larger gap than float32 rounding means their kernels or weights differ (check the weight sync)"
+        )
+    return "; or ".join(fixes)
 
 
 def run_watches(config: RunConfig, echo: Callable[[str], None]) -> list[Watch]:
