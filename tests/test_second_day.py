@@ -344,3 +344,27 @@ def test_the_console_says_where_workers_run_and_a_url_run_drops_its_working_copy
     assert copies == [] and (tmp_path / "bucket" / "tiny" / "final_model" / "config.json").is_file()
     assert main(["train", config, f"output_dir={url}", "name=kept", "keep_local_copy=true"]) == 0
     assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_an_update_a_bf16_engine_cannot_see_is_warned_once():
+    from postrl.config.loading import build_config
+    from postrl.run.watch import UpdateVisibilityWatch
+    from postrl.types import StepMetrics
+
+    config = build_config({}, ["rollout.dtype=bfloat16", "train.lr=5e-6"])
+    said: list[str] = []
+    watch = UpdateVisibilityWatch(config, said.append)
+    watch.observe(StepMetrics(1, 1, {"train/update_visible_bf16": 0.8}))
+    assert said == []
+    watch.observe(StepMetrics(2, 2, {"train/update_visible_bf16": 0.14}))
+    watch.observe(StepMetrics(3, 3, {"train/update_visible_bf16": 0.1}))
+    assert said == [
+        "warning: at step 2 only 14% of the update (train/update_visible_bf16) changed the bf16 rounding of the "
+        "weights at train.lr=5e-06: the auto engine in bfloat16 samples with that rounding, so it keeps sampling "
+        "from older weights until the changes add up. Set rollout.dtype=float32, or raise train.lr"
+    ]
+    # a float32 engine samples with the master weights themselves: nothing to say
+    said.clear()
+    fp32 = UpdateVisibilityWatch(build_config({}, ["rollout.dtype=float32"]), said.append)
+    fp32.observe(StepMetrics(2, 2, {"train/update_visible_bf16": 0.1}))
+    assert said == []

@@ -80,3 +80,27 @@ def test_one_update_equals_trls_for_every_loss_type_and_reward_scaling(update_pa
         assert row["grad_norm_postrl"] == pytest.approx(row["grad_norm_trl"], rel=1e-5)
     # the comparison tells a different aggregation apart: its bounds are not met by any update
     assert wrong["grad_rel_diff"] > 0.1 and wrong["loss_rel_diff"] > 1e-3
+
+
+def test_the_share_of_an_update_a_bf16_copy_carries(char_tokenizer):
+    """An AdamW step moves each entry by about lr. At lr 1e-9 only entries within 1e-9 of a rounding
+    boundary (weights near 0, whose bf16 step is as small) move their bf16 value; at lr 0.1 every
+    entry's moves (1.0); in between the share grows with the lr, and at lr 1e-6 (the ~0.02 weights'
+    bf16 step is ~1e-4) most of the update stays in the master weights."""
+    from postrl.config.run import AlgorithmConfig, TrainConfig
+    from postrl.train.worker import PolicyTrainer
+    from postrl.types.metric_names import TRAIN_UPDATE_VISIBLE_BF16
+    from tests.conftest import make_tiny_model
+    from tests.test_train_worker import batch_of
+
+    shares = []
+    for lr in (1e-9, 1e-6, 1e-4, 1e-1):
+        model = make_tiny_model("llama", char_tokenizer).float()
+        trainer = PolicyTrainer(model, TrainConfig(lr=lr, mini_batch_size=2, micro_batch_size=2), AlgorithmConfig())
+        shares.append(trainer.update(batch_of(char_tokenizer, [1.0, -1.0])).values[TRAIN_UPDATE_VISIBLE_BF16])
+    assert shares[0] < 0.005 and shares[-1] == 1.0, shares
+    assert shares[0] < shares[1] < 0.5 < shares[2] < 1.0, shares
+    # bf16 master weights have no rounding to measure against: the metric is left out, not written as 0 or 1
+    model = make_tiny_model("llama", char_tokenizer).to(torch.bfloat16)
+    trainer = PolicyTrainer(model, TrainConfig(lr=1e-3, mini_batch_size=2, micro_batch_size=2), AlgorithmConfig())
+    assert TRAIN_UPDATE_VISIBLE_BF16 not in trainer.update(batch_of(char_tokenizer, [1.0, -1.0])).values

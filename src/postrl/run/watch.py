@@ -9,7 +9,12 @@ from typing import Protocol
 
 from postrl.config.run import RunConfig
 from postrl.types import StepMetrics
-from postrl.types.metric_names import REWARD_NO_SIGNAL_GROUPS, ROLLOUT_LOGPROB_DIFF_MAX, ROLLOUT_MISMATCH_KL
+from postrl.types.metric_names import (
+    REWARD_NO_SIGNAL_GROUPS,
+    ROLLOUT_LOGPROB_DIFF_MAX,
+    ROLLOUT_MISMATCH_KL,
+    TRAIN_UPDATE_VISIBLE_BF16,
+)
 
 
 class Watch(Protocol):
@@ -103,11 +108,33 @@ def mismatch_fixes(config: RunConfig) -> str:
     return "; or ".join(fixes)
 
 
+class UpdateVisibilityWatch:
+    """Warns once when most of an update stays in the float32 master weights because a bf16 engine's
+    rounding cannot carry it (``train/update_visible_bf16`` below ``min_share``): the engine then
+    samples from the policy of several steps ago, and learning looks stalled."""
+
+    def __init__(self, config: RunConfig, echo: Callable[[str], None], min_share: float = 0.5) -> None:
+        self.config, self.echo, self.min_share, self.warned = config, echo, min_share, False
+
+    def observe(self, metrics: StepMetrics) -> None:
+        share = metrics.values.get(TRAIN_UPDATE_VISIBLE_BF16, float("nan"))
+        engine = self.config.rollout.dtype or self.config.model.dtype
+        if self.warned or engine == "float32" or not share < self.min_share:
+            return
+        self.warned = True
+        self.echo(
+            f"warning: at step {metrics.step} only {share:.0%} of the update (train/update_visible_bf16) changed the "
+            f"bf16 rounding of the weights at train.lr={self.config.train.lr:g}: {engine_precision(self.config)} "
+            "samples with that rounding, so it keeps sampling from older weights until the changes add up. Set "
+            "rollout.dtype=float32, or raise train.lr"
+        )
+
+
 def run_watches(config: RunConfig, echo: Callable[[str], None]) -> list[Watch]:
     source = "the reward function" if config.scores_with_components else "the environment's rewards (agent.env)"
     if config.agent is not None and config.agent.function is not None and not config.scores_with_components:
         source = "the rewards your agent function returns (agent.function)"
-    return [NoSignalWatch(echo, source=source), MismatchWatch(config, echo)]
+    return [NoSignalWatch(echo, source=source), MismatchWatch(config, echo), UpdateVisibilityWatch(config, echo)]
 
 
 def describe_placement(config: RunConfig) -> str:

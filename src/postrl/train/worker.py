@@ -37,6 +37,7 @@ from postrl.train.micro_batching import token_budget_micro_batches
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.proximal import proximal_policy
 from postrl.train.stats import TOKENS, Stats
+from postrl.train.update_visibility import Bf16Visibility
 from postrl.types import ExperienceBatch, TrainMetrics
 from postrl.types.metric_names import (
     ACTOR_ENTROPY,
@@ -50,6 +51,7 @@ from postrl.types.metric_names import (
     ROLLOUT_IS_WEIGHT_MEAN,
     ROLLOUT_LOGPROB_DIFF_MAX,
     ROLLOUT_MISMATCH_KL,
+    TRAIN_UPDATE_VISIBLE_BF16,
 )
 
 # measured on the update's first optimizer step only: the behaviour policy against the proximal one
@@ -120,6 +122,7 @@ class PolicyTrainer:
         self.optimization = Optimization(model, OptimizerSettings.of_train(train))
         self.generator = torch.Generator().manual_seed(seed)
         self.forward_paths: Counter[ForwardPath] = Counter()  # micro-batch forwards per path (plan_forward)
+        self.visibility = Bf16Visibility(model)
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
         """The policy update over ``batch``, with its peak memory (``memory/train_peak_mb``)."""
@@ -137,6 +140,7 @@ class PolicyTrainer:
         steps_at_start = self.optimization.steps
         orders = [self._group_shuffled_order(batch) for _ in range(self.cfg.epochs)]
         batch = self.proximal.prepare(batch, orders[0])
+        self.visibility.start()
         starts = range(0, batch.size, self.cfg.mini_batch_size)
         for epoch, order in enumerate(orders):
             for i, start in enumerate(starts):
@@ -157,6 +161,9 @@ class PolicyTrainer:
         values[ACTOR_GRAD_NORM] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         values[ACTOR_LR] = self.optimization.lr
         values[ACTOR_SKIPPED_UPDATES] = float(self.optimization.skipped)
+        visible = self.visibility.share()
+        if visible is not None:
+            values[TRAIN_UPDATE_VISIBLE_BF16] = visible
         return TrainMetrics(values, self.optimization.steps, self.optimization.skipped)
 
     def _group_shuffled_order(self, batch: ExperienceBatch) -> torch.Tensor:

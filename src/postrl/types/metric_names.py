@@ -24,6 +24,8 @@ ACTOR_KL_BETA = "actor/kl_beta"
 ACTOR_LOSS = "actor/loss"
 ACTOR_LR = "actor/lr"
 ACTOR_SKIPPED_UPDATES = "actor/skipped_updates"
+# the share of an update (|change| of the float32 master weights) that moves their bf16 rounding
+TRAIN_UPDATE_VISIBLE_BF16 = "train/update_visible_bf16"
 
 # the Experience Buffer
 BUFFER_DROPPED = "buffer/dropped"
