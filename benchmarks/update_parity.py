@@ -42,7 +42,12 @@ from postrl.tasks.char_tokenizer import build_char_tokenizer
 
 PROMPTS, G, MAX_TOKENS, LR = 4, 4, 12, 1e-3
 # TRL loss_type -> postrl loss_agg
-LOSS_TYPES = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm", "dapo": "token_mean"}  # fmt: skip
+LOSS_TYPES = {
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+    "dapo": "token_mean",
+}
 SCALES = ("group", "none")
 # micro-batches per optimizer step; TRL's bnpo normalises per micro-batch, so it is compared with one
 MICRO_BATCHES = {"grpo": (1, 2), "bnpo": (1,), "dr_grpo": (1, 2), "dapo": (1, 2)}
@@ -376,10 +381,16 @@ def main() -> None:
         skip("TRL is not installed (pip install -e '.[bench]' or scripts/setup_bench.sh)", args.json)
         return
     torch.set_num_threads(1)  # the same reduction order on both sides, whatever the machine
-    rows = run(args.smoke, args.seed, args.forward)
-    wrong = control(args.seed)
-    print(f"{'TRL loss_type/scale_rewards/micro-batches':<34}{'loss':>12}{'loss rel':>10}{'grad rel':>10}"
-          f"{'grad cos':>12}{'weights rel':>12}{'update rel':>12}  ok")  # fmt: skip
+    if not report(run(args.smoke, args.seed, args.forward), control(args.seed), args.json):
+        sys.exit(1)
+
+
+def report(rows: dict, wrong: dict[str, float], as_json: bool) -> bool:
+    """The table, the worst figures and the control; with ``as_json`` the JSON line. True when every bound holds."""
+    print(
+        f"{'TRL loss_type/scale_rewards/micro-batches':<34}{'loss':>12}{'loss rel':>10}{'grad rel':>10}"
+        f"{'grad cos':>12}{'weights rel':>12}{'update rel':>12}  ok"
+    )
     for key, r in rows.items():
         print(
             f"{key:<34}{r['loss_trl']:>12.6f}{r['loss_rel_diff']:>10.1e}{r['grad_rel_diff']:>10.1e}"
@@ -395,14 +406,24 @@ def main() -> None:
     ok = all(r["ok"] for r in rows.values()) and all(math.isfinite(v) for v in worst.values())
     print(f"worst: {worst}; every variant within {BOUND:g}: {ok}")
     seen = wrong["grad_rel_diff"] > 100 * BOUND
-    print(f"control (postrl seq_mean_token_mean against TRL dapo): grad rel {wrong['grad_rel_diff']:.1e}, "
-          f"loss rel {wrong['loss_rel_diff']:.1e}: {'told apart' if seen else 'NOT TOLD APART'}")  # fmt: skip
+    print(
+        f"control (postrl seq_mean_token_mean against TRL dapo): grad rel {wrong['grad_rel_diff']:.1e}, "
+        f"loss rel {wrong['loss_rel_diff']:.1e}: {'told apart' if seen else 'NOT TOLD APART'}"
+    )
     ok = ok and seen
-    if args.json:
-        print(json.dumps({"variants": rows, "worst": worst, "control_grad_rel_diff": wrong["grad_rel_diff"],
-                          "all_within_bounds": ok, "bound": BOUND}))  # fmt: skip
-    if not ok:
-        sys.exit(1)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "variants": rows,
+                    "worst": worst,
+                    "control_grad_rel_diff": wrong["grad_rel_diff"],
+                    "all_within_bounds": ok,
+                    "bound": BOUND,
+                }
+            )
+        )
+    return ok
 
 
 if __name__ == "__main__":
