@@ -75,4 +75,7 @@ def test_dpo_matches_golden_values(tmp_path, tiny_model_dir):
     )
     assert main(["dpo", str(config)]) == 0
     keys = ["dpo/loss", "dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "actor/grad_norm"]
-    check_golden("dpo", tmp_path / "runs" / "d", keys)
+    # lr 1e-2 moves each weight by about 3e-2 over the three steps; the sin-weighted fingerprint (a sum
+    # with cancellation, -6.26) differed by 1.5e-6 relative between two CPU models' kernels, while a
+    # change to the loss moves it by far more than 1e-5
+    check_golden("dpo", tmp_path / "runs" / "d", keys, rel=1e-5)
