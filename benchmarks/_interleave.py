@@ -1,7 +1,8 @@
 """Benchmarks that compare frameworks step by step: each framework runs in a process of its own
 (its memory and threads are its own) and takes one step each time the parent lets it, so a slow
 phase of the shared machine hits every framework alike. The worker prints one marked JSON line per
-step and waits for a line on stdin; the parent rotates the order every round."""
+step and waits for a line on stdin (``go``, or ``stop`` where the parent ends the run early); the
+parent rotates the order every round."""
 
 from __future__ import annotations
 
@@ -11,17 +12,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MARK = "@@step "  # the lines of the worker protocol on stdout (the frameworks print too)
+STOP = "stop"
 
 
 def wait_for_turn(**reply: object) -> float:
     """A worker's step is done: report it, wait until the parent says go (another framework's step
     runs meanwhile), and return the time the next step starts."""
+    return turn(**reply) or time.perf_counter()
+
+
+def turn(**reply: object) -> float | None:
+    """As :func:`wait_for_turn`, or None where the parent says stop: the worker ends its run after
+    this step and replies once more, with ``"last": true``."""
     print(MARK + json.dumps(reply), flush=True)
-    sys.stdin.readline()
-    return time.perf_counter()
+    said = sys.stdin.readline().strip()
+    return None if said == STOP else time.perf_counter()
 
 
 class Worker:
@@ -48,20 +57,29 @@ class Worker:
             raise RuntimeError(f"the {self.framework} worker exited ({self.proc.wait()}) before it replied")
         return got
 
-    def go(self) -> None:
+    def go(self, word: str = "go") -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
+        self.proc.stdin.write(word + "\n")
         self.proc.stdin.flush()
 
 
-def run_interleaved(commands: dict[str, list[str]], rounds: int, log: Path | None = None) -> dict[str, list[dict]]:
+def run_interleaved(
+    commands: dict[str, list[str]],
+    rounds: int,
+    log: Path | None = None,
+    stop: Callable[[str, dict[str, list[dict]]], bool] | None = None,
+) -> dict[str, list[dict]]:
     """A worker per framework (``name -> command``), each started once the one before has replied
     to its first step (at once they would oversubscribe the cores),
     then ``rounds - 1`` more rounds of one step each, in an order that rotates every round; a worker
     whose reply says ``"last": true`` has finished and leaves the rotation, and one still going
-    after the rounds goes on alone until it says so. Every reply, by framework."""
+    after the rounds goes on alone until it says so. ``stop(name, replies)`` true tells a worker to
+    stop instead of go. Every reply, by framework."""
     replies: dict[str, list[dict]] = {name: [] for name in commands}
     workers: list[Worker] = []
+
+    def go(w: Worker) -> None:
+        w.go(STOP if stop is not None and stop(w.framework, replies) else "go")
 
     def take(w: Worker) -> None:
         reply = w.reply()
@@ -78,11 +96,11 @@ def run_interleaved(commands: dict[str, list[str]], rounds: int, log: Path | Non
             break
         order = live[step % len(live) :] + live[: step % len(live)]
         for w in order:
-            w.go()
+            go(w)
             take(w)
     for w in workers:
         while not w.done:
-            w.go()
+            go(w)
             take(w)
         w.proc.wait()
     return replies
