@@ -46,7 +46,7 @@ CANDIDATES = [
     {"name": "lcm", "config": {"min_value": 2, "max_value": 12}},
     {"name": "leg_counting", "config": {"min_animals": 1, "max_animals": 2, "max_instances": 3}},
     {"name": "products", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
-    {"name": "count_bits", "config": {"max_n": 64}},
+    {"name": "count_bits", "config": {"max_n": 1000}},
     {"name": "letter_counting", "config": {"min_words": 3, "max_words": 5}},
     {"name": "simple_equations", "config": {"min_terms": 2, "max_terms": 2, "max_value": 20}},
     {"name": "decimal_chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
@@ -97,6 +97,10 @@ def prepare(tasks: list[dict], seed: int, folder: Path, smoke: bool) -> Path:
     train = build_gym_prompts(gym, tokenizer, gym.seed, gym.size, 256).prompts
     random.Random(seed).shuffle(train)
     heldout, _ = held_out(gym, tokenizer, 256, {question_of(p.columns) for p in train})
+    kept = {t["name"]: sum(p.task_type == t["name"] for p in heldout.prompts) for t in tasks}
+    if not smoke and (few := {name: n for name, n in kept.items() if n < VAL_PER_TASK // 2}):
+        raise SystemExit(f"held-out problems left after dropping training questions: {few} (of {VAL_PER_TASK} "
+                         "each): a task with so few distinct problems cannot be measured; widen its config")  # fmt: skip
     write_rows(out / "train.jsonl", train)
     write_rows(out / "heldout.jsonl", heldout.prompts)
     return out
@@ -187,7 +191,15 @@ def postrl_worker(args: argparse.Namespace) -> dict:
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.run.interrupt import RunInterrupted
     from postrl.run.train_runner import train
-    from postrl.types.metric_names import TIME_STEP_S, TIME_VALIDATE_S, VAL_ACCURACY, task_accuracy
+    from postrl.types.metric_names import (
+        ACTOR_GRAD_NORM,
+        RESPONSE_LENGTH_MEAN,
+        REWARD_MEAN,
+        TIME_STEP_S,
+        TIME_VALIDATE_S,
+        VAL_ACCURACY,
+        task_accuracy,
+    )
 
     tmp = Path(tempfile.mkdtemp(prefix="parity-postrl-"))
     steps = 2 if args.smoke else args.steps
@@ -205,7 +217,8 @@ def postrl_worker(args: argparse.Namespace) -> dict:
             state["wall"] += values[TIME_STEP_S] - values.get(TIME_VALIDATE_S, 0.0)
         else:  # everything between two steps, less the held-out evaluation
             state["wall"] += time.perf_counter() - state["last"] - values.get(TIME_VALIDATE_S, 0.0)
-        reply: dict[str, Any] = {"step": metrics.step, "wall_s": state["wall"]}
+        reply: dict[str, Any] = {"step": metrics.step, "wall_s": state["wall"], "reward": values[REWARD_MEAN],
+                                 "length": values[RESPONSE_LENGTH_MEAN], "grad_norm": values[ACTOR_GRAD_NORM]}  # fmt: skip
         if VAL_ACCURACY in values:
             per_task = {t: values[task_accuracy(t, "val")] for t in tasks}
             curve.append(
@@ -270,7 +283,8 @@ def trl_worker(args: argparse.Namespace) -> dict:
             if not logs or "reward" not in logs:
                 return
             self.wall += time.perf_counter() - self.last
-            reply: dict[str, Any] = {"step": state.global_step, "wall_s": self.wall}
+            reply: dict[str, Any] = {"step": state.global_step, "wall_s": self.wall, "reward": logs["reward"],
+                                     "length": logs.get("completions/mean_length"), "grad_norm": logs.get("grad_norm")}  # fmt: skip
             over = self.wall >= args.minutes * 60 or state.global_step >= steps
             if state.global_step % args.eval_every == 0 or over:
                 acc, per_task = accuracy_of(trainer.model, tokenizer, heldout)

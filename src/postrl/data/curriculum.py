@@ -16,7 +16,7 @@ import torch
 from postrl.config.reasoning_gym import ReasoningGymConfig, max_level
 from postrl.data.dataset import DatasetError, PromptDataset
 from postrl.data.reasoning_gym import build_gym_prompts, shares
-from postrl.data.sampler import PromptSampler
+from postrl.data.sampler import PromptSampler, with_stream
 from postrl.types import Prompt
 
 
@@ -69,7 +69,7 @@ class LeveledDraw:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.drawn)
             task = names[int(torch.multinomial(self.weights, 1, generator=gen))]
             pool, sampler = self.sampler(task)
-            out.append(pool[sampler.next_indices(1)[0]])
+            out.append(with_stream(pool[sampler.next_indices(1)[0]], self.seed, self.drawn))
             self.drawn += 1
         return out
 

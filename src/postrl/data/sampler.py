@@ -3,9 +3,12 @@ prompt draws built on it."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from postrl.rollout.streams import derive
 
 if TYPE_CHECKING:
     from postrl.data.dataset import PromptDataset
@@ -53,6 +56,12 @@ class PromptSampler:
         self._order = self._order_for(self.epoch)
 
 
+def with_stream(prompt: Prompt, seed: int, drawn: int) -> Prompt:
+    """The ``drawn``-th prompt of a run seeded ``seed``, naming the random stream its samples are
+    drawn from (:mod:`postrl.rollout.streams`): the same draw samples alike, however it is batched."""
+    return dataclasses.replace(prompt, stream=derive(seed, drawn))
+
+
 class PromptDraw(Protocol):
     """Where a run's prompts come from, batch after batch; its state is saved in checkpoints."""
 
@@ -78,7 +87,10 @@ class DatasetDraw:
         return self.sampler.epoch
 
     def next_prompts(self, count: int) -> list[Prompt]:
-        return [self.dataset[i] for i in self.sampler.next_indices(count)]
+        s = self.sampler
+        drawn = s.epoch * s.size + s.position  # prompts drawn before these: each epoch is whole
+        picked = s.next_indices(count)
+        return [with_stream(self.dataset[i], s.seed, drawn + k) for k, i in enumerate(picked)]
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

@@ -22,6 +22,7 @@ from postrl.models.weights import load_state_checked
 from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
+from postrl.rollout.streams import derive, prompt_key, uniforms
 from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback
 
 log = logging.getLogger(__name__)
@@ -74,11 +75,14 @@ class HFRolloutWorker(EngineBase):
         """``on_token`` (optional) sees every token as it is sampled, for streaming."""
         with self._busy:
             self.check_version(weight_version)
-            self.seed(sampling_params.seed)
-            rows = [(i, k, p.prompt_ids) for i, p in enumerate(prompts) for k in range(sampling_params.n)]
+            sp = sampling_params
+            rows = [(i, k, p.prompt_ids) for i, p in enumerate(prompts) for k in range(sp.n)]
+            streams = [prompt_key(p.stream, sp.seed, i, self.generator) for i, p in enumerate(prompts)]
+            keys = [derive(streams[i], k) for i, k, _ in rows]
             out: list[Rollout] = []
             for start in range(0, len(rows), self.max_batch_size):
-                out.extend(self._generate_batch(rows[start : start + self.max_batch_size], sampling_params, on_token))
+                end = start + self.max_batch_size
+                out.extend(self._generate_batch(rows[start:end], sp, on_token, keys[start:end]))
             return out
 
     def update_weights(
@@ -118,9 +122,15 @@ class HFRolloutWorker(EngineBase):
 
     @torch.no_grad()
     def _generate_batch(
-        self, rows: list[tuple[int, int, list[int]]], sp: SamplingParams, on_token: TokenCallback | None = None
+        self,
+        rows: list[tuple[int, int, list[int]]],
+        sp: SamplingParams,
+        on_token: TokenCallback | None = None,
+        keys: list[int] | None = None,
     ) -> list[Rollout]:
+        """``keys``: each row's random stream (:mod:`postrl.rollout.streams`; None: greedy only)."""
         device = next(self.model.parameters()).device
+        streams = torch.tensor(keys if keys is not None else [0] * len(rows), dtype=torch.long, device=device)
         input_ids, attention, positions = self._left_padded(rows, device)
         n = len(rows)
         stop_tensor = torch.tensor(sorted(self._eos | set(sp.stop_token_ids)), dtype=torch.long, device=device)
@@ -130,8 +140,9 @@ class HFRolloutWorker(EngineBase):
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         cache, next_logits = output_cache(out), out.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
-        for _ in range(sp.max_tokens):
-            tokens, token_lp = sample_tokens(next_logits, sp.temperature, sp.top_k, sp.top_p, self.generator)
+        for step in range(sp.max_tokens):
+            u = uniforms(streams, torch.full_like(streams, step))
+            tokens, token_lp = sample_tokens(next_logits, sp.temperature, sp.top_k, sp.top_p, u)
             tokens = torch.where(done, torch.full_like(tokens, self.pad_id), tokens)
             hit_stop_id = (torch.isin(tokens, stop_tensor) & ~done).tolist()
             top = top_logprobs(next_logits, sp.temperature, sp.top_logprobs) if sp.top_logprobs else None

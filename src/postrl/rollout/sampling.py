@@ -1,4 +1,5 @@
-"""Token sampling for all running sequences at once: temperature, top-k, top-p, seeded."""
+"""Token sampling for all running sequences at once: temperature, top-k, top-p, each row with the
+uniforms of its own random stream (:mod:`postrl.rollout.streams`)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (token ids [B], logprob [B]).
+    """Sample one token per row with the row's two uniforms ``u`` ``[B, 2]``; returns (token ids
+    [B], logprob [B]).
 
     The logprob is that of the sampled token under the temperature-scaled, *unfiltered*
     distribution: the same quantity the Train Worker recomputes (log_softmax(logits / T)).
@@ -39,14 +41,15 @@ def sample_tokens(
         probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
     else:
         probs = logprobs.exp()
-    tokens = sample_categorical(probs, generator)
+    tokens = sample_categorical(probs, u)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator, block: int = 512) -> torch.Tensor:
+def sample_categorical(probs: torch.Tensor, u: torch.Tensor, block: int = 512) -> torch.Tensor:
     """Exact inverse-CDF sampling from ``probs`` ``[B, V]`` in two levels: first a block of
-    ``block`` tokens by its mass, then a token inside it. Two uniforms per row, instead of the
-    V exponentials ``torch.multinomial`` draws (which dominate a CPU decode step at V = 49k).
+    ``block`` tokens by its mass, then a token inside it. Two uniforms per row (``u`` ``[B, 2]``),
+    instead of the V exponentials ``torch.multinomial`` draws (which dominate a CPU decode step at
+    V = 49k).
     """
     rows, vocab = probs.shape
     pad = (-vocab) % block
@@ -54,7 +57,7 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator, block: i
         probs = torch.nn.functional.pad(probs, (0, pad))
     blocks = probs.view(rows, -1, block)
     block_cdf = blocks.sum(-1).cumsum(-1)
-    u = torch.rand(rows, 2, generator=generator, device=probs.device, dtype=probs.dtype)
+    u = u.to(device=probs.device, dtype=probs.dtype)
     target = u[:, :1] * block_cdf[:, -1:]
     b = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
     # sample inside the block, a block whose mass is zero cannot be chosen

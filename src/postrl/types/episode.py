@@ -108,6 +108,7 @@ class EpisodeState:
     env_s: float
     generate_s: float
     env_state: dict[str, Any] | None  # None: the environment failed before (the episode is over)
+    stream: int | None = None  # its random stream (postrl.rollout.streams), for the turns to come
 
 
 def turn_of_state(state: dict[str, Any]) -> Turn:

@@ -25,6 +25,9 @@ class Prompt:
     # continues from it when the next call's prompt extends it (multi-turn); with n > 1 sample k is
     # kept as f"{cache_key}#{k}"
     cache_key: str | None = None
+    # the random stream its samples are drawn from (postrl.rollout.streams), named by the run's
+    # prompt draw from the seed and the prompt's place in the draw; None: the engine picks one
+    stream: int | None = None
 
     @property
     def task_type(self) -> str | None:

@@ -35,6 +35,7 @@ from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, SavableEnvironment, StepResult
 from postrl.rollout.agentic.individual import run_individually
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
+from postrl.rollout.streams import derive
 from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
 from postrl.types.episode import Episode, EpisodeState, TrajectorySample, Turn
 from postrl.types.metric_names import AGENT
@@ -76,6 +77,17 @@ class LiveEpisode:
     finish: str | None = None
     env_s: float = 0.0
     generate_s: float = 0.0
+    stream: int | None = None  # its random stream: turn t samples from derive(stream, t)
+
+
+def episode_jobs(prompts: list[Prompt], n: int) -> list[tuple[int, Prompt]]:
+    """The ``n`` episodes of each prompt, in order; episode k of a prompt with a random stream
+    samples from its k-th (:mod:`postrl.rollout.streams`), whenever its turns reach the engine."""
+
+    def own(p: Prompt, k: int) -> Prompt:
+        return p if p.stream is None else replace(p, stream=derive(p.stream, k))
+
+    return [(i, own(p, k)) for i, p in enumerate(prompts) for k in range(n)]
 
 
 class EpisodeRunner:
@@ -107,7 +119,7 @@ class EpisodeRunner:
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
         """``sampling.n`` episodes of each prompt, their rollouts grouped by prompt, in order."""
-        jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        jobs = episode_jobs(prompts, sampling.n)
         if self.scheduling == "individual":
             return run_individually(self, jobs, self._turn_sampling(sampling))
         resets: list[Callable[[], Any]] = [partial(self.reset_env, p) for _, p in jobs]
@@ -142,7 +154,7 @@ class EpisodeRunner:
         assert isinstance(e.env, SavableEnvironment), "only an episode whose environment saves its state is suspended"
         return EpisodeState(
             e.key, e.messages, e.seen, e.sample, e.done_samples, e.turns, e.contents, e.rewards, e.info, e.breaks,
-            e.env_s, e.generate_s, e.env.state_dict(),
+            e.env_s, e.generate_s, e.env.state_dict(), e.stream,
         )  # fmt: skip
 
     @staticmethod
@@ -165,7 +177,7 @@ class EpisodeRunner:
         s = state
         return LiveEpisode(
             prompt_index, s.key, env, s.messages, s.seen, s.sample, s.done_samples, s.turns, s.contents, s.rewards,
-            s.info, s.breaks, None, s.env_s, s.generate_s,
+            s.info, s.breaks, None, s.env_s, s.generate_s, s.stream,
         )  # fmt: skip
 
     def _turn_sampling(self, sampling: SamplingParams) -> SamplingParams:
@@ -223,7 +235,9 @@ class EpisodeRunner:
                 f"prompt{where} renders to {len(ids)} tokens: agent.max_context={self.limits.max_context} leaves no "
                 "room for a turn"
             )
-        return LiveEpisode(index, f"episode-{next(_keys)}", env, messages, text, TrajectorySample(ids))
+        return LiveEpisode(
+            index, f"episode-{next(_keys)}", env, messages, text, TrajectorySample(ids), stream=prompt.stream
+        )
 
     def budget(self, e: LiveEpisode) -> int:
         """New tokens the episode's next turn may have; 0: its context is full (it ends, max_context)."""
@@ -234,7 +248,8 @@ class EpisodeRunner:
 
     @staticmethod
     def turn_prompt(e: LiveEpisode) -> Prompt:
-        return Prompt(e.seen, e.sample.context, cache_key=e.key)
+        stream = None if e.stream is None else derive(e.stream, len(e.turns))
+        return Prompt(e.seen, e.sample.context, cache_key=e.key, stream=stream)
 
     @staticmethod
     def check_trajectory(e: LiveEpisode, r: Rollout) -> None:

@@ -24,6 +24,7 @@ from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, KVCache, shared_pr
 from postrl.rollout.native.sequences import ForwardPass, Request, SamplingKey, Sequence, sampling_key
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
+from postrl.rollout.streams import derive, prompt_key, uniforms
 
 if TYPE_CHECKING:
     from postrl.rollout.native.engine import NativeRolloutWorker
@@ -55,6 +56,7 @@ class DecodeLoop:
         self.waiting: deque[tuple[int, list[int]]] = deque()  # (loop prompt index, ids)
         self.owner: list[tuple[Request, int]] = []  # loop prompt index -> (request, its index there)
         self.keys: list[str | None] = []
+        self.streams: list[int] = []  # loop prompt index -> its random stream
         self.remaining: dict[int, int] = {}
         self.active: dict[int, Sequence] = {}
         self.free: list[int] = []
@@ -77,6 +79,7 @@ class DecodeLoop:
             g = len(self.owner)
             self.owner.append((request, i))
             self.keys.append(p.cache_key)
+            self.streams.append(prompt_key(p.stream, request.sp.seed, i, self.e.generator))
             self.remaining[g] = request.sp.n
             self.waiting.append((g, p.prompt_ids))
         wanted = sum(self.remaining[g] for g, _ in self.waiting) + len(self.active)
@@ -150,7 +153,9 @@ class DecodeLoop:
             row_slots.append(slots)
             logits.append(lg)
         slots, rows = torch.cat(row_slots), torch.cat(logits)
-        tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, self.e.generator)
+        sampled = [self.active[s] for s in slots.tolist()]
+        u = uniforms(torch.tensor([q.stream for q in sampled]), torch.tensor([len(q.tokens) for q in sampled]))
+        tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, u)
         top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
         self._record(slots, tokens, lps, top)
 
@@ -210,7 +215,7 @@ class DecodeLoop:
             request, i = self.owner[g]
             started = request.sp.n - self.remaining[g]
             for k in range(started, request.sp.n):
-                request.finish(Sequence(i, k, ids, request), "suspended")
+                request.finish(Sequence(i, k, ids, request, derive(self.streams[g], k)), "suspended")
             self.remaining[g] = 0
         self.waiting.clear()
 
@@ -325,7 +330,8 @@ class DecodeLoop:
             first = self._first_sample_index(i, len(slots))
             for k, s in enumerate(slots):
                 key = self.keys[i] if self.keys[i] is None or request.sp.n == 1 else f"{self.keys[i]}#{first + k}"
-                self.active[s] = Sequence(local, first + k, ids, request, cache_key=key)
+                stream = derive(self.streams[i], first + k)
+                self.active[s] = Sequence(local, first + k, ids, request, stream, cache_key=key)
                 self.kv_version[s] = self.kept_versions.get(i, self.e.weight_version)
                 self.pos[s] = len(ids)
                 self.is_active[s] = True

@@ -203,7 +203,6 @@ class NativeRolloutWorker(EngineBase):
                 return None
             first = self._inbox.pop(0)
             self._generating, self._suspending = True, False
-        self.seed(first.sp.seed)
         try:
             self._loop = DecodeLoop(self, first, self._joiners)
         except BaseException as exc:

@@ -75,6 +75,7 @@ class Sequence:
     sample_index: int
     prompt_ids: list[int]
     request: Request
+    stream: int  # its random stream (postrl.rollout.streams)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
