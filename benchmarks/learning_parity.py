@@ -55,7 +55,7 @@ CANDIDATES = [
 ]  # fmt: skip
 PASS_PROBLEMS, PASS_K, PASS_LOW, PASS_HIGH, CHOSEN = 24, 8, 0.2, 0.6, 3
 PROMPTS, G, NEW_TOKENS, MICRO, LR = 8, 8, 48, 16, 1e-5
-TRAIN_SIZE, VAL_PER_TASK = 600, 50
+TRAIN_SIZE, VAL_PER_TASK = 400, 50
 POSTRL_STEP_CAP = 8  # postrl runs at most this many times TRL's steps while catching up on wall time
 
 
@@ -98,7 +98,7 @@ def prepare(tasks: list[dict], seed: int, folder: Path, smoke: bool) -> Path:
     random.Random(seed).shuffle(train)
     heldout, _ = held_out(gym, tokenizer, 256, {question_of(p.columns) for p in train})
     kept = {t["name"]: sum(p.task_type == t["name"] for p in heldout.prompts) for t in tasks}
-    if not smoke and (few := {name: n for name, n in kept.items() if n < VAL_PER_TASK // 2}):
+    if not smoke and (few := {name: n for name, n in kept.items() if n < VAL_PER_TASK // 3}):
         raise SystemExit(f"held-out problems left after dropping training questions: {few} (of {VAL_PER_TASK} "
                          "each): a task with so few distinct problems cannot be measured; widen its config")  # fmt: skip
     write_rows(out / "train.jsonl", train)

@@ -4,6 +4,7 @@ reward is 1 when the model's turn contains the secret."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -140,3 +141,19 @@ def sigterm_twice(proc, started, wait_s: float = 60.0) -> tuple[float, str]:
         proc.kill()
         return float("inf"), proc.communicate()[1]
     return time.monotonic() - second, err
+
+
+class JitteryGuess(GuessNumber):
+    """Two turns, each step answered after a random delay (the OS's randomness, not the run's seed):
+    episodes' turns reach the engine in another order on every run."""
+
+    def reset(self, row):
+        self.turns = 0
+        return super().reset(row)
+
+    def step(self, action):
+        time.sleep(random.SystemRandom().uniform(0.0, 0.03))
+        self.turns += 1
+        if self.turns < 2:
+            return StepResult([{"role": "user", "content": "again"}], reward=0.0)
+        return StepResult([], reward=float(self.secret in action), done=True)

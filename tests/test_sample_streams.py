@@ -86,9 +86,7 @@ def sampled_episodes(model_and_tokenizer, scheduling: str, delays: list[float], 
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_sampled_individual_episodes_give_the_same_tokens_whatever_the_timing_and_threads(
-    model_and_tokenizer, threads
-):
+def test_sampled_individual_episodes_give_the_same_tokens_whatever_the_timing_and_threads(model_and_tokenizer, threads):
     shuffled = random.Random(0)
     runs = []
     for _ in range(2):  # the tools answer in another order each time: the turns join the engine in another order
@@ -111,7 +109,6 @@ def test_a_prompt_samples_alike_alone_and_batched_with_others(model_and_tokenize
     assert [r.response_ids for r in reordered[2:4]] == [r.response_ids for r in together[4:6]]
 
 
-
 def test_a_call_with_a_seed_samples_alike_whatever_came_before(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = NativeRolloutWorker.from_hf(model, tokenizer)
@@ -122,3 +119,41 @@ def test_a_call_with_a_seed_samples_alike_whatever_came_before(model_and_tokeniz
     assert [r.response_ids for r in engine.generate(unnamed, seeded, None)] == first
     unseeded = [[r.response_ids for r in engine.generate(unnamed, SAMPLED, None)] for _ in range(2)]
     assert unseeded[0] != unseeded[1]  # without a seed the generator moves on
+
+
+def test_an_individually_scheduled_agent_run_repeats_token_for_token_on_1_and_2_threads(tmp_path):
+    """``postrl train`` on a two-turn environment whose steps answer after random delays, with the
+    default individual scheduling: the same config and seed give the same tokens and rewards, and the
+    same metrics up to the rounding of the engine's logprobs, which still varies with the batch the
+    turns were computed in (bitwise equal metrics need batch-invariant kernels)."""
+    import json
+
+    from postrl.cli import main
+    from tests.test_third_day import agent_run
+
+    # timings, and the largest engine-trainer logprob gap, which is the rounding itself
+    timing = ("time/", "throughput/", "perf/", "_s", "memory/", "logprob_diff")
+    runs = []
+    before = torch.get_num_threads()
+    try:
+        for i, threads in enumerate((1, 2, 2)):
+            torch.set_num_threads(threads)
+            args = agent_run(tmp_path, f"name=run{i}", "steps=2", "agent.env=tests.fault_envs:JitteryGuess",
+                             "agent.max_context=120", "rollout.temperature=1.0")  # fmt: skip
+            assert main(args) == 0
+            run = tmp_path / "runs" / f"run{i}"
+            samples = [[(s["prompt_index"], s["response"], s["reward"]) for s in map(json.loads, open(f))]
+                       for f in sorted((run / "samples").glob("step_*.jsonl"))]  # fmt: skip
+            metrics = [{k: v for k, v in json.loads(line).items() if not any(t in k for t in timing)}
+                       for line in (run / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+            runs.append((samples, metrics))
+    finally:
+        torch.set_num_threads(before)
+    assert runs[0][0] == runs[1][0] == runs[2][0]  # every sample's tokens and reward
+    for _, metrics in runs[1:]:
+        assert len(metrics) == len(runs[0][1]) == 2
+        for got, want in zip(metrics, runs[0][1], strict=True):
+            assert got.keys() == want.keys()
+            assert got == {k: pytest.approx(v, rel=1e-3, abs=1e-5) for k, v in want.items()}
+    responses = [r for step in runs[0][0] for _, r, _ in step]
+    assert len(responses) == 16 and len(set(responses)) > 4  # sampled: the episodes differ

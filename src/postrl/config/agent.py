@@ -61,7 +61,8 @@ class AgentConfig(Section):
         description="individual: each episode runs on its own, its turn goes to the engine as soon as its "
         "environment answers, and one waiting on a tool delays no other (the native engine batches the turns in "
         "flight continuously); lockstep: every turn waits for all running episodes' turns and steps their "
-        "environments together (the same seed gives the same tokens, which individual scheduling does not promise).",
+        "environments together. Both give the same tokens for the same seed (each episode samples from its own "
+        "random stream).",
     )
     max_concurrent_episodes: int | None = Field(
         None,

@@ -6,8 +6,9 @@ a tool holds no decode slot and delays no other. An engine that joins concurrent
 (``RolloutWorker.joins_calls``: the native engine) batches the turns in flight continuously; for
 another one the turns waiting are merged into batches (:mod:`.turn_batcher`). With
 ``scheduling="lockstep"`` every turn waits for all the running episodes' turns, which are generated
-in one batch, then their environments step together: slower where environments take time, but the
-same seed gives the same tokens.
+in one batch, then their environments step together: slower where environments take time. Either
+way the same seed gives the same tokens: each episode's turns sample from its own random stream
+(:func:`episode_jobs`, :mod:`postrl.rollout.streams`), whatever order they reach the engine in.
 
 Each episode's prompt is its whole context, with a ``cache_key`` so an engine that keeps KV caches
 continues from the last turn instead of prefilling again. The trajectory is the engine's tokens,
