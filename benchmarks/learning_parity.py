@@ -5,10 +5,13 @@ weights, on the same stream of prompts in the same order (one shuffle of the tra
 seed, written to a file both read in file order: postrl with ``data.shuffle: false``, TRL with
 ``shuffle_dataset=False``), with the same hyperparameters (``PROMPTS`` x ``G`` samples, one
 optimizer step per batch, lr ``LR`` constant, token-mean loss, group-std scaled rewards, no KL,
-gradient clipping 1, AdamW 0.9/0.999/1e-8, bf16 autocast training) over ``--seeds`` seeds.
-Held-out greedy accuracy on problems from another seed, disjoint from the training ones, is taken
-every ``--eval-every`` steps by postrl's native engine in the rollout dtype for both (postrl's run
-validates itself; TRL's model is evaluated from a callback). Each seed runs the two frameworks in
+gradient clipping 1, AdamW 0.9/0.999/1e-8, bf16 autocast training) and the same precision: TRL
+without vLLM samples with transformers ``generate`` on its float32 model, so postrl's engine runs in
+float32 too (``--dtype``; a bf16 engine carries only a few percent of each update at these learning
+rates, see ``docs/algorithms.md``), over ``--seeds`` seeds. Held-out greedy accuracy on problems
+from another seed, disjoint from the training ones, is taken every ``--eval-every`` steps by
+postrl's native engine in float32 for both (postrl's run validates itself on its engine; TRL's
+model is evaluated from a callback). Each seed runs the two frameworks in
 processes of their own with their steps interleaved (``_interleave``); TRL runs ``--steps`` steps,
 postrl runs at least as many and on until its training wall time reaches TRL's (evaluation
 excluded), for the equal-wall comparison.
@@ -56,6 +59,7 @@ CANDIDATES = [
 PASS_PROBLEMS, PASS_K, PASS_LOW, PASS_HIGH, CHOSEN = 24, 8, 0.2, 0.6, 3
 PROMPTS, G, NEW_TOKENS, MICRO, LR = 8, 8, 48, 16, 1e-5
 TRAIN_SIZE, VAL_PER_TASK = 400, 50
+EVAL_DTYPE = "float32"  # held-out answers from the weights as trained, not a bf16 rounding of them
 POSTRL_STEP_CAP = 8  # postrl runs at most this many times TRL's steps while catching up on wall time
 
 
@@ -122,7 +126,7 @@ def choose_tasks(smoke: bool) -> tuple[list[dict], list[dict]]:
     problems, k = (2, 2) if smoke else (PASS_PROBLEMS, PASS_K)
     tokenizer = load_tokenizer(str(smollm2_dir()))
     model = load_causal_lm(str(smollm2_dir()))
-    engine = rollout_worker_for_model(RolloutConfig(dtype="auto"), model, tokenizer, "float32", seed=0)
+    engine = rollout_worker_for_model(RolloutConfig(dtype=EVAL_DTYPE), model, tokenizer, "float32", seed=0)
     reward = RewardConfig.model_validate({"components": [{"name": "correct", "type": "reasoning_gym"}]})
     service = make_reward_service(reward)
     rows = []
@@ -207,7 +211,7 @@ def postrl_worker(args: argparse.Namespace) -> dict:
     tasks = task_names(args.data)
     tokenizer = load_tokenizer(str(smollm2_dir()))
     heldout = load_prompt_dataset([str(args.data / "heldout.jsonl")], tokenizer, max_prompt_tokens=256).prompts
-    acc0, tasks0 = accuracy_of(load_causal_lm(str(smollm2_dir())).to(torch.float32), tokenizer, heldout)
+    acc0, tasks0 = accuracy_of(load_causal_lm(str(smollm2_dir())).to(torch.float32), tokenizer, heldout, EVAL_DTYPE)
     curve = [{"step": 0, "wall_s": 0.0, "acc": acc0, "per_task": tasks0}]
     state = {"wall": 0.0, "last": wait_for_turn(step=0, wall_s=0.0, acc=acc0)}
 
@@ -264,7 +268,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    acc0, tasks0 = accuracy_of(model, tokenizer, heldout)
+    acc0, tasks0 = accuracy_of(model, tokenizer, heldout, EVAL_DTYPE)
     curve = [{"step": 0, "wall_s": 0.0, "acc": acc0, "per_task": tasks0}]
     steps = 2 if args.smoke else args.steps
 
@@ -287,7 +291,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
                                      "length": logs.get("completions/mean_length"), "grad_norm": logs.get("grad_norm")}  # fmt: skip
             over = self.wall >= args.minutes * 60 or state.global_step >= steps
             if state.global_step % args.eval_every == 0 or over:
-                acc, per_task = accuracy_of(trainer.model, tokenizer, heldout)
+                acc, per_task = accuracy_of(trainer.model, tokenizer, heldout, EVAL_DTYPE)
                 curve.append({"step": state.global_step, "wall_s": self.wall, "acc": acc, "per_task": per_task})
                 reply["acc"] = acc
             if over:
@@ -423,7 +427,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="TRL's optimizer steps (postrl: at least as many)")
     parser.add_argument("--eval-every", type=int, default=2, help="steps between held-out evaluations")
     parser.add_argument("--minutes", type=float, default=30.0, help="cap on TRL's training wall time per seed")
-    parser.add_argument("--dtype", default="auto", help="postrl's rollout.dtype (auto: bf16 where fast)")
+    parser.add_argument("--dtype", default="float32",
+                        help="postrl's rollout.dtype: float32, as TRL samples from its float32 model without vLLM; "
+                             "its validation runs on the same engine, so anything else also changes how postrl "
+                             "is evaluated")  # fmt: skip
     parser.add_argument("--png", type=Path, default=Path("docs/learning_parity.png"), help="the curves")
     parser.add_argument("--log", type=Path, default=Path(__file__).parent / ".cache" / "learning_parity.jsonl",
                         help="each step as it ends")  # fmt: skip

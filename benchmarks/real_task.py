@@ -90,9 +90,9 @@ def heldout(config: dict, tokenizer) -> list:
     return load_validation_set(build_config(config), tokenizer, lambda line: print(line, file=sys.stderr)).prompts
 
 
-def accuracy_of(model, tokenizer, prompts: list) -> tuple[float, dict[str, float]]:
-    """Greedy held-out accuracy (postrl's native engine, as postrl's run validates itself), overall
-    and per task."""
+def accuracy_of(model, tokenizer, prompts: list, dtype: str = "auto") -> tuple[float, dict[str, float]]:
+    """Greedy held-out accuracy (postrl's native engine in ``dtype``, as postrl's run validates
+    itself), overall and per task."""
     from postrl.config.run import RewardConfig, RolloutConfig
     from postrl.controller.batches import greedy_sampling
     from postrl.controller.source import SingleTurn
@@ -100,7 +100,7 @@ def accuracy_of(model, tokenizer, prompts: list) -> tuple[float, dict[str, float
     from postrl.reward.factory import make_reward_service
     from postrl.rollout.factory import rollout_worker_for_model
 
-    rollout = RolloutConfig(dtype="auto", max_tokens=NEW_TOKENS)  # as the run's engine validates
+    rollout = RolloutConfig(dtype=dtype, max_tokens=NEW_TOKENS)  # as the run's engine validates
     reward = RewardConfig.model_validate({"components": [{"name": "correct", "type": "reasoning_gym"}],
                                           "num_workers": 1})  # fmt: skip
     engine, service = (
