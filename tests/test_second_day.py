@@ -368,3 +368,17 @@ def test_an_update_a_bf16_engine_cannot_see_is_warned_once():
     fp32 = UpdateVisibilityWatch(build_config({}, ["rollout.dtype=float32"]), said.append)
     fp32.observe(StepMetrics(2, 2, {"train/update_visible_bf16": 0.1}))
     assert said == []
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_an_auto_engine_is_warned_about_only_where_it_runs_in_bf16(monkeypatch, fast_bf16):
+    from postrl.config.loading import build_config
+    from postrl.rollout import factory
+    from postrl.run.watch import UpdateVisibilityWatch
+    from postrl.types import StepMetrics
+
+    monkeypatch.setattr(factory, "bf16_is_fast", lambda device: fast_bf16)
+    said: list[str] = []
+    watch = UpdateVisibilityWatch(build_config({}, ["rollout.dtype=auto", "rollout.device=cpu"]), said.append)
+    watch.observe(StepMetrics(2, 2, {"train/update_visible_bf16": 0.1}))
+    assert len(said) == (1 if fast_bf16 else 0)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from postrl.config.run import RunConfig
+from postrl.models.devices import resolve_device
+from postrl.rollout import factory
 from postrl.types import StepMetrics
 from postrl.types.metric_names import (
     REWARD_NO_SIGNAL_GROUPS,
@@ -45,6 +47,16 @@ def engine_precision(config: RunConfig) -> str:
     return f"the {r.backend} engine in {dtype}" + (
         " (bf16 where the hardware has fast bf16)" if dtype == "auto" else ""
     )
+
+
+def samples_from_a_rounding(config: RunConfig) -> bool:
+    """Whether the engine computes with a lower-precision copy of the weights: any dtype but
+    float32, where ``auto`` is bf16 only on hardware with fast bf16 (as the engine factory decides)."""
+    r = config.rollout
+    dtype = r.dtype or config.model.dtype
+    if dtype == "auto" and r.backend in ("auto", "native", "hf"):
+        return factory.bf16_is_fast(resolve_device(r.device, "rollout.device"))
+    return dtype != "float32"
 
 
 def trainer_precision(config: RunConfig) -> str:
@@ -118,8 +130,7 @@ class UpdateVisibilityWatch:
 
     def observe(self, metrics: StepMetrics) -> None:
         share = metrics.values.get(TRAIN_UPDATE_VISIBLE_BF16, float("nan"))
-        engine = self.config.rollout.dtype or self.config.model.dtype
-        if self.warned or engine == "float32" or not share < self.min_share:
+        if self.warned or not samples_from_a_rounding(self.config) or not share < self.min_share:
             return
         self.warned = True
         self.echo(
