@@ -124,7 +124,7 @@ def test_rms_norm_silu_mul_and_half_softmax_match_autograd_of_the_plain_ops():
     scores = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
     cases = [
         (
-            lambda a, b: RMSNorm.apply(a, b, 1e-6),
+            lambda a, b: RMSNorm.apply(a, b, 1e-6, a.dtype),
             lambda a, b: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * b,
             (x, w),
         ),

@@ -172,36 +172,41 @@ def _project_together(modules: tuple[torch.nn.Module, ...], x: torch.Tensor) -> 
     return list(out.split([b.out_features for b in bases], dim=-1))
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in the residual stream's dtype, accumulated in float32 (:class:`RMSNorm`)."""
-    return RMSNorm.apply(x, weight.to(x.dtype), eps)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype) -> torch.Tensor:
+    """RMSNorm of the residual stream, accumulated in float32 and returned in ``out`` (the dtype the
+    projections reading it multiply in) (:class:`RMSNorm`)."""
+    return RMSNorm.apply(x, weight.to(torch.promote_types(x.dtype, torch.float32)), eps, out)
 
 
 class RMSNorm(torch.autograd.Function):
-    """``x / rms(x) * weight``, computed in float32 (float64 for float64) and returned in ``x``'s dtype, keeping only
-    ``x`` and the per-token ``1 / rms`` for the backward. Autograd through ``F.rms_norm`` on the
-    CPU (a composite there) keeps two float32 copies of every norm's input, 4 ``[tokens, hidden]``
-    float32 tensors per layer; under autocast it would also return float32, and each projection
-    reading it cast it again. The forward's operations are the composite's, so the values are
-    bit-identical; the backward is the same formula in float32."""
+    """``x / rms(x) * weight``, computed in float32 (float64 for float64) and returned in ``out``,
+    keeping only ``x`` in ``out`` and the per-token ``1 / rms`` for the backward. Under bf16
+    autocast the residual stream ``x`` is float32, as in the transformers model, and the norm hands
+    the projections the bf16 they multiply in; its backward reads the bf16 rounding of ``x`` (the
+    forward is exact, the backward's ``x / rms`` is rounded to bf16 once) and returns float32 to
+    the stream. Autograd through ``F.rms_norm`` on the CPU (a composite there) would keep two
+    float32 copies of every norm's input, 4 ``[tokens, hidden]`` float32 tensors per layer. The
+    forward's operations are the composite's, so in float32 the values are bit-identical; the
+    backward is the same formula in float32."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             xf = x.to(torch.promote_types(x.dtype, torch.float32))
             rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            ctx.save_for_backward(x, weight, rstd)
-            return (xf * rstd * weight).to(x.dtype)
+            ctx.save_for_backward(x.to(out), weight, rstd)
+            ctx.x_dtype = x.dtype
+            return (xf * rstd * weight).to(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x, weight, rstd = ctx.saved_tensors
         acc = rstd.dtype
         normed, g = x.to(acc) * rstd, grad.to(acc)
         g_normed = g * weight.to(acc)
         grad_x = rstd * (g_normed - normed * (g_normed * normed).mean(-1, keepdim=True))
         grad_w = (g * normed).reshape(-1, normed.shape[-1]).sum(0)
-        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+        return grad_x.to(ctx.x_dtype), grad_w.to(weight.dtype), None, None
 
 
 class SiluMul(torch.autograd.Function):
@@ -274,35 +279,39 @@ class LeanForward:
         freqs = layout.positions.float()[:, None] * rotary.inv_freq.float().to(device)[None]
         emb = torch.cat([freqs, freqs], dim=-1)
         scale = float(getattr(rotary, "attention_scaling", 1.0))
-        cos, sin = ((emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None])
+        # float32, as the transformers model applies them under autocast: q and k rotate in float32
+        cos, sin = (emb.cos() * scale)[:, None], (emb.sin() * scale)[:, None]
         bias = torch.zeros(layout.allowed.shape, dtype=torch.promote_types(dtype, torch.float32), device=device)
         bias = bias.masked_fill(~layout.allowed, float("-inf"))[:, None]  # [B, 1, Q, K]
-        x = decoder.embed_tokens(layout.tokens).to(dtype)  # the module: its hooks see the forward
+        # the residual stream stays in the weights' dtype, as in the transformers model under
+        # autocast: only the projections' products are bf16, each added to a float32 sum (a bf16
+        # residual doubled the gradient's rounding error on SmolLM2: 0.107 of its norm against 0.042)
+        x = decoder.embed_tokens(layout.tokens)  # the module: its hooks see the forward
         # the decoder's own flag, set by gradient_checkpointing_enable in every transformers version
         # (PreTrainedModel.is_activation_checkpointing exists only in recent ones)
         use_checkpoint = bool(decoder.gradient_checkpointing) and torch.is_grad_enabled()
         for layer in decoder.layers:
             if use_checkpoint:
-                x = checkpoint(self._layer, layer, x, cos, sin, bias, layout, use_reentrant=False)
+                x = checkpoint(self._layer, layer, x, cos, sin, bias, layout, dtype, use_reentrant=False)
             else:
-                x = self._layer(layer, x, cos, sin, bias, layout)
-        return _rms_norm(x, decoder.norm.weight, self.eps)
+                x = self._layer(layer, x, cos, sin, bias, layout, dtype)
+        return _rms_norm(x, decoder.norm.weight, self.eps, dtype)
 
-    def _layer(self, layer, x, cos, sin, bias, layout: BlockLayout) -> torch.Tensor:
+    def _layer(self, layer, x, cos, sin, bias, layout: BlockLayout, dtype: torch.dtype) -> torch.Tensor:
         # the projections run under autocast (it casts their weights); LoRA layers add their
         # adapters, or not when they are disabled; o_proj and down_proj are called as modules
         attn, mlp = layer.self_attn, layer.mlp
-        h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
+        h = _rms_norm(x, layer.input_layernorm.weight, self.eps, dtype)
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
         q, k, v = _project_together((attn.q_proj, attn.k_proj, attn.v_proj), h)
         q = _rope(q.view(-1, nh, d), cos, sin)
         k = _rope(k.view(-1, nkv, d), cos, sin)
-        x = x + _project(attn.o_proj, self._attention(q, k, v.view(-1, nkv, d), bias, layout))
-        h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+        x = x + _project(attn.o_proj, self._attention(q, k, v.view(-1, nkv, d), bias, layout, dtype))
+        h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps, dtype)
         gate, up = _project_together((mlp.gate_proj, mlp.up_proj), h)
         return x + _project(mlp.down_proj, SiluMul.apply(gate, up))
 
-    def _attention(self, q, k, v, bias, layout: BlockLayout) -> torch.Tensor:
+    def _attention(self, q, k, v, bias, layout: BlockLayout, dtype: torch.dtype) -> torch.Tensor:
         """``[T, heads * head_dim]``: every block's queries over its keys, gathered back per token.
         Gathers are ``index_select`` (whose backward is ``index_add_``): indexing ``t[index]``
         costs 9x more forward and its backward, ``index_put_`` with accumulation, 17x more on the
@@ -319,7 +328,7 @@ class LeanForward:
             kb = kb.repeat_interleave(nh // nkv, dim=1)
             vb = vb.repeat_interleave(nh // nkv, dim=1)
         scores = torch.matmul(qb, kb.transpose(-1, -2)) * d**-0.5 + bias
-        probs = HalfSoftmax.apply(scores, q.dtype)
+        probs = HalfSoftmax.apply(scores, dtype)
         out = torch.matmul(probs, vb).permute(0, 2, 1, 3).reshape(blocks * width_q, nh * d)
         return out.index_select(0, layout.query_slot)
 
