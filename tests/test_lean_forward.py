@@ -217,3 +217,34 @@ def test_lean_forward_of_a_lora_model_equals_peft_s_forward(char_tokenizer):
                 group_ids=batch.group_ids,
             )
     assert float((lp_off - lp_base).abs().max()) < 1e-5
+
+
+def test_under_bf16_the_residual_stream_and_the_rotation_stay_float32(char_tokenizer, monkeypatch):
+    """As in the transformers model under autocast: every norm reads a float32 residual stream and
+    hands the projections bf16; q and k rotate in float32. A bf16 stream (the lean forward before
+    issue 43) doubled the gradient's rounding error on SmolLM2 (docs/algorithms.md)."""
+    from postrl.train import lean_forward
+
+    seen: list[tuple[str, torch.dtype, torch.dtype]] = []
+    norm, rope = lean_forward.RMSNorm.apply, lean_forward._rope
+
+    def recorded_norm(x, weight, eps, out):
+        seen.append(("norm", x.dtype, out))
+        return norm(x, weight, eps, out)
+
+    def recorded_rope(x, cos, sin):
+        y = rope(x, cos, sin)
+        seen.append(("rope", cos.dtype, y.dtype))
+        return y
+
+    monkeypatch.setattr(lean_forward.RMSNorm, "apply", recorded_norm)
+    monkeypatch.setattr(lean_forward, "_rope", recorded_rope)
+    batch = grouped_batch(char_tokenizer)
+    model = make_tiny_model("llama", char_tokenizer).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        token_logprobs(model, batch.input_ids, batch.attention_mask, target_mask=batch.response_mask,
+                       group_ids=batch.group_ids, lean=True)  # fmt: skip
+    layers = model.config.num_hidden_layers
+    assert seen.count(("norm", torch.float32, torch.bfloat16)) == 2 * layers + 1
+    assert seen.count(("rope", torch.float32, torch.float32)) == 2 * layers
+    assert len(seen) == 4 * layers + 1
