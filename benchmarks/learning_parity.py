@@ -52,10 +52,12 @@ CANDIDATES = [
     {"name": "count_bits", "config": {"max_n": 1000}},
     {"name": "letter_counting", "config": {"min_words": 3, "max_words": 5}},
     {"name": "simple_equations", "config": {"min_terms": 2, "max_terms": 2, "max_value": 20}},
-    {"name": "decimal_chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-                                             "max_decimal_places": 1}},
+    {
+        "name": "decimal_chain_sum",
+        "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "max_decimal_places": 1},
+    },
     {"name": "count_primes", "config": {"max_n": 30}},
-]  # fmt: skip
+]
 PASS_PROBLEMS, PASS_K, PASS_LOW, PASS_HIGH, CHOSEN = 24, 8, 0.2, 0.6, 3
 PROMPTS, G, NEW_TOKENS, MICRO, LR = 8, 8, 48, 16, 1e-5
 TRAIN_SIZE, VAL_PER_TASK = 400, 50
@@ -103,8 +105,10 @@ def prepare(tasks: list[dict], seed: int, folder: Path, smoke: bool) -> Path:
     heldout, _ = held_out(gym, tokenizer, 256, {question_of(p.columns) for p in train})
     kept = {t["name"]: sum(p.task_type == t["name"] for p in heldout.prompts) for t in tasks}
     if not smoke and (few := {name: n for name, n in kept.items() if n < VAL_PER_TASK // 3}):
-        raise SystemExit(f"held-out problems left after dropping training questions: {few} (of {VAL_PER_TASK} "
-                         "each): a task with so few distinct problems cannot be measured; widen its config")  # fmt: skip
+        raise SystemExit(
+            f"held-out problems left after dropping training questions: {few} (of {VAL_PER_TASK} "
+            "each): a task with so few distinct problems cannot be measured; widen its config"
+        )
     write_rows(out / "train.jsonl", train)
     write_rows(out / "heldout.jsonl", heldout.prompts)
     return out
@@ -149,8 +153,10 @@ def choose_tasks(smoke: bool) -> tuple[list[dict], list[dict]]:
         engine.close()
     inside = [r for r in rows if PASS_LOW <= r["pass_at_k"] <= PASS_HIGH]
     chosen = sorted(inside, key=lambda r: abs(r["pass_at_k"] - 0.4))[:CHOSEN]
-    print(f"task choice: base-model pass@{k} on {problems} held-out problems, chosen in [{PASS_LOW}, {PASS_HIGH}],"
-          f" the {CHOSEN} nearest 0.4")  # fmt: skip
+    print(
+        f"task choice: base-model pass@{k} on {problems} held-out problems, chosen in [{PASS_LOW}, {PASS_HIGH}],"
+        f" the {CHOSEN} nearest 0.4"
+    )
     for r in rows:
         mark = "chosen" if r in chosen else ""
         print(f"  {r['name']:<20}{json.dumps(r['config']):<70}{r['pass_at_k']:>6.3f}  {mark}")
@@ -166,18 +172,36 @@ def run_config(data: Path, out: Path, seed: int, steps: int, eval_every: int, dt
     from postrl.models.gguf import smollm2_dir
 
     return {
-        "name": "parity", "output_dir": str(out), "seed": seed, "steps": steps,
-        "prompts_per_step": 2 if smoke else PROMPTS, "model": {"path": str(smollm2_dir())},
-        "data": {"train_files": [str(data / "train.jsonl")], "val_files": [str(data / "heldout.jsonl")],
-                 "shuffle": False, "max_prompt_tokens": 256},
-        "rollout": {"n": 2 if smoke else G, "max_tokens": 8 if smoke else NEW_TOKENS, "temperature": 1.0, "dtype": dtype},
+        "name": "parity",
+        "output_dir": str(out),
+        "seed": seed,
+        "steps": steps,
+        "prompts_per_step": 2 if smoke else PROMPTS,
+        "model": {"path": str(smollm2_dir())},
+        "data": {
+            "train_files": [str(data / "train.jsonl")],
+            "val_files": [str(data / "heldout.jsonl")],
+            "shuffle": False,
+            "max_prompt_tokens": 256,
+        },
+        "rollout": {
+            "n": 2 if smoke else G,
+            "max_tokens": 8 if smoke else NEW_TOKENS,
+            "temperature": 1.0,
+            "dtype": dtype,
+        },
         "reward": {"components": [{"name": "correct", "type": "reasoning_gym"}], "num_workers": 1},
         "algorithm": {"kl_beta": 0.0, "loss_agg": "token_mean"},
-        "train": {"lr": LR, "mini_batch_size": 4 if smoke else PROMPTS * G, "micro_batch_size": 4 if smoke else MICRO,
-                  "precision": "bf16_autocast", "grad_clip": 1.0},
+        "train": {
+            "lr": LR,
+            "mini_batch_size": 4 if smoke else PROMPTS * G,
+            "micro_batch_size": 4 if smoke else MICRO,
+            "precision": "bf16_autocast",
+            "grad_clip": 1.0,
+        },
         "checkpoint": {"every_steps": 0},
         "logging": {"eval_every": eval_every, "trackers": ["jsonl"], "console": False, "progress_bar": False},
-    }  # fmt: skip
+    }
 
 
 def task_names(data: Path) -> list[str]:
@@ -221,8 +245,13 @@ def postrl_worker(args: argparse.Namespace) -> dict:
             state["wall"] += values[TIME_STEP_S] - values.get(TIME_VALIDATE_S, 0.0)
         else:  # everything between two steps, less the held-out evaluation
             state["wall"] += time.perf_counter() - state["last"] - values.get(TIME_VALIDATE_S, 0.0)
-        reply: dict[str, Any] = {"step": metrics.step, "wall_s": state["wall"], "reward": values[REWARD_MEAN],
-                                 "length": values[RESPONSE_LENGTH_MEAN], "grad_norm": values[ACTOR_GRAD_NORM]}  # fmt: skip
+        reply: dict[str, Any] = {
+            "step": metrics.step,
+            "wall_s": state["wall"],
+            "reward": values[REWARD_MEAN],
+            "length": values[RESPONSE_LENGTH_MEAN],
+            "grad_norm": values[ACTOR_GRAD_NORM],
+        }
         if VAL_ACCURACY in values:
             per_task = {t: values[task_accuracy(t, "val")] for t in tasks}
             curve.append(
@@ -258,13 +287,24 @@ def trl_worker(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(str(model_dir))
     heldout = load_prompt_dataset([str(args.data / "heldout.jsonl")], tokenizer, max_prompt_tokens=256).prompts
     rows = [json.loads(line) for line in (args.data / "train.jsonl").read_text().splitlines()]
-    dataset = Dataset.from_list([{"prompt": r["messages"], "rg_task": r["rg_task"], "rg_config": json.dumps(r["rg_config"]),
-                                  "rg_entry": json.dumps(r["rg_entry"])} for r in rows])  # fmt: skip
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": r["messages"],
+                "rg_task": r["rg_task"],
+                "rg_config": json.dumps(r["rg_config"]),
+                "rg_entry": json.dumps(r["rg_entry"]),
+            }
+            for r in rows
+        ]
+    )
 
     def reward(completions, rg_task, rg_config, rg_entry, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [score("", t, task, json.loads(cfg), json.loads(entry), rg_answer_format="last_number")
-                for t, task, cfg, entry in zip(texts, rg_task, rg_config, rg_entry, strict=True)]  # fmt: skip
+        return [
+            score("", t, task, json.loads(cfg), json.loads(entry), rg_answer_format="last_number")
+            for t, task, cfg, entry in zip(texts, rg_task, rg_config, rg_entry, strict=True)
+        ]
 
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -287,8 +327,13 @@ def trl_worker(args: argparse.Namespace) -> dict:
             if not logs or "reward" not in logs:
                 return
             self.wall += time.perf_counter() - self.last
-            reply: dict[str, Any] = {"step": state.global_step, "wall_s": self.wall, "reward": logs["reward"],
-                                     "length": logs.get("completions/mean_length"), "grad_norm": logs.get("grad_norm")}  # fmt: skip
+            reply: dict[str, Any] = {
+                "step": state.global_step,
+                "wall_s": self.wall,
+                "reward": logs["reward"],
+                "length": logs.get("completions/mean_length"),
+                "grad_norm": logs.get("grad_norm"),
+            }
             over = self.wall >= args.minutes * 60 or state.global_step >= steps
             if state.global_step % args.eval_every == 0 or over:
                 acc, per_task = accuracy_of(trainer.model, tokenizer, heldout, EVAL_DTYPE)
@@ -299,15 +344,38 @@ def trl_worker(args: argparse.Namespace) -> dict:
             self.last = wait_for_turn(**reply)
 
     config = GRPOConfig(
-        output_dir=str(tmp), per_device_train_batch_size=4 if args.smoke else MICRO,
-        gradient_accumulation_steps=1 if args.smoke else PROMPTS * G // MICRO, num_generations=2 if args.smoke else G,
-        max_completion_length=8 if args.smoke else NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
-        num_iterations=1, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, loss_type="dapo",
-        scale_rewards="group", bf16=True, use_cpu=True, max_steps=steps, logging_steps=1, report_to="none",
-        save_strategy="no", seed=args.seed, shuffle_dataset=False,
-    )  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()])  # fmt: skip
+        output_dir=str(tmp),
+        per_device_train_batch_size=4 if args.smoke else MICRO,
+        gradient_accumulation_steps=1 if args.smoke else PROMPTS * G // MICRO,
+        num_generations=2 if args.smoke else G,
+        max_completion_length=8 if args.smoke else NEW_TOKENS,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.0,
+        num_iterations=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        bf16=True,
+        use_cpu=True,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=args.seed,
+        shuffle_dataset=False,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[Clock()],
+    )
     trainer.train()
     return {"curve": curve, "last": True}
 
@@ -329,8 +397,21 @@ def stop_rule(steps: int):
 
 def run_seed(args: argparse.Namespace, seed: int, data: Path) -> dict[str, list[dict]]:
     extra = ["--smoke"] if args.smoke else []
-    common = ["--seed", str(seed), "--data", str(data), "--steps", str(args.steps), "--eval-every",
-              str(args.eval_every), "--minutes", str(args.minutes), "--dtype", args.dtype, *extra]  # fmt: skip
+    common = [
+        "--seed",
+        str(seed),
+        "--data",
+        str(data),
+        "--steps",
+        str(args.steps),
+        "--eval-every",
+        str(args.eval_every),
+        "--minutes",
+        str(args.minutes),
+        "--dtype",
+        args.dtype,
+        *extra,
+    ]
     commands = {f: [sys.executable, __file__, "--worker", f, *common] for f in ("postrl", "trl")}
     replies = run_interleaved(commands, 100_000, args.log, stop_rule(2 if args.smoke else args.steps))
     return {f: replies[f][-1]["curve"] for f in commands}
@@ -358,8 +439,15 @@ def summarize(runs: list[dict[str, list[dict]]], tasks: list[dict], steps: int) 
             mean, sd = mean_sd([p["acc"] for p in points])
             per_task = {t: statistics.fmean(p["per_task"][t] for p in points) for t in points[0]["per_task"]}
             wall = statistics.fmean(p["wall_s"] for p in points)
-            out.append({"step": s, "mean": round(mean, 4), "sd": round(sd, 4), "wall_s": round(wall, 1),
-                        "per_task": {t: round(v, 4) for t, v in per_task.items()}})  # fmt: skip
+            out.append(
+                {
+                    "step": s,
+                    "mean": round(mean, 4),
+                    "sd": round(sd, 4),
+                    "wall_s": round(wall, 1),
+                    "per_task": {t: round(v, 4) for t, v in per_task.items()},
+                }
+            )
         return out
 
     postrl, trl = curve("postrl"), curve("trl")
@@ -368,14 +456,26 @@ def summarize(runs: list[dict[str, list[dict]]], tasks: list[dict], steps: int) 
     trl_after = statistics.fmean(r["trl"][-1]["acc"] for r in runs)
     parity = all(p["mean"] >= t["mean"] - t["sd"] - 1e-12 for p, t in zip(postrl, trl, strict=True))
     return {
-        "steps": common, "seeds": len(runs), "tasks": tasks, "postrl_curve": postrl, "trl_curve": trl,
+        "steps": common,
+        "seeds": len(runs),
+        "tasks": tasks,
+        "postrl_curve": postrl,
+        "trl_curve": trl,
         "postrl_gain": round(postrl[-1]["mean"] - postrl[0]["mean"], 4),
-        "trl_gain": round(trl[-1]["mean"] - trl[0]["mean"], 4), "parity_ok": parity,
-        "postrl_acc_at_trl_wall": round(at_wall, 4), "trl_acc_after": round(trl_after, 4),
-        "ahead_at_equal_wall": at_wall > trl_after, "trl_wall_s": round(statistics.fmean(trl_walls), 1),
-        "postrl_steps_at_trl_wall": round(statistics.fmean(
-            max(p["step"] for p in r["postrl"] if p["wall_s"] <= w + 1e-9) for r, w in zip(runs, trl_walls, strict=True)), 1),
-    }  # fmt: skip
+        "trl_gain": round(trl[-1]["mean"] - trl[0]["mean"], 4),
+        "parity_ok": parity,
+        "postrl_acc_at_trl_wall": round(at_wall, 4),
+        "trl_acc_after": round(trl_after, 4),
+        "ahead_at_equal_wall": at_wall > trl_after,
+        "trl_wall_s": round(statistics.fmean(trl_walls), 1),
+        "postrl_steps_at_trl_wall": round(
+            statistics.fmean(
+                max(p["step"] for p in r["postrl"] if p["wall_s"] <= w + 1e-9)
+                for r, w in zip(runs, trl_walls, strict=True)
+            ),
+            1,
+        ),
+    }
 
 
 def report(result: dict) -> None:
@@ -385,11 +485,15 @@ def report(result: dict) -> None:
     for p, t in zip(result["postrl_curve"], result["trl_curve"], strict=True):
         tasks = "  ".join(f"{k} {p['per_task'][k]:.2f}|{t['per_task'][k]:.2f}" for k in p["per_task"])
         print(f"{p['step']:>5}{p['mean']:>9.3f} ± {p['sd']:.3f}{t['mean']:>9.3f} ± {t['sd']:.3f}  {tasks}")
-    print(f"gain: postrl {result['postrl_gain']:+.3f}, TRL {result['trl_gain']:+.3f}; "
-          f"parity (postrl >= TRL - 1 sd at every step): {'yes' if result['parity_ok'] else 'NO'}")  # fmt: skip
-    print(f"at TRL's wall time ({result['trl_wall_s']:.0f} s, {result['steps'][-1]} TRL steps; postrl "
-          f"{result['postrl_steps_at_trl_wall']:.1f} steps): postrl {result['postrl_acc_at_trl_wall']:.3f}, "
-          f"TRL {result['trl_acc_after']:.3f}: postrl {'ahead' if result['ahead_at_equal_wall'] else 'NOT ahead'}")  # fmt: skip
+    print(
+        f"gain: postrl {result['postrl_gain']:+.3f}, TRL {result['trl_gain']:+.3f}; "
+        f"parity (postrl >= TRL - 1 sd at every step): {'yes' if result['parity_ok'] else 'NO'}"
+    )
+    print(
+        f"at TRL's wall time ({result['trl_wall_s']:.0f} s, {result['steps'][-1]} TRL steps; postrl "
+        f"{result['postrl_steps_at_trl_wall']:.1f} steps): postrl {result['postrl_acc_at_trl_wall']:.3f}, "
+        f"TRL {result['trl_acc_after']:.3f}: postrl {'ahead' if result['ahead_at_equal_wall'] else 'NOT ahead'}"
+    )
 
 
 def plot(runs: list[dict[str, list[dict]]], result: dict, png: Path) -> None:
@@ -406,8 +510,15 @@ def plot(runs: list[dict[str, list[dict]]], result: dict, png: Path) -> None:
         framework = "postrl" if key == "postrl_curve" else "trl"
         for i, r in enumerate(runs):
             curve = r[framework]
-            by_wall.plot([p["wall_s"] / 60 for p in curve], [p["acc"] for p in curve], marker="o", markersize=2,
-                         color=line[0].get_color(), alpha=0.7, label=name if i == 0 else None)  # fmt: skip
+            by_wall.plot(
+                [p["wall_s"] / 60 for p in curve],
+                [p["acc"] for p in curve],
+                marker="o",
+                markersize=2,
+                color=line[0].get_color(),
+                alpha=0.7,
+                label=name if i == 0 else None,
+            )
     by_step.set_xlabel("optimizer step")
     by_step.set_ylabel("held-out greedy accuracy (mean ± sd over seeds)")
     by_wall.set_xlabel("training wall time, minutes (evaluation excluded), one line per seed")
@@ -421,19 +532,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--task", action="append", default=[], help="NAME or NAME:JSON config (repeatable)")
-    parser.add_argument("--task-set", choices=["rule", "real_task"], default="rule",
-                        help="without --task: the rule's choice, or real_task.py's three tasks")  # fmt: skip
+    parser.add_argument(
+        "--task-set",
+        choices=["rule", "real_task"],
+        default="rule",
+        help="without --task: the rule's choice, or real_task.py's three tasks",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds (each its own order of the prompts)")
     parser.add_argument("--steps", type=int, default=8, help="TRL's optimizer steps (postrl: at least as many)")
     parser.add_argument("--eval-every", type=int, default=2, help="steps between held-out evaluations")
     parser.add_argument("--minutes", type=float, default=30.0, help="cap on TRL's training wall time per seed")
-    parser.add_argument("--dtype", default="float32",
-                        help="postrl's rollout.dtype: float32, as TRL samples from its float32 model without vLLM; "
-                             "its validation runs on the same engine, so anything else also changes how postrl "
-                             "is evaluated")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="postrl's rollout.dtype: float32, as TRL samples from its float32 model without vLLM; "
+        "its validation runs on the same engine, so anything else also changes how postrl "
+        "is evaluated",
+    )
     parser.add_argument("--png", type=Path, default=Path("docs/learning_parity.png"), help="the curves")
-    parser.add_argument("--log", type=Path, default=Path(__file__).parent / ".cache" / "learning_parity.jsonl",
-                        help="each step as it ends")  # fmt: skip
+    parser.add_argument(
+        "--log",
+        type=Path,
+        default=Path(__file__).parent / ".cache" / "learning_parity.jsonl",
+        help="each step as it ends",
+    )
     parser.add_argument("--worker", choices=["postrl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)

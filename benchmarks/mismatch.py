@@ -39,9 +39,17 @@ import torch
 from _smoke import add_smoke, skip
 
 LR = 5e-6
-GYM = {"tasks": [{"name": "basic_arithmetic", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                                          "max_digits": 2, "operators": ["+", "-"]}}],
-       "answer_format": "last_number", "size": 200, "val_size": 0}  # fmt: skip
+GYM = {
+    "tasks": [
+        {
+            "name": "basic_arithmetic",
+            "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"]},
+        }
+    ],
+    "answer_format": "last_number",
+    "size": 200,
+    "val_size": 0,
+}
 
 
 def run_step(config: dict) -> tuple[dict[str, float], list[list[int]]]:
@@ -60,32 +68,60 @@ def single_turn(out: Path, name: str, rollout_dtype: str, precision: str, smoke:
     from postrl.models.gguf import smollm2_dir
 
     return {
-        "name": name, "output_dir": str(out), "seed": 0, "steps": 1, "prompts_per_step": 2 if smoke else 12,
-        "model": {"path": str(smollm2_dir())}, "data": {"reasoning_gym": GYM, "max_prompt_tokens": 256},
-        "rollout": {"n": 2 if smoke else 8, "max_tokens": 8 if smoke else 48, "temperature": 1.0,
-                    "dtype": rollout_dtype},
+        "name": name,
+        "output_dir": str(out),
+        "seed": 0,
+        "steps": 1,
+        "prompts_per_step": 2 if smoke else 12,
+        "model": {"path": str(smollm2_dir())},
+        "data": {"reasoning_gym": GYM, "max_prompt_tokens": 256},
+        "rollout": {
+            "n": 2 if smoke else 8,
+            "max_tokens": 8 if smoke else 48,
+            "temperature": 1.0,
+            "dtype": rollout_dtype,
+        },
         "reward": {"components": [{"name": "correct", "type": "reasoning_gym"}], "num_workers": 1},
         "algorithm": {"kl_beta": 0.0, "old_logprobs": "recompute"},
-        "train": {"lr": LR, "precision": precision, "mini_batch_size": 4 if smoke else 96,
-                  "micro_batch_size": 4 if smoke else 16},
+        "train": {
+            "lr": LR,
+            "precision": precision,
+            "mini_batch_size": 4 if smoke else 96,
+            "micro_batch_size": 4 if smoke else 16,
+        },
         "checkpoint": {"every_steps": 0},
         "logging": {"trackers": ["jsonl"], "console": False, "progress_bar": False},
-    }  # fmt: skip
+    }
 
 
 def agentic(out: Path, name: str, smoke: bool) -> dict:
     return {
-        "name": name, "output_dir": str(out), "seed": 0, "steps": 1, "prompts_per_step": 2 if smoke else 48,
-        "model": {"path": "agentic-demo"}, "data": {"task": "calculator"},
+        "name": name,
+        "output_dir": str(out),
+        "seed": 0,
+        "steps": 1,
+        "prompts_per_step": 2 if smoke else 48,
+        "model": {"path": "agentic-demo"},
+        "data": {"task": "calculator"},
         "rollout": {"n": 2 if smoke else 4, "temperature": 1.0, "max_tokens": 40, "dtype": "float32"},
-        "agent": {"env": "calculator", "max_turns": 3, "max_tokens_per_turn": 40, "max_context": 128,
-                  "tools_in_prompt": "none", "scheduling": "individual"},
+        "agent": {
+            "env": "calculator",
+            "max_turns": 3,
+            "max_tokens_per_turn": 40,
+            "max_context": 128,
+            "tools_in_prompt": "none",
+            "scheduling": "individual",
+        },
         "algorithm": {"old_logprobs": "recompute"},
-        "train": {"lr": 1e-4, "precision": "float32", "mini_batch_size": 4 if smoke else 192,
-                  "micro_batch_size": 4 if smoke else 32},
+        "train": {
+            "lr": 1e-4,
+            "precision": "float32",
+            "mini_batch_size": 4 if smoke else 192,
+            "micro_batch_size": 4 if smoke else 32,
+        },
         "checkpoint": {"every_steps": 0},
         "logging": {"trackers": ["jsonl"], "console": False, "progress_bar": False},
-    }  # fmt: skip
+    }
 
 
 def tokens(metrics: dict[str, float]) -> int:
@@ -118,8 +154,9 @@ def sync_survival(precision: str, engine_dtype: torch.dtype, smoke: bool) -> tup
     for i in range(rows):
         prompt = tokenizer.encode(f"What is {i // 4} + {2 * (i // 4)}?")  # a group shares its prompt
         response = torch.randint(100, 20_000, (24,), generator=gen).tolist()
-        experiences.append(Experience(prompt, response, [0.0] * 24, float(i % 2), 1.0 if i % 2 else -1.0, 0,
-                                      group_id=i // 4))  # fmt: skip
+        experiences.append(
+            Experience(prompt, response, [0.0] * 24, float(i % 2), 1.0 if i % 2 else -1.0, 0, group_id=i // 4)
+        )
     batch = ExperienceBatch.from_experiences(experiences, tokenizer.pad_token_id or 0)
     autocast = precision == "bf16_autocast"
 
@@ -158,32 +195,40 @@ def measure(smoke: bool) -> dict[str, Any]:
     survives_bf16, visible = sync_survival("bf16_autocast", torch.bfloat16, smoke)
     return {
         "exact_mode": False,
-        "max_abs_diff_fp32": fp32[ROLLOUT_LOGPROB_DIFF_MAX], "tokens_compared_fp32": tokens(fp32),
-        "max_abs_diff_bf16": bf16[ROLLOUT_LOGPROB_DIFF_MAX], "tokens_compared_bf16": tokens(bf16),
+        "max_abs_diff_fp32": fp32[ROLLOUT_LOGPROB_DIFF_MAX],
+        "tokens_compared_fp32": tokens(fp32),
+        "max_abs_diff_bf16": bf16[ROLLOUT_LOGPROB_DIFF_MAX],
+        "tokens_compared_bf16": tokens(bf16),
         "default_max_abs_diff_bf16": bf16[ROLLOUT_LOGPROB_DIFF_MAX],
-        "max_abs_diff_agentic": agent_a[ROLLOUT_LOGPROB_DIFF_MAX], "tokens_compared_agentic": tokens(agent_a),
+        "max_abs_diff_agentic": agent_a[ROLLOUT_LOGPROB_DIFF_MAX],
+        "tokens_compared_agentic": tokens(agent_a),
         "tokens_compared": min(tokens(fp32), tokens(bf16), tokens(agent_a)),
         "reproducible": samples_a == samples_b,
         "update_survives_sync_fraction": {"fp32": round(survives_fp32, 6), "bf16": round(survives_bf16, 6)},
-        "master_update_visible_bf16": visible, "lr": LR,
+        "master_update_visible_bf16": visible,
+        "lr": LR,
         "exact_step_time_ratio": None,
-    }  # fmt: skip
+    }
 
 
 def report(r: dict[str, Any]) -> None:
     print("engine logprob - trainer recomputation, largest |difference| over every sampled token of one step")
     print(f"{'path':<44}{'max |diff|':>12}{'tokens':>8}")
-    rows = [("float32 engine, float32 trainer", "max_abs_diff_fp32", "tokens_compared_fp32"),
-            ("bf16 engine, bf16 autocast trainer (default)", "max_abs_diff_bf16", "tokens_compared_bf16"),
-            ("agent episodes, individually scheduled", "max_abs_diff_agentic", "tokens_compared_agentic")]  # fmt: skip
+    rows = [
+        ("float32 engine, float32 trainer", "max_abs_diff_fp32", "tokens_compared_fp32"),
+        ("bf16 engine, bf16 autocast trainer (default)", "max_abs_diff_bf16", "tokens_compared_bf16"),
+        ("agent episodes, individually scheduled", "max_abs_diff_agentic", "tokens_compared_agentic"),
+    ]
     for label, key, count in rows:
         print(f"{label:<44}{r[key]:>12.3g}{r[count]:>8}")
     print("exact mode (batch-invariant kernels): not built; exact_step_time_ratio: n/a")
     print(f"same seed, same tokens (individually scheduled agent step, run twice): {r['reproducible']}")
     s = r["update_survives_sync_fraction"]
-    print(f"share of one step's change (lr {r['lr']}) the engine's copy carries: float32 {s['fp32']:.6f}, "
-          f"bf16 {s['bf16']:.6f}; of the float32 master weights' change, visible in bf16: "
-          f"{r['master_update_visible_bf16']:.3f}")  # fmt: skip
+    print(
+        f"share of one step's change (lr {r['lr']}) the engine's copy carries: float32 {s['fp32']:.6f}, "
+        f"bf16 {s['bf16']:.6f}; of the float32 master weights' change, visible in bf16: "
+        f"{r['master_update_visible_bf16']:.3f}"
+    )
 
 
 def main() -> int:

@@ -242,8 +242,14 @@ def test_under_bf16_the_residual_stream_and_the_rotation_stay_float32(char_token
     batch = grouped_batch(char_tokenizer)
     model = make_tiny_model("llama", char_tokenizer).train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        token_logprobs(model, batch.input_ids, batch.attention_mask, target_mask=batch.response_mask,
-                       group_ids=batch.group_ids, lean=True)  # fmt: skip
+        token_logprobs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            target_mask=batch.response_mask,
+            group_ids=batch.group_ids,
+            lean=True,
+        )
     layers = model.config.num_hidden_layers
     assert seen.count(("norm", torch.float32, torch.bfloat16)) == 2 * layers + 1
     assert seen.count(("rope", torch.float32, torch.float32)) == 2 * layers

@@ -74,8 +74,14 @@ def sampled_episodes(model_and_tokenizer, scheduling: str, delays: list[float], 
     model, tokenizer = model_and_tokenizer
     engine = NativeRolloutWorker.from_hf(model, tokenizer)
     limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=6, max_context=1024, end_on_turn_length=False)
-    runner = EpisodeRunner(lambda p, sp: engine.generate(p, sp, None), lambda: SlowToolEnv(Log()), tokenizer, limits,
-                           scheduling=scheduling, joins_calls=True)  # fmt: skip
+    runner = EpisodeRunner(
+        lambda p, sp: engine.generate(p, sp, None),
+        lambda: SlowToolEnv(Log()),
+        tokenizer,
+        limits,
+        scheduling=scheduling,
+        joins_calls=True,
+    )
     prompts = [Prompt(r["prompt"], [], columns=r, stream=derive(11, i)) for i, r in enumerate(rows(delays))]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -138,14 +144,24 @@ def test_an_individually_scheduled_agent_run_repeats_token_for_token_on_1_and_2_
     try:
         for i, threads in enumerate((1, 2, 2)):
             torch.set_num_threads(threads)
-            args = agent_run(tmp_path, f"name=run{i}", "steps=2", "agent.env=tests.fault_envs:JitteryGuess",
-                             "agent.max_context=120", "rollout.temperature=1.0")  # fmt: skip
+            args = agent_run(
+                tmp_path,
+                f"name=run{i}",
+                "steps=2",
+                "agent.env=tests.fault_envs:JitteryGuess",
+                "agent.max_context=120",
+                "rollout.temperature=1.0",
+            )
             assert main(args) == 0
             run = tmp_path / "runs" / f"run{i}"
-            samples = [[(s["prompt_index"], s["response"], s["reward"]) for s in map(json.loads, open(f))]
-                       for f in sorted((run / "samples").glob("step_*.jsonl"))]  # fmt: skip
-            metrics = [{k: v for k, v in json.loads(line).items() if not any(t in k for t in timing)}
-                       for line in (run / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+            samples = [
+                [(s["prompt_index"], s["response"], s["reward"]) for s in map(json.loads, open(f))]
+                for f in sorted((run / "samples").glob("step_*.jsonl"))
+            ]
+            metrics = [
+                {k: v for k, v in json.loads(line).items() if not any(t in k for t in timing)}
+                for line in (run / "metrics.jsonl").read_text().splitlines()
+            ]
             runs.append((samples, metrics))
     finally:
         torch.set_num_threads(before)
