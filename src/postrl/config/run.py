@@ -194,6 +194,15 @@ class RolloutConfig(Section):
         "records the version of the cache it attended to) or recomputed under the new weights (recompute: 5-8% "
         "more wall time on the demo, the same accuracy; docs/async.md).",
     )
+    exact: bool = Field(
+        False,
+        description="Exactly on-policy: the native engine and the trainer compute every token through the same "
+        "batch-invariant operations (fixed 32-row tiles, attention over fixed 64-position key blocks) from the "
+        "same weights, so each sampled token's logprob equals the trainer's recomputation bit for bit, whatever "
+        "the batch, and an on-policy step's importance ratio is exactly 1. Sets train.forward=exact; needs the "
+        "native engine, no LoRA, and one compute dtype on both sides (rollout.dtype=float32 with "
+        "train.precision=float32, or bfloat16 with bf16_autocast). Its cost is in docs/benchmarks.md (mismatch.py).",
+    )
     native: NativeEngineConfig = Field(default_factory=NativeEngineConfig, description="The native engine's knobs.")
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="The vLLM backend's knobs.")
 
@@ -265,6 +274,31 @@ class RunConfig(RunCommandConfig):
         """reasoning-gym problems without a reward section are scored by reasoning-gym's own scorer."""
         if self.data.reasoning_gym is not None and "reward" not in self.model_fields_set:
             self.reward = RewardConfig(components=[ReasoningGymComponent(name="correct", type="reasoning_gym")])
+        return self
+
+    @model_validator(mode="after")
+    def _exact_rollout_fits_the_run(self) -> RunConfig:
+        """rollout.exact makes the trainer use the exact forward, and needs what that forward can match."""
+        r, t = self.rollout, self.train
+        if not r.exact:
+            if t.forward == "exact":
+                raise ValueError("train.forward=exact matches the native engine's exact mode: set rollout.exact: true")
+            return self
+        if r.backend not in ("auto", "native"):
+            raise ValueError(f"rollout.exact needs the native engine (rollout.backend=native), not {r.backend}")
+        if "forward" in t.model_fields_set and t.forward != "exact":
+            raise ValueError(f"rollout.exact computes the trainer's logprobs with train.forward=exact, not {t.forward}")
+        if self.model.lora is not None:
+            raise ValueError("rollout.exact does not support model.lora (the exact forward has no adapter path)")
+        pairs = {("float32", "float32"), ("bfloat16", "bf16_autocast")}
+        dtype = r.dtype or self.model.dtype
+        if (dtype, t.precision) not in pairs:
+            raise ValueError(
+                "rollout.exact needs the engine and the trainer to compute in one dtype: rollout.dtype=float32 with "
+                f"train.precision=float32, or rollout.dtype=bfloat16 with train.precision=bf16_autocast (got "
+                f"rollout.dtype={dtype}, train.precision={t.precision})"
+            )
+        t.forward = "exact"
         return self
 
     @model_validator(mode="after")

@@ -129,6 +129,7 @@ def rollout_worker_for_model(
             model,
             tokenizer,
             dtype,
+            exact=config.exact,
             max_batch_size=config.max_batch_size,
             seed=seed,
             max_prefill_tokens=config.native.max_prefill_tokens,
@@ -137,4 +138,6 @@ def rollout_worker_for_model(
             kept_cache_mb=config.native.kept_cache_mb,
             release_cache=config.native.release_cache,
         )
+    if config.exact:
+        raise ValueError(f"rollout.exact needs the native engine, which has no model_type '{model_type}'")
     return HFRolloutWorker(model.to(dtype), tokenizer, config.max_batch_size, seed=seed)

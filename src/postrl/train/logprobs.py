@@ -10,16 +10,19 @@ from torch.distributed.fsdp import FSDPModule
 
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES, hf
 from postrl.train.chunked_head import Entropy, chunked_token_logprobs
+from postrl.train.exact_forward import ExactForward, exact_layout, supports_exact_forward
 from postrl.train.lean_forward import LeanForward, group_layout, shared_prompt_groups, supports_lean_forward
 from postrl.train.lora import base_of
 
-ForwardPath = Literal["lean", "shared_prompts", "selected", "full"]
+ForwardPath = Literal["exact", "lean", "shared_prompts", "selected", "full"]
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
     """Which forward computes a batch's logprobs, with what it prepared for it and why it was chosen.
 
+    - ``exact``: the native engine's batch-invariant operations (:mod:`postrl.train.exact_forward`,
+      ``rollout.exact``): logprobs equal to the engine's bit for bit;
     - ``lean``: the Llama family through :mod:`postrl.train.lean_forward` (shared prompts run once,
       the head only at the wanted positions);
     - ``shared_prompts``: the transformers forward over the samples of a group packed behind their
@@ -42,8 +45,18 @@ def plan_forward(
     target_mask: torch.Tensor | None,
     group_ids: torch.Tensor | None,
     lean: bool,
+    exact: bool = False,
 ) -> ForwardPlan:
-    """The first of the four forwards that applies (see :class:`ForwardPlan`)."""
+    """The first of the forwards that applies (see :class:`ForwardPlan`); ``exact`` asks for the
+    exact one, and it is an error when it cannot run (a silent fallback would not be exact)."""
+    if exact:
+        why = supports_exact_forward(base_of(model))
+        spans = None if target_mask is None else _prompt_response_spans(attention_mask, target_mask)
+        if why is None and spans is None:
+            why = "its rows must be prompt + one contiguous response (right-padded)"
+        if why is not None:
+            raise ValueError(f"train.forward=exact (rollout.exact) cannot run on this batch: {why}")
+        return ForwardPlan("exact", "rollout.exact: the engine's batch-invariant operations", spans=spans)
     model_type = getattr(model.config, "model_type", "")
     if target_mask is None:
         return ForwardPlan("full", "every position's logprob is wanted (no target_mask)")
@@ -91,6 +104,14 @@ def token_logprobs(
         return (logp, entropy) if target_mask is None else (logp * target_mask, entropy)
     assert target_mask is not None  # every other path projects only the wanted positions
     where, targets = target_mask.bool(), input_ids[:, 1:]
+    if plan.path == "exact":
+        assert plan.spans is not None
+        logp_sel, ent_sel = ExactForward(base_of(model)).token_logprobs(
+            exact_layout(input_ids, plan.spans, group_ids), targets[where], temperature, with_entropy != "off"
+        )
+        if with_entropy == "value" and ent_sel is not None:
+            ent_sel = ent_sel.detach()
+        return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
     if plan.path == "lean":
         assert plan.spans is not None
         inner = base_of(model)

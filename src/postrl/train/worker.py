@@ -238,9 +238,14 @@ class PolicyTrainer:
 
     def _policy_logprobs(self, micro: ExperienceBatch, with_entropy: Entropy) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's logprobs of ``micro``'s responses, and their entropy (zeros when "off")."""
-        lean = self.cfg.forward == "lean"
         plan = plan_forward(
-            self.model, micro.input_ids, micro.attention_mask, micro.response_mask, micro.group_ids, lean
+            self.model,
+            micro.input_ids,
+            micro.attention_mask,
+            micro.response_mask,
+            micro.group_ids,
+            lean=self.cfg.forward == "lean",
+            exact=self.cfg.forward == "exact",
         )
         if plan.path not in self.forward_paths:
             log.info("train forward: %s (%s)", plan.path, plan.why)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from postrl.models import invariant
 from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, KVCache, shared_prefix_length
 from postrl.rollout.native.sequences import ForwardPass, Request, SamplingKey, Sequence, sampling_key
 from postrl.rollout.sampling import sample_tokens, top_logprobs
@@ -156,6 +157,8 @@ class DecodeLoop:
         sampled = [self.active[s] for s in slots.tolist()]
         u = uniforms(torch.tensor([q.stream for q in sampled]), torch.tensor([len(q.tokens) for q in sampled]))
         tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, u)
+        if self.e.model.exact:  # the trainer's computation of the same quantity, tile by tile
+            lps = invariant.token_logprobs(rows, tokens, self.sp.temperature or 1.0)
         top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
         self._record(slots, tokens, lps, top)
 
@@ -241,6 +244,14 @@ class DecodeLoop:
         live = self.is_active[:hi].clone()
         attended = torch.where(live, self.pos[:hi], 0)
         written = torch.where(live, self.pos[:hi], self.cache.max_len - 1)
+        active_t = torch.tensor(active, dtype=torch.long, device=self.device)
+        slots = torch.arange(hi, device=self.device)
+        rows = active_t if len(active) != hi else slots
+        attend = self._exact_attend(slots, attended) if self.e.model.exact else self._decode_attend(hi, attended)
+        return ForwardPass(self.last[:hi], written, slots, attend, rows, owners=active_t, live=live)
+
+    def _decode_attend(self, hi: int, attended: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """Attention of slot ``s`` < ``hi`` over its positions ``0 .. attended[s]``."""
         cfg = self.e.model.cfg
         # attend over the cache's contiguous blocks with an additive mask: on CPU, batched matmuls on
         # contiguous blocks beat both SDPA and gathers of the live part; each (slot, head) block of
@@ -258,10 +269,7 @@ class DecodeLoop:
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             return torch.matmul(probs, cached_v).reshape(hi, cfg.heads * cfg.head_dim)
 
-        active_t = torch.tensor(active, dtype=torch.long, device=self.device)
-        slots = torch.arange(hi, device=self.device)
-        rows = active_t if len(active) != hi else slots
-        return ForwardPass(self.last[:hi], written, slots, attend, rows, owners=active_t, live=live)
+        return attend
 
     def _compact(self) -> None:
         """Move the highest active sequences into the free slots below them when the dense range
@@ -371,6 +379,26 @@ class DecodeLoop:
         col = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         row = torch.cat([torch.full((n,), g, dtype=torch.long, device=self.device) for g, n in enumerate(lengths)])
         slots = torch.tensor([s for s, _ in items], dtype=torch.long, device=self.device)
+        positions = first[row] + col
+        attend = (
+            self._exact_attend(slots[row], positions)
+            if self.e.model.exact
+            else self._prefill_attend(items, lengths, first, row, col, slots)
+        )
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        self.e.stats["prefill_tokens"] += len(tokens)
+        return ForwardPass(tokens, positions, slots[row], attend, ends)
+
+    def _prefill_attend(
+        self,
+        items: list[tuple[int, list[int]]],
+        lengths: list[int],
+        first: torch.Tensor,
+        row: torch.Tensor,
+        col: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> Callable[..., torch.Tensor]:
+        """Attention of item ``row[t]``'s token at ``first[row[t]] + col[t]`` over its slot's cache."""
         total = torch.tensor([len(ids) for _, ids in items], device=self.device)
         longest_q, longest_k = max(lengths), int(total.max())
         key_pos = torch.arange(longest_k, device=self.device).view(1, 1, 1, -1)
@@ -388,9 +416,16 @@ class DecodeLoop:
             )
             return out.transpose(1, 2)[row, col].reshape(-1, cfg.heads * cfg.head_dim)
 
-        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-        self.e.stats["prefill_tokens"] += len(tokens)
-        return ForwardPass(tokens, first[row] + col, slots[row], attend, ends)
+        return attend
+
+    def _exact_attend(self, sequence: torch.Tensor, position: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """Attention of token ``t`` over positions ``0 .. position[t]`` of cache slot ``sequence[t]``,
+        through the batch-invariant kernel (the cache holds the pass's own K/V already)."""
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return invariant.attention(q, self.cache.k[layer], self.cache.v[layer], sequence, position)
+
+        return attend
 
     def _first_sample_index(self, prompt_index: int, now: int) -> int:
         """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""

@@ -99,11 +99,11 @@ class NativeRolloutWorker(EngineBase):
 
     @staticmethod
     def from_hf(
-        model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype = torch.float32, **kw: Any
+        model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype = torch.float32, exact: bool = False, **kw: Any
     ) -> NativeRolloutWorker:
         device = next(model.parameters()).device
         return NativeRolloutWorker(
-            NativeCausalLM.from_hf(model, dtype, device), tokenizer, eos_ids(model, tokenizer), **kw
+            NativeCausalLM.from_hf(model, dtype, device, exact=exact), tokenizer, eos_ids(model, tokenizer), **kw
         )
 
     # -- RolloutWorker interface -----------------------------------------------------------------

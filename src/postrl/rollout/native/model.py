@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from postrl.models import invariant
 from postrl.models.adapters import is_adapter_key
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
 from postrl.rollout.native.adapters import EngineAdapters
@@ -92,8 +93,12 @@ class NativeCausalLM:
         attention_scaling: float,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        exact: bool = False,
     ) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        # exact: every pass through the batch-invariant operations the trainer's exact forward
+        # uses (postrl.models.invariant), on the plain weights (no packed copies, no LoRA)
+        self.exact = exact
         h, d, L = cfg.hidden, cfg.head_dim, cfg.layers
         q_out, kv_out = cfg.heads * d, cfg.kv_heads * d
         new = lambda *shape: torch.empty(*shape, dtype=dtype, device=self.device)  # noqa: E731
@@ -114,10 +119,11 @@ class NativeCausalLM:
         # On CPUs, bf16 projections run ~1.5x faster with weights reordered once into oneDNN's
         # blocked layout (what torch.compile's freezing does) than with F.linear re-packing them
         # on every call. The packed copies are refreshed by load().
-        self.prepacked = _can_prepack(dtype, self.device)
+        self.prepacked = not exact and _can_prepack(dtype, self.device)
+        self.rotary = invariant.RotaryTable(self.inv_freq, attention_scaling)
         # unpacked, the output projection as [hidden, vocab]: a plain matmul on it is ~1.7x faster
         # on CPU than F.linear on [vocab, hidden]; refreshed from lm_head/embed by load()
-        self.lm_head_t = None if self.prepacked else new(h, cfg.vocab_size)
+        self.lm_head_t = None if self.prepacked or exact else new(h, cfg.vocab_size)
 
     # -- weights -------------------------------------------------------------------------------
     def _name_map(self, q_out: int, kv_out: int) -> dict[str, torch.Tensor]:
@@ -149,6 +155,8 @@ class NativeCausalLM:
         (``*.lora_A``, ``*.lora_B``, ``*.lora_scale``) replace the engine's adapters; a state of
         adapters only leaves the base weights as they are."""
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
+        if adapters and self.exact:
+            raise ValueError("rollout.exact does not support LoRA adapters (the exact forward has no adapter path)")
         if adapters:
             written = self.adapters.load(adapters, self.dtype, self.device)
             state = {k: v for k, v in state.items() if k not in adapters}
@@ -223,10 +231,13 @@ class NativeCausalLM:
         return out[..., :width].addmm_(out[..., width:], fused.b_t)
 
     @staticmethod
-    def from_hf(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> NativeCausalLM:
+    def from_hf(
+        model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu", exact: bool = False
+    ) -> NativeCausalLM:
         cfg = NativeConfig.from_hf(model.config)
         rotary = model.model.rotary_emb
-        engine = NativeCausalLM(cfg, rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), dtype, device)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        engine = NativeCausalLM(cfg, rotary.inv_freq, scaling, dtype, device, exact=exact)
         engine.load(dict(model.state_dict()))
         return engine
 
@@ -262,6 +273,8 @@ class NativeCausalLM:
         ``cache[slot, :, positions[t]]``. ``attend(layer, q, k, v)`` computes attention for this
         layout (see the engine). Returns float32 logits for ``logits_rows`` (default: all rows).
         """
+        if self.exact:
+            return self._exact_forward(tokens, positions, cache, write_slots, attend, logits_rows)
         cfg = self.cfg
         d, nh, nkv = cfg.head_dim, cfg.heads, cfg.kv_heads
         x = F.embedding(tokens, self.embed)
@@ -284,3 +297,33 @@ class NativeCausalLM:
         h = self._rms(x, self.final_norm)
         logits = self._linear(h, self.p_head) if self.prepacked else torch.matmul(h, self.lm_head_t)
         return logits.float()
+
+    def _exact_forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        write_slots: torch.Tensor,
+        attend: Any,
+        logits_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """:meth:`forward` through :mod:`postrl.models.invariant`: the residual stream in float32,
+        the projections in the engine's dtype, the same operations as
+        :class:`postrl.train.exact_forward.ExactForward` (``attend`` must be an exact attention too)."""
+        cfg = self.cfg
+        d, nh, nkv = cfg.head_dim, cfg.heads, cfg.kv_heads
+        x = F.embedding(tokens, self.embed).float()
+        cos, sin = self.rotary(positions)
+        for i in range(cfg.layers):
+            h = invariant.rms_norm(x, self.ln1[i], cfg.eps)
+            qkv = invariant.linear(h, self.wqkv[i], self.bqkv[i] if self.bqkv is not None else None)
+            q = invariant.rotate(qkv[:, : nh * d].view(-1, nh, d), cos, sin)
+            k = invariant.rotate(qkv[:, nh * d : (nh + nkv) * d].view(-1, nkv, d), cos, sin)
+            v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
+            cache.write(i, write_slots, positions, k, v)
+            x = x + invariant.linear(attend(i, q, k, v), self.wo[i]).float()
+            h = invariant.rms_norm(x, self.ln2[i], cfg.eps)
+            x = x + invariant.linear(invariant.silu_mul(invariant.linear(h, self.w_gate_up[i])), self.w_down[i]).float()
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return invariant.logits(invariant.rms_norm(x, self.final_norm, cfg.eps), self.lm_head)
