@@ -142,8 +142,10 @@ def attention(
 def _block(store: torch.Tensor, seq: torch.Tensor, b: int) -> torch.Tensor:
     """Positions ``[b * KEY_BLOCK, (b + 1) * KEY_BLOCK)`` of sequences ``seq``: ``[rows, kv_heads,
     KEY_BLOCK, head_dim]``, zero past the store's end (those positions are masked); contiguous
-    whatever the store's strides (a matmul's kernel, and so its rounding, depends on them)."""
-    part = store[seq, :, b * KEY_BLOCK : (b + 1) * KEY_BLOCK]
+    whatever the store's strides (a matmul's kernel, and so its rounding, depends on them). A gather
+    by ``index_select``: the backward of ``store[seq]`` (``index_put_`` accumulating) sums repeated
+    rows in an order that varies with thread timing on the CPU; ``index_select``'s does not."""
+    part = store[:, :, b * KEY_BLOCK : (b + 1) * KEY_BLOCK].index_select(0, seq)
     short = KEY_BLOCK - part.shape[2]
     return (F.pad(part, (0, 0, 0, short)) if short else part).contiguous()
 

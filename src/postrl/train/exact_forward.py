@@ -119,7 +119,9 @@ class ExactForward:
         device = layout.tokens.device
         dtype = self.compute_dtype(device)
         with torch.autocast(device.type, enabled=False):
-            hidden = self._hidden(layout, dtype)[layout.predictors]
+            # index_select, not indexing: a group's first response tokens share their predictor, and
+            # the backward of indexing sums repeated rows in a thread-timing-dependent order
+            hidden = self._hidden(layout, dtype).index_select(0, layout.predictors)
             head = self.model.get_output_embeddings().weight.to(dtype)
             logp, entropy = [], []
             for h, tok in zip(*_tiles(hidden, targets), strict=True):
