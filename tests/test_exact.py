@@ -95,9 +95,10 @@ def test_attention_of_a_query_is_the_same_alone_and_among_longer_sequences(dtype
     q = torch.randn(40, heads, d).to(dtype)
     seq, pos = torch.randint(0, 3, (40,)), torch.randint(0, 70, (40,))
     pos[0] = 150  # one query past the second block in the big call
-    together = invariant.attention(q, keys, values, seq, pos)
+    together = invariant.attention(q, keys, values, invariant.query_items(seq, pos))
     for t in (3, 17, 39):
-        alone = invariant.attention(q[t : t + 1], keys[:, :, :70], values[:, :, :70], seq[t : t + 1], pos[t : t + 1])
+        items = invariant.query_items(seq[t : t + 1], pos[t : t + 1])
+        alone = invariant.attention(q[t : t + 1], keys[:, :, :70], values[:, :, :70], items)
         assert torch.equal(alone, together[t : t + 1])
     t = 5
     k = keys[seq[t], :, : pos[t] + 1].double().repeat_interleave(heads // kv, 0)

@@ -72,6 +72,10 @@ def test_old_logprobs_auto_recomputes_whenever_engine_and_trainer_may_differ():
     assert old_logprobs_source(RunConfig(rollout={"dtype": "bfloat16"}, algorithm={"old_logprobs": "rollout"})) == (
         "rollout"
     )
+    exact_bf16 = {"rollout": {"exact": True, "dtype": "bfloat16"}, "train": {"precision": "bf16_autocast"}}
+    assert old_logprobs_source(RunConfig(**exact_bf16)) == "rollout"  # the engine's logprobs are the trainer's
+    async_exact = RunConfig(**exact_bf16, buffer={"max_staleness": 1}, controller={"mode": "async"})
+    assert old_logprobs_source(async_exact) == "recompute"
 
 
 def _engine_batch(tokenizer, model, dtype=torch.float32, n=4, advantage=lambda i: float(i % 3) - 1.0):

@@ -7,16 +7,21 @@ their split across threads from the shapes of the call (on this project's CPUs a
 differently from one of 32), so the same token gets different logprobs on the two sides. Here
 every operation that reduces runs on fixed shapes whatever the batch:
 
-- row-local work (projections, norms, the gated activation, the head, log-softmax) runs on tiles
-  of exactly :data:`TILE_ROWS` rows, padded with zero rows; within a tile, rows are independent
-  and their place in it does not matter (tested);
-- attention runs per tile of queries over fixed blocks of :data:`KEY_BLOCK` key *positions*
-  (block ``b`` holds positions ``64 b .. 64 b + 63`` of the query's own sequence), in float32:
-  the softmax maximum first (exact in any order), then each block's ``exp`` sums and
-  probability-weighted values added in block order. Keys after a query's position contribute
-  exact zeros, so a query reads the same numbers whether its sequence is 10 or 1,000 tokens long
-  in the call;
+- matrix products (projections, the head) run on tiles of exactly :data:`TILE_ROWS` rows, padded
+  with zero rows; within a tile, rows are independent and their place in it does not matter;
+- row-wise and elementwise work (norms, the gated activation, rotation, log-softmax) runs on all
+  rows at once, padded to whole tiles: a row reduction runs over outputs, each row in the same
+  order, and the elementwise kernels split the rows at multiples of their vector width;
+- attention computes each (query, key block) product as its own fixed-shape matrix product, over
+  fixed blocks of :data:`KEY_BLOCK` key *positions* (block ``b`` holds positions ``64 b .. 64 b +
+  63`` of the query's own sequence), in float32: the softmax maximum first (exact in any order),
+  then each block's ``exp`` sums and probability-weighted values added in block order. Keys after a
+  query's position contribute exact zeros, so a query reads the same numbers whether its sequence
+  is 10 or 1,000 tokens long in the call;
 - rotary angles come from one table by position, computed in fixed chunks of positions.
+
+Each of these is tested against its row computed alone, on this CPU's kernels; a new kernel
+library could break one, which the tests of :mod:`tests.test_exact` would show.
 
 The engine (:class:`~postrl.rollout.native.model.NativeCausalLM` with ``exact``) and the trainer
 (:mod:`postrl.train.exact_forward`) both compute with these functions and with the same weights
@@ -27,6 +32,7 @@ sampled token's logprob is the same number on both sides, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,20 +42,32 @@ KEY_BLOCK = 64
 ROPE_CHUNK = 256  # positions per chunk of the rotary table
 
 
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of :data:`TILE_ROWS`."""
+    pad = (-x.shape[0]) % TILE_ROWS
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+
 def by_tiles(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
     """``fn`` applied to consecutive :data:`TILE_ROWS`-row tiles of ``rows`` (tensors with the same
     first dimension; the last tile padded with zero rows; each tile contiguous, since kernels choose
     their code by strides too), concatenated and cut back."""
     n = rows[0].shape[0]
-    pad = (-n) % TILE_ROWS
-    if pad:
-        rows = tuple(torch.cat([r, r.new_zeros(pad, *r.shape[1:])]) for r in rows)
-    tiles = [fn(*(p.contiguous() for p in parts)) for parts in zip(*(r.split(TILE_ROWS) for r in rows), strict=True)]
+    tiles = [fn(*(p.contiguous() for p in parts)) for parts in zip(*(pad_rows(r).split(TILE_ROWS) for r in rows))]
     return torch.cat(tiles)[:n]
 
 
+def by_rows(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
+    """``fn`` of row-wise or elementwise operations, on ``rows`` padded to whole tiles at once: the
+    row reductions run over outputs (every row reduced in the same order) and the elementwise kernels
+    split the work at multiples of their vector width, so every element takes the same code path
+    whatever the number of rows (tested; a matrix product is not like this: :func:`linear`)."""
+    n = rows[0].shape[0]
+    return fn(*(pad_rows(r).contiguous() for r in rows))[:n]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` in ``weight``'s dtype, tile by tile."""
+    """``x W^T + b`` in ``weight``'s dtype, one :data:`TILE_ROWS`-row product at a time."""
     return by_tiles(lambda t: F.linear(t.to(weight.dtype), weight, bias), x)
 
 
@@ -59,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     def norm(t: torch.Tensor) -> torch.Tensor:
         return (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(weight.dtype)
 
-    return by_tiles(norm, x)
+    return by_rows(norm, x)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -69,7 +87,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = t.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    return by_tiles(act, gate_up)
+    return by_rows(act, gate_up)
 
 
 class RotaryTable:
@@ -95,48 +113,98 @@ class RotaryTable:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` ``[T, heads, head_dim]`` in float32, returned in ``x``'s dtype
-    (elementwise: exactly rounded whatever the batch)."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
+    """Rotary embedding of ``x`` ``[T, heads, head_dim]`` in float32, returned in ``x``'s dtype."""
+
+    def turn(t: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        tf = t.float()
+        half = tf.shape[-1] // 2
+        return (tf * c + torch.cat([-tf[..., half:], tf[..., :half]], dim=-1) * s).to(t.dtype)
+
+    return by_rows(turn, x, cos, sin)
 
 
-def attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor
-) -> torch.Tensor:
-    """Causal attention of queries ``q`` ``[T, heads, head_dim]``: query ``t`` attends to positions
-    ``0 .. position[t]`` of sequence ``sequence[t]`` in ``keys``/``values`` ``[S, kv_heads, L,
-    head_dim]`` (a KV cache's layout; the query's own key already written). Returns ``[T, heads *
-    head_dim]`` in ``q``'s dtype."""
-    heads, head_dim = q.shape[1], q.shape[2]
+QUERY_TOKENS = 16  # queries of one sequence per attention item
+
+
+@dataclass(frozen=True)
+class QueryItems:
+    """Queries grouped for :func:`attention`: item ``i`` is up to :data:`QUERY_TOKENS` queries of
+    sequence ``seq[i]`` (rows ``index[i]`` of the queries, ``T`` for padding, at positions
+    ``pos[i]``, 0 for padding); query ``t`` is flat slot ``slot[t]`` of ``[items * QUERY_TOKENS]``.
+    Built once per forward and used by every layer."""
+
+    index: torch.Tensor  # [items, QUERY_TOKENS]
+    seq: torch.Tensor  # [items]
+    pos: torch.Tensor  # [items, QUERY_TOKENS]
+    slot: torch.Tensor  # [T]
+    blocks: int  # key blocks the furthest query reaches
+
+
+def query_items(sequence: torch.Tensor, position: torch.Tensor) -> QueryItems:
+    """Each sequence's queries (``sequence[t]``, at ``position[t]``), in order, in items of
+    :data:`QUERY_TOKENS`."""
+    by_sequence: dict[int, list[int]] = {}
+    for t, s in enumerate(sequence.tolist()):
+        by_sequence.setdefault(s, []).append(t)
+    total = len(sequence)
+    index: list[list[int]] = []
+    seq: list[int] = []
+    for s, rows in by_sequence.items():
+        for a in range(0, len(rows), QUERY_TOKENS):
+            part = rows[a : a + QUERY_TOKENS]
+            index.append(part + [total] * (QUERY_TOKENS - len(part)))
+            seq.append(s)
+    device = sequence.device
+    index_t = torch.tensor(index, dtype=torch.long, device=device).view(-1, QUERY_TOKENS)
+    padded_pos = torch.cat([position, position.new_zeros(1)])
+    slot = torch.empty(total, dtype=torch.long, device=device)
+    flat = index_t.reshape(-1)
+    real = flat < total
+    slot[flat[real]] = torch.arange(flat.numel(), device=device)[real]
+    reach = int(position.max()) + 1 if total else 1
+    return QueryItems(
+        index_t, torch.tensor(seq, dtype=torch.long, device=device), padded_pos[index_t], slot, -(-reach // KEY_BLOCK)
+    )
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, items: QueryItems) -> torch.Tensor:
+    """Causal attention of queries ``q`` ``[T, heads, head_dim]`` (grouped by :func:`query_items`):
+    query ``t`` attends to positions ``0 .. position[t]`` of its sequence in ``keys``/``values``
+    ``[S, kv_heads, L, head_dim]`` (a KV cache's layout; the query's own key already written).
+    Returns ``[T, heads * head_dim]`` in ``q``'s dtype.
+
+    Per item, KV head and key block, the scores are one ``[QUERY_TOKENS * groups, head_dim] x
+    [head_dim, KEY_BLOCK]`` product and the weighted values one ``[QUERY_TOKENS * groups,
+    KEY_BLOCK] x [KEY_BLOCK, head_dim]`` product, in a batch of such: fixed shapes, whose rows do not
+    depend on each other or on the batch. Blocks after a query's position add exact zeros."""
+    total, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
-    scale = head_dim**-0.5
-
-    def tile(qt: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        rows = qt.shape[0]
-        qf = qt.float().view(rows, kv_heads, heads // kv_heads, head_dim)
-        blocks = (int(pos.max()) + KEY_BLOCK) // KEY_BLOCK
-        scores, vals = [], []
-        for b in range(blocks):
-            kb, vb = _block(keys, seq, b), _block(values, seq, b)
-            s = torch.matmul(qf, kb.float().transpose(-1, -2)) * scale  # [rows, kv, groups, KEY_BLOCK]
-            key_pos = torch.arange(b * KEY_BLOCK, (b + 1) * KEY_BLOCK, device=q.device)
-            scores.append(s.masked_fill((key_pos[None] > pos[:, None]).view(rows, 1, 1, -1), float("-inf")))
-            vals.append(vb)
-        top = scores[0].amax(-1, keepdim=True)
-        for s in scores[1:]:
-            top = torch.maximum(top, s.amax(-1, keepdim=True))
-        total = out = None
-        for s, vb in zip(scores, vals, strict=True):
-            e = torch.exp(s - top)
-            part, weighted = e.sum(-1, keepdim=True), torch.matmul(e, vb.float())
-            total = part if total is None else total + part
-            out = weighted if out is None else out + weighted
-        assert out is not None and total is not None
-        return (out / total).to(q.dtype).reshape(rows, heads * head_dim)
-
-    return by_tiles(tile, q, sequence, position)
+    groups = heads // kv_heads
+    n_items = items.index.shape[0]
+    padded = torch.cat([q, q.new_zeros(1, heads, head_dim)]).float()
+    # [items, QUERY_TOKENS, kv, groups, d] -> [items, kv, QUERY_TOKENS * groups, d]
+    qi = padded.index_select(0, items.index.reshape(-1)).view(n_items, QUERY_TOKENS, kv_heads, groups, head_dim)
+    qi = qi.permute(0, 2, 1, 3, 4).reshape(n_items, kv_heads, QUERY_TOKENS * groups, head_dim)
+    query_pos = items.pos.repeat_interleave(groups, dim=1)[:, None, :, None]  # [items, 1, QUERY_TOKENS * groups, 1]
+    scores, vals = [], []
+    for b in range(items.blocks):
+        s = torch.matmul(qi, _block(keys, items.seq, b).float().transpose(-1, -2)) * head_dim**-0.5
+        key_pos = torch.arange(b * KEY_BLOCK, (b + 1) * KEY_BLOCK, device=q.device)
+        scores.append(s.masked_fill(key_pos > query_pos, float("-inf")))
+        vals.append(_block(values, items.seq, b))
+    top = scores[0].amax(-1, keepdim=True)
+    for s in scores[1:]:
+        top = torch.maximum(top, s.amax(-1, keepdim=True))
+    total_p = out = None
+    for s, vb in zip(scores, vals, strict=True):  # in block order
+        e = torch.exp(s - top)
+        part, weighted = e.sum(-1, keepdim=True), torch.matmul(e, vb.float())
+        total_p = part if total_p is None else total_p + part
+        out = weighted if out is None else out + weighted
+    assert out is not None and total_p is not None
+    result = (out / total_p).view(n_items, kv_heads, QUERY_TOKENS, groups, head_dim).permute(0, 2, 1, 3, 4)
+    flat = result.reshape(n_items * QUERY_TOKENS, heads * head_dim)
+    return flat.index_select(0, items.slot).to(q.dtype)
 
 
 def _block(store: torch.Tensor, seq: torch.Tensor, b: int) -> torch.Tensor:
@@ -161,4 +229,4 @@ def token_logprobs(logits_: torch.Tensor, tokens: torch.Tensor, temperature: flo
     def pick(t: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(t / temperature, dim=-1).gather(-1, tok[:, None])[:, 0]
 
-    return by_tiles(pick, logits_, tokens)
+    return by_rows(pick, logits_, tokens)

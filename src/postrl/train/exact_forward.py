@@ -135,15 +135,18 @@ class ExactForward:
         decoder = self.model.model
         x = F.embedding(layout.tokens, decoder.embed_tokens.weight.to(dtype)).float()
         cos, sin = self.rotary(layout.position)
+        items = invariant.query_items(layout.sequence, layout.position)
         use_checkpoint = bool(decoder.gradient_checkpointing) and torch.is_grad_enabled()
         for layer in decoder.layers:
             if use_checkpoint:
-                x = checkpoint(self._layer, layer, x, cos, sin, layout, dtype, use_reentrant=False)
+                x = checkpoint(self._layer, layer, x, cos, sin, layout, items, dtype, use_reentrant=False)
             else:
-                x = self._layer(layer, x, cos, sin, layout, dtype)
+                x = self._layer(layer, x, cos, sin, layout, items, dtype)
         return invariant.rms_norm(x, decoder.norm.weight.to(dtype), self.eps)
 
-    def _layer(self, layer, x, cos, sin, layout: ExactLayout, dtype: torch.dtype) -> torch.Tensor:
+    def _layer(
+        self, layer, x, cos, sin, layout: ExactLayout, items: invariant.QueryItems, dtype: torch.dtype
+    ) -> torch.Tensor:
         attn, mlp = layer.self_attn, layer.mlp
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -155,7 +158,7 @@ class ExactForward:
         k = invariant.rotate(qkv[:, nh * d : (nh + nkv) * d].view(-1, nkv, d), cos, sin)
         v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
         keys, values = _key_store(k, layout.key_map), _key_store(v, layout.key_map)
-        out = invariant.attention(q, keys, values, layout.sequence, layout.position)
+        out = invariant.attention(q, keys, values, items)
         x = x + invariant.linear(out, attn.o_proj.weight.to(dtype)).float()
         h = invariant.rms_norm(x, layer.post_attention_layernorm.weight.to(dtype), self.eps)
         gate_up = invariant.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype))

@@ -49,12 +49,15 @@ class PolicySpec:
 
 def old_logprobs_source(config: RunConfig) -> ProximalSource:
     """``algorithm.old_logprobs`` resolved: ``auto`` is ``rollout`` only when the engine's logprobs
-    are the trainer's own: a sync, on-policy run whose native or hf engine computes in float32 on
-    the device the trainer uses, with a float32 trainer; ``recompute`` otherwise."""
+    are the trainer's own: a sync, on-policy run with rollout.exact (bit for bit, in any dtype), or
+    whose native or hf engine computes in float32 on the device the trainer uses, with a float32
+    trainer; ``recompute`` otherwise."""
     choice = config.algorithm.old_logprobs
     if choice != "auto":
         return choice
     r, t = config.rollout, config.train
+    if r.exact:
+        return "rollout" if config.on_policy else "recompute"
     gpu = torch.cuda.is_available()
     engine_fp32 = r.backend in ("auto", "native", "hf") and (r.dtype or config.model.dtype) == "float32"
     trainer_fp32 = t.precision == "float32" or (t.precision == "auto" and not (gpu and t.device != "cpu"))

@@ -422,8 +422,10 @@ class DecodeLoop:
         """Attention of token ``t`` over positions ``0 .. position[t]`` of cache slot ``sequence[t]``,
         through the batch-invariant kernel (the cache holds the pass's own K/V already)."""
 
+        items = invariant.query_items(sequence, position)
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return invariant.attention(q, self.cache.k[layer], self.cache.v[layer], sequence, position)
+            return invariant.attention(q, self.cache.k[layer], self.cache.v[layer], items)
 
         return attend
 
