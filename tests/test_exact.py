@@ -203,6 +203,38 @@ def test_the_trainer_s_plan_runs_the_exact_forward_and_its_gradient_flows(char_t
     assert sum(float(g.abs().sum()) for g in grads) > 0
 
 
+def test_exact_values_and_gradients_match_the_transformers_model_in_float32(char_tokenizer):
+    """The exact forward is the model: its logprobs, entropies and their gradients (the head's own
+    backward included) equal the transformers forward's up to float32 rounding."""
+    model = make_tiny_model("qwen2", char_tokenizer).train()  # qkv biases, an untied head
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, torch.float32, exact=True)
+    rollouts = engine.generate(_prompts(char_tokenizer, ["1+1=", "3+4="]), SAMPLED, None)
+    input_ids, spans, groups, _, _ = _rows(rollouts)
+    attention = torch.zeros_like(input_ids)
+    target = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
+    for row, (p, n) in enumerate(spans):
+        attention[row, : p + n] = 1
+        target[row, p - 1 : p - 1 + n] = 1
+    weights = torch.linspace(-1.0, 1.0, target.numel()).view_as(target)
+
+    def run(exact: bool):
+        model.zero_grad()
+        plan = plan_forward(model, input_ids, attention, target, groups, lean=False, exact=exact)
+        if not exact:
+            plan = type(plan)("full", "reference")
+        logp, entropy = token_logprobs(
+            model, input_ids, attention, 0.8, "grad", target_mask=target, group_ids=groups, plan=plan
+        )
+        ((logp * weights + 0.3 * entropy * weights.flip(0)) * target).sum().backward()
+        return logp * target, entropy * target, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    exact, reference = run(True), run(False)
+    torch.testing.assert_close(exact[0], reference[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(exact[1], reference[1], rtol=1e-4, atol=1e-5)
+    for name, grad in reference[2].items():
+        torch.testing.assert_close(exact[2][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
 def test_the_exact_plan_refuses_what_it_cannot_compute(char_tokenizer):
     model = make_tiny_model("llama", char_tokenizer)
     ids = torch.tensor([[1, 2, 3, 4]])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,30 @@ def by_rows(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tenso
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` in ``weight``'s dtype, one :data:`TILE_ROWS`-row product at a time."""
-    return by_tiles(lambda t: F.linear(t.to(weight.dtype), weight, bias), x)
+    x = x.to(weight.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return TiledLinear.apply(x, weight, bias)
+    return by_tiles(lambda t: F.linear(t, weight, bias), x)
+
+
+class TiledLinear(torch.autograd.Function):
+    """:func:`linear`'s forward, tile by tile; its backward as whole products (only the forward
+    must not depend on the batch): per tile, autograd would add one weight gradient per tile."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return by_tiles(lambda t: F.linear(t, weight, bias), x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype)
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from postrl.models import invariant
+from postrl.train.chunked_head import rows_per_chunk
 from postrl.train.lean_forward import shared_prompt_groups, supports_lean_forward
 
 
@@ -123,17 +124,13 @@ class ExactForward:
             # the backward of indexing sums repeated rows in a thread-timing-dependent order
             hidden = self._hidden(layout, dtype).index_select(0, layout.predictors)
             head = self.model.get_output_embeddings().weight.to(dtype)
-            logp, entropy = [], []
-            for h, tok in zip(*_tiles(hidden, targets), strict=True):
-                out = checkpoint(_head_tile, h, head, tok, temperature, with_entropy, use_reentrant=False)
-                logp.append(out[0])
-                entropy.append(out[1])
-            n = len(targets)
-            return torch.cat(logp)[:n], torch.cat(entropy)[:n] if with_entropy else None
+            logp, entropy = ExactHead.apply(hidden, head, targets, temperature, with_entropy)
+            return logp, entropy if with_entropy else None
 
     def _hidden(self, layout: ExactLayout, dtype: torch.dtype) -> torch.Tensor:
         decoder = self.model.model
-        x = F.embedding(layout.tokens, decoder.embed_tokens.weight.to(dtype)).float()
+        embed = decoder.embed_tokens  # its padding_idx row gets no gradient, as in the module's forward
+        x = F.embedding(layout.tokens, embed.weight.to(dtype), padding_idx=embed.padding_idx).float()
         cos, sin = self.rotary(layout.position)
         items = invariant.query_items(layout.sequence, layout.position)
         use_checkpoint = bool(decoder.gradient_checkpointing) and torch.is_grad_enabled()
@@ -172,19 +169,55 @@ def _key_store(k: torch.Tensor, key_map: torch.Tensor) -> torch.Tensor:
     return padded.index_select(0, key_map.reshape(-1)).view(rows, width, *k.shape[1:]).transpose(1, 2)
 
 
-def _tiles(*rows: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    n = rows[0].shape[0]
-    pad = (-n) % invariant.TILE_ROWS
-    padded = [torch.cat([r, r.new_zeros(pad, *r.shape[1:])]) for r in rows]
-    return [p.split(invariant.TILE_ROWS) for p in padded]
+class ExactHead(torch.autograd.Function):
+    """``(logp [N], entropy [N])`` of ``targets`` under ``softmax(hidden @ head.T / T)``: the forward
+    tile by tile exactly as the engine computes it (:func:`postrl.models.invariant.logits`, then
+    :func:`~postrl.models.invariant.token_logprobs`), keeping only each row's log-normaliser; the
+    backward recomputes the logits in chunks of :func:`~postrl.train.chunked_head.rows_per_chunk`
+    rows, with one weight-gradient product per chunk (the gradient need not be batch-invariant)."""
 
+    @staticmethod
+    def forward(ctx: Any, hidden, head, targets, temperature: float, with_entropy: bool):
+        logp, entropy = [], []
+        tiles = zip(
+            invariant.pad_rows(hidden).split(invariant.TILE_ROWS),
+            invariant.pad_rows(targets).split(invariant.TILE_ROWS),
+            strict=True,
+        )
+        for h, tok in tiles:
+            log_p = torch.log_softmax(F.linear(h, head).float() / temperature, dim=-1)
+            logp.append(log_p.gather(-1, tok[:, None])[:, 0])
+            entropy.append(-(log_p.exp() * log_p).sum(-1) if with_entropy else log_p.new_zeros(len(tok)))
+        n = hidden.shape[0]
+        out_logp, out_entropy = torch.cat(logp)[:n], torch.cat(entropy)[:n]
+        ctx.save_for_backward(hidden, head, targets, out_entropy)
+        ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        ctx.set_materialize_grads(False)
+        return out_logp, out_entropy
 
-def _head_tile(
-    h: torch.Tensor, head: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile's logprobs (as :func:`postrl.models.invariant.logits` then
-    :func:`~postrl.models.invariant.token_logprobs` compute them) and entropies (zeros without)."""
-    log_p = torch.log_softmax(F.linear(h, head).float() / temperature, dim=-1)
-    logp = log_p.gather(-1, tokens[:, None])[:, 0]
-    entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else torch.zeros_like(logp)
-    return logp, entropy
+    @staticmethod
+    def backward(ctx: Any, grad_logp, grad_entropy):
+        hidden, head, targets, entropy = ctx.saved_tensors
+        t = ctx.temperature
+        g_logp = (grad_logp if grad_logp is not None else torch.zeros_like(entropy)) / t
+        g_entropy = grad_entropy / t if ctx.with_entropy and grad_entropy is not None else None
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w: torch.Tensor | None = None
+        chunk = rows_per_chunk(head.shape[0])
+        for s in range(0, hidden.shape[0], chunk):
+            rows = slice(s, s + chunk)
+            log_p = torch.log_softmax((hidden[rows] @ head.t()).float() / t, dim=-1)
+            p = log_p.exp()
+            coef = -g_logp[rows, None]
+            if g_entropy is not None:  # d H / d z_j = -p_j (log p_j + H)
+                coef = coef - g_entropy[rows, None] * (log_p + entropy[rows, None])
+            dz = p * coef
+            picked = (torch.arange(dz.shape[0], device=dz.device), targets[rows])
+            dz[picked] = dz[picked] + g_logp[rows]
+            dz = dz.to(head.dtype)
+            if grad_h is not None:
+                grad_h[rows] = dz @ head
+            if ctx.needs_input_grad[1]:
+                part = (dz.t() @ hidden[rows]).float()
+                grad_w = part if grad_w is None else grad_w.add_(part)
+        return grad_h, None if grad_w is None else grad_w.to(head.dtype), None, None, None
