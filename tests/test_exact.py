@@ -135,6 +135,22 @@ def test_sampled_groups_logprobs_equal_the_trainer_s_bit_for_bit(model, char_tok
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gpu_s_fixed_batches_give_the_same_numbers(char_tokenizer, dtype, monkeypatch):
+    """The path a GPU takes (row-wise work tile by tile, attention in padded batches of items), run
+    here on the CPU: still exact, and the same numbers as the CPU's path."""
+    model = make_tiny_model("llama", char_tokenizer)
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, dtype, exact=True)
+    rollouts = engine.generate(_prompts(char_tokenizer, ["12+7=", "what is 3*4?"]), SAMPLED, None)
+    monkeypatch.setattr(invariant, "fixed_batches", lambda device: True)
+    trainer, reported = _trainer_logprobs(model, rollouts, dtype)
+    assert torch.equal(trainer, reported)
+    padded = NativeRolloutWorker.from_hf(model, char_tokenizer, dtype, exact=True)  # the engine's side too
+    rollouts = padded.generate(_prompts(char_tokenizer, ["7*7=", "hello"]), SAMPLED, None)
+    trainer, reported = _trainer_logprobs(model, rollouts, dtype)
+    assert torch.equal(trainer, reported)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_requests_joining_mid_decode_keep_exact_logprobs(char_tokenizer, dtype):
     model = make_tiny_model("llama", char_tokenizer)
     engine = NativeRolloutWorker.from_hf(model, char_tokenizer, dtype, exact=True)

@@ -82,3 +82,27 @@ def test_two_step_run_on_cuda(tmp_path, tiny_model_dir, arithmetic_jsonl):
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in rows)
     load_causal_lm(str(config.run_dir / "final_model"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_mode_on_cuda_gives_the_trainer_s_logprobs_bit_for_bit(char_tokenizer, dtype):
+    """rollout.exact on CUDA: the engine's logprobs of a sampled group equal the trainer's exact
+    recomputation, with the GPU's fixed batches (postrl.models.invariant.fixed_batches)."""
+    from postrl.rollout.native.engine import NativeRolloutWorker
+    from postrl.train.exact_forward import ExactForward, exact_layout
+
+    model = make_tiny_model("llama", char_tokenizer).to("cuda")
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, dtype, exact=True)
+    prompts = [Prompt(t, char_tokenizer(t)["input_ids"]) for t in ("12+7=", "what is 3*4?")]
+    rollouts = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=70), None)
+    ids = [list(r.prompt_ids) + list(r.response_ids) for r in rollouts]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([x + [0] * (width - len(x)) for x in ids], device="cuda")
+    spans = [(len(r.prompt_ids), len(r.response_ids)) for r in rollouts]
+    groups = torch.tensor([r.prompt_index for r in rollouts], device="cuda")
+    targets = torch.tensor([t for r in rollouts for t in r.response_ids], device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), torch.no_grad():
+        logp, _ = ExactForward(model).token_logprobs(exact_layout(input_ids, spans, groups), targets, 1.0, False)
+    reported = torch.tensor([lp for r in rollouts for lp in r.logprobs], device="cuda")
+    assert torch.equal(logp, reported)

@@ -43,6 +43,14 @@ KEY_BLOCK = 64
 ROPE_CHUNK = 256  # positions per chunk of the rotary table
 
 
+def fixed_batches(device: torch.device) -> bool:
+    """Whether every call must also have a fixed number of rows (of tiles, of attention items): on a
+    GPU, whose kernels choose their configuration (and so their reduction order) by the whole shape.
+    The CPU's row-wise kernels and batched products treat each row or item alike whatever their
+    number (tested), so there they run on everything at once."""
+    return device.type != "cpu"
+
+
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` with zero rows appended up to a multiple of :data:`TILE_ROWS`."""
     pad = (-x.shape[0]) % TILE_ROWS
@@ -62,7 +70,10 @@ def by_rows(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tenso
     """``fn`` of row-wise or elementwise operations, on ``rows`` padded to whole tiles at once: the
     row reductions run over outputs (every row reduced in the same order) and the elementwise kernels
     split the work at multiples of their vector width, so every element takes the same code path
-    whatever the number of rows (tested; a matrix product is not like this: :func:`linear`)."""
+    whatever the number of rows (tested; a matrix product is not like this: :func:`linear`). On a
+    GPU, whose reduction kernels pick their configuration from the row count, tile by tile."""
+    if fixed_batches(rows[0].device):  # a GPU reduction's kernel configuration follows the row count
+        return by_tiles(fn, *rows)
     n = rows[0].shape[0]
     return fn(*(pad_rows(r).contiguous() for r in rows))[:n]
 
@@ -148,6 +159,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 QUERY_TOKENS = 16  # queries of one sequence per attention item
+ITEM_CHUNK = 256  # attention items per batch of products (a GPU's batch is padded to it)
 
 
 @dataclass(frozen=True)
@@ -202,33 +214,55 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, items: 
     KEY_BLOCK] x [KEY_BLOCK, head_dim]`` product, in a batch of such: fixed shapes, whose rows do not
     depend on each other or on the batch. Blocks after a query's position add exact zeros."""
     total, heads, head_dim = q.shape
+    padded = torch.cat([q, q.new_zeros(1, heads, head_dim)]).float()
+    outputs = []
+    for a in range(0, items.index.shape[0], ITEM_CHUNK):
+        index, seq, pos = items.index[a : a + ITEM_CHUNK], items.seq[a : a + ITEM_CHUNK], items.pos[a : a + ITEM_CHUNK]
+        short = ITEM_CHUNK - index.shape[0]
+        if short and fixed_batches(q.device):  # cuBLAS picks its algorithm by the batch size too
+            index = torch.cat([index, index.new_full((short, QUERY_TOKENS), total)])
+            seq, pos = torch.cat([seq, seq.new_zeros(short)]), torch.cat([pos, pos.new_zeros(short, QUERY_TOKENS)])
+        out = _attend_items(padded, keys, values, index, seq, pos, items.blocks)
+        outputs.append(out[: ITEM_CHUNK - short] if short and fixed_batches(q.device) else out)
+    flat = torch.cat(outputs).reshape(-1, heads * head_dim)
+    return flat.index_select(0, items.slot).to(q.dtype)
+
+
+def _attend_items(
+    padded_q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    seq: torch.Tensor,
+    pos: torch.Tensor,
+    blocks: int,
+) -> torch.Tensor:
+    """``[items, QUERY_TOKENS, heads, head_dim]`` float32 attention of a batch of items."""
+    n_items = index.shape[0]
+    heads, head_dim = padded_q.shape[1], padded_q.shape[2]
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
-    n_items = items.index.shape[0]
-    padded = torch.cat([q, q.new_zeros(1, heads, head_dim)]).float()
     # [items, QUERY_TOKENS, kv, groups, d] -> [items, kv, QUERY_TOKENS * groups, d]
-    qi = padded.index_select(0, items.index.reshape(-1)).view(n_items, QUERY_TOKENS, kv_heads, groups, head_dim)
+    qi = padded_q.index_select(0, index.reshape(-1)).view(n_items, QUERY_TOKENS, kv_heads, groups, head_dim)
     qi = qi.permute(0, 2, 1, 3, 4).reshape(n_items, kv_heads, QUERY_TOKENS * groups, head_dim)
-    query_pos = items.pos.repeat_interleave(groups, dim=1)[:, None, :, None]  # [items, 1, QUERY_TOKENS * groups, 1]
+    query_pos = pos.repeat_interleave(groups, dim=1)[:, None, :, None]  # [items, 1, QUERY_TOKENS * groups, 1]
     scores, vals = [], []
-    for b in range(items.blocks):
-        s = torch.matmul(qi, _block(keys, items.seq, b).float().transpose(-1, -2)) * head_dim**-0.5
-        key_pos = torch.arange(b * KEY_BLOCK, (b + 1) * KEY_BLOCK, device=q.device)
+    for b in range(blocks):
+        s = torch.matmul(qi, _block(keys, seq, b).float().transpose(-1, -2)) * head_dim**-0.5
+        key_pos = torch.arange(b * KEY_BLOCK, (b + 1) * KEY_BLOCK, device=padded_q.device)
         scores.append(s.masked_fill(key_pos > query_pos, float("-inf")))
-        vals.append(_block(values, items.seq, b))
+        vals.append(_block(values, seq, b))
     top = scores[0].amax(-1, keepdim=True)
     for s in scores[1:]:
         top = torch.maximum(top, s.amax(-1, keepdim=True))
-    total_p = out = None
+    total = out = None
     for s, vb in zip(scores, vals, strict=True):  # in block order
         e = torch.exp(s - top)
         part, weighted = e.sum(-1, keepdim=True), torch.matmul(e, vb.float())
-        total_p = part if total_p is None else total_p + part
+        total = part if total is None else total + part
         out = weighted if out is None else out + weighted
-    assert out is not None and total_p is not None
-    result = (out / total_p).view(n_items, kv_heads, QUERY_TOKENS, groups, head_dim).permute(0, 2, 1, 3, 4)
-    flat = result.reshape(n_items * QUERY_TOKENS, heads * head_dim)
-    return flat.index_select(0, items.slot).to(q.dtype)
+    assert out is not None and total is not None
+    return (out / total).view(n_items, kv_heads, QUERY_TOKENS, groups, head_dim).permute(0, 2, 1, 3, 4)
 
 
 def _block(store: torch.Tensor, seq: torch.Tensor, b: int) -> torch.Tensor:
