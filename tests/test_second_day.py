@@ -309,15 +309,27 @@ def test_a_large_logprob_mismatch_is_warned_once_naming_both_dtypes():
     both_bf16 = build_config({}, ["rollout.dtype=bfloat16", "train.precision=bf16_autocast"])
     said.clear()
     MismatchWatch(both_bf16, said.append).observe(StepMetrics(2, 2, {"rollout/logprob_diff_max": 0.54}))
+    exact_fix = (
+        "set rollout.exact=true (with rollout.dtype=bfloat16 and train.precision=bf16_autocast, or both float32): "
+        "engine and trainer then compute every logprob alike, bit for bit"
+    )
     assert said[0].endswith(
-        "the trainer computes in bf16 autocast. The policy ratio then mixes two policies; set rollout.dtype=float32 "
-        "and train.precision=float32 so both compute alike in float32"
+        f"the trainer computes in bf16 autocast. The policy ratio then mixes two policies; {exact_fix}; or set "
+        "rollout.dtype=float32 and train.precision=float32 so both compute alike in float32"
     )
     fp32 = build_config({}, ["rollout.dtype=float32", "train.precision=float32", "algorithm.old_logprobs=rollout"])
     said.clear()
     MismatchWatch(fp32, said.append).observe(StepMetrics(2, 2, {"rollout/logprob_diff_max": 0.54}))
     assert said[0].endswith(
-        "mixes two policies; algorithm.old_logprobs=recompute corrects the gap with importance weights"
+        f"mixes two policies; {exact_fix}; or algorithm.old_logprobs=recompute corrects the gap with importance weights"
+    )
+    # with exact mode on, a gap is not a precision question: the advice says what else it can be
+    exact = build_config({}, ["rollout.exact=true", "rollout.dtype=bfloat16", "train.precision=bf16_autocast"])
+    said.clear()
+    MismatchWatch(exact, said.append).observe(StepMetrics(2, 2, {"rollout/logprob_diff_max": 0.54}))
+    assert said[0].endswith(
+        "a gap means the weights differ (check the weight sync, rollout.kv_after_update=recompute) or samples "
+        "lag the trainer"
     )
     # samples that lag the trainer by design differ from it by the lag: nothing to say about precision
     lagging = build_config({}, ["controller.mode=async", "buffer.max_staleness=1"])

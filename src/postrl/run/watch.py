@@ -97,6 +97,16 @@ def mismatch_fixes(config: RunConfig) -> str:
     r, t = config.rollout, config.train
     engine_fp32 = (r.dtype or config.model.dtype) == "float32" and r.backend != "openai"
     fixes = []
+    if r.backend in ("auto", "native") and not r.exact and config.model.lora is None:
+        fixes.append(
+            "set rollout.exact=true (with rollout.dtype=bfloat16 and train.precision=bf16_autocast, or both "
+            "float32): engine and trainer then compute every logprob alike, bit for bit"
+        )
+    if r.exact:
+        return (
+            "rollout.exact is on, so engine and trainer should agree bit for bit: a gap means the weights "
+            "differ (check the weight sync, rollout.kv_after_update=recompute) or samples lag the trainer"
+        )
     if not engine_fp32:
         fixes.append(
             "start the servers with `postrl serve-rollout --dtype float32`"
