@@ -184,8 +184,9 @@ class ExactHead(torch.autograd.Function):
             invariant.pad_rows(targets).split(invariant.TILE_ROWS),
             strict=True,
         )
+        packed = invariant.pack(head)
         for h, tok in tiles:
-            log_p = torch.log_softmax(F.linear(h, head).float() / temperature, dim=-1)
+            log_p = torch.log_softmax(invariant.head_logits(h, head, packed) / temperature, dim=-1)
             logp.append(log_p.gather(-1, tok[:, None])[:, 0])
             entropy.append(-(log_p.exp() * log_p).sum(-1) if with_entropy else log_p.new_zeros(len(tok)))
         n = hidden.shape[0]
