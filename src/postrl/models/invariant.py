@@ -334,10 +334,15 @@ def head_logits(tile: torch.Tensor, head: torch.Tensor, packed: torch.Tensor | N
     return _product(tile, head, None, packed).float()
 
 
+def scaled(logits_: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``; at 1 the logits themselves (the same numbers, no [rows, vocab] pass)."""
+    return logits_ if temperature == 1.0 else logits_ / temperature
+
+
 def token_logprobs(logits_: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log_softmax(logits / temperature)[token]`` per row (float32)."""
 
     def pick(t: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(t / temperature, dim=-1).gather(-1, tok[:, None])[:, 0]
+        return torch.log_softmax(scaled(t, temperature), dim=-1).gather(-1, tok[:, None])[:, 0]
 
     return by_rows(pick, logits_, tokens)

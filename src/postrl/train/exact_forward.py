@@ -186,7 +186,7 @@ class ExactHead(torch.autograd.Function):
         )
         packed = invariant.pack(head)
         for h, tok in tiles:
-            log_p = torch.log_softmax(invariant.head_logits(h, head, packed) / temperature, dim=-1)
+            log_p = torch.log_softmax(invariant.scaled(invariant.head_logits(h, head, packed), temperature), dim=-1)
             logp.append(log_p.gather(-1, tok[:, None])[:, 0])
             entropy.append(-(log_p.exp() * log_p).sum(-1) if with_entropy else log_p.new_zeros(len(tok)))
         n = hidden.shape[0]
@@ -207,7 +207,7 @@ class ExactHead(torch.autograd.Function):
         chunk = rows_per_chunk(head.shape[0])
         for s in range(0, hidden.shape[0], chunk):
             rows = slice(s, s + chunk)
-            log_p = torch.log_softmax((hidden[rows] @ head.t()).float() / t, dim=-1)
+            log_p = torch.log_softmax(invariant.scaled((hidden[rows] @ head.t()).float(), t), dim=-1)
             p = log_p.exp()
             coef = -g_logp[rows, None]
             if g_entropy is not None:  # d H / d z_j = -p_j (log p_j + H)
