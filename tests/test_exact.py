@@ -123,7 +123,9 @@ def test_the_rotary_table_is_the_rotation_by_position():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sampled_groups_logprobs_equal_the_trainer_s_bit_for_bit(model, char_tokenizer, dtype):
     engine = NativeRolloutWorker.from_hf(model, char_tokenizer, dtype, exact=True)
-    rollouts = engine.generate(_prompts(char_tokenizer, ["12+7=", "what is 3*4?", "a"]), SAMPLED, None)
+    shared = "You are a careful calculator. Answer: "  # a prefix the engine prefills once for both prompts
+    texts = ["12+7=", "what is 3*4?", "a", shared + "12+7=", shared + "9-4="]
+    rollouts = engine.generate(_prompts(char_tokenizer, texts), SAMPLED, None)
     assert max(len(r.response_ids) for r in rollouts) > invariant.KEY_BLOCK - 10
     trainer, reported = _trainer_logprobs(model, rollouts, dtype)
     assert trainer.numel() >= 200
@@ -294,13 +296,16 @@ def test_exact_config_sets_the_trainer_s_forward():
 def test_an_exact_agent_run_is_on_policy_to_the_bit_and_repeats_itself(tmp_path, dtype, precision):
     """``postrl train`` with individually scheduled two-turn episodes answering after random delays:
     the engine-trainer logprob gap is 0.0 at every step (a weight sync between them), the importance
-    weights are exactly 1, and a second run gives identical metrics, not merely close ones."""
+    weights are exactly 1, and a second run, on 2 threads where the first ran on 1, gives identical
+    metrics, not merely close ones (without exact mode they agree to about 1e-3)."""
     from postrl.cli import main
     from tests.test_third_day import agent_run
 
     timing = ("time/", "throughput/", "perf/", "_s", "memory/")
     runs = []
-    for name in ("a", "b"):
+    before = torch.get_num_threads()
+    for name, threads in (("a", 1), ("b", 2)):
+        torch.set_num_threads(threads)
         args = agent_run(
             tmp_path,
             f"name={name}",
@@ -313,7 +318,10 @@ def test_an_exact_agent_run_is_on_policy_to_the_bit_and_repeats_itself(tmp_path,
             f"train.precision={precision}",
             "algorithm.old_logprobs=recompute",
         )
-        assert main(args) == 0
+        try:
+            assert main(args) == 0
+        finally:
+            torch.set_num_threads(before)
         lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
         runs.append([{k: v for k, v in json.loads(line).items() if not any(t in k for t in timing)} for line in lines])
     for metrics in runs[0]:
