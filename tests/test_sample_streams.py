@@ -130,8 +130,8 @@ def test_a_call_with_a_seed_samples_alike_whatever_came_before(model_and_tokeniz
 def test_an_individually_scheduled_agent_run_repeats_token_for_token_on_1_and_2_threads(tmp_path):
     """``postrl train`` on a two-turn environment whose steps answer after random delays, with the
     default individual scheduling: the same config and seed give the same tokens and rewards, and the
-    same metrics up to the rounding of the engine's logprobs, which still varies with the batch the
-    turns were computed in (bitwise equal metrics need batch-invariant kernels)."""
+    same metrics up to the rounding of the engine's logprobs, which varies with the batch the turns
+    were computed in (with rollout.exact they are equal bit for bit: tests/test_exact.py)."""
     import json
 
     from postrl.cli import main
