@@ -32,6 +32,7 @@ import json
 import os
 import random
 import signal
+import shutil
 import statistics
 import sys
 import tempfile
@@ -267,6 +268,8 @@ def postrl_worker(args: argparse.Namespace) -> dict:
         train(build_config(config), on_step=on_step)
     except RunInterrupted:
         pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the run's checkpoints: gigabytes per seed
     return {"curve": curve, "last": True}
 
 
@@ -376,7 +379,10 @@ def trl_worker(args: argparse.Namespace) -> dict:
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         callbacks=[Clock()],
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"curve": curve, "last": True}
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -67,7 +68,9 @@ def run_steps(config: dict) -> tuple[list[dict[str, float]], list[list]]:
         for f in sorted((run / "samples").glob("step_*.jsonl"))
         for line in f.read_text().splitlines()
     ]
-    return read_metrics(run / "metrics.jsonl"), samples
+    metrics = read_metrics(run / "metrics.jsonl")
+    shutil.rmtree(run)  # its checkpoint and final model: gigabytes for SmolLM2
+    return metrics, samples
 
 
 LOGGING = {"trackers": ["jsonl"], "console": False, "progress_bar": False}
