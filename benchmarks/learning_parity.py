@@ -31,8 +31,8 @@ import argparse
 import json
 import os
 import random
-import signal
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
