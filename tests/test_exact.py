@@ -286,9 +286,20 @@ def test_exact_config_sets_the_trainer_s_forward():
 
     config = demo_config(["rollout.exact=true", "rollout.dtype=float32", "train.precision=float32"])
     assert config.train.forward == "exact"
-    # the defaults resolve alike on a machine without a GPU (float32 engine, float32 trainer)
+    # the defaults resolve alike on a machine without a GPU (float32 engine, float32 trainer); where
+    # auto resolves to two dtypes, building the run's policy refuses it, naming both
+    from postrl.train.factory import PolicySpec
+
     if not torch.cuda.is_available():
-        assert demo_config(["rollout.exact=true"]).train.forward == "exact"
+        assert PolicySpec.of_run(demo_config(["rollout.exact=true"])).train.forward == "exact"
+    from postrl.rollout.factory import bf16_is_fast
+
+    auto_engine = demo_config(["rollout.exact=true", "rollout.dtype=auto", "train.precision=float32"])
+    if bf16_is_fast(torch.device("cpu")) and not torch.cuda.is_available():  # auto: a bf16 engine here
+        with pytest.raises(ValueError, match="bfloat16 and float32 on this machine"):
+            PolicySpec.of_run(auto_engine)
+    with pytest.raises(ValueError, match="float32 and bfloat16 on this machine"):
+        demo_config(["rollout.exact=true", "rollout.dtype=float32", "train.precision=bf16_autocast"])
 
 
 # -- a whole run -------------------------------------------------------------------------------------

@@ -229,6 +229,15 @@ class RewardServiceFile(Section):
     )
 
 
+def exact_dtype_message(dtype: str, precision: str, engine: str, trainer: str) -> str:
+    """rollout.exact's error when the engine's dtype and the trainer's differ."""
+    return (
+        "rollout.exact needs the engine and the trainer to compute in one dtype: rollout.dtype=float32 with "
+        f"train.precision=float32, or rollout.dtype=bfloat16 with train.precision=bf16_autocast (got rollout.dtype="
+        f"{dtype}, train.precision={precision}: {engine} and {trainer} on this machine)"
+    )
+
+
 class RunConfig(RunCommandConfig):
     """``postrl train``: an RL run."""
 
@@ -276,23 +285,6 @@ class RunConfig(RunCommandConfig):
             self.reward = RewardConfig(components=[ReasoningGymComponent(name="correct", type="reasoning_gym")])
         return self
 
-    def resolved_compute_dtypes(self) -> tuple[str, str]:
-        """(the engine's dtype, the trainer's matmul dtype) as this machine resolves ``auto``: the rollout
-        factory's rule for ``rollout.dtype`` (bf16 where bf16 is fast), the Train Worker's for
-        ``train.precision`` (bf16 autocast on a GPU with bf16)."""
-        from postrl.models.devices import bf16_matmul_supported, resolve_device
-        from postrl.rollout.factory import bf16_is_fast
-
-        dtype = self.rollout.dtype or self.model.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if bf16_is_fast(resolve_device(self.rollout.device, "rollout.device")) else "float32"
-        precision = self.train.precision
-        if precision == "auto":
-            device = resolve_device(self.train.device, "train.device")
-            precision = "bf16_autocast" if bf16_matmul_supported(device) else "float32"
-        bf16_trainer = precision == "bf16_autocast" or self.model.dtype == "bfloat16"  # bf16 parameters compute in bf16
-        return dtype, "bfloat16" if bf16_trainer else "float32"
-
     @model_validator(mode="after")
     def _exact_rollout_fits_the_run(self) -> RunConfig:
         """rollout.exact makes the trainer use the exact forward, and needs what that forward can match."""
@@ -307,14 +299,12 @@ class RunConfig(RunCommandConfig):
             raise ValueError(f"rollout.exact computes the trainer's logprobs with train.forward=exact, not {t.forward}")
         if self.model.lora is not None:
             raise ValueError("rollout.exact does not support model.lora (the exact forward has no adapter path)")
-        dtype, precision = self.resolved_compute_dtypes()
-        if dtype != precision:
-            raise ValueError(
-                "rollout.exact needs the engine and the trainer to compute in one dtype: rollout.dtype=float32 with "
-                "train.precision=float32, or rollout.dtype=bfloat16 with train.precision=bf16_autocast (got "
-                f"rollout.dtype={r.dtype or self.model.dtype}, train.precision={t.precision}: {dtype} and {precision} "
-                "on this machine)"
-            )
+        dtype = r.dtype or self.model.dtype
+        trainer = {"float32": "float32", "bf16_autocast": "bfloat16"}.get(t.precision)  # auto: on the machine
+        if self.model.dtype == "bfloat16":
+            trainer = "bfloat16"  # bf16 parameters compute in bf16 whatever the precision
+        if dtype != "auto" and trainer is not None and dtype != trainer:
+            raise ValueError(exact_dtype_message(dtype, t.precision, dtype, trainer))
         t.forward = "exact"
         return self
 

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from postrl.config.algorithm import AlgorithmConfig, ProximalSource
-from postrl.config.run import LoraConfig, RunConfig, TrainConfig
-from postrl.models.devices import bf16_matmul_supported
+from postrl.config.run import LoraConfig, RunConfig, TrainConfig, exact_dtype_message
+from postrl.models.devices import bf16_matmul_supported, resolve_device
+from postrl.rollout.factory import bf16_is_fast
 from postrl.train.worker import PolicyTrainer
 
 
@@ -33,6 +34,7 @@ class PolicySpec:
     @staticmethod
     def of_run(config: RunConfig) -> PolicySpec:
         """The policy of a ``postrl train`` run."""
+        check_exact_dtypes(config)
         return PolicySpec(
             config.model.path,
             config.model.dtype,
@@ -45,6 +47,32 @@ class PolicySpec:
             max_response_tokens=config.rollout.max_tokens,
             proximal=old_logprobs_source(config),
         )
+
+
+def compute_dtypes(config: RunConfig) -> tuple[str, str]:
+    """(the engine's dtype, the trainer's matmul dtype) as this machine resolves ``auto``: the rollout
+    factory's rule for ``rollout.dtype`` (bf16 where bf16 is fast), the Train Worker's for
+    ``train.precision`` (bf16 autocast on a GPU with bf16); bf16 parameters compute in bf16."""
+    dtype = config.rollout.dtype or config.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if bf16_is_fast(resolve_device(config.rollout.device, "rollout.device")) else "float32"
+    precision = config.train.precision
+    if precision == "auto":
+        device = resolve_device(config.train.device, "train.device")
+        precision = "bf16_autocast" if bf16_matmul_supported(device) else "float32"
+    bf16 = precision == "bf16_autocast" or config.model.dtype == "bfloat16"
+    return dtype, "bfloat16" if bf16 else "float32"
+
+
+def check_exact_dtypes(config: RunConfig) -> None:
+    """rollout.exact with ``auto`` dtypes: they must resolve to one dtype on this machine (the config
+    itself refuses an explicit mismatch)."""
+    if not config.rollout.exact:
+        return
+    engine, trainer = compute_dtypes(config)
+    if engine != trainer:
+        dtype = config.rollout.dtype or config.model.dtype
+        raise ValueError(exact_dtype_message(dtype, config.train.precision, engine, trainer))
 
 
 def old_logprobs_source(config: RunConfig) -> ProximalSource:
