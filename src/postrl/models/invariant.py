@@ -80,7 +80,7 @@ def by_rows(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tenso
 
 
 @functools.cache
-def _cpu_packs_bf16() -> bool:
+def cpu_packs_bf16() -> bool:
     """oneDNN's bf16 weight packing needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; a CPU without them
     refuses it."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
@@ -97,7 +97,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     the CPU does that for bf16 (a tile's product then runs ~1.7x faster than ``F.linear``'s, which
     packs on every call; rows stay independent of each other, tested); None elsewhere. The engine
     keeps packed copies; the trainer packs each forward (~60 ms for SmolLM2)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not _cpu_packs_bf16():
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not cpu_packs_bf16():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), TILE_ROWS)
 

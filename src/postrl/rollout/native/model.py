@@ -7,7 +7,6 @@ into those fused buffers, so a weight update copies in place: no rebuild, no rea
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,24 +62,8 @@ class NativeConfig:
 
 
 def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and _cpu_prepacks_bf16()
-    )
-
-
-@functools.cache
-def _cpu_prepacks_bf16() -> bool:
-    """oneDNN's bf16 weight packing needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; a CPU without them
-    refuses it, and the engine then uses plain bf16 matmuls."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
-    except RuntimeError:
-        return False
-    return True
+    """oneDNN's bf16 weight packing, on a CPU that does it (:func:`postrl.models.invariant.cpu_packs_bf16`)."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and invariant.cpu_packs_bf16()
 
 
 class NativeCausalLM:
