@@ -172,7 +172,7 @@ def _key_store(k: torch.Tensor, key_map: torch.Tensor) -> torch.Tensor:
 class ExactHead(torch.autograd.Function):
     """``(logp [N], entropy [N])`` of ``targets`` under ``softmax(hidden @ head.T / T)``: the forward
     tile by tile exactly as the engine computes it (:func:`postrl.models.invariant.logits`, then
-    :func:`~postrl.models.invariant.token_logprobs`), keeping only each row's log-normaliser; the
+    :func:`~postrl.models.invariant.token_logprobs`), keeping no ``[rows, vocab]`` tensor; the
     backward recomputes the logits in chunks of :func:`~postrl.train.chunked_head.rows_per_chunk`
     rows, with one weight-gradient product per chunk (the gradient need not be batch-invariant)."""
 
