@@ -41,6 +41,16 @@ def _rows(rollouts) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor, 
     return input_ids, spans, groups, targets, engine
 
 
+def _masks(input_ids: torch.Tensor, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' attention mask and the mask of the logprobs wanted (each response token's)."""
+    attention = torch.zeros_like(input_ids)
+    target = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
+    for row, (p, n) in enumerate(spans):
+        attention[row, : p + n] = 1
+        target[row, p - 1 : p - 1 + n] = 1
+    return attention, target
+
+
 def _trainer_logprobs(model, rollouts, dtype, groups: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(the trainer's exact logprobs of the rollouts' response tokens, the engine's)."""
     input_ids, spans, group_ids, targets, engine = _rows(rollouts)
@@ -206,11 +216,7 @@ def test_the_trainer_s_plan_runs_the_exact_forward_and_its_gradient_flows(char_t
     engine = NativeRolloutWorker.from_hf(model, char_tokenizer, torch.float32, exact=True)
     rollouts = engine.generate(_prompts(char_tokenizer, ["1+1=", "3+4="]), SAMPLED, None)
     input_ids, spans, groups, _, reported = _rows(rollouts)
-    attention = torch.zeros_like(input_ids)
-    target = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
-    for row, (p, n) in enumerate(spans):
-        attention[row, : p + n] = 1
-        target[row, p - 1 : p - 1 + n] = 1
+    attention, target = _masks(input_ids, spans)
     plan = plan_forward(model, input_ids, attention, target, groups, lean=False, exact=True)
     assert plan.path == "exact"
     logp, _ = token_logprobs(model, input_ids, attention, target_mask=target, group_ids=groups, plan=plan)
@@ -228,11 +234,7 @@ def test_exact_values_and_gradients_match_the_transformers_model_in_float32(char
     engine = NativeRolloutWorker.from_hf(model, char_tokenizer, torch.float32, exact=True)
     rollouts = engine.generate(_prompts(char_tokenizer, ["1+1=", "3+4="]), SAMPLED, None)
     input_ids, spans, groups, _, _ = _rows(rollouts)
-    attention = torch.zeros_like(input_ids)
-    target = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
-    for row, (p, n) in enumerate(spans):
-        attention[row, : p + n] = 1
-        target[row, p - 1 : p - 1 + n] = 1
+    attention, target = _masks(input_ids, spans)
     weights = torch.linspace(-1.0, 1.0, target.numel()).view_as(target)
 
     def run(exact: bool):
@@ -350,11 +352,7 @@ def test_without_exact_mode_bf16_logprobs_differ_from_the_trainer_s(char_tokeniz
     engine = NativeRolloutWorker.from_hf(model, char_tokenizer, torch.bfloat16)
     rollouts = engine.generate(_prompts(char_tokenizer, ["12+7=", "what is 3*4?"]), SAMPLED, None)
     input_ids, spans, groups, targets, reported = _rows(rollouts)
-    attention = torch.zeros_like(input_ids)
-    target = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
-    for row, (p, n) in enumerate(spans):
-        attention[row, : p + n] = 1
-        target[row, p - 1 : p - 1 + n] = 1
+    attention, target = _masks(input_ids, spans)
     with _autocast(torch.bfloat16), torch.no_grad():
         logp, _ = token_logprobs(model, input_ids, attention, target_mask=target, group_ids=groups)
     assert not torch.equal(logp[target.bool()], reported)
