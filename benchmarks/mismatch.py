@@ -212,16 +212,31 @@ def sync_survival(precision: str, engine_dtype: torch.dtype, exact: bool, smoke:
     return 1.0 - (diff**0.5) / (total**0.5), metrics.values.get(TRAIN_UPDATE_VISIBLE_BF16)
 
 
+TIMING = ("time/", "throughput/", "perf/", "_s", "memory/")
+
+
+def largest(runs: list[dict[str, float]]) -> float:
+    """The largest engine-trainer logprob gap over a run's steps."""
+    from postrl.types.metric_names import ROLLOUT_LOGPROB_DIFF_MAX
+
+    return max(m[ROLLOUT_LOGPROB_DIFF_MAX] for m in runs)
+
+
+def counted(runs: list[dict[str, float]]) -> int:
+    return sum(tokens(m) for m in runs)
+
+
+def untimed(runs: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Each step's metrics but its timings and memory (which vary run to run)."""
+    return [{k: v for k, v in m.items() if not any(t in k for t in TIMING)} for m in runs]
+
+
 def step_time(metrics: list[dict[str, float]]) -> float:
     return metrics[-1]["time/step_s"]
 
 
 def measure(smoke: bool) -> dict[str, Any]:
-    from postrl.types.metric_names import ROLLOUT_LOGPROB_DIFF_MAX
-
     out = Path(tempfile.mkdtemp(prefix="mismatch-"))
-    largest = lambda runs: max(m[ROLLOUT_LOGPROB_DIFF_MAX] for m in runs)  # noqa: E731
-    counted = lambda runs: sum(tokens(m) for m in runs)  # noqa: E731
     smol, demo_runs = {}, {}
     for dtype in ("float32", "bfloat16"):
         for exact in (True, False):
@@ -229,8 +244,6 @@ def measure(smoke: bool) -> dict[str, Any]:
             demo_runs[dtype, exact], _ = run_steps(demo(out, f"demo-{dtype}-{exact}", dtype, exact, smoke))
     agent_a, samples_a = run_steps(agentic(out, "agent-a", smoke))
     agent_b, samples_b = run_steps(agentic(out, "agent-b", smoke))
-    timing = ("time/", "throughput/", "perf/", "_s", "memory/")
-    untimed = lambda runs: [{k: v for k, v in m.items() if not any(t in k for t in timing)} for m in runs]  # noqa: E731
     survives = {
         "fp32": sync_survival("float32", torch.float32, True, smoke)[0],
         "bf16": sync_survival("bf16_autocast", torch.bfloat16, True, smoke)[0],
