@@ -194,49 +194,66 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return by_rows(turn, x, cos, sin)
 
 
-QUERY_TOKENS = 16  # queries of one sequence per attention item
+QUERY_TOKENS = 16  # queries of one sequence per attention item, at most
+MIN_ITEM_ROWS = 8  # an item's product rows (queries x query heads per KV head), at least
 ITEM_CHUNK = 256  # attention items per batch of products (a GPU's batch is padded to it)
 
 
 @dataclass(frozen=True)
 class QueryItems:
-    """Queries grouped for :func:`attention`: item ``i`` is up to :data:`QUERY_TOKENS` queries of
-    sequence ``seq[i]`` (rows ``index[i]`` of the queries, ``T`` for padding, at positions
-    ``pos[i]``, 0 for padding); query ``t`` is flat slot ``slot[t]`` of ``[items * QUERY_TOKENS]``.
-    Built once per forward and used by every layer."""
+    """Queries grouped for :func:`attention`: item ``i`` is up to ``per_item`` queries of sequence
+    ``seq[i]`` (rows ``index[i]`` of the queries, ``T`` for padding, at positions ``pos[i]``, 0 for
+    padding); query ``t`` is flat slot ``slot[t]`` of ``[items * per_item]``. Built once per forward
+    and used by every layer.
 
-    index: torch.Tensor  # [items, QUERY_TOKENS]
+    ``per_item`` is :data:`QUERY_TOKENS`, or 1 when every sequence has one query in the call (a
+    decode step): the products' rows do not depend on how many there are (tested), so a decode
+    step's items need not carry 15 empty queries each. A decode step's items are then one per
+    sequence of the run ``first_seq, first_seq + 1, ..`` (a padding item where a sequence has no
+    query), so each key block is a view of the cache, not a copy."""
+
+    index: torch.Tensor  # [items, per_item]
     seq: torch.Tensor  # [items]
-    pos: torch.Tensor  # [items, QUERY_TOKENS]
+    pos: torch.Tensor  # [items, per_item]
     slot: torch.Tensor  # [T]
     blocks: int  # key blocks the furthest query reaches
+    first_seq: int | None = None  # items are sequences first_seq, first_seq + 1, ... in order
+
+    @property
+    def per_item(self) -> int:
+        return self.index.shape[1]
 
 
 def query_items(sequence: torch.Tensor, position: torch.Tensor) -> QueryItems:
     """Each sequence's queries (``sequence[t]``, at ``position[t]``), in order, in items of
-    :data:`QUERY_TOKENS`."""
+    :data:`QUERY_TOKENS`; one item per sequence of their range where each has one query."""
     by_sequence: dict[int, list[int]] = {}
     for t, s in enumerate(sequence.tolist()):
         by_sequence.setdefault(s, []).append(t)
     total = len(sequence)
-    index: list[list[int]] = []
-    seq: list[int] = []
-    for s, rows in by_sequence.items():
-        for a in range(0, len(rows), QUERY_TOKENS):
-            part = rows[a : a + QUERY_TOKENS]
-            index.append(part + [total] * (QUERY_TOKENS - len(part)))
-            seq.append(s)
+    one_each = bool(by_sequence) and all(len(rows) == 1 for rows in by_sequence.values())
+    first_seq = min(by_sequence) if one_each and not fixed_batches(sequence.device) else None
+    if first_seq is not None:
+        seq = list(range(first_seq, max(by_sequence) + 1))
+        index = [by_sequence.get(s, [total]) for s in seq]
+    else:
+        per_item = 1 if one_each else QUERY_TOKENS
+        index, seq = [], []
+        for s, rows in by_sequence.items():
+            for a in range(0, len(rows), per_item):
+                part = rows[a : a + per_item]
+                index.append(part + [total] * (per_item - len(part)))
+                seq.append(s)
     device = sequence.device
-    index_t = torch.tensor(index, dtype=torch.long, device=device).view(-1, QUERY_TOKENS)
+    index_t = torch.tensor(index, dtype=torch.long, device=device).view(len(index), -1)
     padded_pos = torch.cat([position, position.new_zeros(1)])
     slot = torch.empty(total, dtype=torch.long, device=device)
     flat = index_t.reshape(-1)
     real = flat < total
     slot[flat[real]] = torch.arange(flat.numel(), device=device)[real]
     reach = int(position.max()) + 1 if total else 1
-    return QueryItems(
-        index_t, torch.tensor(seq, dtype=torch.long, device=device), padded_pos[index_t], slot, -(-reach // KEY_BLOCK)
-    )
+    seq_t = torch.tensor(seq, dtype=torch.long, device=device)
+    return QueryItems(index_t, seq_t, padded_pos[index_t], slot, -(-reach // KEY_BLOCK), first_seq)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, items: QueryItems) -> torch.Tensor:
@@ -245,20 +262,23 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, items: 
     ``[S, kv_heads, L, head_dim]`` (a KV cache's layout; the query's own key already written).
     Returns ``[T, heads * head_dim]`` in ``q``'s dtype.
 
-    Per item, KV head and key block, the scores are one ``[QUERY_TOKENS * groups, head_dim] x
-    [head_dim, KEY_BLOCK]`` product and the weighted values one ``[QUERY_TOKENS * groups,
-    KEY_BLOCK] x [KEY_BLOCK, head_dim]`` product, in a batch of such: fixed shapes, whose rows do not
-    depend on each other or on the batch. Blocks after a query's position add exact zeros."""
+    Per item, KV head and key block, the scores are one ``[rows, head_dim] x [head_dim, KEY_BLOCK]``
+    product and the weighted values one ``[rows, KEY_BLOCK] x [KEY_BLOCK, head_dim]`` product
+    (``rows``: the item's queries times the query heads of a KV head, at least
+    :data:`MIN_ITEM_ROWS`), in a batch of such: products whose rows do not depend on each other, on
+    the row count or on the batch (tested). Blocks after a query's position add exact zeros."""
     total, heads, head_dim = q.shape
     padded = torch.cat([q, q.new_zeros(1, heads, head_dim)]).float()
+    per_item = items.per_item
     outputs = []
     for a in range(0, items.index.shape[0], ITEM_CHUNK):
         index, seq, pos = items.index[a : a + ITEM_CHUNK], items.seq[a : a + ITEM_CHUNK], items.pos[a : a + ITEM_CHUNK]
         short = ITEM_CHUNK - index.shape[0]
         if short and fixed_batches(q.device):  # cuBLAS picks its algorithm by the batch size too
-            index = torch.cat([index, index.new_full((short, QUERY_TOKENS), total)])
-            seq, pos = torch.cat([seq, seq.new_zeros(short)]), torch.cat([pos, pos.new_zeros(short, QUERY_TOKENS)])
-        out = _attend_items(padded, keys, values, index, seq, pos, items.blocks)
+            index = torch.cat([index, index.new_full((short, per_item), total)])
+            seq, pos = torch.cat([seq, seq.new_zeros(short)]), torch.cat([pos, pos.new_zeros(short, per_item)])
+        first = None if items.first_seq is None else items.first_seq + a
+        out = _attend_items(padded, keys, values, index, seq, pos, items.blocks, first)
         outputs.append(out[: ITEM_CHUNK - short] if short and fixed_batches(q.device) else out)
     flat = torch.cat(outputs).reshape(-1, heads * head_dim)
     return flat.index_select(0, items.slot).to(q.dtype)
@@ -272,55 +292,59 @@ def _attend_items(
     seq: torch.Tensor,
     pos: torch.Tensor,
     blocks: int,
+    first_seq: int | None,
 ) -> torch.Tensor:
-    """``[items, QUERY_TOKENS, heads, head_dim]`` float32 attention of a batch of items (zeros in
-    the padding slots). The products run on whole items; the softmax's elementwise work only on the
-    rows of real queries (a decode step's items hold one query each), padded to whole tiles."""
-    n_items = index.shape[0]
+    """``[items, per_item, heads, head_dim]`` float32 attention of a batch of items (padding slots:
+    a zero query at position 0, which reads key 0 alone and is cut later); ``first_seq``: the items
+    are sequences ``first_seq ..`` in order (see :class:`QueryItems`)."""
+    n_items, per_item = index.shape
     heads, head_dim = padded_q.shape[1], padded_q.shape[2]
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
-    width = QUERY_TOKENS * groups
-    # [items, QUERY_TOKENS, kv, groups, d] -> [items, kv, QUERY_TOKENS * groups, d]
-    qi = padded_q.index_select(0, index.reshape(-1)).view(n_items, QUERY_TOKENS, kv_heads, groups, head_dim)
+    width = per_item * groups
+    rows = max(width, MIN_ITEM_ROWS)
+    # [items, per_item, kv, groups, d] -> [items, kv, rows, d]
+    qi = padded_q.index_select(0, index.reshape(-1)).view(n_items, per_item, kv_heads, groups, head_dim)
     qi = qi.permute(0, 2, 1, 3, 4).reshape(n_items, kv_heads, width, head_dim)
-    real = (index < padded_q.shape[0] - 1)[:, None, :, None].expand(n_items, kv_heads, QUERY_TOKENS, groups)
-    live = real.reshape(-1).nonzero().squeeze(1)  # rows of [items * kv * width] that are real queries
-    query_pos = pos[:, None, :, None].expand(n_items, kv_heads, QUERY_TOKENS, groups).reshape(-1)[live]
+    query_pos = pos[:, None, :, None].expand(n_items, 1, per_item, groups).reshape(n_items, 1, width, 1)
+    if rows > width:
+        qi = F.pad(qi, (0, 0, 0, rows - width))
+        query_pos = F.pad(query_pos, (0, 0, 0, rows - width))
     scores, vals = [], []
     for b in range(blocks):
-        s = torch.matmul(qi, _block(keys, seq, b).float().transpose(-1, -2)) * head_dim**-0.5
-        s = pad_rows(s.reshape(-1, KEY_BLOCK).index_select(0, live))
+        s = torch.matmul(qi, _block(keys, seq, b, first_seq).transpose(-1, -2)) * head_dim**-0.5
         key_pos = torch.arange(b * KEY_BLOCK, (b + 1) * KEY_BLOCK, device=padded_q.device)
-        scores.append(s.masked_fill(pad_rows(key_pos[None] > query_pos[:, None]), float("-inf")))
-        vals.append(_block(values, seq, b))
+        scores.append(s.masked_fill_(key_pos > query_pos, float("-inf")))
+        vals.append(_block(values, seq, b, first_seq))
     top = scores[0].amax(-1, keepdim=True)
     for s in scores[1:]:
         top = torch.maximum(top, s.amax(-1, keepdim=True))
     total = out = None
-    n_live = live.shape[0]
     for s, vb in zip(scores, vals, strict=True):  # in block order
         e = torch.exp(s - top)
         part = e.sum(-1, keepdim=True)
-        spread = e.new_zeros(n_items * kv_heads * width, KEY_BLOCK).index_put((live,), e[:n_live])
-        weighted = torch.matmul(spread.view(n_items, kv_heads, width, KEY_BLOCK), vb.float())
+        weighted = torch.matmul(e, vb)
         total = part if total is None else total + part
         out = weighted if out is None else out + weighted
     assert out is not None and total is not None
-    rows = out.reshape(-1, head_dim).index_select(0, live) / total[:n_live]
-    result = out.new_zeros(n_items * kv_heads * width, head_dim).index_put((live,), rows)
-    return result.view(n_items, kv_heads, QUERY_TOKENS, groups, head_dim).permute(0, 2, 1, 3, 4)
+    result = (out / total)[:, :, :width]
+    return result.view(n_items, kv_heads, per_item, groups, head_dim).permute(0, 2, 1, 3, 4)
 
 
-def _block(store: torch.Tensor, seq: torch.Tensor, b: int) -> torch.Tensor:
+def _block(store: torch.Tensor, seq: torch.Tensor, b: int, first_seq: int | None) -> torch.Tensor:
     """Positions ``[b * KEY_BLOCK, (b + 1) * KEY_BLOCK)`` of sequences ``seq``: ``[rows, kv_heads,
-    KEY_BLOCK, head_dim]``, zero past the store's end (those positions are masked); contiguous
-    whatever the store's strides (a matmul's kernel, and so its rounding, depends on them). A gather
-    by ``index_select``: the backward of ``store[seq]`` (``index_put_`` accumulating) sums repeated
-    rows in an order that varies with thread timing on the CPU; ``index_select``'s does not."""
-    part = store[:, :, b * KEY_BLOCK : (b + 1) * KEY_BLOCK].index_select(0, seq)
+    KEY_BLOCK, head_dim]`` float32, zero past the store's end (those positions are masked). Each
+    ``[KEY_BLOCK, head_dim]`` matrix is contiguous whatever the store's strides (a matmul's kernel,
+    and so its rounding, depends on them); the batch's stride does not matter (tested), so sequences
+    ``first_seq ..`` in order are a view of the store. Otherwise a gather by ``index_select``: the
+    backward of ``store[seq]`` (``index_put_`` accumulating) sums repeated rows in an order that
+    varies with thread timing on the CPU; ``index_select``'s does not."""
+    window = slice(b * KEY_BLOCK, (b + 1) * KEY_BLOCK)
+    if first_seq is not None and store.shape[2] >= window.stop and store.stride(-1) == 1:
+        return store[first_seq : first_seq + seq.shape[0], :, window].float()
+    part = store[:, :, window].index_select(0, seq)
     short = KEY_BLOCK - part.shape[2]
-    return (F.pad(part, (0, 0, 0, short)) if short else part).contiguous()
+    return (F.pad(part, (0, 0, 0, short)) if short else part).contiguous().float()
 
 
 def logits(hidden: torch.Tensor, head: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:

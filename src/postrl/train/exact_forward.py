@@ -154,7 +154,7 @@ class ExactForward:
         q = invariant.rotate(qkv[:, : nh * d].view(-1, nh, d), cos, sin)
         k = invariant.rotate(qkv[:, nh * d : (nh + nkv) * d].view(-1, nkv, d), cos, sin)
         v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
-        keys, values = _key_store(k, layout.key_map), _key_store(v, layout.key_map)
+        keys, values = _key_store(k.float(), layout.key_map), _key_store(v.float(), layout.key_map)
         out = invariant.attention(q, keys, values, items)
         x = x + invariant.linear(out, attn.o_proj.weight.to(dtype)).float()
         h = invariant.rms_norm(x, layer.post_attention_layernorm.weight.to(dtype), self.eps)
@@ -163,7 +163,8 @@ class ExactForward:
 
 
 def _key_store(k: torch.Tensor, key_map: torch.Tensor) -> torch.Tensor:
-    """``[rows, kv_heads, width, head_dim]``: each row's keys by position (a KV cache's layout)."""
+    """``[rows, kv_heads, width, head_dim]``: each row's keys by position (the engine's exact KV
+    cache's layout, and its float32)."""
     padded = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
     rows, width = key_map.shape
     return padded.index_select(0, key_map.reshape(-1)).view(rows, width, *k.shape[1:]).transpose(1, 2)

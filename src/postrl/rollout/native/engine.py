@@ -360,5 +360,5 @@ class NativeRolloutWorker(EngineBase):
         cfg = self.model.cfg
         self.cache = None
         self.cache = KVCache(
-            cfg.layers, slots, cfg.kv_heads, max_len, cfg.head_dim, self.model.dtype, self.model.device
+            cfg.layers, slots, cfg.kv_heads, max_len, cfg.head_dim, self.model.cache_dtype, self.model.device
         )

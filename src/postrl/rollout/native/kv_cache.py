@@ -54,9 +54,10 @@ class KVCache:
         return bigger
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k``/``v`` are ``[T, kv_heads, head_dim]``; token t goes to ``[slots[t], :, positions[t]]``."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
+        """``k``/``v`` are ``[T, kv_heads, head_dim]``; token t goes to ``[slots[t], :, positions[t]]``
+        (in the cache's dtype: an exact engine keeps float32 K/V of its bf16 projections)."""
+        self.k[layer][slots, :, positions] = k.to(self.k[layer].dtype)
+        self.v[layer][slots, :, positions] = v.to(self.v[layer].dtype)
 
     def copy_prefix(self, src: int, dst: torch.Tensor, length: int) -> None:
         """Share a prompt's K/V: copy slot ``src``'s first ``length`` positions into slots ``dst``."""

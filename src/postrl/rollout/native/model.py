@@ -199,6 +199,12 @@ class NativeCausalLM:
         self.p_down = [pack(i, "down", self.w_down[i]) for i in layers]
         self.p_head = torch.ops.mkldnn._reorder_linear_weight(self.lm_head, 64)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: float32 when exact (its attention reads K/V in float32: converted
+        once, when written, instead of at every step), else the model's."""
+        return torch.float32 if self.exact else self.dtype
+
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
