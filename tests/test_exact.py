@@ -13,10 +13,11 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from postrl.models import invariant
 from postrl.rollout.native.engine import NativeRolloutWorker
-from postrl.train.exact_forward import ExactForward, exact_layout
+from postrl.train.exact_forward import ExactForward, RoundedWeights, exact_layout
 from postrl.train.logprobs import plan_forward, token_logprobs
 from postrl.types import Prompt, SamplingParams
 from tests.conftest import make_tiny_model
@@ -253,6 +254,60 @@ def test_exact_values_and_gradients_match_the_transformers_model_in_float32(char
     torch.testing.assert_close(exact[1], reference[1], rtol=1e-4, atol=1e-5)
     for name, grad in reference[2].items():
         torch.testing.assert_close(exact[2][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_bf16_exact_gradients_follow_the_float32_model(char_tokenizer):
+    """In bf16 at T = 1 the exact head keeps its probabilities for the backward (the lean head's
+    way); every parameter's gradient still points where the float32 model's does."""
+    model = make_tiny_model("llama", char_tokenizer).train()
+    engine = NativeRolloutWorker.from_hf(model, char_tokenizer, torch.bfloat16, exact=True)
+    rollouts = engine.generate(_prompts(char_tokenizer, ["1+1=", "3+4="]), SAMPLED, None)
+    input_ids, spans, groups, _, reported = _rows(rollouts)
+    attention, target = _masks(input_ids, spans)
+    weights = torch.linspace(-1.0, 1.0, target.numel()).view_as(target)
+
+    def grads(exact: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        plan = plan_forward(model, input_ids, attention, target, groups, lean=False, exact=exact)
+        with _autocast(torch.bfloat16 if exact else torch.float32):
+            logp, _ = token_logprobs(model, input_ids, attention, target_mask=target, group_ids=groups, plan=plan)
+        if exact:
+            assert torch.equal(logp[target.bool()], reported)
+        (logp * weights * target).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    exact, reference = grads(True), grads(False)
+    for name, grad in reference.items():
+        assert exact[name].dtype == torch.float32
+        cosine = F.cosine_similarity(exact[name].flatten(), grad.flatten(), dim=0)
+        assert cosine > 0.99, (name, float(cosine))
+
+
+def test_rounded_weights_are_kept_until_the_weights_change():
+    """The fused, rounded copies are made once per weights version (an optimizer step, whose fused
+    AdamW does not bump a tensor's version, or a load), and again when a parameter's version moves;
+    the gradient reaches each parameter in its own dtype."""
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(2, 4))
+    kept = RoundedWeights()
+    first, _ = kept.get("ab", (a, b), torch.bfloat16)
+    assert torch.equal(first, torch.cat([a, b]).detach().bfloat16())
+    again, _ = kept.get("ab", (a, b), torch.bfloat16)
+    assert again.data_ptr() == first.data_ptr()  # the same copy, not made again
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    torch.optim.AdamW([a, b], lr=0.5, fused=True).step()  # in place, the versions unchanged
+    stale, _ = kept.get("ab", (a, b), torch.bfloat16)
+    assert stale.data_ptr() == first.data_ptr()  # nothing told it
+    kept.at(1)
+    fresh, _ = kept.get("ab", (a, b), torch.bfloat16)
+    assert torch.equal(fresh, torch.cat([a, b]).detach().bfloat16())
+    with torch.no_grad():
+        b.add_(1.0)  # a version bump
+    assert torch.equal(kept.get("ab", (a, b), torch.bfloat16)[0], torch.cat([a, b]).detach().bfloat16())
+    a.grad = b.grad = None
+    weight, _ = kept.get("ab", (a, b), torch.bfloat16)
+    (weight.float() * torch.arange(20.0).view(5, 4)).sum().backward()
+    assert a.grad.dtype == torch.float32 and torch.equal(a.grad, torch.arange(12.0).view(3, 4))
+    assert torch.equal(b.grad, torch.arange(12.0, 20.0).view(2, 4))
 
 
 def test_the_exact_plan_refuses_what_it_cannot_compute(char_tokenizer):

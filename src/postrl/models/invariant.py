@@ -8,11 +8,13 @@ differently from one of 32), so the same token gets different logprobs on the tw
 every operation that reduces runs on fixed shapes whatever the batch:
 
 - matrix products (projections, the head) run on tiles of exactly :data:`TILE_ROWS` rows, padded
-  with zero rows; within a tile, rows are independent and their place in it does not matter;
+  with zero rows; within a tile, rows are independent and their place in it does not matter
+  (tested for 64-256 rows; 128 costs about what one product of a 96-row decode step does, and a
+  training forward's 1,600 rows take 1.3x one whole product in bf16, 32-row tiles 2.3x);
 - row-wise and elementwise work (norms, the gated activation, rotation, log-softmax) runs on all
   rows at once, padded to whole tiles: a row reduction runs over outputs, each row in the same
   order, and the elementwise kernels split the rows at multiples of their vector width;
-- attention computes each (query, key block) product as its own fixed-shape matrix product, over
+- attention computes each (queries, key block) product as its own fixed-width matrix product, over
   fixed blocks of :data:`KEY_BLOCK` key *positions* (block ``b`` holds positions ``64 b .. 64 b +
   63`` of the query's own sequence), in float32: the softmax maximum first (exact in any order),
   then each block's ``exp`` sums and probability-weighted values added in block order. Keys after a
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-TILE_ROWS = 32
+TILE_ROWS = 128
 KEY_BLOCK = 64
 ROPE_CHUNK = 256  # positions per chunk of the rotary table
 
@@ -197,6 +199,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 QUERY_TOKENS = 16  # queries of one sequence per attention item, at most
 MIN_ITEM_ROWS = 8  # an item's product rows (queries x query heads per KV head), at least
 ITEM_CHUNK = 256  # attention items per batch of products (a GPU's batch is padded to it)
+# scores further than this below their row's maximum count as exactly that far: exp of them stays a
+# normal float (e^-80 = 1.8e-35; a subnormal result, or exp(-inf), takes the CPU 13-70x longer)
+EXP_FLOOR = -80.0
 
 
 @dataclass(frozen=True)
@@ -232,12 +237,13 @@ def query_items(sequence: torch.Tensor, position: torch.Tensor) -> QueryItems:
         by_sequence.setdefault(s, []).append(t)
     total = len(sequence)
     one_each = bool(by_sequence) and all(len(rows) == 1 for rows in by_sequence.values())
-    first_seq = min(by_sequence) if one_each and not fixed_batches(sequence.device) else None
+    fixed = fixed_batches(sequence.device)  # a GPU's items always hold QUERY_TOKENS (fixed shapes)
+    first_seq = min(by_sequence) if one_each and not fixed else None
     if first_seq is not None:
         seq = list(range(first_seq, max(by_sequence) + 1))
         index = [by_sequence.get(s, [total]) for s in seq]
     else:
-        per_item = 1 if one_each else QUERY_TOKENS
+        per_item = 1 if one_each and not fixed else QUERY_TOKENS
         index, seq = [], []
         for s, rows in by_sequence.items():
             for a in range(0, len(rows), per_item):
@@ -296,7 +302,12 @@ def _attend_items(
 ) -> torch.Tensor:
     """``[items, per_item, heads, head_dim]`` float32 attention of a batch of items (padding slots:
     a zero query at position 0, which reads key 0 alone and is cut later); ``first_seq``: the items
-    are sequences ``first_seq ..`` in order (see :class:`QueryItems`)."""
+    are sequences ``first_seq ..`` in order (see :class:`QueryItems`).
+
+    On the CPU every key block's products are one batch (``items * kv_heads * blocks`` products of
+    fixed shape); on a GPU, whose kernels choose their configuration by the batch size, one batch
+    per block. The softmax's reductions are per (row, block) over :data:`KEY_BLOCK` contiguous
+    scores, and the blocks' sums are added in block order."""
     n_items, per_item = index.shape
     heads, head_dim = padded_q.shape[1], padded_q.shape[2]
     kv_heads = keys.shape[1]
@@ -306,45 +317,58 @@ def _attend_items(
     # [items, per_item, kv, groups, d] -> [items, kv, rows, d]
     qi = padded_q.index_select(0, index.reshape(-1)).view(n_items, per_item, kv_heads, groups, head_dim)
     qi = qi.permute(0, 2, 1, 3, 4).reshape(n_items, kv_heads, width, head_dim)
-    query_pos = pos[:, None, :, None].expand(n_items, 1, per_item, groups).reshape(n_items, 1, width, 1)
+    query_pos = pos[:, None, :, None].expand(n_items, 1, per_item, groups).reshape(n_items, 1, 1, width, 1)
     if rows > width:
         qi = F.pad(qi, (0, 0, 0, rows - width))
         query_pos = F.pad(query_pos, (0, 0, 0, rows - width))
-    scores, vals = [], []
-    for b in range(blocks):
-        s = torch.matmul(qi, _block(keys, seq, b, first_seq).transpose(-1, -2)) * head_dim**-0.5
-        key_pos = torch.arange(b * KEY_BLOCK, (b + 1) * KEY_BLOCK, device=padded_q.device)
-        scores.append(s.masked_fill_(key_pos > query_pos, float("-inf")))
-        vals.append(_block(values, seq, b, first_seq))
-    top = scores[0].amax(-1, keepdim=True)
+    k_all, v_all = _blocks(keys, seq, blocks, first_seq), _blocks(values, seq, blocks, first_seq)
+    n_blocks = k_all.shape[2]
+    slab = 1 if fixed_batches(padded_q.device) else n_blocks
+    scores, vals, masks = [], [], []
+    for b in range(0, n_blocks, slab):
+        kb, vb = k_all[:, :, b : b + slab], v_all[:, :, b : b + slab]  # [items, kv, slab, KEY_BLOCK, d]
+        m = kb.shape[2]
+        q_rep = qi[:, :, None].expand(n_items, kv_heads, m, rows, head_dim).reshape(-1, rows, head_dim)
+        s = torch.bmm(q_rep, kb.reshape(-1, KEY_BLOCK, head_dim).transpose(1, 2)) * head_dim**-0.5
+        key_pos = torch.arange(b * KEY_BLOCK, (b + m) * KEY_BLOCK, device=padded_q.device).view(m, 1, KEY_BLOCK)
+        masks.append(key_pos > query_pos)
+        scores.append(s.view(n_items, kv_heads, m, rows, KEY_BLOCK).masked_fill_(masks[-1], float("-inf")))
+        vals.append(vb)
+    top = scores[0].amax((2, 4), keepdim=True)
     for s in scores[1:]:
-        top = torch.maximum(top, s.amax(-1, keepdim=True))
+        top = torch.maximum(top, s.amax((2, 4), keepdim=True))
     total = out = None
-    for s, vb in zip(scores, vals, strict=True):  # in block order
-        e = torch.exp(s - top)
-        part = e.sum(-1, keepdim=True)
-        weighted = torch.matmul(e, vb)
-        total = part if total is None else total + part
-        out = weighted if out is None else out + weighted
+    for s, vb, masked in zip(scores, vals, masks, strict=True):
+        e = torch.exp((s - top).clamp_(min=EXP_FLOOR)).masked_fill(masked, 0.0)
+        parts = e.sum(-1)  # [items, kv, slab, rows]
+        m = e.shape[2]
+        weighted = torch.bmm(e.reshape(-1, rows, KEY_BLOCK), vb.reshape(-1, KEY_BLOCK, head_dim))
+        weighted = weighted.view(n_items, kv_heads, m, rows, head_dim)
+        for j in range(m):  # in block order
+            total = parts[:, :, j] if total is None else total + parts[:, :, j]
+            out = weighted[:, :, j] if out is None else out + weighted[:, :, j]
     assert out is not None and total is not None
-    result = (out / total)[:, :, :width]
-    return result.view(n_items, kv_heads, per_item, groups, head_dim).permute(0, 2, 1, 3, 4)
+    result = (out / total[..., None])[:, :, :width]
+    return result.reshape(n_items, kv_heads, per_item, groups, head_dim).permute(0, 2, 1, 3, 4)
 
 
-def _block(store: torch.Tensor, seq: torch.Tensor, b: int, first_seq: int | None) -> torch.Tensor:
-    """Positions ``[b * KEY_BLOCK, (b + 1) * KEY_BLOCK)`` of sequences ``seq``: ``[rows, kv_heads,
-    KEY_BLOCK, head_dim]`` float32, zero past the store's end (those positions are masked). Each
-    ``[KEY_BLOCK, head_dim]`` matrix is contiguous whatever the store's strides (a matmul's kernel,
-    and so its rounding, depends on them); the batch's stride does not matter (tested), so sequences
-    ``first_seq ..`` in order are a view of the store. Otherwise a gather by ``index_select``: the
-    backward of ``store[seq]`` (``index_put_`` accumulating) sums repeated rows in an order that
-    varies with thread timing on the CPU; ``index_select``'s does not."""
-    window = slice(b * KEY_BLOCK, (b + 1) * KEY_BLOCK)
-    if first_seq is not None and store.shape[2] >= window.stop and store.stride(-1) == 1:
-        return store[first_seq : first_seq + seq.shape[0], :, window].float()
-    part = store[:, :, window].index_select(0, seq)
-    short = KEY_BLOCK - part.shape[2]
-    return (F.pad(part, (0, 0, 0, short)) if short else part).contiguous().float()
+def _blocks(store: torch.Tensor, seq: torch.Tensor, blocks: int, first_seq: int | None) -> torch.Tensor:
+    """The key blocks of sequences ``seq``: ``[items, kv_heads, blocks', KEY_BLOCK, head_dim]``
+    float32 (``blocks'`` at least ``blocks``; positions past the store's end are zeros, and every
+    position past a query's own is masked). Each ``[KEY_BLOCK, head_dim]`` matrix is contiguous
+    whatever the store's strides (a matmul's kernel, and so its rounding, depends on them; the
+    batch's stride does not, tested), so sequences ``first_seq ..`` in order are read as a view of
+    a store of whole blocks, all of them. Otherwise a gather by ``index_select``: the backward of
+    ``store[seq]`` (``index_put_`` accumulating) sums repeated rows in an order that varies with
+    thread timing on the CPU; ``index_select``'s does not."""
+    items, kv_heads, length, head_dim = seq.shape[0], store.shape[1], store.shape[2], store.shape[3]
+    if first_seq is not None and length % KEY_BLOCK == 0 and store[0].is_contiguous():
+        part = store[first_seq : first_seq + items].float()
+        return part.view(items, kv_heads, length // KEY_BLOCK, KEY_BLOCK, head_dim)
+    part = store[:, :, : blocks * KEY_BLOCK].index_select(0, seq)
+    short = blocks * KEY_BLOCK - part.shape[2]
+    part = (F.pad(part, (0, 0, 0, short)) if short else part).float()
+    return part.view(items, kv_heads, blocks, KEY_BLOCK, head_dim)
 
 
 def logits(hidden: torch.Tensor, head: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from postrl.controller.episodes import EpisodeSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.data.reasoning_gym import build_gym_prompts
 from postrl.models.devices import DeviceError, resolve_device
+from postrl.models.host_memory import keep_freed_memory
 from postrl.models.loading import load_tokenizer
 from postrl.reward.columns import check_columns
 from postrl.reward.factory import make_reward_service
@@ -203,6 +204,7 @@ def train(
     """Validate, build, then run; nothing is written into the run directory before the config,
     the model and the data have been checked. A signal stops the run after the current step
     (:class:`RunInterrupted`), with a checkpoint of the last completed step."""
+    keep_freed_memory()
     run_dir, site = config.run_dir, RunSite(config, "train")
     place = site.place
     done = site.check(resume, overwrite)  # a second live controller on this run is refused before any work

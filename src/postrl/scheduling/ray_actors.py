@@ -25,6 +25,9 @@ class ActorHost:
     def __init__(self, factory: Any, args: tuple, kwargs: dict, threads: int | None) -> None:
         import torch
 
+        from postrl.models.host_memory import keep_freed_memory
+
+        keep_freed_memory()
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.obj = factory(*args, **kwargs)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -145,36 +146,68 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, w, targets, lse, entropy, probs = ctx.saved_tensors
-        h = hidden.to(ctx.dtype)
-        accumulate = _float(ctx.dtype)
-        if ctx.keeps_probs:
-            g_logp = (grad_logp if grad_logp is not None else torch.zeros_like(lse)).to(accumulate)
-            grad_h, grad_w = _kept_probs_grads(probs, h, w, targets, g_logp, ctx.needs_input_grad[:2])
-            grad_hidden = grad_h.to(hidden.dtype) if grad_h is not None else None
-            grad_weight = grad_w.to(ctx.weight_dtype) if grad_w is not None else None
-            return grad_hidden, grad_weight, None, None, None, None, None
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w: torch.Tensor | None = None  # summed over chunks, in float32 (float64)
-        use_entropy = ctx.with_entropy and grad_entropy is not None
-        # z = logits / T: the chain rule's 1/T folded into the per-row factors
-        g_logp = (grad_logp if grad_logp is not None else torch.zeros_like(lse)) / ctx.temperature
-        g_entropy = grad_entropy / ctx.temperature if use_entropy else None
-        for s in range(0, h.shape[0], ctx.chunk):
-            rows = slice(s, s + ctx.chunk)
-            z = _chunk_logits(h[rows], w, ctx.temperature)
-            g_ent = g_entropy[rows] if g_entropy is not None else None
-            dz = _recomputed_dz(z, lse[rows], entropy[rows], g_logp[rows], g_ent, accumulate)
-            picked = (torch.arange(dz.shape[0], device=dz.device), targets[rows])  # one target per row
-            dz[picked] = dz[picked] + g_logp[rows].to(dz.dtype)  # (scatter_add_ copies a bf16 dz twice)
-            dz = dz.to(ctx.dtype)
-            if grad_h is not None:
-                grad_h[rows] = dz @ w
-            if ctx.needs_input_grad[1]:
-                part = (dz.t() @ h[rows]).to(accumulate)
-                grad_w = part if grad_w is None else grad_w.add_(part)
-        grad_hidden = grad_h.to(hidden.dtype) if grad_h is not None else None
-        grad_weight = grad_w.to(ctx.weight_dtype) if grad_w is not None else None
+        grads = head_gradients(
+            HeadSaved(hidden.to(ctx.dtype), w, targets, lse, entropy, probs if ctx.keeps_probs else None),
+            grad_logp,
+            grad_entropy if ctx.with_entropy else None,
+            ctx.temperature,
+            ctx.chunk,
+            ctx.needs_input_grad[:2],
+        )
+        grad_hidden = grads[0].to(hidden.dtype) if grads[0] is not None else None
+        grad_weight = grads[1].to(ctx.weight_dtype) if grads[1] is not None else None
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class HeadSaved:
+    """What a head's forward keeps for :func:`head_gradients`: the hidden states and the projection
+    in the matmul dtype, the targets, each row's log-normaliser and entropy (of ``logits / T``),
+    and the probabilities where they were kept (T = 1, no entropy gradient)."""
+
+    h: torch.Tensor
+    w: torch.Tensor
+    targets: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    probs: torch.Tensor | None
+
+
+def head_gradients(
+    saved: HeadSaved,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    chunk: int,
+    needs: tuple[bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients at ``h`` and at ``w`` (summed over chunks in float32, or float64) of
+    ``sum g_logp * logp + g_entropy * entropy``: from the kept probabilities, or from each chunk's
+    logits recomputed."""
+    h, w, targets, lse = saved.h, saved.w, saved.targets, saved.lse
+    accumulate = _float(h.dtype)
+    if saved.probs is not None:
+        g = (grad_logp if grad_logp is not None else torch.zeros_like(lse)).to(accumulate)
+        return _kept_probs_grads(saved.probs, h, w, targets, g, needs)
+    grad_h = torch.empty_like(h) if needs[0] else None
+    grad_w: torch.Tensor | None = None
+    # z = logits / T: the chain rule's 1/T folded into the per-row factors
+    g_logp = (grad_logp if grad_logp is not None else torch.zeros_like(lse)) / temperature
+    g_entropy = grad_entropy / temperature if grad_entropy is not None else None
+    for s in range(0, h.shape[0], chunk):
+        rows = slice(s, s + chunk)
+        z = _chunk_logits(h[rows], w, temperature)
+        g_ent = g_entropy[rows] if g_entropy is not None else None
+        dz = _recomputed_dz(z, lse[rows], saved.entropy[rows], g_logp[rows], g_ent, accumulate)
+        picked = (torch.arange(dz.shape[0], device=dz.device), targets[rows])  # one target per row
+        dz[picked] = dz[picked] + g_logp[rows].to(dz.dtype)  # (scatter_add_ copies a bf16 dz twice)
+        dz = dz.to(h.dtype)
+        if grad_h is not None:
+            grad_h[rows] = dz @ w
+        if needs[1]:
+            part = (dz.t() @ h[rows]).to(accumulate)
+            grad_w = part if grad_w is None else grad_w.add_(part)
+    return grad_h, grad_w
 
 
 def _kept_probs_grads(

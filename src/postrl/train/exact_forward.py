@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from postrl.models import invariant
-from postrl.train.chunked_head import rows_per_chunk
+from postrl.train.chunked_head import KEPT_PROBS_ELEMENTS, HeadSaved, head_gradients, rows_per_chunk
 from postrl.train.lean_forward import shared_prompt_groups, supports_lean_forward
 
 
@@ -92,8 +92,62 @@ def exact_layout(input_ids: torch.Tensor, spans: list[tuple[int, int]], group_id
     )
 
 
+class RoundedWeights:
+    """The weights the exact forward computes with, kept from one micro-batch to the next: each
+    fused (``torch.cat``) and rounded to the compute dtype, with its packed form
+    (:func:`postrl.models.invariant.pack`), made again when the weights change: when their owner
+    says so (:meth:`at`: the fused AdamW step changes the parameters in place without bumping
+    their version), or when a parameter's version moves. A SmolLM2 micro-batch spent a fifth of
+    its time casting and packing the same weights again."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[tuple, torch.Tensor, torch.Tensor | None]] = {}
+        self.weights_version = 0
+
+    def at(self, weights_version: int) -> None:
+        """The parameters are at ``weights_version`` of their owner's count of changes: a new one
+        drops every kept copy."""
+        if weights_version != self.weights_version:
+            self.entries.clear()
+            self.weights_version = weights_version
+
+    def get(
+        self, name: str, params: tuple[torch.Tensor, ...], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(``params`` fused and rounded to ``dtype``, its packed form or None); gradients flow
+        back to ``params`` (cast to their dtype)."""
+        key = (dtype, *((id(p), p._version) for p in params))
+        entry = self.entries.get(name)
+        if entry is None or entry[0] != key:
+            with torch.no_grad():
+                weight = (torch.cat(params) if len(params) > 1 else params[0]).to(dtype)
+            entry = (key, weight, invariant.pack(weight) if weight.dim() == 2 else None)
+            self.entries[name] = entry
+        weight, packed = entry[1], entry[2]
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            weight = Rounded.apply(weight, *params)
+        return weight, packed
+
+
+class Rounded(torch.autograd.Function):
+    """``weight`` (the parameters fused and rounded, computed before) as a function of the
+    parameters: its gradient split among them and cast to their dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.sizes = [p.shape[0] for p in params]
+        ctx.dtypes = [p.dtype for p in params]
+        return weight.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        parts = grad.split(ctx.sizes) if len(ctx.sizes) > 1 else (grad,)
+        return (None, *(g.to(dtype) for g, dtype in zip(parts, ctx.dtypes, strict=True)))
+
+
 class ExactForward:
-    """Per-token logprobs of a Llama-family model through the engine's exact operations."""
+    """Per-token logprobs of a Llama-family model through the engine's exact operations; one per
+    model, kept (its :class:`RoundedWeights` last until the parameters change)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         inner: Any = model  # a transformers Llama-family model: its submodules are reached by name
@@ -105,6 +159,7 @@ class ExactForward:
         self.eps = float(cfg.rms_norm_eps)
         rotary = inner.model.rotary_emb
         self.rotary = invariant.RotaryTable(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))
+        self.weights = RoundedWeights()
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """bf16 under bf16 autocast, else the parameters' dtype: the dtype the engine must hold."""
@@ -123,43 +178,51 @@ class ExactForward:
             # index_select, not indexing: a group's first response tokens share their predictor, and
             # the backward of indexing sums repeated rows in a thread-timing-dependent order
             hidden = self._hidden(layout, dtype).index_select(0, layout.predictors)
-            head = self.model.get_output_embeddings().weight.to(dtype)
-            logp, entropy = ExactHead.apply(hidden, head, targets, temperature, with_entropy)
+            master = self.model.get_output_embeddings().weight
+            with torch.no_grad():  # ExactHead gives the master weight its gradient itself
+                head, packed = self.weights.get("head", (master,), dtype)
+            logp, entropy = ExactHead.apply(hidden, master, head, packed, targets, temperature, with_entropy)
             return logp, entropy if with_entropy else None
 
     def _hidden(self, layout: ExactLayout, dtype: torch.dtype) -> torch.Tensor:
         decoder = self.model.model
         embed = decoder.embed_tokens  # its padding_idx row gets no gradient, as in the module's forward
-        x = F.embedding(layout.tokens, embed.weight.to(dtype), padding_idx=embed.padding_idx).float()
+        # rows gathered, then rounded: the rounded table's rows, without rounding the whole table
+        x = F.embedding(layout.tokens, embed.weight, padding_idx=embed.padding_idx).to(dtype).float()
         cos, sin = self.rotary(layout.position)
         items = invariant.query_items(layout.sequence, layout.position)
         use_checkpoint = bool(decoder.gradient_checkpointing) and torch.is_grad_enabled()
-        for layer in decoder.layers:
+        for i, layer in enumerate(decoder.layers):
             if use_checkpoint:
-                x = checkpoint(self._layer, layer, x, cos, sin, layout, items, dtype, use_reentrant=False)
+                x = checkpoint(self._layer, i, layer, x, cos, sin, layout, items, dtype, use_reentrant=False)
             else:
-                x = self._layer(layer, x, cos, sin, layout, items, dtype)
+                x = self._layer(i, layer, x, cos, sin, layout, items, dtype)
         return invariant.rms_norm(x, decoder.norm.weight.to(dtype), self.eps)
 
     def _layer(
-        self, layer, x, cos, sin, layout: ExactLayout, items: invariant.QueryItems, dtype: torch.dtype
+        self, i: int, layer, x, cos, sin, layout: ExactLayout, items: invariant.QueryItems, dtype: torch.dtype
     ) -> torch.Tensor:
         attn, mlp = layer.self_attn, layer.mlp
         d, nh, nkv = self.head_dim, self.heads, self.kv_heads
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        wqkv = torch.cat([m.weight for m in projections]).to(dtype)  # the engine's fused q|k|v
-        bqkv = torch.cat([m.bias for m in projections]).to(dtype) if attn.q_proj.bias is not None else None
+        wqkv, packed_qkv = self.weights.get(f"{i}.qkv", tuple(m.weight for m in projections), dtype)  # fused q|k|v
+        bqkv = None
+        if attn.q_proj.bias is not None:
+            bqkv, _ = self.weights.get(f"{i}.qkv.bias", tuple(m.bias for m in projections), dtype)
+        wo, packed_o = self.weights.get(f"{i}.o", (attn.o_proj.weight,), dtype)
+        w_gate_up, packed_gate_up = self.weights.get(f"{i}.gate_up", (mlp.gate_proj.weight, mlp.up_proj.weight), dtype)
+        w_down, packed_down = self.weights.get(f"{i}.down", (mlp.down_proj.weight,), dtype)
         h = invariant.rms_norm(x, layer.input_layernorm.weight.to(dtype), self.eps)
-        qkv = invariant.linear(h, wqkv, bqkv)
+        qkv = invariant.linear(h, wqkv, bqkv, packed_qkv)
         q = invariant.rotate(qkv[:, : nh * d].view(-1, nh, d), cos, sin)
         k = invariant.rotate(qkv[:, nh * d : (nh + nkv) * d].view(-1, nkv, d), cos, sin)
         v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
         keys, values = _key_store(k.float(), layout.key_map), _key_store(v.float(), layout.key_map)
         out = invariant.attention(q, keys, values, items)
-        x = x + invariant.linear(out, attn.o_proj.weight.to(dtype)).float()
+        x = x + invariant.linear(out, wo, packed=packed_o).float()
         h = invariant.rms_norm(x, layer.post_attention_layernorm.weight.to(dtype), self.eps)
-        gate_up = invariant.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype))
-        return x + invariant.linear(invariant.silu_mul(gate_up), mlp.down_proj.weight.to(dtype)).float()
+        gate_up = invariant.linear(h, w_gate_up, packed=packed_gate_up)
+        return x + invariant.linear(invariant.silu_mul(gate_up), w_down, packed=packed_down).float()
 
 
 def _key_store(k: torch.Tensor, key_map: torch.Tensor) -> torch.Tensor:
@@ -173,53 +236,58 @@ def _key_store(k: torch.Tensor, key_map: torch.Tensor) -> torch.Tensor:
 class ExactHead(torch.autograd.Function):
     """``(logp [N], entropy [N])`` of ``targets`` under ``softmax(hidden @ head.T / T)``: the forward
     tile by tile exactly as the engine computes it (:func:`postrl.models.invariant.logits`, then
-    :func:`~postrl.models.invariant.token_logprobs`), keeping no ``[rows, vocab]`` tensor; the
-    backward recomputes the logits in chunks of :func:`~postrl.train.chunked_head.rows_per_chunk`
-    rows, with one weight-gradient product per chunk (the gradient need not be batch-invariant)."""
+    :func:`~postrl.models.invariant.token_logprobs`), keeping no float32 ``[rows, vocab]`` tensor;
+    the backward is the lean head's (:func:`~postrl.train.chunked_head.head_gradients`: the gradient
+    need not be batch-invariant): from the probabilities, kept in the compute dtype where they fit
+    as the lean head keeps them, or from each chunk's logits recomputed. ``head`` (and ``packed``) is
+    ``master`` rounded to the compute dtype; the weight's gradient, summed in float32, goes to
+    ``master`` in its own dtype (not through a rounded copy)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden, head, targets, temperature: float, with_entropy: bool):
-        logp, entropy = [], []
+    def forward(ctx: Any, hidden, master, head, packed, targets, temperature: float, with_entropy: bool):
+        n, vocab = hidden.shape[0], head.shape[0]
+        logp, lse, entropy = (hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
+        keep = (
+            temperature == 1.0
+            and not with_entropy
+            and head.dtype in (torch.float16, torch.bfloat16)
+            and any(ctx.needs_input_grad[:2])
+            and n * vocab <= KEPT_PROBS_ELEMENTS
+        )
+        probs = hidden.new_empty(n, vocab, dtype=head.dtype) if keep else None
         tiles = zip(
             invariant.pad_rows(hidden).split(invariant.TILE_ROWS),
             invariant.pad_rows(targets).split(invariant.TILE_ROWS),
             strict=True,
         )
-        packed = invariant.pack(head)
-        for h, tok in tiles:
-            log_p = torch.log_softmax(invariant.scaled(invariant.head_logits(h, head, packed), temperature), dim=-1)
-            logp.append(log_p.gather(-1, tok[:, None])[:, 0])
-            entropy.append(-(log_p.exp() * log_p).sum(-1) if with_entropy else log_p.new_zeros(len(tok)))
-        n = hidden.shape[0]
-        out_logp, out_entropy = torch.cat(logp)[:n], torch.cat(entropy)[:n]
-        ctx.save_for_backward(hidden, head, targets, out_entropy)
+        for s, (h, tok) in enumerate(tiles):
+            rows = slice(s * invariant.TILE_ROWS, min(n, (s + 1) * invariant.TILE_ROWS))
+            real = rows.stop - rows.start
+            z = invariant.scaled(invariant.head_logits(h, head, packed), temperature)
+            log_p = torch.log_softmax(z, dim=-1)
+            logp[rows] = log_p.gather(-1, tok[:, None])[:real, 0]
+            lse[rows] = (z[:real, 0] - log_p[:real, 0]).float()
+            entropy[rows] = -(log_p[:real].exp() * log_p[:real]).sum(-1) if with_entropy else 0.0
+            if probs is not None:
+                probs[rows] = log_p[:real].exp()
+        ctx.save_for_backward(hidden, head, targets, lse, entropy, probs if probs is not None else lse)
+        ctx.keeps_probs = probs is not None
+        ctx.master_dtype = master.dtype
         ctx.temperature, ctx.with_entropy = temperature, with_entropy
         ctx.set_materialize_grads(False)
-        return out_logp, out_entropy
+        return logp, entropy
 
     @staticmethod
     def backward(ctx: Any, grad_logp, grad_entropy):
-        hidden, head, targets, entropy = ctx.saved_tensors
-        t = ctx.temperature
-        g_logp = (grad_logp if grad_logp is not None else torch.zeros_like(entropy)) / t
-        g_entropy = grad_entropy / t if ctx.with_entropy and grad_entropy is not None else None
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w: torch.Tensor | None = None
-        chunk = rows_per_chunk(head.shape[0])
-        for s in range(0, hidden.shape[0], chunk):
-            rows = slice(s, s + chunk)
-            log_p = torch.log_softmax(invariant.scaled((hidden[rows] @ head.t()).float(), t), dim=-1)
-            p = log_p.exp()
-            coef = -g_logp[rows, None]
-            if g_entropy is not None:  # d H / d z_j = -p_j (log p_j + H)
-                coef = coef - g_entropy[rows, None] * (log_p + entropy[rows, None])
-            dz = p * coef
-            picked = (torch.arange(dz.shape[0], device=dz.device), targets[rows])
-            dz[picked] = dz[picked] + g_logp[rows]
-            dz = dz.to(head.dtype)
-            if grad_h is not None:
-                grad_h[rows] = dz @ head
-            if ctx.needs_input_grad[1]:
-                part = (dz.t() @ hidden[rows]).float()
-                grad_w = part if grad_w is None else grad_w.add_(part)
-        return grad_h, None if grad_w is None else grad_w.to(head.dtype), None, None, None
+        hidden, head, targets, lse, entropy, probs = ctx.saved_tensors
+        grad_h, grad_w = head_gradients(
+            HeadSaved(hidden, head, targets, lse, entropy, probs if ctx.keeps_probs else None),
+            grad_logp,
+            grad_entropy if ctx.with_entropy else None,
+            ctx.temperature,
+            rows_per_chunk(head.shape[0]),
+            (ctx.needs_input_grad[0], ctx.needs_input_grad[1]),
+        )
+        grad_hidden = None if grad_h is None else grad_h.to(hidden.dtype)
+        grad_master = None if grad_w is None else grad_w.to(ctx.master_dtype)
+        return grad_hidden, grad_master, None, None, None, None, None

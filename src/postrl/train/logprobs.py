@@ -84,6 +84,7 @@ def token_logprobs(
     lean: bool = True,
     fused_head: bool = True,
     plan: ForwardPlan | None = None,
+    exact_forward: ExactForward | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob of ``input_ids[:, 1:]`` under ``log_softmax(logits / T)``, shape ``[B, T-1]``.
 
@@ -94,7 +95,8 @@ def token_logprobs(
     and rows of the same ``group_ids`` entry (samples of one prompt) run their prompt once. The
     forward is chosen by :func:`plan_forward` (or given as ``plan``); ``lean`` allows the lean one,
     and ``fused_head`` lets its half-precision head run as one compiled pass
-    (:func:`~postrl.train.chunked_head.fused_softmax_stats`).
+    (:func:`~postrl.train.chunked_head.fused_softmax_stats`). ``exact_forward``: the model's kept
+    :class:`~postrl.train.exact_forward.ExactForward` for the exact path (one is made otherwise).
     """
     plan = plan or plan_forward(model, input_ids, attention_mask, target_mask, group_ids, lean)
     if plan.path == "full":
@@ -106,7 +108,8 @@ def token_logprobs(
     where, targets = target_mask.bool(), input_ids[:, 1:]
     if plan.path == "exact":
         assert plan.spans is not None
-        logp_sel, ent_sel = ExactForward(base_of(model)).token_logprobs(
+        exact = exact_forward or ExactForward(base_of(model))
+        logp_sel, ent_sel = exact.token_logprobs(
             exact_layout(input_ids, plan.spans, group_ids), targets[where], temperature, with_entropy != "off"
         )
         if with_entropy == "value" and ent_sel is not None:

@@ -74,6 +74,7 @@ class Optimization:
             self.optimizer, settings.lr_schedule, settings.warmup_steps, settings.lr_decay_steps, settings.min_lr_ratio
         )
         self.steps = 0  # optimizer steps taken
+        self.weight_changes = 0  # steps applied and loads in this process: what a cache of the weights keys on
         self.skipped = 0  # updates skipped for a non-finite gradient norm
         self.consecutive_skips = 0
 
@@ -103,6 +104,7 @@ class Optimization:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+        self.weight_changes += 1
         self.consecutive_skips = 0
         return True
 
@@ -116,6 +118,7 @@ class Optimization:
 
     def load(self, path: Path) -> None:
         load_train_state(self.model, self.optimizer, path / "dcp")
+        self.weight_changes += 1
         self.load_state_dict(torch.load(path / "optimization.pt", weights_only=True))
 
     def state_dict(self) -> dict[str, Any]:

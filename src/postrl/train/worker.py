@@ -30,8 +30,9 @@ from postrl.models.devices import bf16_matmul_supported
 from postrl.models.loading import hf
 from postrl.models.weights import dedupe_tied, save_weights
 from postrl.train.chunked_head import Entropy
+from postrl.train.exact_forward import ExactForward
 from postrl.train.logprobs import ForwardPath, plan_forward, token_logprobs
-from postrl.train.lora import adapter_state, merged_state, save_lora_model
+from postrl.train.lora import adapter_state, base_of, merged_state, save_lora_model
 from postrl.train.memory import PeakMemory
 from postrl.train.micro_batching import token_budget_micro_batches
 from postrl.train.optimization import Optimization, OptimizerSettings
@@ -122,6 +123,7 @@ class PolicyTrainer:
         self.optimization = Optimization(model, OptimizerSettings.of_train(train))
         self.generator = torch.Generator().manual_seed(seed)
         self.forward_paths: Counter[ForwardPath] = Counter()  # micro-batch forwards per path (plan_forward)
+        self.exact_forward: ExactForward | None = None  # train.forward=exact's, made at its first use
         self.visibility = Bf16Visibility(model)
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
@@ -261,8 +263,16 @@ class PolicyTrainer:
                 micro.group_ids,
                 fused_head=self.cfg.fused_head,
                 plan=plan,
+                exact_forward=self._exact_forward() if plan.path == "exact" else None,
             )
         return logp, torch.zeros_like(logp) if entropy is None else entropy
+
+    def _exact_forward(self) -> ExactForward:
+        """The model's exact forward, made once: it keeps the rounded weights between micro-batches."""
+        if self.exact_forward is None:
+            self.exact_forward = ExactForward(base_of(self.model))
+        self.exact_forward.weights.at(self.optimization.weight_changes)
+        return self.exact_forward
 
     def _mini_batch_step(self, mini: ExperienceBatch, progress: float) -> tuple[Stats, float | None]:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from

@@ -36,6 +36,7 @@ from postrl.models.weights import WeightSyncError
 from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.hf_engine import eos_ids
 from postrl.rollout.native.decode_loop import DecodeLoop
+from postrl.models import invariant
 from postrl.rollout.native.kv_cache import KeptCaches, KVCache
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.native.sequences import Request, SamplingKey, Sequence, sampling_key
@@ -352,7 +353,10 @@ class NativeRolloutWorker(EngineBase):
     # -- internals -------------------------------------------------------------------------------
     def _ensure_cache(self, slots: int, max_len: int) -> None:
         """Reuse the cache across calls when it fits and is at most ``cache_reuse_ratio`` times too long
-        (decode attends over its whole length); otherwise allocate it once for this call."""
+        (decode attends over its whole length); otherwise allocate it once for this call. An exact
+        engine's length is whole key blocks, so that its attention reads each block as a view."""
+        if self.model.exact:
+            max_len = -(-max_len // invariant.KEY_BLOCK) * invariant.KEY_BLOCK
         old = self.cache
         if old is not None and old.fits(slots, max_len) and old.max_len <= self.cache_reuse_ratio * max_len:
             return
