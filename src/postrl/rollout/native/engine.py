@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
+from postrl.models import invariant
 from postrl.models.weights import WeightSyncError
 from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.hf_engine import eos_ids
 from postrl.rollout.native.decode_loop import DecodeLoop
-from postrl.models import invariant
 from postrl.rollout.native.kv_cache import KeptCaches, KVCache
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.native.sequences import Request, SamplingKey, Sequence, sampling_key
