@@ -96,6 +96,28 @@ def test_each_row_gets_the_same_numbers_whatever_else_is_in_the_call(dtype):
     torch.testing.assert_close(lps.double(), reference, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_attention_products_do_not_depend_on_their_rows_or_keys_count(head_dim):
+    """What the attention's layout relies on, on this CPU's kernels: a decode step's items (one
+    query: MIN_ITEM_ROWS rows) and a training forward's (16 queries) give a query the same scores
+    and weighted values, and a score does not depend on how many keys share its product (the
+    engine's cache length, the trainer's row width)."""
+    torch.manual_seed(0)
+    q, keys, probs, values = (
+        torch.randn(30, 48, head_dim),
+        torch.randn(30, 640, head_dim),
+        torch.rand(30, 48, invariant.KEY_BLOCK),
+        torch.randn(30, invariant.KEY_BLOCK, head_dim),
+    )
+    scores = torch.bmm(q, keys.transpose(1, 2))
+    weighted = torch.bmm(probs, values)
+    for rows in (invariant.MIN_ITEM_ROWS, 8, 16, 33):
+        for n_keys in (invariant.KEY_BLOCK, 192, 640):
+            part = torch.bmm(q[:, :rows].contiguous(), keys[:, :n_keys].transpose(1, 2))
+            assert torch.equal(part, scores[:, :rows, :n_keys]), (rows, n_keys)
+        assert torch.equal(torch.bmm(probs[:, :rows].contiguous(), values), weighted[:, :rows])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_of_a_query_is_the_same_alone_and_among_longer_sequences(dtype):
     """Query (sequence s, position p) reads the same numbers whether the call holds one query or many

@@ -197,7 +197,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 QUERY_TOKENS = 16  # queries of one sequence per attention item, at most
-MIN_ITEM_ROWS = 8  # an item's product rows (queries x query heads per KV head), at least
+MIN_ITEM_ROWS = 4  # an item's product rows (queries x query heads per KV head), at least (1-2 rows take another kernel)
 ITEM_CHUNK = 256  # attention items per batch of products (a GPU's batch is padded to it)
 # scores further than this below their row's maximum count as exactly that far: exp of them stays a
 # normal float (e^-80 = 1.8e-35; a subnormal result, or exp(-inf), takes the CPU 13-70x longer)
@@ -304,50 +304,54 @@ def _attend_items(
     a zero query at position 0, which reads key 0 alone and is cut later); ``first_seq``: the items
     are sequences ``first_seq ..`` in order (see :class:`QueryItems`).
 
-    On the CPU every key block's products are one batch (``items * kv_heads * blocks`` products of
-    fixed shape); on a GPU, whose kernels choose their configuration by the batch size, one batch
-    per block. The softmax's reductions are per (row, block) over :data:`KEY_BLOCK` contiguous
-    scores, and the blocks' sums are added in block order."""
+    The scores of an (item, KV head) are one product over all its keys on the CPU (a score's
+    rounding does not depend on how many keys share its product, tested), on a GPU one product per
+    key block (its kernels choose their configuration by the shape). The softmax's sums are per
+    (row, key block), over :data:`KEY_BLOCK` contiguous weights, and so are the weighted values'
+    products; the blocks' sums are added in block order."""
     n_items, per_item = index.shape
     heads, head_dim = padded_q.shape[1], padded_q.shape[2]
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     width = per_item * groups
     rows = max(width, MIN_ITEM_ROWS)
-    # [items, per_item, kv, groups, d] -> [items, kv, rows, d]
+    # [items, per_item, kv, groups, d] -> [items, kv, rows, d], scaled
     qi = padded_q.index_select(0, index.reshape(-1)).view(n_items, per_item, kv_heads, groups, head_dim)
-    qi = qi.permute(0, 2, 1, 3, 4).reshape(n_items, kv_heads, width, head_dim)
-    query_pos = pos[:, None, :, None].expand(n_items, 1, per_item, groups).reshape(n_items, 1, 1, width, 1)
+    qi = qi.permute(0, 2, 1, 3, 4).reshape(n_items, kv_heads, width, head_dim) * head_dim**-0.5
+    query_pos = pos[:, None, :, None].expand(n_items, 1, per_item, groups).reshape(n_items, 1, width, 1, 1)
     if rows > width:
         qi = F.pad(qi, (0, 0, 0, rows - width))
-        query_pos = F.pad(query_pos, (0, 0, 0, rows - width))
+        query_pos = F.pad(query_pos, (0, 0, 0, 0, 0, rows - width))
     k_all, v_all = _blocks(keys, seq, blocks, first_seq), _blocks(values, seq, blocks, first_seq)
     n_blocks = k_all.shape[2]
-    slab = 1 if fixed_batches(padded_q.device) else n_blocks
-    scores, vals, masks = [], [], []
-    for b in range(0, n_blocks, slab):
-        kb, vb = k_all[:, :, b : b + slab], v_all[:, :, b : b + slab]  # [items, kv, slab, KEY_BLOCK, d]
-        m = kb.shape[2]
-        q_rep = qi[:, :, None].expand(n_items, kv_heads, m, rows, head_dim).reshape(-1, rows, head_dim)
-        s = torch.bmm(q_rep, kb.reshape(-1, KEY_BLOCK, head_dim).transpose(1, 2)) * head_dim**-0.5
-        key_pos = torch.arange(b * KEY_BLOCK, (b + m) * KEY_BLOCK, device=padded_q.device).view(m, 1, KEY_BLOCK)
-        masks.append(key_pos > query_pos)
-        scores.append(s.view(n_items, kv_heads, m, rows, KEY_BLOCK).masked_fill_(masks[-1], float("-inf")))
-        vals.append(vb)
-    top = scores[0].amax((2, 4), keepdim=True)
-    for s in scores[1:]:
-        top = torch.maximum(top, s.amax((2, 4), keepdim=True))
-    total = out = None
-    for s, vb, masked in zip(scores, vals, masks, strict=True):
-        e = torch.exp((s - top).clamp_(min=EXP_FLOOR)).masked_fill(masked, 0.0)
-        parts = e.sum(-1)  # [items, kv, slab, rows]
-        m = e.shape[2]
-        weighted = torch.bmm(e.reshape(-1, rows, KEY_BLOCK), vb.reshape(-1, KEY_BLOCK, head_dim))
-        weighted = weighted.view(n_items, kv_heads, m, rows, head_dim)
-        for j in range(m):  # in block order
-            total = parts[:, :, j] if total is None else total + parts[:, :, j]
-            out = weighted[:, :, j] if out is None else out + weighted[:, :, j]
-    assert out is not None and total is not None
+    q_flat = qi.reshape(-1, rows, head_dim)
+    if fixed_batches(padded_q.device):
+        per_block = [k_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim).transpose(1, 2) for b in range(n_blocks)]
+        s = torch.cat([torch.bmm(q_flat, k) for k in per_block], dim=-1)
+    else:
+        s = torch.bmm(q_flat, k_all.view(-1, n_blocks * KEY_BLOCK, head_dim).transpose(1, 2))
+    s = s.view(n_items, kv_heads, rows, n_blocks, KEY_BLOCK)
+    key_pos = torch.arange(n_blocks * KEY_BLOCK, device=padded_q.device).view(n_blocks, KEY_BLOCK)
+    masked = key_pos > query_pos
+    s = s.masked_fill_(masked, float("-inf"))
+    top = s.amax((3, 4), keepdim=True)
+    e = torch.exp((s - top).clamp_(min=EXP_FLOOR)).masked_fill(masked, 0.0)
+    parts = e.sum(-1)  # [items, kv, rows, blocks]
+    e_blocks = e.permute(0, 1, 3, 2, 4).contiguous()  # [items, kv, blocks, rows, KEY_BLOCK]
+    if fixed_batches(padded_q.device):
+        weighted = torch.stack(
+            [
+                torch.bmm(e_blocks[:, :, b].reshape(-1, rows, KEY_BLOCK), v_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim))
+                for b in range(n_blocks)
+            ],
+            dim=1,
+        )
+    else:
+        weighted = torch.bmm(e_blocks.view(-1, rows, KEY_BLOCK), v_all.reshape(-1, KEY_BLOCK, head_dim))
+    weighted = weighted.view(n_items, kv_heads, n_blocks, rows, head_dim)
+    total, out = parts[..., 0], weighted[:, :, 0]
+    for j in range(1, n_blocks):  # in block order
+        total, out = total + parts[..., j], out + weighted[:, :, j]
     result = (out / total[..., None])[:, :, :width]
     return result.reshape(n_items, kv_heads, per_item, groups, head_dim).permute(0, 2, 1, 3, 4)
 
