@@ -341,7 +341,9 @@ def _attend_items(
     if fixed_batches(padded_q.device):
         weighted = torch.stack(
             [
-                torch.bmm(e_blocks[:, :, b].reshape(-1, rows, KEY_BLOCK), v_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim))
+                torch.bmm(
+                    e_blocks[:, :, b].reshape(-1, rows, KEY_BLOCK), v_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim)
+                )
                 for b in range(n_blocks)
             ],
             dim=1,
