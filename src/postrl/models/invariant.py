@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from postrl.models.lean_ops import RMSNorm, SiluMul
+
 TILE_ROWS = 128
 KEY_BLOCK = 64
 ROPE_CHUNK = 256  # positions per chunk of the rotary table
@@ -145,9 +147,12 @@ class TiledLinear(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the float32 residual stream, returned in ``weight``'s dtype (the projections')."""
+    """RMSNorm of the float32 residual stream, returned in ``weight``'s dtype (the projections'); with a
+    gradient, through :class:`~postrl.models.lean_ops.RMSNorm` (its forward is these operations)."""
 
     def norm(t: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (t.requires_grad or weight.requires_grad):  # the same operations
+            return RMSNorm.apply(t, weight.float(), eps, weight.dtype)
         return (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(weight.dtype)
 
     return by_rows(norm, x)
@@ -158,7 +163,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
     def act(t: torch.Tensor) -> torch.Tensor:
         gate, up = t.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return SiluMul.apply(gate, up) if torch.is_grad_enabled() and t.requires_grad else F.silu(gate) * up
 
     return by_rows(act, gate_up)
 
