@@ -34,6 +34,26 @@ class GuessNumber:
         pass
 
 
+class Introduced(GuessNumber):
+    """Its first observation is not the row's prompt (as a game's is not "play")."""
+
+    def reset(self, row):
+        self.secret = str(row["secret"])
+        return [
+            {"role": "system", "content": "You play a game."},
+            {"role": "user", "content": f"Guess: {row['prompt']}"},
+        ]
+
+
+class SomeResetsRaise(GuessNumber):
+    """The reset of every fourth row (secret divisible by 4) raises."""
+
+    def reset(self, row):
+        if row["secret"] % 4 == 0:
+            raise RuntimeError(f"no level {row['secret']}")
+        return super().reset(row)
+
+
 class ResetRaises(GuessNumber):
     def reset(self, row):
         raise RuntimeError("the maze file is missing")
@@ -112,6 +132,24 @@ class ToolCaller(GuessNumber):
 
 def agent_raises(client, row):
     raise ValueError(f"no parser for {row['prompt']!r}")
+
+
+def agent_never_calls(client, row):
+    """An agent function that answers by itself: a reward, no model call."""
+    return 1.0
+
+
+def agent_calls_on_even_rows(client, row):
+    """Calls the model on rows whose secret is even; returns a reward without a call on the others."""
+    if row["secret"] % 2:
+        return 0.0
+    return agent_answers(client, row)
+
+
+def agent_slow_answers(client, row):
+    """Thinks for 50 ms by itself, then asks the model."""
+    time.sleep(0.05)
+    return agent_answers(client, row)
 
 
 def agent_answers(client, row):

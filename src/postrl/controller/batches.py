@@ -32,6 +32,7 @@ from postrl.types.metric_names import (
     PERF_GEN_TOKENS_PER_S,
     REWARD_NO_SIGNAL_GROUPS,
     REWARD_SAMPLES,
+    REWARD_UNSCORABLE,
     ROLLOUT_PARTIAL_ROLLOUTS,
     ROLLOUT_WEIGHT_VERSION,
     seconds_of,
@@ -146,7 +147,7 @@ class BatchMaker:
         compute_advantage(step, self.config.algorithm)
         self.record_samples(step, number)
         seconds = {**timer.seconds, "produce": timer.total()["step"]} if batch.alone else timer.seconds
-        return step.experiences(), self.report(step, seconds, metrics)
+        return step.experiences(), self.report(step, seconds, metrics, rewards)
 
     def select_groups(self, groups: Groups, timer: StageTimer, metrics: dict[str, float]) -> Groups:
         for stage in self.stages.select:
@@ -160,15 +161,20 @@ class BatchMaker:
             path = self.config.run_dir / "samples" / f"step_{number}.jsonl"
             write_samples(path, step.prompts, step.rollouts, step.results, step)
 
-    def report(self, step: StepBatch, seconds: dict[str, float], stage_metrics: dict[str, float]) -> ProducedBatch:
+    def report(
+        self, step: StepBatch, seconds: dict[str, float], stage_metrics: dict[str, float], scored: list[RewardResult]
+    ) -> ProducedBatch:
         """The producer side's metrics of ``step``: rewards, lengths, accuracy, generation speed,
-        its stages' metrics and timings."""
+        its stages' metrics and timings. ``scored``: every sample the batch scored, those left out
+        of the step included (an episode that failed before a model turn has nothing to train on):
+        the samples and unscorable counts, and the console's reason, are theirs."""
         rollouts, rewards = step.rollouts, step.results
         acc = accuracy(rewards, self.source.accuracy_component, self.config.reward.accuracy_threshold)
         values = {
             **reward_values(rollouts, rewards),
             PERF_GEN_TOKENS_PER_S: sum(len(r.response_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
-            REWARD_SAMPLES: float(len(rewards)),
+            REWARD_SAMPLES: float(len(scored)),
+            REWARD_UNSCORABLE: float(sum(r.unscorable for r in scored)),
             DATA_EPOCH: float(self.draw.epoch),
             DATA_SKIPPED_ROWS: float(len(self.parts.dataset.skipped)),
             ROLLOUT_WEIGHT_VERSION: float(min(r.weight_version for r in rollouts)),
@@ -181,4 +187,4 @@ class BatchMaker:
             **stage_metrics,
             **episode_metrics(rollouts),
         }
-        return ProducedBatch(values, step_notes(rewards, values[REWARD_NO_SIGNAL_GROUPS]))
+        return ProducedBatch(values, step_notes(scored, values[REWARD_NO_SIGNAL_GROUPS]))

@@ -89,7 +89,7 @@ def write_samples(
         for i, (r, res) in enumerate(zip(rollouts, rewards)):
             prompt = prompts[r.prompt_index]
             row = {
-                "prompt": prompt.text,
+                "prompt": prompt.text if r.episode is None else first_observation(r.episode, prompt.text),
                 "response": r.text,
                 "reward": res.reward,
                 "components": res.components,
@@ -109,13 +109,26 @@ def write_samples(
     return path
 
 
+def first_observation(episode: Episode, row_prompt: str) -> str:
+    """What the model was first shown in ``episode``: its first user message (an environment's
+    first observation, an agent function's first request), else the dataset row's prompt."""
+    for message in episode.messages:
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: their text
+                return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            return str(content or "")
+    return row_prompt
+
+
 def _episode_row(episode: Episode) -> dict[str, Any]:
-    """What the samples file shows of a rollout's episode: how it ended, where its time went, and
-    its failure (the traceback is in episode_errors.log)."""
+    """What the samples file shows of a rollout's episode: how it ended, where its time went, its
+    failure (the traceback is in episode_errors.log) and its messages, as the model saw them."""
     info = {k: v for k, v in episode.info.items() if k != "env_traceback"}
     return {"finish_reason": episode.finish_reason, "turns": len(episode.turns), "tool_calls": episode.tool_calls,
             "tool_errors": episode.tool_errors, "env_s": round(episode.env_s, 3),
-            "generate_s": round(episode.generate_s, 3), "part": episode.part, "info": info}  # fmt: skip
+            "generate_s": round(episode.generate_s, 3), "part": episode.part, "info": info,
+            "messages": episode.messages}  # fmt: skip
 
 
 def _plain_metadata(step: StepBatch, row: int) -> dict:

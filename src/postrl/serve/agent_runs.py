@@ -12,7 +12,6 @@ reward (None: the reward service scores the transcript).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -32,13 +31,20 @@ from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.net import free_port
 from postrl.workers.roles import RolloutWorker
 
-log = logging.getLogger(__name__)
 AgentFunction = Callable[[Any, dict[str, Any]], "float | None"]
 MODEL_NAME = "policy"  # what the agent's client sends as ``model``
 
 
 def load_agent_function(spec: str) -> AgentFunction:
     return import_callable(spec, "agent.function")
+
+
+# the info of an episode whose agent function returned without calling the model
+NO_MODEL_CALL = {
+    "env_error": "no model call",
+    "env_reason": "the agent function made no model call",
+    "env_failed_in": "agent",
+}
 
 
 class RecordedAgents:
@@ -79,15 +85,14 @@ class RecordedAgents:
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
         """Every episode's rollouts, in prompt order. A function that raises, returns something other
-        than a number or None, or passes ``timeout_s`` fails its episode (env_error, unscorable),
-        never the batch; an episode that failed before its first model call is one empty rollout."""
+        than a number or None, passes ``timeout_s`` or returns without calling the model fails its
+        episode (env_error, unscorable: counted against ``reward.max_failure_rate``, which stops a
+        run whose function never calls the model, naming the reason), never the batch; such an
+        episode with no model call is one empty rollout."""
         jobs = [(i, p, f"{uuid.uuid4().hex[:12]}-{i}-{k}") for i, p in enumerate(prompts) for k in range(sampling.n)]
         calls = [lambda job=job: self._call(job[1], job[2]) for job in jobs]
         outcomes = run_limited(calls, self.timeout_s, self.workers, "agent function")
         done = [self._episode(index, episode, outcome) for (index, _, episode), outcome in zip(jobs, outcomes)]
-        silent = sum(not r[0].response_ids for r in done)
-        if silent:
-            log.warning("%d of %d agent episodes made no model call: nothing of them is trained on", silent, len(done))
         return [r for rollouts in done for r in rollouts]
 
     def _call(self, prompt: Prompt, episode: str) -> float | None:
@@ -107,12 +112,15 @@ class RecordedAgents:
         recorded = self.recorder.take(episode) or RecordedEpisode()
         if outcome.error is not None:
             recorded.finish_reason = "env_error"
-        rollouts = recorded.rollouts(index, self.renderer, outcome.value)
+        rollouts = recorded.rollouts(index, self.renderer, outcome.value, outcome.seconds)
+        if outcome.error is None and not rollouts:  # nothing to train on, and no reward to trust
+            recorded.finish_reason = "env_error"
+            return [failed_rollout(index, [], recorded.episode(None, NO_MODEL_CALL, outcome.seconds))]
         if outcome.error is None:
             return rollouts
         info = failure_info(outcome.error, "agent")
         if not rollouts:
-            return [failed_rollout(index, [], recorded.episode(None, info))]
+            return [failed_rollout(index, [], recorded.episode(None, info, outcome.seconds))]
         for r in rollouts:
             assert r.episode is not None
             r.episode.info.update(info)

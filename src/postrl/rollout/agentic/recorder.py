@@ -22,6 +22,7 @@ One episode may hold several samples, by these rules (every generated token is t
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,17 +42,30 @@ class RecordedEpisode:
     prefix_breaks: int = 0
     forks: int = 0
     finish_reason: str = "stop"
+    generate_s: float = 0.0  # its model calls' time, from request to answer, summed
 
-    def rollouts(self, prompt_index: int, renderer: ChatRenderer, reward: float | None) -> list[Rollout]:
+    def rollouts(
+        self, prompt_index: int, renderer: ChatRenderer, reward: float | None, wall_s: float = 0.0
+    ) -> list[Rollout]:
         kept = [s for s in self.samples if any(s.mask)]
-        episode = self.episode(reward)
+        episode = self.episode(reward, wall_s=wall_s)
         return [sample_rollout(prompt_index, s, episode, part, renderer) for part, s in enumerate(kept)]
 
-    def episode(self, reward: float | None, info: dict[str, Any] | None = None) -> Episode:
+    def episode(self, reward: float | None, info: dict[str, Any] | None = None, wall_s: float = 0.0) -> Episode:
+        """The episode; ``wall_s``: its agent function's whole time, of which what its model calls
+        did not take is its ``env_s``."""
         kept = sum(any(s.mask) for s in self.samples)
         dropped = {"no_model_tokens": len(self.samples) - kept} if len(self.samples) > kept else {}
         return Episode(
-            self.messages, self.turns, reward, self.finish_reason, dict(info or {}), self.prefix_breaks, dropped
+            self.messages,
+            self.turns,
+            reward,
+            self.finish_reason,
+            dict(info or {}),
+            self.prefix_breaks,
+            dropped,
+            env_s=max(0.0, wall_s - self.generate_s),
+            generate_s=self.generate_s,
         )
 
     def _new_sample(self, prompt_ids: list[int], seen: str) -> int:
@@ -70,6 +84,7 @@ class PendingTurn:
     rendered: str  # the template text of the prompt (with any forced start of the turn)
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    started: float = field(default_factory=time.monotonic)  # when the request reached the recorder
 
     @property
     def cache_key(self) -> str:
@@ -136,6 +151,7 @@ class EpisodeRecorder:
         with self._lock:
             ep = self.episodes[turn.episode_id]
             ep.busy.discard(turn.sample)
+            ep.generate_s += time.monotonic() - turn.started
             for k, (rollout, reply) in enumerate(zip(rollouts, replies, strict=True)):
                 if rollout.prompt_ids != turn.context:
                     raise ValueError(

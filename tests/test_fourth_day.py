@@ -1,0 +1,98 @@
+"""Issue 44: what a user's fourth day found (C1-C8), each as a test that fails without its fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from postrl.cli import main
+from tests.test_third_day import agent_run
+
+
+def _metrics(tmp_path: Path, name: str = "agent") -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _samples(tmp_path: Path, name: str = "agent", step: int = 1) -> list[dict]:
+    path = tmp_path / "runs" / name / "samples" / f"step_{step}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- C1 -------------------------------------------------------------------------------------------
+def test_c1_an_agent_function_that_never_calls_the_model_stops_the_run_saying_so(tmp_path, capsys):
+    assert main(agent_run(tmp_path, "agent.env=null", "agent.function=tests.fault_envs:agent_never_calls")) == 2
+    err = capsys.readouterr().err
+    assert "8/8 episodes could not be scored" in err
+    assert "8x the agent function made no model call" in err
+    assert "Traceback" not in err and "IndexError" not in err
+
+
+def test_c1_episodes_without_a_model_call_are_unscorable_and_the_others_train(tmp_path, capsys):
+    args = agent_run(
+        tmp_path,
+        "agent.env=null",
+        "agent.function=tests.fault_envs:agent_calls_on_even_rows",
+        "reward.max_failure_rate=0.6",
+    )
+    assert main(args) == 0, capsys.readouterr().err
+    (step,) = _metrics(tmp_path)
+    assert step["reward/samples"] == 8.0
+    assert step["reward/unscorable"] == 4.0  # the rows with secrets 1 and 3, two episodes each
+    out = capsys.readouterr().out  # the step's console line
+    assert "unscorable 4 (most common: 4x the agent function made no model call)" in out
+    assert len(_samples(tmp_path)) == 4  # the episodes that called the model are trained on
+
+
+# -- C5 -------------------------------------------------------------------------------------------
+def test_c5_an_agent_function_run_reports_its_model_and_own_time(tmp_path, capsys):
+    assert main(agent_run(tmp_path, "agent.env=null", "agent.function=tests.fault_envs:agent_slow_answers")) == 0
+    (step,) = _metrics(tmp_path)
+    assert 0.0 < step["agent/generate_s"] <= step["time/generate_s"]
+    assert step["agent/env_s"] >= 8 * 0.05  # each of the 8 episodes sleeps 50 ms outside its model call
+    samples = _samples(tmp_path)
+    assert all(s["episode"]["generate_s"] > 0 and s["episode"]["env_s"] >= 0.05 for s in samples)
+
+
+# -- C6 -------------------------------------------------------------------------------------------
+def test_c6_the_mismatch_warning_names_only_fixes_not_in_force():
+    from postrl.config.loading import build_config
+    from postrl.run.watch import mismatch_fixes
+
+    base = {"model": {"path": "demo"}, "data": {"task": "arithmetic"}}
+    in_force = build_config({**base, "rollout": {"dtype": "bfloat16"}, "train": {"precision": "bf16_autocast"}})
+    fixes = mismatch_fixes(in_force)
+    assert "train.precision=bf16_autocast brings" not in fixes  # already set
+    assert "set rollout.exact=true" in fixes and "train.precision=float32" in fixes
+    fp32_trainer = build_config({**base, "rollout": {"dtype": "bfloat16"}, "train": {"precision": "float32"}})
+    assert "train.precision=bf16_autocast brings the trainer closer" in mismatch_fixes(fp32_trainer)
+    exact = build_config({**base, "rollout": {"dtype": "float32", "exact": True}, "train": {"precision": "float32"}})
+    assert mismatch_fixes(exact).startswith("rollout.exact is on")
+
+
+# -- C4 -------------------------------------------------------------------------------------------
+def test_c4_an_environment_run_s_samples_show_what_the_model_saw(tmp_path, capsys):
+    assert main(agent_run(tmp_path, "agent.env=tests.fault_envs:Introduced")) == 0, capsys.readouterr().err
+    samples = _samples(tmp_path)
+    assert sorted({s["prompt"] for s in samples}) == [f"Guess: {i}+1=" for i in range(4)]
+    first = samples[0]["episode"]["messages"]
+    assert first[0] == {"role": "system", "content": "You play a game."} and first[1]["content"].startswith("Guess: ")
+
+
+# -- C7 -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheduling", ["lockstep", "individual"])
+def test_c7_episodes_whose_reset_raises_count_as_unscorable(tmp_path, capsys, scheduling):
+    args = agent_run(
+        tmp_path,
+        "agent.env=tests.fault_envs:SomeResetsRaise",
+        f"agent.scheduling={scheduling}",
+        "reward.max_failure_rate=0.5",
+    )
+    assert main(args) == 0, capsys.readouterr().err
+    (step,) = _metrics(tmp_path)
+    assert step["reward/samples"] == 8.0 and step["reward/unscorable"] == 2.0  # the row with secret 4, twice
+    out = capsys.readouterr().out  # the step's console line
+    assert "unscorable 2 (most common: 2x environment reset failed: RuntimeError: no level 4" in out
+    log = (tmp_path / "runs" / "agent" / "episode_errors.log").read_text()
+    assert log.count("--- prompt ") == 2 and log.count("\nRuntimeError: no level 4") == 2
