@@ -162,6 +162,7 @@ ONE_FUNCTION_MODULES = {
     "run/plots.py": "the run's plot",
     "run/plan/design_example.py": "the design's 70B example, shared by the tests and the benchmark",
     "algorithms/kl_control.py": "the adaptive KL controller's formula",
+    "models/host_memory.py": "glibc's malloc settings, made by the train process and the Ray actors",
 }
 
 

@@ -329,13 +329,7 @@ def _attend_items(
         query_pos = F.pad(query_pos, (0, 0, 0, 0, 0, rows - width))
     k_all, v_all = _blocks(keys, seq, blocks, first_seq), _blocks(values, seq, blocks, first_seq)
     n_blocks = k_all.shape[2]
-    q_flat = qi.reshape(-1, rows, head_dim)
-    if fixed_batches(padded_q.device):
-        per_block = [k_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim).transpose(1, 2) for b in range(n_blocks)]
-        s = torch.cat([torch.bmm(q_flat, k) for k in per_block], dim=-1)
-    else:
-        s = torch.bmm(q_flat, k_all.view(-1, n_blocks * KEY_BLOCK, head_dim).transpose(1, 2))
-    s = s.view(n_items, kv_heads, rows, n_blocks, KEY_BLOCK)
+    s = _scores(qi.reshape(-1, rows, head_dim), k_all).view(n_items, kv_heads, rows, n_blocks, KEY_BLOCK)
     key_pos = torch.arange(n_blocks * KEY_BLOCK, device=padded_q.device).view(n_blocks, KEY_BLOCK)
     masked = key_pos > query_pos
     s = s.masked_fill_(masked, float("-inf"))
@@ -343,24 +337,37 @@ def _attend_items(
     e = torch.exp((s - top).clamp_(min=EXP_FLOOR)).masked_fill(masked, 0.0)
     parts = e.sum(-1)  # [items, kv, rows, blocks]
     e_blocks = e.permute(0, 1, 3, 2, 4).contiguous()  # [items, kv, blocks, rows, KEY_BLOCK]
-    if fixed_batches(padded_q.device):
-        weighted = torch.stack(
-            [
-                torch.bmm(
-                    e_blocks[:, :, b].reshape(-1, rows, KEY_BLOCK), v_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim)
-                )
-                for b in range(n_blocks)
-            ],
-            dim=1,
-        )
-    else:
-        weighted = torch.bmm(e_blocks.view(-1, rows, KEY_BLOCK), v_all.reshape(-1, KEY_BLOCK, head_dim))
-    weighted = weighted.view(n_items, kv_heads, n_blocks, rows, head_dim)
+    weighted = _weighted(e_blocks, v_all).view(n_items, kv_heads, n_blocks, rows, head_dim)
     total, out = parts[..., 0], weighted[:, :, 0]
     for j in range(1, n_blocks):  # in block order
         total, out = total + parts[..., j], out + weighted[:, :, j]
     result = (out / total[..., None])[:, :, :width]
     return result.reshape(n_items, kv_heads, per_item, groups, head_dim).permute(0, 2, 1, 3, 4)
+
+
+def _scores(q: torch.Tensor, k_all: torch.Tensor) -> torch.Tensor:
+    """``[items * kv, rows, blocks * KEY_BLOCK]`` scores of queries ``q`` ``[items * kv, rows, d]``
+    against keys ``k_all`` ``[items, kv, blocks, KEY_BLOCK, d]``: on the CPU one product per
+    (item, KV head) over all its keys, on a GPU one batch of products per block."""
+    n_blocks, head_dim = k_all.shape[2], k_all.shape[-1]
+    if fixed_batches(q.device):
+        per_block = [k_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim).transpose(1, 2) for b in range(n_blocks)]
+        return torch.cat([torch.bmm(q, k) for k in per_block], dim=-1)
+    return torch.bmm(q, k_all.view(-1, n_blocks * KEY_BLOCK, head_dim).transpose(1, 2))
+
+
+def _weighted(e_blocks: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+    """Each block's weights ``e_blocks`` ``[items, kv, blocks, rows, KEY_BLOCK]`` times its values
+    ``v_all`` ``[items, kv, blocks, KEY_BLOCK, d]``: one fixed-shape product per block, in one
+    batch on the CPU, one batch per block on a GPU."""
+    rows, n_blocks, head_dim = e_blocks.shape[3], e_blocks.shape[2], v_all.shape[-1]
+    if fixed_batches(e_blocks.device):
+        per_block = [
+            torch.bmm(e_blocks[:, :, b].reshape(-1, rows, KEY_BLOCK), v_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim))
+            for b in range(n_blocks)
+        ]
+        return torch.stack(per_block, dim=1)
+    return torch.bmm(e_blocks.view(-1, rows, KEY_BLOCK), v_all.reshape(-1, KEY_BLOCK, head_dim))
 
 
 def _blocks(store: torch.Tensor, seq: torch.Tensor, blocks: int, first_seq: int | None) -> torch.Tensor:
