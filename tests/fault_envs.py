@@ -54,6 +54,11 @@ class SomeResetsRaise(GuessNumber):
         return super().reset(row)
 
 
+class CloseRaises(GuessNumber):
+    def close(self):
+        raise OSError("the socket is gone")
+
+
 class ResetRaises(GuessNumber):
     def reset(self, row):
         raise RuntimeError("the maze file is missing")

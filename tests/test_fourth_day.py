@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from postrl.cli import main
+from tests import fault_envs
 from tests.test_third_day import agent_run
 
 
@@ -96,3 +97,25 @@ def test_c7_episodes_whose_reset_raises_count_as_unscorable(tmp_path, capsys, sc
     assert "unscorable 2 (most common: 2x environment reset failed: RuntimeError: no level 4" in out
     log = (tmp_path / "runs" / "agent" / "episode_errors.log").read_text()
     assert log.count("--- prompt ") == 2 and log.count("\nRuntimeError: no level 4") == 2
+
+
+# -- unclear errors ---------------------------------------------------------------------------------
+def test_eval_against_a_url_nobody_answers_is_one_line(capsys):
+    from postrl.workers.net import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["eval", "--model", "demo", "--task", "arithmetic", "--url", url]) == 2
+    err = capsys.readouterr().err
+    assert f"no rollout server answers at {url}" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1
+
+
+@pytest.mark.parametrize("scheduling", ["lockstep", "individual"])
+def test_failing_closes_are_one_warning_per_batch(tmp_path, capsys, scheduling):
+    args = agent_run(tmp_path, "agent.env=tests.fault_envs:CloseRaises", f"agent.scheduling={scheduling}")
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in (captured.out + captured.err).splitlines() if "close() failed" in line]
+    assert len(warnings) == 1, warnings
+    assert "8 of 8 environments' close() failed (8x OSError: the socket is gone (" in warnings[0]
+    assert f"{fault_envs.__file__}:" in warnings[0]

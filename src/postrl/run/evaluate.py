@@ -19,6 +19,7 @@ from postrl.reward.worker import resolve
 from postrl.rollout.factory import rollout_worker_for_model
 from postrl.tasks import get_task, task_rows
 from postrl.types import Rollout
+from postrl.workers.net import can_connect, url_endpoint
 
 
 @dataclass
@@ -213,6 +214,13 @@ class SampledEval:
             )
         if self.url is not None and model is None:
             raise ConfigError("--url needs --model FOLDER: the tokenizer that builds the prompts")
+        if self.url is not None:
+            why = can_connect(*url_endpoint(self.url), timeout_s=5.0)
+            if why is not None:
+                raise ConfigError(
+                    f"no rollout server answers at {self.url} ({why}); start it first (postrl serve-rollout), "
+                    "or fix --url"
+                )
         return self
 
     def run(

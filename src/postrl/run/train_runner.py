@@ -43,7 +43,7 @@ from postrl.tasks import task_rows
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
 from postrl.types import StepMetrics
-from postrl.workers.net import can_connect, host_port
+from postrl.workers.net import can_connect, host_port, url_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,7 @@ def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
         if why is not None:
             raise ConfigError(f"cannot reach the Ray cluster at {address} (scheduler.address={address}): {why}")
     for field, url in urls:
-        endpoint = host_port(url) or (url.split("://", 1)[-1].split("/", 1)[0], 443 if url.startswith("https") else 80)
-        why = can_connect(*endpoint, timeout_s=timeout_s)
+        why = can_connect(*url_endpoint(url), timeout_s=timeout_s)
         if why is not None:
             raise ConfigError(f"{field}={url} cannot be reached ({why}); start the server first, or fix the URL")
 

@@ -22,6 +22,11 @@ def host_port(address: str) -> tuple[str, int] | None:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def url_endpoint(url: str) -> tuple[str, int]:
+    """``(host, port)`` of an HTTP(S) URL, the scheme's port where it names none."""
+    return host_port(url) or (url.split("://", 1)[-1].split("/", 1)[0], 443 if url.startswith("https") else 80)
+
+
 def can_connect(host: str, port: int, timeout_s: float) -> str | None:
     """None when a TCP connection to ``host:port`` opens within ``timeout_s``, else why not."""
     try:

@@ -35,7 +35,7 @@ from postrl.rollout.agentic.chat import ChatRenderer, with_tools_system_message
 from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, SavableEnvironment, StepResult
 from postrl.rollout.agentic.individual import run_individually
-from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
+from postrl.rollout.agentic.limited import Outcome, failure_info, log_close_failures, run_limited
 from postrl.rollout.streams import derive
 from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
 from postrl.types.episode import Episode, EpisodeState, TrajectorySample, Turn
@@ -134,7 +134,7 @@ class EpisodeRunner:
             return [r for e in episodes for r in self.rollouts(e, renderer)]
         finally:  # unwinding (a stop signal, an error): closes get a second, not the whole time limit
             made = [o.value[0] for o in started if o.value is not None]
-            self.close_envs(made, 1.0 if sys.exc_info()[0] else None)
+            log_close_failures(self.close_envs(made, 1.0 if sys.exc_info()[0] else None), len(made))
 
     def suspend(self) -> None:
         """Ask the episodes of an individually scheduled run in progress (another thread's) to stop
@@ -189,12 +189,11 @@ class EpisodeRunner:
     def _limited(self, calls: list[Callable[[], Any]], what: str) -> list[Outcome[Any]]:
         return run_limited(calls, self.limits.env_timeout_s, self.env_workers, what)
 
-    def close_envs(self, envs: list[Environment], timeout_s: float | None = None) -> None:
-        """Every episode's environment closed, within the time limit; a failing close is logged."""
+    def close_envs(self, envs: list[Environment], timeout_s: float | None = None) -> list[str]:
+        """Every episode's environment closed, within the time limit; why each close that failed did."""
         limit = self.limits.env_timeout_s if timeout_s is None else timeout_s
-        for outcome in run_limited([env.close for env in envs], limit, self.env_workers, "environment close"):
-            if outcome.error is not None:
-                log.warning("an environment's close() failed: %s", failure_info(outcome.error, "close")["env_error"])
+        outcomes = run_limited([env.close for env in envs], limit, self.env_workers, "environment close")
+        return [failure_info(o.error, "close")["env_error"] for o in outcomes if o.error is not None]
 
     def _renderer(self, episodes: list[LiveEpisode]) -> ChatRenderer:
         env = next((e.env for e in episodes if e.env is not None), None)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from postrl.rollout.agentic.env import Environment, SavableEnvironment
-from postrl.rollout.agentic.limited import Outcome, run_limited
+from postrl.rollout.agentic.limited import Outcome, log_close_failures, run_limited
 from postrl.rollout.agentic.turn_batcher import TurnBatcher
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.types.episode import EpisodeState
@@ -51,6 +51,7 @@ class _Signals:
     suspend: threading.Event  # a checkpoint asked (the runner's, or the engines suspended a turn)
     env_calls: threading.Semaphore
     stop: threading.Event = field(default_factory=threading.Event)  # another episode failed
+    close_failures: list[str] = field(default_factory=list)  # why closes failed, reported once per batch
 
 
 def run_individually(
@@ -81,6 +82,7 @@ def run_individually(
     finally:
         signals.stop.set()  # a no-op when all are done; otherwise the others stop after their current call
         pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
+        log_close_failures(signals.close_failures, len(jobs))
 
 
 def _in_thread(threads: int, run: Callable[..., list[Rollout]], *args: Any) -> list[Rollout]:
@@ -135,7 +137,7 @@ def _run_episode(
         return runner.rollouts(e, renderer)
     finally:
         if made is not None:  # unwinding (another episode failed, a stop): a second, not the whole limit
-            runner.close_envs([made], 1.0 if sys.exc_info()[0] else None)
+            signals.close_failures.extend(runner.close_envs([made], 1.0 if sys.exc_info()[0] else None))
 
 
 def _one_turn(

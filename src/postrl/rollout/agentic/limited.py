@@ -11,15 +11,18 @@ the file and line in the user's code where it was raised (:func:`describe_failur
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 import traceback
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _PACKAGE = str(Path(__file__).resolve().parents[2])  # src/postrl: frames of ours are not the user's
@@ -166,3 +169,11 @@ def failure_info(exc: BaseException, stage: str) -> dict[str, Any]:
     error, text = describe_failure(exc)
     who = "agent function" if stage == "agent" else f"environment {stage}"
     return {"env_error": error, "env_reason": f"{who} failed: {error}", "env_traceback": text, "env_failed_in": stage}
+
+
+def log_close_failures(failures: list[str], closed: int) -> None:
+    """One warning for a batch's environments whose close() failed (or timed out): how many, and
+    the most common reason."""
+    if failures:
+        reason, count = Counter(failures).most_common(1)[0]
+        log.warning("%d of %d environments' close() failed (%dx %s)", len(failures), closed, count, reason)
