@@ -54,6 +54,20 @@ class SomeResetsRaise(GuessNumber):
         return super().reset(row)
 
 
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
+class BadSchemaTools(GuessNumber):
+    """A custom environment whose hand-written tool schema is not JSON Schema."""
+
+    tools = [Tool("add", _add, {"type": "function", "function": {"name": "add", "parameters": {"type": "objekt"}}})]
+
+
+class TwinTools(GuessNumber):
+    tools = [Tool.from_function(_add, "add"), Tool.from_function(_add, "add")]
+
+
 class CloseRaises(GuessNumber):
     def close(self):
         raise OSError("the socket is gone")

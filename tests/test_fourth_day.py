@@ -119,3 +119,20 @@ def test_failing_closes_are_one_warning_per_batch(tmp_path, capsys, scheduling):
     assert len(warnings) == 1, warnings
     assert "8 of 8 environments' close() failed (8x OSError: the socket is gone (" in warnings[0]
     assert f"{fault_envs.__file__}:" in warnings[0]
+
+
+# -- tools ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ("BadSchemaTools", "environment BadSchemaTools: tool add: its parameters are not a valid JSON schema: "),
+        ("TwinTools", "environment TwinTools: two tools share the name 'add' (tools: add, add)"),
+    ],
+)
+def test_a_custom_environment_s_tools_are_checked_at_its_first_episode(tmp_path, capsys, env, message):
+    assert main(agent_run(tmp_path, f"agent.env=tests.fault_envs:{env}", "agent.tools_in_prompt=system")) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert (
+        len([line for line in err.splitlines() if line.strip() and not line.startswith(("workers:", "accuracy:"))]) == 1
+    )

@@ -276,3 +276,13 @@ def test_a_concurrent_call_on_a_busy_conversation_forks(served):
     view = httpx.get(f"{server.url}/v1/episodes/ep3").json()
     assert (len(view["samples"]), view["forks"], view["prefix_breaks"]) == (2, 1, 0)
     assert [sum(s["loss_mask"]) for s in view["samples"]] == [len("first.") + 1, len("second.") + 1]
+
+
+def test_the_recording_server_refuses_a_tool_whose_parameters_are_not_a_schema(served):
+    _, _, _, server, _ = served
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "objekt"}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "tool lookup: its parameters are not a valid JSON schema" in error["message"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from postrl.rollout.agentic.chat import with_tools_system_message
+from postrl.rollout.agentic.tools import parameters_error
 from postrl.serve.openai_protocol import ChatRequest, bad_request, cut_at_stop, message_text
 from postrl.serve.tool_formats import Hermes, ToolCallFormat
 
@@ -110,6 +111,11 @@ class ChatTurn:
         offered = frozenset(t.function.name for t in req.tools)
         if len(offered) < len(req.tools):
             raise bad_request("tools: two tools have the same name", "tools")
+        for tool in tools:
+            function = tool.get("function", {})
+            error = parameters_error(function.get("name", "?"), function.get("parameters"))
+            if error is not None:
+                raise bad_request(f"tools: {error}", "tools")
         rendered: list[dict[str, Any]] | None = tools
         fmt = tooling.format
         if tooling.in_prompt == "system":

@@ -36,6 +36,7 @@ from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, SavableEnvironment, StepResult
 from postrl.rollout.agentic.individual import run_individually
 from postrl.rollout.agentic.limited import Outcome, failure_info, log_close_failures, run_limited
+from postrl.rollout.agentic.tools import checked_tools
 from postrl.rollout.streams import derive
 from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
 from postrl.types.episode import Episode, EpisodeState, TrajectorySample, Turn
@@ -117,6 +118,7 @@ class EpisodeRunner:
         self.env_workers, self.tools_in_prompt = env_workers, tools_in_prompt
         self.scheduling, self.joins_calls, self.max_concurrent = scheduling, joins_calls, max_concurrent
         self.suspending = threading.Event()  # set by suspend(): episodes stop at their next turn
+        self.tools_checked = False  # the first environment made has had its tools checked
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
         """``sampling.n`` episodes of each prompt, their rollouts grouped by prompt, in order."""
@@ -204,6 +206,15 @@ class EpisodeRunner:
         tools = [t.schema for t in env.tools] if env is not None and self.tools_in_prompt == "template" else None
         return ChatRenderer(self.tokenizer, tools)
 
+    def check_tools(self, env: Environment) -> None:
+        """The environment's tools have distinct names and valid JSON-schema parameters (a built-in
+        environment's ToolBox checks its own; a custom one's are checked here, once)."""
+        try:
+            checked_tools(list(env.tools))
+        except ValueError as exc:
+            raise ConfigError(f"environment {type(env).__name__}: {exc}") from None
+        self.tools_checked = True
+
     def reset_env(self, prompt: Prompt) -> tuple[Environment, list[dict[str, Any]] | Exception]:
         """A new environment and its first messages, or, once it is made, the reason its reset failed
         (the environment is returned either way: its close() is still owed)."""
@@ -224,6 +235,8 @@ class EpisodeRunner:
             assert isinstance(messages, BaseException)
             failed.info.update(failure_info(messages, "reset"))
             return failed
+        if not self.tools_checked:
+            self.check_tools(env)
         if self.tools_in_prompt == "system" and env.tools:
             messages = with_tools_system_message(messages, [t.schema for t in env.tools])
         renderer = self.renderer_for(env)

@@ -131,12 +131,9 @@ class ToolBox:
     becomes the error text the model reads and a counted :class:`ToolCallRecord`."""
 
     def __init__(self, tools: list[Tool], timeout_s: float = 10.0, fmt: ToolFormat = "auto") -> None:
-        names = [t.name for t in tools]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two tools share a name: {names}")
+        self.validators = checked_tools(tools)
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.fmt = timeout_s, fmt
-        self.validators = {t.name: _validator(t) for t in tools}
         self.worker = LimitedWorker("postrl-tool")  # one thread: a tool's interpreter lives with it
 
     @property
@@ -186,12 +183,30 @@ class ToolBox:
         self.worker.close()
 
 
+def checked_tools(tools: list[Tool]) -> dict[str, jsonschema.protocols.Validator]:
+    """The argument checker of each tool, by name; a ValueError naming the tool when two share a
+    name or one's ``parameters`` are not a valid JSON schema."""
+    names = [t.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"two tools share the name {twice[0]!r} (tools: {', '.join(names)})")
+    return {t.name: _validator(t) for t in tools}
+
+
+def parameters_error(name: str, parameters: dict[str, Any] | None) -> str | None:
+    """Why a tool's ``parameters`` are not a valid JSON schema (None: they are)."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(parameters or {"type": "object"})
+    except jsonschema.SchemaError as exc:
+        return f"tool {name}: its parameters are not a valid JSON schema: {exc.message}"
+    return None
+
+
 def _validator(tool: Tool) -> jsonschema.protocols.Validator:
     """The checker of a tool's ``parameters`` schema (JSON Schema 2020-12); a schema that is itself
     invalid is an error naming the tool, when the tool is made."""
     schema = tool.schema.get("function", {}).get("parameters") or {"type": "object"}
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise ValueError(f"tool {tool.name}: its parameters are not a valid JSON schema: {exc.message}") from None
+    error = parameters_error(tool.name, schema)
+    if error is not None:
+        raise ValueError(error)
     return jsonschema.Draft202012Validator(schema)
