@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RunInterrupted as exc:
         print(f"postrl {args.command}: {exc}", file=sys.stderr)
-        leave_now_if_threads_hang(exc.exit_code)
+        leave_now_if_threads_hang(exc.exit_code, exc.grace_s)
         return exc.exit_code
     except KeyboardInterrupt:  # before a run's own handler is installed (loading, validating): nothing written yet
         print(f"\npostrl {args.command}: interrupted", file=sys.stderr)

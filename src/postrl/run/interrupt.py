@@ -15,6 +15,9 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+STOP_GRACE_S = 3.0  # after a stop between steps
+ABANDON_GRACE_S = 0.3  # after a second signal abandoned the step
+
 
 class StepAbandoned(BaseException):
     """Raised in the main thread by a second stop signal; a BaseException so no ``except
@@ -24,9 +27,15 @@ class StepAbandoned(BaseException):
 class RunInterrupted(Exception):
     """The run stopped early on a signal; carries what to tell the user."""
 
-    def __init__(self, message: str, signum: int) -> None:
+    def __init__(self, message: str, signum: int, abandoned: bool = False) -> None:
         super().__init__(message)
         self.signum = signum
+        self.abandoned = abandoned  # a second signal: the user wants the process gone now
+
+    @property
+    def grace_s(self) -> float:
+        """How long threads still running get before the process leaves without them."""
+        return ABANDON_GRACE_S if self.abandoned else STOP_GRACE_S
 
     @property
     def exit_code(self) -> int:

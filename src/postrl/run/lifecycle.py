@@ -209,6 +209,7 @@ class StepLoop:
 
     def _steps(self, job: SteppedJob, stopper: GracefulStop, sinks: list[MetricSink], bar: tqdm) -> None:
         saved_at = self._latest_saved()
+        abandoned = False
         try:
             while job.completed_steps < self.total and not stopper.requested:
                 metrics = job.step()
@@ -221,15 +222,16 @@ class StepLoop:
                 if done == self.total or (every and done % every == 0):
                     saved_at = self._checkpoint(job)
         except StepAbandoned:
+            abandoned = True
             if not job.restore_abandoned_step():
                 message = stopped_message(self.place.location, job.completed_steps, saved_at, job.command, True)
-                raise RunInterrupted(message, stopper.signum or signal.SIGINT) from None
+                raise RunInterrupted(message, stopper.signum or signal.SIGINT, abandoned) from None
         done = job.completed_steps
         if done < self.total:
             if self.config.checkpoint.on_interrupt and saved_at != done and done > 0:
                 saved_at = self._checkpoint(job)
             message = stopped_message(self.place.location, done, saved_at, job.command)
-            raise RunInterrupted(message, stopper.signum or signal.SIGINT)
+            raise RunInterrupted(message, stopper.signum or signal.SIGINT, abandoned)
 
     def _checkpoint(self, job: SteppedJob) -> int:
         from postrl.run.checkpoint import list_checkpoints
