@@ -153,3 +153,20 @@ def test_a_second_sigterm_ends_the_run_within_about_a_second(tmp_path):
     took, err = fault_envs.sigterm_twice(proc, tmp_path / "runs" / "agent" / "config.yaml", wait_s=10)
     assert took < 1.5, f"{took:.2f} s from the second SIGTERM to the exit"
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err
+
+
+# -- where a failure happened -------------------------------------------------------------------------
+def _parse_row(text: str) -> dict:
+    return json.loads(text)  # raises inside the standard library's json/decoder.py
+
+
+def test_a_failure_s_place_is_the_user_s_frame_not_the_standard_library_s():
+    from postrl.rollout.agentic.limited import describe_failure
+
+    try:
+        _parse_row("{")
+    except ValueError as exc:
+        reason, text = describe_failure(exc)
+    assert "json/decoder.py" in text  # the innermost frame, in the whole traceback
+    line = _parse_row.__code__.co_firstlineno + 1
+    assert reason.startswith("JSONDecodeError: Expecting property name") and reason.endswith(f"({__file__}:{line})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sysconfig
 import threading
 import time
 import traceback
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _PACKAGE = str(Path(__file__).resolve().parents[2])  # src/postrl: frames of ours are not the user's
+_STDLIB = sysconfig.get_paths()["stdlib"]  # nor Python's own (a contextlib frame says nothing)
 _abandoned = 0
 _abandoned_lock = threading.Lock()
 
@@ -150,11 +152,17 @@ def _serve(jobs: queue.SimpleQueue[Any]) -> None:
             reply.put(Outcome(error=exc, seconds=time.monotonic() - began))
 
 
+def _outside_postrl_and_stdlib(filename: str) -> bool:
+    in_stdlib = filename.startswith(_STDLIB) and "site-packages" not in filename
+    return not (filename.startswith(_PACKAGE) or in_stdlib or filename.startswith("<"))
+
+
 def describe_failure(exc: BaseException) -> tuple[str, str]:
     """``(reason, traceback)``: the reason is one line, ``Type: message (file:line)`` with the
-    innermost frame outside postrl (where the user's code raised); the traceback is the whole one."""
+    innermost frame outside postrl and Python's standard library (where the user's code, or a
+    library it calls, raised: not ``contextlib.py``); the traceback is the whole one."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_PACKAGE)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _outside_postrl_and_stdlib(f.filename)]
     where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {message}{where}" if message else f"{type(exc).__name__}{where}", text
