@@ -199,7 +199,7 @@ def test_b6_wrongly_typed_tool_arguments_are_refused_and_counted():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("agent.env=tests.fault_envs:Nope", "agent.env='tests.fault_envs:Nope': module 'tests.fault_envs' ({file}) has no 'Nope'; it has: GuessNumber,"),
+        ("agent.env=tests.fault_envs:Nope", "agent.env='tests.fault_envs:Nope': module 'tests.fault_envs' ({file}) has no 'Nope'; it has: BadSchemaTools,"),
         ("agent.env=nomod:Nope", "agent.env='nomod:Nope': no module named 'nomod'"),
         ("agent.function=nomod:Nope", "agent.function='nomod:Nope': no module named 'nomod'"),
     ],
