@@ -170,3 +170,40 @@ def test_a_failure_s_place_is_the_user_s_frame_not_the_standard_library_s():
     assert "json/decoder.py" in text  # the innermost frame, in the whole traceback
     line = _parse_row.__code__.co_firstlineno + 1
     assert reason.startswith("JSONDecodeError: Expecting property name") and reason.endswith(f"({__file__}:{line})")
+
+
+# -- the seed's interfaces, called as ../shared/DESIGN.md writes them ---------------------------------
+def test_the_seed_s_interfaces_as_the_seed_writes_them(tmp_path, char_tokenizer):
+    from postrl.config.reward import RewardConfig
+    from postrl.reward.service import LocalRewardService
+    from postrl.rollout.native.engine import NativeRolloutWorker
+    from postrl.types import Prompt, RewardResult, Rollout
+    from tests.conftest import make_tiny_model
+    from tests.test_controller import controller
+
+    ctl, _ = controller(tmp_path, [])
+    prompts = ctl.sample_prompts()  # Controller.sample_prompts() -> list[Prompt]
+    assert len(prompts) == 2 and all(isinstance(p, Prompt) for p in prompts)
+    rollouts = [
+        Rollout(i, list(p.prompt_ids), [7], [-0.5], "x", "stop", 0) for i, p in enumerate(prompts) for _ in range(2)
+    ]
+    rewards = [RewardResult(1.0), RewardResult(0.0), RewardResult(0.5), RewardResult(0.5)]
+    advantages = ctl.compute_advantage(rollouts, rewards)  # Controller.compute_advantage(rollouts, rewards)
+    # GRPO: (r - mean) / (std + 1e-6) per group, the sample std: group 0 is [1, 0], std sqrt(0.5)
+    assert advantages[0] == pytest.approx(0.5 / (0.5**0.5 + 1e-6), rel=1e-6)
+    assert advantages[1] == -advantages[0] and advantages[2] == advantages[3] == 0.0
+
+    worker = NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer)
+    assert worker.health_check()  # RolloutWorker.health_check() -> bool: a Health is true when it can serve
+    assert bool(worker.health_check()) is True
+
+    service = LocalRewardService(RewardConfig(num_workers=1))
+    try:  # score(prompt, response) -> float, the answer in the prompt's columns
+        row = Prompt("What is 2+2?", [], columns={"answer": "4", "task_type": "math"})
+        assert float(service.score(row, "<answer>4</answer>")) == 1.0
+        assert float(service.score(row, "<answer>5</answer>")) == 0.0
+        assert service.score("What is 2+2?", "<answer>4</answer>", answer="4").reward == 1.0  # postrl's own form
+        with pytest.raises(ValueError, match="could not be scored: the judge timed out"):
+            float(RewardResult(None, error="the judge timed out"))  # an unscorable sample has no number
+    finally:
+        service.close()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from postrl.controller.advantage import rollout_advantages
 from postrl.controller.async_pipelines import InlinePipeline, ThreadedPipeline
 from postrl.controller.batches import BatchMaker
 from postrl.controller.components import Components
@@ -25,7 +26,7 @@ from postrl.controller.step_metrics import StageTimer, operating_figures
 from postrl.controller.versions import Versions
 from postrl.models.weights import weight_manifest
 from postrl.rollout.common import EngineUnhealthyError
-from postrl.types import ExperienceBatch, StepMetrics, TrainMetrics
+from postrl.types import ExperienceBatch, Prompt, RewardResult, Rollout, StepMetrics, TrainMetrics
 from postrl.types.metric_names import ACTOR_KL_BETA, BUFFER_LAG_MASKED_TOKENS, PERF_TRAIN_TOKENS_PER_S, seconds_of
 
 
@@ -118,6 +119,16 @@ class Controller:
             return TrainMetrics.skipped()
         self._updating = True  # from here on the weights change: an abandoned step cannot be undone
         return self.parts.trainer.update(batch)
+
+    # -- the design's entry points (../shared/DESIGN.md): a step does these itself ----------------
+    def sample_prompts(self) -> list[Prompt]:
+        """The next batch's prompts, drawn as a step draws them (the run's sampler moves on)."""
+        return self.batches.sample_prompts()
+
+    def compute_advantage(self, rollouts: list[Rollout], rewards: list[RewardResult]) -> list[float | list[float]]:
+        """Each rollout's advantage under the run's ``algorithm.advantage``, grouped by
+        ``prompt_index`` (:func:`~postrl.controller.advantage.rollout_advantages`)."""
+        return rollout_advantages(rollouts, rewards, self.config.algorithm, self.parts.tokenizer.pad_token_id)
 
     def finish_step(
         self, report: ProducedBatch, train: TrainMetrics, consumed: dict[str, float], timings: dict[str, float]

@@ -18,7 +18,7 @@ import httpx
 
 from postrl.config.run import RemoteRewardConfig
 from postrl.reward.components import accuracy_component
-from postrl.types import RewardResult, ScoreRequest
+from postrl.types import Prompt, RewardResult, ScoreRequest
 from postrl.workers.http_guard import read_token
 
 
@@ -48,8 +48,8 @@ class RemoteRewardService:
             [(c["name"], c.get("type", ""), bool(c.get("accuracy"))) for c in self.components]
         )
 
-    def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
-        return self.score_batch([ScoreRequest(prompt, response, columns)])[0]
+    def score(self, prompt: str | Prompt, response: str, **columns: Any) -> RewardResult:
+        return self.score_batch([ScoreRequest.of(prompt, response, columns)])[0]
 
     def score_batch(self, requests: list) -> list[RewardResult]:
         """Score in order; batches over ``batch_size`` go as concurrent requests."""

@@ -18,7 +18,7 @@ from typing import Any
 from postrl.config.run import ConfigError, RewardConfig
 from postrl.reward.components import PooledScorer, accuracy_component, component_type
 from postrl.reward.pool import JobResult, ScoringPool
-from postrl.types import RewardResult, Score, ScoreRequest
+from postrl.types import Prompt, RewardResult, Score, ScoreRequest
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class LocalRewardService:
         return {"namespaces": list(protections.namespaces), "user": list(protections.unprivileged_user or []) or None}
 
     # -- scoring ----------------------------------------------------------------------------------
-    def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
-        return self.score_batch([ScoreRequest(prompt, response, columns)])[0]
+    def score(self, prompt: str | Prompt, response: str, **columns: Any) -> RewardResult:
+        return self.score_batch([ScoreRequest.of(prompt, response, columns)])[0]
 
     def score_batch(self, requests: list[ScoreRequest]) -> list[RewardResult]:
         rows = {

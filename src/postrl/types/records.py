@@ -117,6 +117,14 @@ class ScoreRequest:
     columns: dict[str, Any]
     response_tokens: int = 0
 
+    @staticmethod
+    def of(prompt: str | Prompt, response: str, columns: dict[str, Any]) -> ScoreRequest:
+        """The request for ``RewardService.score``: a :class:`Prompt` brings its text and its columns
+        (its ``task_type`` picks the components that apply), ``columns`` adding to them."""
+        if isinstance(prompt, Prompt):
+            return ScoreRequest(prompt.text, response, {**prompt.columns, **columns})
+        return ScoreRequest(prompt, response, columns)
+
 
 @dataclass
 class RewardResult:
@@ -131,6 +139,13 @@ class RewardResult:
     @property
     def unscorable(self) -> bool:
         return self.reward is None
+
+    def __float__(self) -> float:
+        """The reward as a number (``float(service.score(prompt, response))``, the seed's form); an
+        unscorable sample's raises, naming why."""
+        if self.reward is None:
+            raise ValueError(f"the sample could not be scored: {self.error or 'no score'}")
+        return self.reward
 
 
 @dataclass

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-from postrl.types import RewardResult, ScoreRequest
+from postrl.types import Prompt, RewardResult, ScoreRequest
 from postrl.workers.handles import Handle, WorkerDiedError, WorkerTimeoutError
 from postrl.workers.roles import RewardService
 
@@ -112,8 +112,8 @@ class RewardServiceClient:
         """The service's own errors (lost scoring workers, retried requests) and its restarts here."""
         return self.restarts + int(self.service.error_count())
 
-    def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
-        return self.score_batch([ScoreRequest(prompt, response, columns)])[0]
+    def score(self, prompt: str | Prompt, response: str, **columns: Any) -> RewardResult:
+        return self.score_batch([ScoreRequest.of(prompt, response, columns)])[0]
 
     def score_batch(self, requests: list[ScoreRequest]) -> list[RewardResult]:
         while True:

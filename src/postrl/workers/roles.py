@@ -73,8 +73,10 @@ class RewardService(Protocol):
 
     accuracy_component: str | None  # the component whose value counts as correct for ``accuracy``
 
-    def score(self, prompt: str, response: str, **columns: Any) -> RewardResult:
-        """One response's reward (``columns``: the prompt's data columns, e.g. ``answer``)."""
+    def score(self, prompt: str | Prompt, response: str, **columns: Any) -> RewardResult:
+        """One response's reward: ``prompt`` its text with ``columns`` (the row's data columns, e.g.
+        ``answer``), or a :class:`~postrl.types.Prompt`, whose columns are used and whose
+        ``task_type`` picks the components that apply. ``float()`` of the result is the reward."""
         ...
 
     def score_batch(self, requests: list[ScoreRequest]) -> list[RewardResult]: ...
