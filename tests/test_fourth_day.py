@@ -207,3 +207,18 @@ def test_the_seed_s_interfaces_as_the_seed_writes_them(tmp_path, char_tokenizer)
             float(RewardResult(None, error="the judge timed out"))  # an unscorable sample has no number
     finally:
         service.close()
+
+
+# -- C2 -------------------------------------------------------------------------------------------
+def test_c2_eval_of_an_agent_run_is_refused_in_one_line_not_a_wrong_figure(tmp_path, capsys):
+    assert main(agent_run(tmp_path)) == 0
+    capsys.readouterr()
+    run = tmp_path / "runs" / "agent"
+    assert main(["eval", "--run", str(run), "--data", str(tmp_path / "rows.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "postrl eval does not evaluate agent runs yet: this run trains episodes (agent.env=tests.fault_envs:GuessNumber)"
+        in err
+    )
+    assert "Traceback" not in err and len([line for line in err.splitlines() if line.strip()]) == 1
+    assert main(["eval", "--run", str(run), "--n", "4", "--data", str(tmp_path / "rows.jsonl")]) == 2  # sampled too

@@ -239,6 +239,23 @@ class SampledEval:
         return self.n > 1 or self.as_json or self.url is not None or named
 
 
+def refuse_agent_runs(run_config: RunConfig | None) -> None:
+    """An agent run's held-out figure would have to play its environment (or its agent function)
+    on each row; the single-turn evaluation would render the raw row and score a reply the run
+    never trains, a silently wrong figure, so it is refused, naming the field."""
+    if run_config is None or run_config.agent is None:
+        return
+    agent = run_config.agent
+    field, value = ("agent.env", agent.env) if agent.env is not None else ("agent.function", agent.function)
+    if value is None:
+        return
+    raise ConfigError(
+        f"postrl eval does not evaluate agent runs yet: this run trains episodes ({field}={value}), and a "
+        "single-turn evaluation of its rows would not play them; its validation figures (val/*) are "
+        "measured on episodes during training"
+    )
+
+
 def run_eval(
     model: str | None,
     run: str | None,
@@ -256,6 +273,7 @@ def run_eval(
 
     sampling = (sampling or SampledEval()).checked(model)
     model, run_config = _resolve_run(model, run, task, config)
+    refuse_agent_runs(run_config)
     if task and data:
         raise ConfigError("give either --task or --data, not both")
     if sampling.wanted(run_config):
