@@ -175,6 +175,7 @@ def _resolve_run(
         model = model or run_config.model.path  # the config's model, as training would start from it
     if model is None:
         raise ConfigError("postrl eval needs --model PATH, --run runs/NAME or --config CONFIG.yaml")
+    refuse_agent_runs(run_config)
     return model, run_config
 
 
@@ -273,7 +274,6 @@ def run_eval(
 
     sampling = (sampling or SampledEval()).checked(model)
     model, run_config = _resolve_run(model, run, task, config)
-    refuse_agent_runs(run_config)
     if task and data:
         raise ConfigError("give either --task or --data, not both")
     if sampling.wanted(run_config):
