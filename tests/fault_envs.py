@@ -171,6 +171,16 @@ def agent_slow_answers(client, row):
     return agent_answers(client, row)
 
 
+def agent_with_a_chatty_framework(client, row):
+    """As an agent framework does: its own logger reports its retries and errors."""
+    import logging
+
+    chatty = logging.getLogger("chattyframework")
+    for attempt in range(3):
+        chatty.error("model call attempt %d failed: rate limited (row %s)", attempt, row["prompt"])
+    return agent_answers(client, row)
+
+
 def agent_answers(client, row):
     reply = client.chat.completions.create(
         model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -222,3 +223,14 @@ def test_c2_eval_of_an_agent_run_is_refused_in_one_line_not_a_wrong_figure(tmp_p
     )
     assert "Traceback" not in err and len([line for line in err.splitlines() if line.strip()]) == 1
     assert main(["eval", "--run", str(run), "--n", "4", "--data", str(tmp_path / "rows.jsonl")]) == 2  # sampled too
+
+
+# -- an agent framework's own output ----------------------------------------------------------------
+def test_an_agent_framework_s_log_lines_go_to_the_run_directory_not_the_console(tmp_path, capsys):
+    args = agent_run(tmp_path, "agent.env=null", "agent.function=tests.fault_envs:agent_with_a_chatty_framework")
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "chattyframework" not in captured.err + captured.out and "step 1/1" in captured.out
+    log = (tmp_path / "runs" / "agent" / "agent_output.log").read_text().splitlines()
+    assert len(log) == 8 * 3 and all("ERROR chattyframework: model call attempt" in line for line in log)
+    assert logging.getLogger().handlers[0].filters == []  # the console is whole again after the run

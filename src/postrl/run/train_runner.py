@@ -7,6 +7,7 @@ then hands the Controller to the step loop every command shares (:mod:`postrl.ru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from postrl.reward.columns import check_columns
 from postrl.reward.factory import make_reward_service
 from postrl.rollout.factory import EngineSpec
 from postrl.run.checkpoint import save_checkpoint
+from postrl.run.foreign_logs import AGENT_OUTPUT_LOG, ForeignLogs
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
@@ -233,7 +235,8 @@ def train(
         else:
             controller.start()
         try:
-            _run_loop(controller, config, resume_step, on_step, place, validator)
+            with agent_output(config):
+                _run_loop(controller, config, resume_step, on_step, place, validator)
         finally:
             controller.close()
     finally:
@@ -244,6 +247,14 @@ def train(
     if place.url and not config.keep_local_copy:
         place.drop_local_copy(echo)
     return controller
+
+
+def agent_output(config: RunConfig) -> contextlib.AbstractContextManager:
+    """For a run whose agent function runs in this process, its libraries' log records to the run
+    directory (:mod:`postrl.run.foreign_logs`); otherwise nothing."""
+    if config.agent is not None and config.agent.function is not None:
+        return ForeignLogs(config.run_dir / AGENT_OUTPUT_LOG)
+    return contextlib.nullcontext()
 
 
 class TrainJob:
