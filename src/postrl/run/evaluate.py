@@ -270,7 +270,6 @@ def run_eval(
     """``postrl eval``: one line with the held-out accuracy (and mean reward with --data), or with
     sampling, several sets or --json, the harness's table of greedy, mean@n, pass@k and maj@k."""
     from postrl.models.loading import load_causal_lm, load_tokenizer
-    from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
 
     sampling = (sampling or SampledEval()).checked(model)
     model, run_config = _resolve_run(model, run, task, config)
@@ -292,6 +291,23 @@ def run_eval(
         return 0
     if run_config is None:
         raise ConfigError("postrl eval --data needs the reward to score with: --run runs/NAME or --config CONFIG.yaml")
+    _eval_files(policy, tokenizer, model, data, run_config, max_tokens, out)
+    return 0
+
+
+def _eval_files(
+    policy: Any,
+    tokenizer: Any,
+    model: str,
+    data: list[str],
+    run_config: RunConfig,
+    max_tokens: int | None,
+    out: str | None,
+) -> None:
+    """``postrl eval --data``: the files' prompts answered greedily and scored by the run's reward
+    components; one line with the accuracy, the mean reward and the unscorable count."""
+    from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
+
     options = {**run_config.data.prompt_options()}
     options["max_prompt_tokens"] = options["max_prompt_tokens"] or DEFAULT_MAX_PROMPT_TOKENS
     dataset = load_prompt_dataset(data, tokenizer, **options)
@@ -316,4 +332,3 @@ def run_eval(
         f"{name}: {acc}, mean reward {mean}, "
         f"unscorable {result.unscorable} [{model}]" + (f"; samples in {out}" if out else "")
     )
-    return 0

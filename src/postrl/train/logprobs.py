@@ -106,24 +106,17 @@ def token_logprobs(
         return (logp, entropy) if target_mask is None else (logp * target_mask, entropy)
     assert target_mask is not None  # every other path projects only the wanted positions
     where, targets = target_mask.bool(), input_ids[:, 1:]
-    if plan.path == "exact":
+    if plan.path in ("exact", "lean"):
         assert plan.spans is not None
-        exact = exact_forward or ExactForward(base_of(model))
-        logp_sel, ent_sel = exact.token_logprobs(
-            exact_layout(input_ids, plan.spans, group_ids), targets[where], temperature, with_entropy != "off"
-        )
-        if with_entropy == "value" and ent_sel is not None:
-            ent_sel = ent_sel.detach()
-        return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
-    if plan.path == "lean":
-        assert plan.spans is not None
-        inner = base_of(model)
-        layout, predictors = group_layout(input_ids, plan.spans, group_ids)
-        hidden = LeanForward(inner).hidden(layout)[predictors]
-        head = output_head(inner).weight
-        logp_sel, ent_sel = chunked_token_logprobs(
-            hidden, head, targets[where], temperature, with_entropy, fused=fused_head
-        )
+        if plan.path == "exact":
+            forward = exact_forward or ExactForward(base_of(model))
+            logp_sel, ent_sel = _exact_selected(
+                forward, input_ids, plan.spans, group_ids, targets[where], temperature, with_entropy
+            )
+        else:
+            logp_sel, ent_sel = _lean_selected(
+                model, input_ids, plan.spans, group_ids, targets[where], temperature, with_entropy, fused_head
+            )
         return _scatter(logp_sel, where), None if ent_sel is None else _scatter(ent_sel, where)
     if plan.path == "shared_prompts":
         assert plan.packed is not None
@@ -132,6 +125,42 @@ def token_logprobs(
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
     rows, cols = where.nonzero(as_tuple=True)  # row-major, as masked_scatter fills
     return _selected_logprobs(model, kwargs, rows, cols, targets, where, temperature, with_entropy)
+
+
+def _exact_selected(
+    forward: ExactForward,
+    input_ids: torch.Tensor,
+    spans: list[tuple[int, int]],
+    group_ids: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: Entropy,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The wanted positions' logprobs (and entropy) through the engine's exact operations."""
+    layout = exact_layout(input_ids, spans, group_ids)
+    logp, entropy = forward.token_logprobs(layout, targets, temperature, with_entropy != "off")
+    if with_entropy == "value" and entropy is not None:
+        entropy = entropy.detach()
+    return logp, entropy
+
+
+def _lean_selected(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    spans: list[tuple[int, int]],
+    group_ids: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: Entropy,
+    fused_head: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The wanted positions' logprobs (and entropy) through the lean forward and the chunked head."""
+    inner = base_of(model)
+    layout, predictors = group_layout(input_ids, spans, group_ids)
+    hidden = LeanForward(inner).hidden(layout)[predictors]
+    return chunked_token_logprobs(
+        hidden, output_head(inner).weight, targets, temperature, with_entropy, fused=fused_head
+    )
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Linear:
