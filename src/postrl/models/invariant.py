@@ -9,17 +9,18 @@ every operation that reduces runs on fixed shapes whatever the batch:
 
 - matrix products (projections, the head) run on tiles of exactly :data:`TILE_ROWS` rows, padded
   with zero rows; within a tile, rows are independent and their place in it does not matter
-  (tested for 64-256 rows; 128 costs about what one product of a 96-row decode step does, and a
+  (measured for 64-256 rows on this CPU, tested at 128; 128 costs about what a 96-row decode step's one product does, and a
   training forward's 1,600 rows take 1.3x one whole product in bf16, 32-row tiles 2.3x);
 - row-wise and elementwise work (norms, the gated activation, rotation, log-softmax) runs on all
   rows at once, padded to whole tiles: a row reduction runs over outputs, each row in the same
   order, and the elementwise kernels split the rows at multiples of their vector width;
-- attention computes each (queries, key block) product as its own fixed-width matrix product, over
-  fixed blocks of :data:`KEY_BLOCK` key *positions* (block ``b`` holds positions ``64 b .. 64 b +
-  63`` of the query's own sequence), in float32: the softmax maximum first (exact in any order),
-  then each block's ``exp`` sums and probability-weighted values added in block order. Keys after a
-  query's position contribute exact zeros, so a query reads the same numbers whether its sequence
-  is 10 or 1,000 tokens long in the call;
+- attention runs in float32 over fixed blocks of :data:`KEY_BLOCK` key *positions* (block ``b``
+  holds positions ``64 b .. 64 b + 63`` of the query's own sequence): queries grouped in items of
+  one sequence (16 queries, or one in a decode step), each item's scores one product whose rows and
+  columns do not depend on how many share it (tested), the softmax maximum first (exact in any
+  order), then each block's ``exp`` sums and probability-weighted values (one fixed-shape product
+  per block) added in block order. Keys after a query's position contribute exact zeros, so a query
+  reads the same numbers whether its sequence is 10 or 1,000 tokens long in the call;
 - rotary angles come from one table by position, computed in fixed chunks of positions.
 
 Each of these is tested against its row computed alone, on this CPU's kernels; a new kernel
@@ -273,11 +274,12 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, items: 
     ``[S, kv_heads, L, head_dim]`` (a KV cache's layout; the query's own key already written).
     Returns ``[T, heads * head_dim]`` in ``q``'s dtype.
 
-    Per item, KV head and key block, the scores are one ``[rows, head_dim] x [head_dim, KEY_BLOCK]``
-    product and the weighted values one ``[rows, KEY_BLOCK] x [KEY_BLOCK, head_dim]`` product
-    (``rows``: the item's queries times the query heads of a KV head, at least
-    :data:`MIN_ITEM_ROWS`), in a batch of such: products whose rows do not depend on each other, on
-    the row count or on the batch (tested). Blocks after a query's position add exact zeros."""
+    Per item and KV head, the scores are ``[rows, head_dim] x [head_dim, keys]`` products (one over
+    all keys on the CPU, one per key block on a GPU) and the weighted values one ``[rows, KEY_BLOCK]
+    x [KEY_BLOCK, head_dim]`` product per block (``rows``: the item's queries times the query heads
+    of a KV head, at least :data:`MIN_ITEM_ROWS`), in batches of such: products whose rows do not
+    depend on each other, on the row or key count or on the batch (tested). Blocks after a query's
+    position add exact zeros (see :func:`_attend_items`)."""
     total, heads, head_dim = q.shape
     padded = torch.cat([q, q.new_zeros(1, heads, head_dim)]).float()
     per_item = items.per_item
