@@ -125,10 +125,17 @@ def _episode_row(episode: Episode) -> dict[str, Any]:
     """What the samples file shows of a rollout's episode: how it ended, where its time went, its
     failure (the traceback is in episode_errors.log) and its messages, as the model saw them."""
     info = {k: v for k, v in episode.info.items() if k != "env_traceback"}
-    return {"finish_reason": episode.finish_reason, "turns": len(episode.turns), "tool_calls": episode.tool_calls,
-            "tool_errors": episode.tool_errors, "env_s": round(episode.env_s, 3),
-            "generate_s": round(episode.generate_s, 3), "part": episode.part, "info": info,
-            "messages": episode.messages}  # fmt: skip
+    return {
+        "finish_reason": episode.finish_reason,
+        "turns": len(episode.turns),
+        "tool_calls": episode.tool_calls,
+        "tool_errors": episode.tool_errors,
+        "env_s": round(episode.env_s, 3),
+        "generate_s": round(episode.generate_s, 3),
+        "part": episode.part,
+        "info": info,
+        "messages": episode.messages,
+    }
 
 
 def _plain_metadata(step: StepBatch, row: int) -> dict:

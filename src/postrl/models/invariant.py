@@ -362,7 +362,8 @@ def _weighted(e_blocks: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
     """Each block's weights ``e_blocks`` ``[items, kv, blocks, rows, KEY_BLOCK]`` times its values
     ``v_all`` ``[items, kv, blocks, KEY_BLOCK, d]``: one fixed-shape product per block, in one
     batch on the CPU, one batch per block on a GPU."""
-    rows, n_blocks, head_dim = e_blocks.shape[3], e_blocks.shape[2], v_all.shape[-1]
+    _, _, n_blocks, rows, _ = e_blocks.shape
+    head_dim = v_all.shape[-1]
     if fixed_batches(e_blocks.device):
         per_block = [
             torch.bmm(e_blocks[:, :, b].reshape(-1, rows, KEY_BLOCK), v_all[:, :, b].reshape(-1, KEY_BLOCK, head_dim))
@@ -373,20 +374,19 @@ def _weighted(e_blocks: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(store: torch.Tensor, seq: torch.Tensor, blocks: int, first_seq: int | None) -> torch.Tensor:
-    """The key blocks of sequences ``seq``: ``[items, kv_heads, blocks', KEY_BLOCK, head_dim]``
-    float32 (``blocks'`` at least ``blocks``; positions past the store's end are zeros, and every
-    position past a query's own is masked). Each ``[KEY_BLOCK, head_dim]`` matrix is contiguous
-    whatever the store's strides (a matmul's kernel, and so its rounding, depends on them; the
-    batch's stride does not, tested), so sequences ``first_seq ..`` in order are read as a view of
-    a store of whole blocks, all of them. Otherwise a gather by ``index_select``: the backward of
-    ``store[seq]`` (``index_put_`` accumulating) sums repeated rows in an order that varies with
-    thread timing on the CPU; ``index_select``'s does not."""
-    items, kv_heads, length, head_dim = seq.shape[0], store.shape[1], store.shape[2], store.shape[3]
-    if first_seq is not None and length % KEY_BLOCK == 0 and store[0].is_contiguous():
-        part = store[first_seq : first_seq + items].float()
-        return part.view(items, kv_heads, length // KEY_BLOCK, KEY_BLOCK, head_dim)
-    part = store[:, :, : blocks * KEY_BLOCK].index_select(0, seq)
-    short = blocks * KEY_BLOCK - part.shape[2]
+    """The first ``blocks`` key blocks of sequences ``seq``: ``[items, kv_heads, blocks, KEY_BLOCK,
+    head_dim]`` float32 (positions past the store's end are zeros, and every position past a
+    query's own is masked). Each ``[KEY_BLOCK, head_dim]`` matrix has contiguous rows whatever the
+    store's strides (a matmul's kernel, and so its rounding, depends on them; the batch's stride
+    does not, tested), so sequences ``first_seq ..`` in order are read as a view of a float32 store.
+    Otherwise a gather by ``index_select``: the backward of ``store[seq]`` (``index_put_``
+    accumulating) sums repeated rows in an order that varies with thread timing on the CPU;
+    ``index_select``'s does not."""
+    items, kv_heads, head_dim, width = seq.shape[0], store.shape[1], store.shape[3], blocks * KEY_BLOCK
+    if first_seq is not None and store.dtype == torch.float32 and store.shape[2] >= width and store[0].is_contiguous():
+        return store[first_seq : first_seq + items, :, :width].view(items, kv_heads, blocks, KEY_BLOCK, head_dim)
+    part = store[:, :, :width].index_select(0, seq)
+    short = width - part.shape[2]
     part = (F.pad(part, (0, 0, 0, short)) if short else part).float()
     return part.view(items, kv_heads, blocks, KEY_BLOCK, head_dim)
 
