@@ -45,6 +45,22 @@ class Introduced(GuessNumber):
         ]
 
 
+class TwoTurns(GuessNumber):
+    """Two turns: asks again after the first answer, then ends with reward 1 on rows whose secret is
+    even, when both turns ended at the end of a turn (no end-of-turn token or later text in them)."""
+
+    def reset(self, row):
+        self.secret, self.actions = row["secret"], []
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        self.actions.append(action)
+        if len(self.actions) == 1:
+            return StepResult([{"role": "user", "content": "Once more."}])
+        clean = all("<|im_end|>" not in a and "<|im_start|>" not in a for a in self.actions)
+        return StepResult([], reward=float(self.secret % 2 == 0 and clean), done=True)
+
+
 class SomeResetsRaise(GuessNumber):
     """The reset of every fourth row (secret divisible by 4) raises."""
 

@@ -211,18 +211,47 @@ def test_the_seed_s_interfaces_as_the_seed_writes_them(tmp_path, char_tokenizer)
 
 
 # -- C2 -------------------------------------------------------------------------------------------
-def test_c2_eval_of_an_agent_run_is_refused_in_one_line_not_a_wrong_figure(tmp_path, capsys):
-    assert main(agent_run(tmp_path)) == 0
+def _eval_json(capsys, *args: str) -> dict:
+    assert main(["eval", *args, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_c2_eval_of_an_environment_run_plays_its_environment(tmp_path, capsys):
+    args = agent_run(tmp_path, "agent.env=tests.fault_envs:TwoTurns", "agent.on_turn_length=continue")
+    assert main(args) == 0, capsys.readouterr().err
     capsys.readouterr()
-    run = tmp_path / "runs" / "agent"
-    assert main(["eval", "--run", str(run), "--data", str(tmp_path / "rows.jsonl")]) == 2
-    err = capsys.readouterr().err
+    held_out = tmp_path / "held_out.jsonl"  # secrets 1-6, the even ones in task "even"
+    held_out.write_text("".join(json.dumps({"prompt": f"{i}+1=", "secret": i, "task_type": ["odd", "even"][i % 2 == 0]})
+                                + "\n" for i in range(1, 7)))  # fmt: skip
+    run = str(tmp_path / "runs" / "agent")
+    figures = _eval_json(capsys, "--run", run, "--data", str(held_out), "--n", "4", "--k", "1", "2")
+    (set_,) = figures["sets"].values()
+    # the reward needs both turns played and ended at the end of a turn: 3 of 6 rows, every episode
+    assert set_["greedy"] == 0.5 and set_["mean_at_n"] == 0.5
+    assert set_["pass_at_k"] == {"1": 0.5, "2": 0.5}
+    assert set_["maj_at_k"] == {}  # an environment's reward has no answer to vote on: n/a, not 0
+    assert set_["unscorable"] == 0
+    assert set_["per_task"]["even"]["greedy"] == 1.0 and set_["per_task"]["odd"]["pass_at_k"]["2"] == 0.0
+    assert main(["eval", "--run", run, "--data", str(held_out)]) == 0  # greedy only: the table, a row per task
+    table = capsys.readouterr().out
+    assert table.splitlines()[1].split()[:4] == ["held_out.jsonl", "(all)", "6", "0.500"]
+    assert "maj@" not in table
+
+
+def test_c2_eval_of_an_agent_function_run_calls_the_function_and_counts_its_failures(tmp_path, capsys):
+    overrides = ("agent.env=null", "agent.function=tests.fault_envs:agent_calls_on_even_rows",
+                 "agent.reward=environment", "reward.max_failure_rate=0.6")  # fmt: skip
+    assert main(agent_run(tmp_path, *overrides)) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    figures = _eval_json(capsys, "--run", str(tmp_path / "runs" / "agent"), "--data", str(tmp_path / "rows.jsonl"))
+    (set_,) = figures["sets"].values()
+    assert set_["prompts"] == 4 and set_["unscorable"] == 2  # the odd secrets' episodes made no model call
+    assert main(["eval", "--run", str(tmp_path / "runs" / "agent"), "--data", str(tmp_path / "rows.jsonl")]) == 0
+    out = capsys.readouterr().out
     assert (
-        "postrl eval does not evaluate agent runs yet: this run trains episodes (agent.env=tests.fault_envs:GuessNumber)"
-        in err
+        "2 of 4 answers could not be scored and count as wrong (most common: 2x the agent function made no model call)"
+        in out
     )
-    assert "Traceback" not in err and len([line for line in err.splitlines() if line.strip()]) == 1
-    assert main(["eval", "--run", str(run), "--n", "4", "--data", str(tmp_path / "rows.jsonl")]) == 2  # sampled too
 
 
 # -- an agent framework's own output ----------------------------------------------------------------

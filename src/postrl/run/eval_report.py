@@ -10,7 +10,8 @@ from typing import Any
 
 from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
 from postrl.controller.batches import greedy_sampling
-from postrl.controller.source import SingleTurn
+from postrl.controller.episodes import EpisodeSource
+from postrl.controller.source import batch_source
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.run.eval_metrics import default_ks
 from postrl.run.harness import Harness, SetReport, table
@@ -80,7 +81,8 @@ def run_harness(
     as_json: bool,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Evaluate every set; print the table (or, with ``as_json``, one JSON object last) and return the JSON."""
+    """Evaluate every set; print the table (or, with ``as_json``, one JSON object last) and return the JSON.
+    An ``agent:`` run's answers are episodes of its environment or agent function, as in training."""
     from postrl.models.loading import load_tokenizer
     from postrl.reward.factory import make_reward_service
 
@@ -99,17 +101,21 @@ def run_harness(
     if n > 1:
         sampling = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=tokens, stop=greedy.stop,
                                   stop_token_ids=greedy.stop_token_ids)  # fmt: skip
+    agent = run_config.agent if run_config is not None else None
+    episodes = EpisodeSource(agent, tokenizer, model=model) if agent is not None else None
     engine = make_engine(model, url, tokenizer, rollout)
     service = make_reward_service(reward.model_copy(update={"num_workers": 1}))
+    source = batch_source(engine, service, episodes, tokenizer)
     try:
-        source = SingleTurn(engine, service)
         component = source.accuracy_component
         if component is None:
             raise ConfigError("the reward has no accuracy component (reasoning_gym, exact_match, math, or one "
                               "marked accuracy: true): pass@k and maj@k count correct answers")  # fmt: skip
-        harness = Harness(source, component, reward.accuracy_threshold, greedy, sampling)
+        votes = episodes is None or not episodes.scores_itself
+        harness = Harness(source, component, reward.accuracy_threshold, greedy, sampling, votes)
         reports = [harness.report(name, dataset, ks) for name, dataset in sets.items()]
     finally:
+        source.close()
         service.close()
         engine.close()
     result = summary(model if url is None else url, n, temperature, top_p, reports)

@@ -175,7 +175,6 @@ def _resolve_run(
         model = model or run_config.model.path  # the config's model, as training would start from it
     if model is None:
         raise ConfigError("postrl eval needs --model PATH, --run runs/NAME or --config CONFIG.yaml")
-    refuse_agent_runs(run_config)
     return model, run_config
 
 
@@ -233,28 +232,12 @@ class SampledEval:
                     temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens, as_json=self.as_json)  # fmt: skip
 
     def wanted(self, run_config: RunConfig | None) -> bool:
-        """Whether the harness runs: sampling, JSON, a URL, or a config with several or generated sets."""
+        """Whether the harness runs: sampling, JSON, a URL, a config with several or generated sets,
+        or an ``agent:`` run (whose answers are episodes)."""
         named = run_config is not None and (
-            bool(run_config.data.eval_sets) or run_config.data.reasoning_gym is not None
+            bool(run_config.data.eval_sets) or run_config.data.reasoning_gym is not None or run_config.agent is not None
         )
         return self.n > 1 or self.as_json or self.url is not None or named
-
-
-def refuse_agent_runs(run_config: RunConfig | None) -> None:
-    """An agent run's held-out figure would have to play its environment (or its agent function)
-    on each row; the single-turn evaluation would render the raw row and score a reply the run
-    never trains, a silently wrong figure, so it is refused, naming the field."""
-    if run_config is None or run_config.agent is None:
-        return
-    agent = run_config.agent
-    field, value = ("agent.env", agent.env) if agent.env is not None else ("agent.function", agent.function)
-    if value is None:
-        return
-    raise ConfigError(
-        f"postrl eval does not evaluate agent runs yet: this run trains episodes ({field}={value}), and a "
-        "single-turn evaluation of its rows would not play them; its validation figures (val/*) are "
-        "measured on episodes during training"
-    )
 
 
 def run_eval(
@@ -277,7 +260,9 @@ def run_eval(
         raise ConfigError("give either --task or --data, not both")
     if sampling.wanted(run_config):
         if out:
-            raise ConfigError("--out writes the samples of a one-line evaluation (no --n, --json, --url or eval sets)")
+            raise ConfigError(
+                "--out writes the samples of a one-line evaluation (no --n, --json, --url, eval sets or agent run)"
+            )
         sampling.run(model, run_config, task, data, max_tokens)
         return 0
     tokenizer = load_tokenizer(model)
