@@ -13,10 +13,14 @@ Modes:
                   used directly (old_logprobs=rollout) against recompute + TIS; their mismatch KL.
   --kv-ablation   async runs where weights arrive mid-generation, the prefix KV cache kept or
                   recomputed: held-out accuracy every 10 steps, wall time, mismatch KL; a PNG.
+  --few-cores     the demo, the calculator agent and the single-turn SmolLM2 step, each sync and
+                  async (overlap auto and generation), no verifier delay: async must never be slower
+                  (``<case>_async_over_sync`` <= 1.0); ``--load`` keeps one core busy throughout.
 
     python benchmarks/async_overlap.py [--steps 60] [--rounds 2] [--verifier-delay 0.3] [--json]
     python benchmarks/async_overlap.py --mismatch [--steps 100] [--json]
     python benchmarks/async_overlap.py --kv-ablation [--steps 60] [--png docs/async_kv_ablation.png] [--json]
+    python benchmarks/async_overlap.py --few-cores [--cases demo agent single_turn] [--load] [--json]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from _smoke import add_smoke
@@ -78,15 +83,19 @@ def run_one(spec: dict) -> dict:
     from postrl.run.demo import DEMO_SETTINGS
     from postrl.run.evaluate import evaluate_model
 
-    make = train_runner.make_reward_service
-    train_runner.make_reward_service = lambda config: SlowVerifier(make(config), spec["delay"])
-    settings = dict(DEMO_SETTINGS, name=spec["name"], output_dir=spec["out"], steps=spec["steps"], seed=spec["seed"])
+    if spec["delay"]:
+        make = train_runner.make_reward_service
+        train_runner.make_reward_service = lambda config: SlowVerifier(make(config), spec["delay"])
+    base = spec.get("settings", DEMO_SETTINGS)
+    settings = dict(base, name=spec["name"], output_dir=spec["out"], steps=spec["steps"], seed=spec["seed"])
     settings["logging"] = {"console": False, "trackers": ["jsonl"], "progress_bar": False, **spec.get("logging", {})}
     config = build_config(settings, spec["overrides"])
     began = time.perf_counter()
     train_runner.train(config)
     wall = time.perf_counter() - began
     rows = [json.loads(line) for line in open(config.run_dir / "metrics.jsonl")]
+    if not spec.get("evaluate", True):
+        return {"wall_s": wall, "acc": float("nan"), "rows": rows}
     tokenizer = load_tokenizer(config.model.path)
     final = evaluate_model(load_causal_lm(str(config.run_dir / "final_model")), tokenizer, "arithmetic")
     return {"wall_s": wall, "acc": final.accuracy, "rows": rows}
@@ -167,6 +176,77 @@ def overlap(args: argparse.Namespace, out: str) -> dict:
         "max_lag_seen": lag_seen,
         "phases_s": {name: {k: round(v, 3) for k, v in medians(runs[name][0]["rows"]).items()} for name in names},
     }
+
+
+FEW_CORE_MODES = {  # name: overrides; each case's async runs, against its sync run
+    "sync": [],
+    "async": ASYNC,  # controller.overlap: auto
+    "async_generation": [*ASYNC, "controller.overlap=generation"],
+}
+
+
+def few_core_cases(out: str) -> dict[str, tuple[dict, int]]:
+    """The three configs of issue 44's C3, each ``(settings, steps)``: the demo; the calculator agent
+    (its episodes scheduled individually, which overlap: generation needs); the single-turn
+    SmolLM2-135M step of examples/smollm2_grpo.yaml (bf16 on a CPU with AMX)."""
+    import yaml
+
+    from postrl.run.demo import DEMO_SETTINGS
+    from postrl.tasks.chat_addition import write_jsonl
+
+    root = Path(__file__).resolve().parents[1]
+    agent = yaml.safe_load((root / "examples" / "calculator_agent.yaml").read_text())
+    agent["agent"]["scheduling"] = "individual"
+    agent["logging"] = {}
+    agent["checkpoint"] = {"every_steps": 0}
+    smollm2 = yaml.safe_load((root / "examples" / "smollm2_grpo.yaml").read_text())
+    smollm2["model"]["path"] = str(Path(smollm2["model"]["path"]).expanduser())
+    smollm2["data"]["train_files"] = [str(write_jsonl(Path(out) / "addition.jsonl", 512))]
+    smollm2["checkpoint"] = {"every_steps": 0}
+    return {"demo": (dict(DEMO_SETTINGS), 30), "agent": (agent, 20), "single_turn": (smollm2, 4)}
+
+
+class BusyCore:
+    """A process that keeps one core busy (``--load``): a user's other work on a laptop or a shared node."""
+
+    def __enter__(self) -> BusyCore:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def few_cores(args: argparse.Namespace, out: str) -> dict:
+    """Each case's sync run against its async runs (overlap auto and generation), ``--rounds`` rounds
+    with the order rotating; the ratio of the median walls. ``<case>_async_over_sync`` is the
+    slower async run's: an async run must never be slower than the sync run of its config."""
+    cases = few_core_cases(out)
+    chosen = args.cases or list(cases)
+    result: dict = {"rounds": args.rounds, "load": args.load, "cases": {}}
+    print(f"sync against async on {os.cpu_count()} cores, {args.rounds} rounds"
+          + (", a busy process on one core" if args.load else ", quiet"))  # fmt: skip
+    print(f"{'case':<13}{'mode':<18}{'steps':>6}{'wall s':>9}{'loop s':>9}{'/ sync':>8}   median s per step by phase")
+    for case in chosen:
+        settings, steps = cases[case]
+        steps = args.steps or steps
+        runs: dict[str, list[dict]] = {m: [] for m in FEW_CORE_MODES}
+        names = list(FEW_CORE_MODES)
+        with BusyCore() if args.load else nullcontext():
+            for r in range(args.rounds):
+                for mode in names[r % len(names) :] + names[: r % len(names)]:
+                    runs[mode].append(launch(f"{case}_{mode}{r}", out, steps, args.seed, 0.0,
+                                             FEW_CORE_MODES[mode], settings=settings, evaluate=False))  # fmt: skip
+        wall = {m: statistics.median(r["wall_s"] for r in rs) for m, rs in runs.items()}
+        for mode in names:
+            where = "  ".join(f"{k} {v:.3f}" for k, v in medians(runs[mode][0]["rows"]).items())
+            loop = statistics.median(loop_s(r) for r in runs[mode])
+            print(f"{case:<13}{mode:<18}{steps:>6}{wall[mode]:>9.1f}{loop:>9.1f}{wall[mode] / wall['sync']:>8.3f}   {where}")
+        ratios = {m: round(wall[m] / wall["sync"], 3) for m in names[1:]}
+        result["cases"][case] = {"steps": steps, "wall_s": {m: round(w, 2) for m, w in wall.items()}, "ratios": ratios}
+        result[f"{case}_async_over_sync"] = max(ratios.values())
+    return result
 
 
 def loop_s(run: dict) -> float:
@@ -265,6 +345,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="sync/async rounds (default mode)")
     parser.add_argument("--mismatch", action="store_true")
     parser.add_argument("--kv-ablation", action="store_true")
+    parser.add_argument("--few-cores", action="store_true", help="sync against async of the demo, an agent, SmolLM2")
+    parser.add_argument("--cases", nargs="*", default=None, help="--few-cores: which of demo, agent, single_turn")
+    parser.add_argument("--load", action="store_true", help="--few-cores: a busy process on one core throughout")
     parser.add_argument("--staleness", type=int, default=2, help="--kv-ablation: buffer.max_staleness")
     parser.add_argument("--png", default=None, help="--kv-ablation: where to write the learning curves")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -277,13 +360,15 @@ def main() -> None:
     if args.smoke:
         args.steps, args.rounds, args.verifier_delay = 2, 1, 0.05
         EXTRA_OVERRIDES.extend(SMOKE_OVERRIDES)
-    if args.steps is None:
+    if args.steps is None and not args.few_cores:
         args.steps = 100 if args.mismatch else 60
     with tempfile.TemporaryDirectory(prefix="postrl-async-bench-") as out:
         if args.mismatch:
             result = mismatch(args, out)
         elif args.kv_ablation:
             result = kv_ablation(args, out)
+        elif args.few_cores:
+            result = few_cores(args, out)
         else:
             result = overlap(args, out)
     if args.json:

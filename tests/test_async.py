@@ -153,7 +153,7 @@ def test_an_async_checkpoint_keeps_the_batch_being_generated_and_the_resumed_run
         tiny_model_dir,
         arithmetic_jsonl,
         steps=STEPS,
-        controller={"mode": "async", "overlap": "generation"},
+        controller={"mode": "async", "overlap": "generation", "serial_compute": False},
         buffer={"max_staleness": 1},
         rollout={"n": 4, "max_tokens": 48},  # generation outlasts the update: the checkpoint meets it
         checkpoint={"every_steps": 1, "keep_last": 40},

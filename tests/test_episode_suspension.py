@@ -176,7 +176,7 @@ def test_an_async_agent_run_killed_after_a_checkpoint_trains_every_episode_once(
                             for i in range(8)))  # fmt: skip
     config = write_config(
         tmp_path, model_dir, data, steps=AGENT_STEPS, prompts_per_step=2,
-        controller={"mode": "async", "overlap": "generation"}, buffer={"max_staleness": 1},
+        controller={"mode": "async", "overlap": "generation", "serial_compute": False}, buffer={"max_staleness": 1},
         rollout={"n": 2, "max_tokens": 6}, reward={"num_workers": 1},
         agent={"env": "tests.test_episode_suspension:SavableSlowEnv", "max_turns": 3, "max_tokens_per_turn": 6,
                "max_context": 1024, "on_turn_length": "continue"},

@@ -263,3 +263,72 @@ def test_an_agent_framework_s_log_lines_go_to_the_run_directory_not_the_console(
     log = (tmp_path / "runs" / "agent" / "agent_output.log").read_text().splitlines()
     assert len(log) == 8 * 3 and all("ERROR chattyframework: model call attempt" in line for line in log)
     assert logging.getLogger().handlers[0].filters == []  # the console is whole again after the run
+
+
+# -- C3 -------------------------------------------------------------------------------------------
+def test_c3_compute_is_serial_where_the_engine_shares_the_trainer_s_cpu():
+    from postrl.config.run import RunConfig
+
+    one_off = {"max_staleness": 1}
+    local = RunConfig(controller={"mode": "async", "overlap": "generation"}, buffer=one_off)
+    assert local.computes_serially  # no GPU here: the native engine computes on the trainer's CPU
+    assert local.async_overlap == "scoring" and local.requested_overlap == "generation"
+    kept = RunConfig(controller={"mode": "async", "overlap": "generation", "serial_compute": False}, buffer=one_off)
+    assert not kept.computes_serially and kept.async_overlap == "generation"
+    remote = RunConfig(
+        rollout={"backend": "openai", "url": "http://127.0.0.1:1/v1", "sync_dir": "w"},
+        controller={"mode": "async"},
+        buffer=one_off,
+    )
+    assert not remote.computes_serially  # the engine computes elsewhere
+    ray = RunConfig(scheduler={"type": "ray"}, controller={"mode": "async"}, buffer=one_off)
+    assert not ray.computes_serially and ray.async_overlap == "generation"
+
+
+@pytest.mark.parametrize("serial", [True, False])
+def test_c3_serial_compute_pushes_the_trainer_s_own_weights_on_its_thread(serial):
+    import threading
+
+    import torch
+
+    from postrl.config.run import RunConfig
+    from postrl.controller.async_pipelines import InlinePipeline
+    from postrl.controller.versions import Versions
+
+    pushed: list[tuple[str, dict]] = []
+    config = RunConfig(controller={"mode": "async", "serial_compute": serial}, buffer={"max_staleness": 1})
+    versions = Versions()
+    pipeline = InlinePipeline(None, lambda e: None, versions, lambda s, v: pushed.append((threading.current_thread().name, s)), config)  # type: ignore[arg-type]  # fmt: skip
+    weights = {"w": torch.ones(3)}
+    try:
+        pipeline.publish(weights, 1)
+        if serial:  # pushed at once, from this thread, the trainer's tensor itself: no copy
+            assert versions.engine == 1 and pushed == [(threading.current_thread().name, weights)]
+        pipeline.close_sync()
+    finally:
+        pipeline._pool.shutdown()
+    ((thread, state),) = pushed
+    assert (thread == threading.current_thread().name) is serial
+    assert (state["w"] is weights["w"]) is serial  # in the background a copy travels (training goes on)
+
+
+def test_c3_overlap_generation_on_a_shared_cpu_runs_between_updates_and_says_so(tmp_path, capsys, caplog):
+    import logging
+
+    from postrl.controller.async_pipelines import InlinePipeline
+    from postrl.run.demo import DEMO_SETTINGS
+
+    settings = dict(DEMO_SETTINGS, output_dir=str(tmp_path), steps=2, prompts_per_step=4)
+    settings.update(rollout={"n": 2, "max_tokens": 4}, logging={"console": False, "progress_bar": False})
+    settings["train"] = {**DEMO_SETTINGS["train"], "mini_batch_size": 8, "micro_batch_size": 8}
+    from postrl.config.loading import build_config
+    from postrl.run.train_runner import train
+
+    config = build_config(
+        settings, ["controller.mode=async", "controller.overlap=generation", "buffer.max_staleness=1"]
+    )
+    with caplog.at_level(logging.WARNING, logger="postrl.controller.controller"):
+        controller = train(config)
+    assert isinstance(controller.pipeline, InlinePipeline) and controller.step_count == 2
+    (warning,) = [r.getMessage() for r in caplog.records if "overlap=generation" in r.getMessage()]
+    assert "controller.serial_compute=false keeps the producer thread" in warning

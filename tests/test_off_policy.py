@@ -64,18 +64,22 @@ def test_importance_bounds_are_checked():
 
 
 def test_old_logprobs_auto_recomputes_whenever_engine_and_trainer_may_differ():
+    """Alike numerics off-policy (async, staleness, replay) leave only the version gap: approximate."""
     assert old_logprobs_source(RunConfig()) == "rollout"  # fp32 native engine, fp32 trainer, sync
     assert old_logprobs_source(RunConfig(rollout={"dtype": "bfloat16"})) == "recompute"
     assert old_logprobs_source(RunConfig(rollout={"dtype": "auto"})) == "recompute"
     assert old_logprobs_source(RunConfig(train={"precision": "bf16_autocast"})) == "recompute"
-    assert old_logprobs_source(RunConfig(buffer={"max_staleness": 1}, controller={"mode": "async"})) == "recompute"
+    async_fp32 = RunConfig(buffer={"max_staleness": 1}, controller={"mode": "async"})
+    assert old_logprobs_source(async_fp32) == "approximate"  # fp32 alike: only the version gap
+    async_bf16 = RunConfig(rollout={"dtype": "bfloat16"}, buffer={"max_staleness": 1}, controller={"mode": "async"})
+    assert old_logprobs_source(async_bf16) == "recompute"  # a precision gap too
     assert old_logprobs_source(RunConfig(rollout={"dtype": "bfloat16"}, algorithm={"old_logprobs": "rollout"})) == (
         "rollout"
     )
     exact_bf16 = {"rollout": {"exact": True, "dtype": "bfloat16"}, "train": {"precision": "bf16_autocast"}}
     assert old_logprobs_source(RunConfig(**exact_bf16)) == "rollout"  # the engine's logprobs are the trainer's
     async_exact = RunConfig(**exact_bf16, buffer={"max_staleness": 1}, controller={"mode": "async"})
-    assert old_logprobs_source(async_exact) == "recompute"
+    assert old_logprobs_source(async_exact) == "approximate"
 
 
 def _engine_batch(tokenizer, model, dtype=torch.float32, n=4, advantage=lambda i: float(i % 3) - 1.0):

@@ -67,7 +67,13 @@ class ControllerConfig(Section):
         1,
         ge=1,
         description="async: torch threads of the producer (overlap: generation) and weight-sync threads. A second "
-        "thread's "
-        "multi-threaded OpenMP team makes the trainer's own team wake slowly (measured: training twice "
+        "thread's multi-threaded OpenMP team makes the trainer's own team wake slowly (measured: training twice "
         "as slow on 2 cores even while the producer sleeps); 1 keeps the trainer at full speed.",
+    )
+    serial_compute: bool | None = Field(
+        None,
+        description="async: generation and the weight push compute on the trainer's thread between two updates, and "
+        "only waiting (scoring, I/O) runs beside training; overlap: generation is then run as overlap: scoring. "
+        "None: true where the engine computes in this process on the trainer's CPU, where two computations at once "
+        "are slower than one after the other (docs/async.md), false otherwise.",
     )

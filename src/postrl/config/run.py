@@ -371,7 +371,7 @@ class RunConfig(RunCommandConfig):
         """overlap=generation suspends episodes at a checkpoint and continues them from their saved
         state: environment episodes scheduled individually (an agent.function's own code cannot be
         saved mid-way)."""
-        if self.agent is None or self.controller.mode != "async" or self.async_overlap != "generation":
+        if self.agent is None or self.controller.mode != "async" or self.requested_overlap != "generation":
             return self
         if self.agent.function is not None:
             raise ValueError(
@@ -399,11 +399,32 @@ class RunConfig(RunCommandConfig):
 
     @property
     def async_overlap(self) -> str:
-        """``controller.overlap`` resolved (auto: generation under Ray, scoring locally)."""
+        """The overlap that runs: scoring where compute is serial (``computes_serially``), else
+        :attr:`requested_overlap`."""
+        return "scoring" if self.computes_serially else self.requested_overlap
+
+    @property
+    def requested_overlap(self) -> str:
+        """``controller.overlap`` as the config asks (auto: generation under Ray, scoring locally)."""
         overlap = self.controller.overlap
         if overlap == "auto":
             return "generation" if self.scheduler.type == "ray" else "scoring"
         return overlap
+
+    @property
+    def computes_serially(self) -> bool:
+        """``controller.serial_compute`` resolved (None: true when the engine runs in this process on
+        the trainer's CPU: a local scheduler, an in-process engine, both devices the CPU)."""
+        choice = self.controller.serial_compute
+        if choice is not None:
+            return choice
+        import torch
+
+        def on_cpu(device: str) -> bool:
+            return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+        in_process = self.scheduler.type != "ray" and self.rollout.backend in ("auto", "native", "hf")
+        return in_process and on_cpu(self.rollout.device) and on_cpu(self.train.device)
 
     @model_validator(mode="after")
     def _groups_need_samples(self) -> RunConfig:

@@ -10,6 +10,7 @@ background (async); the step is the same code either way.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -28,6 +29,8 @@ from postrl.models.weights import weight_manifest
 from postrl.rollout.common import EngineUnhealthyError
 from postrl.types import ExperienceBatch, Prompt, RewardResult, Rollout, StepMetrics, TrainMetrics
 from postrl.types.metric_names import ACTOR_KL_BETA, BUFFER_LAG_MASKED_TOKENS, PERF_TRAIN_TOKENS_PER_S, seconds_of
+
+log = logging.getLogger(__name__)
 
 
 class Controller:
@@ -52,6 +55,12 @@ class Controller:
             return SyncPipeline(steps, deliver, self.versions, self._push_weights, self._state, self._load_state)
         if c.async_overlap == "generation":
             return ThreadedPipeline(steps, deliver, self.versions, self._push_weights, c)
+        if c.requested_overlap == "generation":
+            log.warning(
+                "controller.overlap=generation: the engine computes on the trainer's CPU, where a producer thread "
+                "generating beside the update is slower than sync, so the next batch is generated between updates "
+                "and scored beside them (overlap=scoring); controller.serial_compute=false keeps the producer thread"
+            )
         return InlinePipeline(steps, deliver, self.versions, self._push_weights, c)
 
     @property

@@ -76,21 +76,24 @@ def check_exact_dtypes(config: RunConfig) -> None:
 
 
 def old_logprobs_source(config: RunConfig) -> ProximalSource:
-    """``algorithm.old_logprobs`` resolved: ``auto`` is ``rollout`` only when the engine's logprobs
-    are the trainer's own: a sync, on-policy run with rollout.exact (bit for bit, in any dtype), or
-    whose native or hf engine computes in float32 on the device the trainer uses, with a float32
-    trainer; ``recompute`` otherwise."""
+    """``algorithm.old_logprobs`` resolved. ``auto``: where the engine computes like the trainer
+    (rollout.exact, bit for bit in any dtype; or a native or hf engine in float32 on the trainer's
+    device, with a float32 trainer), ``rollout`` for a sync on-policy run (the engine's logprobs
+    are the trainer's own) and ``approximate`` otherwise (the only gap is then the weight version,
+    which is what A-3PO models, without the proximal forward that would make an async run slower
+    than sync where the two share the cores); ``recompute`` wherever the numerics differ."""
     choice = config.algorithm.old_logprobs
     if choice != "auto":
         return choice
     r, t = config.rollout, config.train
-    if r.exact:
-        return "rollout" if config.on_policy else "recompute"
     gpu = torch.cuda.is_available()
     engine_fp32 = r.backend in ("auto", "native", "hf") and (r.dtype or config.model.dtype) == "float32"
     trainer_fp32 = t.precision == "float32" or (t.precision == "auto" and not (gpu and t.device != "cpu"))
     same_device = r.device == t.device or not gpu
-    return "rollout" if config.on_policy and engine_fp32 and trainer_fp32 and same_device else "recompute"
+    alike = r.exact or (engine_fp32 and trainer_fp32 and same_device)
+    if not alike:
+        return "recompute"
+    return "rollout" if config.on_policy else "approximate"
 
 
 def build_train_worker(spec: PolicySpec, device: torch.device, world: int = 1) -> PolicyTrainer:
