@@ -242,7 +242,9 @@ def few_cores(args: argparse.Namespace, out: str) -> dict:
         for mode in names:
             where = "  ".join(f"{k} {v:.3f}" for k, v in medians(runs[mode][0]["rows"]).items())
             loop = statistics.median(loop_s(r) for r in runs[mode])
-            print(f"{case:<13}{mode:<18}{steps:>6}{wall[mode]:>9.1f}{loop:>9.1f}{wall[mode] / wall['sync']:>8.3f}   {where}")
+            print(
+                f"{case:<13}{mode:<18}{steps:>6}{wall[mode]:>9.1f}{loop:>9.1f}{wall[mode] / wall['sync']:>8.3f}   {where}"
+            )
         ratios = {m: round(wall[m] / wall["sync"], 3) for m in names[1:]}
         result["cases"][case] = {"steps": steps, "wall_s": {m: round(w, 2) for m, w in wall.items()}, "ratios": ratios}
         result[f"{case}_async_over_sync"] = max(ratios.values())
