@@ -203,7 +203,7 @@ def few_core_cases(out: str) -> dict[str, tuple[dict, int]]:
     smollm2["model"]["path"] = str(Path(smollm2["model"]["path"]).expanduser())
     smollm2["data"]["train_files"] = [str(write_jsonl(Path(out) / "addition.jsonl", 512))]
     smollm2["checkpoint"] = {"every_steps": 0}
-    return {"demo": (dict(DEMO_SETTINGS), 30), "agent": (agent, 20), "single_turn": (smollm2, 4)}
+    return {"demo": (dict(DEMO_SETTINGS), 30), "agent": (agent, 12), "single_turn": (smollm2, 4)}
 
 
 class BusyCore:
@@ -227,7 +227,7 @@ def few_cores(args: argparse.Namespace, out: str) -> dict:
     result: dict = {"rounds": args.rounds, "load": args.load, "cases": {}}
     print(f"sync against async on {os.cpu_count()} cores, {args.rounds} rounds"
           + (", a busy process on one core" if args.load else ", quiet"))  # fmt: skip
-    print(f"{'case':<13}{'mode':<18}{'steps':>6}{'wall s':>9}{'loop s':>9}{'/ sync':>8}   median s per step by phase")
+    print(f"{'case':<13}{'mode':<18}{'steps':>6}{'wall s':>9}{'range':>12}{'/ sync':>8}   median s per step by phase")
     for case in chosen:
         settings, steps = cases[case]
         steps = args.steps or steps
@@ -241,12 +241,18 @@ def few_cores(args: argparse.Namespace, out: str) -> dict:
         wall = {m: statistics.median(r["wall_s"] for r in rs) for m, rs in runs.items()}
         for mode in names:
             where = "  ".join(f"{k} {v:.3f}" for k, v in medians(runs[mode][0]["rows"]).items())
-            loop = statistics.median(loop_s(r) for r in runs[mode])
+            walls = [r["wall_s"] for r in runs[mode]]
+            spread = f"{min(walls):.1f}-{max(walls):.1f}"
             print(
-                f"{case:<13}{mode:<18}{steps:>6}{wall[mode]:>9.1f}{loop:>9.1f}{wall[mode] / wall['sync']:>8.3f}   {where}"
+                f"{case:<13}{mode:<18}{steps:>6}{wall[mode]:>9.1f}{spread:>12}{wall[mode] / wall['sync']:>8.3f}   {where}"
             )
         ratios = {m: round(wall[m] / wall["sync"], 3) for m in names[1:]}
-        result["cases"][case] = {"steps": steps, "wall_s": {m: round(w, 2) for m, w in wall.items()}, "ratios": ratios}
+        result["cases"][case] = {
+            "steps": steps,
+            "wall_s": {m: round(w, 2) for m, w in wall.items()},
+            "walls_s": {m: [round(r["wall_s"], 2) for r in rs] for m, rs in runs.items()},
+            "ratios": ratios,
+        }
         result[f"{case}_async_over_sync"] = max(ratios.values())
     return result
 

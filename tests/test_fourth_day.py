@@ -332,3 +332,23 @@ def test_c3_overlap_generation_on_a_shared_cpu_runs_between_updates_and_says_so(
     assert isinstance(controller.pipeline, InlinePipeline) and controller.step_count == 2
     (warning,) = [r.getMessage() for r in caplog.records if "overlap=generation" in r.getMessage()]
     assert "controller.serial_compute=false keeps the producer thread" in warning
+
+
+@pytest.mark.parametrize(
+    ("given", "first", "expected"),
+    [
+        ({}, "postrl", "5000"),  # bounded: a busy core no longer stalls every operation
+        ({"GOMP_SPINCOUNT": "7"}, "postrl", "7"),  # the user's own choice stays
+        ({"OMP_WAIT_POLICY": "passive"}, "postrl", "None"),
+        ({}, "torch", "None"),  # OpenMP already loaded: too late to change, so not pretended
+    ],
+)
+def test_c3_openmp_spinning_is_bounded_before_torch_loads(given, first, expected):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = f"import {first}, postrl, os; print(os.environ.get('GOMP_SPINCOUNT'))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == expected

@@ -163,6 +163,7 @@ ONE_FUNCTION_MODULES = {
     "run/plan/design_example.py": "the design's 70B example, shared by the tests and the benchmark",
     "algorithms/kl_control.py": "the adaptive KL controller's formula",
     "models/host_memory.py": "glibc's malloc settings, made by the train process and the Ray actors",
+    "models/openmp_waits.py": "imported by postrl/__init__ before anything loads torch, so it imports nothing heavy",
 }
 
 

@@ -1,3 +1,7 @@
 """postrl: RL post-training of language models."""
 
+from postrl.models.openmp_waits import bound_openmp_spinning
+
+bound_openmp_spinning()  # before anything loads torch (postrl.models.openmp_waits says why)
+
 __version__ = "0.2.0"
