@@ -13,7 +13,8 @@ import torch
 from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.rollout.agentic.builtin_tools import calculator
 from postrl.rollout.agentic.chat import ChatRenderer
-from postrl.rollout.agentic.env import StepResult, ToolEnvironment, environment_factory
+from postrl.rollout.agentic.env import StepResult, ToolEnvironment
+from postrl.rollout.agentic.env_lookup import environment_factory
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner, episode_metrics
 from postrl.rollout.agentic.template_check import check_template
 from postrl.rollout.agentic.tools import Tool, ToolBox, parse_tool_calls

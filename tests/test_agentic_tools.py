@@ -11,7 +11,8 @@ import pytest
 
 from postrl.reward.python_session import PythonSession, SessionLost
 from postrl.reward.sandbox import SandboxLimits
-from postrl.rollout.agentic.env import ToolEnvironment, environment_factory
+from postrl.rollout.agentic.env import ToolEnvironment
+from postrl.rollout.agentic.env_lookup import environment_factory
 
 
 def descendants() -> set[int]:

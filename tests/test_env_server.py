@@ -9,7 +9,7 @@ import subprocess
 import httpx
 import pytest
 
-from postrl.rollout.agentic.env import environment_factory
+from postrl.rollout.agentic.env_lookup import environment_factory
 from postrl.rollout.agentic.remote_env import EnvironmentServiceError
 from tests.chat_templates import family_tokenizer
 from tests.test_agentic import run_script

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from postrl.rollout.agentic.chat import ChatRenderer
-from postrl.rollout.agentic.env import environment_factory
+from postrl.rollout.agentic.env_lookup import environment_factory
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
 from postrl.types import Prompt, Rollout, SamplingParams
 from tests.chat_templates import family_tokenizer

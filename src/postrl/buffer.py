@@ -55,7 +55,9 @@ class ExperienceBuffer:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if on_stale not in ("wait", "drop"):
             raise ValueError(f"on_stale must be 'wait' or 'drop', got {on_stale!r}")
-        self.max_staleness, self.on_stale, self.replay = max_staleness, on_stale, replay
+        self.max_staleness = max_staleness
+        self.on_stale = on_stale
+        self.replay = replay
         self._entries: list[_Entry] = []
         self._rng = random.Random(seed)
         self._lock = threading.Lock()

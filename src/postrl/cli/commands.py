@@ -148,20 +148,8 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     from postrl.serve.limits import ServerLimits
     from postrl.serve.openai_server import build_app
     from postrl.serve.run import serve_app
-    from postrl.workers.http_guard import is_loopback, read_token
 
-    try:
-        token = read_token(args.token_env)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if not is_loopback(args.host) and token is None:
-        raise ConfigError(
-            f"--host {args.host} is not loopback: anyone who reaches the port could generate"
-            + (" and replace the model through /update_weights" if args.weights_dir else "")
-            + "; set --token-env VAR (a bearer token in that environment variable)"
-        )
-    if args.weights_dir and not os.path.isdir(args.weights_dir):
-        raise ConfigError(f"--weights-dir {args.weights_dir} is not a folder")
+    token = _serve_rollout_token(args)
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model)
     rollout = RolloutConfig(backend=args.backend, dtype=args.dtype, max_batch_size=args.max_batch_size)
@@ -179,9 +167,16 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     )
     recorder = EpisodeRecorder(tokenizer) if args.record else None
     app = build_app(
-        batcher, tokenizer, name, max_context=max_context, limits=limits, token=token, recorder=recorder,
-        tool_format=args.tool_format, tools_in_prompt=args.tools_in_prompt,
-    )  # fmt: skip
+        batcher,
+        tokenizer,
+        name,
+        max_context=max_context,
+        limits=limits,
+        token=token,
+        recorder=recorder,
+        tool_format=args.tool_format,
+        tools_in_prompt=args.tools_in_prompt,
+    )
     engine = type(worker).__name__
     banner = (
         f"serving {name} ({engine}, context {max_context}) at http://{args.host}:{args.port}/v1"
@@ -194,6 +189,26 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     finally:
         batcher.close()
     return 0
+
+
+def _serve_rollout_token(args: argparse.Namespace) -> str | None:
+    """``serve-rollout``'s bearer token (from ``--token-env``); a server reachable beyond loopback
+    must have one, and ``--weights-dir`` must be a folder."""
+    from postrl.workers.http_guard import is_loopback, read_token
+
+    try:
+        token = read_token(args.token_env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not is_loopback(args.host) and token is None:
+        raise ConfigError(
+            f"--host {args.host} is not loopback: anyone who reaches the port could generate"
+            + (" and replace the model through /update_weights" if args.weights_dir else "")
+            + "; set --token-env VAR (a bearer token in that environment variable)"
+        )
+    if args.weights_dir and not os.path.isdir(args.weights_dir):
+        raise ConfigError(f"--weights-dir {args.weights_dir} is not a folder")
+    return token
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
@@ -266,8 +281,10 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
         raise ConfigError(f"convert-gguf needs the gguf and accelerate packages: {GGUF_EXTRA}")
-    named = {"smollm2": ("SmolLM2-135M-Instruct", smollm2_gguf_path, smollm2_dir),
-             "gemma3": ("Gemma 3 270M", gemma3_gguf_path, gemma3_dir)}  # fmt: skip
+    named = {
+        "smollm2": ("SmolLM2-135M-Instruct", smollm2_gguf_path, smollm2_dir),
+        "gemma3": ("Gemma 3 270M", gemma3_gguf_path, gemma3_dir),
+    }
     if args.file in named:
         title, gguf_path, cached_dir = named[args.file]
         source = gguf_path()  # FileNotFoundError: says how to install it
@@ -315,7 +332,7 @@ def _cmd_serve_env(args: argparse.Namespace) -> int:
     import json
 
     from postrl.config.run import activate_import_paths
-    from postrl.rollout.agentic.env import environment_factory
+    from postrl.rollout.agentic.env_lookup import environment_factory
     from postrl.serve.env_server import build_env_app
     from postrl.serve.run import serve_app
     from postrl.workers.http_guard import is_loopback, read_token

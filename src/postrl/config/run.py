@@ -86,8 +86,15 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        given = [name for name, set_ in (("task", self.task is not None), ("train_files", bool(self.train_files)),
-                                          ("reasoning_gym", self.reasoning_gym is not None)) if set_]  # fmt: skip
+        given = [
+            name
+            for name, set_ in (
+                ("task", self.task is not None),
+                ("train_files", bool(self.train_files)),
+                ("reasoning_gym", self.reasoning_gym is not None),
+            )
+            if set_
+        ]
         if not given:
             raise ValueError("set data.task, data.train_files or data.reasoning_gym")
         if len(given) > 1:

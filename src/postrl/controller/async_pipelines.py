@@ -44,10 +44,14 @@ class BackgroundSync:
     ) -> None:
         """``on_applied(version)``: the engines hold ``version``; ``on_exit()``: the thread ended (a
         failure included), so that whoever waits for a version stops waiting."""
-        self.push, self.on_applied, self.threads, self.on_exit = push, on_applied, threads, on_exit
+        self.push = push
+        self.on_applied = on_applied
+        self.threads = threads
+        self.on_exit = on_exit
         self._cv = threading.Condition()
         self._next: tuple[dict[str, torch.Tensor], int] | None = None
-        self._busy, self._closed = False, False
+        self._busy = False
+        self._closed = False
         self.error: BaseException | None = None
         self.last_s = 0.0  # how long the last push took (the engines' load, the check, the health check)
         self._thread = threading.Thread(target=self._run, name="postrl-weight-sync", daemon=True)
@@ -122,9 +126,14 @@ class Producer:
         failed: Callable[[], bool] = lambda: False,
     ) -> None:
         """``failed()``: the weight sync has stopped, so no version will arrive to wait for."""
-        self.steps, self.deliver, self.may_start, self.threads = steps, deliver, may_start, threads
+        self.steps = steps
+        self.deliver = deliver
+        self.may_start = may_start
+        self.threads = threads
         self.failed = failed
-        self.total, self.produced, self.cv = total, produced, cv
+        self.total = total
+        self.produced = produced
+        self.cv = cv
         self.reports: deque[ProducedBatch] = deque()
         self.in_flight: Generated | None = None  # the batch a checkpoint suspended, to continue
         self.error: BaseException | None = None
@@ -201,7 +210,8 @@ class Producer:
                 self.error = exc
         finally:
             with self.cv:
-                self._busy, self._exited = False, True
+                self._busy = False
+                self._exited = True
                 self.cv.notify_all()
 
     def _next_batch(self) -> bool:
@@ -219,7 +229,8 @@ class Producer:
             batch = self.steps.resume(resumed)
         if batch.generated.suspended:  # a checkpoint is waiting: hold the batch, continue it afterwards
             with self.cv:
-                self.in_flight, self._busy = batch.generated, False
+                self.in_flight = batch.generated
+                self._busy = False
                 self.suspended += 1
                 self.cv.notify_all()
             return True
@@ -255,7 +266,10 @@ class BackgroundWeights:
         push: Callable[[Weights, int], None],
         config: RunConfig,
     ) -> None:
-        self.steps, self.deliver, self.versions, self.config = steps, deliver, versions, config
+        self.steps = steps
+        self.deliver = deliver
+        self.versions = versions
+        self.config = config
         self.syncer = BackgroundSync(push, versions.engines_hold, config.controller.producer_threads, versions.wake)
 
     def publish(self, state: Weights, version: int) -> None:

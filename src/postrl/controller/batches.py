@@ -43,15 +43,23 @@ def run_sampling(rollout: RolloutConfig) -> SamplingParams:
     """The sampling parameters of the run's training rollouts."""
     r = rollout
     stop, stop_ids = tuple(r.stop), tuple(r.stop_token_ids)
-    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                          stop=stop, stop_token_ids=stop_ids)  # fmt: skip
+    return SamplingParams(
+        n=r.n,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=r.max_tokens,
+        stop=stop,
+        stop_token_ids=stop_ids,
+    )
 
 
 def greedy_sampling(rollout: RolloutConfig, max_tokens: int | None = None) -> SamplingParams:
     """Held-out answers (validation, ``postrl eval``): one greedy response, the run's stops."""
     stop, stop_ids = tuple(rollout.stop), tuple(rollout.stop_token_ids)
-    return SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens or rollout.max_tokens, stop=stop,
-                          stop_token_ids=stop_ids)  # fmt: skip
+    return SamplingParams(
+        n=1, temperature=0.0, max_tokens=max_tokens or rollout.max_tokens, stop=stop, stop_token_ids=stop_ids
+    )
 
 
 def prompt_draw(config: RunConfig, dataset: PromptDataset, tokenizer: Any) -> PromptDraw:
@@ -70,7 +78,10 @@ class BatchMaker:
     generations and scores."""
 
     def __init__(self, parts: Components, source: BatchSource, versions: Versions, kl: KLCoefficient) -> None:
-        self.parts, self.config, self.source, self.versions = parts, parts.config, source, versions
+        self.parts = parts
+        self.config = parts.config
+        self.source = source
+        self.versions = versions
         c = self.config
         self.draw = prompt_draw(c, parts.dataset, parts.tokenizer)
         self.sampling = run_sampling(c.rollout)
@@ -115,9 +126,13 @@ class BatchMaker:
         """The rollouts (or episodes) a checkpoint suspended, continued on the engines."""
         timer = StageTimer()
         rollouts = timer.run(
-            "generate", self.source.resume, suspended.prompts, suspended.rollouts, self.sampling,
+            "generate",
+            self.source.resume,
+            suspended.prompts,
+            suspended.rollouts,
+            self.sampling,
             self.generation_version,
-        )  # fmt: skip
+        )
         return Batch(dataclasses.replace(suspended, rollouts=rollouts), timer, alone=True)
 
     def score_batch(self, batch: Batch) -> list[RewardResult]:
@@ -131,8 +146,9 @@ class BatchMaker:
         its experiences and its report."""
         generated, timer = batch.generated, batch.timer
         number, metrics = generated.number, dict[str, float]()
-        groups = self.select_groups(self.source.trainable(Groups(generated.prompts, generated.rollouts, rewards),
-                                                          number), timer, metrics)  # fmt: skip
+        groups = self.select_groups(
+            self.source.trainable(Groups(generated.prompts, generated.rollouts, rewards), number), timer, metrics
+        )
         step = StepBatch.build(
             groups.prompts,
             groups.rollouts,

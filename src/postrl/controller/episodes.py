@@ -13,7 +13,7 @@ from postrl.config.run import ConfigError
 from postrl.controller.failures import RewardFailureError
 from postrl.controller.stages.base import Groups
 from postrl.reward.requests import score_with
-from postrl.rollout.agentic.env import environment_factory
+from postrl.rollout.agentic.env_lookup import environment_factory
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
 from postrl.rollout.agentic.limited import call_limited, failure_info, run_limited
 from postrl.rollout.agentic.template_check import check_template
@@ -33,7 +33,9 @@ class EpisodeSource:
     ) -> None:
         """Finds the environment (or agent function) and checks, before the run starts, that one can be
         made and that its tools reach the prompt; a ConfigError names the field to change."""
-        self.config, self.tokenizer, self.errors_log = config, tokenizer, errors_log
+        self.config = config
+        self.tokenizer = tokenizer
+        self.errors_log = errors_log
         self.limits = EpisodeLimits(
             config.max_turns,
             config.max_tokens_per_turn,
@@ -94,9 +96,13 @@ class EpisodeSource:
             runner.close()
 
     def resume(
-        self, engine: RolloutWorker, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams,
+        self,
+        engine: RolloutWorker,
+        prompts: list[Prompt],
+        rollouts: list[Rollout],
+        sampling: SamplingParams,
         version: int | None,
-    ) -> list[Rollout]:  # fmt: skip
+    ) -> list[Rollout]:
         """A batch a checkpoint suspended: its suspended episodes continued from their saved state."""
         if self.config.function is not None:
             raise ValueError("agent.function episodes are not suspended, so none are resumed")

@@ -135,8 +135,12 @@ class SyncPipeline:
         snapshot: Callable[[], dict[str, Any]],
         restore: Callable[[dict[str, Any]], None],
     ) -> None:
-        self.steps, self.deliver, self.versions, self.push = steps, deliver, versions, push
-        self.snapshot, self.restore = snapshot, restore
+        self.steps = steps
+        self.deliver = deliver
+        self.versions = versions
+        self.push = push
+        self.snapshot = snapshot
+        self.restore = restore
         self._before: dict[str, Any] | None = None
 
     def next_report(self, timer: StageTimer) -> ProducedBatch:

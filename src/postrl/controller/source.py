@@ -51,7 +51,9 @@ class SingleTurn:
 
     def __init__(self, rollout: RolloutWorker, reward: RewardService, tokenizer: Any = None) -> None:
         """``tokenizer``: the text of a continued response (see :meth:`resume`)."""
-        self.rollout, self.reward, self.tokenizer = rollout, reward, tokenizer
+        self.rollout = rollout
+        self.reward = reward
+        self.tokenizer = tokenizer
 
     @property
     def accuracy_component(self) -> str | None:
@@ -88,7 +90,9 @@ class Episodes:
     transcript; an episode that failed before the model's first token is not trained on."""
 
     def __init__(self, episodes: EpisodeSource, rollout: RolloutWorker, reward: RewardService) -> None:
-        self.episodes, self.rollout, self.reward = episodes, rollout, reward
+        self.episodes = episodes
+        self.rollout = rollout
+        self.reward = reward
 
     @property
     def accuracy_component(self) -> str | None:

@@ -24,8 +24,11 @@ class LeveledDraw:
     def __init__(
         self, gym: ReasoningGymConfig, tokenizer: Any, max_prompt_tokens: int, seed: int, shuffle: bool
     ) -> None:
-        self.gym, self.tokenizer, self.max_prompt_tokens = gym, tokenizer, max_prompt_tokens
-        self.seed, self.shuffle = seed, shuffle
+        self.gym = gym
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.seed = seed
+        self.shuffle = shuffle
         self.tasks = {t.name: t for t in gym.tasks}
         self.sizes = dict(zip(self.tasks, shares(gym.tasks, gym.size), strict=True))
         self.levels: dict[str, int | None] = {t.name: t.level for t in gym.tasks}
@@ -53,11 +56,19 @@ class LeveledDraw:
         key = (task, self.levels[task])
         if key not in self.pools:
             gym = self.gym.model_copy(update={"tasks": [self.tasks[task]]})
-            pool = build_gym_prompts(gym, self.tokenizer, self.gym.seed, self.sizes[task], self.max_prompt_tokens,
-                                     {task: key[1]} if key[1] is not None else None)  # fmt: skip
+            pool = build_gym_prompts(
+                gym,
+                self.tokenizer,
+                self.gym.seed,
+                self.sizes[task],
+                self.max_prompt_tokens,
+                {task: key[1]} if key[1] is not None else None,
+            )
             if not pool.prompts:
-                raise DatasetError(f"data.reasoning_gym task '{task}' at level {key[1]}: no prompt fits "
-                                   f"max_prompt_tokens={self.max_prompt_tokens}")  # fmt: skip
+                raise DatasetError(
+                    f"data.reasoning_gym task '{task}' at level {key[1]}: no prompt fits "
+                    f"max_prompt_tokens={self.max_prompt_tokens}"
+                )
             self.pools[key] = pool
             self.samplers.setdefault(key, PromptSampler(len(pool), self.seed, self.shuffle))
         return self.pools[key], self.samplers[key]

@@ -39,8 +39,9 @@ def pair_from_row(
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"'prompt' must be a non-empty string, got {prompt!r}")
         if chat_template:  # as a chat: the prompt is the user's message, rendered with the generation prompt
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)  # fmt: skip
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
             prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             prompt_ids = tokenizer(prompt)["input_ids"]

@@ -24,8 +24,11 @@ class PromptSampler:
     def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
         if size <= 0:
             raise ValueError("cannot sample from an empty dataset")
-        self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.epoch, self.position = 0, 0
+        self.size = size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
         self._order = self._order_for(0)
 
     def _order_for(self, epoch: int) -> list[int]:
@@ -52,7 +55,8 @@ class PromptSampler:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["size"] != self.size:
             raise ValueError(f"sampler state is for a dataset of {state['size']} prompts, this one has {self.size}")
-        self.epoch, self.position = state["epoch"], state["position"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
         self._order = self._order_for(self.epoch)
 
 

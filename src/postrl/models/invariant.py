@@ -174,7 +174,8 @@ class RotaryTable:
     (each value by the same vectorised code whatever the positions asked for) and kept."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float) -> None:
-        self.inv_freq, self.scaling = inv_freq.float(), scaling
+        self.inv_freq = inv_freq.float()
+        self.scaling = scaling
         self.cos = torch.empty(0, 2 * inv_freq.numel(), device=inv_freq.device)
         self.sin = torch.empty_like(self.cos)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from postrl.config.reward import RewardComponentConfig
+from postrl.config.run import ConfigError
 from postrl.reward.rules import format_reward, length_penalty, overlong_penalty
 from postrl.reward.verifiers import VERIFIERS
 from postrl.types import Score, ScoreRequest
@@ -97,8 +98,6 @@ def _reasoning_gym(comp: Any, ctx: BuildContext) -> PooledScorer:
 
 @register_component_type("custom", pooled=True)
 def _custom(comp: Any, ctx: BuildContext) -> PooledScorer:
-    from postrl.reward.service import check_importable
-
     check_importable(comp.function)
     return PooledScorer(comp.function, {}, comp.timeout_s or ctx.default_timeout_s)
 
@@ -163,3 +162,16 @@ def _judge(comp: Any, ctx: BuildContext) -> LocalScorer:
     )
     ctx.on_close(judge.close)
     return lambda reqs: judge.score([(r.prompt, r.response, r.columns) for r in reqs])
+
+
+def check_importable(path: str) -> None:
+    """Fail at start-up, not at the first step, when the reward function cannot be imported."""
+    import importlib
+
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"reward function '{path}': cannot import module '{module_name}': {exc}") from None
+    if not callable(getattr(module, attr, None)):
+        raise ConfigError(f"reward function '{path}': module '{module_name}' has no callable '{attr}'")

@@ -51,7 +51,7 @@ from postrl.reward.pool_jobs import (
     Worker,
     kill_worker,
     sibling_key,
-)  # fmt: skip
+)
 from postrl.reward.worker_log import WorkerLog
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,12 @@ class ScoringPool:
             raise ValueError("num_workers must be >= 1")
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be >= 1")
-        self.num_workers, self.timeout_s, self.startup_timeout_s = num_workers, timeout_s, startup_timeout_s
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.max_workers = max(num_workers, max_workers if max_workers is not None else 8 * num_workers)
-        self.stall_after_s, self.hang_limit = stall_after_s, hang_limit
+        self.stall_after_s = stall_after_s
+        self.hang_limit = hang_limit
         self.pipeline_depth = pipeline_depth
         self.log = WorkerLog()  # what the workers write to stderr
         if log_file is not None:

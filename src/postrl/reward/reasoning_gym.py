@@ -85,8 +85,10 @@ def score(
 ) -> float:
     """A reward function (:mod:`postrl.reward.verifiers`'s shape) for rows made by ``data.reasoning_gym``."""
     if rg_task is None or rg_entry is None:
-        raise KeyError("row has no 'rg_task'/'rg_entry' columns: the reasoning_gym component scores rows "
-                       "made by data.reasoning_gym")  # fmt: skip
+        raise KeyError(
+            "row has no 'rg_task'/'rg_entry' columns: the reasoning_gym component scores rows "
+            "made by data.reasoning_gym"
+        )
     answer = extract_answer(response, rg_answer_format)
     if answer is None:
         return 0.0

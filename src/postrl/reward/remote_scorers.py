@@ -27,7 +27,8 @@ def _headers(api_key_env: str | None) -> dict[str, str]:
 
 class RemoteRewardModel:
     def __init__(self, url: str, timeout_s: float = 30.0, api_key_env: str | None = None, batch_size: int = 64) -> None:
-        self.url, self.batch_size = url, batch_size
+        self.url = url
+        self.batch_size = batch_size
         self.client = httpx.Client(timeout=timeout_s, headers=_headers(api_key_env))
 
     def score(self, pairs: list[tuple[str, str]]) -> list[Score]:
@@ -67,7 +68,9 @@ class LLMJudge:
         max_concurrency: int = 8,
     ) -> None:
         self.endpoint = url.rstrip("/") + "/chat/completions"
-        self.model, self.template, self.scale = model, prompt_template, score_scale
+        self.model = model
+        self.template = prompt_template
+        self.scale = score_scale
         self.pattern = re.compile(score_pattern)
         self.client = httpx.Client(
             timeout=timeout_s, headers=_headers(api_key_env), limits=httpx.Limits(max_connections=max_concurrency)

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from postrl.config.run import ConfigError, RewardConfig
+from postrl.config.run import RewardConfig
 from postrl.reward.components import PooledScorer, accuracy_component, component_type
 from postrl.reward.pool import JobResult, ScoringPool
 from postrl.types import Prompt, RewardResult, Score, ScoreRequest
@@ -179,16 +179,3 @@ class LocalRewardService:
 
 def result_to_json(result: RewardResult) -> dict[str, Any]:
     return {**dataclasses.asdict(result), "unscorable": result.unscorable}
-
-
-def check_importable(path: str) -> None:
-    """Fail at start-up, not at the first step, when the reward function cannot be imported."""
-    import importlib
-
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"reward function '{path}': cannot import module '{module_name}': {exc}") from None
-    if not callable(getattr(module, attr, None)):
-        raise ConfigError(f"reward function '{path}': module '{module_name}' has no callable '{attr}'")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from postrl.models.weights import verify_manifest
-from postrl.types import Health
+from postrl.types import Health, Prompt, SamplingParams
 
 
 def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
@@ -33,6 +33,24 @@ def http_health(client: Any, url: str, what: str, timeout: float) -> Health:
     if answer.status_code != 200:
         return Health(False, f"{what} {url} /health answered {answer.status_code}: {answer.text[:200]}")
     return Health(True)
+
+
+def completions_body(prompts: list[Prompt], sp: SamplingParams) -> dict[str, Any]:
+    """The token-in ``/v1/completions`` request of a batch, as the remote engines send it (each adds
+    its own fields: logprobs, a seed)."""
+    body: dict[str, Any] = {
+        "prompt": [p.prompt_ids for p in prompts],
+        "n": sp.n,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "max_tokens": sp.max_tokens,
+    }
+    if sp.stop:
+        body["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        body["stop_token_ids"] = list(sp.stop_token_ids)
+    return body
 
 
 class EngineUnhealthyError(RuntimeError):

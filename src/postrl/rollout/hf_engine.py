@@ -175,7 +175,10 @@ class _BatchRecord:
         checker: StopChecker,
         on_token: TokenCallback | None,
     ) -> None:
-        self.rows, self.sp, self.checker, self.on_token = rows, sp, checker, on_token
+        self.rows = rows
+        self.sp = sp
+        self.checker = checker
+        self.on_token = on_token
         self.responses: list[list[int]] = [[] for _ in rows]
         self.logprobs: list[list[float]] = [[] for _ in rows]
         self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in rows]

@@ -18,7 +18,7 @@ import httpx
 import torch
 
 from postrl.models.weights import WeightSyncError, write_sync_file
-from postrl.rollout.common import EngineBase, http_health
+from postrl.rollout.common import EngineBase, completions_body, http_health
 from postrl.types import Health, Prompt, Rollout, SamplingParams
 
 
@@ -58,20 +58,7 @@ class OpenAIRolloutWorker(EngineBase):
     ) -> list[Rollout]:
         self.check_version(weight_version)
         sp = sampling_params
-        body: dict[str, Any] = {
-            "prompt": [p.prompt_ids for p in prompts],
-            "n": sp.n,
-            "temperature": sp.temperature,
-            "top_p": sp.top_p,
-            "top_k": sp.top_k,
-            "max_tokens": sp.max_tokens,
-            "logprobs": 0,
-            "include_stop_str_in_output": True,
-        }
-        if sp.stop:
-            body["stop"] = list(sp.stop)
-        if sp.stop_token_ids:
-            body["stop_token_ids"] = list(sp.stop_token_ids)
+        body = {**completions_body(prompts, sp), "logprobs": 0, "include_stop_str_in_output": True}
         choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * sp.n:
             raise RemoteEngineError(

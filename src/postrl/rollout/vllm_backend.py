@@ -27,7 +27,7 @@ import torch
 
 from postrl.models.adapters import adapter_modules, is_adapter_state, write_peft_adapter
 from postrl.models.weights import safetensors_keys, write_sync_file
-from postrl.rollout.common import EngineBase, http_health
+from postrl.rollout.common import EngineBase, completions_body, http_health
 from postrl.types import Health, Prompt, Rollout, SamplingParams
 from postrl.workers.net import free_port
 
@@ -58,7 +58,9 @@ class VLLMRolloutWorker(EngineBase):
         python = vllm_python()
         if python is None:
             raise FileNotFoundError("no vLLM environment: run scripts/setup_vllm.sh or set POSTRL_VLLM_PYTHON")
-        self.tokenizer, self.weight_version, self.seed = tokenizer, 0, seed
+        self.tokenizer = tokenizer
+        self.weight_version = 0
+        self.seed = seed
         self.max_lora_rank = max_lora_rank
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -123,17 +125,7 @@ class VLLMRolloutWorker(EngineBase):
     ) -> list[Rollout]:
         self.check_version(weight_version)
         sp = sampling_params
-        body = {
-            "prompt": [p.prompt_ids for p in prompts],
-            "n": sp.n,
-            "temperature": sp.temperature,
-            "top_p": sp.top_p,
-            "top_k": sp.top_k,
-            "max_tokens": sp.max_tokens,
-            "stop": list(sp.stop),
-            "stop_token_ids": list(sp.stop_token_ids),
-            "seed": sp.seed,
-        }
+        body = {**completions_body(prompts, sp), "seed": sp.seed}
         response = self.client.post(self.url + "/v1/completions", json=body)
         if response.status_code != 200:
             raise RuntimeError(f"vLLM server {self.url} answered {response.status_code}: {response.text[:500]}")

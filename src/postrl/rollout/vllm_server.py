@@ -110,7 +110,8 @@ class EngineControl:
     the engine itself belongs to whoever holds ``engine_lock``."""
 
     def __init__(self, llm: Any) -> None:
-        self.llm, self.version = llm, 0
+        self.llm = llm
+        self.version = 0
         self.engine_lock = threading.Lock()
         self.cv = threading.Condition()
         self.generating = self.suspending = False

@@ -89,7 +89,9 @@ class BroadcastTransport:
     """Rank 0 is this process; engine ``i`` of the push is rank ``i + 1``."""
 
     def __init__(self, host: str = "127.0.0.1", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0) -> None:
-        self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s
+        self.host = host
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
 
     def push(
         self, engines: list[Handle], weights: Any, version: int, manifest: dict[str, str] | None

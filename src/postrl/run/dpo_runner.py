@@ -72,14 +72,16 @@ class DPOJob(MiniBatchJob):
 
     def __init__(self, config: DPORunConfig, worker: DPOWorker, tokenizer, pairs, reference, step: int) -> None:
         super().__init__(config, worker, tokenizer, len(pairs), step)
-        self.pairs, self.reference = pairs, reference
+        self.pairs = pairs
+        self.reference = reference
 
     def step(self) -> StepMetrics:
         began, step = time.perf_counter(), self.step_count
         chosen = self.chosen(len(self.pairs))
         self.updating = True
         values = self.trainer.update_pairs([self.pairs[i] for i in chosen], self.reference[chosen])
-        self.step_count, self.updating = step + 1, False
+        self.step_count = step + 1
+        self.updating = False
         values.update({DATA_EPOCH: float(step // self.per_epoch), TIME_STEP_S: time.perf_counter() - began})
         return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
 

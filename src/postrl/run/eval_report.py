@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
 from postrl.controller.batches import greedy_sampling
 from postrl.controller.episodes import EpisodeSource
-from postrl.controller.source import batch_source
+from postrl.controller.source import BatchSource, batch_source
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.run.eval_metrics import default_ks
 from postrl.run.harness import Harness, SetReport, table
 from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
 from postrl.run.validation import gym_held_out, load_eval_sets
-from postrl.types import SamplingParams
 
 HELD_OUT = "heldout"
 
@@ -54,8 +54,10 @@ def eval_sets(
         sets[HELD_OUT].prompts = sets[HELD_OUT].prompts[: d.val_size]
     sets.update(load_eval_sets(run_config, tokenizer, echo))
     if not sets:
-        raise ConfigError("the config has no held-out prompts: set data.val_files, data.eval_sets or "
-                          "data.reasoning_gym (or pass --data FILE / --task NAME)")  # fmt: skip
+        raise ConfigError(
+            "the config has no held-out prompts: set data.val_files, data.eval_sets or "
+            "data.reasoning_gym (or pass --data FILE / --task NAME)"
+        )
     return sets
 
 
@@ -99,20 +101,15 @@ def run_harness(
     greedy = greedy_sampling(rollout, tokens)
     sampling = None
     if n > 1:
-        sampling = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=tokens, stop=greedy.stop,
-                                  stop_token_ids=greedy.stop_token_ids)  # fmt: skip
+        sampling = replace(greedy, n=n, temperature=temperature, top_p=top_p)
     agent = run_config.agent if run_config is not None else None
     episodes = EpisodeSource(agent, tokenizer, model=model) if agent is not None else None
     engine = make_engine(model, url, tokenizer, rollout)
     service = make_reward_service(reward.model_copy(update={"num_workers": 1}))
     source = batch_source(engine, service, episodes, tokenizer)
     try:
-        component = source.accuracy_component
-        if component is None:
-            raise ConfigError("the reward has no accuracy component (reasoning_gym, exact_match, math, or one "
-                              "marked accuracy: true): pass@k and maj@k count correct answers")  # fmt: skip
         votes = episodes is None or not episodes.scores_itself
-        harness = Harness(source, component, reward.accuracy_threshold, greedy, sampling, votes)
+        harness = Harness(source, accuracy_component(source), reward.accuracy_threshold, greedy, sampling, votes)
         reports = [harness.report(name, dataset, ks) for name, dataset in sets.items()]
     finally:
         source.close()
@@ -126,9 +123,24 @@ def run_harness(
     return result
 
 
+def accuracy_component(source: BatchSource) -> str:
+    """The reward component pass@k and maj@k count correct answers by; a ConfigError without one."""
+    if source.accuracy_component is None:
+        raise ConfigError(
+            "the reward has no accuracy component (reasoning_gym, exact_match, math, or one "
+            "marked accuracy: true): pass@k and maj@k count correct answers"
+        )
+    return source.accuracy_component
+
+
 def summary(model: str, n: int, temperature: float, top_p: float, reports: list[SetReport]) -> dict[str, Any]:
-    return {"model": model, "n": n, "temperature": temperature, "top_p": top_p,
-            "sets": {r.name: r.as_json() for r in reports}}  # fmt: skip
+    return {
+        "model": model,
+        "n": n,
+        "temperature": temperature,
+        "top_p": top_p,
+        "sets": {r.name: r.as_json() for r in reports},
+    }
 
 
 def make_engine(model: str, url: str | None, tokenizer: Any, rollout: RolloutConfig) -> Any:

@@ -228,8 +228,19 @@ class SampledEval:
     ) -> None:
         from postrl.run.eval_report import run_harness
 
-        run_harness(model=model, url=self.url, run_config=run_config, task=task, data=data, n=self.n, ks=self.ks,
-                    temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens, as_json=self.as_json)  # fmt: skip
+        run_harness(
+            model=model,
+            url=self.url,
+            run_config=run_config,
+            task=task,
+            data=data,
+            n=self.n,
+            ks=self.ks,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=max_tokens,
+            as_json=self.as_json,
+        )
 
     def wanted(self, run_config: RunConfig | None) -> bool:
         """Whether the harness runs: sampling, JSON, a URL, a config with several or generated sets,

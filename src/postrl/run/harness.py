@@ -124,8 +124,12 @@ class Harness:
         sampling: SamplingParams | None,
         votes: bool = True,
     ) -> None:
-        self.source, self.component, self.threshold = source, component, threshold
-        self.greedy, self.sampling, self.votes = greedy, sampling, votes
+        self.source = source
+        self.component = component
+        self.threshold = threshold
+        self.greedy = greedy
+        self.sampling = sampling
+        self.votes = votes
 
     def outcomes(self, prompts: list[Prompt]) -> list[PromptOutcome]:
         """Greedy answers, then (with ``sampling``) its ``n`` samples per prompt."""

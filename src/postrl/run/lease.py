@@ -48,7 +48,8 @@ class RunLease:
         self.run_dir = str(run_dir)
         self.path = f"{self.run_dir.rstrip('/')}/{LEASE_FILE}"
         self.fs, self.fs_path = fsspec.core.url_to_fs(self.path)
-        self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
+        self.ttl_s = ttl_s
+        self.heartbeat_s = heartbeat_s
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

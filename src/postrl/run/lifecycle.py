@@ -55,7 +55,8 @@ class RunSite:
     ``--overwrite``, the directory prepared, the lease taken), released at the end (:meth:`close`)."""
 
     def __init__(self, config: Any, command: str) -> None:
-        self.place, self.command = RunPlace(config), command
+        self.place = RunPlace(config)
+        self.command = command
         self.lease = RunLease(self.place.location)
 
     def check(self, resume: bool, overwrite: bool) -> int:
@@ -119,7 +120,10 @@ class MiniBatchJob:
     command: str  # the CLI command (sft, dpo), for the resume message
 
     def __init__(self, config: Any, trainer: Any, tokenizer: Any, count: int, step: int) -> None:
-        self.config, self.trainer, self.tokenizer, self.step_count = config, trainer, tokenizer, step
+        self.config = config
+        self.trainer = trainer
+        self.tokenizer = tokenizer
+        self.step_count = step
         self.per_epoch = math.ceil(count / config.train.mini_batch_size)
         self.updating = False  # True while the trainer is changing the weights
 
@@ -176,8 +180,12 @@ class StepLoop:
         published_at_end: Sequence[str] = ("final_model", "metrics.jsonl", "tensorboard"),
         at_end: Callable[[], str | None] | None = None,
     ) -> None:
-        self.config, self.place, self.total = config, place, total
-        self.make_sinks, self.observers, self.published_at_end = sinks, list(observers), published_at_end
+        self.config = config
+        self.place = place
+        self.total = total
+        self.make_sinks = sinks
+        self.observers = list(observers)
+        self.published_at_end = published_at_end
         self.at_end = at_end
 
     def run(self, job: SteppedJob) -> None:

@@ -86,8 +86,11 @@ def console_line(metrics: StepMetrics, total: int | None = None) -> str:
 def held_out_by_name(values: dict[str, float], most: int = 8) -> list[tuple[str, float]]:
     """The held-out accuracy of each task and each named eval set (``val/<name>/accuracy``), for the
     console line: the first ``most`` by name."""
-    found = [(k[len("val/") : -len("/accuracy")], v) for k, v in values.items()
-             if k.startswith("val/") and k.endswith("/accuracy") and k.count("/") == 2]  # fmt: skip
+    found = [
+        (k[len("val/") : -len("/accuracy")], v)
+        for k, v in values.items()
+        if k.startswith("val/") and k.endswith("/accuracy") and k.count("/") == 2
+    ]
     return sorted(found)[:most]
 
 
@@ -96,7 +99,9 @@ class ConsoleSink:
     left (from this process's steps), the same on a terminal and in a log file."""
 
     def __init__(self, echo=print, total: int | None = None, clock=time.monotonic) -> None:
-        self.echo, self.total, self.clock = echo, total, clock
+        self.echo = echo
+        self.total = total
+        self.clock = clock
         self.started = clock()
         self.first_step: int | None = None
 

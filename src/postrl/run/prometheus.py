@@ -91,7 +91,8 @@ class PrometheusExporter:
         echo: Callable[[str], None] = print,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.stall_after_s, self.clock = stall_after_s, clock
+        self.stall_after_s = stall_after_s
+        self.clock = clock
         self.started = self.last_step_at = clock()
         self.registry = CollectorRegistry()
         self._series(run)
@@ -115,9 +116,12 @@ class PrometheusExporter:
         r, labels = self.registry, ["run"]
         self.run = run
         self.phase = Histogram(
-            "postrl_step_phase_seconds", "Seconds per phase of a step (generate, reward, train, sync, step, ...).",
-            ["run", "phase"], buckets=PHASE_BUCKETS, registry=r,
-        )  # fmt: skip
+            "postrl_step_phase_seconds",
+            "Seconds per phase of a step (generate, reward, train, sync, step, ...).",
+            ["run", "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
         self.gauges = {n: Gauge(n, h, labels, registry=r) for n, (_, h) in GAUGES.items()}
         self.totals = {n: Counter(n.removesuffix("_total"), h, labels, registry=r) for n, (_, h) in TOTALS.items()}
         self.counts = {n: Counter(n.removesuffix("_total"), h, labels, registry=r) for n, (_, h) in COUNTS.items()}
@@ -168,8 +172,11 @@ class PrometheusExporter:
         """(200 or 503, what it is based on)."""
         idle = self.clock() - self.last_step_at
         stalled = idle > self.stall_after_s
-        body = {"status": "stalled" if stalled else "ok", "seconds_since_last_step": round(idle, 3),
-                "stall_after_s": self.stall_after_s}  # fmt: skip
+        body = {
+            "status": "stalled" if stalled else "ok",
+            "seconds_since_last_step": round(idle, 3),
+            "stall_after_s": self.stall_after_s,
+        }
         return (503 if stalled else 200), body
 
     def close(self) -> None:

@@ -55,7 +55,7 @@ PANELS: list[tuple[str, list[tuple[str, str]], str]] = [
             (TIME_STEP_S, "step"),
         ],
         "s",
-    ),  # fmt: skip
+    ),
     ("throughput", [(PERF_GEN_TOKENS_PER_S, "generated"), (PERF_TRAIN_TOKENS_PER_S, "trained")], "tokens/s"),
 ]
 STYLES: list = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
@@ -114,12 +114,18 @@ def per_task_panels(runs: list[RunMetrics]) -> list[tuple[str, list[tuple[str, s
     """Held-out accuracy per eval set and per task (``val/<...>/accuracy``), training accuracy per
     task (``accuracy/<task>``) and curriculum levels, for the keys some run has."""
     keys = sorted({k for r in runs for row in r.rows for k in row if isinstance(row[k], (int, float))})
-    held_out = [(k, k[len("val/") : -len("/accuracy")]) for k in keys if k.startswith("val/") and k.endswith("/accuracy")
-                and k != VAL_ACCURACY]  # fmt: skip
+    held_out = [
+        (k, k[len("val/") : -len("/accuracy")])
+        for k in keys
+        if k.startswith("val/") and k.endswith("/accuracy") and k != VAL_ACCURACY
+    ]
     trained = [(k, k[len("accuracy/") :]) for k in keys if k.startswith("accuracy/")]
     levels = [(k, k.split("/")[1]) for k in keys if k.startswith("curriculum/") and k.endswith("/level")]
-    panels = [("held-out accuracy by set and task", held_out, ""), ("training accuracy by task", trained, ""),
-              ("curriculum level", levels, "level")]  # fmt: skip
+    panels = [
+        ("held-out accuracy by set and task", held_out, ""),
+        ("training accuracy by task", trained, ""),
+        ("curriculum level", levels, "level"),
+    ]
     return [p for p in panels if p[1]]
 
 

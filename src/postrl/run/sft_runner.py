@@ -24,7 +24,8 @@ from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped
 from postrl.run.place import RunPlace, check_steps_left
 from postrl.run.resolve import decay_settings, with_settings
 from postrl.run.train_runner import make_sinks
-from postrl.scheduling.base import Scheduler, make_scheduler
+from postrl.scheduling.base import Scheduler
+from postrl.scheduling.factory import make_scheduler
 from postrl.train.factory import PolicySpec
 from postrl.types import Experience, ExperienceBatch, StepMetrics
 from postrl.types.metric_names import (
@@ -137,7 +138,8 @@ class SFTJob(MiniBatchJob):
         chosen = [self.examples[i] for i in self.chosen(len(self.examples))]
         self.updating = True
         metrics = self.trainer.update(sft_batch(chosen, self.tokenizer.pad_token_id))
-        self.step_count, self.updating = step + 1, False
+        self.step_count = step + 1
+        self.updating = False
         loss = metrics.get(ACTOR_LOSS)
         values = {
             SFT_LOSS: loss,

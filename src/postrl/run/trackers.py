@@ -51,7 +51,9 @@ class WandbSink:
         import wandb
 
         w = config.logging.wandb
-        self.wandb, self.run_dir, self.artifacts = wandb, run_dir, config.logging.artifacts
+        self.wandb = wandb
+        self.run_dir = run_dir
+        self.artifacts = config.logging.artifacts
         self.run = wandb.init(
             project=w.project,
             entity=w.entity,
@@ -100,7 +102,9 @@ class MlflowSink:
         if m.tracking_uri is None:
             local.mkdir(parents=True, exist_ok=True)
         uri = m.tracking_uri or f"sqlite:///{local / 'mlflow.db'}"
-        self.client, self.run_dir, self.artifacts = MlflowClient(tracking_uri=uri), run_dir, config.logging.artifacts
+        self.client = MlflowClient(tracking_uri=uri)
+        self.run_dir = run_dir
+        self.artifacts = config.logging.artifacts
         experiment = self.client.get_experiment_by_name(m.experiment)
         if experiment is not None:
             experiment_id = experiment.experiment_id
@@ -142,7 +146,9 @@ class GuardedSink:
     """A tracker that may fail mid-run: the first error is reported once and the tracker dropped."""
 
     def __init__(self, inner: MetricSink, name: str, echo: Callable[[str], None]) -> None:
-        self.inner, self.name, self.echo = inner, name, echo
+        self.inner = inner
+        self.name = name
+        self.echo = echo
         self.failed = False
 
     def _guard(self, what: str, call: Callable[[], None]) -> None:

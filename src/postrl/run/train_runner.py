@@ -40,7 +40,7 @@ from postrl.run.resolve import resolved_run
 from postrl.run.trackers import make_tracker
 from postrl.run.validation import Validator, load_eval_sets, load_validation_set
 from postrl.run.watch import describe_placement, run_watches
-from postrl.scheduling.base import make_scheduler
+from postrl.scheduling.factory import make_scheduler
 from postrl.tasks import task_rows
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
@@ -144,8 +144,7 @@ def describe_accuracy(config: RunConfig, component: str | None) -> str:
     if not config.scores_with_components:
         return f"accuracy: the environment's reward >= {config.reward.accuracy_threshold:g}"
     if component is None:
-        return ("accuracy: none (no exact_match or math component; mark one component accuracy: true to "
-                "report one)")  # fmt: skip
+        return "accuracy: none (no exact_match or math component; mark one component accuracy: true to report one)"
     return f"accuracy: reward component '{component}' >= {config.reward.accuracy_threshold:g}"
 
 

@@ -71,8 +71,10 @@ def gym_held_out(
     """reasoning-gym's held-out problems, disjoint from the training ones: the run says how many it dropped."""
     tokens = max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS
     dataset, dropped = held_out(gym, tokenizer, tokens, training_questions(gym), on_bad_row)
-    echo(f"{where}: {len(dataset)} held-out problems (seed {gym.held_out_seed}); {dropped} dropped as "
-         "also among the training questions")  # fmt: skip
+    echo(
+        f"{where}: {len(dataset)} held-out problems (seed {gym.held_out_seed}); {dropped} dropped as "
+        "also among the training questions"
+    )
     if not len(dataset) and dropped:
         raise DatasetError(f"{where}: every held-out problem is also a training problem; use other val_seed or tasks")
     if not len(dataset):
@@ -109,7 +111,9 @@ class Validator:
     def __init__(
         self, config: RunConfig, dataset: PromptDataset | None, named: dict[str, PromptDataset] | None = None
     ) -> None:
-        self.config, self.dataset, self.named = config, dataset, named or {}
+        self.config = config
+        self.dataset = dataset
+        self.named = named or {}
         self.sampling = greedy_sampling(config.rollout)
 
     def due(self, step: int) -> bool:

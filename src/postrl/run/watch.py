@@ -27,7 +27,10 @@ class NoSignalWatch:
     """Says so plainly when several steps in a row had no group with differing rewards."""
 
     def __init__(self, echo: Callable[[str], None], limit: int = 3, source: str = "the reward function") -> None:
-        self.echo, self.limit, self.streak, self.source = echo, limit, 0, source
+        self.echo = echo
+        self.limit = limit
+        self.streak = 0
+        self.source = source
 
     def observe(self, metrics: StepMetrics) -> None:
         self.streak = self.streak + 1 if metrics.values.get(REWARD_NO_SIGNAL_GROUPS, 0.0) >= 1.0 else 0
@@ -73,7 +76,11 @@ class MismatchWatch:
     def __init__(
         self, config: RunConfig, echo: Callable[[str], None], max_diff: float = 0.5, max_kl: float = 0.01
     ) -> None:
-        self.config, self.echo, self.max_diff, self.max_kl, self.warned = config, echo, max_diff, max_kl, False
+        self.config = config
+        self.echo = echo
+        self.max_diff = max_diff
+        self.max_kl = max_kl
+        self.warned = False
 
     def observe(self, metrics: StepMetrics) -> None:
         if not self.config.on_policy:
@@ -136,7 +143,10 @@ class UpdateVisibilityWatch:
     samples from the policy of several steps ago, and learning looks stalled."""
 
     def __init__(self, config: RunConfig, echo: Callable[[str], None], min_share: float = 0.5) -> None:
-        self.config, self.echo, self.min_share, self.warned = config, echo, min_share, False
+        self.config = config
+        self.echo = echo
+        self.min_share = min_share
+        self.warned = False
 
     def observe(self, metrics: StepMetrics) -> None:
         share = metrics.values.get(TRAIN_UPDATE_VISIBLE_BF16, float("nan"))

@@ -6,12 +6,11 @@ decision; what it is, is its spec's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from postrl.config.off_policy import BufferConfig
 from postrl.config.run import RewardConfig
-from postrl.config.scheduler import SchedulerConfig
 from postrl.rollout.factory import EngineSpec
 from postrl.rollout.pool import RolloutPool
 from postrl.train.critic import CriticSpec
@@ -37,20 +36,3 @@ class Scheduler(Protocol):
     def experience_buffer(self, buffer: BufferConfig, seed: int) -> ExperienceStore: ...
 
     def close(self) -> None: ...
-
-
-def make_scheduler(
-    scheduler: SchedulerConfig,
-    import_paths: Sequence[str] = (),
-    roles: tuple[str, ...] = ("rollout", "train"),
-    critic: bool = False,
-) -> Scheduler:
-    """Where the workers run: this process (and child processes), or Ray actors (``roles``: the
-    placement groups to reserve; ``critic``: room for a critic actor too)."""
-    if scheduler.type == "ray":
-        from postrl.scheduling.ray_scheduler import RayScheduler
-
-        return RayScheduler(scheduler, list(import_paths), roles, critic)
-    from postrl.scheduling.local import LocalScheduler
-
-    return LocalScheduler(scheduler)

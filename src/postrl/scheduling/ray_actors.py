@@ -62,7 +62,9 @@ class RayHandle:
     def __init__(self, name: str, actor: Any, concurrent: bool = False) -> None:
         """``concurrent``: the actor is threaded (``max_concurrency`` > 1) and its worker orders its
         own calls, so a call may run beside one in progress (weights arriving during a generate)."""
-        self.name, self.actor, self.concurrent = name, actor, concurrent
+        self.name = name
+        self.actor = actor
+        self.concurrent = concurrent
         self._killed = False
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:

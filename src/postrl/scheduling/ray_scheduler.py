@@ -57,8 +57,10 @@ class RayScheduler:
         ``import_paths``: the run's, for the actors' imports; ``critic``: room for a critic actor."""
         import ray
 
-        self.scheduler, self.roles = scheduler, roles
-        self.import_paths, self.critic = import_paths or [], critic
+        self.scheduler = scheduler
+        self.roles = roles
+        self.import_paths = import_paths or []
+        self.critic = critic
         self.started_here = not ray.is_initialized()
         self.reaper: Reaper | None = None
         self.groups: dict[str, Any] = {}
@@ -224,9 +226,16 @@ class RayScheduler:
         def start(i: int) -> RayHandle:
             spec = engine.for_index(i)  # the actor's threads are set by ActorHost
             return self._actor(
-                f"rollout engine {i}", "rollout", i % n, host_class, spec, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
-                threads=r.threads, concurrency=ENGINE_CONCURRENCY,
-            )  # fmt: skip
+                f"rollout engine {i}",
+                "rollout",
+                i % n,
+                host_class,
+                spec,
+                num_cpus=r.num_cpus,
+                num_gpus=r.num_gpus,
+                threads=r.threads,
+                concurrency=ENGINE_CONCURRENCY,
+            )
 
         return make_pool(engine.rollout, self.scheduler, start, host=ray.util.get_node_ip_address())
 
@@ -252,7 +261,7 @@ class RayScheduler:
                 num_cpus=t.num_cpus,
                 num_gpus=t.num_gpus,
                 threads=t.threads,
-            )  # fmt: skip
+            )
             for r in range(t.workers)
         ]
         self._await_started(ranks, t.num_cpus, t.num_gpus)
@@ -286,9 +295,17 @@ class RayScheduler:
 
         placed = self.scheduler.buffer
         handle = self._actor(
-            "experience buffer", "buffer", 0, ExperienceBuffer, buffer.max_staleness, buffer.on_stale, buffer.replay,
-            seed=seed, num_cpus=placed.num_cpus, resources=placed.resources,
-        )  # fmt: skip
+            "experience buffer",
+            "buffer",
+            0,
+            ExperienceBuffer,
+            buffer.max_staleness,
+            buffer.on_stale,
+            buffer.replay,
+            seed=seed,
+            num_cpus=placed.num_cpus,
+            resources=placed.resources,
+        )
         return client(handle, ExperienceStore, timeout=self.scheduler.call_timeout_s)
 
     def close(self) -> None:

@@ -60,7 +60,9 @@ class RecordedAgents:
         import openai  # noqa: F401 - imported once here, not inside the first episodes' time limits
         import uvicorn
 
-        self.function, self.workers, self.timeout_s = function, workers, timeout_s
+        self.function = function
+        self.workers = workers
+        self.timeout_s = timeout_s
         self.renderer = ChatRenderer(tokenizer)
         self.recorder = EpisodeRecorder(tokenizer)
         self.batcher = EngineBatcher(engine)

@@ -139,6 +139,13 @@ async def chat_completion(
         r = a.rollout
         lp = server.chat_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
         reason = "tool_calls" if a.message.get("tool_calls") else r.finish_reason
-        choices.append({"index": sample, "message": a.message, "finish_reason": reason, "token_ids": r.response_ids,
-                        "logprobs": lp})  # fmt: skip
+        choices.append(
+            {
+                "index": sample,
+                "message": a.message,
+                "finish_reason": reason,
+                "token_ids": r.response_ids,
+                "logprobs": lp,
+            }
+        )
     return server.envelope("chatcmpl", "chat.completion", choices, [prepared.prompt], [a.rollout for a in answers])

@@ -46,7 +46,9 @@ class EnvService:
     """The open episodes, one environment object each, by id."""
 
     def __init__(self, make_env: EnvironmentFactory, options: dict[str, Any], max_episodes: int) -> None:
-        self.make_env, self.options, self.max_episodes = make_env, options, max_episodes
+        self.make_env = make_env
+        self.options = options
+        self.max_episodes = max_episodes
         self.episodes: dict[str, Environment] = {}
         self.done: set[str] = set()  # episodes whose last step was done: no more steps
         self.lock = threading.Lock()

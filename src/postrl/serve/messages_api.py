@@ -67,12 +67,20 @@ class MessagesRequest(BaseModel):
         body: dict[str, Any] = {
             "model": self.model,
             "messages": ([{"role": "system", "content": system}] if system else []) + chat_messages(self.messages),
-            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
             "stop": self.stop_sequences,
-        }  # fmt: skip
+        }
         if self.tools:
-            body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                              "parameters": t.input_schema}} for t in self.tools]  # fmt: skip
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+                }
+                for t in self.tools
+            ]
         choice = self.tool_choice
         if choice is not None:
             if choice.type == "tool":
@@ -117,8 +125,16 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if kind == "text":
                 texts.append(str(block.get("text", "")))
             elif kind == "tool_use" and role == "assistant":
-                calls.append({"id": block.get("id"), "type": "function", "function": {
-                    "name": block.get("name"), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})  # fmt: skip
+                calls.append(
+                    {
+                        "id": block.get("id"),
+                        "type": "function",
+                        "function": {
+                            "name": block.get("name"),
+                            "arguments": json.dumps(block.get("input", {}), ensure_ascii=False),
+                        },
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 body = block.get("content", "")
                 text = body if isinstance(body, str) else _text(body, f"{where}.content.{j}.content")
@@ -146,8 +162,12 @@ def content_blocks(answer: Answer) -> list[dict[str, Any]]:
 
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"])}  # fmt: skip
+    return {
+        "type": "tool_use",
+        "id": call["id"],
+        "name": call["function"]["name"],
+        "input": json.loads(call["function"]["arguments"]),
+    }
 
 
 def stop_reason(finish: str, tool_calls: bool, stop_string: str | None) -> tuple[str, str | None]:
@@ -159,15 +179,24 @@ def stop_reason(finish: str, tool_calls: bool, stop_string: str | None) -> tuple
 
 
 def _message(mid: str, model: str, content: list, reason: tuple[str | None, str | None], usage: dict) -> dict:
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}  # fmt: skip
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason[0],
+        "stop_sequence": reason[1],
+        "usage": usage,
+    }
 
 
 class MessagesEncoder:
     """The Messages API's streamed events for one answer."""
 
     def __init__(self, model: str, prompt_tokens: int) -> None:
-        self.model, self.prompt_tokens = model, prompt_tokens
+        self.model = model
+        self.prompt_tokens = prompt_tokens
         self.id = f"msg_{uuid.uuid4().hex}"
         self.blocks = 0  # content blocks opened
         self.text_open = False
@@ -180,8 +209,9 @@ class MessagesEncoder:
 
     def _block(self, block: dict[str, Any]) -> str:
         self.blocks += 1
-        return sse_event({"type": "content_block_start", "index": self.blocks - 1, "content_block": block},
-                         "content_block_start")  # fmt: skip
+        return sse_event(
+            {"type": "content_block_start", "index": self.blocks - 1, "content_block": block}, "content_block_start"
+        )
 
     def _stop(self) -> str:
         return sse_event({"type": "content_block_stop", "index": self.blocks - 1}, "content_block_stop")
@@ -216,10 +246,12 @@ class MessagesEncoder:
             return [sse_event(body, "error")]
         delta = {"stop_reason": self.reason[0], "stop_sequence": self.reason[1]}
         return [
-            sse_event({"type": "message_delta", "delta": delta, "usage": {"output_tokens": completion_tokens}},
-                      "message_delta"),
+            sse_event(
+                {"type": "message_delta", "delta": delta, "usage": {"output_tokens": completion_tokens}},
+                "message_delta",
+            ),
             sse_event({"type": "message_stop"}, "message_stop"),
-        ]  # fmt: skip
+        ]
 
 
 async def create_message(server: OpenAIServer, req: MessagesRequest, episode: str | None) -> dict | StreamingResponse:

@@ -68,8 +68,11 @@ class OpenAIServer:
         tool_format: str | None = None,
         tools_in_prompt: ToolsInPrompt = "template",
     ) -> None:
-        self.batcher, self.tokenizer, self.model_name = batcher, tokenizer, model_name
-        self.max_context, self.limits = max_context, limits
+        self.batcher = batcher
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context = max_context
+        self.limits = limits
         self.recorder = recorder
         self.created = int(time.time())
         self._renderer = ChatRenderer(tokenizer) if tokenizer.chat_template else None

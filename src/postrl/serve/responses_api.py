@@ -127,8 +127,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}.role: one of user, system, developer, assistant", "input")
             out.append({"role": item["role"], "content": _text(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}  # fmt: skip
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
                 out[-1]["content"] = out[-1]["content"] or None
@@ -136,8 +139,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else json.dumps(output)})  # fmt: skip
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
         elif kind == "reasoning":
             continue  # the model's reasoning summary: the template renders the turn without it
         else:
@@ -151,8 +159,15 @@ def output_items(answer: Answer) -> list[dict[str, Any]]:
     message = answer.message
     if message.get("content"):
         text = {"type": "output_text", "text": message["content"], "annotations": [], "logprobs": []}
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
-                      "content": [text]})  # fmt: skip
+        items.append(
+            {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [text],
+            }
+        )
     for call in message.get("tool_calls") or []:
         items.append(function_call_item(call, "completed"))
     return items
@@ -160,8 +175,14 @@ def output_items(answer: Answer) -> list[dict[str, Any]]:
 
 def function_call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
     f = call["function"]
-    return {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "name": f["name"],
-            "arguments": f["arguments"], "status": status}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": f"fc_{call['id']}",
+        "call_id": call["id"],
+        "name": f["name"],
+        "arguments": f["arguments"],
+        "status": status,
+    }
 
 
 def response_object(
@@ -169,13 +190,25 @@ def response_object(
 ) -> dict[str, Any]:
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {
-        "id": rid, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
-        "output": output, "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
-        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "tool_choice": _choice(req),
-        "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-        "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "text": {"format": {"type": "text"}},
-        "usage": usage, "metadata": {},
-    }  # fmt: skip
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "model": model,
+        "output": output,
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": req.instructions,
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        "tool_choice": _choice(req),
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+        "text": {"format": {"type": "text"}},
+        "usage": usage,
+        "metadata": {},
+    }
 
 
 def _choice(req: ResponsesRequest) -> Any:
@@ -185,16 +218,22 @@ def _choice(req: ResponsesRequest) -> Any:
 
 
 def _usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
 
 
 class ResponsesEncoder:
     """The Responses API's streamed events for one answer."""
 
     def __init__(self, req: ResponsesRequest, model: str, prompt_tokens: int) -> None:
-        self.req, self.model, self.prompt_tokens = req, model, prompt_tokens
+        self.req = req
+        self.model = model
+        self.prompt_tokens = prompt_tokens
         self.id = f"resp_{uuid.uuid4().hex}"
         self.status = "completed"
         self.seq = 0
@@ -211,25 +250,32 @@ class ResponsesEncoder:
         return response_object(self.req, self.id, self.model, self.output, status, usage)
 
     def opening(self, choices: int) -> list[str]:
-        return [self._event("response.created", response=self._response("in_progress")),
-                self._event("response.in_progress", response=self._response("in_progress"))]  # fmt: skip
+        return [
+            self._event("response.created", response=self._response("in_progress")),
+            self._event("response.in_progress", response=self._response("in_progress")),
+        ]
 
     def _open_message(self) -> list[str]:
         self.message_id = f"msg_{uuid.uuid4().hex}"
         item = {"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant", "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self._event("response.output_item.added", output_index=0, item=item),
-                self._event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
-                            part=part)]  # fmt: skip
+        return [
+            self._event("response.output_item.added", output_index=0, item=item),
+            self._event(
+                "response.content_part.added", item_id=self.message_id, output_index=0, content_index=0, part=part
+            ),
+        ]
 
     def _close_message(self) -> list[str]:
         part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
         item = {"type": "message", "id": self.message_id, "status": "completed", "role": "assistant", "content": [part]}
         self.output.append(item)
         ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        return [self._event("response.output_text.done", text=self.text, logprobs=[], **ids),
-                self._event("response.content_part.done", part=part, **ids),
-                self._event("response.output_item.done", output_index=0, item=item)]  # fmt: skip
+        return [
+            self._event("response.output_text.done", text=self.text, logprobs=[], **ids),
+            self._event("response.content_part.done", part=part, **ids),
+            self._event("response.output_item.done", output_index=0, item=item),
+        ]
 
     def delta(self, d: Delta) -> list[str]:
         events: list[str] = []
@@ -237,8 +283,16 @@ class ResponsesEncoder:
             if self.message_id is None:
                 events += self._open_message()
             self.text += d.content
-            events.append(self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                      content_index=0, delta=d.content, logprobs=[]))  # fmt: skip
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=self.message_id,
+                    output_index=0,
+                    content_index=0,
+                    delta=d.content,
+                    logprobs=[],
+                )
+            )
         if d.finish is None:
             return events
         if self.message_id is not None:
@@ -246,10 +300,22 @@ class ResponsesEncoder:
         for call in d.tool_calls:
             index, item = len(self.output), function_call_item(call, "in_progress")
             events.append(self._event("response.output_item.added", output_index=index, item={**item, "arguments": ""}))
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=index, delta=item["arguments"]))  # fmt: skip
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=index, arguments=item["arguments"]))  # fmt: skip
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["arguments"],
+                )
+            )
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                )
+            )
             done = {**item, "status": "completed"}
             self.output.append(done)
             events.append(self._event("response.output_item.done", output_index=index, item=done))

@@ -72,7 +72,10 @@ class ChoiceStream:
     (a partly decoded character, or the start of a stop string, is held back)."""
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...], keep_stop: bool, ends: set[int]) -> None:
-        self.tokenizer, self.stops, self.keep_stop, self.ends = tokenizer, stops, keep_stop, ends
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.keep_stop = keep_stop
+        self.ends = ends
         self.hold = 0 if keep_stop else max((len(s) for s in stops), default=1) - 1
         self.tokens: list[int] = []
         self.sent = ""  # text released so far
@@ -140,14 +143,24 @@ class ChunkEncoder:
     def __init__(
         self, server: OpenAIServer, req: SamplingRequest, prompts: list[Prompt], chat: bool, k: int | None
     ) -> None:
-        self.server, self.req, self.prompts, self.chat, self.k = server, req, prompts, chat, k
+        self.server = server
+        self.req = req
+        self.prompts = prompts
+        self.chat = chat
+        self.k = k
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.offsets: dict[int, int] = {}
 
     def _chunk(self, choices: list[dict], **extra: Any) -> str:
-        body = {"id": self.id, "object": self.object, "created": int(time.time()), "model": self.server.model_name,
-                "choices": choices, **extra}  # fmt: skip
+        body = {
+            "id": self.id,
+            "object": self.object,
+            "created": int(time.time()),
+            "model": self.server.model_name,
+            "choices": choices,
+            **extra,
+        }
         return sse_event(body)
 
     def _logprobs(self, d: Delta) -> dict[str, Any] | None:
@@ -201,8 +214,12 @@ class SSEStream:
         new_choice: Callable[[], ChoiceStream],
         on_done: OnDone | None = None,
     ) -> None:
-        self.server, self.prompts, self.params, self.encoder = server, prompts, params, encoder
-        self.new_choice, self.on_done = new_choice, on_done
+        self.server = server
+        self.prompts = prompts
+        self.params = params
+        self.encoder = encoder
+        self.new_choice = new_choice
+        self.on_done = on_done
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[int, ChoiceStream] = {}
 

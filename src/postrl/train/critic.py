@@ -81,7 +81,8 @@ class CriticWorker:
         from postrl.models.loading import load_causal_lm
 
         torch.manual_seed(seed)
-        self.cfg, self.pad_id = config, pad_id
+        self.cfg = config
+        self.pad_id = pad_id
         self.device = resolve_device(device, "train.device")
         lm: Any = load_causal_lm(config.path or policy_path, model_dtype)  # a transformers model
         self.model = ValueModel(lm.get_decoder(), lm.config.hidden_size).to(self.device)

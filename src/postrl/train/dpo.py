@@ -16,9 +16,8 @@ from postrl.config.dpo import DPOConfig
 from postrl.config.model import LoraConfig
 from postrl.config.training import OptimizerConfig
 from postrl.data.preferences import PreferencePair
-from postrl.models.weights import save_weights
 from postrl.train.logprobs import token_logprobs
-from postrl.train.lora import save_lora_model
+from postrl.train.lora import save_policy
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.worker import prepare_for_training
 from postrl.types import pad_sequences
@@ -67,7 +66,10 @@ class DPOWorker:
         gradient_checkpointing: bool = False,
         lora: LoraConfig | None = None,
     ) -> None:
-        self.model, self.cfg, self.dpo, self.pad_id = model, train, dpo, pad_id
+        self.model = model
+        self.cfg = train
+        self.dpo = dpo
+        self.pad_id = pad_id
         self.lora = lora  # the model is a peft model: final_model/ is saved as model.lora.export says
         prepare_for_training(model, train.attention, gradient_checkpointing)
         self.optimization = Optimization(model, OptimizerSettings.of_train(train))
@@ -126,12 +128,8 @@ class DPOWorker:
         }
 
     def save_pretrained(self, folder: str | Path) -> None:
-        """The policy as a Hugging Face folder (config + safetensors); with LoRA merged or as an
-        adapter folder (``model.lora.export``)."""
-        if self.lora is not None:
-            save_lora_model(self.model, Path(folder), self.lora.export)
-            return
-        save_weights(self.model, Path(folder))
+        """The policy as a Hugging Face folder (:func:`~postrl.train.lora.save_policy`)."""
+        save_policy(self.model, folder, self.lora)
 
     def save_checkpoint(self, path: str | Path) -> None:
         self.optimization.save(Path(path))

@@ -69,7 +69,8 @@ class FSDPPolicyTrainer(PolicyTrainer):
         **options: Any,
     ) -> None:
         """``options``: the other keyword arguments of :class:`PolicyTrainer`."""
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
         self.sharded = shard_model(model, bf16)
         if ref_model is not None:
             shard_model(ref_model, bf16)

@@ -31,7 +31,8 @@ class TrainGroup:
     def __init__(self, ranks: Sequence[Handle], call_timeout_s: float | None = None, name: str = "train group") -> None:
         if not ranks:
             raise ValueError("a train group needs at least one rank")
-        self.ranks, self.name = list(ranks), name
+        self.ranks = list(ranks)
+        self.name = name
         self.call_timeout_s = call_timeout_s
         self._all("join")  # every rank enters the process group at once (each waits for the others)
 

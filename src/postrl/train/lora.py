@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from postrl.config.run import ConfigError, LoraConfig
+from postrl.models.weights import save_weights
 
 ADAPTER = "default"
 
@@ -109,6 +110,15 @@ def peft_adapter_state(model: Any) -> dict[str, torch.Tensor]:
 def lora_export_state(model: Any, export: str) -> dict[str, torch.Tensor]:
     """What :func:`save_lora_model` writes, gathered (every rank of a group calls it)."""
     return peft_adapter_state(model) if export == "adapter" else merged_state(model)
+
+
+def save_policy(model: Any, folder: str | Path, lora: LoraConfig | None) -> None:
+    """A policy as a Hugging Face folder (config + safetensors); with LoRA merged or as an adapter
+    folder (``model.lora.export``)."""
+    if lora is not None:
+        save_lora_model(model, Path(folder), lora.export)
+        return
+    save_weights(model, Path(folder))
 
 
 def save_lora_model(model: Any, folder: Path, export: str, state: dict[str, torch.Tensor] | None = None) -> None:

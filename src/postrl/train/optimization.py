@@ -61,7 +61,8 @@ def fused_adam_applies(params: list[torch.nn.Parameter]) -> bool:
 
 class Optimization:
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings) -> None:
-        self.model, self.settings = model, settings
+        self.model = model
+        self.settings = settings
         trained = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             trained,

@@ -41,7 +41,9 @@ class TrainRank(WorkerHost):
     which then answers every call the rank does not define itself."""
 
     def __init__(self, rank: int, group: GroupSpec, policy: PolicySpec) -> None:
-        self.rank, self.group, self.policy = rank, group, policy
+        self.rank = rank
+        self.group = group
+        self.policy = policy
         self._worker: PolicyTrainer | None = None
 
     @property

@@ -28,11 +28,11 @@ from postrl.config.algorithm import ProximalSource
 from postrl.config.run import AlgorithmConfig, LoraConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.models.loading import hf
-from postrl.models.weights import dedupe_tied, save_weights
+from postrl.models.weights import dedupe_tied
 from postrl.train.chunked_head import Entropy
 from postrl.train.exact_forward import ExactForward
 from postrl.train.logprobs import ForwardPath, plan_forward, token_logprobs
-from postrl.train.lora import adapter_state, base_of, merged_state, save_lora_model
+from postrl.train.lora import adapter_state, base_of, merged_state, save_policy
 from postrl.train.memory import PeakMemory
 from postrl.train.micro_batching import token_budget_micro_batches
 from postrl.train.optimization import Optimization, OptimizerSettings
@@ -100,7 +100,9 @@ class PolicyTrainer:
         lora: LoraConfig | None = None,
         is_main: bool = True,
     ) -> None:
-        self.model, self.cfg, self.algo = model, train, algorithm
+        self.model = model
+        self.cfg = train
+        self.algo = algorithm
         self.is_main = is_main  # the process that writes files for the whole group
         # algorithm.old_logprobs, resolved (PolicySpec.of_run)
         self.proximal = proximal_policy(proximal, self.proximal_logprobs, train.epochs)
@@ -361,12 +363,8 @@ class PolicyTrainer:
         return dedupe_tied(adapter_state(self.model) if self.lora.sync == "adapter" else merged_state(self.model))
 
     def save_pretrained(self, folder: str | Path) -> None:
-        """The policy as a Hugging Face folder (config + safetensors); with LoRA merged or as an
-        adapter folder (``model.lora.export``)."""
-        if self.lora is not None:
-            save_lora_model(self.model, Path(folder), self.lora.export)
-            return
-        save_weights(self.model, Path(folder))
+        """The policy as a Hugging Face folder (:func:`~postrl.train.lora.save_policy`)."""
+        save_policy(self.model, folder, self.lora)
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Model and optimizer through torch.distributed.checkpoint (resharded on load, so a run can

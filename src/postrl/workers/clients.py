@@ -49,7 +49,8 @@ class RoleClient:
     """The base of every client :func:`client` makes: its handle and its calls' timeout."""
 
     def __init__(self, handle: Handle, timeout: float | None) -> None:
-        self.handle, self.timeout = handle, timeout
+        self.handle = handle
+        self.timeout = timeout
 
 
 def _remote_method(name: str) -> Callable[..., Any]:
@@ -99,8 +100,12 @@ class RewardServiceClient:
         restart: Callable[[], Handle] | None = None,
         max_restarts: int = 8,
     ) -> None:
-        self.timeout, self.restart, self.max_restarts, self.restarts = timeout, restart, max_restarts, 0
-        self.handle, self.service = handle, client(handle, RewardService, timeout)
+        self.timeout = timeout
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.handle = handle
+        self.service = client(handle, RewardService, timeout)
         self.accuracy_component = self.service.accuracy_component
         self._log_file: Path | None = None
 

@@ -97,7 +97,9 @@ class InProcessHandle:
     def __init__(self, obj: Any, name: str, serialized: bool = True) -> None:
         """``serialized=False``: the worker orders its own calls (a rollout engine takes new weights
         from another thread while it generates, see the native engine)."""
-        self.obj, self.name, self.concurrent = obj, name, not serialized
+        self.obj = obj
+        self.name = name
+        self.concurrent = not serialized
         self._lock: threading.Lock | contextlib.nullcontext = (
             threading.Lock() if serialized else contextlib.nullcontext()
         )

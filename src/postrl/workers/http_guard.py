@@ -71,7 +71,8 @@ class TokenMiddleware:
     ``protect(path)`` says which paths need it; by default all of them."""
 
     def __init__(self, app: Any, token: str, protect: Callable[[str], bool] | None = None) -> None:
-        self.app, self.expected = app, f"Bearer {token}".encode()
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
         self.protect = protect or (lambda path: True)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -99,7 +100,8 @@ class BodyLimitMiddleware:
     """ASGI middleware: 413 once a request body exceeds ``limit`` bytes, whether or not it declares a length."""
 
     def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+        self.app = app
+        self.limit = limit
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

@@ -65,7 +65,8 @@ class _Lane:
     """One pipe to the worker and the lock that keeps one call at a time on it."""
 
     def __init__(self, conn: Any) -> None:
-        self.conn, self.lock = conn, threading.Lock()
+        self.conn = conn
+        self.lock = threading.Lock()
 
 
 class ProcessHandle:
@@ -84,7 +85,9 @@ class ProcessHandle:
         side_calls: frozenset[str] = frozenset(),
         **kwargs: Any,
     ) -> None:
-        self.name, self.side_calls, self.concurrent = name, side_calls, bool(side_calls)
+        self.name = name
+        self.side_calls = side_calls
+        self.concurrent = bool(side_calls)
         ctx = mp.get_context("spawn")
         main, child = ctx.Pipe()
         side, side_child = ctx.Pipe() if side_calls else (None, None)

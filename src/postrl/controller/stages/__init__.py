@@ -68,8 +68,10 @@ def build_stages(context: StageContext) -> StagePlan:
         if not isinstance(context.draw, LeveledDraw):
             raise ConfigError("data.reasoning_gym.curriculum needs the run's prompts drawn by level")
         if context.accuracy_component is None:
-            raise ConfigError("data.reasoning_gym.curriculum follows accuracy: the reward needs an accuracy "
-                              "component (type reasoning_gym, or one marked accuracy: true)")  # fmt: skip
+            raise ConfigError(
+                "data.reasoning_gym.curriculum follows accuracy: the reward needs an accuracy "
+                "component (type reasoning_gym, or one marked accuracy: true)"
+            )
         threshold = context.config.reward.accuracy_threshold
         stages.append(Curriculum(context.draw, gym.curriculum, context.accuracy_component, threshold))
     if a.dynamic_sampling:

@@ -20,7 +20,8 @@ class CriticStage(Stage):
     needs = frozenset({"critic"})
 
     def __init__(self, critic: Critic, warmup_steps: int) -> None:
-        self.critic, self.warmup_steps = critic, warmup_steps
+        self.critic = critic
+        self.warmup_steps = warmup_steps
         self._lock = threading.Lock()  # async mode: values (producer) never read a critic mid-update
 
     def prepare(self, step: StepBatch) -> dict[str, float]:

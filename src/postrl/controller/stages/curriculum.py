@@ -24,7 +24,10 @@ class Curriculum(Stage):
     phases: ClassVar[tuple[Phase, ...]] = ("select",)
 
     def __init__(self, draw: LeveledDraw, config: CurriculumConfig, component: str, threshold: float) -> None:
-        self.draw, self.config, self.component, self.threshold = draw, config, component, threshold
+        self.draw = draw
+        self.config = config
+        self.component = component
+        self.threshold = threshold
         self.windows: dict[str, deque[bool]] = {t: deque(maxlen=config.window) for t in draw.leveled()}
 
     def observe(self, task: str, outcomes: list[bool]) -> None:

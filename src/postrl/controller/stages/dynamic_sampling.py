@@ -47,7 +47,8 @@ class DynamicSampling(Stage):
     phases = ("select",)
 
     def __init__(self, services: StepServices, max_extra_rounds: int) -> None:
-        self.services, self.max_extra_rounds = services, max_extra_rounds
+        self.services = services
+        self.max_extra_rounds = max_extra_rounds
 
     def select(self, groups: Groups) -> tuple[Groups, dict[str, float]]:
         target, rounds = len(groups.prompts), 0

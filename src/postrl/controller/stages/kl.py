@@ -17,7 +17,8 @@ class KLCoefficient:
     """The run's KL coefficient beta; the trainer holds a copy (for ``kl_in: loss``), kept equal."""
 
     def __init__(self, beta: float, trainer: TrainWorker) -> None:
-        self.beta, self.trainer = beta, trainer
+        self.beta = beta
+        self.trainer = trainer
 
     def set(self, beta: float) -> None:
         self.beta = beta
@@ -34,7 +35,10 @@ class KLPenalty(Stage):
     needs = frozenset({"reference"})
 
     def __init__(self, trainer: TrainWorker, coef: KLCoefficient, estimator: str, clamp: float | None) -> None:
-        self.trainer, self.coef, self.estimator, self.clamp = trainer, coef, estimator, clamp
+        self.trainer = trainer
+        self.coef = coef
+        self.estimator = estimator
+        self.clamp = clamp
         self.last_mean = float("nan")  # the step's mean per-token KL, which the adaptive coefficient follows
 
     def prepare(self, step: StepBatch) -> dict[str, float]:
@@ -54,7 +58,10 @@ class AdaptiveKL(Stage):
     phases = ("after_update",)
 
     def __init__(self, coef: KLCoefficient, target: float, horizon: int, penalty: KLPenalty | None) -> None:
-        self.coef, self.target, self.horizon, self.penalty = coef, target, horizon, penalty
+        self.coef = coef
+        self.target = target
+        self.horizon = horizon
+        self.penalty = penalty
 
     def after_update(self, batch: ExperienceBatch, train: TrainMetrics) -> dict[str, float]:
         observed = self.penalty.last_mean if self.penalty is not None else train.get(ACTOR_KL)

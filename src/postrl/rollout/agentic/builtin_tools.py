@@ -80,7 +80,8 @@ class SandboxTools:
         return {"cells": list(self.cells)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.cells, self._replay = list(state["cells"]), list(state["cells"])
+        self.cells = list(state["cells"])
+        self._replay = list(state["cells"])
 
     def python(self, code: str) -> str:
         """Run Python code in a persistent interpreter (variables stay between calls); prints and

@@ -46,7 +46,9 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> None:
         if not tokenizer.chat_template:
             raise ValueError("multi-turn episodes need a tokenizer with a chat template (tokenizer.chat_template)")
-        self.tokenizer, self.tools, self.template_kwargs = tokenizer, tools or None, template_kwargs
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.template_kwargs = template_kwargs
 
     def render(
         self, messages: list[dict[str, Any]], generation_prompt: bool, tools: list[dict[str, Any]] | None = None

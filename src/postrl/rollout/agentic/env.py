@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from postrl.config.imports import import_callable
 from postrl.rollout.agentic.builtin_tools import BUILTIN_TOOLS, SANDBOX_TOOLS, SandboxTools
 from postrl.rollout.agentic.tools import Tool, ToolBox, ToolFormat
 from postrl.types.episode import ToolCallRecord
@@ -62,27 +61,6 @@ def register_environment(name: str) -> Callable[[EnvironmentFactory], Environmen
         return factory
 
     return register
-
-
-def environment_factory(spec: str) -> EnvironmentFactory:
-    """A registered environment's name, ``library:env id`` of TextArena, skyrl-gym or GEM,
-    ``module:attribute`` of a user's package, or the URL of ``postrl serve-env``."""
-    if spec in ENVIRONMENTS:
-        return ENVIRONMENTS[spec]
-    from postrl.rollout.agentic.gym_libraries import library_environment
-
-    library = library_environment(spec)  # textarena:..., skyrl_gym:..., gem:...
-    if library is not None:
-        return library
-    if spec.startswith(("http://", "https://")):  # postrl serve-env
-        from postrl.rollout.agentic.remote_env import RemoteEnvironment
-
-        return lambda **options: RemoteEnvironment(spec, **options)
-    if ":" not in spec:
-        raise ValueError(
-            f"agent.env: unknown environment '{spec}' (registered: {', '.join(sorted(ENVIRONMENTS))}; or module:Class)"
-        )
-    return import_callable(spec, "agent.env")
 
 
 def first_messages(row: dict[str, Any]) -> list[dict[str, Any]]:

@@ -112,11 +112,17 @@ class EpisodeRunner:
         """``scheduling``: see the module; ``joins_calls``: the engine batches concurrent calls
         itself (else an individual run merges the turns waiting); ``max_concurrent``: episodes in
         flight at once in an individual run (None: all of them)."""
-        self.generate, self.make_env, self.tokenizer = generate, make_env, tokenizer
-        self.limits, self.on_prefix_break = limits, on_prefix_break
+        self.generate = generate
+        self.make_env = make_env
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.on_prefix_break = on_prefix_break
         self.env_options = env_options or {}
-        self.env_workers, self.tools_in_prompt = env_workers, tools_in_prompt
-        self.scheduling, self.joins_calls, self.max_concurrent = scheduling, joins_calls, max_concurrent
+        self.env_workers = env_workers
+        self.tools_in_prompt = tools_in_prompt
+        self.scheduling = scheduling
+        self.joins_calls = joins_calls
+        self.max_concurrent = max_concurrent
         self.suspending = threading.Event()  # set by suspend(): episodes stop at their next turn
         self.tools_checked = False  # the first environment made has had its tools checked
 
@@ -156,9 +162,21 @@ class EpisodeRunner:
         """The episode between two turns, to continue later (its environment must be savable)."""
         assert isinstance(e.env, SavableEnvironment), "only an episode whose environment saves its state is suspended"
         return EpisodeState(
-            e.key, e.messages, e.seen, e.sample, e.done_samples, e.turns, e.contents, e.rewards, e.info, e.breaks,
-            e.env_s, e.generate_s, e.env.state_dict(), e.stream,
-        )  # fmt: skip
+            e.key,
+            e.messages,
+            e.seen,
+            e.sample,
+            e.done_samples,
+            e.turns,
+            e.contents,
+            e.rewards,
+            e.info,
+            e.breaks,
+            e.env_s,
+            e.generate_s,
+            e.env.state_dict(),
+            e.stream,
+        )
 
     @staticmethod
     def suspended_rollout(e: LiveEpisode, state: EpisodeState) -> Rollout:
@@ -179,9 +197,23 @@ class EpisodeRunner:
     def restored(prompt_index: int, state: EpisodeState, env: Environment) -> LiveEpisode:
         s = state
         return LiveEpisode(
-            prompt_index, s.key, env, s.messages, s.seen, s.sample, s.done_samples, s.turns, s.contents, s.rewards,
-            s.info, s.breaks, None, s.env_s, s.generate_s, s.stream,
-        )  # fmt: skip
+            prompt_index,
+            s.key,
+            env,
+            s.messages,
+            s.seen,
+            s.sample,
+            s.done_samples,
+            s.turns,
+            s.contents,
+            s.rewards,
+            s.info,
+            s.breaks,
+            None,
+            s.env_s,
+            s.generate_s,
+            s.stream,
+        )
 
     def _turn_sampling(self, sampling: SamplingParams) -> SamplingParams:
         """One model turn: one sample, ending at the template's end of turn or a tool call's end."""

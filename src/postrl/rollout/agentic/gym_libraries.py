@@ -185,7 +185,9 @@ class SkyRLGymEnvironment:
         if env_id not in self.gym.envs.registration.registry:
             known = ", ".join(sorted(self.gym.envs.registration.registry))
             raise ValueError(f"skyrl-gym has no environment '{env_id}' (registered: {known})")
-        self.env_id, self.env_config, self.max_turns = env_id, env_config or {}, max_turns
+        self.env_id = env_id
+        self.env_config = env_config or {}
+        self.max_turns = max_turns
         self.env: Any = None
 
     def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -201,8 +203,12 @@ class SkyRLGymEnvironment:
 
     def step(self, action: str) -> StepResult:
         out = self.env.step(action)
-        return StepResult([dict(m) for m in out["observations"]], reward=float(out["reward"]), done=bool(out["done"]),
-                          info=_jsonable(out.get("metadata") or {}))  # fmt: skip
+        return StepResult(
+            [dict(m) for m in out["observations"]],
+            reward=float(out["reward"]),
+            done=bool(out["done"]),
+            info=_jsonable(out.get("metadata") or {}),
+        )
 
     def close(self) -> None:
         if self.env is not None:

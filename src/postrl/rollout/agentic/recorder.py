@@ -195,9 +195,19 @@ class EpisodeRecorder:
         if ep is None:
             return None
         samples = [
-            {"prompt_ids": s.prompt_ids, "response_ids": s.response, "logprobs": s.logprobs, "loss_mask": s.mask,
-             "versions": s.versions}
+            {
+                "prompt_ids": s.prompt_ids,
+                "response_ids": s.response,
+                "logprobs": s.logprobs,
+                "loss_mask": s.mask,
+                "versions": s.versions,
+            }
             for s in ep.samples
-        ]  # fmt: skip
-        return {"episode_id": episode_id, "samples": samples, "turns": len(ep.turns), "prefix_breaks": ep.prefix_breaks,
-                "forks": ep.forks}  # fmt: skip
+        ]
+        return {
+            "episode_id": episode_id,
+            "samples": samples,
+            "turns": len(ep.turns),
+            "prefix_breaks": ep.prefix_breaks,
+            "forks": ep.forks,
+        }

@@ -133,7 +133,8 @@ class ToolBox:
     def __init__(self, tools: list[Tool], timeout_s: float = 10.0, fmt: ToolFormat = "auto") -> None:
         self.validators = checked_tools(tools)
         self.tools = {t.name: t for t in tools}
-        self.timeout_s, self.fmt = timeout_s, fmt
+        self.timeout_s = timeout_s
+        self.fmt = fmt
         self.worker = LimitedWorker("postrl-tool")  # one thread: a tool's interpreter lives with it
 
     @property

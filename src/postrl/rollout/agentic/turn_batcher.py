@@ -32,7 +32,8 @@ class TurnBatcher:
     """``generate`` for one episode's turn at a time, batched across the episodes waiting."""
 
     def __init__(self, generate: Generate, max_batch: int = 256) -> None:
-        self.generate, self.max_batch = generate, max_batch
+        self.generate = generate
+        self.max_batch = max_batch
         self._queue: list[_Turn] = []
         self._running = False
         self._changed = threading.Condition()

@@ -51,7 +51,10 @@ class DecodeLoop:
         calls made since the last step that can join (None: a closed loop). ``suspendable=False``:
         the run ignores :meth:`NativeRolloutWorker.suspend` (a health check's probe, which must
         finish)."""
-        self.e, self.sp, self.joiners, self.suspendable = engine, first.sp, joiners, suspendable
+        self.e = engine
+        self.sp = first.sp
+        self.joiners = joiners
+        self.suspendable = suspendable
         self.key = sampling_key(first.sp)
         self.device = engine.model.device
         self.waiting: deque[tuple[int, list[int]]] = deque()  # (loop prompt index, ids)

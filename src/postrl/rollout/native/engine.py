@@ -87,9 +87,12 @@ class NativeRolloutWorker(EngineBase):
         self._helper_turn = threading.Event()
         self._closed = False
         self.updates_in_flight = 0  # weight updates applied in the middle of a generate
-        self.model, self.tokenizer = model, tokenizer
-        self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
-        self.cache_reuse_ratio, self.release_cache = cache_reuse_ratio, release_cache
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cache_reuse_ratio = cache_reuse_ratio
+        self.release_cache = release_cache
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.weight_version = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -203,7 +206,8 @@ class NativeRolloutWorker(EngineBase):
             if not self._inbox:
                 return None
             first = self._inbox.pop(0)
-            self._generating, self._suspending = True, False
+            self._generating = True
+            self._suspending = False
         try:
             self._loop = DecodeLoop(self, first, self._joiners)
         except BaseException as exc:
@@ -220,7 +224,8 @@ class NativeRolloutWorker(EngineBase):
         if self.release_cache:  # a trainer in this process or on this GPU gets the memory back
             self.cache = None
         with self._swap:
-            self._generating, self._suspending = False, False
+            self._generating = False
+            self._suspending = False
             self.apply_pending_weights()
 
     def _joiners(self, key: SamplingKey) -> list[Request]:
@@ -253,12 +258,15 @@ class NativeRolloutWorker(EngineBase):
         weights arriving meanwhile wait for :meth:`apply_pending_weights`."""
         with self._swap:
             self._swap.wait_for(lambda: not self._driving and self._loop is None)
-            self._driving, self._generating, self._suspending = True, True, False
+            self._driving = True
+            self._generating = True
+            self._suspending = False
         try:
             yield
         finally:
             with self._swap:
-                self._generating, self._suspending = False, False
+                self._generating = False
+                self._suspending = False
                 self.apply_pending_weights()
                 self._hand_off()  # calls made during the check
 

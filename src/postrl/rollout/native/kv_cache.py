@@ -40,7 +40,8 @@ class KVCache:
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.slots, self.max_len = slots, max_len
+        self.slots = slots
+        self.max_len = max_len
 
     def fits(self, slots: int, max_len: int) -> bool:
         return slots <= self.slots and max_len <= self.max_len

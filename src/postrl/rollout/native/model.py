@@ -78,7 +78,9 @@ class NativeCausalLM:
         device: torch.device | str = "cpu",
         exact: bool = False,
     ) -> None:
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
         # exact: every pass through the batch-invariant operations the trainer's exact forward
         # uses (postrl.models.invariant), on the plain weights (no packed copies, no LoRA)
         self.exact = exact
@@ -182,7 +184,10 @@ class NativeCausalLM:
             self.x_down = [invariant.pack(self.w_down[i]) for i in layers]
             self.x_head = invariant.pack(self.lm_head)
         if not self.prepacked:
-            self.p_wqkv, self.p_wo, self.p_gate_up, self.p_down = self.wqkv, self.wo, self.w_gate_up, self.w_down
+            self.p_wqkv = self.wqkv
+            self.p_wo = self.wo
+            self.p_gate_up = self.w_gate_up
+            self.p_down = self.w_down
             self.p_head = None
             return
 
