@@ -361,13 +361,14 @@ class InlinePipeline(BackgroundWeights):
         self.waited_s = 0.0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="postrl-scoring")
         self._in_flight: tuple[Batch, Future] | None = None
+        self.serial = config.computes_serially  # resolved once: it asks torch about the devices
 
     def publish(self, state: Weights, version: int) -> None:
         """With serial compute (``controller.serial_compute``) the new weights are pushed now, from the
         trainer's own tensors: the update is over and the next generation runs on this thread, so no
         copy is needed and no thread computes beside the scoring. Otherwise a copy travels in the
         background."""
-        if not self.config.computes_serially:
+        if not self.serial:
             super().publish(state, version)
             return
         began = time.perf_counter()
