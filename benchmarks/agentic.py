@@ -225,13 +225,17 @@ def exact(args: argparse.Namespace) -> dict:
 def latency(args: argparse.Namespace) -> dict:
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+    from postrl.rollout.agentic.individual import Individual
+    from postrl.rollout.agentic.lockstep import Lockstep
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.types import Prompt, SamplingParams
 
     model_dir = str(Path(args.model) if args.model else AGENTIC_MODEL_DIR)
     model, tokenizer = load_causal_lm(model_dir).float().eval(), load_tokenizer(model_dir)
     low, high = args.tool_latency_ms[0] / 1000, args.tool_latency_ms[1] / 1000
-    limits = EpisodeLimits(args.latency_turns, args.turn_tokens, 2048, end_on_turn_length=False)
+    limits = EpisodeLimits(
+        args.latency_turns, args.turn_tokens, 2048, end_on_turn_length=False, env_workers=args.env_workers
+    )
     episodes = [
         Prompt(f"What is {100 + 7 * i} * {10 + i % 90}?", [], columns={"episode": i}, messages=None)
         for i in range(args.latency_episodes)
@@ -246,9 +250,7 @@ def latency(args: argparse.Namespace) -> dict:
                 lambda: SlowTool(args.latency_turns, low, high, args.seed),
                 tokenizer,
                 limits,
-                env_workers=args.env_workers,
-                scheduling=mode,  # type: ignore[arg-type]
-                joins_calls=True,
+                schedule=Individual(joins_calls=True) if mode == "individual" else Lockstep(),
             )
             began = time.perf_counter()
             rollouts = runner.run(episodes, SamplingParams(n=1, temperature=1.0, seed=args.seed))
@@ -279,8 +281,7 @@ def async_training(args: argparse.Namespace) -> dict:
     """Sync against async GRPO on the calculator task whose tool answers after 50-500 ms."""
     model_dir = Path(args.model) if args.model else AGENTIC_MODEL_DIR
     from postrl.config.loading import load_config
-    from postrl.controller.episodes import EpisodeSource
-    from postrl.controller.source import Episodes
+    from postrl.controller.env_episodes import EnvEpisodes
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.run.resolve import resolved_run
@@ -306,9 +307,8 @@ def async_training(args: argparse.Namespace) -> dict:
         tokenizer = load_tokenizer(str(model_dir))
         validator = Validator(held_out, load_validation_set(held_out, tokenizer))
         engine = NativeRolloutWorker.from_hf(load_causal_lm(str(config.run_dir / "final_model")), tokenizer)
-        out[f"acc_{mode}"] = validator.run(Episodes(EpisodeSource(held_out.agent, tokenizer), engine, None), None)[
-            "val/accuracy"
-        ]
+        episodes = EnvEpisodes(held_out.agent, tokenizer, engine, None)  # type: ignore[arg-type] # the env scores
+        out[f"acc_{mode}"] = validator.run(episodes, None)["val/accuracy"]
         print(f"  {mode:6s} {args.async_steps} steps in {out[f'{mode}_wall_s']} s, held-out {out[f'acc_{mode}']:.3f}",
               file=sys.stderr)  # fmt: skip
     return {
@@ -324,8 +324,9 @@ def frameworks(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT / "examples" / "agents"))
     import frameworks as examples  # examples/agents/frameworks.py
 
+    from postrl.rollout.agentic.agent_function import RecordedAgents
     from postrl.rollout.native import NativeRolloutWorker
-    from postrl.serve.agent_runs import RecordedAgents
+    from postrl.serve.recording_server import RecordingServer
     from postrl.types import Prompt, SamplingParams
 
     def recording(engine: NativeRolloutWorker, calls: list[tuple[list[int], list[int]]]) -> NativeRolloutWorker:
@@ -349,7 +350,8 @@ def frameworks(args: argparse.Namespace) -> dict:
     for name in ("agents_sdk", "langgraph_react"):
         calls: list[tuple[list[int], list[int]]] = []
         engine = recording(NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed), calls)
-        agents = RecordedAgents(engine, tokenizer, getattr(examples, name), 8, 600.0, tools_in_prompt="system")
+        server = RecordingServer(engine, tokenizer, tools_in_prompt="system")
+        agents = RecordedAgents(server, tokenizer, getattr(examples, name), 8, 600.0)
         began = time.perf_counter()
         try:
             rollouts = agents.run(prompts, SamplingParams(n=1, temperature=1.0, max_tokens=examples.MAX_TOKENS))
@@ -455,8 +457,7 @@ def speed(args: argparse.Namespace) -> dict:
 def learn(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model) if args.model else AGENTIC_MODEL_DIR  # the shipped warm start (agentic-demo)
     from postrl.config.loading import load_config
-    from postrl.controller.episodes import EpisodeSource
-    from postrl.controller.source import Episodes
+    from postrl.controller.env_episodes import EnvEpisodes
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.run.resolve import resolved_run
@@ -472,11 +473,11 @@ def learn(args: argparse.Namespace) -> dict:
     config = resolved_run(config)
     tokenizer = load_tokenizer(str(model_dir))
     validator = Validator(config, load_validation_set(config, tokenizer))
-    episodes = EpisodeSource(config.agent, tokenizer)
 
     def held_out(path: str) -> dict[str, float]:
         engine = NativeRolloutWorker.from_hf(load_causal_lm(path), tokenizer, torch.float32)
-        return validator.run(Episodes(episodes, engine, None), None)  # the environment scores: no reward service
+        episodes = EnvEpisodes(config.agent, tokenizer, engine, None)  # type: ignore[arg-type] # the env scores
+        return validator.run(episodes, None)
 
     before = held_out(str(model_dir))
     began = time.perf_counter()

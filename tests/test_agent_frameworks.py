@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from postrl.serve.agent_runs import RecordedAgents
+from postrl.rollout.agentic.agent_function import RecordedAgents
+from postrl.serve.recording_server import RecordingServer
 from postrl.types import Prompt, SamplingParams
 from tests.chat_templates import family_tokenizer
 from tests.conftest import make_tiny_model
@@ -35,7 +36,7 @@ def test_a_framework_agent_is_recorded_token_exactly_across_its_tool_calls(name)
     tokenizer = family_tokenizer("qwen2.5")
     engine = ScriptedEngine(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"))
     engine.script = list(TURNS)
-    agents = RecordedAgents(engine, tokenizer, getattr(frameworks, name), workers=1)
+    agents = RecordedAgents(RecordingServer(engine, tokenizer), tokenizer, getattr(frameworks, name), workers=1)
     try:
         (rollout,) = agents.run(
             [Prompt("What is 52*30+504?", [], columns={"answer": "2064"})], SamplingParams(n=1, max_tokens=96)

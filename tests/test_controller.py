@@ -12,6 +12,7 @@ from postrl.config.loading import build_config
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
 from postrl.controller.failures import RewardFailureError
+from postrl.controller.source import SingleTurn
 from postrl.data.dataset import PromptDataset
 from postrl.rollout.common import EngineBase, EngineUnhealthyError
 from postrl.types import Health, Prompt, RewardResult, Rollout, TrainMetrics
@@ -101,14 +102,16 @@ def controller(tmp_path, calls, algorithm=None, **kw) -> tuple[Controller, Compo
         }
     )
     dataset = PromptDataset([Prompt(f"p{i}", [1, 5 + i]) for i in range(4)])
+    rollout, reward = FakeRollout(calls, **kw), FakeReward(calls)
     parts = Components(
         config,
         Tokenizer(),
         dataset,
-        FakeRollout(calls, **kw),
-        FakeReward(calls),
+        rollout,
+        reward,
         FakeTrainer(calls),
         ExperienceBuffer(),
+        SingleTurn(rollout, reward, Tokenizer()),
     )
     ctl = Controller(parts)
     ctl.start()
@@ -269,6 +272,7 @@ def test_closing_the_components_closes_every_worker_and_then_the_scheduler():
         Part("rollout"),
         Part("reward"),
         Part("trainer"),
+        None,
         None,
         Part("scheduler"),
         Part("critic"),

@@ -14,6 +14,8 @@ import pytest
 from postrl.config.run import ConfigError
 from postrl.rollout.agentic.env import StepResult
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+from postrl.rollout.agentic.individual import Individual
+from postrl.rollout.agentic.lockstep import Lockstep
 from postrl.rollout.agentic.turn_batcher import TurnBatcher
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.types import Prompt, Rollout, SamplingParams
@@ -78,9 +80,7 @@ def run(model_and_tokenizer, rows, scheduling, joins=True, max_concurrent=None, 
         lambda: SlowToolEnv(log),
         tokenizer,
         limits,
-        scheduling=scheduling,
-        joins_calls=joins,
-        max_concurrent=max_concurrent,
+        schedule=Individual(joins, max_concurrent) if scheduling == "individual" else Lockstep(),
     )
     prompts = [Prompt(r["prompt"], [], columns=r) for r in rows]
     return runner.run(prompts, GREEDY), log, calls

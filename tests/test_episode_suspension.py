@@ -14,6 +14,7 @@ import torch
 from postrl.controller.generated import Generated
 from postrl.rollout.agentic.env import StepResult, ToolEnvironment
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+from postrl.rollout.agentic.individual import Individual
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.types import Prompt, SamplingParams
 from tests.chat_templates import family_tokenizer
@@ -61,7 +62,7 @@ def runner_for(model_and_tokenizer, env=SavableSlowEnv) -> EpisodeRunner:
     model, tokenizer = model_and_tokenizer
     engine = NativeRolloutWorker.from_hf(model, tokenizer)
     runner = EpisodeRunner(
-        lambda ps, sp: engine.generate(ps, sp, None), env, tokenizer, LIMITS, scheduling="individual", joins_calls=True
+        lambda ps, sp: engine.generate(ps, sp, None), env, tokenizer, LIMITS, schedule=Individual(joins_calls=True)
     )
     runner.engine = engine  # type: ignore[attr-defined]
     return runner

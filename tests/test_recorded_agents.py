@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from postrl.models.loading import load_causal_lm, load_tokenizer
+from postrl.rollout.agentic.agent_function import RecordedAgents
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
 from postrl.rollout.native import NativeRolloutWorker
-from postrl.serve.agent_runs import MODEL_NAME, RecordedAgents
+from postrl.serve.recording_server import MODEL_NAME, RecordingServer
 from postrl.types import Prompt, SamplingParams
 from tests.test_agentic import ScriptedEnv
 
@@ -57,7 +58,7 @@ def test_recorded_calls_are_the_in_process_trajectory(demo):
     )
     local = runner.run(prompts, GREEDY)
     runner.close()
-    agents = RecordedAgents(engine, char_tokenizer, agent, workers=4)
+    agents = RecordedAgents(RecordingServer(engine, char_tokenizer), char_tokenizer, agent, workers=4)
     try:
         served = agents.run(prompts, GREEDY)
         assert len(served) == len(local) == 4
@@ -73,14 +74,14 @@ def test_recorded_calls_are_the_in_process_trajectory(demo):
             assert a.episode.reward == (b.episode.reward if b.episode.finish_reason == "stop" else 0.0)
             assert len(a.episode.turns) == len(b.episode.turns)
         assert max(len(r.episode.turns) for r in served) == 3 and all(r.episode.prefix_breaks == 0 for r in served)
-        assert not agents.recorder.episodes  # every recording was taken
+        assert not agents.endpoint.recorder.episodes  # every recording was taken
         assert engine.kept.hits > 0  # the server's calls continued each episode from its kept K/V
         two = httpx.post(
             agents.episode_url("e") + "/chat/completions",
             json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "n": 2, "max_tokens": 4},
         )
         assert two.status_code == 200 and len(two.json()["choices"]) == 2
-        view = httpx.get(agents.root + "/v1/episodes/e").json()  # each choice a sample, the second forked
+        view = httpx.get(agents.endpoint.root + "/v1/episodes/e").json()  # each choice a sample, the second forked
         assert (len(view["samples"]), view["forks"]) == (2, 1)
     finally:
         agents.close()
@@ -97,7 +98,7 @@ def test_an_agent_that_raises_ends_its_episode_not_the_batch(demo):
             raise RuntimeError("the agent broke")
         return 1.0
 
-    agents = RecordedAgents(engine, char_tokenizer, flaky)
+    agents = RecordedAgents(RecordingServer(engine, char_tokenizer), char_tokenizer, flaky)
     try:
         out = agents.run([Prompt("fine", [], messages=None), Prompt("boom", [], messages=None)], SamplingParams(n=1))
     finally:

@@ -13,6 +13,8 @@ import torch
 from postrl.data.dataset import PromptDataset
 from postrl.data.sampler import DatasetDraw
 from postrl.rollout.agentic.episodes import EpisodeLimits, EpisodeRunner
+from postrl.rollout.agentic.individual import Individual
+from postrl.rollout.agentic.lockstep import Lockstep
 from postrl.rollout.native import NativeRolloutWorker
 from postrl.rollout.streams import derive, uniforms
 from postrl.types import Prompt, SamplingParams
@@ -79,8 +81,7 @@ def sampled_episodes(model_and_tokenizer, scheduling: str, delays: list[float], 
         lambda: SlowToolEnv(Log()),
         tokenizer,
         limits,
-        scheduling=scheduling,
-        joins_calls=True,
+        schedule=Individual(joins_calls=True) if scheduling == "individual" else Lockstep(),
     )
     prompts = [Prompt(r["prompt"], [], columns=r, stream=derive(11, i)) for i, r in enumerate(rows(delays))]
     before = torch.get_num_threads()

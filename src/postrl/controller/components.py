@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from postrl.config.run import RunConfig
-from postrl.controller.episodes import EpisodeSource
+from postrl.controller.source import BatchSource
 from postrl.data import PromptDataset
 from postrl.scheduling.base import Scheduler
 from postrl.workers.roles import Critic, ExperienceStore, RewardService, ScalableRolloutWorker, TrainWorker
@@ -27,6 +27,6 @@ class Components:
     reward: RewardService
     trainer: TrainWorker
     buffer: ExperienceStore
+    source: BatchSource  # where each batch's rollouts and rewards come from
     scheduler: Scheduler | None = None  # placed the workers; closed last
     critic: Critic | None = None  # when algorithm.critic is set (PPO with GAE)
-    episodes: EpisodeSource | None = None  # an agent: run's episodes (built and checked before the run starts)

@@ -21,7 +21,6 @@ from postrl.controller.async_pipelines import InlinePipeline, ThreadedPipeline
 from postrl.controller.batches import BatchMaker
 from postrl.controller.components import Components
 from postrl.controller.pipeline import Pipeline, ProducedBatch, SyncPipeline, Weights, ledger_state
-from postrl.controller.source import batch_source
 from postrl.controller.stages.kl import KLCoefficient
 from postrl.controller.step_metrics import StageTimer, operating_figures
 from postrl.controller.versions import Versions
@@ -39,7 +38,7 @@ class Controller:
         self.config = parts.config
         self.versions = Versions()
         self.kl = KLCoefficient(self.config.algorithm.kl_beta, parts.trainer)
-        self.source = batch_source(parts.rollout, parts.reward, parts.episodes, parts.tokenizer)
+        self.source = parts.source
         self.batches = BatchMaker(parts, self.source, self.versions, self.kl)
         self.stages = self.batches.stages
         self.pipeline = self._make_pipeline()

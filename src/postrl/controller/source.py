@@ -1,12 +1,14 @@
 """Where a step's rollouts and their rewards come from: the rollout worker and the Reward Service
-(:class:`SingleTurn`), or whole episodes of an ``agent:`` run (:class:`Episodes`). Training,
-validation and ``postrl eval`` all go through a batch source."""
+(:class:`SingleTurn`), or whole episodes of an ``agent:`` run
+(:class:`~postrl.controller.env_episodes.EnvEpisodes`,
+:class:`~postrl.controller.function_episodes.AgentFunctionEpisodes`). Training, validation and
+``postrl eval`` all go through a batch source, built once per run
+(:func:`postrl.run.batch_sources.make_batch_source`)."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from postrl.controller.episodes import EpisodeSource, trainable
 from postrl.controller.stages.base import Groups
 from postrl.reward.requests import score_with
 from postrl.rollout.continuation import continue_rollouts
@@ -83,44 +85,3 @@ class SingleTurn:
 
     def close(self) -> None:
         """The rollout worker and the Reward Service are closed with the run's components."""
-
-
-class Episodes:
-    """Whole episodes (``agent:``), scored by their environment or by the Reward Service on the
-    transcript; an episode that failed before the model's first token is not trained on."""
-
-    def __init__(self, episodes: EpisodeSource, rollout: RolloutWorker, reward: RewardService) -> None:
-        self.episodes = episodes
-        self.rollout = rollout
-        self.reward = reward
-
-    @property
-    def accuracy_component(self) -> str | None:
-        return "environment" if self.episodes.scores_itself else self.reward.accuracy_component
-
-    def generate(self, prompts: list[Prompt], sampling: SamplingParams, version: int | None) -> list[Rollout]:
-        return self.episodes.run(self.rollout, prompts, sampling, version)
-
-    def resume(
-        self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams, version: int | None
-    ) -> list[Rollout]:
-        """Each suspended episode continued from its saved state."""
-        return self.episodes.resume(self.rollout, prompts, rollouts, sampling, version)
-
-    def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
-        return self.episodes.score(prompts, rollouts, self.reward)
-
-    def trainable(self, groups: Groups, batch: int) -> Groups:
-        return trainable(groups, batch)
-
-    def suspend(self) -> bool:
-        return self.episodes.suspend(self.rollout)
-
-    def close(self) -> None:
-        self.episodes.close()
-
-
-def batch_source(
-    rollout: RolloutWorker, reward: RewardService, episodes: EpisodeSource | None, tokenizer: Any
-) -> BatchSource:
-    return SingleTurn(rollout, reward, tokenizer) if episodes is None else Episodes(episodes, rollout, reward)

@@ -11,9 +11,9 @@ from typing import Any
 
 from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
 from postrl.controller.batches import greedy_sampling
-from postrl.controller.episodes import EpisodeSource
-from postrl.controller.source import BatchSource, batch_source
+from postrl.controller.source import BatchSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
+from postrl.run.batch_sources import make_batch_source
 from postrl.run.eval_metrics import default_ks
 from postrl.run.harness import Harness, SetReport, table
 from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
@@ -103,12 +103,16 @@ def run_harness(
     if n > 1:
         sampling = replace(greedy, n=n, temperature=temperature, top_p=top_p)
     agent = run_config.agent if run_config is not None else None
-    episodes = EpisodeSource(agent, tokenizer, model=model) if agent is not None else None
     engine = make_engine(model, url, tokenizer, rollout)
     service = make_reward_service(reward.model_copy(update={"num_workers": 1}))
-    source = batch_source(engine, service, episodes, tokenizer)
     try:
-        votes = episodes is None or not episodes.scores_itself
+        source = make_batch_source(agent, tokenizer, engine, service, model=model)
+    except BaseException:
+        service.close()
+        engine.close()
+        raise
+    try:
+        votes = agent is None or agent.reward == "service"
         harness = Harness(source, accuracy_component(source), reward.accuracy_threshold, greedy, sampling, votes)
         reports = [harness.report(name, dataset, ks) for name, dataset in sets.items()]
     finally:

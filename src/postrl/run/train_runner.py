@@ -20,7 +20,6 @@ from postrl.config.loading import save_config
 from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
-from postrl.controller.episodes import EpisodeSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.data.reasoning_gym import build_gym_prompts
 from postrl.models.devices import DeviceError, resolve_device
@@ -29,6 +28,7 @@ from postrl.models.loading import load_tokenizer
 from postrl.reward.columns import check_columns
 from postrl.reward.factory import make_reward_service
 from postrl.rollout.factory import EngineSpec
+from postrl.run.batch_sources import make_batch_source
 from postrl.run.checkpoint import save_checkpoint
 from postrl.run.foreign_logs import AGENT_OUTPUT_LOG, ForeignLogs
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
@@ -70,9 +70,6 @@ def build_components(config: RunConfig) -> Components:
     dataset = load_dataset(config, tokenizer)
     if config.scores_with_components:
         check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
-    episodes = None
-    if config.agent is not None:  # the environment found, made once and its tools checked against the template
-        episodes = EpisodeSource(config.agent, tokenizer, config.run_dir / "episode_errors.log", config.model.path)
     scheduler = make_scheduler(config.scheduler, config.import_paths, critic=config.algorithm.critic is not None)
     built: list = []
     try:
@@ -82,6 +79,8 @@ def build_components(config: RunConfig) -> Components:
         built.append(scheduler.experience_buffer(config.buffer, config.seed))
         if config.algorithm.critic is not None:
             built.append(scheduler.critic_worker(CriticSpec.of_run(config, tokenizer.pad_token_id)))
+        errors_log = config.run_dir / "episode_errors.log"
+        source = make_batch_source(config.agent, tokenizer, built[1], built[2], errors_log, config.model.path)
     except BaseException:
         for part in built:
             part.close()
@@ -96,9 +95,9 @@ def build_components(config: RunConfig) -> Components:
         reward,
         trainer,
         buffer,
+        source,
         scheduler,
         critic[0] if critic else None,
-        episodes,
     )
 
 

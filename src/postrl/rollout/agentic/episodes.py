@@ -1,13 +1,12 @@
 """Many episodes through one rollout engine, turn by turn, into token-exact trajectories.
 
-Episodes are scheduled individually (``scheduling="individual"``): each runs in a thread of its
-own, its turn goes to the engine the moment its environment has answered, and an episode waiting on
-a tool holds no decode slot and delays no other. An engine that joins concurrent calls
-(``RolloutWorker.joins_calls``: the native engine) batches the turns in flight continuously; for
-another one the turns waiting are merged into batches (:mod:`.turn_batcher`). With
-``scheduling="lockstep"`` every turn waits for all the running episodes' turns, which are generated
-in one batch, then their environments step together: slower where environments take time. Either
-way the same seed gives the same tokens: each episode's turns sample from its own random stream
+:class:`EpisodeRunner` knows how an episode goes: its environment's reset, each model turn, the
+environment's answer, the training samples at its end. When each happens is its schedule's
+(:mod:`.episode_ops`): :class:`~.individual.Individual` runs each episode in a thread of its own,
+its turn going to the engine the moment its environment has answered (an episode waiting on a tool
+holds no decode slot and delays no other); :class:`~.lockstep.Lockstep` generates every running
+episode's turn in one batch, then steps their environments together. Either way the same seed
+gives the same tokens: each episode's turns sample from its own random stream
 (:func:`episode_jobs`, :mod:`postrl.rollout.streams`), whatever order they reach the engine in.
 
 Each episode's prompt is its whole context, with a ``cache_key`` so an engine that keeps KV caches
@@ -21,21 +20,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
-import threading
-import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import replace
 from typing import Any, Literal
 
 from postrl.config.run import ConfigError
 from postrl.rollout.agentic.chat import ChatRenderer, with_tools_system_message
 from postrl.rollout.agentic.checks import check_messages, check_step_result
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, SavableEnvironment, StepResult
-from postrl.rollout.agentic.individual import run_individually
-from postrl.rollout.agentic.limited import Outcome, failure_info, log_close_failures, run_limited
+from postrl.rollout.agentic.episode_ops import EpisodeLimits, EpisodeSchedule, Generate, Job, LiveEpisode
+from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
+from postrl.rollout.agentic.lockstep import Lockstep
 from postrl.rollout.agentic.tools import checked_tools
 from postrl.rollout.streams import derive
 from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
@@ -44,42 +39,11 @@ from postrl.types.metric_names import AGENT
 
 log = logging.getLogger(__name__)
 PrefixPolicy = Literal["split", "keep_context"]
-Scheduling = Literal["individual", "lockstep"]
-Generate = Callable[[list[Prompt], SamplingParams], list[Rollout]]
 _keys = itertools.count()
 
 
 class TrajectoryError(RuntimeError):
     """The engine was given or returned tokens other than the trajectory's: never trained on."""
-
-
-@dataclass(frozen=True)
-class EpisodeLimits:
-    max_turns: int = 4
-    max_tokens_per_turn: int = 128
-    max_context: int = 2048
-    end_on_turn_length: bool = True  # False: a turn cut at max_tokens_per_turn still goes to the environment
-    env_timeout_s: float | None = 60.0  # a reset, step or close that passes it ends its episode (None: no limit)
-
-
-@dataclass
-class LiveEpisode:
-    prompt_index: int
-    key: str
-    env: Environment | None  # None when making it failed
-    messages: list[dict[str, Any]]
-    seen: str  # the template text of the current sample's context
-    sample: TrajectorySample
-    done_samples: list[TrajectorySample] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
-    contents: list[str] = field(default_factory=list)  # each model turn's message content
-    rewards: list[float] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)
-    breaks: int = 0
-    finish: str | None = None
-    env_s: float = 0.0
-    generate_s: float = 0.0
-    stream: int | None = None  # its random stream: turn t samples from derive(stream, t)
 
 
 def episode_jobs(prompts: list[Prompt], n: int) -> list[tuple[int, Prompt]]:
@@ -93,7 +57,8 @@ def episode_jobs(prompts: list[Prompt], n: int) -> list[tuple[int, Prompt]]:
 
 
 class EpisodeRunner:
-    """Runs ``n`` episodes per prompt (a GRPO group of episodes) to their end."""
+    """Runs ``n`` episodes per prompt (a GRPO group of episodes) to their end, as its schedule says;
+    it is the :class:`~.episode_ops.EpisodeOps` its schedule drives."""
 
     def __init__(
         self,
@@ -102,66 +67,52 @@ class EpisodeRunner:
         tokenizer: Any,
         limits: EpisodeLimits,
         on_prefix_break: PrefixPolicy = "split",
-        env_workers: int = 8,
         env_options: dict[str, Any] | None = None,
         tools_in_prompt: Literal["template", "system", "none"] = "template",
-        scheduling: Scheduling = "lockstep",
-        joins_calls: bool = False,
-        max_concurrent: int | None = None,
+        schedule: EpisodeSchedule | None = None,
     ) -> None:
-        """``scheduling``: see the module; ``joins_calls``: the engine batches concurrent calls
-        itself (else an individual run merges the turns waiting); ``max_concurrent``: episodes in
-        flight at once in an individual run (None: all of them)."""
-        self.generate = generate
+        """``schedule``: when each episode's turns happen (None: :class:`~.lockstep.Lockstep`)."""
+        self._generate = generate
         self.make_env = make_env
         self.tokenizer = tokenizer
-        self.limits = limits
+        self._limits = limits
         self.on_prefix_break = on_prefix_break
         self.env_options = env_options or {}
-        self.env_workers = env_workers
         self.tools_in_prompt = tools_in_prompt
-        self.scheduling = scheduling
-        self.joins_calls = joins_calls
-        self.max_concurrent = max_concurrent
-        self.suspending = threading.Event()  # set by suspend(): episodes stop at their next turn
+        self.schedule = schedule or Lockstep()
         self.tools_checked = False  # the first environment made has had its tools checked
+
+    @property
+    def limits(self) -> EpisodeLimits:
+        return self._limits
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
+        return self._generate(prompts, sampling)
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
         """``sampling.n`` episodes of each prompt, their rollouts grouped by prompt, in order."""
-        jobs = episode_jobs(prompts, sampling.n)
-        if self.scheduling == "individual":
-            return run_individually(self, jobs, self._turn_sampling(sampling))
-        resets: list[Callable[[], Any]] = [partial(self.reset_env, p) for _, p in jobs]
-        started = self._limited(resets, "environment reset")
-        try:
-            episodes = [self.start(job, outcome) for job, outcome in zip(jobs, started)]
-            renderer = self._renderer(episodes)
-            turn = self._turn_sampling(sampling)
-            while running := [e for e in episodes if e.finish is None]:
-                self._turn(running, renderer, turn)
-            return [r for e in episodes for r in self.rollouts(e, renderer)]
-        finally:  # unwinding (a stop signal, an error): closes get a second, not the whole time limit
-            made = [o.value[0] for o in started if o.value is not None]
-            log_close_failures(self.close_envs(made, 1.0 if sys.exc_info()[0] else None), len(made))
+        return self.schedule.run(self, episode_jobs(prompts, sampling.n), self._turn_sampling(sampling))
 
     def suspend(self) -> None:
-        """Ask the episodes of an individually scheduled run in progress (another thread's) to stop
-        at their next turn with their state saved (see :mod:`.individual`)."""
-        self.suspending.set()
+        """Ask the episodes of a run in progress (another thread's) to stop at their next turn with
+        their state saved (an individually scheduled run; see :mod:`.individual`)."""
+        self.schedule.suspend()
 
     def resume(self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams) -> list[Rollout]:
-        """A batch a checkpoint suspended: its suspended episodes continued from their saved state
-        (individually scheduled), the others as they were; grouped by prompt."""
+        """A batch a checkpoint suspended: its suspended episodes continued from their saved state,
+        the others as they were; grouped by prompt."""
         states = {i: r.episode.saved for i, r in enumerate(rollouts) if r.episode is not None and r.episode.saved}
         jobs = [(rollouts[i].prompt_index, prompts[rollouts[i].prompt_index]) for i in states]
-        continued = run_individually(self, jobs, self._turn_sampling(sampling), list(states.values()))
+        continued = self.schedule.run(self, jobs, self._turn_sampling(sampling), list(states.values()))
         kept = [r for i, r in enumerate(rollouts) if i not in states]
         return sorted(kept + continued, key=lambda r: r.prompt_index)
 
-    def saved_state(self, e: LiveEpisode) -> EpisodeState:
-        """The episode between two turns, to continue later (its environment must be savable)."""
-        assert isinstance(e.env, SavableEnvironment), "only an episode whose environment saves its state is suspended"
-        return EpisodeState(
+    def suspended(self, e: LiveEpisode) -> Rollout | None:
+        """The placeholder of a suspended episode in its batch (no tokens yet, its saved state);
+        None where its environment cannot save its state."""
+        if not isinstance(e.env, SavableEnvironment):
+            return None
+        state = EpisodeState(
             e.key,
             e.messages,
             e.seen,
@@ -177,10 +128,6 @@ class EpisodeRunner:
             e.env.state_dict(),
             e.stream,
         )
-
-    @staticmethod
-    def suspended_rollout(e: LiveEpisode, state: EpisodeState) -> Rollout:
-        """The placeholder of a suspended episode in its batch: no tokens yet, its saved state."""
         episode = Episode(e.messages, e.turns, None, "suspended", info=e.info, saved=state)
         return Rollout(e.prompt_index, list(e.sample.prompt_ids), [], [], "", "suspended", 0, episode=episode)
 
@@ -193,13 +140,13 @@ class EpisodeRunner:
         env.load_state_dict(state.env_state)
         return env
 
-    @staticmethod
-    def restored(prompt_index: int, state: EpisodeState, env: Environment) -> LiveEpisode:
+    def restored(self, prompt_index: int, state: EpisodeState, env: Environment) -> LiveEpisode:
         s = state
         return LiveEpisode(
             prompt_index,
             s.key,
             env,
+            self.renderer_for(env),
             s.messages,
             s.seen,
             s.sample,
@@ -220,18 +167,11 @@ class EpisodeRunner:
         stop_ids = set(sampling.stop_token_ids) | set(self.renderer_for(None).end_of_turn_ids())
         return replace(sampling, n=1, stop_token_ids=tuple(sorted(stop_ids)), stop=(*sampling.stop, "</tool_call>"))
 
-    def _limited(self, calls: list[Callable[[], Any]], what: str) -> list[Outcome[Any]]:
-        return run_limited(calls, self.limits.env_timeout_s, self.env_workers, what)
-
     def close_envs(self, envs: list[Environment], timeout_s: float | None = None) -> list[str]:
         """Every episode's environment closed, within the time limit; why each close that failed did."""
         limit = self.limits.env_timeout_s if timeout_s is None else timeout_s
-        outcomes = run_limited([env.close for env in envs], limit, self.env_workers, "environment close")
+        outcomes = run_limited([env.close for env in envs], limit, self.limits.env_workers, "environment close")
         return [failure_info(o.error, "close")["env_error"] for o in outcomes if o.error is not None]
-
-    def _renderer(self, episodes: list[LiveEpisode]) -> ChatRenderer:
-        env = next((e.env for e in episodes if e.env is not None), None)
-        return self.renderer_for(env)
 
     def renderer_for(self, env: Environment | None) -> ChatRenderer:
         """The chat template with the environment's tools (none: they are in the system message)."""
@@ -257,13 +197,16 @@ class EpisodeRunner:
         except Exception as exc:
             return env, exc
 
-    def start(self, job: tuple[int, Prompt], outcome: Outcome[Any]) -> LiveEpisode:
+    def start(self, job: Job, outcome: Outcome[Any]) -> LiveEpisode:
         """The episode after its reset; one whose environment could not be made or reset is over
         (env_error) before its first turn."""
         index, prompt = job
         env, messages = outcome.value if outcome.value is not None else (None, outcome.error)
         if env is None or not isinstance(messages, list):
-            failed = LiveEpisode(index, f"episode-{next(_keys)}", env, [], "", TrajectorySample([]), finish="env_error")
+            key = f"episode-{next(_keys)}"
+            failed = LiveEpisode(
+                index, key, env, self.renderer_for(None), [], "", TrajectorySample([]), finish="env_error"
+            )
             assert isinstance(messages, BaseException)
             failed.info.update(failure_info(messages, "reset"))
             return failed
@@ -280,9 +223,8 @@ class EpisodeRunner:
                 f"prompt{where} renders to {len(ids)} tokens: agent.max_context={self.limits.max_context} leaves no "
                 "room for a turn"
             )
-        return LiveEpisode(
-            index, f"episode-{next(_keys)}", env, messages, text, TrajectorySample(ids), stream=prompt.stream
-        )
+        key = f"episode-{next(_keys)}"
+        return LiveEpisode(index, key, env, renderer, messages, text, TrajectorySample(ids), stream=prompt.stream)
 
     def budget(self, e: LiveEpisode) -> int:
         """New tokens the episode's next turn may have; 0: its context is full (it ends, max_context)."""
@@ -301,40 +243,19 @@ class EpisodeRunner:
         if r.prompt_ids != e.sample.context:
             raise TrajectoryError(f"{e.key}: the engine generated from other tokens than the trajectory's")
 
-    def _turn(self, running: list[LiveEpisode], renderer: ChatRenderer, sampling: SamplingParams) -> None:
-        by_budget: dict[int, list[LiveEpisode]] = {}
-        for e in running:
-            if budget := self.budget(e):
-                by_budget.setdefault(budget, []).append(e)
-        generated: list[tuple[LiveEpisode, Rollout]] = []
-        for budget, group in by_budget.items():
-            began = time.perf_counter()
-            rollouts = self.generate([self.turn_prompt(e) for e in group], replace(sampling, max_tokens=budget))
-            took = time.perf_counter() - began
-            for e, r in zip(group, rollouts, strict=True):
-                self.check_trajectory(e, r)
-                e.generate_s += took
-                generated.append((e, r))
-        for e, r in generated:
-            self.record_generation(e, r, renderer)
-        stepping = [e for e, _ in generated if e.finish == "pending"]
-        steps: list[Callable[[], Any]] = [partial(self.step_env, e) for e in stepping]
-        for e, outcome in zip(stepping, self._limited(steps, "environment step"), strict=True):
-            e.env_s += outcome.seconds
-            self.observe(e, outcome, renderer)
-
     @staticmethod
     def step_env(e: LiveEpisode) -> StepResult:
         """The episode's environment answering the model's last turn, checked."""
         assert e.env is not None
         return check_step_result(e.env.step(e.contents[-1]))
 
-    def record_generation(self, e: LiveEpisode, r: Rollout, renderer: ChatRenderer) -> None:
+    def record_generation(self, e: LiveEpisode, r: Rollout) -> None:
+        self.check_trajectory(e, r)
         own = r.logprob_versions or [r.weight_version] * len(r.response_ids)
         cache = r.kv_versions or own
         e.turns.append(Turn(len(e.sample.context), len(r.response_ids)))
         e.sample.add(r.response_ids, r.logprobs, own, cache, generated=True)
-        content, seen = renderer.model_turn(r.response_ids, stopped=r.finish_reason == "stop")
+        content, seen = e.renderer.model_turn(r.response_ids, stopped=r.finish_reason == "stop")
         e.seen += seen
         e.contents.append(content)
         if r.finish_reason == "length" and len(r.response_ids) < self.limits.max_tokens_per_turn:
@@ -346,7 +267,7 @@ class EpisodeRunner:
         else:
             e.finish = "pending"  # the environment decides
 
-    def observe(self, e: LiveEpisode, outcome: Outcome[StepResult], renderer: ChatRenderer) -> None:
+    def observe(self, e: LiveEpisode, outcome: Outcome[StepResult]) -> None:
         """The environment's answer to the model's last turn; a failure, a time-out or a malformed
         answer ends the episode (env_error: unscorable, the reason in ``info``)."""
         if outcome.error is not None:
@@ -369,16 +290,16 @@ class EpisodeRunner:
             e.finish = "max_turns"
             return
         e.finish = None
-        delta, full = renderer.delta(e.seen, e.messages)
+        delta, full = e.renderer.delta(e.seen, e.messages)
         if not delta.ok and self.on_prefix_break == "keep_context":
             e.breaks += 1
-            delta = renderer.appended_delta(result.messages)
+            delta = e.renderer.appended_delta(result.messages)
             full = e.seen + (delta.text or "")
         elif not delta.ok:
             e.breaks += 1
         if not delta.ok:  # split (or keep_context where even the appended rendering breaks)
             e.done_samples.append(e.sample)
-            e.sample, e.seen = TrajectorySample(renderer.encode(full)), full
+            e.sample, e.seen = TrajectorySample(e.renderer.encode(full)), full
             return
         assert delta.ids is not None
         last = e.sample.versions[-1]
@@ -387,7 +308,7 @@ class EpisodeRunner:
         e.seen = full
         turn.observation_tokens = n
 
-    def rollouts(self, e: LiveEpisode, renderer: ChatRenderer) -> list[Rollout]:
+    def rollouts(self, e: LiveEpisode) -> list[Rollout]:
         """The episode's training samples; an episode that failed before the model wrote anything
         is one empty rollout, so its failure is counted and saved like any other."""
         every = [*e.done_samples, e.sample]
@@ -405,7 +326,7 @@ class EpisodeRunner:
         )
         if not samples and e.finish == "env_error":
             return [failed_rollout(e.prompt_index, e.sample.prompt_ids, episode)]
-        return [sample_rollout(e.prompt_index, s, episode, part, renderer) for part, s in enumerate(samples)]
+        return [sample_rollout(e.prompt_index, s, episode, part, e.renderer) for part, s in enumerate(samples)]
 
     def close(self) -> None:
         """Nothing to free: the environments of a run are closed at its end."""

@@ -1,7 +1,9 @@
 """``agent.function``: train an agent written against the OpenAI API.
 
-The run starts an OpenAI-compatible server on loopback over its own rollout engine, recording
-every episode (:mod:`postrl.rollout.agentic.recorder`). For each prompt it runs the user's
+The run serves its rollout engine on loopback through an OpenAI-compatible server that records
+every episode (:mod:`postrl.rollout.agentic.recorder`; the server is
+:func:`postrl.serve.recording_server.start_recording_server`, handed in as a
+:class:`RecordingEndpoint`). For each prompt it runs the user's
 ``function(client, row) -> reward`` ``n`` times in threads, each with an ``openai.OpenAI`` client
 whose base URL is the episode's own (``http://127.0.0.1:PORT/episodes/ID/v1``): an agent
 framework pointed at ``str(client.base_url)`` records into the episode with no other change, on
@@ -12,27 +14,18 @@ reward (None: the reward service scores the transcript).
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from postrl.config.imports import import_callable
 from postrl.rollout.agentic.chat import ChatRenderer
 from postrl.rollout.agentic.episodes import failed_rollout
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.rollout.agentic.recorder import EpisodeRecorder, RecordedEpisode
-from postrl.serve.batcher import EngineBatcher
-from postrl.serve.chat_turn import ToolsInPrompt
-from postrl.serve.limits import ServerLimits
-from postrl.serve.openai_server import build_app
 from postrl.types import Prompt, Rollout, SamplingParams
-from postrl.workers.net import free_port
-from postrl.workers.roles import RolloutWorker
 
 AgentFunction = Callable[[Any, dict[str, Any]], "float | None"]
-MODEL_NAME = "policy"  # what the agent's client sends as ``model``
 
 
 def load_agent_function(spec: str) -> AgentFunction:
@@ -47,43 +40,43 @@ NO_MODEL_CALL = {
 }
 
 
+class RecordingEndpoint(Protocol):
+    """An OpenAI-compatible server over the run's engine that records each episode's calls."""
+
+    @property
+    def root(self) -> str:
+        """Its address, ``http://127.0.0.1:PORT``."""
+        ...
+
+    @property
+    def recorder(self) -> EpisodeRecorder: ...
+
+    def close(self) -> None: ...
+
+
 class RecordedAgents:
+    """The user's agent function, run ``n`` times per prompt against a recording endpoint."""
+
     def __init__(
         self,
-        engine: RolloutWorker,
+        endpoint: RecordingEndpoint,
         tokenizer: Any,
         function: AgentFunction,
         workers: int = 8,
         timeout_s: float | None = None,
-        tools_in_prompt: ToolsInPrompt = "template",
     ) -> None:
+        """Takes over ``endpoint``: :meth:`close` closes it."""
         import openai  # noqa: F401 - imported once here, not inside the first episodes' time limits
-        import uvicorn
 
+        self.endpoint = endpoint
         self.function = function
         self.workers = workers
         self.timeout_s = timeout_s
         self.renderer = ChatRenderer(tokenizer)
-        self.recorder = EpisodeRecorder(tokenizer)
-        self.batcher = EngineBatcher(engine)
-        limits = ServerLimits(max_prompts=1, max_n=16)
-        app = build_app(
-            self.batcher, tokenizer, MODEL_NAME, limits=limits, recorder=self.recorder, tools_in_prompt=tools_in_prompt
-        )
-        port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name="postrl-agent-server", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the agent server did not start")
-            time.sleep(0.02)
-        self.root = f"http://127.0.0.1:{port}"
 
     def episode_url(self, episode: str) -> str:
         """The OpenAI base URL that records into ``episode``."""
-        return f"{self.root}/episodes/{episode}/v1"
+        return f"{self.endpoint.root}/episodes/{episode}/v1"
 
     def run(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
         """Every episode's rollouts, in prompt order. A function that raises, returns something other
@@ -111,7 +104,7 @@ class RecordedAgents:
         return None if reward is None else float(reward)
 
     def _episode(self, index: int, episode: str, outcome: Outcome[float | None]) -> list[Rollout]:
-        recorded = self.recorder.take(episode) or RecordedEpisode()
+        recorded = self.endpoint.recorder.take(episode) or RecordedEpisode()
         if outcome.error is not None:
             recorded.finish_reason = "env_error"
         rollouts = recorded.rollouts(index, self.renderer, outcome.value, outcome.seconds)
@@ -129,6 +122,4 @@ class RecordedAgents:
         return rollouts
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.batcher.close()
+        self.endpoint.close()

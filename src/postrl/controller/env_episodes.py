@@ -1,0 +1,153 @@
+"""``agent.env`` runs: a batch's rollouts are whole episodes of an environment, played on the run's
+rollout engine by an :class:`~postrl.rollout.agentic.episodes.EpisodeRunner` on the configured
+schedule, and scored by :class:`~postrl.controller.episodes.EpisodeScoring`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from postrl.config.agent import AgentConfig
+from postrl.config.run import ConfigError
+from postrl.controller.episodes import EpisodeScoring, trainable
+from postrl.controller.stages.base import Groups
+from postrl.rollout.agentic.env_lookup import environment_factory
+from postrl.rollout.agentic.episode_ops import EpisodeLimits, EpisodeSchedule
+from postrl.rollout.agentic.episodes import EpisodeRunner
+from postrl.rollout.agentic.individual import Individual
+from postrl.rollout.agentic.limited import call_limited, failure_info, run_limited
+from postrl.rollout.agentic.lockstep import Lockstep
+from postrl.rollout.agentic.template_check import check_template
+from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
+from postrl.workers.roles import RewardService, RolloutWorker
+
+log = logging.getLogger(__name__)
+
+
+def episode_limits(config: AgentConfig) -> EpisodeLimits:
+    return EpisodeLimits(
+        config.max_turns,
+        config.max_tokens_per_turn,
+        config.max_context,
+        config.on_turn_length == "end",
+        config.env_timeout_s,
+        config.env_workers,
+    )
+
+
+class EnvEpisodes:
+    """The batch source of an ``agent.env`` run."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        tokenizer: Any,
+        rollout: RolloutWorker,
+        reward: RewardService,
+        errors_log: Path | None = None,
+        model: str = "the model",
+    ) -> None:
+        """Finds the environment and checks, before the run starts, that one can be made and that its
+        tools reach the prompt; a ConfigError names the field to change."""
+        assert config.env is not None
+        self.config = config
+        self.tokenizer = tokenizer
+        self.rollout = rollout
+        self.scoring = EpisodeScoring(config.reward, reward, errors_log)
+        self.limits = episode_limits(config)
+        try:
+            self.make_env = environment_factory(config.env)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        tools = self._probe_tools()
+        report = check_template(tokenizer, tools or None)
+        if tools and not report.tools_rendered and config.tools_in_prompt == "template":
+            names = ", ".join(t["function"]["name"] for t in tools)
+            raise ConfigError(
+                f"agent.tools_in_prompt=template: the chat template of {model} ignores tools=, so the model "
+                f"would never see the tools of agent.env={config.env} ({names}); set agent.tools_in_prompt: "
+                "system (postrl writes them into a system message), none (the model was trained on them) or use a "
+                "model whose template renders tools"
+            )
+        (log.info if report.append_only else log.warning)("agent: %s", report.summary(config.on_prefix_break))
+        self._running: set[EpisodeRunner] = set()  # the runs in progress (suspend() reaches them)
+        self._lock = threading.Lock()
+
+    def _probe_tools(self) -> list[dict[str, Any]]:
+        """The tool schemas of one environment made (and closed) before the run, within the time limit."""
+        what = f"making agent.env={self.config.env}"
+        try:
+            probe = call_limited(lambda: self.make_env(**self.config.env_options), self.config.env_timeout_s, what)
+        except Exception as exc:
+            raise ConfigError(f"agent.env: {what} failed: {failure_info(exc, 'make')['env_error']}") from None
+        try:
+            return [t.schema for t in probe.tools]
+        finally:
+            run_limited([probe.close], self.config.env_timeout_s, 1, "environment close")
+
+    @property
+    def accuracy_component(self) -> str | None:
+        return self.scoring.accuracy_component
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, version: int | None) -> list[Rollout]:
+        runner = self._runner(version)
+        try:
+            return runner.run(prompts, sampling)
+        finally:
+            self._finished(runner)
+
+    def resume(
+        self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams, version: int | None
+    ) -> list[Rollout]:
+        """A batch a checkpoint suspended: its suspended episodes continued from their saved state."""
+        runner = self._runner(version)
+        try:
+            return runner.resume(prompts, rollouts, sampling)
+        finally:
+            self._finished(runner)
+
+    def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
+        return self.scoring.score(prompts, rollouts)
+
+    def trainable(self, groups: Groups, batch: int) -> Groups:
+        return trainable(groups, batch)
+
+    def suspend(self) -> bool:
+        """A checkpoint: the episodes in progress stop at their next turn with their state saved
+        (the engines cut the turns being generated); True when some were running."""
+        with self._lock:
+            runners = list(self._running)
+        for runner in runners:
+            runner.suspend()
+        return self.rollout.suspend() or bool(runners)
+
+    def close(self) -> None:
+        """The environments of a run are closed at its end; the engine and the reward service with the
+        run's components."""
+
+    def _schedule(self) -> EpisodeSchedule:
+        if self.config.scheduling == "lockstep":
+            return Lockstep()
+        return Individual(self.rollout.joins_calls, self.config.max_concurrent_episodes)
+
+    def _runner(self, version: int | None) -> EpisodeRunner:
+        c = self.config
+        runner = EpisodeRunner(
+            lambda ps, sp: self.rollout.generate(ps, sp, version),
+            self.make_env,
+            self.tokenizer,
+            self.limits,
+            c.on_prefix_break,
+            c.env_options,
+            c.tools_in_prompt,
+            self._schedule(),
+        )
+        with self._lock:
+            self._running.add(runner)
+        return runner
+
+    def _finished(self, runner: EpisodeRunner) -> None:
+        with self._lock:
+            self._running.discard(runner)

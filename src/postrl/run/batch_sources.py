@@ -1,0 +1,33 @@
+"""The batch source of a run, built once: single-turn samples, or an ``agent:`` run's episodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from postrl.config.agent import AgentConfig
+from postrl.controller.env_episodes import EnvEpisodes
+from postrl.controller.function_episodes import AgentFunctionEpisodes
+from postrl.controller.source import BatchSource, SingleTurn
+from postrl.rollout.agentic.agent_function import RecordedAgents, load_agent_function
+from postrl.serve.recording_server import RecordingServer
+from postrl.workers.roles import RewardService, RolloutWorker
+
+
+def make_batch_source(
+    agent: AgentConfig | None,
+    tokenizer: Any,
+    rollout: RolloutWorker,
+    reward: RewardService,
+    errors_log: Path | None = None,
+    model: str = "the model",
+) -> BatchSource:
+    """``errors_log``: where a failed episode's traceback goes; ``model``: its name in errors."""
+    if agent is None:
+        return SingleTurn(rollout, reward, tokenizer)
+    if agent.function is None:
+        return EnvEpisodes(agent, tokenizer, rollout, reward, errors_log, model)
+    function = load_agent_function(agent.function)
+    server = RecordingServer(rollout, tokenizer, agent.tools_in_prompt)
+    agents = RecordedAgents(server, tokenizer, function, agent.env_workers, agent.function_timeout_s)
+    return AgentFunctionEpisodes(agent, tokenizer, agents, rollout, reward, errors_log)
