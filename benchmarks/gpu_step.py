@@ -111,7 +111,7 @@ def measure(
         "float32",
         seed=0,
     )
-    engine._eos = set()  # every sample runs to NEW_TOKENS: the same work in every step
+    engine.loop_state.eos = frozenset()  # every sample runs to NEW_TOKENS: the same work in every step
     trainer = PolicyTrainer(
         model,
         TrainConfig(lr=1e-6, mini_batch_size=prompts_n * G, micro_batch_size=MICRO, device=str(device)),

@@ -69,7 +69,7 @@ def best(runs: list[dict]) -> dict:
 
 
 def run_postrl(engine, prompts, n, max_tokens) -> dict:
-    engine.stats = dict.fromkeys(engine.stats, 0)
+    engine.stats.update(dict.fromkeys(engine.stats, 0))
     start = time.perf_counter()
     out = engine.generate(prompts, SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=0), 0)
     elapsed = time.perf_counter() - start

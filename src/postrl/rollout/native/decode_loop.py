@@ -15,21 +15,17 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from postrl.models import invariant
 from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, KVCache, shared_prefix_length
+from postrl.rollout.native.loop_state import LoopState
 from postrl.rollout.native.sequences import ForwardPass, Request, SamplingKey, Sequence, sampling_key
 from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.rollout.streams import derive, prompt_key, uniforms
-
-if TYPE_CHECKING:
-    from postrl.rollout.native.engine import NativeRolloutWorker
-
 
 SPAN_STEP = 64  # decode attends over positions [0, span): the longest active, rounded up to this
 COMPACT_AT = 8  # idle slots below the highest active one that make decode move sequences down
@@ -42,21 +38,21 @@ class DecodeLoop:
 
     def __init__(
         self,
-        engine: NativeRolloutWorker,
+        state: LoopState,
         first: Request,
         joiners: Callable[[SamplingKey], list[Request]] | None = None,
         suspendable: bool = True,
     ) -> None:
         """``first`` sets the sampling every joining request shares; ``joiners(key)`` hands over the
         calls made since the last step that can join (None: a closed loop). ``suspendable=False``:
-        the run ignores :meth:`NativeRolloutWorker.suspend` (a health check's probe, which must
-        finish)."""
-        self.e = engine
+        the run ignores a suspend (a health check's probe, which must finish). ``state``: the engine's,
+        whose cache the loop grows."""
+        self.s = state
         self.sp = first.sp
         self.joiners = joiners
         self.suspendable = suspendable
         self.key = sampling_key(first.sp)
-        self.device = engine.model.device
+        self.device = state.model.device
         self.waiting: deque[tuple[int, list[int]]] = deque()  # (loop prompt index, ids)
         self.owner: list[tuple[Request, int]] = []  # loop prompt index -> (request, its index there)
         self.keys: list[str | None] = []
@@ -76,36 +72,34 @@ class DecodeLoop:
 
     def add(self, request: Request) -> None:
         """Queue a request's prompts; the cache grows (more slots, longer rows) to take them."""
-        request.stop_ids = frozenset(self.e._eos | set(request.sp.stop_token_ids))
-        request.checker = StopChecker(self.e.tokenizer, request.sp.stop)
+        request.stop_ids = self.s.eos | frozenset(request.sp.stop_token_ids)
+        request.checker = StopChecker(self.s.tokenizer, request.sp.stop)
         self.requests.append(request)
         for i, p in enumerate(request.prompts):
             g = len(self.owner)
             self.owner.append((request, i))
             self.keys.append(p.cache_key)
-            self.streams.append(prompt_key(p.stream, request.sp.seed, i, self.e.generator))
+            self.streams.append(prompt_key(p.stream, request.sp.seed, i, self.s.generator))
             self.remaining[g] = request.sp.n
             self.waiting.append((g, p.prompt_ids))
         wanted = sum(self.remaining[g] for g, _ in self.waiting) + len(self.active)
         longest = max(len(p.prompt_ids) for p in request.prompts) + request.sp.max_tokens
-        self._grow(min(self.e.max_batch_size, wanted), longest)
+        self._grow(min(self.s.max_batch_size, wanted), longest)
 
     def _grow(self, slots: int, max_len: int) -> None:
         """At least ``slots`` slots of ``max_len`` positions: the engine's cache, reused when it fits,
         else replaced by a larger one holding the active slots' K/V (slots at least double, so a
         loop joined one request at a time copies its cache a logarithmic number of times)."""
         if self.n_slots == 0:  # as many slots as the last loop had: calls that come one by one join it
-            self.e._ensure_cache(max(slots, min(self.e.slots_hint, self.e.max_batch_size)), max_len)
-            assert self.e.cache is not None
-            self._take_slots(self.e.cache)
+            self._take_slots(self.s.ensure_cache(max(slots, min(self.s.slots_hint, self.s.max_batch_size)), max_len))
             return
         if self.cache.fits(max(slots, self.n_slots), max_len):
             return
-        slots = max(slots, self.n_slots if slots <= self.n_slots else min(2 * self.n_slots, self.e.max_batch_size))
+        slots = max(slots, self.n_slots if slots <= self.n_slots else min(2 * self.n_slots, self.s.max_batch_size))
         if max_len > self.cache.max_len:  # contexts grow turn by turn: grow in steps, not by each turn
             max_len = -(-max_len // LENGTH_STEP) * LENGTH_STEP
         bigger = self.cache.resized(max(slots, self.cache.slots), max(max_len, self.cache.max_len))
-        self.e.cache = bigger
+        self.s.cache = bigger
         self._take_slots(bigger)
 
     def _take_slots(self, cache: KVCache) -> None:
@@ -118,7 +112,7 @@ class DecodeLoop:
         self.pos = torch.cat([self.pos, torch.zeros(extra, dtype=torch.long, device=self.device)])
         self.is_active = torch.cat([self.is_active, torch.zeros(extra, dtype=torch.bool, device=self.device)])
         self.last = torch.cat([self.last, torch.zeros(extra, dtype=torch.long, device=self.device)])
-        self.kv_version += [self.e.weight_version] * extra
+        self.kv_version += [self.s.weights.weight_version] * extra
 
     def run(self, until: Callable[[], bool] | None = None) -> bool:
         """Step until every request is answered (True), or until ``until()`` holds after a step
@@ -130,10 +124,10 @@ class DecodeLoop:
         return True
 
     def _step(self) -> None:
-        if self.e._suspending and self.suspendable:
+        if self.s.suspending.is_set() and self.suspendable:
             self._suspend_all()
             return
-        if self.e._pending is not None and self.e.apply_pending_weights():
+        if self.s.weights.apply_pending_weights():
             self._after_update()
         decode = self._decode_pass() if self.active else None
         admission = self._admission()
@@ -143,13 +137,13 @@ class DecodeLoop:
         took = time.perf_counter() - start
         decoded = len(decode.tokens) if decode is not None else 0
         share = decoded / sum(len(p.tokens) for p in passes)
-        self.e.stats["decode_s"] += took * share
-        self.e.stats["prefill_s"] += took * (1 - share)
+        self.s.stats["decode_s"] += took * share
+        self.s.stats["prefill_s"] += took * (1 - share)
         row_slots, logits = [], []
         if decode is not None:
             assert decode.live is not None
             self.pos[: len(decode.live)] += decode.live.long()
-            self.e.stats["decode_tokens"] += len(decode.rows)
+            self.s.stats["decode_tokens"] += len(decode.rows)
             row_slots.append(decode.owners)
             logits.append(outputs[0])
         if admission is not None:
@@ -160,7 +154,7 @@ class DecodeLoop:
         sampled = [self.active[s] for s in slots.tolist()]
         u = uniforms(torch.tensor([q.stream for q in sampled]), torch.tensor([len(q.tokens) for q in sampled]))
         tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, u)
-        if self.e.model.exact:  # the trainer's computation of the same quantity, tile by tile
+        if self.s.model.exact:  # the trainer's computation of the same quantity, tile by tile
             lps = invariant.token_logprobs(rows, tokens, self.sp.temperature or 1.0)
         top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
         self._record(slots, tokens, lps, top)
@@ -170,7 +164,7 @@ class DecodeLoop:
         each pass's logits rows."""
         if len(passes) == 1:
             p = passes[0]
-            return [self.e.model.forward(p.tokens, p.positions, self.cache, p.slots, p.attend, logits_rows=p.rows)]
+            return [self.s.model.forward(p.tokens, p.positions, self.cache, p.slots, p.attend, logits_rows=p.rows)]
         offsets = [0]
         for p in passes:
             offsets.append(offsets[-1] + len(p.tokens))
@@ -179,7 +173,7 @@ class DecodeLoop:
             return torch.cat([p.attend(layer, q[a:b], k[a:b], v[a:b]) for p, a, b in zip(passes, offsets, offsets[1:])])
 
         rows = torch.cat([p.rows + a for p, a in zip(passes, offsets)])
-        logits = self.e.model.forward(
+        logits = self.s.model.forward(
             torch.cat([p.tokens for p in passes]),
             torch.cat([p.positions for p in passes]),
             self.cache,
@@ -211,7 +205,7 @@ class DecodeLoop:
         """Every unfinished sample is finished as ``suspended``: the active ones with their tokens
         (each sampled token's logprob is recorded; its K/V is not, a continuation prefills it), the
         samples not yet admitted with none."""
-        self.e._suspending = False  # one suspend() ends what runs now, not the calls that join later
+        self.s.suspending.clear()  # one suspend() ends what runs now, not the calls that join later
         for slot in sorted(self.active):
             seq = self.active.pop(slot)
             seq.request.finish(seq, "suspended")
@@ -229,13 +223,13 @@ class DecodeLoop:
         """New weights mid-generation: the in-flight sequences continue from their prefix. With
         ``kv_after_update=recompute`` the prefix's K/V (prompt and every token but the last, which
         the next decode feeds) is recomputed under the new weights."""
-        self.e.updates_in_flight += 1
-        if self.e.kv_after_update == "keep" or not self.active:
+        self.s.updates_in_flight += 1
+        if self.s.kv_after_update == "keep" or not self.active:
             return
         items = [(s, seq.prompt_ids + seq.tokens[:-1]) for s, seq in sorted(self.active.items())]
         self._prefill(items, start=0)
         for s, _ in items:
-            self.kv_version[s] = self.e.weight_version
+            self.kv_version[s] = self.s.weights.weight_version
 
     # decode: one token for every active slot, over the dense range [0, hi)
     def _decode_pass(self) -> ForwardPass:
@@ -250,12 +244,12 @@ class DecodeLoop:
         active_t = torch.tensor(active, dtype=torch.long, device=self.device)
         slots = torch.arange(hi, device=self.device)
         rows = active_t if len(active) != hi else slots
-        attend = self._exact_attend(slots, attended) if self.e.model.exact else self._decode_attend(hi, attended)
+        attend = self._exact_attend(slots, attended) if self.s.model.exact else self._decode_attend(hi, attended)
         return ForwardPass(self.last[:hi], written, slots, attend, rows, owners=active_t, live=live)
 
     def _decode_attend(self, hi: int, attended: torch.Tensor) -> Callable[..., torch.Tensor]:
         """Attention of slot ``s`` < ``hi`` over its positions ``0 .. attended[s]``."""
-        cfg = self.e.model.cfg
+        cfg = self.s.model.cfg
         # attend over the cache's contiguous blocks with an additive mask: on CPU, batched matmuls on
         # contiguous blocks beat both SDPA and gathers of the live part; each (slot, head) block of
         # positions [0, span) is contiguous, so the span costs no copy
@@ -305,7 +299,7 @@ class DecodeLoop:
         """The waiting prompts that get free slots now, as (prompt index, ids, slots) groups, with
         the pass that prefills them (what a kept cache or a shared prefix already holds is not)."""
         groups: list[tuple[int, list[int], list[int]]] = []
-        budget = self.e.max_prefill_tokens
+        budget = self.s.max_prefill_tokens
         while self.waiting and self.free:
             i, ids = self.waiting[0]
             if groups and len(ids) > budget:
@@ -343,7 +337,7 @@ class DecodeLoop:
                 key = self.keys[i] if self.keys[i] is None or request.sp.n == 1 else f"{self.keys[i]}#{first + k}"
                 stream = derive(self.streams[i], first + k)
                 self.active[s] = Sequence(local, first + k, ids, request, stream, cache_key=key)
-                self.kv_version[s] = self.kept_versions.get(i, self.e.weight_version)
+                self.kv_version[s] = self.kept_versions.get(i, self.s.weights.weight_version)
                 self.pos[s] = len(ids)
                 self.is_active[s] = True
             row_slots.extend(slots)
@@ -356,7 +350,7 @@ class DecodeLoop:
         ``cache_key`` (the last turn of its episode), put back; 0 where there is none."""
         starts = []
         for i, ids, slots in groups:
-            kept = self.e.kept.take(self.keys[i], ids) if self.owner[i][0].sp.n == 1 else None
+            kept = self.s.kept.take(self.keys[i], ids) if self.owner[i][0].sp.n == 1 else None
             if kept is not None:
                 self.cache.restore(slots[0], kept)
                 self.kept_versions[i] = kept.version
@@ -385,11 +379,11 @@ class DecodeLoop:
         positions = first[row] + col
         attend = (
             self._exact_attend(slots[row], positions)
-            if self.e.model.exact
+            if self.s.model.exact
             else self._prefill_attend(items, lengths, first, row, col, slots)
         )
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-        self.e.stats["prefill_tokens"] += len(tokens)
+        self.s.stats["prefill_tokens"] += len(tokens)
         return ForwardPass(tokens, positions, slots[row], attend, ends)
 
     def _prefill_attend(
@@ -407,7 +401,7 @@ class DecodeLoop:
         key_pos = torch.arange(longest_k, device=self.device).view(1, 1, 1, -1)
         query_pos = first.view(-1, 1, 1, 1) + torch.arange(longest_q, device=self.device).view(1, 1, -1, 1)
         mask = (key_pos <= query_pos) & (key_pos < total.view(-1, 1, 1, 1))
-        cfg = self.e.model.cfg
+        cfg = self.s.model.cfg
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             qp = q.new_zeros((len(items), longest_q, cfg.heads, cfg.head_dim))
@@ -446,7 +440,7 @@ class DecodeLoop:
             assert request.checker is not None
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
-            seq.versions.append(self.e.weight_version)
+            seq.versions.append(self.s.weights.weight_version)
             seq.kv_versions.append(self.kv_version[s])
             if top is not None:
                 seq.top.append(top[row])
@@ -465,7 +459,7 @@ class DecodeLoop:
         if seq.cache_key is not None:  # its cache holds every token but the last sampled one
             length = int(self.pos[slot])
             ids = (seq.prompt_ids + seq.tokens)[:length]
-            self.e.kept.keep(seq.cache_key, ids, self.cache, slot, self.kv_version[slot])
+            self.s.kept.keep(seq.cache_key, ids, self.cache, slot, self.kv_version[slot])
         seq.request.finish(seq, reason)
         self.is_active[slot] = False
         heapq.heappush(self.free, slot)

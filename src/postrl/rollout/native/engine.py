@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from postrl.models import invariant
 from postrl.models.weights import WeightSyncError
 from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.hf_engine import eos_ids
 from postrl.rollout.native.decode_loop import DecodeLoop
 from postrl.rollout.native.kv_cache import KeptCaches, KVCache
+from postrl.rollout.native.loop_state import LoopState
 from postrl.rollout.native.model import NativeCausalLM
 from postrl.rollout.native.sequences import Request, SamplingKey, Sequence, sampling_key
 from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
@@ -77,16 +77,13 @@ class NativeRolloutWorker(EngineBase):
         self.kv_after_update = kv_after_update
         self._swap = threading.Condition()  # guards _generating and _pending
         self._generating = False
-        self._suspending = False  # suspend() asked the scheduler run in progress to return
         self._pending: _PendingWeights | None = None
         self._inbox: list[Request] = []  # generate calls not yet in a loop (guarded by _swap)
         self._loop: DecodeLoop | None = None  # the loop in progress, driven by one caller at a time
         self._driving = False  # a caller runs the loop (or a health check): guarded by _swap
-        self.slots_hint = 0  # slots of the last loop: the next one starts with as many
         self._helper: threading.Thread | None = None  # runs the loop handed over by a caller
         self._helper_turn = threading.Event()
         self._closed = False
-        self.updates_in_flight = 0  # weight updates applied in the middle of a generate
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -96,10 +93,30 @@ class NativeRolloutWorker(EngineBase):
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.weight_version = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self._eos = eos
-        self.cache: KVCache | None = None
         self.kept = KeptCaches(kept_cache_mb << 20)  # finished sequences' K/V by Prompt.cache_key
-        self.stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
+        self.loop_state = LoopState(
+            model,
+            tokenizer,
+            frozenset(eos),
+            self.generator,
+            self,
+            self.kept,
+            max_batch_size,
+            max_prefill_tokens,
+            cache_reuse_ratio,
+            kv_after_update,
+        )
+        self.stats = self.loop_state.stats
+
+    @property
+    def cache(self) -> KVCache | None:
+        """The KV cache (the last loop's; None once released)."""
+        return self.loop_state.cache
+
+    @property
+    def updates_in_flight(self) -> int:
+        """Weight updates applied in the middle of a generate."""
+        return self.loop_state.updates_in_flight
 
     @staticmethod
     def from_hf(
@@ -207,9 +224,9 @@ class NativeRolloutWorker(EngineBase):
                 return None
             first = self._inbox.pop(0)
             self._generating = True
-            self._suspending = False
+            self.loop_state.suspending.clear()
         try:
-            self._loop = DecodeLoop(self, first, self._joiners)
+            self._loop = DecodeLoop(self.loop_state, first, self._joiners)
         except BaseException as exc:
             first.fail(exc)
             raise
@@ -219,13 +236,13 @@ class NativeRolloutWorker(EngineBase):
         """The loop is done (or failed): weights that arrived meanwhile go in, and the cache is
         released unless asked to keep it."""
         if self._loop is not None:
-            self.slots_hint = self._loop.n_slots
+            self.loop_state.slots_hint = self._loop.n_slots
         self._loop = None
         if self.release_cache:  # a trainer in this process or on this GPU gets the memory back
-            self.cache = None
+            self.loop_state.cache = None
         with self._swap:
             self._generating = False
-            self._suspending = False
+            self.loop_state.suspending.clear()
             self.apply_pending_weights()
 
     def _joiners(self, key: SamplingKey) -> list[Request]:
@@ -260,13 +277,13 @@ class NativeRolloutWorker(EngineBase):
             self._swap.wait_for(lambda: not self._driving and self._loop is None)
             self._driving = True
             self._generating = True
-            self._suspending = False
+            self.loop_state.suspending.clear()
         try:
             yield
         finally:
             with self._swap:
                 self._generating = False
-                self._suspending = False
+                self.loop_state.suspending.clear()
                 self.apply_pending_weights()
                 self._hand_off()  # calls made during the check
 
@@ -282,8 +299,9 @@ class NativeRolloutWorker(EngineBase):
         its unfinished samples come back ``suspended`` with the tokens sampled so far, those not yet
         admitted with none. True when a generate was running."""
         with self._swap:
-            self._suspending = self._generating
-            return self._suspending
+            if self._generating:
+                self.loop_state.suspending.set()
+            return self._generating
 
     def update_weights(
         self, weights: dict[str, torch.Tensor] | str | Path, version: int, manifest: dict[str, str] | None = None
@@ -304,6 +322,8 @@ class NativeRolloutWorker(EngineBase):
     def apply_pending_weights(self) -> bool:
         """Swap in weights that arrived during a generate (call with ``_swap`` held, or from the
         generating thread); True when there were some."""
+        if self._pending is None:  # read without the lock: a loop asks at every step
+            return False
         with self._swap:
             pending, self._pending = self._pending, None
             if pending is None:
@@ -340,10 +360,8 @@ class NativeRolloutWorker(EngineBase):
         cfg = self.model.cfg
         probe = Prompt(text="", prompt_ids=[self.pad_id])
         with self._alone():
-            if self.cache is None:
-                self._ensure_cache(1, 2)
-            assert self.cache is not None
-            layers, kv_shape = len(self.cache.k), tuple(self.cache.k[0].shape)
+            cache = self.cache or self.loop_state.ensure_cache(1, 2)
+            layers, kv_shape = len(cache.k), tuple(cache.k[0].shape)
             if layers != cfg.layers or kv_shape[1] != cfg.kv_heads or kv_shape[3] != cfg.head_dim:
                 return Health(
                     False,
@@ -351,26 +369,9 @@ class NativeRolloutWorker(EngineBase):
                     f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})",
                 )
             request = Request([probe], SamplingParams(n=1, temperature=0.0, max_tokens=1))
-            DecodeLoop(self, request, suspendable=False).run()
+            DecodeLoop(self.loop_state, request, suspendable=False).run()
         seqs = request.done.result(timeout=0)
         tokens, logprobs = seqs[0][0].tokens, seqs[0][0].logprobs
         if len(tokens) != 1 or not 0 <= tokens[0] < self.model.embed.shape[0] or not math.isfinite(logprobs[0]):
             return Health(False, f"generating one token gave {tokens} with logprobs {logprobs}")
         return Health(True)
-
-    # -- internals -------------------------------------------------------------------------------
-    def _ensure_cache(self, slots: int, max_len: int) -> None:
-        """Reuse the cache across calls when it fits and is at most ``cache_reuse_ratio`` times too long
-        (decode attends over its whole length); otherwise allocate it once for this call. An exact
-        engine's length is whole key blocks, so that its attention reads each block as a view."""
-        if self.model.exact:
-            max_len = -(-max_len // invariant.KEY_BLOCK) * invariant.KEY_BLOCK
-        old = self.cache
-        if old is not None and old.fits(slots, max_len) and old.max_len <= self.cache_reuse_ratio * max_len:
-            return
-        slots = max(slots, old.slots if old else 0)
-        cfg = self.model.cfg
-        self.cache = None
-        self.cache = KVCache(
-            cfg.layers, slots, cfg.kv_heads, max_len, cfg.head_dim, self.model.cache_dtype, self.model.device
-        )
