@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fastapi import FastAPI, Header
 from fastapi.responses import StreamingResponse
 
 from postrl.rollout.agentic.recorder import EpisodeRecorder, PendingTurn
 from postrl.serve.chat_turn import ChatTurn, template_message
 from postrl.serve.openai_protocol import ChatRequest, bad_request
 from postrl.serve.sse import ChunkEncoder, SSEStream, StreamEncoder, choice_factory, first_stop
+from postrl.serve.turn_context import TurnContext
 from postrl.types import Prompt, Rollout, SamplingParams
-
-if TYPE_CHECKING:
-    from postrl.serve.openai_server import OpenAIServer
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class Answer:
 class PreparedTurn:
     """A call ready to generate: its prompt, sampling, and where its answer is recorded."""
 
-    server: OpenAIServer
+    ctx: TurnContext
     turn: ChatTurn
     prompt: Prompt
     params: SamplingParams
@@ -47,25 +46,25 @@ class PreparedTurn:
     pending: PendingTurn | None
 
     @staticmethod
-    def of(server: OpenAIServer, req: ChatRequest, episode: str | None) -> PreparedTurn:
-        server.check_request(req, 1)
+    def of(ctx: TurnContext, req: ChatRequest, episode: str | None) -> PreparedTurn:
+        ctx.check_request(req, 1)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        turn = ChatTurn.of(req, server.tooling)
-        prompt, pending = _prompt(server, turn, episode)
+        turn = ChatTurn.of(req, ctx.tooling)
+        prompt, pending = _prompt(ctx, turn, episode)
         try:
-            params = _sampling(server, req, prompt, turn, pending is not None)
+            params = _sampling(ctx, req, prompt, turn, pending is not None)
         except Exception:
-            if pending is not None and server.recorder is not None:
-                server.recorder.release(pending)
+            if pending is not None and ctx.recorder is not None:
+                ctx.recorder.release(pending)
             raise
         user_stops = tuple(s for s in params.stop if s not in turn.extra_stops)
-        return PreparedTurn(server, turn, prompt, params, user_stops, req.include_stop_str_in_output, pending)
+        return PreparedTurn(ctx, turn, prompt, params, user_stops, req.include_stop_str_in_output, pending)
 
     def answers(self, rollouts: list[Rollout]) -> list[Answer]:
         out = []
         for r in rollouts:
-            raw, plain = self.server.turn_text(r, special=True), self.server.turn_text(r, special=False)
+            raw, plain = self.ctx.turn_text(r, special=True), self.ctx.turn_text(r, special=False)
             message = self.turn.reply(raw, plain, self.user_stops, self.keep_stop)
             out.append(Answer(r, message, first_stop(raw, self.user_stops)))
         return out
@@ -73,7 +72,7 @@ class PreparedTurn:
     def record(self, done: asyncio.Future[list[Rollout]], answers: list[Answer] | None = None) -> None:
         """The generation's end: its answers (parsed here when not given) recorded into the episode;
         a failed or cancelled one frees its sample."""
-        recorder: EpisodeRecorder | None = self.server.recorder
+        recorder: EpisodeRecorder | None = self.ctx.recorder
         if self.pending is None or recorder is None:
             return
         if done.cancelled() or done.exception() is not None:
@@ -86,7 +85,7 @@ class PreparedTurn:
     async def generate(self) -> list[Answer]:
         """The answers, recorded before they are returned (the agent's next call continues them):
         parsed once, so the recorded messages are the returned ones, tool call ids included."""
-        task = asyncio.ensure_future(self.server.batcher.generate([self.prompt], self.params))
+        task = asyncio.ensure_future(self.ctx.batcher.generate([self.prompt], self.params))
         try:
             rollouts = await task
         except BaseException:  # the generation failed, or this call was cancelled: free the sample when it ends
@@ -97,47 +96,47 @@ class PreparedTurn:
         return answers
 
     def stream(self, encoder: StreamEncoder) -> StreamingResponse:
-        new_choice = choice_factory(self.server, self.user_stops, self.keep_stop, self.turn, chat=True)
-        return SSEStream(self.server, [self.prompt], self.params, encoder, new_choice, self.record).response()
+        new_choice = choice_factory(self.ctx, self.user_stops, self.keep_stop, self.turn, chat=True)
+        return SSEStream(self.ctx, [self.prompt], self.params, encoder, new_choice, self.record).response()
 
 
-def _prompt(server: OpenAIServer, turn: ChatTurn, episode: str | None) -> tuple[Prompt, PendingTurn | None]:
+def _prompt(ctx: TurnContext, turn: ChatTurn, episode: str | None) -> tuple[Prompt, PendingTurn | None]:
     if episode is None:
-        renderer = server.chat_renderer()
+        renderer = ctx.chat_renderer()
         text = renderer.render(turn.messages, generation_prompt=True, tools=turn.tools) + turn.prefix
         return Prompt(text=text, prompt_ids=renderer.encode(text)), None
-    if server.recorder is None:
+    if ctx.recorder is None:
         raise bad_request("this server does not record episodes (start it with --record)", "episode_id")
     try:
-        pending = server.recorder.prompt(episode, turn.messages, turn.tools, turn.prefix)
+        pending = ctx.recorder.prompt(episode, turn.messages, turn.tools, turn.prefix)
     except ValueError as exc:
         raise bad_request(str(exc), "episode_id", 429) from None
     return Prompt(text="", prompt_ids=pending.context, cache_key=pending.cache_key), pending
 
 
-def _sampling(server: OpenAIServer, req: ChatRequest, prompt: Prompt, turn: ChatTurn, recorded: bool) -> SamplingParams:
+def _sampling(ctx: TurnContext, req: ChatRequest, prompt: Prompt, turn: ChatTurn, recorded: bool) -> SamplingParams:
     k = (req.top_logprobs or 0) if req.logprobs else 0
     field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    params = server.sampling(req, [prompt], req.max_completion_tokens or req.max_tokens, k, field)
+    params = ctx.sampling(req, [prompt], req.max_completion_tokens or req.max_tokens, k, field)
     params = replace(params, stop=(*params.stop, *turn.extra_stops))
     if recorded:  # the model's turn ends where the template's does
-        ends = server.chat_renderer().end_of_turn_ids()
+        ends = ctx.chat_renderer().end_of_turn_ids()
         params = replace(params, stop_token_ids=tuple(sorted({*params.stop_token_ids, *ends})))
     return params
 
 
 async def chat_completion(
-    server: OpenAIServer, req: ChatRequest, episode: str | None
+    ctx: TurnContext, req: ChatRequest, episode: str | None
 ) -> dict[str, Any] | StreamingResponse:
-    prepared = PreparedTurn.of(server, req, episode)
+    prepared = PreparedTurn.of(ctx, req, episode)
     k = (req.top_logprobs or 0) if req.logprobs else None
     if req.stream:
-        return prepared.stream(ChunkEncoder(server, req, [prepared.prompt], chat=True, k=k))
+        return prepared.stream(ChunkEncoder(ctx, req, [prepared.prompt], chat=True, k=k))
     answers = await prepared.generate()
     choices = []
     for sample, a in enumerate(answers):
         r = a.rollout
-        lp = server.chat_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
+        lp = ctx.chat_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
         reason = "tool_calls" if a.message.get("tool_calls") else r.finish_reason
         choices.append(
             {
@@ -148,4 +147,21 @@ async def chat_completion(
                 "logprobs": lp,
             }
         )
-    return server.envelope("chatcmpl", "chat.completion", choices, [prepared.prompt], [a.rollout for a in answers])
+    return ctx.envelope("chatcmpl", "chat.completion", choices, [prepared.prompt], [a.rollout for a in answers])
+
+
+def add_chat_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
+    """``/v1/chat/completions``; with a recorder, also under an episode's base URL
+    (``{server}/episodes/{id}/v1``: for agents and frameworks that can only be pointed at a URL)."""
+
+    async def chat(
+        req: ChatRequest, x_episode_id: str | None = Header(None, max_length=200)
+    ) -> dict[str, Any] | StreamingResponse:
+        return await chat_completion(ctx, req, req.episode_id or x_episode_id)
+
+    async def episode_chat(episode: str, req: ChatRequest) -> dict[str, Any] | StreamingResponse:
+        return await chat_completion(ctx, req, episode)
+
+    app.post("/v1/chat/completions", response_model=None)(chat)
+    if recorded:
+        app.post("/episodes/{episode}/v1/chat/completions", response_model=None)(episode_chat)

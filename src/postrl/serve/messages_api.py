@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from fastapi import FastAPI, Header
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from postrl.serve.chat_completions import Answer, PreparedTurn
 from postrl.serve.openai_protocol import ChatRequest, bad_request
 from postrl.serve.sse import Delta, sse_event
-
-if TYPE_CHECKING:
-    from fastapi.responses import StreamingResponse
-
-    from postrl.serve.openai_server import OpenAIServer
+from postrl.serve.turn_context import TurnContext
 
 
 class ToolSpec(BaseModel):
@@ -254,13 +252,30 @@ class MessagesEncoder:
         ]
 
 
-async def create_message(server: OpenAIServer, req: MessagesRequest, episode: str | None) -> dict | StreamingResponse:
-    prepared = PreparedTurn.of(server, req.to_chat(), episode)
+async def create_message(ctx: TurnContext, req: MessagesRequest, episode: str | None) -> dict | StreamingResponse:
+    prepared = PreparedTurn.of(ctx, req.to_chat(), episode)
     prompt_tokens = len(prepared.prompt.prompt_ids)
     if req.stream:
-        return prepared.stream(MessagesEncoder(server.model_name, prompt_tokens))
+        return prepared.stream(MessagesEncoder(ctx.model_name, prompt_tokens))
     (answer,) = await prepared.generate()
     r = answer.rollout
     reason = stop_reason(r.finish_reason, bool(answer.message.get("tool_calls")), answer.stop_string)
     usage = {"input_tokens": prompt_tokens, "output_tokens": len(r.response_ids)}
-    return _message(f"msg_{uuid.uuid4().hex}", server.model_name, content_blocks(answer), reason, usage)
+    return _message(f"msg_{uuid.uuid4().hex}", ctx.model_name, content_blocks(answer), reason, usage)
+
+
+def add_messages_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
+    """``/v1/messages``; with a recorder, also under an episode's base URL (an Anthropic client is
+    given it without the ``/v1``, which the client adds)."""
+
+    async def messages(
+        req: MessagesRequest, x_episode_id: str | None = Header(None, max_length=200)
+    ) -> dict | StreamingResponse:
+        return await create_message(ctx, req, req.episode_id or x_episode_id)
+
+    async def episode_messages(episode: str, req: MessagesRequest) -> dict | StreamingResponse:
+        return await create_message(ctx, req, episode)
+
+    app.post("/v1/messages", response_model=None)(messages)
+    if recorded:
+        app.post("/episodes/{episode}/v1/messages", response_model=None)(episode_messages)

@@ -14,214 +14,50 @@ and body limit.
 
 from __future__ import annotations
 
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from postrl.rollout.agentic.chat import ChatRenderer
 from postrl.rollout.agentic.recorder import EpisodeRecorder
-from postrl.rollout.agentic.template_check import tools_reach_prompt
 from postrl.serve.batcher import EngineBatcher
-from postrl.serve.chat_completions import chat_completion
-from postrl.serve.chat_turn import Tooling, ToolsInPrompt
+from postrl.serve.chat_completions import add_chat_routes
+from postrl.serve.chat_turn import ToolsInPrompt
 from postrl.serve.episode_routes import add_episode_routes
 from postrl.serve.limits import ServerLimits
-from postrl.serve.messages_api import MessagesRequest, create_message
-from postrl.serve.openai_protocol import (
-    ChatRequest,
-    CompletionRequest,
-    SamplingRequest,
-    UpdateWeightsRequest,
-    bad_request,
-    check_parameters,
-    final_text,
-)
-from postrl.serve.responses_api import ResponsesRequest, create_response
+from postrl.serve.messages_api import add_messages_routes
+from postrl.serve.openai_protocol import CompletionRequest, UpdateWeightsRequest, bad_request, final_text
+from postrl.serve.responses_api import add_responses_routes
 from postrl.serve.sse import ChunkEncoder, SSEStream, choice_factory
-from postrl.serve.tool_formats import tool_format as find_tool_format
-from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.serve.turn_context import TurnContext
+from postrl.types import Rollout
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware, confined_path, detail
 
-PROBE_TOOL = {
-    "type": "function",
-    "function": {"name": "probe_tool_7", "parameters": {"type": "object", "properties": {}}},
-}
 
+class ServerRoutes:
+    """The server's own routes, beside the APIs': ``/v1/completions`` and ``/update_weights``."""
 
-class OpenAIServer:
-    """The request handling behind the routes: validation, sampling parameters, response bodies."""
+    def __init__(self, ctx: TurnContext) -> None:
+        self.ctx = ctx
 
-    def __init__(
-        self,
-        batcher: EngineBatcher,
-        tokenizer: Any,
-        model_name: str,
-        max_context: int | None,
-        limits: ServerLimits,
-        recorder: EpisodeRecorder | None = None,
-        tool_format: str | None = None,
-        tools_in_prompt: ToolsInPrompt = "template",
-    ) -> None:
-        self.batcher = batcher
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.max_context = max_context
-        self.limits = limits
-        self.recorder = recorder
-        self.created = int(time.time())
-        self._renderer = ChatRenderer(tokenizer) if tokenizer.chat_template else None
-        drops = self._renderer is not None and not tools_reach_prompt(ChatRenderer(tokenizer, [PROBE_TOOL]))
-        self.tooling = Tooling(find_tool_format(tool_format, tokenizer.chat_template), tools_in_prompt, drops)
-        ends = self._renderer.end_of_turn_ids() if self._renderer is not None else []
-        self.turn_end_ids = set(tokenizer.all_special_ids) | set(ends)  # tokens that end a model's turn
-
-    def chat_renderer(self) -> ChatRenderer:
-        if self._renderer is None:
-            raise bad_request(
-                "this model's tokenizer has no chat template: use /v1/completions, or serve a tokenizer with one",
-                "messages",
-            )
-        return self._renderer
-
-    def turn_text(self, r: Rollout, special: bool) -> str:
-        """A response's text less the token that ended the turn, with special tokens or without."""
-        ids = r.response_ids
-        if r.finish_reason == "stop" and ids and ids[-1] in self.turn_end_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=not special)
-
-    # -- checking a request ------------------------------------------------------------------------
-    def check_request(self, req: SamplingRequest, prompts: int) -> None:
-        check_parameters(req)
-        if req.model is not None and req.model != self.model_name:
-            raise bad_request(
-                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
-                "model",
-                404,
-                "model_not_found",
-            )
-        if req.n > self.limits.max_n:
-            raise bad_request(f"n={req.n} is over this server's limit of {self.limits.max_n} (--max-n)", "n")
-        if prompts > self.limits.max_prompts:
-            raise bad_request(
-                f"{prompts} prompts in one request is over this server's limit of {self.limits.max_prompts} "
-                f"(--max-prompts)",
-                "prompt",
-            )
-
-    def to_prompts(self, items: list[str] | list[list[int]]) -> list[Prompt]:
-        prompts = []
-        for item in items:
-            ids = list(item) if isinstance(item, list) else self.tokenizer(item)["input_ids"]
-            if not ids:
-                raise bad_request("prompt is empty", "prompt")
-            text = item if isinstance(item, str) else self.tokenizer.decode(ids)
-            prompts.append(Prompt(text=text, prompt_ids=ids))
-        return prompts
-
-    def sampling(
-        self, req: SamplingRequest, prompts: list[Prompt], asked: int | None, top: int, field: str
-    ) -> SamplingParams:
-        """Sampling parameters, with ``max_tokens`` checked against the server's bound and the context
-        (unset: what the context leaves, up to the server's default)."""
-        longest = max(len(p.prompt_ids) for p in prompts)
-        if asked is not None and asked > self.limits.max_tokens:
-            raise bad_request(
-                f"{field}={asked} is over this server's limit of {self.limits.max_tokens} (--max-tokens-limit)", field
-            )
-        room = self.limits.max_tokens if self.max_context is None else self.max_context - longest
-        if self.max_context is not None and (room <= 0 or (asked is not None and asked > room)):
-            raise bad_request(
-                f"This model's maximum context length is {self.max_context} tokens. However, you requested "
-                f"{longest + (asked or 1)} tokens ({longest} in the prompt, {asked or 1} for the completion). "
-                f"Please reduce the prompt or {field}.",
-                field,
-                code="context_length_exceeded",
-            )
-        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        return SamplingParams(
-            n=req.n,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(req.top_k, 0),
-            max_tokens=asked or min(self.limits.default_max_tokens, room),
-            stop=tuple(stop),
-            seed=req.seed,
-            top_logprobs=top,
-        )
-
-    # -- building answers --------------------------------------------------------------------------
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-    def completion_logprobs(
-        self, tokens: list[int], logprobs: list[float], tops: list | None, k: int, offset: int = 0
-    ) -> dict[str, Any]:
-        strings = [self.token_text(t) for t in tokens]
-        offsets, pos = [], offset
-        for text in strings:
-            offsets.append(pos)
-            pos += len(text)
-        top = None
-        if k > 0 and tops is not None:
-            top = [{self.token_text(t): lp for t, lp in alts[:k]} for alts in tops]
-        return {"tokens": strings, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
-
-    def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None, k: int) -> dict[str, Any]:
-        content = []
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            text = self.token_text(t)
-            alts = [
-                {"token": self.token_text(a), "logprob": alp, "bytes": list(self.token_text(a).encode())}
-                for a, alp in (tops[i][:k] if tops is not None and k > 0 else [])
-            ]
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alts})
-        return {"content": content}
-
-    @staticmethod
-    def usage(prompts: list[Prompt], completion: int) -> dict[str, int]:
-        prompt_tokens = sum(len(p.prompt_ids) for p in prompts)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
-
-    def envelope(
-        self, prefix: str, kind: str, choices: list[dict], prompts: list[Prompt], rollouts: list[Rollout]
-    ) -> dict[str, Any]:
-        return {
-            "id": f"{prefix}-{uuid.uuid4().hex}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": sorted(choices, key=lambda c: c["index"]),
-            "weight_version": self.batcher.worker.weight_version,
-            "usage": self.usage(prompts, sum(len(r.response_ids) for r in rollouts)),
-        }
-
-    # -- the endpoints -----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
         raw = req.prompt
         items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
-        self.check_request(req, len(items))
-        prompts = self.to_prompts(items)  # type: ignore[arg-type]
+        self.ctx.check_request(req, len(items))
+        prompts = self.ctx.to_prompts(items)  # type: ignore[arg-type]
         k = req.logprobs
-        params = self.sampling(req, prompts, req.max_tokens, k or 0, "max_tokens")
+        params = self.ctx.sampling(req, prompts, req.max_tokens, k or 0, "max_tokens")
         if req.stream:
-            encoder = ChunkEncoder(self, req, prompts, chat=False, k=k)
-            new_choice = choice_factory(self, params.stop, req.include_stop_str_in_output, None, chat=False)
-            return SSEStream(self, prompts, params, encoder, new_choice).response()
-        rollouts = await self.batcher.generate(prompts, params)
+            encoder = ChunkEncoder(self.ctx, req, prompts, chat=False, k=k)
+            new_choice = choice_factory(self.ctx, params.stop, req.include_stop_str_in_output, None, chat=False)
+            return SSEStream(self.ctx, prompts, params, encoder, new_choice).response()
+        rollouts = await self.ctx.batcher.generate(prompts, params)
         choices = []
         for r, sample in numbered(rollouts):
-            lp = self.completion_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
+            lp = self.ctx.completion_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
             choices.append(
                 {
                     "index": r.prompt_index * params.n + sample,
@@ -231,50 +67,24 @@ class OpenAIServer:
                     "logprobs": lp,
                 }
             )
-        return self.envelope("cmpl", "text_completion", choices, prompts, rollouts)
-
-    async def chat(
-        self, req: ChatRequest, x_episode_id: str | None = Header(None, max_length=200)
-    ) -> dict[str, Any] | StreamingResponse:
-        return await chat_completion(self, req, req.episode_id or x_episode_id)
-
-    async def episode_chat(self, episode: str, req: ChatRequest) -> dict[str, Any] | StreamingResponse:
-        """The same call with the episode in the base URL (``{server}/episodes/{id}/v1``): for agents
-        and frameworks that can only be pointed at a URL."""
-        return await chat_completion(self, req, episode)
-
-    async def responses(
-        self, req: ResponsesRequest, x_episode_id: str | None = Header(None, max_length=200)
-    ) -> dict[str, Any] | StreamingResponse:
-        return await create_response(self, req, req.episode_id or x_episode_id)
-
-    async def episode_responses(self, episode: str, req: ResponsesRequest) -> dict[str, Any] | StreamingResponse:
-        return await create_response(self, req, episode)
-
-    async def messages(
-        self, req: MessagesRequest, x_episode_id: str | None = Header(None, max_length=200)
-    ) -> dict[str, Any] | StreamingResponse:
-        return await create_message(self, req, req.episode_id or x_episode_id)
-
-    async def episode_messages(self, episode: str, req: MessagesRequest) -> dict[str, Any] | StreamingResponse:
-        return await create_message(self, req, episode)
+        return self.ctx.envelope("cmpl", "text_completion", choices, prompts, rollouts)
 
     async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
-        if self.limits.weights_dir is None:
+        if self.ctx.limits.weights_dir is None:
             raise bad_request(
                 "/update_weights is disabled: start the server with --weights-dir DIR to enable it", "path", 403
             )
         try:
-            path = confined_path(self.limits.weights_dir, req.path)
+            path = confined_path(self.ctx.limits.weights_dir, req.path)
         except ValueError as exc:
             raise bad_request(str(exc), "path", 403) from None
         if not Path(path).is_file():
             raise bad_request(f"no weights file at {req.path}", "path")
         try:
-            await self.batcher.update_weights(path, req.version, req.manifest)
+            await self.ctx.batcher.update_weights(path, req.version, req.manifest)
         except Exception as exc:  # noqa: BLE001 - a bad file is the client's error; the engine keeps its weights
             raise bad_request(f"could not load {req.path}: {type(exc).__name__}: {exc}", "path") from None
-        return {"status": "ok", "weight_version": self.batcher.worker.weight_version}
+        return {"status": "ok", "weight_version": self.ctx.batcher.worker.weight_version}
 
 
 def numbered(rollouts: list[Rollout]) -> list[tuple[Rollout, int]]:
@@ -332,7 +142,8 @@ def build_app(
     chat requests that name an episode (``episode_id`` or ``X-Episode-Id``) are recorded token
     for token, and ``GET``/``DELETE /v1/episodes/{id}`` read and take a recording."""
     limits = limits or ServerLimits(default_max_tokens=default_max_tokens)
-    server = OpenAIServer(batcher, tokenizer, model_name, max_context, limits, recorder, tool_format, tools_in_prompt)
+    ctx = TurnContext(batcher, tokenizer, model_name, max_context, limits, recorder, tool_format, tools_in_prompt)
+    server = ServerRoutes(ctx)
     app = FastAPI(title="postrl rollout server")
     app.add_middleware(BodyLimitMiddleware, limit=limits.max_body_bytes)
     if token:
@@ -350,17 +161,13 @@ def build_app(
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": server.created, "owned_by": "postrl"}],
+            "data": [{"id": model_name, "object": "model", "created": ctx.created, "owned_by": "postrl"}],
         }
 
     app.post("/v1/completions", response_model=None)(server.completions)
-    app.post("/v1/chat/completions", response_model=None)(server.chat)
-    app.post("/v1/responses", response_model=None)(server.responses)
-    app.post("/v1/messages", response_model=None)(server.messages)
     app.post("/update_weights")(server.update_weights)
+    for add_routes in (add_chat_routes, add_responses_routes, add_messages_routes):
+        add_routes(app, ctx, recorded=recorder is not None)
     if recorder is not None:
-        app.post("/episodes/{episode}/v1/chat/completions", response_model=None)(server.episode_chat)
-        app.post("/episodes/{episode}/v1/responses", response_model=None)(server.episode_responses)
-        app.post("/episodes/{episode}/v1/messages", response_model=None)(server.episode_messages)
         add_episode_routes(app, recorder)
     return app

@@ -16,18 +16,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from fastapi import FastAPI, Header
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from postrl.serve.chat_completions import Answer, PreparedTurn
 from postrl.serve.openai_protocol import ChatRequest, FunctionDefinition, bad_request
 from postrl.serve.sse import Delta, sse_event
-
-if TYPE_CHECKING:
-    from fastapi.responses import StreamingResponse
-
-    from postrl.serve.openai_server import OpenAIServer
+from postrl.serve.turn_context import TurnContext
 
 # accepted with no effect on generation
 METADATA = (
@@ -332,13 +330,29 @@ class ResponsesEncoder:
 
 
 async def create_response(
-    server: OpenAIServer, req: ResponsesRequest, episode: str | None
+    ctx: TurnContext, req: ResponsesRequest, episode: str | None
 ) -> dict[str, Any] | StreamingResponse:
-    prepared = PreparedTurn.of(server, req.to_chat(), episode)
-    model = server.model_name
+    prepared = PreparedTurn.of(ctx, req.to_chat(), episode)
+    model = ctx.model_name
     if req.stream:
         return prepared.stream(ResponsesEncoder(req, model, len(prepared.prompt.prompt_ids)))
     (answer,) = await prepared.generate()
     status = "incomplete" if answer.rollout.finish_reason == "length" else "completed"
     usage = _usage(len(prepared.prompt.prompt_ids), len(answer.rollout.response_ids))
     return response_object(req, f"resp_{uuid.uuid4().hex}", model, output_items(answer), status, usage)
+
+
+def add_responses_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
+    """``/v1/responses``; with a recorder, also under an episode's base URL."""
+
+    async def responses(
+        req: ResponsesRequest, x_episode_id: str | None = Header(None, max_length=200)
+    ) -> dict[str, Any] | StreamingResponse:
+        return await create_response(ctx, req, req.episode_id or x_episode_id)
+
+    async def episode_responses(episode: str, req: ResponsesRequest) -> dict[str, Any] | StreamingResponse:
+        return await create_response(ctx, req, episode)
+
+    app.post("/v1/responses", response_model=None)(responses)
+    if recorded:
+        app.post("/episodes/{episode}/v1/responses", response_model=None)(episode_responses)

@@ -13,17 +13,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
 
 from postrl.serve.chat_turn import ChatTurn
 from postrl.serve.openai_protocol import SamplingRequest, cut_at_stop
+from postrl.serve.turn_context import TurnContext
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.workers.http_guard import detail
-
-if TYPE_CHECKING:
-    from postrl.serve.openai_server import OpenAIServer
 
 # called with the generation's future when it ends (the client may have left before)
 OnDone = Callable[["asyncio.Future[list[Rollout]]"], None]
@@ -141,9 +139,9 @@ class ChunkEncoder:
     """OpenAI's chat (``chat.completion.chunk``) and completion (``text_completion``) chunks."""
 
     def __init__(
-        self, server: OpenAIServer, req: SamplingRequest, prompts: list[Prompt], chat: bool, k: int | None
+        self, ctx: TurnContext, req: SamplingRequest, prompts: list[Prompt], chat: bool, k: int | None
     ) -> None:
-        self.server = server
+        self.ctx = ctx
         self.req = req
         self.prompts = prompts
         self.chat = chat
@@ -157,7 +155,7 @@ class ChunkEncoder:
             "id": self.id,
             "object": self.object,
             "created": int(time.time()),
-            "model": self.server.model_name,
+            "model": self.ctx.model_name,
             "choices": choices,
             **extra,
         }
@@ -168,10 +166,10 @@ class ChunkEncoder:
             return None
         top = [d.top] if d.top else None
         if self.chat:
-            return self.server.chat_logprobs([d.token], [d.logprob], top, self.k)
+            return self.ctx.chat_logprobs([d.token], [d.logprob], top, self.k)
         offset = self.offsets.get(d.index, 0)
-        self.offsets[d.index] = offset + len(self.server.token_text(d.token))
-        return self.server.completion_logprobs([d.token], [d.logprob], top, self.k, offset)
+        self.offsets[d.index] = offset + len(self.ctx.token_text(d.token))
+        return self.ctx.completion_logprobs([d.token], [d.logprob], top, self.k, offset)
 
     def opening(self, choices: int) -> list[str]:
         if not self.chat:
@@ -198,7 +196,7 @@ class ChunkEncoder:
             return [sse_event(detail(f"generation failed: {error}")), "data: [DONE]\n\n"]
         usage = []
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            usage = [self._chunk([], usage=self.server.usage(self.prompts, completion_tokens))]
+            usage = [self._chunk([], usage=self.ctx.usage(self.prompts, completion_tokens))]
         return [*usage, "data: [DONE]\n\n"]
 
 
@@ -207,14 +205,14 @@ class SSEStream:
 
     def __init__(
         self,
-        server: OpenAIServer,
+        ctx: TurnContext,
         prompts: list[Prompt],
         params: SamplingParams,
         encoder: StreamEncoder,
         new_choice: Callable[[], ChoiceStream],
         on_done: OnDone | None = None,
     ) -> None:
-        self.server = server
+        self.ctx = ctx
         self.prompts = prompts
         self.params = params
         self.encoder = encoder
@@ -224,7 +222,7 @@ class SSEStream:
         self.choices: dict[int, ChoiceStream] = {}
 
     def response(self) -> StreamingResponse:
-        task = asyncio.ensure_future(self.server.batcher.generate(self.prompts, self.params, self._on_token))
+        task = asyncio.ensure_future(self.ctx.batcher.generate(self.prompts, self.params, self._on_token))
         task.add_done_callback(lambda _: self.events.put_nowait(None))
         if self.on_done is not None:
             task.add_done_callback(self.on_done)
@@ -256,12 +254,12 @@ class SSEStream:
 
 
 def choice_factory(
-    server: OpenAIServer, stops: tuple[str, ...], keep: bool, turn: ChatTurn | None, chat: bool
+    ctx: TurnContext, stops: tuple[str, ...], keep: bool, turn: ChatTurn | None, chat: bool
 ) -> Callable[[], ChoiceStream]:
     """How each choice of a stream is made: a chat turn's ends at its end-of-turn token, and one
     offered tools parses its calls."""
-    ends = server.turn_end_ids if chat else set()
+    ends = ctx.turn_end_ids if chat else set()
     if turn is not None and turn.parser is not None:
         parsed = turn
-        return lambda: ToolChoiceStream(server.tokenizer, parsed, stops, keep, ends)
-    return lambda: ChoiceStream(server.tokenizer, stops, keep, ends)
+        return lambda: ToolChoiceStream(ctx.tokenizer, parsed, stops, keep, ends)
+    return lambda: ChoiceStream(ctx.tokenizer, stops, keep, ends)
