@@ -286,6 +286,7 @@ def async_training(args: argparse.Namespace) -> dict:
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.run.resolve import resolved_run
     from postrl.run.train_runner import train
+    from postrl.data.prompt_source import prompt_source
     from postrl.run.validation import Validator, load_validation_set
 
     out: dict[str, float] = {}
@@ -305,7 +306,7 @@ def async_training(args: argparse.Namespace) -> dict:
         instant = [o for o in overrides if not o.startswith("agent.env=")] + ["agent.env=calculator"]
         held_out = resolved_run(load_config(str(ROOT / "examples" / "calculator_agent.yaml"), instant))
         tokenizer = load_tokenizer(str(model_dir))
-        validator = Validator(held_out, load_validation_set(held_out, tokenizer))
+        validator = Validator(held_out, load_validation_set(held_out, prompt_source(held_out.data, tokenizer)))
         engine = NativeRolloutWorker.from_hf(load_causal_lm(str(config.run_dir / "final_model")), tokenizer)
         episodes = EnvEpisodes(held_out.agent, tokenizer, engine, None)  # type: ignore[arg-type] # the env scores
         out[f"acc_{mode}"] = validator.run(episodes, None)["val/accuracy"]
@@ -462,6 +463,7 @@ def learn(args: argparse.Namespace) -> dict:
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.run.resolve import resolved_run
     from postrl.run.train_runner import train
+    from postrl.data.prompt_source import prompt_source
     from postrl.run.validation import Validator, load_validation_set
 
     out = Path(args.cache) / "runs"
@@ -472,7 +474,7 @@ def learn(args: argparse.Namespace) -> dict:
     config = load_config(str(ROOT / "examples" / "calculator_agent.yaml"), overrides)
     config = resolved_run(config)
     tokenizer = load_tokenizer(str(model_dir))
-    validator = Validator(config, load_validation_set(config, tokenizer))
+    validator = Validator(config, load_validation_set(config, prompt_source(config.data, tokenizer)))
 
     def held_out(path: str) -> dict[str, float]:
         engine = NativeRolloutWorker.from_hf(load_causal_lm(path), tokenizer, torch.float32)

@@ -85,9 +85,13 @@ def run_config(model_dir: Path, out: Path, smoke: bool, eval_every: int) -> dict
 
 def heldout(config: dict, tokenizer) -> list:
     from postrl.config.loading import build_config
+    from postrl.data.prompt_source import prompt_source
     from postrl.run.validation import load_validation_set
 
-    return load_validation_set(build_config(config), tokenizer, lambda line: print(line, file=sys.stderr)).prompts
+    run = build_config(config)
+    held_out = load_validation_set(run, prompt_source(run.data, tokenizer), lambda line: print(line, file=sys.stderr))
+    assert held_out is not None
+    return held_out.prompts
 
 
 def accuracy_of(model, tokenizer, prompts: list, dtype: str = "auto") -> tuple[float, dict[str, float]]:

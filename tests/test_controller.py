@@ -14,6 +14,7 @@ from postrl.controller.controller import Controller
 from postrl.controller.failures import RewardFailureError
 from postrl.controller.source import SingleTurn
 from postrl.data.dataset import PromptDataset
+from postrl.data.prompt_source import GivenPrompts
 from postrl.rollout.common import EngineBase, EngineUnhealthyError
 from postrl.types import Health, Prompt, RewardResult, Rollout, TrainMetrics
 
@@ -106,7 +107,7 @@ def controller(tmp_path, calls, algorithm=None, **kw) -> tuple[Controller, Compo
     parts = Components(
         config,
         Tokenizer(),
-        dataset,
+        GivenPrompts(dataset, config.data),
         rollout,
         reward,
         FakeTrainer(calls),

@@ -147,6 +147,21 @@ def test_the_file_cycle_check_sees_one_planted_in_the_real_tree(tmp_path):
     assert found == [["postrl.rollout.native.decode_loop", "postrl.rollout.native.engine"]]
 
 
+def files_naming(word: str, root: Path = SRC) -> set[str]:
+    """The source files that name ``word`` (in code, strings or docstrings), relative to ``root``."""
+    return {str(p.relative_to(root)) for p in root.rglob("*.py") if word in p.read_text().lower().replace("-", "_")}
+
+
+def test_reasoning_gym_is_named_only_by_config_data_and_reward(tmp_path):
+    """One prompt source (data/prompt_source.py) decides where prompts come from: no other package
+    branches on reasoning-gym. The check sees a file elsewhere that names it."""
+    outside = sorted(f for f in files_naming("reasoning_gym") if f.split("/")[0] not in ("config", "data", "reward"))
+    assert outside == []
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "x.py").write_text("if config.data.reasoning_gym is not None:\n    pass\n")
+    assert files_naming("reasoning_gym", tmp_path) == {"run/x.py"}
+
+
 def test_workers_is_a_leaf_every_role_may_import():
     assert import_graph()["workers"] <= {"types"}
 

@@ -78,7 +78,7 @@ def test_build_components_works_on_a_default_config():
     try:
         assert parts.config.data.max_prompt_tokens == 64  # the demo model's context 128 minus rollout.max_tokens 64
         assert config.data.max_prompt_tokens is None  # the given config is left as it was
-        assert len(parts.dataset) == 5000 and parts.critic is None
+        assert len(parts.prompts.train()) == 5000 and parts.critic is None
     finally:
         close_components(parts)
 

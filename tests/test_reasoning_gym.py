@@ -12,7 +12,7 @@ from postrl.config.run import ConfigError, RunConfig  # noqa: E402
 from postrl.data.dataset import DatasetError  # noqa: E402
 from postrl.data.reasoning_gym import build_gym_prompts, held_out, shares, training_questions  # noqa: E402
 from postrl.reward.reasoning_gym import extract_answer, score  # noqa: E402
-from postrl.run.validation import gym_held_out  # noqa: E402
+from postrl.data.reasoning_gym import gym_held_out  # noqa: E402
 
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # ~200 distinct problems
 

@@ -202,6 +202,9 @@ class RemoteRewardConfig(Section):
     batch_size: int = Field(256, ge=1, description="Samples per request.")
 
 
+ACCURACY_KINDS = "reasoning_gym, exact_match, math, or one marked accuracy: true"  # the components that say correct
+
+
 class RewardConfig(Section):
     components: list[RewardComponentConfig] = Field(  # type: ignore[valid-type]
         default_factory=lambda: [ExactMatchComponent(name="correct", type="exact_match")],

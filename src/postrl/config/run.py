@@ -35,6 +35,18 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names every offending field."""
 
 
+NO_HELD_OUT = (
+    "set data.val_files or data.eval_sets (or train on a built-in data.task or data.reasoning_gym, whose held-out "
+    "problems are used)"
+)
+
+
+CURRICULUM_NEEDS_ACCURACY = (
+    "data.reasoning_gym.curriculum follows accuracy: the reward needs an accuracy component (type reasoning_gym, "
+    "or one marked accuracy: true)"
+)
+
+
 class DataConfig(Section):
     task: str | None = Field(None, description="A built-in task name (see postrl.tasks); replaces train_files.")
     train_files: list[str] = Field(default_factory=list, description="JSONL or Parquet prompt files.")
@@ -66,6 +78,11 @@ class DataConfig(Section):
         description="Named held-out sets (files or reasoning-gym specs), validated every logging.eval_every "
         "steps beside the main one (val/<name>/...) and reported by postrl eval.",
     )
+
+    @property
+    def generates_prompts(self) -> bool:
+        """The prompts are generated from seeds (reasoning-gym), not read from files or a task."""
+        return self.reasoning_gym is not None
 
     def prompt_options(self) -> dict[str, Any]:
         """How rows become prompts: the keyword arguments of the dataset loaders."""

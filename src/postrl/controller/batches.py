@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
-from postrl.config.run import RolloutConfig, RunConfig
+from postrl.config.run import RolloutConfig
 from postrl.controller.advantage import compute_advantage
 from postrl.controller.components import Components
 from postrl.controller.failures import check_failure_rate
@@ -19,9 +18,6 @@ from postrl.controller.stages import Groups, StageContext, build_stages
 from postrl.controller.stages.kl import KLCoefficient
 from postrl.controller.step_metrics import StageTimer, reward_values, step_notes, write_samples
 from postrl.controller.versions import Versions
-from postrl.data import PromptDataset
-from postrl.data.curriculum import LeveledDraw
-from postrl.data.sampler import DatasetDraw, PromptDraw
 from postrl.reward.accuracy import accuracy, per_task_accuracy
 from postrl.rollout.agentic.episodes import episode_metrics
 from postrl.types import Experience, Prompt, RewardResult, Rollout, SamplingParams, StepBatch
@@ -62,16 +58,6 @@ def greedy_sampling(rollout: RolloutConfig, max_tokens: int | None = None) -> Sa
     )
 
 
-def prompt_draw(config: RunConfig, dataset: PromptDataset, tokenizer: Any) -> PromptDraw:
-    """The run's prompts: the dataset in a seeded order, or with a reasoning-gym curriculum, problems
-    generated at each task's current level."""
-    gym = config.data.reasoning_gym
-    if gym is not None and gym.curriculum is not None:
-        assert config.data.max_prompt_tokens is not None, "resolved_run decides data.max_prompt_tokens"
-        return LeveledDraw(gym, tokenizer, config.data.max_prompt_tokens, config.seed, config.data.shuffle)
-    return DatasetDraw(dataset, config.seed, config.data.shuffle)
-
-
 class BatchMaker:
     """Makes the run's batches (:class:`~postrl.controller.pipeline.BatchSteps`), and is what the
     stages may ask of the step (:class:`~postrl.controller.stages.StepServices`): more prompts,
@@ -83,7 +69,7 @@ class BatchMaker:
         self.source = source
         self.versions = versions
         c = self.config
-        self.draw = prompt_draw(c, parts.dataset, parts.tokenizer)
+        self.draw = parts.prompts.draw(c.seed)
         self.sampling = run_sampling(c.rollout)
         self.pins_version = c.controller.mode == "sync"  # async: generate on whatever the engines hold
         context = StageContext(c, self, parts.trainer, parts.critic, kl, self.draw, source.accuracy_component)
@@ -192,7 +178,7 @@ class BatchMaker:
             REWARD_SAMPLES: float(len(scored)),
             REWARD_UNSCORABLE: float(sum(r.unscorable for r in scored)),
             DATA_EPOCH: float(self.draw.epoch),
-            DATA_SKIPPED_ROWS: float(len(self.parts.dataset.skipped)),
+            DATA_SKIPPED_ROWS: float(len(self.parts.prompts.train().skipped)),
             ROLLOUT_WEIGHT_VERSION: float(min(r.weight_version for r in rollouts)),
             ROLLOUT_PARTIAL_ROLLOUTS: float(sum(r.token_versions() is not None for r in rollouts)),
             **({} if acc is None else {ACCURACY: acc}),

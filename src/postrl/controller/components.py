@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 from postrl.config.run import RunConfig
 from postrl.controller.source import BatchSource
-from postrl.data import PromptDataset
+from postrl.data.prompt_source import PromptSource
 from postrl.scheduling.base import Scheduler
 from postrl.workers.roles import Critic, ExperienceStore, RewardService, ScalableRolloutWorker, TrainWorker
 
@@ -22,7 +22,7 @@ class Tokenizer(Protocol):
 class Components:
     config: RunConfig
     tokenizer: Tokenizer
-    dataset: PromptDataset
+    prompts: PromptSource  # the training prompts, their order and the held-out ones
     rollout: ScalableRolloutWorker
     reward: RewardService
     trainer: TrainWorker

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from postrl.config.curriculum import CurriculumConfig
 from postrl.config.reasoning_gym import ReasoningGymConfig, max_level
 from postrl.data.dataset import DatasetError, PromptDataset
 from postrl.data.reasoning_gym import build_gym_prompts, shares
@@ -41,6 +42,12 @@ class LeveledDraw:
     @property
     def epoch(self) -> int:
         return max((s.epoch for s in self.samplers.values()), default=0)
+
+    @property
+    def curriculum(self) -> CurriculumConfig:
+        """How the levels move (the data source's ``curriculum``)."""
+        assert self.gym.curriculum is not None, "a leveled draw is made for a curriculum"
+        return self.gym.curriculum
 
     def leveled(self) -> list[str]:
         """The tasks whose level can move."""

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 from postrl.types import Prompt
 
+DEFAULT_MAX_PROMPT_TOKENS = 512  # the prompt bound for models that do not declare a context length
+
 
 class DatasetError(ValueError):
     """A dataset row or file that cannot be used; the message names the file and line."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from postrl.config.reasoning_gym import GYM_EXTRA, GymTaskConfig, ReasoningGymConfig, max_level
@@ -155,3 +155,26 @@ def training_questions(gym: ReasoningGymConfig) -> set[str]:
         for level in levels:
             questions.update(str(entry["question"]) for entry in problems(task, level, gym.seed, count))
     return questions
+
+
+def gym_held_out(
+    gym: ReasoningGymConfig,
+    tokenizer: Any,
+    max_prompt_tokens: int,
+    where: str,
+    echo: Callable[[str], None],
+    on_bad_row: str = "error",
+) -> PromptDataset:
+    """reasoning-gym's held-out problems, disjoint from the training ones: the run says how many it dropped."""
+    dataset, dropped = held_out(gym, tokenizer, max_prompt_tokens, training_questions(gym), on_bad_row)
+    echo(
+        f"{where}: {len(dataset)} held-out problems (seed {gym.held_out_seed}); {dropped} dropped as "
+        "also among the training questions"
+    )
+    if not len(dataset) and dropped:
+        raise DatasetError(f"{where}: every held-out problem is also a training problem; use other val_seed or tasks")
+    if not len(dataset):
+        raise DatasetError(
+            f"{where}: no held-out problem is usable ({len(dataset.skipped)} skipped: {dataset.skipped[:1]})"
+        )
+    return dataset

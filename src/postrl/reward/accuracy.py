@@ -6,6 +6,10 @@ accuracy (a reward is not a pass or a fail)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from postrl.reward.reasoning_gym import extract_answer as extract_gym_answer
+from postrl.reward.verifiers import extract_final_answer
 from postrl.types import Prompt, RewardResult, Rollout
 from postrl.types.metric_names import task_accuracy
 
@@ -40,3 +44,12 @@ def per_task_accuracy(
             by_task.setdefault(task, []).append(result)
     values = {task_accuracy(task, prefix): accuracy(rs, component, threshold) for task, rs in sorted(by_task.items())}
     return {name: value for name, value in values.items() if value is not None}
+
+
+def stated_answer(response: str, columns: dict[str, Any]) -> str | None:
+    """The answer a response gives, as its row's scorer extracts it (a reasoning-gym row's answer
+    format), else the last ``\\boxed{}`` or the ``<answer>`` tag: what majority votes count."""
+    answer_format = columns.get("rg_answer_format")
+    if isinstance(answer_format, str):
+        return extract_gym_answer(response, answer_format)
+    return extract_final_answer(response)

@@ -9,55 +9,39 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
+from postrl.config.reward import ACCURACY_KINDS
+from postrl.config.run import NO_HELD_OUT, ConfigError, RewardConfig, RolloutConfig, RunConfig
 from postrl.controller.batches import greedy_sampling
 from postrl.controller.source import BatchSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
+from postrl.data.prompt_source import prompt_source
 from postrl.run.batch_sources import make_batch_source
 from postrl.run.eval_metrics import default_ks
 from postrl.run.harness import Harness, SetReport, table
-from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
-from postrl.run.validation import gym_held_out, load_eval_sets
-
-HELD_OUT = "heldout"
+from postrl.run.validation import load_eval_sets
 
 
 def eval_sets(
     run_config: RunConfig | None, tokenizer: Any, task: str | None, data: list[str] | None, echo: Callable[[str], None]
 ) -> dict[str, PromptDataset]:
-    """The sets to evaluate: ``--task``, ``--data``, else the config's held-out problems (its
-    reasoning-gym held-out set or val_files) and each of its ``data.eval_sets``."""
+    """The sets to evaluate: ``--task``, ``--data``, else the config's held-out prompts (its prompt
+    source's, :meth:`~postrl.data.prompt_source.PromptSource.held_out`) and each of its ``data.eval_sets``."""
     from postrl.tasks import task_rows
 
     if task:
         return {task: build_prompts(iter(task_rows(task, "test")), tokenizer)}
     if run_config is None:
         raise ConfigError("postrl eval needs what to evaluate on: --task NAME, --data FILE, --run or --config")
-    if run_config.data.max_prompt_tokens is None:  # a config not resolved by a run: the default bound
-        data_section = run_config.data.model_copy(update={"max_prompt_tokens": DEFAULT_MAX_PROMPT_TOKENS})
-        run_config = run_config.model_copy(update={"data": data_section})
-    d = run_config.data
-    options = d.prompt_options()
+    source = prompt_source(run_config.data, tokenizer)
     if data:
-        return {", ".join(Path(f).name for f in data): load_prompt_dataset(data, tokenizer, **options)}
+        return {", ".join(Path(f).name for f in data): load_prompt_dataset(data, tokenizer, **source.options())}
     sets: dict[str, PromptDataset] = {}
-    if d.val_files:
-        sets[HELD_OUT] = load_prompt_dataset(d.val_files, tokenizer, **options)
-    elif d.reasoning_gym is not None and d.reasoning_gym.val_size:
-        where = "data.reasoning_gym"
-        sets[HELD_OUT] = gym_held_out(
-            d.reasoning_gym, tokenizer, options["max_prompt_tokens"], where, echo, d.on_bad_row
-        )
-    elif d.task is not None:
-        sets[d.task] = build_prompts(iter(task_rows(d.task, "test")), tokenizer, **options)
-    if d.val_size is not None and HELD_OUT in sets:
-        sets[HELD_OUT].prompts = sets[HELD_OUT].prompts[: d.val_size]
+    held_out = source.held_out(echo)
+    if held_out is not None:
+        sets[source.held_out_name] = held_out
     sets.update(load_eval_sets(run_config, tokenizer, echo))
     if not sets:
-        raise ConfigError(
-            "the config has no held-out prompts: set data.val_files, data.eval_sets or "
-            "data.reasoning_gym (or pass --data FILE / --task NAME)"
-        )
+        raise ConfigError(f"the config has no held-out prompts: {NO_HELD_OUT} (or pass --data FILE / --task NAME)")
     return sets
 
 
@@ -131,8 +115,7 @@ def accuracy_component(source: BatchSource) -> str:
     """The reward component pass@k and maj@k count correct answers by; a ConfigError without one."""
     if source.accuracy_component is None:
         raise ConfigError(
-            "the reward has no accuracy component (reasoning_gym, exact_match, math, or one "
-            "marked accuracy: true): pass@k and maj@k count correct answers"
+            f"the reward has no accuracy component ({ACCURACY_KINDS}): pass@k and maj@k count correct answers"
         )
     return source.accuracy_component
 

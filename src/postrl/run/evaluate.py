@@ -13,6 +13,7 @@ from postrl.config.loading import load_config
 from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
 from postrl.controller.batches import greedy_sampling
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
+from postrl.data.prompt_source import prompt_source
 from postrl.reward.accuracy import accuracy
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
@@ -246,7 +247,7 @@ class SampledEval:
         """Whether the harness runs: sampling, JSON, a URL, a config with several or generated sets,
         or an ``agent:`` run (whose answers are episodes)."""
         named = run_config is not None and (
-            bool(run_config.data.eval_sets) or run_config.data.reasoning_gym is not None or run_config.agent is not None
+            bool(run_config.data.eval_sets) or run_config.data.generates_prompts or run_config.agent is not None
         )
         return self.n > 1 or self.as_json or self.url is not None or named
 
@@ -302,10 +303,7 @@ def _eval_files(
 ) -> None:
     """``postrl eval --data``: the files' prompts answered greedily and scored by the run's reward
     components; one line with the accuracy, the mean reward and the unscorable count."""
-    from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
-
-    options = {**run_config.data.prompt_options()}
-    options["max_prompt_tokens"] = options["max_prompt_tokens"] or DEFAULT_MAX_PROMPT_TOKENS
+    options = prompt_source(run_config.data, tokenizer).options()
     dataset = load_prompt_dataset(data, tokenizer, **options)
     name = ", ".join(Path(f).name for f in data)
     result = evaluate_with_rewards(

@@ -12,9 +12,7 @@ from typing import Any
 
 from postrl.controller.source import BatchSource
 from postrl.data.dataset import PromptDataset
-from postrl.reward.accuracy import is_correct
-from postrl.reward.reasoning_gym import extract_answer as extract_gym_answer
-from postrl.reward.verifiers import extract_final_answer
+from postrl.reward.accuracy import is_correct, stated_answer
 from postrl.run.eval_metrics import maj_at_k, pass_at_k
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 
@@ -97,17 +95,13 @@ class SetReport:
 
 
 def answer_of(prompt: Prompt, rollout: Rollout) -> str | None:
-    """The answer a response gives, for majority votes: as the row's scorer extracts it (a
-    reasoning-gym row's answer format), else the last ``\\boxed{}`` or the ``<answer>`` tag. An
-    episode's answer is its last assistant message's."""
+    """The answer a response gives, for majority votes (:func:`~postrl.reward.accuracy.stated_answer`);
+    an episode's answer is its last assistant message's."""
     response = rollout.text
     if rollout.episode is not None:
         said = [m.get("content") or "" for m in rollout.episode.messages if m.get("role") == "assistant"]
         response = said[-1] if said else ""
-    answer_format = prompt.columns.get("rg_answer_format")
-    if isinstance(answer_format, str):
-        return extract_gym_answer(response, answer_format)
-    return extract_final_answer(response)
+    return stated_answer(response, prompt.columns)
 
 
 class Harness:

@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 
 from postrl.config.run import ConfigError, RunConfig
 from postrl.config.training import OptimizerConfig
+from postrl.data.dataset import DEFAULT_MAX_PROMPT_TOKENS
 from postrl.models.loading import context_length
 
-DEFAULT_MAX_PROMPT_TOKENS = 512  # for models that do not declare a context length
 C = TypeVar("C")
 
 

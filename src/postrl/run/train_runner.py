@@ -11,17 +11,15 @@ import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from postrl.config.command import RunCommandConfig
 from postrl.config.loading import save_config
-from postrl.config.run import ConfigError, RunConfig
+from postrl.config.run import NO_HELD_OUT, ConfigError, RunConfig
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
-from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
-from postrl.data.reasoning_gym import build_gym_prompts
+from postrl.data.prompt_source import prompt_source
 from postrl.models.devices import DeviceError, resolve_device
 from postrl.models.host_memory import keep_freed_memory
 from postrl.models.loading import load_tokenizer
@@ -41,7 +39,6 @@ from postrl.run.trackers import make_tracker
 from postrl.run.validation import Validator, load_eval_sets, load_validation_set
 from postrl.run.watch import describe_placement, run_watches
 from postrl.scheduling.factory import make_scheduler
-from postrl.tasks import task_rows
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
 from postrl.types import StepMetrics
@@ -50,26 +47,15 @@ from postrl.workers.net import can_connect, host_port, url_endpoint
 log = logging.getLogger(__name__)
 
 
-def load_dataset(config: RunConfig, tokenizer) -> PromptDataset:
-    d = config.data
-    options = d.prompt_options()
-    if d.task is not None:
-        return build_prompts(iter(task_rows(d.task, "train")), tokenizer, **options)
-    if d.reasoning_gym is not None:
-        gym = d.reasoning_gym
-        return build_gym_prompts(gym, tokenizer, gym.seed, gym.size, options["max_prompt_tokens"], None, d.on_bad_row)
-    return load_prompt_dataset(d.train_files, tokenizer, **options)
-
-
 def build_components(config: RunConfig) -> Components:
     """The parts of a run, placed by the configured scheduler; the step code does not know where.
     Settings decided from the model (an unset ``data.max_prompt_tokens``) are decided here first."""
     config = resolved_run(config)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
-    dataset = load_dataset(config, tokenizer)
+    prompts = prompt_source(config.data, tokenizer)
     if config.scores_with_components:
-        check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
+        check_columns(config.reward, ((p.source, p.columns) for p in prompts.train().prompts))
     scheduler = make_scheduler(config.scheduler, config.import_paths, critic=config.algorithm.critic is not None)
     built: list = []
     try:
@@ -90,7 +76,7 @@ def build_components(config: RunConfig) -> Components:
     return Components(
         config,
         tokenizer,
-        dataset,
+        prompts,
         rollout,
         reward,
         trainer,
@@ -150,19 +136,15 @@ def describe_accuracy(config: RunConfig, component: str | None) -> str:
 NOTHING_TO_PLOT = "plot: nothing to plot (no step had a scorable sample; see samples/ and reward_workers.log)"
 
 
-def make_validator(config: RunConfig, tokenizer: Any, echo: Callable[[str], None] = print) -> Validator | None:
-    """Validation every logging.eval_every steps: data.val_files, the task's test split or the
-    reasoning-gym held-out problems, and data.eval_sets."""
+def make_validator(parts: Components, echo: Callable[[str], None] = print) -> Validator | None:
+    """Validation every logging.eval_every steps: the prompt source's held-out set and data.eval_sets."""
+    config = parts.config
     if not config.logging.eval_every:
         return None
-    dataset = load_validation_set(config, tokenizer, echo)
-    named = load_eval_sets(config, tokenizer, echo)
+    dataset = load_validation_set(config, parts.prompts, echo)
+    named = load_eval_sets(config, parts.tokenizer, echo)
     if (dataset is None or not len(dataset)) and not named:
-        raise ConfigError(
-            f"logging.eval_every={config.logging.eval_every} needs held-out prompts: set "
-            "data.val_files or data.eval_sets (or train on a built-in data.task or data.reasoning_gym, "
-            "whose held-out problems are used)"
-        )
+        raise ConfigError(f"logging.eval_every={config.logging.eval_every} needs held-out prompts: {NO_HELD_OUT}")
     return Validator(config, dataset, named)
 
 
@@ -216,11 +198,11 @@ def train(
     check_servers(config)
     parts = build_components(config)
     try:
-        validator = make_validator(config, parts.tokenizer, echo)
+        validator = make_validator(parts, echo)
         site.open(resume, overwrite, echo)
         save_config(config, run_dir / "config.yaml")
         place.publish("config.yaml")
-        report_skipped(parts.dataset.skipped, run_dir, echo)
+        report_skipped(parts.prompts.train().skipped, run_dir, echo)
         parts.reward.set_log_file(run_dir / "reward_workers.log")
         echo(describe_placement(config))
         echo(describe_accuracy(config, parts.reward.accuracy_component))

@@ -2,9 +2,9 @@
 holds the current weights) and scored by the run's own reward components, every
 ``logging.eval_every`` steps and after the last step, reported as ``val/*`` metrics.
 
-The main set is ``data.val_files``, the built-in task's test split when the run trains on a task,
-or the held-out problems of ``data.reasoning_gym``; ``data.val_size`` keeps the first N of them
-(the same ones every time). Each of ``data.eval_sets`` is validated beside it as
+The main set is the prompt source's held-out set (:meth:`postrl.data.prompt_source.PromptSource.held_out`:
+``data.val_files``, a built-in task's test split or generated held-out problems); ``data.val_size``
+keeps the first N of them (the same ones every time). Each of ``data.eval_sets`` is validated beside it as
 ``val/<name>/...``. Rows that name their task (``task_type``) also give ``val/<task>/accuracy``.
 """
 
@@ -14,17 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from postrl.config.reasoning_gym import ReasoningGymConfig
 from postrl.config.run import RunConfig
 from postrl.controller.batches import greedy_sampling
 from postrl.controller.source import BatchSource
-from postrl.data.dataset import DatasetError, PromptDataset, build_prompts, load_prompt_dataset
-from postrl.data.reasoning_gym import held_out, training_questions
+from postrl.data.dataset import PromptDataset
+from postrl.data.prompt_source import PromptSource, load_eval_set
 from postrl.reward.accuracy import accuracy, per_task_accuracy
 from postrl.reward.columns import check_columns
 from postrl.rollout.agentic.episodes import episode_metrics
-from postrl.run.resolve import DEFAULT_MAX_PROMPT_TOKENS
-from postrl.tasks import task_rows
 from postrl.types import Prompt, RewardResult, Rollout, StepMetrics
 from postrl.types.metric_names import (
     TIME_VALIDATE_S,
@@ -39,65 +36,22 @@ from postrl.types.metric_names import (
 )
 
 
-def load_validation_set(config: RunConfig, tokenizer: Any, echo: Callable[[str], None] = print) -> PromptDataset | None:
-    """The main held-out prompts, or None when the run has none (no val_files, no task, no
-    reasoning-gym held-out problems)."""
-    d = config.data
-    options = d.prompt_options()
-    if d.val_files:
-        dataset = load_prompt_dataset(d.val_files, tokenizer, **options)
-    elif d.task is not None:
-        dataset = build_prompts(iter(task_rows(d.task, "test")), tokenizer, **options)
-    elif d.reasoning_gym is not None and d.reasoning_gym.val_size:
-        where = "data.reasoning_gym"
-        dataset = gym_held_out(d.reasoning_gym, tokenizer, options["max_prompt_tokens"], where, echo, d.on_bad_row)
-    else:
-        return None
-    if d.val_size is not None:
-        dataset.prompts = dataset.prompts[: d.val_size]
-    if config.scores_with_components:
+def load_validation_set(
+    config: RunConfig, source: PromptSource, echo: Callable[[str], None] = print
+) -> PromptDataset | None:
+    """The main held-out prompts (:meth:`PromptSource.held_out`), checked against the reward; None
+    when the run has none."""
+    dataset = source.held_out(echo)
+    if dataset is not None and config.scores_with_components:
         check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
-    return dataset
-
-
-def gym_held_out(
-    gym: ReasoningGymConfig,
-    tokenizer: Any,
-    max_prompt_tokens: int | None,
-    where: str,
-    echo: Callable[[str], None],
-    on_bad_row: str = "error",
-) -> PromptDataset:
-    """reasoning-gym's held-out problems, disjoint from the training ones: the run says how many it dropped."""
-    tokens = max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS
-    dataset, dropped = held_out(gym, tokenizer, tokens, training_questions(gym), on_bad_row)
-    echo(
-        f"{where}: {len(dataset)} held-out problems (seed {gym.held_out_seed}); {dropped} dropped as "
-        "also among the training questions"
-    )
-    if not len(dataset) and dropped:
-        raise DatasetError(f"{where}: every held-out problem is also a training problem; use other val_seed or tasks")
-    if not len(dataset):
-        raise DatasetError(
-            f"{where}: no held-out problem is usable ({len(dataset.skipped)} skipped: {dataset.skipped[:1]})"
-        )
     return dataset
 
 
 def load_eval_sets(config: RunConfig, tokenizer: Any, echo: Callable[[str], None] = print) -> dict[str, PromptDataset]:
     """``data.eval_sets`` by name, each checked against the reward like the main set."""
-    d, sets = config.data, {}
-    options = d.prompt_options()
-    for spec in d.eval_sets:
-        if spec.reasoning_gym is not None:
-            where = f"data.eval_sets[{spec.name}]"
-            dataset = gym_held_out(
-                spec.reasoning_gym, tokenizer, options["max_prompt_tokens"], where, echo, d.on_bad_row
-            )
-        else:
-            dataset = load_prompt_dataset(spec.files, tokenizer, **options)
-        if spec.size is not None:
-            dataset.prompts = dataset.prompts[: spec.size]
+    sets = {}
+    for spec in config.data.eval_sets:
+        dataset = load_eval_set(spec, config.data, tokenizer, echo)
         if config.scores_with_components:
             check_columns(config.reward, ((p.source, p.columns) for p in dataset.prompts))
         sets[spec.name] = dataset

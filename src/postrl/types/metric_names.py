@@ -140,7 +140,7 @@ def eval_set(name: str) -> str:
 
 
 def curriculum_level(task: str) -> str:
-    """A leveled reasoning-gym task's current curriculum level."""
+    """A leveled task's current curriculum level."""
     return f"curriculum/{task}/level"
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from postrl.algorithms import ADVANTAGES
 from postrl.algorithms.stages import STAGES
-from postrl.config.run import ConfigError, RunConfig
+from postrl.config.run import CURRICULUM_NEEDS_ACCURACY, ConfigError, RunConfig
 from postrl.controller.stages.base import Groups, Phase, Stage, StepServices
 from postrl.controller.stages.critic import CriticStage
 from postrl.controller.stages.curriculum import Curriculum
@@ -63,17 +63,11 @@ def build_stages(context: StageContext) -> StagePlan:
     (``algorithm.stages``), in the order listed."""
     a = context.config.algorithm
     stages: list[Stage] = []
-    gym = context.config.data.reasoning_gym
-    if gym is not None and gym.curriculum is not None:
-        if not isinstance(context.draw, LeveledDraw):
-            raise ConfigError("data.reasoning_gym.curriculum needs the run's prompts drawn by level")
+    if isinstance(context.draw, LeveledDraw):  # the prompt source's curriculum
         if context.accuracy_component is None:
-            raise ConfigError(
-                "data.reasoning_gym.curriculum follows accuracy: the reward needs an accuracy "
-                "component (type reasoning_gym, or one marked accuracy: true)"
-            )
+            raise ConfigError(CURRICULUM_NEEDS_ACCURACY)
         threshold = context.config.reward.accuracy_threshold
-        stages.append(Curriculum(context.draw, gym.curriculum, context.accuracy_component, threshold))
+        stages.append(Curriculum(context.draw, context.draw.curriculum, context.accuracy_component, threshold))
     if a.dynamic_sampling:
         stages.append(DynamicSampling(context.services, a.max_extra_rounds))
     if ADVANTAGES.needs(a.advantage.type).baseline:

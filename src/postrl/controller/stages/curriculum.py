@@ -1,7 +1,7 @@
-"""The curriculum stage: each leveled reasoning-gym task's difficulty follows its recent accuracy.
+"""The curriculum stage: each leveled task's difficulty follows its recent accuracy.
 
 After a batch is scored (``select``), each task's samples join its window of recent correctness
-(``data.reasoning_gym.curriculum.window`` samples); a full window at or above ``raise_at`` raises
+(``curriculum.window`` samples); a full window at or above ``raise_at`` raises
 the task's level by one, at or below ``lower_at`` lowers it, and empties the window. The levels
 live in the prompt draw (:class:`~postrl.data.curriculum.LeveledDraw`), which generates the next
 prompts at them; both are in checkpoints, so a resume continues at the same levels.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, ClassVar
 
-from postrl.config.reasoning_gym import CurriculumConfig
+from postrl.config.curriculum import CurriculumConfig
 from postrl.controller.stages.base import Groups, Phase, Stage
 from postrl.data.curriculum import LeveledDraw
 from postrl.reward.accuracy import is_correct
