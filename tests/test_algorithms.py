@@ -32,6 +32,13 @@ def test_grpo_advantage_by_hand():
     assert torch.allclose(adv, torch.tensor([expected, -expected, -expected, expected]), atol=1e-5)
 
 
+def test_unit_advantage_is_one_for_every_scored_sample_whatever_its_reward():
+    """SFT's estimator: REINFORCE with advantage 1 is the negative log-likelihood."""
+    adv = ADVANTAGES.get("unit")(AdvantageInputs(torch.tensor([1.0, 0.0, NAN, -3.0]), torch.tensor([0, 0, 1, 1])))
+    assert adv.tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert not ADVANTAGES.needs("unit").groups
+
+
 def test_grpo_equal_rewards_single_sample_and_unscorable():
     adv = grpo([1.0, 1.0, 0.3, 1.0, NAN, 0.0], [0, 0, 1, 2, 2, 2])
     assert adv[0] == 0 and adv[1] == 0  # all equal -> no signal

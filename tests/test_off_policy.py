@@ -63,6 +63,33 @@ def test_importance_bounds_are_checked():
         AlgorithmConfig(old_logprobs="rollout", importance={"type": "mis"})
 
 
+def test_importance_is_a_tagged_union_with_each_kinds_own_defaults(monkeypatch):
+    """Each correction's fields and defaults are its own: a bound of MIS is not TIS's, a field of one
+    kind is refused in another, a plugin's name takes its own params."""
+    assert AlgorithmConfig().importance.options() == {"level": "token", "low": 0.0, "high": 2.0}
+    assert AlgorithmConfig(importance="mis").importance.options() == {"level": "token", "low": 0.5, "high": 2.0}
+    assert AlgorithmConfig(importance="none").importance.options() == {}
+    with pytest.raises(ValueError, match="importance.none.low"):
+        AlgorithmConfig(importance={"type": "none", "low": 0.5})
+    with pytest.raises(ValueError, match="importance.tis.params"):
+        AlgorithmConfig(importance={"type": "tis", "params": {"c": 2}})
+
+    monkeypatch.setitem(IMPORTANCE_CORRECTIONS._entries, "clip_at", lambda proximal, behaviour, mask, c=1.0: None)
+    plugin = AlgorithmConfig(importance={"type": "clip_at", "params": {"c": 3.0}}).importance
+    assert plugin.type == "clip_at" and plugin.options() == {"c": 3.0}
+
+
+def test_the_built_in_loss_aggregations_are_the_config_literal():
+    from typing import get_args
+
+    from postrl.algorithms import LOSS_AGGREGATIONS
+    from postrl.config.algorithm import LossAggregation
+
+    assert set(get_args(LossAggregation)) == set(LOSS_AGGREGATIONS.names())
+    with pytest.raises(ValueError, match="unknown loss aggregation 'token_sum'"):
+        AlgorithmConfig(loss_agg="token_sum")
+
+
 def test_old_logprobs_auto_recomputes_whenever_engine_and_trainer_may_differ():
     """Alike numerics off-policy (async, staleness, replay) leave only the version gap: approximate."""
     assert old_logprobs_source(RunConfig()) == "rollout"  # fp32 native engine, fp32 trainer, sync

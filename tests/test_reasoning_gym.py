@@ -10,9 +10,14 @@ pytest.importorskip("reasoning_gym")
 from postrl.config.reasoning_gym import ReasoningGymConfig  # noqa: E402
 from postrl.config.run import ConfigError, RunConfig  # noqa: E402
 from postrl.data.dataset import DatasetError  # noqa: E402
-from postrl.data.reasoning_gym import build_gym_prompts, held_out, shares, training_questions  # noqa: E402
+from postrl.data.reasoning_gym import (  # noqa: E402
+    build_gym_prompts,
+    gym_held_out,
+    held_out,
+    shares,
+    training_questions,
+)
 from postrl.reward.reasoning_gym import extract_answer, score  # noqa: E402
-from postrl.data.reasoning_gym import gym_held_out  # noqa: E402
 
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # ~200 distinct problems
 

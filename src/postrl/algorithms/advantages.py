@@ -50,6 +50,13 @@ def _group_stats(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Ten
     return valid, r, count, total
 
 
+@register_advantage("unit")
+def unit_advantage(inputs: AdvantageInputs) -> torch.Tensor:
+    """Advantage 1 for every scored sample (0 for an unscorable one), whatever its reward: with the
+    REINFORCE loss, the negative log-likelihood of the trained tokens (SFT, behaviour cloning)."""
+    return (~torch.isnan(inputs.rewards)).to(inputs.rewards.dtype)
+
+
 @register_advantage("grpo", needs_groups=True)
 def grpo_advantage(
     inputs: AdvantageInputs, norm_by_std: bool = True, eps: float = 1e-6, std: str = "unbiased"

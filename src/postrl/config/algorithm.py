@@ -46,6 +46,13 @@ class GRPOAdvantage(_Entry):
     )
 
 
+class UnitAdvantage(_Entry):
+    type: Literal["unit"] = Field(
+        description="Advantage 1 for every scored sample, whatever its reward: with policy_loss reinforce, the "
+        "negative log-likelihood (what postrl sft trains)."
+    )
+
+
 class DrGRPOAdvantage(_Entry):
     type: Literal["dr_grpo"] = Field(description="Dr. GRPO: r - mean of its group (no std division).")
 
@@ -155,9 +162,19 @@ class PluginLoss(_PluginEntry):
         return POLICY_LOSSES.check(v)
 
 
+class PluginCorrection(_PluginEntry):
+    @field_validator("type")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from postrl.algorithms import IMPORTANCE_CORRECTIONS
+
+        return IMPORTANCE_CORRECTIONS.check(v)
+
+
 _Advantages = (
     Annotated[GRPOAdvantage, Tag("grpo")]
     | Annotated[DrGRPOAdvantage, Tag("dr_grpo")]
+    | Annotated[UnitAdvantage, Tag("unit")]
     | Annotated[RLOOAdvantage, Tag("rloo")]
     | Annotated[ReinforcePPAdvantage, Tag("reinforce_pp")]
     | Annotated[ReinforcePPAdvantage, Tag("reinforce_pp_baseline")]
@@ -176,32 +193,51 @@ _PolicyLosses = (
 PolicyLossConfig = Annotated[_PolicyLosses, _kind(_PolicyLosses)]
 
 
-class ImportanceCorrectionConfig(Section):
-    type: str = Field(
-        "tis",
-        description="How the gap between the behaviour policy (the engine that sampled) and the proximal policy "
-        "(the trainer's, recomputed) is corrected: tis (truncate the ratio), mis (mask tokens outside the "
-        "bounds), none, or a name registered with postrl.algorithms.register_importance_correction.",
-    )
+class _BoundedCorrection(_Entry):
+    low: float
+    high: float
+
     level: Literal["token", "sequence"] = Field(
         "token", description="One ratio per token, or one per sequence (the product of its tokens' ratios)."
     )
-    low: float | None = Field(None, ge=0.0, le=1.0, description="Lower bound of the ratio (None: the entry's default).")
-    high: float | None = Field(None, ge=1.0, description="Upper bound of the ratio (None: the entry's default).")
-    params: dict[str, Any] = Field(default_factory=dict, description="Further keyword arguments (plugin entries).")
-
-    @field_validator("type")
-    @classmethod
-    def _registered(cls, v: str) -> str:
-        from postrl.algorithms import IMPORTANCE_CORRECTIONS
-
-        return IMPORTANCE_CORRECTIONS.check(v)
 
     def options(self) -> dict[str, Any]:
-        if self.type == "none":
-            return dict(self.params)
-        bounds = {k: v for k, v in (("low", self.low), ("high", self.high)) if v is not None}
-        return {"level": self.level, **bounds, **self.params}
+        return {"level": self.level, "low": self.low, "high": self.high}
+
+
+class TISCorrection(_BoundedCorrection):
+    type: Literal["tis"] = Field(
+        description="Truncated importance sampling: each token's weight is the ratio pi_prox / pi_behav clipped to "
+        "[low, high] (low 0: Yao et al.'s min(ratio, high))."
+    )
+    low: float = Field(0.0, ge=0.0, le=1.0, description="Lower clip of the ratio.")
+    high: float = Field(2.0, ge=1.0, description="Upper clip of the ratio.")
+
+
+class MISCorrection(_BoundedCorrection):
+    type: Literal["mis"] = Field(
+        description="Masked importance sampling: the ratio where it lies in [low, high]; outside, the token (or with "
+        "level: sequence the sequence) leaves the gradient."
+    )
+    low: float = Field(0.5, ge=0.0, le=1.0, description="A ratio below this rejects the token (or sequence).")
+    high: float = Field(2.0, ge=1.0, description="A ratio above this rejects the token (or sequence).")
+
+
+class NoCorrection(_Entry):
+    type: Literal["none"] = Field(description="Weight 1 on every token: the engine is taken to be the proximal policy.")
+
+
+_Corrections = (
+    Annotated[TISCorrection, Tag("tis")]
+    | Annotated[MISCorrection, Tag("mis")]
+    | Annotated[NoCorrection, Tag("none")]
+    | Annotated[PluginCorrection, Tag("plugin")]
+)
+ImportanceCorrectionConfig = Annotated[_Corrections, _kind(_Corrections)]
+
+
+# the built-in loss aggregations (postrl.algorithms.losses); a plugin's registered name is also accepted
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
 
 class StageEntry(Section):
@@ -226,7 +262,12 @@ class AlgorithmConfig(Section):
     policy_loss: PolicyLossConfig = Field(  # type: ignore[valid-type]
         default_factory=lambda: PPOClipLoss(type="ppo_clip"), description="The policy loss and its options."
     )
-    loss_agg: str = Field("token_mean", description="Loss aggregation (registry name).")
+    loss_agg: LossAggregation | str = Field(
+        "token_mean",
+        description="How the per-token losses of a mini-batch become one: token_mean (every trained token weighs the "
+        "same), seq_mean_token_mean (every sequence the same), seq_mean_token_sum, seq_mean_token_sum_norm (Dr. GRPO: "
+        "token sums over a constant), or a name a plugin module registered with @register_loss_aggregation.",
+    )
     kl_beta: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient; 0 loads no reference model.")
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = Field(
         "k3",
@@ -278,8 +319,8 @@ class AlgorithmConfig(Section):
         "they came). auto: recompute unless engine and trainer compute alike in float32 on the same weights (a "
         "sync run with the native or hf engine).",
     )
-    importance: ImportanceCorrectionConfig = Field(
-        default_factory=ImportanceCorrectionConfig,
+    importance: ImportanceCorrectionConfig = Field(  # type: ignore[valid-type]
+        default_factory=lambda: TISCorrection(type="tis"),
         description="The behaviour/proximal importance-sampling correction (with old_logprobs recompute or "
         "approximate).",
     )
@@ -296,7 +337,7 @@ class AlgorithmConfig(Section):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        for key in ("advantage", "policy_loss"):
+        for key in ("advantage", "policy_loss", "importance"):
             if key in data:
                 data[key] = _shorthand(data[key])
         return data

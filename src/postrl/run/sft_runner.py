@@ -41,8 +41,8 @@ from postrl.types.metric_names import (
 )
 from postrl.workers.roles import TrainWorker
 
-# -log pi on the trained tokens: REINFORCE with every advantage 1
-SFT_ALGORITHM = AlgorithmConfig(advantage="grpo", policy_loss="reinforce", loss_agg="token_mean", kl_beta=0.0)
+# -log pi on the trained tokens: REINFORCE with every advantage 1 (the batch carries them, sft_batch)
+SFT_ALGORITHM = AlgorithmConfig(advantage="unit", policy_loss="reinforce", loss_agg="token_mean", kl_beta=0.0)
 
 
 def sft_batch(examples: list[SFTExample], pad_id: int) -> ExperienceBatch:
