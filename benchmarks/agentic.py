@@ -282,11 +282,11 @@ def async_training(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model) if args.model else AGENTIC_MODEL_DIR
     from postrl.config.loading import load_config
     from postrl.controller.env_episodes import EnvEpisodes
+    from postrl.data.prompt_source import prompt_source
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.run.resolve import resolved_run
     from postrl.run.train_runner import train
-    from postrl.data.prompt_source import prompt_source
     from postrl.run.validation import Validator, load_validation_set
 
     out: dict[str, float] = {}
@@ -459,11 +459,11 @@ def learn(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model) if args.model else AGENTIC_MODEL_DIR  # the shipped warm start (agentic-demo)
     from postrl.config.loading import load_config
     from postrl.controller.env_episodes import EnvEpisodes
+    from postrl.data.prompt_source import prompt_source
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.native import NativeRolloutWorker
     from postrl.run.resolve import resolved_run
     from postrl.run.train_runner import train
-    from postrl.data.prompt_source import prompt_source
     from postrl.run.validation import Validator, load_validation_set
 
     out = Path(args.cache) / "runs"
