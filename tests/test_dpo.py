@@ -90,6 +90,15 @@ def test_postrl_dpo_learns_the_preferences_caches_the_reference_and_resumes(tmp_
     assert torch.equal(torch.load(run / "reference_logprobs.pt", weights_only=True)["logprobs"], cached["logprobs"])
 
 
+def test_dpo_trains_in_one_worker():
+    from postrl.config.dpo import DPORunConfig
+
+    with pytest.raises(ValueError, match="scheduler.train.workers=2: postrl dpo trains in one worker"):
+        DPORunConfig.model_validate(
+            {"data": {"train_files": ["p.jsonl"]}, "model": {"path": "m"}, "scheduler": {"train": {"workers": 2}}}
+        )
+
+
 def test_preference_pairs_from_parquet_name_the_row(tmp_path, char_tokenizer):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -278,7 +278,7 @@ def test_the_controller_is_the_step_and_the_run_state():
     assert len((SRC / "controller" / "controller.py").read_text().splitlines()) < 300
 
 
-ROLE_METHODS = ("train_group", "critic_worker", "reward_service", "experience_buffer")
+ROLE_METHODS = ("train_group", "critic_worker", "preference_trainer", "reward_service", "experience_buffer")
 
 
 def test_every_role_is_reached_through_a_client_made_from_its_protocol():

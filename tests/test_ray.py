@@ -285,3 +285,37 @@ def test_rollout_actors_take_weights_mid_generate_and_suspend_when_asked(tmp_pat
         assert suspended and all(len(r.response_ids) < 100 for r in suspended)
     finally:
         scheduler.close()
+
+
+def test_postrl_dpo_on_a_ray_actor_trains_as_in_process(tmp_path, tiny_model_dir, monkeypatch):
+    """DPO is placed by the same schedulers: under Ray its reference and its trainer are actors, and
+    the run's losses are the in-process run's; nothing is left running."""
+    from postrl.cli import main
+
+    placed: list[str] = []
+    actor = RayScheduler._actor
+
+    def recording(self, name, *args, **kwargs):
+        placed.append(name)
+        return actor(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(RayScheduler, "_actor", recording)
+
+    rows = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(10, 18)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    losses = {}
+    for kind in ("local", "ray"):
+        config = tmp_path / f"{kind}.yaml"
+        config.write_text(
+            f"name: {kind}\noutput_dir: {tmp_path}/runs\nmodel: {{path: {tiny_model_dir}}}\n"
+            f"data: {{train_files: [{data}]}}\ndpo: {{beta: 0.5}}\n"
+            "train: {lr: 1.0e-2, mini_batch_size: 4, micro_batch_size: 4}\n"
+            f"logging: {{trackers: [jsonl]}}\nscheduler: {{type: {kind}, train: {{threads: 1}}}}\n"
+        )
+        assert main(["dpo", str(config)]) == 0
+        metrics = (tmp_path / "runs" / kind / "metrics.jsonl").read_text().splitlines()
+        losses[kind] = [json.loads(line)["dpo/loss"] for line in metrics]
+    assert placed == ["dpo trainer", "dpo trainer"]  # the reference (closed), then the trainer
+    assert len(losses["ray"]) == 2 and losses["ray"] == pytest.approx(losses["local"], abs=1e-6)
+    assert not ray.is_initialized() and ray_processes() == []

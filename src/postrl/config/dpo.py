@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from postrl.config.base import Section
 from postrl.config.command import RunCommandConfig
+from postrl.config.scheduler import SchedulerConfig
 from postrl.config.training import OptimizerConfig
 
 
@@ -49,3 +50,16 @@ class DPORunConfig(RunCommandConfig):
         default_factory=lambda: OptimizerConfig(lr=5e-6, mini_batch_size=32, micro_batch_size=8),
         description="Optimizer and batching, in pairs (mini_batch_size pairs per step).",
     )
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig,
+        description="Where the trainer runs: this process (type: local) or a Ray actor (type: ray, with "
+        "scheduler.train's resources). DPO trains in one worker: scheduler.train.workers must be 1.",
+    )
+
+    @model_validator(mode="after")
+    def _one_trainer(self) -> DPORunConfig:
+        if self.scheduler.train.workers != 1:
+            raise ValueError(
+                f"scheduler.train.workers={self.scheduler.train.workers}: postrl dpo trains in one worker (set it to 1)"
+            )
+        return self

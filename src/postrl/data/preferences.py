@@ -4,18 +4,10 @@ answer). Bad rows get the same ``file:line`` errors as prompt datasets."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from postrl.data.dataset import DatasetError, _validate_messages, file_rows, parse_rows
-
-
-@dataclass(frozen=True)
-class PreferencePair:
-    prompt_ids: list[int]
-    chosen_ids: list[int]
-    rejected_ids: list[int]
-    source: str
+from postrl.types.records import PreferencePair
 
 
 def _completion_ids(tokenizer: Any, text: str) -> list[int]:

@@ -13,38 +13,44 @@ import torch
 
 from postrl.config.dpo import DPORunConfig
 from postrl.config.loading import save_config
-from postrl.data.preferences import PreferencePair, load_preference_pairs
-from postrl.models.devices import resolve_device
-from postrl.models.loading import load_causal_lm, load_tokenizer
+from postrl.data.preferences import load_preference_pairs
+from postrl.models.loading import load_tokenizer
 from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped, resume_point
 from postrl.run.place import RunPlace, check_steps_left
 from postrl.run.resolve import decay_settings, with_settings
 from postrl.run.train_runner import make_sinks
-from postrl.train.dpo import DPOWorker
-from postrl.train.lora import apply_lora
-from postrl.types import StepMetrics
+from postrl.scheduling.base import Scheduler
+from postrl.scheduling.factory import make_scheduler
+from postrl.train.dpo import PreferenceSpec
+from postrl.types import PreferencePair, StepMetrics
 from postrl.types.metric_names import DATA_EPOCH, TIME_STEP_S
+from postrl.workers.roles import PreferenceTrainer
 
 REFERENCE_FILE = "reference_logprobs.pt"
 
 
-def reference_logprobs(config: DPORunConfig, pairs: list[PreferencePair], pad_id: int, run_dir: Path) -> torch.Tensor:
-    """The starting model's (chosen, rejected) log-probabilities, computed once per run and cached in
-    the run directory (a resumed run reads them back: its policy is no longer the reference)."""
+def reference_logprobs(
+    config: DPORunConfig, pairs: list[PreferencePair], pad_id: int, run_dir: Path, scheduler: Scheduler
+) -> torch.Tensor:
+    """The starting model's (chosen, rejected) log-probabilities, computed once per run by a worker
+    the scheduler places (then closed) and cached in the run directory (a resumed run reads them
+    back: its policy is no longer the reference)."""
     path = run_dir / REFERENCE_FILE
     if path.is_file():
         cached = torch.load(path, weights_only=True)
         if cached["sources"] == [p.source for p in pairs]:
             return cached["logprobs"]
-    device = resolve_device(config.train.device, "train.device")
-    reference = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    worker = DPOWorker(reference, config.train, config.dpo, pad_id)
-    logprobs = worker.reference_logprobs(pairs)
+    reference = scheduler.preference_trainer(PreferenceSpec.of_run(config, pad_id).reference())
+    try:
+        logprobs = reference.reference_logprobs(pairs)
+    finally:
+        reference.close()
     torch.save({"sources": [p.source for p in pairs], "logprobs": logprobs}, path)
     return logprobs
 
 
-def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = False, echo=print) -> DPOWorker:
+def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = False, echo=print) -> int:
+    """Check, place the trainer, run; returns the steps done."""
     site = RunSite(config, "dpo")
     done = site.check(resume, overwrite)
     tokenizer = load_tokenizer(config.model.path)
@@ -70,7 +76,7 @@ class DPOJob(MiniBatchJob):
 
     command = "dpo"
 
-    def __init__(self, config: DPORunConfig, worker: DPOWorker, tokenizer, pairs, reference, step: int) -> None:
+    def __init__(self, config: DPORunConfig, worker: PreferenceTrainer, tokenizer, pairs, reference, step: int) -> None:
         super().__init__(config, worker, tokenizer, len(pairs), step)
         self.pairs = pairs
         self.reference = reference
@@ -86,19 +92,33 @@ class DPOJob(MiniBatchJob):
         return StepMetrics(step=self.step_count, weight_version=self.step_count, values=values)
 
 
-def _train(
-    config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, resume: bool, total: int, echo
-) -> DPOWorker:
+def _train(config: DPORunConfig, place: RunPlace, tokenizer, pairs, skipped, resume: bool, total: int, echo) -> int:
+    report_skipped(skipped, config.run_dir, echo)
+    scheduler = make_scheduler(config.scheduler, [], roles=("train",))  # DPO imports no plugins
+    try:
+        reference = reference_logprobs(config, pairs, tokenizer.pad_token_id, config.run_dir, scheduler)
+        worker = scheduler.preference_trainer(PreferenceSpec.of_run(config, tokenizer.pad_token_id))
+        try:
+            return _loop(config, place, tokenizer, pairs, reference, worker, resume, total, echo)
+        finally:
+            worker.close()
+    finally:
+        scheduler.close()
+
+
+def _loop(
+    config: DPORunConfig,
+    place: RunPlace,
+    tokenizer,
+    pairs,
+    reference: torch.Tensor,
+    worker: PreferenceTrainer,
+    resume: bool,
+    total: int,
+    echo,
+) -> int:
+    """The steps over the pairs from the start (or the checkpoint); the steps done."""
     run_dir = config.run_dir
-    report_skipped(skipped, run_dir, echo)
-    reference = reference_logprobs(config, pairs, tokenizer.pad_token_id, run_dir)
-    device = resolve_device(config.train.device, "train.device")
-    model = load_causal_lm(config.model.path, config.model.dtype).to(device)
-    if config.model.lora is not None:
-        model = apply_lora(model, config.model.lora)
-    worker = DPOWorker(
-        model, config.train, config.dpo, tokenizer.pad_token_id, config.model.gradient_checkpointing, config.model.lora
-    )
     step = 0
     if resume:
         checkpoint, state = resume_point(place, echo)
@@ -113,5 +133,6 @@ def _train(
         sinks=lambda out: make_sinks(config, run_dir, step if resume else None, out, total=total),
         published_at_end=("final_model", "metrics.jsonl", "tensorboard", REFERENCE_FILE, "skipped_rows.txt"),
     )
-    loop.run(DPOJob(config, worker, tokenizer, pairs, reference, step))
-    return worker
+    job = DPOJob(config, worker, tokenizer, pairs, reference, step)
+    loop.run(job)
+    return job.completed_steps

@@ -1,6 +1,6 @@
 """What a scheduler is: it places the workers of a run, each built from its spec (a
 :class:`~postrl.train.factory.PolicySpec`, an :class:`~postrl.rollout.factory.EngineSpec`, a
-:class:`~postrl.train.critic.CriticSpec`), and hands each role out as a client made from its
+:class:`~postrl.train.critic.CriticSpec`, a :class:`~postrl.train.dpo.PreferenceSpec`), and hands each role out as a client made from its
 Protocol. Where a worker runs (this process, a child process, a Ray actor) is the scheduler's only
 decision; what it is, is its spec's."""
 
@@ -14,8 +14,9 @@ from postrl.config.run import RewardConfig
 from postrl.rollout.factory import EngineSpec
 from postrl.rollout.pool import RolloutPool
 from postrl.train.critic import CriticSpec
+from postrl.train.dpo import PreferenceSpec
 from postrl.train.factory import PolicySpec
-from postrl.workers.roles import Critic, ExperienceStore, RewardService, TrainWorker
+from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, RewardService, TrainWorker
 
 RewardFactory = Callable[[RewardConfig], Any]  # a RewardConfig -> the Reward Service object it describes
 
@@ -30,6 +31,10 @@ class Scheduler(Protocol):
         ...
 
     def critic_worker(self, critic: CriticSpec) -> Critic: ...
+
+    def preference_trainer(self, spec: PreferenceSpec) -> PreferenceTrainer:
+        """``postrl dpo``'s trainer (one worker: ``scheduler.train.workers`` must be 1)."""
+        ...
 
     def reward_service(self, make: RewardFactory, reward: RewardConfig) -> RewardService: ...
 

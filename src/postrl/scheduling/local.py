@@ -16,6 +16,7 @@ from postrl.rollout.pool import RolloutPool
 from postrl.scheduling.base import RewardFactory
 from postrl.scheduling.placement import make_pool
 from postrl.train.critic import CriticSpec
+from postrl.train.dpo import PreferenceSpec
 from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
@@ -23,7 +24,7 @@ from postrl.workers.clients import RewardServiceClient, client
 from postrl.workers.handles import Handle, InProcessHandle
 from postrl.workers.net import free_port
 from postrl.workers.process import ProcessHandle
-from postrl.workers.roles import Critic, ExperienceStore, TrainWorker
+from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, TrainWorker
 
 
 class LocalScheduler:
@@ -60,6 +61,9 @@ class LocalScheduler:
 
     def critic_worker(self, critic: CriticSpec) -> Critic:
         return client(InProcessHandle(critic.build(), "critic"), Critic)
+
+    def preference_trainer(self, spec: PreferenceSpec) -> PreferenceTrainer:
+        return client(InProcessHandle(spec.build(), "dpo trainer"), PreferenceTrainer)
 
     def reward_service(self, make: RewardFactory, reward: RewardConfig) -> RewardServiceClient:
         return RewardServiceClient(InProcessHandle(make(reward), "reward service"))

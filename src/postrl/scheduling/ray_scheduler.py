@@ -25,6 +25,7 @@ from postrl.scheduling.ray_actors import ActorHost, RayHandle, rendezvous_addres
 from postrl.scheduling.ray_cluster import connect_ray, short_resources
 from postrl.scheduling.reaper import Reaper
 from postrl.train.critic import CriticSpec
+from postrl.train.dpo import PreferenceSpec
 from postrl.train.factory import PolicySpec
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
@@ -33,7 +34,7 @@ from postrl.workers.handles import (
     InProcessHandle,
     PlacementError,
 )
-from postrl.workers.roles import Critic, ExperienceStore, TrainWorker
+from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, TrainWorker
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,14 @@ class RayScheduler:
             "critic", "critic", 0, critic.build, num_cpus=t.num_cpus, num_gpus=t.num_gpus, threads=t.threads
         )
         return client(handle, Critic, timeout=self.scheduler.call_timeout_s)
+
+    def preference_trainer(self, spec: PreferenceSpec) -> PreferenceTrainer:
+        """``postrl dpo``'s trainer as an actor, with the train role's resources."""
+        t = self.scheduler.train
+        handle = self._actor(
+            "dpo trainer", "train", 0, spec.build, num_cpus=t.num_cpus, num_gpus=t.num_gpus, threads=t.threads
+        )
+        return client(handle, PreferenceTrainer, timeout=self.scheduler.call_timeout_s)
 
     def reward_service(self, make: RewardFactory, reward: RewardConfig) -> RewardServiceClient:
         """The Reward Service as an actor (started again when it dies); a remote service by URL

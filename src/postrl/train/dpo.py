@@ -6,21 +6,21 @@ schedule, clipping, non-finite-gradient guard and checkpoints are the shared
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from postrl.algorithms import DPO_LOSSES
 from postrl.algorithms.preference import margin
-from postrl.config.dpo import DPOConfig
+from postrl.config.dpo import DPOConfig, DPORunConfig
 from postrl.config.model import LoraConfig
 from postrl.config.training import OptimizerConfig
-from postrl.data.preferences import PreferencePair
 from postrl.train.logprobs import token_logprobs
-from postrl.train.lora import save_policy
+from postrl.train.lora import apply_lora, save_policy
 from postrl.train.optimization import Optimization, OptimizerSettings
 from postrl.train.worker import prepare_for_training
-from postrl.types import pad_sequences
+from postrl.types import PreferencePair, pad_sequences
 from postrl.types.metric_names import (
     ACTOR_GRAD_NORM,
     ACTOR_LR,
@@ -54,6 +54,40 @@ def sequence_logprobs(
     if average:
         total = total / mask.sum(dim=-1).clamp(min=1)
     return total[0::2], total[1::2]
+
+
+@dataclass(frozen=True)
+class PreferenceSpec:
+    """What builds ``postrl dpo``'s trainer, wherever its scheduler places it."""
+
+    model_path: str
+    model_dtype: str
+    train: OptimizerConfig
+    dpo: DPOConfig
+    pad_id: int
+    device: str = "cpu"
+    gradient_checkpointing: bool = False
+    lora: LoraConfig | None = None  # None: full fine-tuning (and the reference: the model as loaded)
+
+    @staticmethod
+    def of_run(config: DPORunConfig, pad_id: int) -> PreferenceSpec:
+        m = config.model
+        return PreferenceSpec(
+            m.path, m.dtype, config.train, config.dpo, pad_id, config.train.device, m.gradient_checkpointing, m.lora
+        )
+
+    def reference(self) -> PreferenceSpec:
+        """The frozen starting model, whose logprobs of each pair are computed once (no LoRA)."""
+        return replace(self, gradient_checkpointing=False, lora=None)
+
+    def build(self) -> DPOWorker:
+        from postrl.models.devices import resolve_device
+        from postrl.models.loading import load_causal_lm
+
+        model = load_causal_lm(self.model_path, self.model_dtype).to(resolve_device(self.device, "train.device"))
+        if self.lora is not None:
+            model = apply_lora(model, self.lora)
+        return DPOWorker(model, self.train, self.dpo, self.pad_id, self.gradient_checkpointing, self.lora)
 
 
 class DPOWorker:
@@ -137,3 +171,6 @@ class DPOWorker:
 
     def load_checkpoint(self, path: str | Path) -> None:
         self.optimization.load(Path(path))
+
+    def close(self) -> None:
+        """The weights and optimizer state go with the worker."""

@@ -183,6 +183,16 @@ OPTIONAL_PER_TOKEN = ("values", "returns")  # per-token floats only some algorit
 
 
 @dataclass(frozen=True)
+class PreferencePair:
+    """A prompt with a preferred and a rejected completion (``postrl dpo``), as token ids."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    source: str
+
+
+@dataclass(frozen=True)
 class Health:
     """A health check's answer; falsy when the engine cannot serve, with the reason."""
 

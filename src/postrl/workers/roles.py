@@ -3,7 +3,7 @@ worker lives. A scheduler hands each role out as a client made from its Protocol
 (:func:`postrl.workers.clients.client`): exactly these methods, each a call of the worker, in this
 process, a child process or a Ray actor. The implementations are named apart: the
 :class:`~postrl.train.worker.PolicyTrainer`, the engines and :class:`~postrl.rollout.pool.RolloutPool`,
-:class:`~postrl.reward.service.LocalRewardService`, :class:`~postrl.train.critic.CriticWorker`,
+:class:`~postrl.reward.service.LocalRewardService`, :class:`~postrl.train.critic.CriticWorker`, :class:`~postrl.train.dpo.DPOWorker`,
 :class:`~postrl.buffer.ExperienceBuffer`.
 """
 
@@ -19,6 +19,7 @@ from postrl.types import (
     Experience,
     ExperienceBatch,
     Health,
+    PreferencePair,
     Prompt,
     RewardResult,
     Rollout,
@@ -40,6 +41,24 @@ class TrainWorker(Protocol):
     def set_kl_beta(self, beta: float) -> None: ...
 
     def policy_state(self) -> dict[str, torch.Tensor]: ...
+
+    def save_pretrained(self, folder: str | Path) -> None: ...
+
+    def save_checkpoint(self, path: str | Path) -> None: ...
+
+    def load_checkpoint(self, path: str | Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class PreferenceTrainer(Protocol):
+    """``postrl dpo``'s trainer: the policy's sequence logprobs of chosen and rejected completions."""
+
+    def reference_logprobs(self, pairs: list[PreferencePair]) -> torch.Tensor:
+        """``[N, 2]`` (chosen, rejected) under the current weights (before training: the reference)."""
+        ...
+
+    def update_pairs(self, pairs: list[PreferencePair], reference: torch.Tensor) -> dict[str, float]: ...
 
     def save_pretrained(self, folder: str | Path) -> None: ...
 
