@@ -119,6 +119,33 @@ def test_replay_state_round_trips_through_a_checkpoint_bit_exactly():
         assert live.get(4, step).experiences == resumed.get(4, step).experiences
 
 
+def test_rewind_puts_the_buffer_back_at_its_mark_without_copying_experiences():
+    """An abandoned sync step (a put, a get) leaves no trace: the state and the next draws are those
+    of a buffer that never saw it; the mark holds the same experience objects, not copies."""
+
+    def fresh():
+        return ExperienceBuffer(max_staleness=3, replay=ReplayConfig(capacity_steps=3, reuse_limit=2), seed=7)
+
+    live, untouched = fresh(), fresh()
+    for buf in (live, untouched):
+        buf.put([exp(0, g, tag=g) for g in range(3) for _ in range(2)])
+        buf.get(4, 0)
+    live.mark()
+    held = [entry.experience for entry, _ in live._mark.entries]
+    assert all(a is b for a, b in zip(held, [x.experience for x in live._entries], strict=True))
+    live.put([exp(1, g, tag=10 + g) for g in range(3) for _ in range(2)])
+    live.get(4, 1)
+    assert live.state_dict() != untouched.state_dict()
+    live.rewind()
+    assert live.state_dict() == untouched.state_dict()
+    for step in (1, 2):
+        for buf in (live, untouched):
+            buf.put([exp(step, g, tag=10 * step + g) for g in range(3) for _ in range(2)])
+        assert live.get(4, step).experiences == untouched.get(4, step).experiences
+    with pytest.raises(RuntimeError, match="rewind\\(\\) without a mark\\(\\)"):
+        fresh().rewind()
+
+
 def test_replay_capacity_must_fit_the_staleness_bound():
     with pytest.raises(ValueError, match="capacity_steps=3 keeps samples up to 2 versions old"):
         BufferConfig(max_staleness=1, replay={"capacity_steps": 3})

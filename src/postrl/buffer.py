@@ -47,6 +47,13 @@ class _Entry:
     uses: int = 0
 
 
+@dataclass(frozen=True)
+class _Mark:
+    entries: list[tuple[_Entry, int]]  # each entry held, with its uses then
+    counters: tuple[int, int, int, int, int]
+    rng: Any
+
+
 class ExperienceBuffer:
     def __init__(
         self, max_staleness: int = 0, on_stale: str = "wait", replay: ReplayConfig | None = None, seed: int = 0
@@ -62,6 +69,7 @@ class ExperienceBuffer:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.put_count = self.got_count = self.dropped_count = self.serial = self.gets = 0
+        self._mark: _Mark | None = None
 
     def put(self, experiences: list[Experience]) -> None:
         """One producer batch (a step's experiences)."""
@@ -136,6 +144,27 @@ class ExperienceBuffer:
 
     def close(self) -> None:
         """Nothing to release (its contents are in the checkpoint)."""
+
+    def mark(self) -> None:
+        """Remember the buffer as it is now, for :meth:`rewind`: its entries and counters, not
+        copies of the experiences (cheap, where :meth:`state_dict` copies every one)."""
+        with self._lock:
+            self._mark = _Mark(
+                [(x, x.uses) for x in self._entries],
+                (self.put_count, self.got_count, self.dropped_count, self.serial, self.gets),
+                self._rng.getstate(),
+            )
+
+    def rewind(self) -> None:
+        """Back to the last :meth:`mark` (a step abandoned before its update)."""
+        with self._lock:
+            if self._mark is None:
+                raise RuntimeError("rewind() without a mark()")
+            for entry, uses in self._mark.entries:
+                entry.uses = uses
+            self._entries = [entry for entry, _ in self._mark.entries]
+            self.put_count, self.got_count, self.dropped_count, self.serial, self.gets = self._mark.counters
+            self._rng.setstate(self._mark.rng)
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:

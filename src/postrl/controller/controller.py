@@ -51,7 +51,7 @@ class Controller:
         """The pipeline ``controller.mode`` and ``controller.overlap`` ask for."""
         c, steps, deliver = self.config, self.batches, self.parts.buffer.put
         if c.controller.mode == "sync":
-            return SyncPipeline(steps, deliver, self.versions, self._push_weights, self._state, self._load_state)
+            return SyncPipeline(steps, deliver, self.versions, self._push_weights, self._undo_point, self._undo)
         if c.async_overlap == "generation":
             return ThreadedPipeline(steps, deliver, self.versions, self._push_weights, c)
         if c.requested_overlap == "generation":
@@ -207,6 +207,10 @@ class Controller:
             return {**self._state(), "pipeline": self.pipeline.state_dict()}
 
     def _state(self) -> dict[str, Any]:
+        return {**self._step_state(), "buffer": self.parts.buffer.state_dict()}
+
+    def _step_state(self) -> dict[str, Any]:
+        """The run state a sync step changes before its update, less the buffer's contents."""
         return {
             "step": self.versions.step,
             "weight_version": self.versions.weight,
@@ -214,18 +218,27 @@ class Controller:
             "rollout": self.parts.rollout.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "stages": self.stages.state_dict(),
-            "buffer": self.parts.buffer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_state(state)
+        self._load_step_state(state)
+        self.parts.buffer.load_state_dict(state["buffer"])
         self.pipeline.load_state_dict(state.get("pipeline") or ledger_state(self.versions.step, deque()))
 
-    def _load_state(self, state: dict[str, Any]) -> None:
+    def _load_step_state(self, state: dict[str, Any]) -> None:
         self.versions.step = int(state["step"])
         self.versions.weight = int(state["weight_version"])
         self.batches.draw.load_state_dict(state["sampler"])
         self.parts.rollout.load_state_dict(state["rollout"])
         torch.set_rng_state(state["torch_rng"])
         self.stages.load_state_dict(state["stages"])
-        self.parts.buffer.load_state_dict(state["buffer"])
+
+    def _undo_point(self) -> dict[str, Any]:
+        """Where a sync step starts, to go back to should it be abandoned before its update: the
+        buffer only marks its entries (no copy of its experiences, no transfer from a Ray actor)."""
+        self.parts.buffer.mark()
+        return self._step_state()
+
+    def _undo(self, point: dict[str, Any]) -> None:
+        self._load_step_state(point)
+        self.parts.buffer.rewind()

@@ -124,7 +124,8 @@ class Pipeline(Protocol):
 
 class SyncPipeline:
     """Each step produces its own batch, and the weights are pushed before the next step. A step
-    abandoned before the update is undone by putting back the run state it started from."""
+    abandoned before the update is undone by going back to the undo point it started from
+    (``snapshot``: the step's own state and a mark of the buffer, not a copy of its contents)."""
 
     def __init__(
         self,
