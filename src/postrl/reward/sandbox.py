@@ -187,12 +187,30 @@ class Sandbox:
         return spec, workdir
 
     def _execute(self, spec: dict, n_tests: int) -> SandboxResult:
+        """The tests run in a fresh jailed interpreter: its verdicts, its output and why it ended."""
         result_r, result_w = os.pipe()
+        proc = self._spawn(spec, result_w)
+        try:
+            verdicts, output, error, timed_out = self._read(proc, result_r, n_tests)
+        finally:
+            kill_group(proc)
+            assert proc.stdout is not None
+            proc.stdout.close()
+            os.close(result_r)
+        if error is None and len(verdicts) < n_tests:
+            error = _exit_reason(proc.returncode)
+        passed = [verdicts.get(i, (False, None))[0] for i in range(n_tests)]
+        errors = [verdicts[i][1] if i in verdicts else (error or "not run") for i in range(n_tests)]
+        return SandboxResult(passed, errors, error, timed_out, bytes(output[:2000]).decode("utf-8", "replace"))
+
+    def _spawn(self, spec: dict, result_w: int) -> subprocess.Popen:
+        """The harness process, reading ``spec`` on stdin and writing verdicts to ``result_w``
+        (closed here once the child holds it)."""
         with tempfile.TemporaryFile() as spec_file:
             spec_file.write(marshal.dumps(spec))
             spec_file.seek(0)
             try:
-                proc = subprocess.Popen(
+                return subprocess.Popen(
                     self._command(result_w),
                     stdin=spec_file,
                     stdout=subprocess.PIPE,
@@ -204,21 +222,26 @@ class Sandbox:
                 )
             finally:
                 os.close(result_w)
+
+    def _read(
+        self, proc: subprocess.Popen, result_r: int, n_tests: int
+    ) -> tuple[dict[int, tuple[bool, str | None]], bytearray, str | None, bool]:
+        """Its output and verdicts until both streams close, the wall clock runs out or the output
+        passes its bound: (verdicts by test, output, error, timed out)."""
         verdicts: dict[int, tuple[bool, str | None]] = {}
         output = bytearray()
         error, timed_out = None, False
         results_buffer = b""
         selector = selectors.DefaultSelector()
-        selector.register(proc.stdout, selectors.EVENT_READ, "out")
+        selector.register(proc.stdout, selectors.EVENT_READ, "out")  # type: ignore[arg-type]
         selector.register(result_r, selectors.EVENT_READ, "result")
         deadline = time.monotonic() + self.limits.wall_s + 1.0  # +1 s: interpreter start and jail set-up
         open_streams = 2
         try:
-            while open_streams:
+            while open_streams and error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    error, timed_out = f"timed out after {self.limits.wall_s:g}s (wall clock)", True
-                    break
+                    return verdicts, output, f"timed out after {self.limits.wall_s:g}s (wall clock)", True
                 for key, _ in selector.select(timeout=left):
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
@@ -233,19 +256,9 @@ class Sandbox:
                         *lines, results_buffer = results_buffer.split(b"\n")
                         for line in lines:
                             _record_verdict(line, n_tests, verdicts)
-                if error:
-                    break
         finally:
             selector.close()
-            kill_group(proc)
-            proc.stdout.close()
-            os.close(result_r)
-        code = proc.returncode
-        if error is None and len(verdicts) < n_tests:
-            error = _exit_reason(code)
-        passed = [verdicts.get(i, (False, None))[0] for i in range(n_tests)]
-        errors = [verdicts[i][1] if i in verdicts else (error or "not run") for i in range(n_tests)]
-        return SandboxResult(passed, errors, error, timed_out, bytes(output[:2000]).decode("utf-8", "replace"))
+        return verdicts, output, error, timed_out
 
 
 def _record_verdict(line: bytes, n_tests: int, verdicts: dict[int, tuple[bool, str | None]]) -> None:

@@ -93,6 +93,30 @@ class ServerMetrics:
         return "\n".join(lines) + "\n"
 
 
+class _Refused(Exception):
+    """A /score request refused before scoring: its HTTP status and what is wrong."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+async def _score_body(request: Request, max_batch: int) -> ScoreBody:
+    """The request's samples, checked: JSON (415), a valid body naming the bad fields (422), at most
+    ``max_batch`` samples (413)."""
+    if "application/json" not in request.headers.get("content-type", ""):
+        raise _Refused(415, "send JSON (content-type: application/json)")
+    try:
+        body = ScoreBody.model_validate_json(await request.body())
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        raise _Refused(422, f"bad /score body: {problems}") from None
+    if len(body.samples) > max_batch:
+        raise _Refused(413, f"{len(body.samples)} samples is over server.max_batch={max_batch}")
+    return body
+
+
 def build_reward_app(service: LocalRewardService, server: RewardServerConfig, token: str | None = None) -> FastAPI:
     app = FastAPI(title="postrl reward service")
     metrics = ServerMetrics()
@@ -120,27 +144,16 @@ def build_reward_app(service: LocalRewardService, server: RewardServerConfig, to
             metrics.in_flight += 1
         status = 200
         try:
-            if "application/json" not in request.headers.get("content-type", ""):
-                status = 415
-                return JSONResponse({"detail": "send JSON (content-type: application/json)"}, status_code=status)
-            try:
-                body = ScoreBody.model_validate_json(await request.body())
-            except ValidationError as exc:
-                status = 422
-                problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
-                return JSONResponse({"detail": f"bad /score body: {problems}"}, status_code=status)
-            if len(body.samples) > server.max_batch:
-                status = 413
-                return JSONResponse(
-                    {"detail": f"{len(body.samples)} samples is over server.max_batch={server.max_batch}"},
-                    status_code=status,
-                )
+            body = await _score_body(request, server.max_batch)
             requests = [ScoreRequest(s.prompt, s.response, s.columns, s.response_tokens) for s in body.samples]
             results = await run_in_threadpool(service.score_batch, requests)
             with metrics.lock:
                 metrics.samples += len(results)
                 metrics.unscorable += sum(r.unscorable for r in results)
             return JSONResponse({"results": [result_to_json(r) for r in results]})
+        except _Refused as refused:
+            status = refused.status
+            return JSONResponse({"detail": refused.detail}, status_code=status)
         except Exception:
             status = 500
             raise

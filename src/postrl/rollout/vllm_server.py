@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,22 @@ class UpdateRequest(BaseModel):
     version: int = Field(ge=0)
 
 
+@dataclass(frozen=True)
+class RequestBounds:
+    """What one /v1/completions request may ask for; a request over a bound is a 400 naming it."""
+
+    max_n: int = 256
+    max_tokens: int = 32768
+    max_prompts: int = 4096
+
+    def violation(self, req: CompletionRequest) -> str | None:
+        asked = (("n", req.n, self.max_n), ("max_tokens", req.max_tokens, self.max_tokens))
+        for name, value, bound in (*asked, ("prompts", len(req.prompt), self.max_prompts)):
+            if value > bound:
+                return f"{name}={value} is over this server's limit of {bound}"
+        return None
+
+
 def build_app(
     llm: Any,
     model_name: str,
@@ -242,9 +259,7 @@ def build_app(
     token: str | None = None,
     weights_dir: str | None = None,
     max_body_bytes: int = 64 << 20,
-    max_n: int = 256,
-    max_tokens: int = 32768,
-    max_prompts: int = 4096,
+    bounds: RequestBounds = RequestBounds(),
     lora_enabled: bool = False,
 ):
     from fastapi import FastAPI, HTTPException
@@ -267,14 +282,8 @@ def build_app(
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> dict:
-        limits = (
-            ("n", req.n, max_n),
-            ("max_tokens", req.max_tokens, max_tokens),
-            ("prompts", len(req.prompt), max_prompts),
-        )
-        for name, value, bound in limits:
-            if value > bound:
-                raise HTTPException(400, f"{name}={value} is over this server's limit of {bound}")
+        if (problem := bounds.violation(req)) is not None:
+            raise HTTPException(400, problem)
         params = [_sampling_params(req, SamplingParams, k) for k in range(req.n)]
         with control.engine_lock:
             choices = generate_stepwise(control, req.prompt, params)
@@ -369,7 +378,7 @@ def _weights_file(weights_dir: str | None, path: str, http_error: Any, folder: b
     return full
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="postrl vLLM rollout server")
     parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -387,7 +396,21 @@ def main() -> None:
     parser.add_argument("--max-n", type=int, default=256)
     parser.add_argument("--max-tokens-limit", type=int, default=32768)
     parser.add_argument("--max-prompts", type=int, default=4096)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _lora_options(max_lora_rank: int) -> dict[str, Any]:
+    """vLLM's LoRA settings for adapters up to ``max_lora_rank`` (its next size up); none for 0."""
+    if max_lora_rank <= 0:
+        return {}
+    rank = min((r for r in LORA_RANKS if r >= max_lora_rank), default=None)
+    if rank is None:
+        sys.exit(f"vllm_server: --max-lora-rank {max_lora_rank} is over vLLM's largest, {LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+
+
+def main() -> None:
+    args = _arguments()
     try:
         token = guard.read_token(args.token_env)
     except ValueError as exc:
@@ -399,12 +422,7 @@ def main() -> None:
     import uvicorn
     from vllm import LLM
 
-    lora = {}
-    if args.max_lora_rank > 0:
-        rank = min((r for r in LORA_RANKS if r >= args.max_lora_rank), default=None)
-        if rank is None:
-            sys.exit(f"vllm_server: --max-lora-rank {args.max_lora_rank} is over vLLM's largest, {LORA_RANKS[-1]}")
-        lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+    lora = _lora_options(args.max_lora_rank)
     llm = LLM(
         async_scheduling=False,  # a step's tokens are its weights': none computed ahead of a swap
         model=args.model,
@@ -415,15 +433,14 @@ def main() -> None:
         enable_prefix_caching=True,  # a multi-turn episode's next turn reuses its context's cached blocks
         **lora,
     )
+    bounds = RequestBounds(args.max_n, args.max_tokens_limit, args.max_prompts)
     app = build_app(
         llm,
         args.model,
         token=token,
         weights_dir=args.weights_dir,
         max_body_bytes=args.max_body_bytes,
-        max_n=args.max_n,
-        max_tokens=args.max_tokens_limit,
-        max_prompts=args.max_prompts,
+        bounds=bounds,
         lora_enabled=bool(lora),
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
