@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from postrl.cli import main
 from postrl.config.resume_policy import check_resume_changes, flatten
@@ -394,3 +395,22 @@ def test_an_auto_engine_is_warned_about_only_where_it_runs_in_bf16(monkeypatch, 
     watch = UpdateVisibilityWatch(build_config({}, ["rollout.dtype=auto", "rollout.device=cpu"]), said.append)
     watch.observe(StepMetrics(2, 2, {"train/update_visible_bf16": 0.1}))
     assert len(said) == (1 if fast_bf16 else 0)
+
+
+def test_the_visible_share_of_an_update_by_hand():
+    """At 1.0 a bf16 step is 2^-7: a change of 0.01 moves the bf16 value, one of 0.001 does not, so
+    0.01 of the 0.01 + 3 x 0.001 changed is visible; bf16 parameters are not measured."""
+    from postrl.train.update_visibility import Bf16Visibility
+
+    model = torch.nn.Linear(2, 2, bias=True)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(1.0)
+    meter = Bf16Visibility(model)
+    meter.start()
+    with torch.no_grad():
+        model.weight += torch.tensor([[0.01, 0.001], [0.001, 0.0]])
+        model.bias += torch.tensor([0.001, 0.0])
+    assert meter.share() == pytest.approx(0.01 / 0.013, rel=1e-4)  # float32 holds 1.01 to 6e-8
+    assert meter.share() is None  # one measurement per start()
+    assert not Bf16Visibility(torch.nn.Linear(2, 2).to(torch.bfloat16)).applies
