@@ -75,5 +75,6 @@ class ControllerConfig(Section):
         description="async: generation and the weight push compute on the trainer's thread between two updates, and "
         "only waiting (scoring, I/O) runs beside training; overlap: generation is then run as overlap: scoring. "
         "None: true where the engine computes in this process on the trainer's CPU, where two computations at once "
-        "are slower than one after the other (docs/async.md), false otherwise.",
+        "are slower than one after the other (docs/async.md), false otherwise and for an agent.env run that asks for "
+        "overlap: generation (its episodes wait on their environments, which the producer thread hides).",
     )

@@ -438,10 +438,14 @@ class RunConfig(RunCommandConfig):
     @property
     def computes_serially(self) -> bool:
         """``controller.serial_compute`` resolved (None: true when the engine runs in this process on
-        the trainer's CPU: a local scheduler, an in-process engine, both devices the CPU)."""
+        the trainer's CPU: a local scheduler, an in-process engine, both devices the CPU; but not for
+        an ``agent.env`` run that asks for ``overlap: generation``, whose episodes mostly wait on their
+        environments: the producer thread hides that waiting, see docs/async.md)."""
         choice = self.controller.serial_compute
         if choice is not None:
             return choice
+        if self.agent is not None and self.agent.env is not None and self.requested_overlap == "generation":
+            return False
         import torch
 
         def on_cpu(device: str) -> bool:

@@ -139,10 +139,10 @@ class EnvEpisodes:
             self.make_env,
             self.tokenizer,
             self.limits,
-            c.on_prefix_break,
-            c.env_options,
-            c.tools_in_prompt,
-            self._schedule(),
+            on_prefix_break=c.on_prefix_break,
+            env_options=c.env_options,
+            tools_in_prompt=c.tools_in_prompt,
+            schedule=self._schedule(),
         )
         with self._lock:
             self._running.add(runner)
