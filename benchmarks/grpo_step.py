@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +37,20 @@ from postrl.tasks import chat_addition
 PROMPTS, G, NEW_TOKENS, MICRO, LR = 16, 8, 64, 16, 1e-6
 
 
-def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = False) -> dict:
+@dataclass(frozen=True)
+class Sizes:
+    """A step's prompts, samples per prompt, new tokens and micro-batch."""
+
+    prompts: int = PROMPTS
+    group: int = G
+    new_tokens: int = NEW_TOKENS
+    micro: int = MICRO
+
+
+SMOKE_SIZES = Sizes(prompts=2, group=2, new_tokens=4, micro=4)  # --smoke: the same path in seconds a step
+
+
+def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = False, sizes: Sizes = Sizes()) -> dict:
     """postrl's run; ``lora``: r=16 adapters on every projection (lr 10x), synced as adapters."""
     from postrl.config.loading import build_config
     from postrl.run.train_runner import train
@@ -47,10 +61,10 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = 
             "output_dir": str(out),
             "seed": 0,
             "steps": steps,
-            "prompts_per_step": PROMPTS,
+            "prompts_per_step": sizes.prompts,
             "model": {"path": str(model_dir), "lora": {"r": 16, "alpha": 32.0} if lora else None},
             "data": {"train_files": [str(data)], "max_prompt_tokens": 256},
-            "rollout": {"n": G, "max_tokens": NEW_TOKENS, "temperature": 1.0, "dtype": "auto"},
+            "rollout": {"n": sizes.group, "max_tokens": sizes.new_tokens, "temperature": 1.0, "dtype": "auto"},
             "reward": {
                 "components": [{"name": "correct", "type": "custom", "function": "postrl.tasks.chat_addition:score"}],
                 "num_workers": 1,
@@ -58,8 +72,8 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = 
             "algorithm": {"kl_beta": 0.0},
             "train": {
                 "lr": LR * 10 if lora else LR,
-                "mini_batch_size": PROMPTS * G,
-                "micro_batch_size": MICRO,
+                "mini_batch_size": sizes.prompts * sizes.group,
+                "micro_batch_size": sizes.micro,
                 "epochs": 1,
                 "precision": "bf16_autocast",
             },
@@ -80,7 +94,7 @@ def run_postrl(model_dir: Path, data: Path, out: Path, steps: int, lora: bool = 
     return {"step_s": times, "reward": rewards, "phases": phases}
 
 
-def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> dict:
+def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int, sizes: Sizes = Sizes()) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -107,10 +121,10 @@ def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> di
     dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in data_rows])
     args = GRPOConfig(
         output_dir=str(out),
-        per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=PROMPTS * G // MICRO,
-        num_generations=G,
-        max_completion_length=NEW_TOKENS,
+        per_device_train_batch_size=sizes.micro,
+        gradient_accumulation_steps=max(1, sizes.prompts * sizes.group // sizes.micro),
+        num_generations=sizes.group,
+        max_completion_length=sizes.new_tokens,
         temperature=1.0,
         top_k=0,
         top_p=1.0,
@@ -140,7 +154,7 @@ def run_trl(model_dir: Path, data_rows: list[dict], out: Path, steps: int) -> di
     return {"step_s": timer.times, "reward": rewards}
 
 
-def run_worker(framework: str, steps: int) -> dict:
+def run_worker(framework: str, steps: int, sizes: Sizes = Sizes()) -> dict:
     """One framework's run in this process; its peak resident memory is the process's."""
     from postrl.models.gguf import smollm2_dir
     from postrl.train.memory import resident_high_water_mb
@@ -149,16 +163,17 @@ def run_worker(framework: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         if framework in ("postrl", "postrl_lora"):
             data = chat_addition.write_jsonl(Path(tmp) / "addition.jsonl", 2000)
-            result = run_postrl(model_dir, data, Path(tmp) / "postrl", steps, lora=framework == "postrl_lora")
+            result = run_postrl(model_dir, data, Path(tmp) / "postrl", steps, framework == "postrl_lora", sizes)
         else:
-            result = run_trl(model_dir, chat_addition.rows(2000), Path(tmp) / "trl", steps)
+            result = run_trl(model_dir, chat_addition.rows(2000), Path(tmp) / "trl", steps, sizes)
     return {**result, "peak_mb": resident_high_water_mb()}
 
 
-def run_frameworks(frameworks: list[str], steps: int, log: Path | None = None) -> dict[str, dict]:
+def run_frameworks(frameworks: list[str], steps: int, log: Path | None = None, smoke: bool = False) -> dict[str, dict]:
     """The frameworks' runs interleaved step by step (:func:`_interleave.run_interleaved`); each
     one's result is its last reply, sent after its last step."""
-    commands = {f: [sys.executable, __file__, "--worker", f, "--steps", str(steps)] for f in frameworks}
+    smoke_flag = ["--smoke"] if smoke else []
+    commands = {f: [sys.executable, __file__, "--worker", f, "--steps", str(steps), *smoke_flag] for f in frameworks}
     return {name: replies[-1] for name, replies in run_interleaved(commands, steps, log).items()}
 
 
@@ -214,11 +229,12 @@ def main() -> int:
         return 0
     steps = 2 if args.smoke else 30 if args.curve else max(2, args.steps)
     if args.worker:
-        print(MARK + json.dumps({**run_worker(args.worker, steps), "last": True}), flush=True)
+        sizes = SMOKE_SIZES if args.smoke else Sizes()
+        print(MARK + json.dumps({**run_worker(args.worker, steps, sizes), "last": True}), flush=True)
         return 0
     if args.curve:
         return report_curves(run_frameworks(["postrl", "trl"], steps, args.curve_log), args.png, args.json)
-    runs = run_frameworks(["postrl", "postrl_lora", "trl"], steps)
+    runs = run_frameworks(["postrl", "postrl_lora", "trl"], steps, smoke=args.smoke)
     postrl, lora, trl = runs["postrl"], runs["postrl_lora"], runs["trl"]
     p_s = sum(postrl["step_s"][1:]) / len(postrl["step_s"][1:])
     l_s = sum(lora["step_s"][1:]) / len(lora["step_s"][1:])
