@@ -13,14 +13,14 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from postrl.rollout.agentic.recorder import EpisodeRecorder, PendingTurn
 from postrl.serve.chat_turn import ChatTurn, template_message
 from postrl.serve.openai_protocol import ChatRequest, bad_request
 from postrl.serve.sse import ChunkEncoder, SSEStream, StreamEncoder, choice_factory, first_stop
-from postrl.serve.turn_context import TurnContext
+from postrl.serve.turn_context import TurnContext, add_api_routes
 from postrl.types import Prompt, Rollout, SamplingParams
 
 
@@ -151,17 +151,5 @@ async def chat_completion(
 
 
 def add_chat_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
-    """``/v1/chat/completions``; with a recorder, also under an episode's base URL
-    (``{server}/episodes/{id}/v1``: for agents and frameworks that can only be pointed at a URL)."""
-
-    async def chat(
-        req: ChatRequest, x_episode_id: str | None = Header(None, max_length=200)
-    ) -> dict[str, Any] | StreamingResponse:
-        return await chat_completion(ctx, req, req.episode_id or x_episode_id)
-
-    async def episode_chat(episode: str, req: ChatRequest) -> dict[str, Any] | StreamingResponse:
-        return await chat_completion(ctx, req, episode)
-
-    app.post("/v1/chat/completions", response_model=None)(chat)
-    if recorded:
-        app.post("/episodes/{episode}/v1/chat/completions", response_model=None)(episode_chat)
+    """``/v1/chat/completions`` (and, recording, under an episode's base URL)."""
+    add_api_routes(app, ctx, "/chat/completions", ChatRequest, chat_completion, recorded)

@@ -17,14 +17,14 @@ import json
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from postrl.serve.chat_completions import Answer, PreparedTurn
 from postrl.serve.openai_protocol import ChatRequest, bad_request
 from postrl.serve.sse import Delta, sse_event
-from postrl.serve.turn_context import TurnContext
+from postrl.serve.turn_context import TurnContext, add_api_routes
 
 
 class ToolSpec(BaseModel):
@@ -265,17 +265,5 @@ async def create_message(ctx: TurnContext, req: MessagesRequest, episode: str | 
 
 
 def add_messages_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
-    """``/v1/messages``; with a recorder, also under an episode's base URL (an Anthropic client is
-    given it without the ``/v1``, which the client adds)."""
-
-    async def messages(
-        req: MessagesRequest, x_episode_id: str | None = Header(None, max_length=200)
-    ) -> dict | StreamingResponse:
-        return await create_message(ctx, req, req.episode_id or x_episode_id)
-
-    async def episode_messages(episode: str, req: MessagesRequest) -> dict | StreamingResponse:
-        return await create_message(ctx, req, episode)
-
-    app.post("/v1/messages", response_model=None)(messages)
-    if recorded:
-        app.post("/episodes/{episode}/v1/messages", response_model=None)(episode_messages)
+    """``/v1/messages`` (and, recording, under an episode's base URL, to which an Anthropic client adds ``/v1``)."""
+    add_api_routes(app, ctx, "/messages", MessagesRequest, create_message, recorded)

@@ -18,14 +18,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from postrl.serve.chat_completions import Answer, PreparedTurn
 from postrl.serve.openai_protocol import ChatRequest, FunctionDefinition, bad_request
 from postrl.serve.sse import Delta, sse_event
-from postrl.serve.turn_context import TurnContext
+from postrl.serve.turn_context import TurnContext, add_api_routes
 
 # accepted with no effect on generation
 METADATA = (
@@ -343,16 +343,5 @@ async def create_response(
 
 
 def add_responses_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
-    """``/v1/responses``; with a recorder, also under an episode's base URL."""
-
-    async def responses(
-        req: ResponsesRequest, x_episode_id: str | None = Header(None, max_length=200)
-    ) -> dict[str, Any] | StreamingResponse:
-        return await create_response(ctx, req, req.episode_id or x_episode_id)
-
-    async def episode_responses(episode: str, req: ResponsesRequest) -> dict[str, Any] | StreamingResponse:
-        return await create_response(ctx, req, episode)
-
-    app.post("/v1/responses", response_model=None)(responses)
-    if recorded:
-        app.post("/episodes/{episode}/v1/responses", response_model=None)(episode_responses)
+    """``/v1/responses`` (and, recording, under an episode's base URL)."""
+    add_api_routes(app, ctx, "/responses", ResponsesRequest, create_response, recorded)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Header
 
 from postrl.rollout.agentic.chat import ChatRenderer
 from postrl.rollout.agentic.recorder import EpisodeRecorder
@@ -176,3 +179,30 @@ class TurnContext:
             "weight_version": self.batcher.worker.weight_version,
             "usage": self.usage(prompts, sum(len(r.response_ids) for r in rollouts)),
         }
+
+
+class EpisodeRequest(Protocol):
+    episode_id: str | None  # the episode a call records into (else the X-Episode-Id header's)
+
+
+Handler = Callable[[TurnContext, Any, "str | None"], Awaitable[Any]]
+
+
+def add_api_routes(
+    app: FastAPI, ctx: TurnContext, path: str, request: type[EpisodeRequest], handle: Handler, recorded: bool
+) -> None:
+    """``/v1{path}``, a body of type ``request`` answered by ``handle(ctx, body, episode)``; with a
+    recorder (``recorded``), also under an episode's base URL ``/episodes/{id}/v1{path}``, for agents
+    and frameworks that can only be pointed at a URL."""
+
+    async def plain(req: Any, x_episode_id: str | None = Header(None, max_length=200)) -> Any:
+        return await handle(ctx, req, req.episode_id or x_episode_id)
+
+    async def in_episode(episode: str, req: Any) -> Any:
+        return await handle(ctx, req, episode)
+
+    for endpoint in (plain, in_episode):
+        endpoint.__annotations__["req"] = request  # the body's model (Any above), which FastAPI parses
+    app.post(f"/v1{path}", response_model=None)(plain)
+    if recorded:
+        app.post(f"/episodes/{{episode}}/v1{path}", response_model=None)(in_episode)
