@@ -166,7 +166,13 @@ def test_an_async_checkpoint_keeps_the_batch_being_generated_and_the_resumed_run
         [sys.executable, str(script), "train", config], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     deadline, step, in_flight = time.time() + 240, 0, None
-    while in_flight is None:
+
+    def cut_mid_response(held) -> bool:  # a checkpoint that met samples with tokens (not one at the very start)
+        return held is not None and any(
+            r["finish_reason"] == "suspended" and r["response_ids"] for r in held["rollouts"]
+        )
+
+    while not cut_mid_response(in_flight):
         assert first.poll() is None and time.time() < deadline, (
             first.stderr.read().decode()[-3000:] if first.poll() else "timeout"
         )

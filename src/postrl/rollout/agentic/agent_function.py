@@ -2,7 +2,7 @@
 
 The run serves its rollout engine on loopback through an OpenAI-compatible server that records
 every episode (:mod:`postrl.rollout.agentic.recorder`; the server is
-:func:`postrl.serve.recording_server.start_recording_server`, handed in as a
+:class:`postrl.serve.recording_server.RecordingServer`, handed in as a
 :class:`RecordingEndpoint`). For each prompt it runs the user's
 ``function(client, row) -> reward`` ``n`` times in threads, each with an ``openai.OpenAI`` client
 whose base URL is the episode's own (``http://127.0.0.1:PORT/episodes/ID/v1``): an agent
