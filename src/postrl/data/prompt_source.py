@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from postrl.config.data import DataConfig
 from postrl.config.reasoning_gym import EvalSetConfig
-from postrl.config.run import DataConfig
 from postrl.data.curriculum import LeveledDraw
 from postrl.data.dataset import DEFAULT_MAX_PROMPT_TOKENS, PromptDataset, build_prompts, load_prompt_dataset
 from postrl.data.reasoning_gym import build_gym_prompts, gym_held_out

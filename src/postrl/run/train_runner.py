@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from postrl.config.command import RunCommandConfig
+from postrl.config.data import NO_HELD_OUT
 from postrl.config.loading import save_config
-from postrl.config.run import NO_HELD_OUT, ConfigError, RunConfig
+from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
 from postrl.data.prompt_source import prompt_source

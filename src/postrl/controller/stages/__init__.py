@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from postrl.algorithms import ADVANTAGES
 from postrl.algorithms.stages import STAGES
-from postrl.config.run import CURRICULUM_NEEDS_ACCURACY, ConfigError, RunConfig
+from postrl.config.data import CURRICULUM_NEEDS_ACCURACY
+from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.stages.base import Groups, Phase, Stage, StepServices
 from postrl.controller.stages.critic import CriticStage
 from postrl.controller.stages.curriculum import Curriculum
