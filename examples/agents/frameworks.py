@@ -18,7 +18,7 @@ from typing import Any
 
 MODEL = "policy"  # the name the recording server serves
 MAX_TOKENS = 96  # per model turn
-INSTRUCTIONS = "Solve the arithmetic problem. Use the tools for sums and products; end with the number."
+INSTRUCTIONS = "Solve the arithmetic problem. Use the tools for every sum, difference and product; end with the number."
 
 
 def add(a: int, b: int) -> int:
@@ -29,6 +29,16 @@ def add(a: int, b: int) -> int:
         b: the second addend
     """
     return a + b
+
+
+def subtract(a: int, b: int) -> int:
+    """Subtract b from a.
+
+    Args:
+        a: the number to subtract from
+        b: the number to subtract
+    """
+    return a - b
 
 
 def multiply(a: int, b: int) -> int:
@@ -57,7 +67,7 @@ def agents_sdk(client: Any, row: dict[str, Any]) -> float:
     agent = Agent(
         name="calculator",
         instructions=INSTRUCTIONS,
-        tools=[function_tool(add), function_tool(multiply)],
+        tools=[function_tool(add), function_tool(subtract), function_tool(multiply)],
         model=model,
         model_settings=ModelSettings(max_tokens=MAX_TOKENS),
     )
@@ -75,7 +85,7 @@ def langgraph_react(client: Any, row: dict[str, Any]) -> float:
     from langgraph.prebuilt import create_react_agent
 
     llm = ChatOpenAI(model=MODEL, base_url=str(client.base_url), api_key="postrl", max_retries=0, max_tokens=MAX_TOKENS)
-    agent = create_react_agent(llm, [tool(add), tool(multiply)], prompt=INSTRUCTIONS)
+    agent = create_react_agent(llm, [tool(add), tool(subtract), tool(multiply)], prompt=INSTRUCTIONS)
     try:
         state = agent.invoke({"messages": [("user", row["prompt"])]}, {"recursion_limit": 8})
     except GraphRecursionError:

@@ -300,6 +300,15 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_merge_lora(args: argparse.Namespace) -> int:
+    from postrl.models.merge_adapter import merge_adapter
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("merge-lora needs peft: pip install 'postrl[lora]'")
+    print(f"wrote {merge_adapter(args.adapter, args.out_dir, args.base)}")
+    return 0
+
+
 def _cmd_check_template(args: argparse.Namespace) -> int:
     from postrl.models.loading import load_tokenizer
     from postrl.rollout.agentic.builtin_tools import BUILTIN_TOOLS

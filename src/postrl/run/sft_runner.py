@@ -76,6 +76,7 @@ def policy_spec(config: SFTRunConfig) -> PolicySpec:
         temperature=1.0,
         seed=config.seed,
         gradient_checkpointing=config.model.gradient_checkpointing,
+        lora=config.model.lora,
     )
 
 

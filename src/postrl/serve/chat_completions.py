@@ -108,7 +108,7 @@ def _prompt(ctx: TurnContext, turn: ChatTurn, episode: str | None) -> tuple[Prom
     if ctx.recorder is None:
         raise bad_request("this server does not record episodes (start it with --record)", "episode_id")
     try:
-        pending = ctx.recorder.prompt(episode, turn.messages, turn.tools, turn.prefix)
+        pending = ctx.recorder.prompt(episode, turn.messages, turn.tools, turn.prefix, sent=turn.sent)
     except ValueError as exc:
         raise bad_request(str(exc), "episode_id", 429) from None
     return Prompt(text="", prompt_ids=pending.context, cache_key=pending.cache_key), pending

@@ -96,6 +96,7 @@ class ChatTurn:
     # the ids of this call's tool calls derive from it and the text, so a streamed turn and its
     # recording, which each parse the text, name each call alike
     salt: str = field(default_factory=lambda: uuid.uuid4().hex)
+    sent: list[dict[str, Any]] | None = None  # the request's messages where ``messages`` adds a tools message
 
     def call_id(self, text: str, index: int) -> str:
         return "call_" + hashlib.sha256(f"{self.salt}:{index}:{text}".encode()).hexdigest()[:24]
@@ -118,8 +119,9 @@ class ChatTurn:
                 raise bad_request(f"tools: {error}", "tools")
         rendered: list[dict[str, Any]] | None = tools
         fmt = tooling.format
+        sent = None
         if tooling.in_prompt == "system":
-            messages, rendered, fmt = with_tools_system_message(messages, tools), None, Hermes()
+            sent, messages, rendered, fmt = messages, with_tools_system_message(messages, tools), None, Hermes()
         elif tooling.in_prompt == "none":
             rendered, fmt = None, fmt or Hermes()
         elif tooling.template_drops_tools:
@@ -130,7 +132,7 @@ class ChatTurn:
             )
         choice = req.tool_choice or "auto"
         if choice == "none":
-            return ChatTurn(messages, rendered, None, offered=offered)
+            return ChatTurn(messages, rendered, None, offered=offered, sent=sent)
         if fmt is None:
             raise bad_request(
                 "this model's chat template shows no tool call format this server knows; start the server "
@@ -143,7 +145,7 @@ class ChatTurn:
             raise bad_request(f"tool_choice names '{named}', which is not among the tools", "tool_choice")
         prefix = fmt.forced_prefix(named) if choice != "auto" else ""
         stops = fmt.one_call_stops() if req.parallel_tool_calls is False else ()
-        return ChatTurn(messages, rendered, fmt, prefix, stops, offered)
+        return ChatTurn(messages, rendered, fmt, prefix, stops, offered, sent=sent)
 
     def reply(self, raw: str, plain: str, user_stops: tuple[str, ...], keep_stop: bool) -> dict[str, Any]:
         """The assistant message for one response. ``raw``: its text with special tokens kept and a

@@ -46,6 +46,10 @@ class Episode:
     # training samples of the episode not trained on, by reason: "no_model_tokens" (a split left a
     # sample the model never wrote into, e.g. a prefix break right before a limit)
     dropped: dict[str, int] = field(default_factory=dict)
+    # recorded agents' requests kept on the episode's tokens through a framework's edits of the history,
+    # by kind (postrl.rollout.agentic.history_match.EDITS), and "reasoning_split": turns whose template
+    # dropped earlier reasoning, trained from what the template showed the model
+    history_edits: dict[str, int] = field(default_factory=dict)
     part: int = 0
     env_s: float = 0.0
     generate_s: float = 0.0

@@ -378,6 +378,7 @@ def episode_metrics(rollouts: list[Rollout], prefix: str = AGENT) -> dict[str, f
         "tool_errors": float(sum(ep.tool_errors for ep in episodes)),
         "episode_tokens_mean": sum(len(r.response_ids) for r in rollouts if r.episode) / n,
         "prefix_breaks": float(sum(ep.prefix_breaks for ep in episodes)),
+        "history_edits": float(sum(sum(ep.history_edits.values()) for ep in episodes)),
         "samples_per_episode": parts / n,
         "env_s": sum(ep.env_s for ep in episodes),
         "generate_s": max(ep.generate_s for ep in episodes),

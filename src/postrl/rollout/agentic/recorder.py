@@ -15,6 +15,15 @@ One episode may hold several samples, by these rules (every generated token is t
   agent calling the API concurrently on one conversation), and every choice after the first of a
   call with ``n > 1``, forks: a new sample whose prompt is the shared context (its earlier model
   tokens are not trained again in it);
+- a request whose text continues no sample but whose messages continue one message by message,
+  up to the edits frameworks make (:mod:`~postrl.rollout.agentic.history_match`: whitespace,
+  dropped ``tools``, re-serialised arguments, removed reasoning), extends that sample: its new
+  messages are rendered after the recorded ones, with the recorded tools, so the earlier turns keep
+  the engine's tokens (counted in ``history_edits`` by kind);
+- where even that rendering does not continue the sample because the chat template itself drops
+  earlier reasoning (thinking templates), the model sees the template's rendering: a new sample
+  starts from it (counted as ``history_edits["reasoning_split"]``, not as a break), so each turn is
+  trained with the context the model saw;
 - a request that continues no sample (the agent rewrote the history, or a sub-agent started its
   own conversation) starts a new sample from the template's rendering (counted in
   ``prefix_breaks`` when the episode already had samples)."""
@@ -28,18 +37,31 @@ from typing import Any
 
 from postrl.rollout.agentic.chat import ChatRenderer
 from postrl.rollout.agentic.episodes import sample_rollout
+from postrl.rollout.agentic.history_match import continues, edits, without_reasoning
 from postrl.types import Rollout
 from postrl.types.episode import Episode, TrajectorySample, Turn
 
 
 @dataclass
+class SampleHistory:
+    """What a sample's context stands for: the template text, the messages the agent sent and got
+    back (before the server added a tools message), the messages rendered, and the tools."""
+
+    seen: str
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    rendered: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass
 class RecordedEpisode:
     samples: list[TrajectorySample] = field(default_factory=list)
-    seen: list[str] = field(default_factory=list)  # per sample: the template text its context stands for
+    seen: list[SampleHistory] = field(default_factory=list)  # per sample
     busy: set[int] = field(default_factory=set)  # samples with a turn being generated
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     prefix_breaks: int = 0
+    history_edits: dict[str, int] = field(default_factory=dict)
     forks: int = 0
     finish_reason: str = "stop"
     generate_s: float = 0.0  # its model calls' time, from request to answer, summed
@@ -64,14 +86,19 @@ class RecordedEpisode:
             dict(info or {}),
             self.prefix_breaks,
             dropped,
+            history_edits=dict(self.history_edits),
             env_s=max(0.0, wall_s - self.generate_s),
             generate_s=self.generate_s,
         )
 
-    def _new_sample(self, prompt_ids: list[int], seen: str) -> int:
+    def _new_sample(self, prompt_ids: list[int], seen: SampleHistory) -> int:
         self.samples.append(TrajectorySample(list(prompt_ids)))
         self.seen.append(seen)
         return len(self.samples) - 1
+
+    def count(self, kinds: set[str]) -> None:
+        for kind in kinds or {"other"}:
+            self.history_edits[kind] = self.history_edits.get(kind, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,7 @@ class PendingTurn:
     rendered: str  # the template text of the prompt (with any forced start of the turn)
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    sent: list[dict[str, Any]]  # the agent's messages, before the server added a tools message
     started: float = field(default_factory=time.monotonic)  # when the request reached the recorder
 
     @property
@@ -115,35 +143,70 @@ class EpisodeRecorder:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         prefix: str = "",
+        sent: list[dict[str, Any]] | None = None,
     ) -> PendingTurn:
         """The exact prompt of this request of the episode (see the module docstring); ``prefix``
-        is text the model's turn is started with."""
+        is text the model's turn is started with; ``sent``: the agent's messages where the server
+        changed them before rendering (a tools system message added), else ``messages``."""
+        sent = list(messages if sent is None else sent)
         full = self.renderer.render(messages, generation_prompt=True, tools=tools) + prefix
         with self._lock:
             if episode_id not in self.episodes and len(self.episodes) >= self.max_episodes:
                 raise ValueError(f"{self.max_episodes} episodes are recorded and not taken yet")
             ep = self.episodes.setdefault(episode_id, RecordedEpisode())
-            continued = [i for i, seen in enumerate(ep.seen) if full.startswith(seen)]
-            idle = [i for i in continued if i not in ep.busy]
-            if idle:
-                index = max(idle, key=lambda i: len(ep.seen[i]))
-                delta = self.renderer.encode(full[len(ep.seen[index]) :])
-                _extend(ep.samples[index], delta)
-                if ep.turns:
-                    ep.turns[-1].observation_tokens = len(delta)
-                ep.seen[index] = full
-            elif continued:
-                shared = max(continued, key=lambda i: len(ep.seen[i]))
-                delta = self.renderer.encode(full[len(ep.seen[shared]) :])
-                index = ep._new_sample(ep.samples[shared].context + delta, full)
-                ep.forks += 1
-            else:
-                ep.prefix_breaks += bool(ep.samples)
-                index = ep._new_sample(self.renderer.encode(full), full)
+            index, text, rendered, rendered_tools = self._place(ep, full, list(messages), sent, tools, prefix)
             ep.busy.add(index)
             ep.messages = list(messages)
             context = list(ep.samples[index].context)
-        return PendingTurn(episode_id, index, context, full, list(messages), tools)
+        return PendingTurn(episode_id, index, context, text, rendered, rendered_tools, sent)
+
+    def _place(
+        self,
+        ep: RecordedEpisode,
+        full: str,
+        messages: list[dict[str, Any]],
+        sent: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        prefix: str,
+    ) -> tuple[int, str, list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(the sample the request goes to, the text of its prompt, the messages and tools that text
+        renders): by text, by message, or a new sample (the module docstring's rules)."""
+        continued = [i for i, h in enumerate(ep.seen) if full.startswith(h.seen)]
+        idle = [i for i in continued if i not in ep.busy]
+        if idle:
+            index = max(idle, key=lambda i: len(ep.seen[i].seen))
+            self._continue(ep, index, full)
+            return index, full, messages, tools
+        if continued:
+            shared = max(continued, key=lambda i: len(ep.seen[i].seen))
+            delta = self.renderer.encode(full[len(ep.seen[shared].seen) :])
+            ep.forks += 1
+            return ep._new_sample(ep.samples[shared].context + delta, SampleHistory(full)), full, messages, tools
+        matched = [i for i, h in enumerate(ep.seen) if i not in ep.busy and h.sent and continues(h.sent, sent)]
+        if matched:
+            index = max(matched, key=lambda i: len(ep.seen[i].sent))
+            h = ep.seen[index]
+            as_recorded = h.rendered + sent[len(h.sent) :]
+            text = self.renderer.render(as_recorded, generation_prompt=True, tools=h.tools) + prefix
+            if text.startswith(h.seen):
+                dropped = h.tools != tools or h.rendered[0] != messages[0]
+                ep.count(edits(h.sent, sent) | ({"tools_dropped"} if dropped else set()))
+                self._continue(ep, index, text)
+                return index, text, as_recorded, h.tools
+            said = [m["content"] for m in h.rendered if m["role"] == "assistant" and isinstance(m.get("content"), str)]
+            if any(without_reasoning(c) != c for c in said):
+                ep.count({"reasoning_split"})  # the template drops earlier reasoning: the model sees its text
+                return ep._new_sample(self.renderer.encode(full), SampleHistory(full)), full, messages, tools
+        ep.prefix_breaks += bool(ep.samples)
+        return ep._new_sample(self.renderer.encode(full), SampleHistory(full)), full, messages, tools
+
+    def _continue(self, ep: RecordedEpisode, index: int, text: str) -> None:
+        """The sample ``index`` extended by the tokens of ``text`` after what it already stands for."""
+        delta = self.renderer.encode(text[len(ep.seen[index].seen) :])
+        _extend(ep.samples[index], delta)
+        if ep.turns:
+            ep.turns[-1].observation_tokens = len(delta)
+        ep.seen[index] = SampleHistory(text)
 
     def record(self, turn: PendingTurn, rollouts: list[Rollout], replies: list[dict[str, Any]]) -> None:
         """The engine's responses to ``turn`` (the first continues its sample, each further one forks
@@ -157,13 +220,14 @@ class EpisodeRecorder:
                     raise ValueError(
                         f"episode {turn.episode_id}: the engine answered another prompt than the recorded one"
                     )
-                index = turn.sample if k == 0 else ep._new_sample(turn.context, turn.rendered)
+                index = turn.sample if k == 0 else ep._new_sample(turn.context, SampleHistory(turn.rendered))
                 ep.forks += k > 0
                 sample = ep.samples[index]
                 own = rollout.logprob_versions or [rollout.weight_version] * len(rollout.response_ids)
                 ep.turns.append(Turn(len(sample.context), len(rollout.response_ids)))
                 sample.add(rollout.response_ids, rollout.logprobs, own, rollout.kv_versions or own, generated=True)
-                ep.seen[index] = self._seen_after(turn, rollout, reply)
+                seen = self._seen_after(turn, rollout, reply)
+                ep.seen[index] = SampleHistory(seen, [*turn.sent, reply], [*turn.messages, reply], turn.tools)
                 ep.finish_reason = rollout.finish_reason
 
     def release(self, turn: PendingTurn) -> None:
@@ -209,5 +273,6 @@ class EpisodeRecorder:
             "samples": samples,
             "turns": len(ep.turns),
             "prefix_breaks": ep.prefix_breaks,
+            "history_edits": dict(ep.history_edits),
             "forks": ep.forks,
         }
