@@ -305,16 +305,11 @@ class RunConfig(RunCommandConfig):
     @model_validator(mode="after")
     def _suspended_episodes_can_resume(self) -> RunConfig:
         """overlap=generation suspends episodes at a checkpoint and continues them from their saved
-        state: environment episodes scheduled individually (an agent.function's own code cannot be
-        saved mid-way)."""
+        state: environment episodes scheduled individually (an agent.function's episodes run again
+        from their start, their recorded calls replayed)."""
         if self.agent is None or self.controller.mode != "async" or self.requested_overlap != "generation":
             return self
-        if self.agent.function is not None:
-            raise ValueError(
-                "agent.function episodes cannot be suspended by a checkpoint (the function's own state cannot be "
-                "saved): run them with controller.overlap=scoring (the next batch runs between updates)"
-            )
-        if self.agent.scheduling != "individual":
+        if self.agent.function is None and self.agent.scheduling != "individual":
             raise ValueError(
                 "controller.overlap=generation suspends episodes between turns, which agent.scheduling=lockstep "
                 "does not do: set agent.scheduling=individual, or controller.overlap=scoring"

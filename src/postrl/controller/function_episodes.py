@@ -49,7 +49,9 @@ class AgentFunctionEpisodes:
     def resume(
         self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams, version: int | None
     ) -> list[Rollout]:
-        raise ValueError("agent.function episodes are not suspended, so none are resumed")
+        """A batch a checkpoint suspended: its unfinished episodes run again from their start, their
+        recorded model calls replayed (:meth:`RecordedAgents.rerun`)."""
+        return self.agents.rerun(prompts, rollouts)
 
     def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
         return self.scoring.score(prompts, rollouts)
@@ -58,7 +60,11 @@ class AgentFunctionEpisodes:
         return trainable(groups, batch)
 
     def suspend(self) -> bool:
-        return self.rollout.suspend()
+        """A checkpoint: the episodes in progress stop at their next model call (the engines cut the
+        calls being generated) and come back suspended with their recorded calls."""
+        self.agents.suspend()
+        self.rollout.suspend()
+        return True
 
     def close(self) -> None:
         self.agents.close()

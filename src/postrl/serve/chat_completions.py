@@ -16,12 +16,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from postrl.rollout.agentic.recorder import EpisodeRecorder, PendingTurn
+from postrl.rollout.agentic.recorder import EpisodeRecorder, EpisodesSuspended, PendingTurn
 from postrl.serve.chat_turn import ChatTurn, template_message
 from postrl.serve.openai_protocol import ChatRequest, bad_request
 from postrl.serve.sse import ChunkEncoder, SSEStream, StreamEncoder, choice_factory, first_stop
 from postrl.serve.turn_context import TurnContext, add_api_routes
 from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.types.episode import ModelCall
 
 
 @dataclass(frozen=True)
@@ -84,16 +85,31 @@ class PreparedTurn:
 
     async def generate(self) -> list[Answer]:
         """The answers, recorded before they are returned (the agent's next call continues them):
-        parsed once, so the recorded messages are the returned ones, tool call ids included."""
-        task = asyncio.ensure_future(self.ctx.batcher.generate([self.prompt], self.params))
-        try:
-            rollouts = await task
-        except BaseException:  # the generation failed, or this call was cancelled: free the sample when it ends
-            task.add_done_callback(self.record)
-            raise
+        parsed once, so the recorded messages are the returned ones, tool call ids included. An
+        episode's call that a checkpoint cut is refused (503: the episode runs again after it); one
+        cut by a suspend meant for an earlier call is generated again."""
+        while True:
+            task = asyncio.ensure_future(self._rollouts())
+            try:
+                rollouts = await task
+            except BaseException:  # the generation failed, or this call was cancelled: free the sample when it ends
+                task.add_done_callback(self.record)
+                raise
+            recorder = self.ctx.recorder
+            if self.pending is None or recorder is None or all(r.finish_reason != "suspended" for r in rollouts):
+                break
+            if recorder.suspended:
+                recorder.release(self.pending)
+                raise bad_request("a checkpoint suspended this episode; the run runs it again", "episode_id", 503)
         answers = self.answers(rollouts)
         self.record(task, answers)
         return answers
+
+    async def _rollouts(self) -> list[Rollout]:
+        replayed = None if self.pending is None else self.pending.replayed
+        if replayed is None:
+            return await self.ctx.batcher.generate([self.prompt], self.params)
+        return _recorded(replayed)  # a re-run episode's call made before a checkpoint: its recorded answer
 
     def stream(self, encoder: StreamEncoder) -> StreamingResponse:
         new_choice = choice_factory(self.ctx, self.user_stops, self.keep_stop, self.turn, chat=True)
@@ -109,9 +125,20 @@ def _prompt(ctx: TurnContext, turn: ChatTurn, episode: str | None) -> tuple[Prom
         raise bad_request("this server does not record episodes (start it with --record)", "episode_id")
     try:
         pending = ctx.recorder.prompt(episode, turn.messages, turn.tools, turn.prefix, sent=turn.sent)
+    except EpisodesSuspended as exc:
+        raise bad_request(str(exc), "episode_id", 503) from None
     except ValueError as exc:
         raise bad_request(str(exc), "episode_id", 429) from None
     return Prompt(text="", prompt_ids=pending.context, cache_key=pending.cache_key), pending
+
+
+def _recorded(call: ModelCall) -> list[Rollout]:
+    return [
+        Rollout(0, list(call.prompt_ids), ids, lp, "", reason, call.weight_version, logprob_versions=v, kv_versions=kv)  # type: ignore[arg-type]
+        for ids, lp, v, kv, reason in zip(
+            call.response_ids, call.logprobs, call.versions, call.kv_versions, call.finish_reasons, strict=True
+        )
+    ]
 
 
 def _sampling(ctx: TurnContext, req: ChatRequest, prompt: Prompt, turn: ChatTurn, recorded: bool) -> SamplingParams:

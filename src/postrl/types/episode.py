@@ -54,6 +54,8 @@ class Episode:
     env_s: float = 0.0
     generate_s: float = 0.0
     saved: EpisodeState | None = None  # finish_reason "suspended": what the episode continues from
+    # an agent.function episode a checkpoint suspended: its completed model calls, replayed when it re-runs
+    calls: RecordedCalls | None = None
 
     @property
     def tool_calls(self) -> int:
@@ -115,6 +117,30 @@ class EpisodeState:
     stream: int | None = None  # its random stream (postrl.rollout.streams), for the turns to come
 
 
+@dataclass
+class ModelCall:
+    """One completed engine call of a recorded agent: the exact prompt and each choice's answer."""
+
+    prompt_ids: list[int]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    kv_versions: list[list[int]]
+    finish_reasons: list[str]
+    weight_version: int
+
+
+@dataclass
+class RecordedCalls:
+    """An ``agent.function`` episode a checkpoint suspended. The function's own state (its Python
+    frames) cannot be saved, so it runs again from its start under the same episode id; each model
+    call whose prompt is exactly the next recorded call's is answered from here (the same tokens,
+    logprobs and versions, no engine work), and from the first call that differs on the engine."""
+
+    episode_id: str
+    calls: list[ModelCall]
+
+
 def turn_of_state(state: dict[str, Any]) -> Turn:
     calls = [ToolCallRecord(**c) for c in state.get("tool_calls", [])]
     return Turn(**{**state, "tool_calls": calls})
@@ -132,4 +158,8 @@ def episode_of_state(state: dict[str, Any]) -> Episode:
                 "turns": [turn_of_state(t) for t in saved["turns"]],
             }
         )
-    return Episode(**{**state, "turns": [turn_of_state(t) for t in state["turns"]], "saved": saved})
+    calls = state.get("calls")
+    if calls is not None:
+        calls = RecordedCalls(calls["episode_id"], [ModelCall(**c) for c in calls["calls"]])
+    turns = [turn_of_state(t) for t in state["turns"]]
+    return Episode(**{**state, "turns": turns, "saved": saved, "calls": calls})

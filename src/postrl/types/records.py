@@ -35,6 +35,16 @@ class Prompt:
         return self.columns.get(TASK_COLUMN)
 
     @property
+    def question(self) -> str:
+        """What an agent or environment is asked: the last user message of a chat prompt (``text``
+        is the chat template's rendering of it, which an agent would wrap in a template again),
+        else ``text``."""
+        users = [
+            m["content"] for m in self.messages or [] if m.get("role") == "user" and isinstance(m.get("content"), str)
+        ]
+        return users[-1] if users else self.text
+
+    @property
     def answer(self) -> Any:
         """The row's ``answer`` column (what a verifier compares against), None when absent."""
         return self.columns.get("answer")

@@ -191,7 +191,7 @@ class EpisodeRunner:
         """A new environment and its first messages, or, once it is made, the reason its reset failed
         (the environment is returned either way: its close() is still owed)."""
         env = self.make_env(**self.env_options)
-        row = {**prompt.columns, "prompt": prompt.text, "messages": prompt.messages}
+        row = {**prompt.columns, "prompt": prompt.question, "messages": prompt.messages}
         try:
             return env, check_messages(env.reset(row), "reset() messages")
         except Exception as exc:
@@ -379,6 +379,8 @@ def episode_metrics(rollouts: list[Rollout], prefix: str = AGENT) -> dict[str, f
         "episode_tokens_mean": sum(len(r.response_ids) for r in rollouts if r.episode) / n,
         "prefix_breaks": float(sum(ep.prefix_breaks for ep in episodes)),
         "history_edits": float(sum(sum(ep.history_edits.values()) for ep in episodes)),
+        "reruns": float(sum(ep.info.get("rerun", 0) for ep in episodes)),
+        "replayed_calls": float(sum(ep.info.get("replayed_calls", 0) for ep in episodes)),
         "samples_per_episode": parts / n,
         "env_s": sum(ep.env_s for ep in episodes),
         "generate_s": max(ep.generate_s for ep in episodes),

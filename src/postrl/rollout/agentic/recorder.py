@@ -39,7 +39,11 @@ from postrl.rollout.agentic.chat import ChatRenderer
 from postrl.rollout.agentic.episodes import sample_rollout
 from postrl.rollout.agentic.history_match import continues, edits, without_reasoning
 from postrl.types import Rollout
-from postrl.types.episode import Episode, TrajectorySample, Turn
+from postrl.types.episode import Episode, ModelCall, RecordedCalls, TrajectorySample, Turn
+
+
+class EpisodesSuspended(Exception):
+    """A checkpoint suspended the recorded episodes: no model call is taken until they resume."""
 
 
 @dataclass
@@ -62,6 +66,10 @@ class RecordedEpisode:
     turns: list[Turn] = field(default_factory=list)
     prefix_breaks: int = 0
     history_edits: dict[str, int] = field(default_factory=dict)
+    calls: list[ModelCall] = field(default_factory=list)  # every completed engine call, in order
+    replay: list[ModelCall] = field(default_factory=list)  # recorded calls still to answer (a re-run)
+    replayed: int = 0
+    rerun: bool = False  # run again after a checkpoint suspended it
     forks: int = 0
     finish_reason: str = "stop"
     generate_s: float = 0.0  # its model calls' time, from request to answer, summed
@@ -78,12 +86,13 @@ class RecordedEpisode:
         did not take is its ``env_s``."""
         kept = sum(any(s.mask) for s in self.samples)
         dropped = {"no_model_tokens": len(self.samples) - kept} if len(self.samples) > kept else {}
+        rerun = {"rerun": 1, "replayed_calls": self.replayed} if self.rerun else {}
         return Episode(
             self.messages,
             self.turns,
             reward,
             self.finish_reason,
-            dict(info or {}),
+            {**(info or {}), **rerun},
             self.prefix_breaks,
             dropped,
             history_edits=dict(self.history_edits),
@@ -112,6 +121,7 @@ class PendingTurn:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     sent: list[dict[str, Any]]  # the agent's messages, before the server added a tools message
+    replayed: ModelCall | None = None  # a re-run episode's recorded answer to exactly this prompt
     started: float = field(default_factory=time.monotonic)  # when the request reached the recorder
 
     @property
@@ -135,7 +145,30 @@ class EpisodeRecorder:
         self.renderer = ChatRenderer(tokenizer)
         self.max_episodes = max_episodes
         self.episodes: dict[str, RecordedEpisode] = {}
+        self.suspended = False
         self._lock = threading.Lock()
+
+    def suspend(self) -> None:
+        """A checkpoint: every model call from now on is refused (:class:`EpisodesSuspended`), and
+        calls the engines cut are not recorded, until :meth:`resume`."""
+        with self._lock:
+            self.suspended = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self.suspended = False
+
+    def replay(self, saved: RecordedCalls) -> None:
+        """Answer the re-run of a suspended episode from its recorded calls while its prompts are
+        exactly theirs (:class:`~postrl.types.episode.RecordedCalls`)."""
+        with self._lock:
+            self.episodes[saved.episode_id] = RecordedEpisode(replay=list(saved.calls), rerun=True)
+
+    def saved_calls(self, episode_id: str) -> RecordedCalls:
+        """A suspended episode's completed calls (the episode is dropped: its re-run records it again)."""
+        with self._lock:
+            ep = self.episodes.pop(episode_id, None)
+        return RecordedCalls(episode_id, [] if ep is None else ep.calls)
 
     def prompt(
         self,
@@ -151,6 +184,8 @@ class EpisodeRecorder:
         sent = list(messages if sent is None else sent)
         full = self.renderer.render(messages, generation_prompt=True, tools=tools) + prefix
         with self._lock:
+            if self.suspended:
+                raise EpisodesSuspended("a checkpoint suspended the episodes; the run re-runs this one afterwards")
             if episode_id not in self.episodes and len(self.episodes) >= self.max_episodes:
                 raise ValueError(f"{self.max_episodes} episodes are recorded and not taken yet")
             ep = self.episodes.setdefault(episode_id, RecordedEpisode())
@@ -158,7 +193,13 @@ class EpisodeRecorder:
             ep.busy.add(index)
             ep.messages = list(messages)
             context = list(ep.samples[index].context)
-        return PendingTurn(episode_id, index, context, text, rendered, rendered_tools, sent)
+            replayed = None
+            if ep.replay and ep.replay[0].prompt_ids == context:
+                replayed = ep.replay.pop(0)
+                ep.replayed += 1
+            else:
+                ep.replay = []  # the re-run asked something else: the engine answers from here on
+        return PendingTurn(episode_id, index, context, text, rendered, rendered_tools, sent, replayed)
 
     def _place(
         self,
@@ -214,7 +255,23 @@ class EpisodeRecorder:
         with self._lock:
             ep = self.episodes[turn.episode_id]
             ep.busy.discard(turn.sample)
+            if self.suspended or any(r.finish_reason == "suspended" for r in rollouts):
+                return  # cut by a checkpoint: the episode's re-run makes this call again
             ep.generate_s += time.monotonic() - turn.started
+            ep.calls.append(
+                ModelCall(
+                    list(turn.context),
+                    [list(r.response_ids) for r in rollouts],
+                    [list(r.logprobs) for r in rollouts],
+                    [list(r.logprob_versions or [r.weight_version] * len(r.response_ids)) for r in rollouts],
+                    [
+                        list(r.kv_versions or r.logprob_versions or [r.weight_version] * len(r.response_ids))
+                        for r in rollouts
+                    ],
+                    [r.finish_reason for r in rollouts],
+                    rollouts[0].weight_version if rollouts else 0,
+                )
+            )
             for k, (rollout, reply) in enumerate(zip(rollouts, replies, strict=True)):
                 if rollout.prompt_ids != turn.context:
                     raise ValueError(

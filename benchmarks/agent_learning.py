@@ -1,0 +1,294 @@
+"""Agents that learn: SmolLM2-135M-Instruct, warm-started to call tools, trained with GRPO through
+unmodified agent frameworks (examples/agents/frameworks.py), on reasoning-gym tasks chosen by a rule.
+
+Parts:
+  warm start  the shipped adapter (src/postrl/tasks/tool_adapter, built by scripts/build_tool_adapter.py)
+              merged into SmolLM2 (``postrl merge-lora smollm2-tools``): warm_start_minutes is 0
+              (shipped); its build time is in build_info.json and reported beside it.
+  history     each history edit frameworks make (postrl.rollout.agentic.history_match.EDITS),
+              through the recording server with a scripted engine: kept on the engine's tokens or not.
+  frameworks  for each framework (--framework, default both): the tasks chosen by the RULE below on
+              the warm start's held-out episodes through that framework, then ``postrl train``
+              (agent.function, GRPO) for --minutes of training wall time, then the same held-out
+              episodes again. Held-out problems are reasoning-gym's val split (never trained on).
+              Success is the framework function's reward (the last number of the final answer
+              equals the answer), sampled at the frameworks' own temperature (1.0), over --eval
+              problems. Every trajectory of the held-out episodes after training is checked
+              against the engine's calls (retokenization_mismatches: a trained span that is not
+              exactly an engine call's response to exactly the trajectory before it).
+
+RULE: a candidate task (CANDIDATES: integer arithmetic where an add/subtract/multiply tool helps) is
+chosen when the warm start's held-out success lies in 0.1-0.5 and at least half of its episodes call
+a tool; every candidate's figures are printed.
+
+    python benchmarks/agent_learning.py [--framework agents_sdk] [--minutes 45] [--eval 48] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _smoke import add_smoke
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "agents"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CANDIDATES = [
+    {"name": "chain_sum", "config": {"min_terms": 3, "max_terms": 4, "min_digits": 2, "max_digits": 3}},
+    {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 3, "max_digits": 4}},
+    {"name": "products", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3}},
+    {"name": "products", "config": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
+    {
+        "name": "basic_arithmetic",
+        "config": {
+            "min_terms": 3,
+            "max_terms": 3,
+            "min_digits": 2,
+            "max_digits": 2,
+            "operators": ["+", "-", "*"],
+            "allow_parentheses": False,
+            "allow_negation": False,
+        },
+    },  # fmt: skip
+]
+SUCCESS_RANGE, MIN_TOOL_SHARE = (0.1, 0.5), 0.5
+FRAMEWORKS = {"agents_sdk": "agents_sdk", "langgraph": "langgraph_react"}
+PROMPTS, G, LR, MICRO = 8, 4, 2e-6, 8
+
+
+def tool_model(cache: Path) -> Path:
+    """SmolLM2 with the shipped tool-calling adapter merged (made once per adapter)."""
+    from postrl.models.merge_adapter import TOOL_ADAPTER_DIR, merge_adapter
+
+    stamp = (TOOL_ADAPTER_DIR / "adapter_model.safetensors").stat().st_mtime_ns
+    out = cache / f"smollm2-tools-{stamp}"
+    if not (out / "config.json").is_file():
+        merge_adapter("smollm2-tools", out)
+    return out
+
+
+def gym(tasks: list[dict], val_size: int, size: int = 4000) -> dict:
+    return {"tasks": tasks, "size": size, "val_size": val_size, "seed": 0, "answer_format": "last_number"}
+
+
+def held_out_prompts(model_dir: Path, tasks: list[dict], n: int) -> list:
+    from postrl.config.data import DataConfig
+    from postrl.data.prompt_source import prompt_source
+    from postrl.models.loading import load_tokenizer
+
+    data = DataConfig.model_validate({"reasoning_gym": gym(tasks, n), "apply_chat_template": False})
+    held = prompt_source(data, load_tokenizer(str(model_dir))).held_out(lambda line: None)
+    assert held is not None
+    return held.prompts
+
+
+def episodes(model_dir: Path, framework: str, prompts: list, seed: int) -> dict:
+    """The framework's agent on ``prompts`` (one episode each) through a recording server over the
+    native engine: success, tool calls, and every trajectory checked against the engine's calls."""
+    import frameworks as examples  # examples/agents/frameworks.py
+    from agentic import _exactly_engine_calls  # benchmarks/agentic.py
+
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.agentic.agent_function import RecordedAgents
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.serve.recording_server import RecordingServer
+    from postrl.types import SamplingParams
+
+    tokenizer = load_tokenizer(str(model_dir))
+    engine = NativeRolloutWorker.from_hf(load_causal_lm(str(model_dir)), tokenizer, torch.float32, seed=seed)
+    calls: list[tuple[list[int], list[int]]] = []
+    generate = engine.generate
+
+    def recorded(ps, sampling_params, weight_version, on_token=None):
+        out = generate(ps, sampling_params, weight_version, on_token)
+        calls.extend((list(r.prompt_ids), list(r.response_ids)) for r in out)
+        return out
+
+    engine.generate = recorded  # type: ignore[method-assign]
+    agents = RecordedAgents(
+        RecordingServer(engine, tokenizer, tools_in_prompt="system"), tokenizer, getattr(examples, FRAMEWORKS[framework]),
+        16, 600.0,
+    )  # fmt: skip
+    try:
+        rollouts = agents.run(prompts, SamplingParams(n=1, temperature=1.0, max_tokens=examples.MAX_TOKENS))
+    finally:
+        agents.close()
+    firsts = [r for r in rollouts if r.episode is not None and r.episode.part == 0]
+    calls_per = [sum(len(m.get("tool_calls") or []) for m in r.episode.messages) for r in firsts]
+    by_task: dict[str, list[float]] = {}
+    for r in firsts:
+        by_task.setdefault(prompts[r.prompt_index].task_type or "", []).append(float(r.episode.reward or 0.0))
+    return {
+        "success": sum(float(r.episode.reward or 0.0) for r in firsts) / max(1, len(firsts)),
+        "per_task": {t: sum(v) / len(v) for t, v in by_task.items()},
+        "tool_calls_per_episode": sum(calls_per) / max(1, len(firsts)),
+        "tool_share": sum(c > 0 for c in calls_per) / max(1, len(firsts)),
+        "retokenization_mismatches": sum(not _exactly_engine_calls(r, calls) for r in rollouts if r.response_ids),
+        "prefix_breaks": sum(r.episode.prefix_breaks for r in firsts),
+        "history_edits": sum(sum(r.episode.history_edits.values()) for r in firsts),
+        "episodes": len(firsts),
+    }
+
+
+def choose(model_dir: Path, framework: str, per_task: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """The candidates the RULE picks for ``framework``, and every candidate's figures."""
+    rows = []
+    for cand in CANDIDATES:
+        got = episodes(model_dir, framework, held_out_prompts(model_dir, [cand], per_task), seed)
+        ok = SUCCESS_RANGE[0] <= got["success"] <= SUCCESS_RANGE[1] and got["tool_share"] >= MIN_TOOL_SHARE
+        rows.append({**cand, "success": got["success"], "tool_share": got["tool_share"], "chosen": ok})
+        mark = "chosen" if ok else ""
+        print(f"  {framework:11s} {cand['name']:17s} {json.dumps(cand['config']):105s} success "
+              f"{got['success']:.3f} tool share {got['tool_share']:.2f} {mark}", file=sys.stderr)  # fmt: skip
+    return [{"name": r["name"], "config": r["config"]} for r in rows if r["chosen"]], rows
+
+
+def run_config(model_dir: Path, out: Path, framework: str, tasks: list[dict], val_size: int, seed: int) -> dict:
+    return {
+        "name": f"agent-{framework}",
+        "output_dir": str(out),
+        "seed": seed,
+        "steps": 10_000,  # the time budget ends the run (a signal, as a user's ^C)
+        "prompts_per_step": PROMPTS,
+        "import_paths": [str(ROOT / "examples" / "agents")],
+        "model": {"path": str(model_dir)},
+        "data": {"reasoning_gym": gym(tasks, val_size), "apply_chat_template": False},
+        "rollout": {"n": G, "temperature": 1.0, "dtype": "auto"},
+        "agent": {
+            "function": f"frameworks:{FRAMEWORKS[framework]}",
+            "tools_in_prompt": "system",
+            "max_context": 1024,
+            "env_workers": PROMPTS * G,
+        },  # fmt: skip
+        "algorithm": {"kl_beta": 0.0},
+        "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "precision": "bf16_autocast"},
+        "checkpoint": {"every_steps": 0},
+        "logging": {"eval_every": 0, "trackers": ["jsonl"], "console": False, "progress_bar": False},
+    }
+
+
+def learn(model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_eval: int, seed: int) -> dict:
+    from postrl.config.loading import build_config
+    from postrl.run.interrupt import RunInterrupted
+    from postrl.run.train_runner import train
+    from postrl.types.metric_names import TIME_STEP_S
+
+    prompts = held_out_prompts(model_dir, tasks, n_eval)
+    before = episodes(model_dir, framework, prompts, seed)
+    out = Path(tempfile.mkdtemp(prefix=f"agent-learning-{framework}-"))
+    config = run_config(model_dir, out, framework, tasks, n_eval, seed)
+    state = {"wall": 0.0, "steps": 0}
+
+    def on_step(metrics) -> None:
+        state["wall"] += metrics.values[TIME_STEP_S]
+        state["steps"] = metrics.step
+        print(f"  {framework} step {metrics.step}: reward {metrics.values.get('reward/mean', float('nan')):.3f} "
+              f"{state['wall'] / 60:.1f} min", file=sys.stderr)  # fmt: skip
+        if state["wall"] >= minutes * 60:
+            os.kill(os.getpid(), signal.SIGINT)  # the run stops after this step, as at a user's ^C
+
+    began = time.perf_counter()
+    try:
+        train(build_config(config), on_step=on_step)
+        final = out / config["name"] / "final_model"
+    except RunInterrupted:
+        from postrl.run.checkpoint import latest_checkpoint
+
+        final = latest_checkpoint(out / config["name"]) / "model"
+    wall = time.perf_counter() - began
+    after = episodes(final, framework, prompts, seed)
+    return {
+        "tasks": tasks,
+        "success_before": round(before["success"], 4),
+        "success_after": round(after["success"], 4),
+        "per_task_before": before["per_task"],
+        "per_task_after": after["per_task"],
+        "tool_calls_per_episode_before": round(before["tool_calls_per_episode"], 3),
+        "tool_calls_per_episode": round(after["tool_calls_per_episode"], 3),
+        "retokenization_mismatches": before["retokenization_mismatches"] + after["retokenization_mismatches"],
+        "prefix_breaks": before["prefix_breaks"] + after["prefix_breaks"],
+        "history_edits": before["history_edits"] + after["history_edits"],
+        "held_out": after["episodes"],
+        "steps": state["steps"],
+        "minutes": round(state["wall"] / 60, 2),
+        "run_minutes": round(wall / 60, 2),
+    }
+
+
+def history_edits() -> list[dict]:
+    """Each framework edit through the recording server (a scripted engine, Qwen2.5's template):
+    whether the second call continued the first's exact tokens in one sample."""
+    import pytest
+
+    sys.path.insert(0, str(ROOT))
+    code = pytest.main(["-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_history_edits.py"), "-k",
+                        "each_framework_edit or reasoning"], plugins=[_Collect()])  # fmt: skip
+    rows = [{"edit": name, "kept_exact": ok} for name, ok in sorted(_Collect.results.items())]
+    assert rows and code in (0, 1)
+    return rows
+
+
+class _Collect:
+    results: dict[str, bool] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call":
+            _Collect.results[report.nodeid.split("::")[-1]] = report.passed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--framework", action="append", choices=sorted(FRAMEWORKS), help="default: all")
+    parser.add_argument("--minutes", type=float, default=45.0, help="training wall time per framework")
+    parser.add_argument("--eval", type=int, default=48, help="held-out problems per chosen task")
+    parser.add_argument("--choose", type=int, default=24, help="held-out problems per candidate for the rule")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "postrl-agent-learning")
+    parser.add_argument("--json", action="store_true")
+    add_smoke(parser)
+    args = parser.parse_args()
+    from postrl.models.merge_adapter import TOOL_ADAPTER_DIR
+
+    info = json.loads((TOOL_ADAPTER_DIR / "build_info.json").read_text())
+    model_dir = tool_model(args.cache)
+    result: dict = {"warm_start_minutes": 0, "warm_start_build_minutes": info["build_minutes"],
+                    "warm_start_check": info["check"], "history_edits": history_edits(), "frameworks": {}}  # fmt: skip
+    for framework in args.framework or sorted(FRAMEWORKS):
+        if args.smoke:
+            tasks, table = CANDIDATES[:1], []
+        else:
+            tasks, table = choose(model_dir, framework, args.choose, args.seed)
+        if not tasks:
+            result["frameworks"][framework] = {"candidates": table, "error": "no candidate met the rule"}
+            continue
+        minutes = 0.2 if args.smoke else args.minutes
+        got = learn(model_dir, framework, tasks, minutes, 4 if args.smoke else args.eval, args.seed)
+        result["frameworks"][framework] = {**got, "candidates": table}
+    print(
+        f"{'framework':12s}{'tasks':40s}{'before':>8s}{'after':>8s}{'calls/ep':>9s}{'mism':>6s}{'breaks':>7s}{'min':>7s}"
+    )
+    for name, r in result["frameworks"].items():
+        if "error" in r:
+            print(f"{name:12s}{r['error']}")
+            continue
+        tasks = ",".join(t["name"] for t in r["tasks"])
+        print(f"{name:12s}{tasks:40s}{r['success_before']:8.3f}{r['success_after']:8.3f}"
+              f"{r['tool_calls_per_episode']:9.2f}{r['retokenization_mismatches']:6d}{r['prefix_breaks']:7d}"
+              f"{r['minutes']:7.1f}")  # fmt: skip
+    for row in result["history_edits"]:
+        print(f"history edit {row['edit']:60s} kept exact: {row['kept_exact']}")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
