@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from _smoke import add_smoke
+from _smoke import add_smoke, skip
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
@@ -62,7 +62,7 @@ CANDIDATES = [
 ]
 SUCCESS_RANGE, MIN_TOOL_SHARE = (0.1, 0.5), 0.5
 FRAMEWORKS = {"agents_sdk": "agents_sdk", "langgraph": "langgraph_react"}
-PROMPTS, G, LR, MICRO = 8, 4, 2e-6, 8
+PROMPTS, G, LR, MICRO = 8, 4, 1e-5, 8
 
 
 def tool_model(cache: Path) -> Path:
@@ -225,24 +225,35 @@ def learn(model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_
 
 
 def history_edits() -> list[dict]:
-    """Each framework edit through the recording server (a scripted engine, Qwen2.5's template):
-    whether the second call continued the first's exact tokens in one sample."""
+    """Each framework edit (and a template that drops earlier reasoning) through the recording server
+    with a scripted engine, on Qwen2.5's template and on SmolLM2's with the tools in a system
+    message: ``tests/test_history_edits.py``'s cases, each kept exact (one sample on the engine's
+    tokens, no prefix break, the edit counted) or not."""
     import pytest
 
     sys.path.insert(0, str(ROOT))
-    code = pytest.main(["-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_history_edits.py"), "-k",
-                        "each_framework_edit or reasoning"], plugins=[_Collect()])  # fmt: skip
-    rows = [{"edit": name, "kept_exact": ok} for name, ok in sorted(_Collect.results.items())]
-    assert rows and code in (0, 1)
+    collect = _Collect()
+    pytest.main(["-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_history_edits.py"), "-k",
+                 "each_framework_edit or drops_earlier_reasoning"], plugins=[collect])  # fmt: skip
+    rows = []
+    for nodeid, passed in sorted(collect.results.items()):
+        name = nodeid.split("::")[-1]
+        if "[" in name:  # test_each_framework_edit_...[TEMPLATE-EDIT]
+            template, _, edit = name[name.index("[") + 1 : -1].rpartition("-")
+        else:
+            template, edit = "qwen3", "template_drops_reasoning"
+        rows.append({"edit": edit, "template": template, "kept_exact": passed})
+    assert len(rows) == 9, rows
     return rows
 
 
 class _Collect:
-    results: dict[str, bool] = {}
+    def __init__(self) -> None:
+        self.results: dict[str, bool] = {}
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when == "call":
-            _Collect.results[report.nodeid.split("::")[-1]] = report.passed
+            self.results[report.nodeid] = report.passed
 
 
 def main() -> None:
@@ -256,7 +267,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     add_smoke(parser)
     args = parser.parse_args()
+    from agentic import smollm2_unavailable  # benchmarks/agentic.py
+
     from postrl.models.merge_adapter import TOOL_ADAPTER_DIR
+
+    missing = smollm2_unavailable()
+    if missing:
+        skip(missing, args.json)
+        return
 
     info = json.loads((TOOL_ADAPTER_DIR / "build_info.json").read_text())
     model_dir = tool_model(args.cache)
@@ -285,7 +303,7 @@ def main() -> None:
               f"{r['tool_calls_per_episode']:9.2f}{r['retokenization_mismatches']:6d}{r['prefix_breaks']:7d}"
               f"{r['minutes']:7.1f}")  # fmt: skip
     for row in result["history_edits"]:
-        print(f"history edit {row['edit']:60s} kept exact: {row['kept_exact']}")
+        print(f"history edit {row['edit']:26s} {row['template']:16s} kept exact: {row['kept_exact']}")
     if args.json:
         print(json.dumps(result))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -41,40 +42,50 @@ SFT = {
 
 
 def check(model_dir: Path, adapter: Path, problems: int, seed: int) -> dict:
-    """Greedy episodes on held-out traces' problems, tools answered by the traces' own arithmetic."""
+    """Greedy episodes on held-out traces' problems (the native engine, every episode's turn in one
+    batch), the tools answered by the traces' own arithmetic."""
     from peft import PeftModel
 
     from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.native import NativeRolloutWorker
     from postrl.serve.tool_formats import Hermes
+    from postrl.types import Prompt, SamplingParams
 
     tokenizer = load_tokenizer(str(model_dir))
-    model = PeftModel.from_pretrained(load_causal_lm(str(model_dir)), str(adapter)).merge_and_unload().eval()
-    rng, first_calls, solved, calls = random.Random(seed), 0, 0, 0
-    for _ in range(problems):
-        row = trace(rng)
-        messages = row["messages"][:2]
-        offered = {name for name in TOOLS if f'"name": "{name}"' in messages[0]["content"]}
-        for turn in range(6):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-            ids = ids if torch.is_tensor(ids) else ids["input_ids"]
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=64, do_sample=False)
-            text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    model = PeftModel.from_pretrained(load_causal_lm(str(model_dir)), str(adapter)).merge_and_unload()
+    engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=seed)
+    rng = random.Random(seed)
+    rows = [trace(rng) for _ in range(problems)]
+    live = {i: row["messages"][:2] for i, row in enumerate(rows)}
+    first_calls, solved, calls = 0, 0, 0
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=64)
+    for turn in range(6):
+        if not live:
+            break
+        texts = {
+            i: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for i, m in live.items()
+        }
+        prompts = [Prompt(t, tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts.values()]
+        for i, out in zip(list(live), engine.generate(prompts, greedy, None), strict=True):
+            text = tokenizer.decode(out.response_ids, skip_special_tokens=True)
+            offered = {name for name in TOOLS if f'"name": "{name}"' in live[i][0]["content"]}
             parsed = Hermes().parse(text, offered)
             if parsed is None:
-                solved += text.strip().split()[-1:] == [row["answer"]] or text.rstrip(".").endswith(row["answer"])
-                break
+                numbers = re.findall(r"-?\d+", text)
+                solved += bool(numbers) and numbers[-1] == rows[i]["answer"]
+                del live[i]
+                continue
             first_calls += turn == 0
             call = parsed.calls[0]
-            args = json.loads(call.arguments)
-            tool = TOOLS[call.name]
+            args, tool = json.loads(call.arguments), TOOLS[call.name]
             (a, _), (b, _) = tool.arguments
             try:
                 result = str(tool.apply(int(args[a]), int(args[b])))
             except (KeyError, TypeError, ValueError):
                 result = "error: the tool takes two integers"
             calls += 1
-            messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": result}]
+            live[i] = [*live[i], {"role": "assistant", "content": text}, {"role": "tool", "content": result}]
+    engine.close()
     return {
         "problems": problems,
         "first_turn_calls": first_calls / problems,
@@ -86,7 +97,7 @@ def check(model_dir: Path, adapter: Path, problems: int, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default=None, help="SmolLM2-135M-Instruct's folder (default: the converted cache)")
-    parser.add_argument("--examples", type=int, default=160, help="traces to train on (one epoch)")
+    parser.add_argument("--examples", type=int, default=200, help="traces to train on (one epoch)")
     parser.add_argument("--check", type=int, default=40, help="held-out problems to check the adapter on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=TOOL_ADAPTER_DIR)

@@ -3,9 +3,11 @@
 Each trace is a conversation as an agent framework drives it through postrl's recording server with
 ``tools_in_prompt: system``: a system message (the agent's instructions and the offered tools,
 written by the server's own code, so the text is the one the model sees at episode time), a user
-problem, then one assistant turn per arithmetic step that calls a tool in the Hermes form the
-server parses (``<tool_call>\\n{"name": "multiply", "arguments": {"a": 52, "b": 30}}\\n</tool_call>``),
-the tool's answer, and a final assistant turn that states the result.
+problem, then one assistant turn per arithmetic step: the expression still to evaluate, then a call
+in the Hermes form the server parses (``52*30+504`` and ``<tool_call>{"name": "multiply",
+"arguments": {"a": 52, "b": 30}}</tool_call>``, then ``1560+504`` and a call of ``add``), the tool's
+answer, and a final assistant turn that states the result. Writing what is left is the model's
+scratchpad: it sees which operations remain, and that it is done when one number is left.
 
 The problems are integer expressions with two to four operands (``52*30+504``), worded in a handful
 of ways; products first, then left to right, one call per operation, so an expression of k operands
@@ -115,6 +117,7 @@ class Step:
     a: int
     b: int
     result: int
+    remaining: str  # the expression still to evaluate when this call is made ("1560+504")
 
 
 @dataclass(frozen=True)
@@ -124,10 +127,14 @@ class Problem:
     answer: int
 
 
+def _text(values: list[int], ops: list[str]) -> str:
+    return str(values[0]) + "".join(f"{s}{n}" for s, n in zip(ops, values[1:], strict=True))
+
+
 def solve(numbers: list[int], symbols: list[str]) -> Problem:
-    """The calls that evaluate ``numbers`` joined by ``symbols`` (``*`` first, then left to right)."""
+    """The calls that evaluate ``numbers`` joined by ``symbols`` (``*`` first, then left to right),
+    each with the expression left when it is made."""
     by_symbol = {t.symbol: t for t in TOOLS.values()}
-    expression = str(numbers[0]) + "".join(f"{s}{n}" for s, n in zip(symbols, numbers[1:], strict=True))
     values, ops, steps = list(numbers), list(symbols), []
     for wanted in ("*", None):
         i = 0
@@ -135,11 +142,11 @@ def solve(numbers: list[int], symbols: list[str]) -> Problem:
             if wanted is None or ops[i] == wanted:
                 tool = by_symbol[ops[i]]
                 result = tool.apply(values[i], values[i + 1])
-                steps.append(Step(tool.name, values[i], values[i + 1], result))
+                steps.append(Step(tool.name, values[i], values[i + 1], result, _text(values, ops)))
                 values[i : i + 2], ops[i : i + 1] = [result], []
             else:
                 i += 1
-    return Problem(expression, tuple(steps), values[0])
+    return Problem(_text(numbers, symbols), tuple(steps), values[0])
 
 
 def random_problem(rng: random.Random, tools: tuple[str, ...]) -> Problem:
@@ -186,8 +193,8 @@ def trace(rng: random.Random) -> dict[str, Any]:
     problem = random_problem(rng, tools)
     messages = system_messages(rng.choice(INSTRUCTIONS), tools, style)
     messages.append({"role": "user", "content": rng.choice(WORDINGS).format(e=problem.expression)})
-    for step in problem.steps:
-        messages.append({"role": "assistant", "content": call_text(step)})
+    for step in problem.steps:  # the expression left, then the call that reduces it
+        messages.append({"role": "assistant", "content": f"{step.remaining}\n{call_text(step)}"})
         messages.append({"role": "tool", "content": str(step.result)})
     final = rng.choice(FINALS).format(e=problem.expression, n=problem.answer)
     messages.append({"role": "assistant", "content": final})
