@@ -17,11 +17,19 @@ Parts:
               against the engine's calls (retokenization_mismatches: a trained span that is not
               exactly an engine call's response to exactly the trajectory before it).
 
+  env         SmolLM2-135M-Instruct on TextArena's GuessTheNumber-v0 (a number in 1-20, ten guesses,
+              "higher"/"lower" after each; a guess is a number in square brackets): each row a
+              seed, i.e. a game; held-out success (greedy, the run's own validation) on --env-eval
+              games whose seeds are never played in training, before and after --minutes of GRPO
+              on the game's own reward (win 1). Chosen because it is offline (no corpora to
+              download), single-player, scored by the game, multi-turn (the hints must be used),
+              and the base model plays it badly but legally.
+
 RULE: a candidate task (CANDIDATES: integer arithmetic where an add/subtract/multiply tool helps) is
 chosen when the warm start's held-out success lies in 0.1-0.5 and at least half of its episodes call
 a tool; every candidate's figures are printed.
 
-    python benchmarks/agent_learning.py [--framework agents_sdk] [--minutes 45] [--eval 48] [--json]
+    python benchmarks/agent_learning.py [--framework agents_sdk] [--env] [--minutes 45] [--eval 48] [--json]
 """
 
 from __future__ import annotations
@@ -224,6 +232,95 @@ def learn(model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_
     }
 
 
+ENV = "textarena:GuessTheNumber-v0"
+ENV_TURNS, ENV_TOKENS = 10, 32
+
+
+def env_config(model_dir: Path, out: Path, train: Path, val: Path, seed: int) -> dict:
+    """GRPO on a TextArena single-player game: each row a seed (its game), the held-out rows' seeds
+    never played in training."""
+    return {
+        "name": "env-" + ENV.split(":")[1].lower(),
+        "output_dir": str(out),
+        "seed": seed,
+        "steps": 10_000,  # the time budget ends the run
+        "prompts_per_step": PROMPTS,
+        "model": {"path": str(model_dir)},
+        "data": {"train_files": [str(train)], "val_files": [str(val)]},
+        "rollout": {"n": G, "temperature": 1.0, "dtype": "auto"},
+        "agent": {
+            "env": ENV,
+            "max_turns": ENV_TURNS,
+            "max_tokens_per_turn": ENV_TOKENS,
+            "max_context": 2048,
+            "on_turn_length": "continue",
+            "env_workers": PROMPTS * G,
+        },  # fmt: skip
+        "algorithm": {"kl_beta": 0.0},
+        "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "precision": "bf16_autocast"},
+        "checkpoint": {"every_steps": 0},
+        "logging": {"eval_every": 0, "trackers": ["jsonl"], "console": False, "progress_bar": False},
+    }
+
+
+def env_learning(model_dir: Path, minutes: float, n_eval: int, seed: int) -> dict:
+    """SmolLM2 on the game: held-out success (greedy, the run's own validation) before and after
+    ``minutes`` of training."""
+    from postrl.config.loading import build_config
+    from postrl.controller.env_episodes import EnvEpisodes
+    from postrl.data.prompt_source import prompt_source
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.run.interrupt import RunInterrupted
+    from postrl.run.resolve import resolved_run
+    from postrl.run.train_runner import train
+    from postrl.run.validation import Validator, load_validation_set
+    from postrl.types.metric_names import TIME_STEP_S
+
+    out = Path(tempfile.mkdtemp(prefix="agent-learning-env-"))
+    rows = {"train": range(1, 5001), "val": range(100_001, 100_001 + n_eval)}  # disjoint seeds: other games
+    for split, seeds in rows.items():
+        (out / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": "play", "seed": s}) + "\n" for s in seeds))
+    config = resolved_run(build_config(env_config(model_dir, out, out / "train.jsonl", out / "val.jsonl", seed)))
+    tokenizer = load_tokenizer(str(model_dir))
+    validator = Validator(config, load_validation_set(config, prompt_source(config.data, tokenizer), lambda _: None))
+
+    def held_out(path: Path) -> dict[str, float]:
+        engine = NativeRolloutWorker.from_hf(load_causal_lm(str(path)), tokenizer, torch.float32, seed=seed)
+        episodes = EnvEpisodes(config.agent, tokenizer, engine, None)  # type: ignore[arg-type] # the env scores
+        return validator.run(episodes, None)
+
+    before = held_out(model_dir)
+    state = {"wall": 0.0, "steps": 0}
+
+    def on_step(metrics) -> None:
+        state["wall"] += metrics.values[TIME_STEP_S]
+        state["steps"] = metrics.step
+        print(f"  env step {metrics.step}: reward {metrics.values.get('reward/mean', float('nan')):.3f} "
+              f"{state['wall'] / 60:.1f} min", file=sys.stderr)  # fmt: skip
+        if state["wall"] >= minutes * 60:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        train(config, on_step=on_step)
+        final = config.run_dir / "final_model"
+    except RunInterrupted:
+        from postrl.run.checkpoint import latest_checkpoint
+
+        final = latest_checkpoint(config.run_dir) / "model"
+    after = held_out(final)
+    return {
+        "name": ENV,
+        "success_before": round(before["val/accuracy"], 4),
+        "success_after": round(after["val/accuracy"], 4),
+        "turns_before": round(before["val/agent/turns_mean"], 2),
+        "turns_after": round(after["val/agent/turns_mean"], 2),
+        "held_out_games": n_eval,
+        "steps": state["steps"],
+        "minutes": round(state["wall"] / 60, 2),
+    }
+
+
 def history_edits() -> list[dict]:
     """Each framework edit (and a template that drops earlier reasoning) through the recording server
     with a scripted engine, on Qwen2.5's template and on SmolLM2's with the tools in a system
@@ -264,6 +361,9 @@ def main() -> None:
     parser.add_argument("--choose", type=int, default=24, help="held-out problems per candidate for the rule")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "postrl-agent-learning")
+    parser.add_argument("--env", action="store_true", help="the environment part only")
+    parser.add_argument("--env-eval", type=int, default=100, help="held-out games")
+    parser.add_argument("--model", type=Path, default=None, help="the environment part's model (default: SmolLM2)")
     parser.add_argument("--json", action="store_true")
     add_smoke(parser)
     args = parser.parse_args()
@@ -280,7 +380,13 @@ def main() -> None:
     model_dir = tool_model(args.cache)
     result: dict = {"warm_start_minutes": 0, "warm_start_build_minutes": info["build_minutes"],
                     "warm_start_check": info["check"], "history_edits": history_edits(), "frameworks": {}}  # fmt: skip
-    for framework in args.framework or sorted(FRAMEWORKS):
+    if args.env or not args.framework:
+        from postrl.models.gguf import smollm2_dir
+
+        result["env"] = env_learning(args.model or smollm2_dir(), 0.2 if args.smoke else args.minutes,
+                                     4 if args.smoke else args.env_eval, args.seed)  # fmt: skip
+    chosen = args.framework or (["agents_sdk"] if args.smoke else sorted(FRAMEWORKS))  # smoke: one is enough
+    for framework in [] if args.env else chosen:
         if args.smoke:
             tasks, table = CANDIDATES[:1], []
         else:
@@ -302,6 +408,10 @@ def main() -> None:
         print(f"{name:12s}{tasks:40s}{r['success_before']:8.3f}{r['success_after']:8.3f}"
               f"{r['tool_calls_per_episode']:9.2f}{r['retokenization_mismatches']:6d}{r['prefix_breaks']:7d}"
               f"{r['minutes']:7.1f}")  # fmt: skip
+    if "env" in result:
+        e = result["env"]
+        print(f"env {e['name']}: held-out success {e['success_before']:.3f} -> {e['success_after']:.3f} over "
+              f"{e['held_out_games']} games never played, {e['steps']} steps, {e['minutes']:.1f} min")  # fmt: skip
     for row in result["history_edits"]:
         print(f"history edit {row['edit']:26s} {row['template']:16s} kept exact: {row['kept_exact']}")
     if args.json:

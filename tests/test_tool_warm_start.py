@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from postrl.tasks.tool_traces import TOOLS, Step, call_text, solve, system_messages, trace
+from postrl.serve.tool_traces import TOOLS, Step, call_text, solve, system_messages, trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 sys.path.insert(0, str(EXAMPLES))

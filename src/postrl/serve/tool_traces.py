@@ -13,7 +13,7 @@ The problems are integer expressions with two to four operands (``52*30+504``), 
 of ways; products first, then left to right, one call per operation, so an expression of k operands
 takes k - 1 calls. The tools are described as the OpenAI Agents SDK's ``function_tool`` and
 LangChain's ``convert_to_openai_tool`` write them (and as postrl's own ``Tool.from_function``), so the
-warm start reads each framework's system message. Nothing here comes from reasoning-gym: the tasks
+warm start reads each framework's system message. Nothing here comes from the task libraries: the tasks
 the agents are trained on stay unseen.
 """
 
