@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from _engine_calls import exactly_engine_calls, log_calls
 from _smoke import add_smoke, skip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ CANDIDATES = [
 ]
 SUCCESS_RANGE, MIN_TOOL_SHARE = (0.1, 0.5), 0.5
 FRAMEWORKS = {"agents_sdk": "agents_sdk", "langgraph": "langgraph_react"}
-PROMPTS, G, LR, MICRO = 8, 4, 1e-5, 8
+PROMPTS, G, LR, MICRO = 8, 4, 1e-5, 4
 
 
 def tool_model(cache: Path) -> Path:
@@ -103,7 +104,6 @@ def episodes(model_dir: Path, framework: str, prompts: list, seed: int) -> dict:
     """The framework's agent on ``prompts`` (one episode each) through a recording server over the
     native engine: success, tool calls, and every trajectory checked against the engine's calls."""
     import frameworks as examples  # examples/agents/frameworks.py
-    from agentic import _exactly_engine_calls  # benchmarks/agentic.py
 
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.agentic.agent_function import RecordedAgents
@@ -113,15 +113,7 @@ def episodes(model_dir: Path, framework: str, prompts: list, seed: int) -> dict:
 
     tokenizer = load_tokenizer(str(model_dir))
     engine = NativeRolloutWorker.from_hf(load_causal_lm(str(model_dir)), tokenizer, torch.float32, seed=seed)
-    calls: list[tuple[list[int], list[int]]] = []
-    generate = engine.generate
-
-    def recorded(ps, sampling_params, weight_version, on_token=None):
-        out = generate(ps, sampling_params, weight_version, on_token)
-        calls.extend((list(r.prompt_ids), list(r.response_ids)) for r in out)
-        return out
-
-    engine.generate = recorded  # type: ignore[method-assign]
+    calls = log_calls(engine)
     agents = RecordedAgents(
         RecordingServer(engine, tokenizer, tools_in_prompt="system"), tokenizer, getattr(examples, FRAMEWORKS[framework]),
         16, 600.0,
@@ -140,7 +132,7 @@ def episodes(model_dir: Path, framework: str, prompts: list, seed: int) -> dict:
         "per_task": {t: sum(v) / len(v) for t, v in by_task.items()},
         "tool_calls_per_episode": sum(calls_per) / max(1, len(firsts)),
         "tool_share": sum(c > 0 for c in calls_per) / max(1, len(firsts)),
-        "retokenization_mismatches": sum(not _exactly_engine_calls(r, calls) for r in rollouts if r.response_ids),
+        "retokenization_mismatches": sum(not exactly_engine_calls(r, calls) for r in rollouts if r.response_ids),
         "prefix_breaks": sum(r.episode.prefix_breaks for r in firsts),
         "history_edits": sum(sum(r.episode.history_edits.values()) for r in firsts),
         "episodes": len(firsts),
@@ -148,7 +140,13 @@ def episodes(model_dir: Path, framework: str, prompts: list, seed: int) -> dict:
 
 
 def choose(model_dir: Path, framework: str, per_task: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """The candidates the RULE picks for ``framework``, and every candidate's figures."""
+    """The candidates the RULE picks for ``framework``, and every candidate's figures (kept beside the
+    merged model: the same model, framework, size and seed choose the same)."""
+    kept = model_dir.parent / f"choose-{model_dir.name}-{framework}-{per_task}-{seed}.json"
+    if kept.is_file():
+        rows = json.loads(kept.read_text())
+        print(f"  {framework}: the rule's figures from {kept}", file=sys.stderr)
+        return [{"name": r["name"], "config": r["config"]} for r in rows if r["chosen"]], rows
     rows = []
     for cand in CANDIDATES:
         got = episodes(model_dir, framework, held_out_prompts(model_dir, [cand], per_task), seed)
@@ -157,6 +155,7 @@ def choose(model_dir: Path, framework: str, per_task: int, seed: int) -> tuple[l
         mark = "chosen" if ok else ""
         print(f"  {framework:11s} {cand['name']:17s} {json.dumps(cand['config']):105s} success "
               f"{got['success']:.3f} tool share {got['tool_share']:.2f} {mark}", file=sys.stderr)  # fmt: skip
+    kept.write_text(json.dumps(rows))
     return [{"name": r["name"], "config": r["config"]} for r in rows if r["chosen"]], rows
 
 
@@ -184,34 +183,41 @@ def run_config(model_dir: Path, out: Path, framework: str, tasks: list[dict], va
     }
 
 
-def learn(model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_eval: int, seed: int) -> dict:
-    from postrl.config.loading import build_config
+def train_for(config, minutes: float, label: str) -> tuple[Path, int, float]:
+    """``postrl train`` until ``minutes`` of step time (a SIGINT after the step that passes them, as a
+    user's ^C): the model it ended with, its steps, its minutes of step time."""
+    from postrl.run.checkpoint import latest_checkpoint
     from postrl.run.interrupt import RunInterrupted
     from postrl.run.train_runner import train
     from postrl.types.metric_names import TIME_STEP_S
 
-    prompts = held_out_prompts(model_dir, tasks, n_eval)
-    before = episodes(model_dir, framework, prompts, seed)
-    out = Path(tempfile.mkdtemp(prefix=f"agent-learning-{framework}-"))
-    config = run_config(model_dir, out, framework, tasks, n_eval, seed)
     state = {"wall": 0.0, "steps": 0}
 
     def on_step(metrics) -> None:
         state["wall"] += metrics.values[TIME_STEP_S]
         state["steps"] = metrics.step
-        print(f"  {framework} step {metrics.step}: reward {metrics.values.get('reward/mean', float('nan')):.3f} "
+        print(f"  {label} step {metrics.step}: reward {metrics.values.get('reward/mean', float('nan')):.3f} "
               f"{state['wall'] / 60:.1f} min", file=sys.stderr)  # fmt: skip
         if state["wall"] >= minutes * 60:
-            os.kill(os.getpid(), signal.SIGINT)  # the run stops after this step, as at a user's ^C
+            os.kill(os.getpid(), signal.SIGINT)  # the run stops after this step
 
-    began = time.perf_counter()
     try:
-        train(build_config(config), on_step=on_step)
-        final = out / config["name"] / "final_model"
+        train(config, on_step=on_step)
+        final = config.run_dir / "final_model"
     except RunInterrupted:
-        from postrl.run.checkpoint import latest_checkpoint
+        final = latest_checkpoint(config.run_dir) / "model"
+    return final, int(state["steps"]), state["wall"] / 60
 
-        final = latest_checkpoint(out / config["name"]) / "model"
+
+def learn(model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_eval: int, seed: int) -> dict:
+    from postrl.config.loading import build_config
+
+    prompts = held_out_prompts(model_dir, tasks, n_eval)
+    before = episodes(model_dir, framework, prompts, seed)
+    out = Path(tempfile.mkdtemp(prefix=f"agent-learning-{framework}-"))
+    config = run_config(model_dir, out, framework, tasks, n_eval, seed)
+    began = time.perf_counter()
+    final, steps, minutes_run = train_for(build_config(config), minutes, framework)
     wall = time.perf_counter() - began
     after = episodes(final, framework, prompts, seed)
     return {
@@ -226,8 +232,8 @@ def learn(model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_
         "prefix_breaks": before["prefix_breaks"] + after["prefix_breaks"],
         "history_edits": before["history_edits"] + after["history_edits"],
         "held_out": after["episodes"],
-        "steps": state["steps"],
-        "minutes": round(state["wall"] / 60, 2),
+        "steps": steps,
+        "minutes": round(minutes_run, 2),
         "run_minutes": round(wall / 60, 2),
     }
 
@@ -271,11 +277,8 @@ def env_learning(model_dir: Path, minutes: float, n_eval: int, seed: int) -> dic
     from postrl.data.prompt_source import prompt_source
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.native import NativeRolloutWorker
-    from postrl.run.interrupt import RunInterrupted
     from postrl.run.resolve import resolved_run
-    from postrl.run.train_runner import train
     from postrl.run.validation import Validator, load_validation_set
-    from postrl.types.metric_names import TIME_STEP_S
 
     out = Path(tempfile.mkdtemp(prefix="agent-learning-env-"))
     rows = {"train": range(1, 5001), "val": range(100_001, 100_001 + n_eval)}  # disjoint seeds: other games
@@ -291,23 +294,7 @@ def env_learning(model_dir: Path, minutes: float, n_eval: int, seed: int) -> dic
         return validator.run(episodes, None)
 
     before = held_out(model_dir)
-    state = {"wall": 0.0, "steps": 0}
-
-    def on_step(metrics) -> None:
-        state["wall"] += metrics.values[TIME_STEP_S]
-        state["steps"] = metrics.step
-        print(f"  env step {metrics.step}: reward {metrics.values.get('reward/mean', float('nan')):.3f} "
-              f"{state['wall'] / 60:.1f} min", file=sys.stderr)  # fmt: skip
-        if state["wall"] >= minutes * 60:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    try:
-        train(config, on_step=on_step)
-        final = config.run_dir / "final_model"
-    except RunInterrupted:
-        from postrl.run.checkpoint import latest_checkpoint
-
-        final = latest_checkpoint(config.run_dir) / "model"
+    final, steps, minutes_run = train_for(config, minutes, "env")
     after = held_out(final)
     return {
         "name": ENV,
@@ -316,8 +303,8 @@ def env_learning(model_dir: Path, minutes: float, n_eval: int, seed: int) -> dic
         "turns_before": round(before["val/agent/turns_mean"], 2),
         "turns_after": round(after["val/agent/turns_mean"], 2),
         "held_out_games": n_eval,
-        "steps": state["steps"],
-        "minutes": round(state["wall"] / 60, 2),
+        "steps": steps,
+        "minutes": round(minutes_run, 2),
     }
 
 
@@ -357,7 +344,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--framework", action="append", choices=sorted(FRAMEWORKS), help="default: all")
     parser.add_argument("--minutes", type=float, default=45.0, help="training wall time per framework")
-    parser.add_argument("--eval", type=int, default=48, help="held-out problems per chosen task")
+    parser.add_argument("--eval", type=int, default=96, help="held-out problems, over the chosen tasks")
     parser.add_argument("--choose", type=int, default=24, help="held-out problems per candidate for the rule")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "postrl-agent-learning")

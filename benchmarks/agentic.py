@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from _engine_calls import exactly_engine_calls, log_calls
 from _smoke import add_smoke
 
 from postrl.models.loading import AGENTIC_MODEL_DIR
@@ -330,18 +331,6 @@ def frameworks(args: argparse.Namespace) -> dict:
     from postrl.serve.recording_server import RecordingServer
     from postrl.types import Prompt, SamplingParams
 
-    def recording(engine: NativeRolloutWorker, calls: list[tuple[list[int], list[int]]]) -> NativeRolloutWorker:
-        """The engine, keeping every call's prompt and response token ids."""
-        generate = engine.generate
-
-        def recorded(prompts, sampling_params, weight_version, on_token=None):
-            out = generate(prompts, sampling_params, weight_version, on_token)
-            calls.extend((list(r.prompt_ids), list(r.response_ids)) for r in out)
-            return out
-
-        engine.generate = recorded  # type: ignore[method-assign]
-        return engine
-
     model, tokenizer = smollm2()
     rows = [
         json.loads(line) for line in (ROOT / "examples" / "data" / "tool_arithmetic.jsonl").read_text().splitlines()
@@ -349,8 +338,8 @@ def frameworks(args: argparse.Namespace) -> dict:
     prompts = [Prompt(r["prompt"], [], columns=r) for r in rows[: args.framework_episodes]]
     result: dict = {}
     for name in ("agents_sdk", "langgraph_react"):
-        calls: list[tuple[list[int], list[int]]] = []
-        engine = recording(NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed), calls)
+        engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed)
+        calls = log_calls(engine)
         server = RecordingServer(engine, tokenizer, tools_in_prompt="system")
         agents = RecordedAgents(server, tokenizer, getattr(examples, name), 8, 600.0)
         began = time.perf_counter()
@@ -360,7 +349,7 @@ def frameworks(args: argparse.Namespace) -> dict:
             agents.close()
         took = time.perf_counter() - began
         recorded = [r for r in rollouts if r.response_ids]
-        mismatches = sum(not _exactly_engine_calls(r, calls) for r in recorded)
+        mismatches = sum(not exactly_engine_calls(r, calls) for r in recorded)
         tool_calls = sum(
             len(m.get("tool_calls") or [])
             for r in recorded
@@ -383,26 +372,6 @@ def frameworks(args: argparse.Namespace) -> dict:
         "retokenization_mismatches": sum(v["retokenization_mismatches"] for v in result.values()),
         "max_logprob_diff": max(v["max_logprob_diff"] for v in result.values()),
     }
-
-
-def _exactly_engine_calls(r, calls: list[tuple[list[int], list[int]]]) -> bool:
-    """The trajectory's model tokens are exactly engine outputs: each generated span (loss mask 1)
-    is the response of an engine call whose prompt is the trajectory up to that span."""
-    full, mask = r.prompt_ids + r.response_ids, [0] * len(r.prompt_ids) + list(r.loss_mask or [1] * len(r.response_ids))
-    by_prompt = {tuple(p): g for p, g in calls}
-    i = len(r.prompt_ids)
-    while i < len(full):
-        if not mask[i]:
-            i += 1
-            continue
-        end = i
-        while end < len(full) and mask[end]:
-            end += 1
-        answer = by_prompt.get(tuple(full[:i]))
-        if answer is None or answer != full[i:end]:
-            return False
-        i = end
-    return True
 
 
 def _max_logprob_diff(model, rollouts) -> float:

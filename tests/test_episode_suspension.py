@@ -150,11 +150,12 @@ def test_the_python_tools_variables_come_back_in_a_new_interpreter():
 AGENT_STEPS = 8
 
 
-@pytest.mark.slow
-def test_an_async_agent_run_killed_after_a_checkpoint_trains_every_episode_once(tmp_path):
-    """overlap=generation with episodes: a checkpoint suspends the batch being generated between
-    turns and saves it; killed there (SIGKILL) and resumed, the run continues those episodes from
-    their saved state and trains every episode once, each with all 3 of its rewarded steps."""
+def kill_at_a_suspending_checkpoint(tmp_path, rows: list[dict], agent: dict, steps: int = AGENT_STEPS):
+    """An async run (overlap=generation, a checkpoint every step) of ``agent`` episodes on a tiny
+    Qwen-style model, through the trained-samples recorder of test_async: SIGKILLed as soon as a
+    checkpoint holds a suspended batch, then resumed to its end. Returns (the step it was killed
+    after, that checkpoint's in-flight batch, the (batch, row) ids trained before and after the kill,
+    the run's metrics)."""
     import json
     import os
     import signal
@@ -173,14 +174,11 @@ def test_an_async_agent_run_killed_after_a_checkpoint_trains_every_episode_once(
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q {i}", "name": f"r{i}", "delay": 0.05 + 0.05 * (i % 4)}) + "\n"
-                            for i in range(8)))  # fmt: skip
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = write_config(
-        tmp_path, model_dir, data, steps=AGENT_STEPS, prompts_per_step=2,
+        tmp_path, model_dir, data, steps=steps, prompts_per_step=2,
         controller={"mode": "async", "overlap": "generation", "serial_compute": False}, buffer={"max_staleness": 1},
-        rollout={"n": 2, "max_tokens": 6}, reward={"num_workers": 1},
-        agent={"env": "tests.test_episode_suspension:SavableSlowEnv", "max_turns": 3, "max_tokens_per_turn": 6,
-               "max_context": 1024, "on_turn_length": "continue"},
+        rollout={"n": 2, "max_tokens": 6}, reward={"num_workers": 1}, agent=agent,
         train={"lr": 1e-3, "mini_batch_size": 4, "micro_batch_size": 4},
         checkpoint={"every_steps": 1, "keep_last": 40},
     )  # fmt: skip
@@ -205,13 +203,24 @@ def test_an_async_agent_run_killed_after_a_checkpoint_trains_every_episode_once(
             time.sleep(0.02)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    assert step < AGENT_STEPS - 1, "no checkpoint met episodes in progress"
-    saved = [r for r in in_flight["rollouts"] if r["finish_reason"] == "suspended"]
-    assert all(r["episode"]["saved"]["env_state"]["name"].startswith("r") for r in saved)
+    assert step < steps - 1, "no checkpoint met episodes in progress"
     _resume_recorded(script, run_dir, dict(env, TRAINED_LOG=str(tmp_path / "second.log")))
     before, after = _trained(tmp_path / "first.log", upto=step), _trained(tmp_path / "second.log")
     ids = [(b, r) for samples in (*before.values(), *after.values()) for b, r, _ in samples]
+    return step, in_flight, ids, read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_an_async_agent_run_killed_after_a_checkpoint_trains_every_episode_once(tmp_path):
+    """overlap=generation with episodes: a checkpoint suspends the batch being generated between
+    turns and saves it; killed there (SIGKILL) and resumed, the run continues those episodes from
+    their saved state and trains every episode once, each with all 3 of its rewarded steps."""
+    rows = [{"prompt": f"q {i}", "name": f"r{i}", "delay": 0.05 + 0.05 * (i % 4)} for i in range(8)]
+    agent = {"env": "tests.test_episode_suspension:SavableSlowEnv", "max_turns": 3, "max_tokens_per_turn": 6,
+             "max_context": 1024, "on_turn_length": "continue"}  # fmt: skip
+    _, in_flight, ids, rows_out = kill_at_a_suspending_checkpoint(tmp_path, rows, agent)
+    saved = [r for r in in_flight["rollouts"] if r["finish_reason"] == "suspended"]
+    assert all(r["episode"]["saved"]["env_state"]["name"].startswith("r") for r in saved)
     assert len(ids) == len(set(ids)) == AGENT_STEPS * 4 and {b for b, _ in ids} == set(range(1, AGENT_STEPS + 1))
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, AGENT_STEPS + 1))
-    assert all(r["reward/mean"] == 3.0 and r["agent/turns_mean"] == 3.0 for r in rows)  # no step lost or doubled
+    assert [r["step"] for r in rows_out] == list(range(1, AGENT_STEPS + 1))
+    assert all(r["reward/mean"] == 3.0 and r["agent/turns_mean"] == 3.0 for r in rows_out)  # no step lost or doubled

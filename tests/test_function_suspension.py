@@ -15,6 +15,7 @@ from postrl.serve.recording_server import MODEL_NAME, RecordingServer
 from postrl.types import Prompt, SamplingParams
 from tests.chat_templates import family_tokenizer
 from tests.conftest import make_tiny_model
+from tests.test_episode_suspension import AGENT_STEPS, kill_at_a_suspending_checkpoint
 
 TURNS = 3
 
@@ -79,71 +80,20 @@ def test_a_suspended_function_episode_reruns_from_its_recorded_calls(agents):
     assert replayed == sum(len(r.episode.calls.calls) for r in suspended) > 0
 
 
-AGENT_STEPS = 8
-
-
 @pytest.mark.slow
 def test_an_async_function_run_killed_mid_episode_trains_every_episode_once(tmp_path):
     """overlap=generation with agent.function: a checkpoint suspends the batch being generated; killed
     there (SIGKILL) and resumed, the run re-runs those episodes (their recorded calls replayed) and
     trains every episode once, each rewarded for all three of its calls."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from postrl.run.metrics import read_metrics
-    from tests.test_async import RECORDER, _resume_recorded, _trained
-    from tests.test_train_e2e import write_config
-
-    model_dir = tmp_path / "model"
-    tokenizer = family_tokenizer("qwen2.5")
-    model = make_tiny_model("llama", tokenizer)
-    model.config.max_position_embeddings = 1024
-    model.save_pretrained(model_dir, safe_serialization=True)
-    tokenizer.save_pretrained(model_dir)
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q {i}", "delay": 0.05 + 0.05 * (i % 4)}) + "\n" for i in range(8)))
-    config = write_config(
-        tmp_path, model_dir, data, steps=AGENT_STEPS, prompts_per_step=2,
-        controller={"mode": "async", "overlap": "generation", "serial_compute": False}, buffer={"max_staleness": 1},
-        rollout={"n": 2, "max_tokens": 6}, reward={"num_workers": 1},
-        agent={"function": "tests.test_function_suspension:slow_agent", "max_context": 1024},
-        train={"lr": 1e-3, "mini_batch_size": 4, "micro_batch_size": 4},
-        checkpoint={"every_steps": 1, "keep_last": 40},
-    )  # fmt: skip
-    run_dir = tmp_path / "runs" / "tiny"
-    script = tmp_path / "recorder.py"
-    script.write_text(RECORDER)
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, TRAINED_LOG=str(tmp_path / "first.log"), RAY_AUTH_MODE="disabled", PYTHONPATH=root)
-    first = subprocess.Popen(
-        [sys.executable, str(script), "train", config], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    deadline, step, in_flight = time.time() + 240, 0, None
-    while in_flight is None or not any(r["finish_reason"] == "suspended" for r in in_flight["rollouts"]):
-        assert first.poll() is None and time.time() < deadline, (
-            first.stderr.read().decode()[-3000:] if first.poll() is not None else "timeout"
-        )
-        nxt = run_dir / "checkpoints" / f"step_{step + 1:08d}"
-        if (nxt / "COMPLETE").exists():
-            step += 1
-            in_flight = torch.load(nxt / "run_state.pt", weights_only=True)["pipeline"]["in_flight"]
-        else:
-            time.sleep(0.02)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    assert step < AGENT_STEPS - 1, "no checkpoint met episodes in progress"
+    rows = [{"prompt": f"q {i}", "delay": 0.05 + 0.05 * (i % 4)} for i in range(8)]
+    agent = {"function": "tests.test_function_suspension:slow_agent", "max_context": 1024}
+    _, in_flight, ids, metrics = kill_at_a_suspending_checkpoint(tmp_path, rows, agent)
     saved = [r for r in in_flight["rollouts"] if r["finish_reason"] == "suspended"]
     assert all(r["episode"]["calls"]["episode_id"] for r in saved)
-    _resume_recorded(script, run_dir, dict(env, TRAINED_LOG=str(tmp_path / "second.log")))
-    before, after = _trained(tmp_path / "first.log", upto=step), _trained(tmp_path / "second.log")
-    ids = [(b, r) for samples in (*before.values(), *after.values()) for b, r, _ in samples]
     assert len(ids) == len(set(ids)) == AGENT_STEPS * 4 and {b for b, _ in ids} == set(range(1, AGENT_STEPS + 1))
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, AGENT_STEPS + 1))
-    assert all(r["reward/mean"] == 3.0 for r in rows)  # every episode answered all three calls, once
-    assert sum(r["agent/reruns"] for r in rows) >= len(saved) > 0
+    assert [r["step"] for r in metrics] == list(range(1, AGENT_STEPS + 1))
+    assert all(r["reward/mean"] == 3.0 for r in metrics)  # every episode answered all three calls, once
+    assert sum(r["agent/reruns"] for r in metrics) >= len(saved) > 0
     # the resumed run answered the saved episodes' calls from the checkpoint (and later suspensions' too)
-    assert sum(r["agent/replayed_calls"] for r in rows) >= sum(len(r["episode"]["calls"]["calls"]) for r in saved) > 0
+    replayed = sum(r["agent/replayed_calls"] for r in metrics)
+    assert replayed >= sum(len(r["episode"]["calls"]["calls"]) for r in saved) > 0

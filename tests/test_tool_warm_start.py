@@ -13,9 +13,10 @@ import torch
 
 from postrl.serve.tool_traces import TOOLS, Step, call_text, solve, system_messages, trace
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
-sys.path.insert(0, str(EXAMPLES))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples" / "agents"), str(ROOT / "benchmarks")]
 import frameworks  # noqa: E402
+from _engine_calls import exactly_engine_calls, log_calls, trained_spans  # noqa: E402
 
 QUESTION = "State the final answer to the following arithmetic problem: 412 + 87 - 39 =\n\nEnd your reply with the final answer as a number."
 
@@ -124,15 +125,7 @@ def test_each_framework_records_a_multi_call_episode_of_the_warm_start_exactly(w
 
     model, tokenizer = warm_start
     engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=0)
-    calls: list[tuple[list[int], list[int]]] = []
-    generate = engine.generate
-
-    def recorded(prompts, sampling_params, weight_version, on_token=None):
-        out = generate(prompts, sampling_params, weight_version, on_token)
-        calls.extend((list(r.prompt_ids), list(r.response_ids)) for r in out)
-        return out
-
-    engine.generate = recorded  # type: ignore[method-assign]
+    calls = log_calls(engine)
     agents = RecordedAgents(
         RecordingServer(engine, tokenizer, tools_in_prompt="system"), tokenizer, getattr(frameworks, name), workers=1
     )
@@ -144,16 +137,5 @@ def test_each_framework_records_a_multi_call_episode_of_the_warm_start_exactly(w
     episode = rollout.episode
     tool_calls = sum(len(m.get("tool_calls") or []) for m in episode.messages)
     assert tool_calls >= 2 and episode.prefix_breaks == 0 and len(calls) == len(episode.turns) >= 3
-    by_prompt = {tuple(p): g for p, g in calls}
-    full, mask = rollout.prompt_ids + rollout.response_ids, [0] * len(rollout.prompt_ids) + rollout.loss_mask
-    spans, i = 0, len(rollout.prompt_ids)
-    while i < len(full):
-        if not mask[i]:
-            i += 1
-            continue
-        end = i
-        while end < len(full) and mask[end]:
-            end += 1
-        assert by_prompt[tuple(full[:i])] == full[i:end]  # this span is exactly an engine call's answer
-        spans, i = spans + 1, end
-    assert spans == len(calls)
+    assert exactly_engine_calls(rollout, calls)  # every trained span is an engine call's exact answer
+    assert len(trained_spans(rollout)) == len(calls)
