@@ -58,21 +58,27 @@ def reward(text: str | None, row: dict[str, Any]) -> float:
 
 
 def agents_sdk(client: Any, row: dict[str, Any]) -> float:
+    import asyncio
+
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
     from agents.exceptions import AgentsException
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # the SDK would upload traces to OpenAI
-    model = OpenAIResponsesModel(MODEL, AsyncOpenAI(base_url=str(client.base_url), api_key="postrl", max_retries=0))
-    agent = Agent(
-        name="calculator",
-        instructions=INSTRUCTIONS,
-        tools=[function_tool(add), function_tool(subtract), function_tool(multiply)],
-        model=model,
-        model_settings=ModelSettings(max_tokens=MAX_TOKENS),
-    )
+
+    async def run() -> Any:  # the client closed inside its own event loop
+        async with AsyncOpenAI(base_url=str(client.base_url), api_key="postrl", max_retries=0) as openai:
+            agent = Agent(
+                name="calculator",
+                instructions=INSTRUCTIONS,
+                tools=[function_tool(add), function_tool(subtract), function_tool(multiply)],
+                model=OpenAIResponsesModel(MODEL, openai),
+                model_settings=ModelSettings(max_tokens=MAX_TOKENS),
+            )
+            return await Runner.run(agent, row["prompt"], max_turns=4)
+
     try:
-        result = Runner.run_sync(agent, row["prompt"], max_turns=4)
+        result = asyncio.run(run())
     except AgentsException:  # out of turns, or a turn cut at max_tokens: the episode earns nothing
         return 0.0
     return reward(result.final_output, row)
