@@ -196,8 +196,9 @@ def train_for(config, minutes: float, label: str) -> tuple[Path, int, float]:
     def on_step(metrics) -> None:
         state["wall"] += metrics.values[TIME_STEP_S]
         state["steps"] = metrics.step
+        rss_gb = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
         print(f"  {label} step {metrics.step}: reward {metrics.values.get('reward/mean', float('nan')):.3f} "
-              f"{state['wall'] / 60:.1f} min", file=sys.stderr)  # fmt: skip
+              f"{state['wall'] / 60:.1f} min, RSS {rss_gb:.1f} GB", file=sys.stderr)  # fmt: skip
         if state["wall"] >= minutes * 60:
             os.kill(os.getpid(), signal.SIGINT)  # the run stops after this step
 
