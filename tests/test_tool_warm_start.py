@@ -19,6 +19,7 @@ import frameworks  # noqa: E402
 from _engine_calls import exactly_engine_calls, log_calls, trained_spans  # noqa: E402
 
 QUESTION = "State the final answer to the following arithmetic problem: 412 + 87 - 39 =\n\nEnd your reply with the final answer as a number."
+MULTI = "State the final answer to the following arithmetic problem: 412 + 87 + 39 + 120 =\n\nEnd your reply with the final answer as a number."
 
 
 def test_a_problem_is_solved_products_first_one_call_per_operation():
@@ -116,7 +117,8 @@ def test_the_warm_start_calls_a_tool_on_a_held_out_problem(warm_start):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["agents_sdk", "langgraph_react"])
 def test_each_framework_records_a_multi_call_episode_of_the_warm_start_exactly(warm_start, name):
-    """The real model through the framework, unmodified: several tool calls in one episode, no
+    """The real model through the framework, unmodified, on a four-term sum (sampled at the
+    frameworks' own temperature, 1; seeded engine): several tool calls in one episode, no
     prefix break, and every trained span exactly an engine call's answer to the context before it."""
     from postrl.rollout.agentic.agent_function import RecordedAgents
     from postrl.rollout.native import NativeRolloutWorker
@@ -130,7 +132,7 @@ def test_each_framework_records_a_multi_call_episode_of_the_warm_start_exactly(w
         RecordingServer(engine, tokenizer, tools_in_prompt="system"), tokenizer, getattr(frameworks, name), workers=1
     )
     try:
-        rollouts = agents.run([Prompt(QUESTION, [], columns={"answer": "460"})], SamplingParams(n=1))
+        rollouts = agents.run([Prompt(MULTI, [], columns={"answer": "658"})], SamplingParams(n=1))
     finally:
         agents.close()
     (rollout,) = rollouts
