@@ -74,6 +74,16 @@ FRAMEWORKS = {"agents_sdk": "agents_sdk", "langgraph": "langgraph_react"}
 PROMPTS, G, LR, MICRO = 8, 4, 1e-5, 4
 
 
+# what both kinds of run share: GRPO, its batch, no checkpoints, metrics to metrics.jsonl only
+GRPO = {
+    "rollout": {"n": G, "temperature": 1.0, "dtype": "auto"},
+    "algorithm": {"kl_beta": 0.0},
+    "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "precision": "bf16_autocast"},
+    "checkpoint": {"every_steps": 0},
+    "logging": {"eval_every": 0, "trackers": ["jsonl"], "console": False, "progress_bar": False},
+}
+
+
 def tool_model(cache: Path) -> Path:
     """SmolLM2 with the shipped tool-calling adapter merged (made once per adapter)."""
     from postrl.models.merge_adapter import TOOL_ADAPTER_DIR, merge_adapter
@@ -169,17 +179,13 @@ def run_config(model_dir: Path, out: Path, framework: str, tasks: list[dict], va
         "import_paths": [str(ROOT / "examples" / "agents")],
         "model": {"path": str(model_dir)},
         "data": {"reasoning_gym": gym(tasks, val_size), "apply_chat_template": False},
-        "rollout": {"n": G, "temperature": 1.0, "dtype": "auto"},
         "agent": {
             "function": f"frameworks:{FRAMEWORKS[framework]}",
             "tools_in_prompt": "system",
             "max_context": 1024,
             "env_workers": PROMPTS * G,
         },  # fmt: skip
-        "algorithm": {"kl_beta": 0.0},
-        "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "precision": "bf16_autocast"},
-        "checkpoint": {"every_steps": 0},
-        "logging": {"eval_every": 0, "trackers": ["jsonl"], "console": False, "progress_bar": False},
+        **GRPO,
     }
 
 
@@ -254,7 +260,6 @@ def env_config(model_dir: Path, out: Path, train: Path, val: Path, seed: int) ->
         "prompts_per_step": PROMPTS,
         "model": {"path": str(model_dir)},
         "data": {"train_files": [str(train)], "val_files": [str(val)]},
-        "rollout": {"n": G, "temperature": 1.0, "dtype": "auto"},
         "agent": {
             "env": ENV,
             "max_turns": ENV_TURNS,
@@ -263,10 +268,7 @@ def env_config(model_dir: Path, out: Path, train: Path, val: Path, seed: int) ->
             "on_turn_length": "continue",
             "env_workers": PROMPTS * G,
         },  # fmt: skip
-        "algorithm": {"kl_beta": 0.0},
-        "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "precision": "bf16_autocast"},
-        "checkpoint": {"every_steps": 0},
-        "logging": {"eval_every": 0, "trackers": ["jsonl"], "console": False, "progress_bar": False},
+        **GRPO,
     }
 
 
