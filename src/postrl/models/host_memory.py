@@ -7,12 +7,6 @@ over and over (a 128-row tile of a 49k vocabulary's logits is 25 MB), so each al
 first-touch page faults again: on 2 CPU cores a fifth of SmolLM2's micro-batch (bf16: 1.67 s ->
 1.42 s for the lean forward and backward, 2.71 s -> 1.92 s for the exact one). Kept in the heap,
 a freed block is reused without faults. The cost is a resident size that stays at its peak.
-
-That peak is per malloc arena, and glibc gives threads arenas of their own (up to 8 per core): a
-run whose engine, server and agent threads allocate tensors (an ``agent.function`` run through the
-recording server) kept freed memory in each of them and grew past 24 GB on 2 cores (killed by the
-OOM killer after ten SmolLM2 steps). So the arenas are capped at 2: the main thread's and one the
-other threads share.
 """
 
 from __future__ import annotations
@@ -24,17 +18,16 @@ import sys
 
 log = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8  # glibc's mallopt parameters
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to this come from the heap
 TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top kept, up to this
 TOP_PAD = 64 << 20  # extra heap asked for at each growth
-ARENA_MAX = 2  # the main thread's arena and one for every other thread
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
     """Set glibc's ``malloc`` to keep freed blocks of up to 32 MB (and up to 1 GB of free heap
-    top) for reuse, in at most 2 arenas. Once per process; False where the C library is not glibc."""
+    top) for reuse. Once per process; False where the C library is not glibc."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -42,12 +35,7 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    settings = (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-        (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-        (M_TOP_PAD, TOP_PAD),
-        (M_ARENA_MAX, ARENA_MAX),
-    )
+    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
     applied = all(mallopt(param, value) == 1 for param, value in settings)
     if not applied:
         log.debug("malloc settings not applied; freed host memory goes back to the OS as usual")
