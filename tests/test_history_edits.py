@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from postrl.rollout.agentic.history_match import continues, edits, message_key, without_reasoning
-from postrl.rollout.agentic.recorder import EpisodeRecorder
+from postrl.rollout.agentic.recorder import EpisodeRecorder, calls_in
 from postrl.serve.batcher import EngineBatcher
 from postrl.serve.limits import ServerLimits
 from postrl.serve.openai_server import build_app
@@ -117,6 +117,32 @@ def test_an_unedited_history_continues_by_text_and_counts_no_edit(served):
     chat(server, "plain", [*messages, as_sent(first), {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "5"}], TOOLS)  # fmt: skip
     v = view(server, "plain")
     assert (len(v["samples"]), v["prefix_breaks"], v["history_edits"]) == (1, 0, {})
+
+
+def test_the_models_tool_calls_are_counted_on_the_episode():
+    """A framework runs the tools itself; the episode still counts the calls the model made
+    (``agent/tool_calls``), with their parsed arguments, and a call that parsed to no object as None."""
+    tokenizer = family_tokenizer("qwen2.5")
+    engine = ScriptedEngine(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    recorder = EpisodeRecorder(tokenizer)
+    batcher = EngineBatcher(engine)
+    server = Server(build_app(batcher, tokenizer, "m", limits=ServerLimits(default_max_tokens=256), recorder=recorder))
+    try:
+        engine.script = [CALL + "\n" + CALL.replace('"a": 2', '"a": 7'), "The answer is 5."]
+        messages = [{"role": "user", "content": "2+3?"}]
+        first = chat(server, "calls", messages, TOOLS)
+        results = [{"role": "tool", "tool_call_id": c["id"], "content": "5"} for c in first["tool_calls"]]
+        chat(server, "calls", [*messages, as_sent(first), *results], TOOLS)
+    finally:
+        server.stop()
+        batcher.close()
+    episode = recorder.take("calls").episode(1.0)
+    assert [[(c.name, c.arguments) for c in t.tool_calls] for t in episode.turns] == [
+        [("add", {"a": 2, "b": 3}), ("add", {"a": 7, "b": 3})],
+        [],
+    ]
+    assert episode.tool_calls == 2
+    assert calls_in({"tool_calls": [{"function": {"name": "add", "arguments": "{not json"}}]})[0].arguments is None
 
 
 def test_a_changed_message_is_still_a_prefix_break(served):

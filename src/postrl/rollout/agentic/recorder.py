@@ -39,7 +39,7 @@ from postrl.rollout.agentic.chat import ChatRenderer
 from postrl.rollout.agentic.episodes import sample_rollout
 from postrl.rollout.agentic.history_match import continues, edits, without_reasoning
 from postrl.types import Rollout
-from postrl.types.episode import Episode, ModelCall, RecordedCalls, TrajectorySample, Turn
+from postrl.types.episode import Episode, ModelCall, RecordedCalls, ToolCallRecord, TrajectorySample, Turn
 
 
 class EpisodesSuspended(Exception):
@@ -281,7 +281,7 @@ class EpisodeRecorder:
                 ep.forks += k > 0
                 sample = ep.samples[index]
                 own = rollout.logprob_versions or [rollout.weight_version] * len(rollout.response_ids)
-                ep.turns.append(Turn(len(sample.context), len(rollout.response_ids)))
+                ep.turns.append(Turn(len(sample.context), len(rollout.response_ids), tool_calls=calls_in(reply)))
                 sample.add(rollout.response_ids, rollout.logprobs, own, rollout.kv_versions or own, generated=True)
                 seen = self._seen_after(turn, rollout, reply)
                 ep.seen[index] = SampleHistory(seen, [*turn.sent, reply], [*turn.messages, reply], turn.tools)
@@ -333,3 +333,14 @@ class EpisodeRecorder:
             "history_edits": dict(ep.history_edits),
             "forks": ep.forks,
         }
+
+
+def calls_in(reply: dict[str, Any]) -> list[ToolCallRecord]:
+    """The tool calls of a returned assistant message in template form (arguments an object where
+    they parsed as one, else the string: None here). The framework runs them, so their outcome is not
+    known here: ``error`` stays None."""
+    records = []
+    for call in reply.get("tool_calls") or []:
+        arguments = call["function"]["arguments"]
+        records.append(ToolCallRecord(call["function"]["name"], arguments if isinstance(arguments, dict) else None))
+    return records
