@@ -27,6 +27,7 @@ from postrl.algorithms import (
 from postrl.config.algorithm import ProximalSource
 from postrl.config.run import AlgorithmConfig, LoraConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
+from postrl.models.host_memory import return_freed_memory
 from postrl.models.loading import hf
 from postrl.models.weights import dedupe_tied
 from postrl.train.chunked_head import Entropy
@@ -134,6 +135,7 @@ class PolicyTrainer:
         with PeakMemory(device) as peak:
             metrics = self._update(batch.to(device))
         metrics.values["memory/train_peak_mb"] = peak.mb
+        return_freed_memory()  # the update's activations, from the host's heap (postrl.models.host_memory)
         return metrics
 
     def _update(self, batch: ExperienceBatch) -> TrainMetrics:

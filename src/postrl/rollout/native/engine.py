@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from postrl.models.host_memory import return_freed_memory
 from postrl.models.weights import WeightSyncError
 from postrl.rollout.common import EngineBase, non_finite
 from postrl.rollout.hf_engine import eos_ids
@@ -240,6 +241,7 @@ class NativeRolloutWorker(EngineBase):
         self._loop = None
         if self.release_cache:  # a trainer in this process or on this GPU gets the memory back
             self.loop_state.cache = None
+            return_freed_memory()  # on the host too (postrl.models.host_memory says why)
         with self._swap:
             self._generating = False
             self.loop_state.suspending.clear()
