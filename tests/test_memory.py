@@ -46,3 +46,31 @@ def test_train_update_reports_its_peak(tiny_model_dir, char_tokenizer):
     )
     metrics = worker.update(uneven_batch(char_tokenizer.pad_token_id))
     assert 50 < metrics.get("memory/train_peak_mb") < 8000
+
+
+FRAGMENTED = """
+import json, torch
+from pathlib import Path
+from postrl.models.host_memory import keep_freed_memory, return_freed_memory
+
+def rss_mb():
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+assert keep_freed_memory()
+blocks = [torch.ones(4 * 2**20 // 4 + 64 * i) for i in range(200)]  # 800 MB of 4 MB blocks, from the heap
+pin = torch.ones(1024)  # above them: the heap's top is not free, so free() alone cannot shrink it
+del blocks
+kept = rss_mb()
+returned = return_freed_memory()
+print(json.dumps([kept, rss_mb(), returned]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_freed_heap_blocks_are_returned_to_the_os():
+    """What the train worker and the native engine do after each update and decode loop: blocks
+    kept in the heap (keep_freed_memory) below a live one stay resident until trimmed."""
+    out = subprocess.run([sys.executable, "-c", FRAGMENTED], check=True, capture_output=True, text=True)
+    kept, trimmed, returned = json.loads(out.stdout.strip().splitlines()[-1])
+    assert returned
+    assert kept - trimmed > 600, (kept, trimmed)
