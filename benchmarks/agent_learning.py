@@ -35,6 +35,7 @@ a tool; every candidate's figures are printed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -91,8 +92,8 @@ def tool_model(cache: Path) -> Path:
     """SmolLM2 with the shipped tool-calling adapter merged (made once per adapter)."""
     from postrl.models.merge_adapter import TOOL_ADAPTER_DIR, merge_adapter
 
-    stamp = (TOOL_ADAPTER_DIR / "adapter_model.safetensors").stat().st_mtime_ns
-    out = cache / f"smollm2-tools-{stamp}"
+    digest = hashlib.sha256((TOOL_ADAPTER_DIR / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+    out = cache / f"smollm2-tools-{digest}"  # by content: a checkout or copy of the same adapter is the same
     if not (out / "config.json").is_file():
         merge_adapter("smollm2-tools", out)
     return out
@@ -245,6 +246,7 @@ def learn(model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_
         "steps": steps,
         "minutes": round(minutes_run, 2),
         "run_minutes": round(wall / 60, 2),
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -311,6 +313,7 @@ def env_learning(model_dir: Path, minutes: float, n_eval: int, seed: int) -> dic
         "held_out_games": n_eval,
         "steps": steps,
         "minutes": round(minutes_run, 2),
+        "threads": torch.get_num_threads(),
     }
 
 
