@@ -247,7 +247,6 @@ ONE_FUNCTION_MODULES = {
     "run/plots.py": "the run's plot",
     "run/plan/design_example.py": "the design's 70B example, shared by the tests and the benchmark",
     "algorithms/kl_control.py": "the adaptive KL controller's formula",
-    "models/host_memory.py": "glibc's malloc settings (made by the train process and the Ray actors) and its trim",
     "models/openmp_waits.py": "imported by postrl/__init__ before anything loads torch, so it imports nothing heavy",
     "models/onednn_cache.py": "imported by postrl/__init__ before torch's first matmul, so it imports nothing heavy",
     "rollout/agentic/env_lookup.py": "imports every kind of environment, which import env.py: apart, no file cycle",
