@@ -25,9 +25,10 @@ Parts:
               download), single-player, scored by the game, multi-turn (the hints must be used),
               and the base model plays it badly but legally.
 
-RULE: a candidate task (CANDIDATES: integer arithmetic where an add/subtract/multiply tool helps) is
-chosen when the warm start's held-out success lies in 0.1-0.5 and at least half of its episodes call
-a tool; every candidate's figures are printed.
+RULE: a candidate task (CANDIDATES: integer arithmetic of at least 3 operands, so that a problem needs
+at least 2 calls of an add/subtract/multiply tool; with 2 operands, a run that picked them could
+not reach 1.5 calls an episode) is chosen when the warm start's held-out success lies in 0.1-0.5
+and at least half of its episodes call a tool; every candidate's figures are printed.
 
     python benchmarks/agent_learning.py [--framework agents_sdk] [--env] [--minutes 45] [--eval 48] [--json]
 """
@@ -54,8 +55,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 CANDIDATES = [
     {"name": "chain_sum", "config": {"min_terms": 3, "max_terms": 4, "min_digits": 2, "max_digits": 3}},
-    {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 3, "max_digits": 4}},
-    {"name": "products", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3}},
+    {"name": "chain_sum", "config": {"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 2}},
+    {"name": "products", "config": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}},
     {"name": "products", "config": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
     {
         "name": "basic_arithmetic",
@@ -159,7 +160,8 @@ def episodes(model_dir: Path, framework: str, prompts: list, seed: int) -> dict:
 def choose(model_dir: Path, framework: str, per_task: int, seed: int) -> tuple[list[dict], list[dict]]:
     """The candidates the RULE picks for ``framework``, and every candidate's figures (kept beside the
     merged model: the same model, framework, size and seed choose the same)."""
-    kept = model_dir.parent / f"choose-{model_dir.name}-{framework}-{per_task}-{seed}.json"
+    candidates = hashlib.sha256(json.dumps(CANDIDATES, sort_keys=True).encode()).hexdigest()[:8]
+    kept = model_dir.parent / f"choose-{model_dir.name}-{framework}-{per_task}-{seed}-{candidates}.json"
     if kept.is_file():
         rows = json.loads(kept.read_text())
         print(f"  {framework}: the rule's figures from {kept}", file=sys.stderr)
@@ -197,8 +199,8 @@ def run_config(model_dir: Path, out: Path, framework: str, tasks: list[dict], va
 
 
 def train_for(config, minutes: float, label: str) -> tuple[Path, int, float]:
-    """``postrl train`` until ``minutes`` of step time (a SIGINT after the step that passes them, as a
-    user's ^C): the model it ended with, its steps, its minutes of step time."""
+    """``postrl train`` within ``minutes`` of step time (a SIGINT, as a user's ^C, after the last step
+    that leaves room for another as long): the model it ended with, its steps, its minutes of step time."""
     from postrl.run.checkpoint import latest_checkpoint
     from postrl.run.interrupt import RunInterrupted
     from postrl.run.train_runner import train
@@ -212,8 +214,8 @@ def train_for(config, minutes: float, label: str) -> tuple[Path, int, float]:
         rss_gb = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
         print(f"  {label} step {metrics.step}: reward {metrics.values.get('reward/mean', float('nan')):.3f} "
               f"{state['wall'] / 60:.1f} min, RSS {rss_gb:.1f} GB", file=sys.stderr)  # fmt: skip
-        if state["wall"] >= minutes * 60:
-            os.kill(os.getpid(), signal.SIGINT)  # the run stops after this step
+        if state["wall"] + metrics.values[TIME_STEP_S] > minutes * 60:
+            os.kill(os.getpid(), signal.SIGINT)  # a next step as long would pass the budget: stop after this one
 
     try:
         train(config, on_step=on_step)
