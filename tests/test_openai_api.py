@@ -164,7 +164,6 @@ def test_stop_strings_are_removed_unless_asked_to_keep(api):
     "extra, name",
     [
         ({"best_of": 3}, "best_of"),
-        ({"echo": True}, "echo"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 1.0}, "frequency_penalty"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from postrl.config.base import Section
+from postrl.config.distill import DistillConfig
 
 
 def _shorthand(value: Any) -> Any:
@@ -306,6 +307,12 @@ class AlgorithmConfig(Section):
         default_factory=list,
         description="Stages from your own modules (registered with postrl.algorithms.register_stage in a module "
         "of plugins), run after the built-in ones in the order listed.",
+    )
+    distill: DistillConfig | None = Field(
+        None,
+        description="On-policy distillation: each sampled token's advantage gains weight x (teacher logprob - "
+        "student logprob), the per-token reverse KL's negative; {teacher: PATH_OR_URL} for one teacher, or "
+        "teachers: [...] with applies_to per task. None: off.",
     )
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Entropy bonus: the loss minus coef x the policy's per-token entropy (0: off)."

@@ -72,7 +72,9 @@ class BatchMaker:
         self.draw = parts.prompts.draw(c.seed)
         self.sampling = run_sampling(c.rollout)
         self.pins_version = c.controller.mode == "sync"  # async: generate on whatever the engines hold
-        context = StageContext(c, self, parts.trainer, parts.critic, kl, self.draw, source.accuracy_component)
+        context = StageContext(
+            c, self, parts.trainer, parts.critic, kl, self.draw, source.accuracy_component, parts.teachers
+        )
         self.stages = build_stages(context)  # last: self is whole
 
     # -- what stages may ask -------------------------------------------------------------------

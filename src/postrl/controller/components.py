@@ -9,6 +9,7 @@ from postrl.config.run import RunConfig
 from postrl.controller.source import BatchSource
 from postrl.data.prompt_source import PromptSource
 from postrl.scheduling.base import Scheduler
+from postrl.train.teachers.teachers import Teachers
 from postrl.workers.roles import Critic, ExperienceStore, RewardService, ScalableRolloutWorker, TrainWorker
 
 
@@ -30,3 +31,4 @@ class Components:
     source: BatchSource  # where each batch's rollouts and rewards come from
     scheduler: Scheduler | None = None  # placed the workers; closed last
     critic: Critic | None = None  # when algorithm.critic is set (PPO with GAE)
+    teachers: Teachers | None = None  # when algorithm.distill is set

@@ -57,6 +57,10 @@ class EngineUnhealthyError(RuntimeError):
     """A rollout engine failed its health check; the message is the engine's reason."""
 
 
+class PromptLogprobsUnsupported(NotImplementedError):
+    """The engine cannot give the logprobs of a given sequence (``echo`` with ``logprobs``)."""
+
+
 class EngineBase:
     """Shared state and checks of a rollout backend (subclasses set up ``generator`` or override
     :meth:`state_dict`)."""
@@ -69,6 +73,10 @@ class EngineBase:
     def counters(self) -> dict[str, float]:
         """Nothing counted (see :meth:`postrl.workers.roles.RolloutWorker.counters`)."""
         return {}
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """See :meth:`postrl.workers.roles.RolloutWorker.prompt_logprobs`: engines that cannot, say so."""
+        raise PromptLogprobsUnsupported(f"the {type(self).__name__} engine does not compute prompt logprobs")
 
     def suspend(self) -> bool:
         """Ask a ``generate`` in progress to return at once, its unfinished samples ``suspended``

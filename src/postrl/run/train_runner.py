@@ -11,11 +11,13 @@ import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from postrl.config.command import RunCommandConfig
 from postrl.config.data import NO_HELD_OUT
+from postrl.config.distill import is_url
 from postrl.config.loading import save_config
 from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.components import Components
@@ -42,6 +44,7 @@ from postrl.run.watch import describe_placement, run_watches
 from postrl.scheduling.factory import make_scheduler
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
+from postrl.train.teachers.teachers import Teachers, make_teachers
 from postrl.types import StepMetrics
 from postrl.workers.net import can_connect, host_port, url_endpoint
 
@@ -68,6 +71,7 @@ def build_components(config: RunConfig) -> Components:
             built.append(scheduler.critic_worker(CriticSpec.of_run(config, tokenizer.pad_token_id)))
         errors_log = config.run_dir / "episode_errors.log"
         source = make_batch_source(config.agent, tokenizer, built[1], built[2], errors_log, config.model.path)
+        teachers = None if config.algorithm.distill is None else run_teachers(config, tokenizer)
     except BaseException:
         for part in built:
             part.close()
@@ -85,13 +89,29 @@ def build_components(config: RunConfig) -> Components:
         source,
         scheduler,
         critic[0] if critic else None,
+        teachers,
+    )
+
+
+def run_teachers(config: RunConfig, tokenizer: Any) -> Teachers:
+    """``algorithm.distill``'s teachers: a folder's in this process on the trainer's device, at the
+    rollout's temperature; each checked against the student's tokenizer."""
+    assert config.algorithm.distill is not None
+    device = resolve_device(config.train.device, "train.device")
+    return make_teachers(
+        config.algorithm.distill,
+        tokenizer,
+        config.model.path,
+        device,
+        config.rollout.temperature,
+        config.train.micro_batch_size,
     )
 
 
 def close_components(parts: Components) -> None:
     """Stop every worker, then the scheduler (a Ray instance started for the run ends here)."""
     try:
-        for part in (parts.reward, parts.rollout, parts.trainer, parts.critic, parts.buffer):
+        for part in (parts.reward, parts.rollout, parts.trainer, parts.critic, parts.buffer, parts.teachers):
             if part is not None:
                 part.close()
     finally:
@@ -156,6 +176,10 @@ def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
         urls.append(("rollout.url", config.rollout.url))
     if config.reward.remote is not None:
         urls.append(("reward.remote.url", config.reward.remote.url))
+    if config.algorithm.distill is not None:
+        for i, teacher in enumerate(config.algorithm.distill.teachers):
+            if is_url(teacher.source):
+                urls.append((f"algorithm.distill.teachers[{i}].source", teacher.source))
     address = config.scheduler.address if config.scheduler.type == "ray" else None
     endpoint = host_port(address) if address else None
     if endpoint is not None:  # the scheduler bounds the whole connection; a closed port is known now

@@ -28,7 +28,7 @@ from postrl.workers.roles import RolloutWorker
 
 @dataclass
 class _Job:
-    kind: str  # "generate" | "update"
+    kind: str  # "generate" | "update" | "score"
     payload: Any
     future: Future
     on_token: TokenCallback | None = None  # called on the engine thread, with this job's prompt indices
@@ -68,6 +68,11 @@ class EngineBatcher:
     async def update_weights(self, path: str | Path, version: int, manifest: dict[str, str] | None) -> None:
         await self._submit("update", (path, version, manifest))
 
+    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Each sequence's logprob of every token after its first, under the weights of the moment
+        (in queue order with the updates: a score queued after an update uses its weights)."""
+        return await self._submit("score", sequences)
+
     async def _submit(self, kind: str, payload: Any, on_token: TokenCallback | None = None) -> Any:
         future: Future = Future()
         self._queue.put(_Job(kind, payload, future, on_token))
@@ -103,6 +108,8 @@ class EngineBatcher:
                 self._flush(pending_generate)  # generations queued before an update use the old weights
                 pending_generate = {}
                 self._call(job, lambda p=job.payload: self.worker.update_weights(p[0], p[1], p[2]))
+            elif job.kind == "score":
+                self._call(job, lambda p=job.payload: self.worker.prompt_logprobs(p))
             else:
                 pending_generate.setdefault(job.payload[1], []).append(job)
         self._flush(pending_generate)

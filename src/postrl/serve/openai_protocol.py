@@ -14,7 +14,6 @@ from postrl.types import Rollout, SamplingParams
 # any other value is a 400 naming the parameter.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -60,6 +59,11 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = Field(
+        False,
+        description="The prompt before the completion; with logprobs, the logprob of each prompt token after the "
+        "first (untempered; the first token's is null), as a distillation teacher needs.",
+    )
 
 
 class TextPart(BaseModel):

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from postrl.rollout.agentic.recorder import EpisodeRecorder
+from postrl.rollout.common import PromptLogprobsUnsupported
 from postrl.serve.batcher import EngineBatcher
 from postrl.serve.chat_completions import add_chat_routes
 from postrl.serve.chat_turn import ToolsInPrompt
@@ -33,7 +34,7 @@ from postrl.serve.openai_protocol import CompletionRequest, UpdateWeightsRequest
 from postrl.serve.responses_api import add_responses_routes
 from postrl.serve.sse import ChunkEncoder, SSEStream, choice_factory
 from postrl.serve.turn_context import TurnContext
-from postrl.types import Rollout
+from postrl.types import Prompt, Rollout
 from postrl.workers.http_guard import BodyLimitMiddleware, TokenMiddleware, confined_path, detail
 
 
@@ -50,6 +51,9 @@ class ServerRoutes:
         prompts = self.ctx.to_prompts(items)  # type: ignore[arg-type]
         k = req.logprobs
         params = self.ctx.sampling(req, prompts, req.max_tokens, k or 0, "max_tokens")
+        if req.echo and req.stream:
+            raise bad_request("echo is not supported with stream: true", "echo")
+        echoed = await self.echoed_logprobs(prompts) if req.echo and k is not None else None
         if req.stream:
             encoder = ChunkEncoder(self.ctx, req, prompts, chat=False, k=k)
             new_choice = choice_factory(self.ctx, params.stop, req.include_stop_str_in_output, None, chat=False)
@@ -57,17 +61,44 @@ class ServerRoutes:
         rollouts = await self.ctx.batcher.generate(prompts, params)
         choices = []
         for r, sample in numbered(rollouts):
-            lp = self.ctx.completion_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k) if k is not None else None
+            prompt = prompts[r.prompt_index]
+            before = prompt.text if req.echo else ""
+            lp = None
+            if k is not None:
+                lp = self.ctx.completion_logprobs(r.response_ids, r.logprobs, r.top_logprobs, k, len(before))
+                if echoed is not None:
+                    lp = self.with_prompt(prompt.prompt_ids, echoed[r.prompt_index], lp, k)
             choices.append(
                 {
                     "index": r.prompt_index * params.n + sample,
                     "finish_reason": r.finish_reason,
-                    "text": final_text(r, params, req.include_stop_str_in_output),
+                    "text": before + final_text(r, params, req.include_stop_str_in_output),
                     "token_ids": r.response_ids,
                     "logprobs": lp,
                 }
             )
         return self.ctx.envelope("cmpl", "text_completion", choices, prompts, rollouts)
+
+    async def echoed_logprobs(self, prompts: list[Prompt]) -> list[list[float]]:
+        """Each prompt's logprob of every token after its first (a 400 where the engine cannot)."""
+        try:
+            return await self.ctx.batcher.prompt_logprobs([p.prompt_ids for p in prompts])
+        except PromptLogprobsUnsupported as exc:
+            raise bad_request(f"echo with logprobs: {exc}", "echo") from None
+
+    def with_prompt(self, ids: list[int], scores: list[float], completion: dict[str, Any], k: int) -> dict[str, Any]:
+        """OpenAI's echoed logprobs: the prompt's tokens first (the first with a null logprob; each
+        prompt position's top_logprobs hold its own token only), then the completion's."""
+        prompt = self.ctx.completion_logprobs(ids, [None, *scores], None, 0)  # type: ignore[list-item]
+        tops = None
+        if completion["top_logprobs"] is not None:
+            tops = [None] + [{t: lp} for t, lp in zip(prompt["tokens"][1:], scores)] + completion["top_logprobs"]
+        return {
+            "tokens": prompt["tokens"] + completion["tokens"],
+            "token_logprobs": prompt["token_logprobs"] + completion["token_logprobs"],
+            "top_logprobs": tops if k > 0 else None,
+            "text_offset": prompt["text_offset"] + completion["text_offset"],
+        }
 
     async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
         if self.ctx.limits.weights_dir is None:

@@ -226,8 +226,10 @@ class StepBatch:
     unscorable) and ``unscorable`` are per sample. The stages add what they compute:
     ``batch.values`` (the critic), ``ref_logprobs`` and ``kl_penalty`` (``[B, T-1]`` reference
     logprobs and -beta x KL, KL in the reward),
-    ``baseline`` (``[B]``, the greedy response's reward of each sample's prompt) and, last, the
-    advantages (``batch.advantages``). ``prompts``, ``rollouts`` and ``results`` are the records
+    ``baseline`` (``[B]``, the greedy response's reward of each sample's prompt),
+    ``teacher_logprobs`` and ``distill`` (``[B, T-1]``, on-policy distillation's teacher logprobs
+    and per-token term, ``taught`` the rows a teacher scored) and, last, the advantages
+    (``batch.advantages``). ``prompts``, ``rollouts`` and ``results`` are the records
     the batch was built from, for metrics and the samples file.
     """
 
@@ -243,6 +245,9 @@ class StepBatch:
     ref_logprobs: torch.Tensor | None = None
     kl_penalty: torch.Tensor | None = None
     baseline: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    distill: torch.Tensor | None = None
+    taught: torch.Tensor | None = None  # [B] bool
     token_level: bool = False  # the advantages are per token (else one per sample, broadcast)
 
     @staticmethod
@@ -283,6 +288,14 @@ class StepBatch:
     @property
     def size(self) -> int:
         return self.batch.size
+
+    def mark_unscorable(self, row: int, error: str) -> None:
+        """Row ``row`` could not be scored after all (e.g. its teacher failed): as a reward failure,
+        it stays in its group's context and weighs nothing."""
+        self.results[row] = RewardResult(None, dict(self.results[row].components), error)
+        self.rewards[row] = math.nan
+        self.unscorable[row] = True
+        self.batch.loss_mask[row] = 0.0
 
     def set_advantages(self, advantages: torch.Tensor) -> None:
         """An estimator's ``[B]`` (broadcast over each response) or ``[B, T-1]`` advantages."""

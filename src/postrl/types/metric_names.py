@@ -52,6 +52,15 @@ DPO_REWARD_ACCURACY = "dpo/reward_accuracy"
 # the KL penalty
 KL_REWARD_PENALTY = "kl/reward_penalty"
 
+# on-policy distillation (algorithm.distill)
+DISTILL_REVERSE_KL = "distill/reverse_kl"  # student - teacher logprob, mean over the taught tokens
+# samples sent to a teacher / samples taught: at most 1, below it where identical samples were sent once
+# or a sample's logprobs were kept from an earlier step (a sample is never sent twice)
+DISTILL_TEACHER_CALLS_PER_SAMPLE = "distill/teacher_calls_per_sample"
+DISTILL_CACHED = "distill/cached"  # samples whose teacher logprobs were kept from an earlier step
+DISTILL_UNSCORABLE = "distill/unscorable"  # samples whose teacher failed (unscorable, as reward failures)
+DISTILL_UNTAUGHT = "distill/untaught"  # samples of a task no teacher applies to
+
 # throughput
 PERF_GEN_TOKENS_PER_S = "perf/gen_tokens_per_s"
 PERF_TRAIN_TOKENS_PER_S = "perf/train_tokens_per_s"
@@ -137,6 +146,11 @@ def task_accuracy(task: str, prefix: str = "") -> str:
 def eval_set(name: str) -> str:
     """The prefix of a named eval set's validation figures (``val/<set>``)."""
     return f"val/{name}"
+
+
+def teacher_metric(teacher: str, figure: str) -> str:
+    """One teacher's figure (``distill/<teacher>/<figure>``: reverse_kl, samples)."""
+    return f"distill/{teacher}/{figure}"
 
 
 def curriculum_level(task: str) -> str:

@@ -136,6 +136,12 @@ class RolloutWorker(Protocol):
         """Load new weights in place; with a manifest (see postrl.models.weights), verify what arrived."""
         ...
 
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Each sequence's logprob of every token after its first, untempered (the server's ``echo``
+        with ``logprobs``; a distillation teacher's scores); engines that cannot raise
+        :class:`postrl.rollout.common.PromptLogprobsUnsupported`."""
+        ...
+
     def suspend(self) -> bool:
         """Ask a ``generate`` in progress (in another thread) to return at its next decode step,
         every unfinished sample with ``finish_reason="suspended"`` and its tokens so far (none for

@@ -11,11 +11,13 @@ from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.stages.base import Groups, Phase, Stage, StepServices
 from postrl.controller.stages.critic import CriticStage
 from postrl.controller.stages.curriculum import Curriculum
+from postrl.controller.stages.distill import Distillation
 from postrl.controller.stages.dynamic_sampling import DynamicSampling
 from postrl.controller.stages.greedy_baseline import GreedyBaseline
 from postrl.controller.stages.kl import AdaptiveKL, KLCoefficient, KLPenalty
 from postrl.data.curriculum import LeveledDraw
 from postrl.data.sampler import PromptDraw
+from postrl.train.teachers.teachers import Teachers
 from postrl.workers.roles import Critic, TrainWorker
 
 __all__ = ["Groups", "Phase", "Stage", "StageContext", "StagePlan", "StepServices", "build_stages"]
@@ -32,6 +34,7 @@ class StageContext:
     kl: KLCoefficient
     draw: PromptDraw | None = None  # where the step's prompts come from (a curriculum moves its levels)
     accuracy_component: str | None = None  # the component whose value says a sample is correct
+    teachers: Teachers | None = None  # algorithm.distill's
 
 
 class StagePlan:
@@ -77,6 +80,11 @@ def build_stages(context: StageContext) -> StagePlan:
         stages.append(CriticStage(context.critic, a.critic.warmup_steps))
     elif a.critic is not None:
         raise ConfigError("algorithm.critic is set but the run has no critic worker")
+    if a.distill is not None:
+        if context.teachers is None:
+            raise ConfigError("algorithm.distill is set but the run has no teachers")
+        c = context.config
+        stages.append(Distillation(context.teachers, a.distill.weight, c.run_dir, c.reward.max_failure_rate))
     penalty = KLPenalty(context.trainer, context.kl, a.kl_estimator, a.kl_clamp) if a.kl_in == "reward" else None
     if penalty is not None:
         stages.append(penalty)
