@@ -292,6 +292,20 @@ def test_a_url_teacher_scores_as_the_model_does_through_echo(teacher_server, tea
     url.close()
 
 
+def test_every_engine_the_server_runs_scores_prompts_alike(teacher_dir, char_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from postrl.rollout.hf_engine import HFRolloutWorker
+    from postrl.rollout.native import NativeRolloutWorker
+
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    sequences = [char_tokenizer("12+30=42")["input_ids"], char_tokenizer("7*8=56;")["input_ids"]]
+    native = NativeRolloutWorker.from_hf(model, char_tokenizer).prompt_logprobs(sequences)
+    by_hf = HFRolloutWorker(model, char_tokenizer).prompt_logprobs(sequences)
+    for a, b, ids in zip(native, by_hf, sequences, strict=True):
+        assert len(a) == len(b) == len(ids) - 1 and a == pytest.approx(b, abs=2e-5)
+
+
 def test_a_teacher_url_that_dies_mid_step_makes_samples_unscorable_not_the_run(
     tmp_path, tiny_model_dir, arithmetic_jsonl, teacher_server, monkeypatch
 ):
@@ -321,3 +335,22 @@ def test_a_teacher_url_that_dies_mid_step_makes_samples_unscorable_not_the_run(
     message = str(stopped.value)
     assert "step 2: 16/16 samples could not be scored" in message and f"teacher {teacher_server.url}" in message
     assert (run_dir / "unscored_step_2.jsonl").is_file()
+
+
+def test_a_distillation_run_resumes_where_it_stopped(tmp_path, tiny_model_dir, teacher_dir, arithmetic_jsonl):
+    from postrl.run.place import resume_config
+    from postrl.run.train_runner import train
+
+    _, rows, run_dir = distill_run(
+        tmp_path,
+        tiny_model_dir,
+        arithmetic_jsonl,
+        {"teacher": str(teacher_dir)},
+        "resumed",
+        steps=1,
+        checkpoint_every=1,
+    )
+    resumed = train(resume_config(run_dir, ["steps=2"]), resume=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert resumed.step_count == 2 and [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["distill/teacher/samples"] == 16.0 and rows[1]["distill/reverse_kl"] > 0.1

@@ -93,6 +93,17 @@ class HFRolloutWorker(EngineBase):
             load_state_checked(self.model, self.verified_state(weights, manifest), source)
             self.weight_version = version
 
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Each sequence's logprob of every token after its first: one transformers forward each."""
+        device = next(self.model.parameters()).device
+        out = []
+        with torch.no_grad():
+            for ids in sequences:
+                tokens = torch.tensor([ids], device=device)
+                logp = torch.log_softmax(self.model(input_ids=tokens).logits[0, :-1].float(), dim=-1)
+                out.append(logp.gather(-1, tokens[0, 1:].unsqueeze(-1)).squeeze(-1).cpu().tolist())
+        return out
+
     def health_check(self) -> Health:
         """Finite weights, and one greedy token from a one-token prompt."""
         with self._busy:

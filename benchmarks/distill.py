@@ -1,0 +1,215 @@
+"""On-policy distillation against the RL that made its teacher.
+
+The teacher is made here: SmolLM2-135M-Instruct after GRPO on ``real_task``'s reasoning-gym tasks
+for ``--rl-minutes`` of step time (held-out greedy accuracy along the way). The student is the
+untrained SmolLM2; it samples on the same prompts with the same batch, group, learning rate and
+token limits, and trains on the distillation term alone (``algorithm.distill: {teacher: ...,
+task_reward: false}``: each sampled token's advantage is teacher logprob - student logprob) for
+``--fraction`` of the RL run's step time. Both engines sample in float32 (a bf16 engine would
+carry little of each update and would skew the student's logprobs against the float32 teacher's).
+
+``reached_fraction`` = (student after - student before) / (teacher - student before): the share of
+the RL run's gain that distillation recovered in its fraction of the time. ``rl_time_to_student``:
+when the RL run's curve first reached the student's final accuracy. ``teacher_logprob_calls_per_sample``:
+samples sent to the teacher / distinct samples sent (1.0: none was sent twice in the whole run).
+The teacher is kept in ``--cache`` by its settings, so a second run distils from the same teacher.
+
+    python benchmarks/distill.py [--json] [--rl-minutes 30] [--fraction 0.25] [--png docs/distill.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import real_task  # benchmarks/real_task.py: its tasks, prompts, reward and held-out accuracy
+from _figures import save
+from _smoke import add_smoke, skip
+
+LR = 1e-5
+EVAL_EVERY = 3
+
+
+def run_config(model_dir: Path, out: Path, name: str, smoke: bool, distill: dict | None) -> dict:
+    """``real_task``'s run (tasks, prompts per step, group, tokens, reward), sampled in float32."""
+    config = real_task.run_config(model_dir, out, smoke, 1 if smoke else EVAL_EVERY)
+    config["name"] = name
+    config["rollout"]["dtype"] = "float32"
+    config["train"]["lr"] = LR
+    if distill is not None:
+        config["algorithm"] = {**config["algorithm"], "distill": distill}
+    return config
+
+
+def train_for(config: dict, minutes: float) -> tuple[Path, list[dict], float, int]:
+    """``postrl train`` until ``minutes`` of step time (stopped after the step that would leave no
+    room for another as long): the model it ended with, its held-out curve (the run's own
+    validation, its time left out), its step time and its steps."""
+    from postrl.config.loading import build_config
+    from postrl.run.checkpoint import latest_checkpoint
+    from postrl.run.interrupt import RunInterrupted
+    from postrl.run.train_runner import train
+    from postrl.types.metric_names import TIME_STEP_S, TIME_VALIDATE_S, VAL_ACCURACY
+
+    state = {"wall": 0.0, "steps": 0}
+    curve: list[dict] = []
+
+    def on_step(metrics) -> None:
+        values = metrics.values
+        step_s = values[TIME_STEP_S] - values.get(TIME_VALIDATE_S, 0.0)
+        state["wall"] += step_s
+        state["steps"] = metrics.step
+        if VAL_ACCURACY in values:
+            curve.append({"step": metrics.step, "wall_s": state["wall"], "acc": values[VAL_ACCURACY]})
+        print(f"  {config['name']} step {metrics.step}: {state['wall'] / 60:.1f} min"
+              + (f", held-out {values[VAL_ACCURACY]:.3f}" if VAL_ACCURACY in values else ""), file=sys.stderr)  # fmt: skip
+        if state["wall"] + step_s > minutes * 60:
+            os.kill(os.getpid(), signal.SIGINT)  # as a user's ^C: the run stops after this step
+
+    run = build_config(config)
+    try:
+        train(run, on_step=on_step)
+        final = run.run_dir / "final_model"
+    except RunInterrupted:
+        final = latest_checkpoint(run.run_dir) / "model"
+    return final, curve, state["wall"], int(state["steps"])
+
+
+def held_out_accuracy(model: Path, prompts: list) -> float:
+    import torch
+
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+
+    acc, _ = real_task.accuracy_of(load_causal_lm(str(model)).to(torch.float32), load_tokenizer(str(model)), prompts,
+                                   dtype="float32")  # fmt: skip
+    return acc
+
+
+def make_teacher(model_dir: Path, cache: Path, minutes: float, smoke: bool, prompts: list) -> dict:
+    """The GRPO run that makes the teacher (kept in ``cache`` by its settings)."""
+    settings = json.dumps([real_task.TASKS, real_task.PROMPTS, real_task.G, real_task.NEW_TOKENS, LR, minutes, smoke])
+    kept = cache / f"teacher-{hashlib.sha256(settings.encode()).hexdigest()[:12]}"
+    if (kept / "teacher.json").is_file():
+        print(f"  the teacher from {kept}", file=sys.stderr)
+        return json.loads((kept / "teacher.json").read_text())
+    out = Path(tempfile.mkdtemp(prefix="distill-rl-"))
+    final, curve, wall, steps = train_for(run_config(model_dir, out, "rl", smoke, None), minutes)
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(final, kept / "model")
+    shutil.rmtree(out, ignore_errors=True)  # its checkpoints are GBs
+    made = {"model": str(kept / "model"), "curve": curve, "rl_wall_s": wall, "steps": steps,
+            "teacher_acc": held_out_accuracy(kept / "model", prompts)}  # fmt: skip
+    (kept / "teacher.json").write_text(json.dumps(made))
+    return made
+
+
+def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool) -> dict:
+    """The student distilled from ``teacher`` for ``minutes``; every sample the teacher was sent, counted."""
+    from postrl.train.teachers.local_teacher import LocalTeacher
+
+    sent: list[str] = []
+    score = LocalTeacher.logprobs
+
+    def counted(self, queries):
+        sent.extend(hashlib.blake2b(repr((q.ids, q.start)).encode(), digest_size=12).hexdigest() for q in queries)
+        return score(self, queries)
+
+    LocalTeacher.logprobs = counted  # type: ignore[method-assign]
+    out = Path(tempfile.mkdtemp(prefix="distill-student-"))
+    try:
+        config = run_config(model_dir, out, "student", smoke, {"teacher": teacher, "task_reward": False})
+        final, curve, wall, steps = train_for(config, minutes)
+        kept = out / "student_model"
+        shutil.copytree(final, kept)
+    finally:
+        LocalTeacher.logprobs = score  # type: ignore[method-assign]
+    return {"model": kept, "out": out, "curve": curve, "wall_s": wall, "steps": steps,
+            "calls_per_sample": len(sent) / max(1, len(set(sent)))}  # fmt: skip
+
+
+def plot(rl: list[dict], student: list[dict], before: float, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, curve in (("GRPO (makes the teacher)", rl), ("on-policy distillation from it", student)):
+        points = [{"wall_s": 0.0, "acc": before}, *curve]
+        ax.plot([p["wall_s"] / 60 for p in points], [p["acc"] for p in points], marker="o", markersize=3, label=name)
+    ax.set_xlabel("training wall time, minutes (evaluation excluded)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("SmolLM2-135M-Instruct, reasoning-gym " + "/".join(t["name"] for t in real_task.TASKS), fontsize=9)
+    save(fig, ax, png)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--rl-minutes", type=float, default=30.0, help="the teacher's GRPO step time")
+    parser.add_argument(
+        "--fraction", type=float, default=0.25, help="the student's step time, as a share of the RL run's"
+    )
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "postrl-distill")
+    parser.add_argument("--png", type=Path, default=Path("docs/distill.png"), help="the two curves")
+    add_smoke(parser)
+    args = parser.parse_args()
+    if (why := real_task.missing()) is not None:
+        skip(why, args.json)
+        return 0
+    from postrl.models.gguf import smollm2_dir
+    from postrl.models.loading import load_tokenizer
+
+    model_dir = smollm2_dir()
+    probe = run_config(model_dir, Path(tempfile.gettempdir()), "probe", args.smoke, None)
+    prompts = real_task.heldout(probe, load_tokenizer(str(model_dir)))
+    began = time.perf_counter()
+    before = held_out_accuracy(model_dir, prompts)
+    teacher = make_teacher(model_dir, args.cache, 0.05 if args.smoke else args.rl_minutes, args.smoke, prompts)
+    student = distill(model_dir, teacher["model"], args.fraction * teacher["rl_wall_s"] / 60, args.smoke)
+    after = held_out_accuracy(student["model"], prompts)
+    shutil.rmtree(student["out"], ignore_errors=True)
+    gain = teacher["teacher_acc"] - before
+    reached = next((p["wall_s"] for p in teacher["curve"] if p["acc"] >= after), None)
+    result = {
+        "teacher_acc": round(teacher["teacher_acc"], 4),
+        "student_acc_before": round(before, 4),
+        "student_acc_after": round(after, 4),
+        "reached_fraction": round((after - before) / gain, 3) if gain > 0 else None,
+        "distill_wall_s": round(student["wall_s"], 1),
+        "rl_wall_s": round(teacher["rl_wall_s"], 1),
+        "distill_to_rl_wall": round(student["wall_s"] / teacher["rl_wall_s"], 3) if teacher["rl_wall_s"] else None,
+        "rl_time_to_student_s": None if reached is None else round(reached, 1),
+        "teacher_logprob_calls_per_sample": round(student["calls_per_sample"], 4),
+        "rl_steps": teacher["steps"],
+        "distill_steps": student["steps"],
+        "heldout": len(prompts),
+        "curve_rl": [(round(p["wall_s"], 1), round(p["acc"], 4)) for p in teacher["curve"]],
+        "curve_distill": [(round(p["wall_s"], 1), round(p["acc"], 4)) for p in student["curve"]],
+        "minutes": round((time.perf_counter() - began) / 60, 1),
+    }
+    print(f"held-out greedy accuracy, {len(prompts)} problems never trained on (SmolLM2-135M-Instruct)")
+    print(f"{'':28s}{'accuracy':>10s}{'step time s':>13s}{'steps':>7s}")
+    print(f"{'student before':28s}{before:10.3f}")
+    print(f"{'teacher (GRPO)':28s}{teacher['teacher_acc']:10.3f}{teacher['rl_wall_s']:13.0f}{teacher['steps']:7d}")
+    print(f"{'student (distilled)':28s}{after:10.3f}{student['wall_s']:13.0f}{student['steps']:7d}")
+    print(f"reached_fraction {result['reached_fraction']} in {result['distill_to_rl_wall']} of the RL run's time; "
+          f"teacher calls per sample {result['teacher_logprob_calls_per_sample']}")  # fmt: skip
+    if not args.smoke:
+        plot(teacher["curve"], student["curve"], before, args.png)
+        print(f"curves: {args.png}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
