@@ -41,6 +41,20 @@ def vllm_python() -> Path | None:
     return path if path.is_file() else None
 
 
+def server_command(
+    python: Path, model_dir: str | Path, port: int, dtype: str, max_model_len: int, seed: int, memory_fraction: float
+) -> list[str]:
+    """The command line of postrl's vLLM server process (``rollout/vllm_server.py``), its token read
+    from ``POSTRL_VLLM_TOKEN``."""
+    return [
+        str(python),
+        str(SERVER_FILE),
+        *("--model", str(model_dir), "--port", str(port), "--dtype", dtype),
+        *("--max-model-len", str(max_model_len), "--seed", str(seed), "--token-env", "POSTRL_VLLM_TOKEN"),
+        *("--memory-fraction", str(memory_fraction)),
+    ]
+
+
 class VLLMRolloutWorker(EngineBase):
     def __init__(
         self,
@@ -67,29 +81,10 @@ class VLLMRolloutWorker(EngineBase):
         self.log = tempfile.NamedTemporaryFile(prefix="postrl-vllm-", suffix=".log", delete=False)
         self.sync_dir = Path(tempfile.mkdtemp(prefix="postrl-vllm-sync-"))
         token = secrets.token_urlsafe(32)  # only this process may drive the server, /update_weights included
+        command = server_command(python, model_dir, self.port, dtype, max_model_len, seed, memory_fraction)
+        command += ["--weights-dir", str(self.sync_dir), "--max-lora-rank", str(max_lora_rank or 0)]
         self.proc = subprocess.Popen(
-            [
-                str(python),
-                str(SERVER_FILE),
-                "--model",
-                str(model_dir),
-                "--port",
-                str(self.port),
-                "--dtype",
-                dtype,
-                "--max-model-len",
-                str(max_model_len),
-                "--seed",
-                str(seed),
-                "--token-env",
-                "POSTRL_VLLM_TOKEN",
-                "--memory-fraction",
-                str(memory_fraction),
-                "--weights-dir",
-                str(self.sync_dir),
-                "--max-lora-rank",
-                str(max_lora_rank or 0),
-            ],
+            command,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -73,9 +73,7 @@ def run_harness(
     from postrl.models.loading import load_tokenizer
     from postrl.reward.factory import make_reward_service
 
-    ks = sorted(set(ks or default_ks(n))) if n > 1 else []
-    if ks and (ks[0] < 1 or ks[-1] > n):
-        raise ConfigError(f"--k {ks}: every k must lie in 1..--n={n}")
+    ks = checked_ks(ks, n)
     tokenizer = load_tokenizer(model)
     reward = task_reward(task) if task else (run_config.reward if run_config else None)
     if reward is None:
@@ -84,9 +82,7 @@ def run_harness(
     tokens = max_tokens or (rollout.max_tokens if run_config else 16)
     sets = eval_sets(run_config, tokenizer, task, data, echo if not as_json else lambda _: None)
     greedy = greedy_sampling(rollout, tokens)
-    sampling = None
-    if n > 1:
-        sampling = replace(greedy, n=n, temperature=temperature, top_p=top_p)
+    sampling = replace(greedy, n=n, temperature=temperature, top_p=top_p) if n > 1 else None
     agent = run_config.agent if run_config is not None else None
     engine = make_engine(model, url, tokenizer, rollout)
     service = make_reward_service(reward.model_copy(update={"num_workers": 1}))
@@ -110,6 +106,14 @@ def run_harness(
     else:
         echo(json.dumps(result))
     return result
+
+
+def checked_ks(ks: list[int] | None, n: int) -> list[int]:
+    """The k of pass@k and maj@k: those asked (default: :func:`default_ks`), each in 1..n; none for n = 1."""
+    chosen = sorted(set(ks or default_ks(n))) if n > 1 else []
+    if chosen and (chosen[0] < 1 or chosen[-1] > n):
+        raise ConfigError(f"--k {chosen}: every k must lie in 1..--n={n}")
+    return chosen
 
 
 def accuracy_component(source: BatchSource) -> str:
