@@ -354,3 +354,64 @@ def test_a_distillation_run_resumes_where_it_stopped(tmp_path, tiny_model_dir, t
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert resumed.step_count == 2 and [r["step"] for r in rows] == [1, 2]
     assert rows[1]["distill/teacher/samples"] == 16.0 and rows[1]["distill/reverse_kl"] > 0.1
+
+
+class ScriptedTeacher:
+    """Gives each response token the logprob -0.5 x its position in the response; fails where told."""
+
+    source = "scripted"
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.fail_on = fail_on
+        self.asked: list[TeacherQuery] = []
+
+    def logprobs(self, queries):
+        self.asked.extend(queries)
+        return [
+            TeacherFailure("no") if q.ids[q.start] == self.fail_on else [-0.5 * i for i in range(len(q.ids) - q.start)]
+            for q in queries
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_episodes_tool_tokens_get_no_distillation_term_and_its_model_tokens_theirs(tmp_path):
+    """The stage on an episode (tool output inside the response) and a sample its teacher fails on,
+    then the advantage stage: by hand."""
+    from postrl.config.algorithm import AlgorithmConfig
+    from postrl.controller.advantage import compute_advantage
+    from postrl.controller.stages.distill import Distillation
+    from postrl.train.teachers.teachers import Teachers
+    from postrl.types import Prompt, RewardResult, Rollout, StepBatch
+
+    algorithm = AlgorithmConfig.model_validate({"distill": {"teacher": "scripted", "weight": 2.0}})
+    teacher = ScriptedTeacher(fail_on=9)
+    stage = Distillation(Teachers(algorithm.distill, [teacher]), 2.0, tmp_path, max_failure_rate=0.5)
+    episode = Rollout(
+        0, [7, 8], [1, 2, 3, 4, 5], [-0.1, -0.2, 0.0, 0.0, -0.3], "", "stop", 0, loss_mask=[1, 1, 0, 0, 1]
+    )
+    plain = Rollout(0, [7, 8], [6, 6], [-1.0, -2.0], "", "stop", 0)
+    failed = Rollout(0, [7, 8], [9, 9], [-1.0, -1.0], "", "stop", 0)
+    rewards = [RewardResult(1.0), RewardResult(0.0), RewardResult(0.0)]
+    step = StepBatch.build([Prompt("p", [7, 8])], [episode, plain, failed], rewards, pad_id=0)
+    metrics = stage.prepare(step)
+    spans = step.spans
+    # 2 x (teacher - student) on the model's tokens; the tool's (positions 2, 3) 0 whatever the teacher says
+    assert step.distill[0, spans[0]].tolist() == pytest.approx([0.2, -0.6, 0.0, 0.0, -3.4])
+    assert step.distill[1, spans[1]].tolist() == pytest.approx([2.0, 3.0])
+    assert step.taught.tolist() == [True, True, False] and step.unscorable.tolist() == [False, False, True]
+    assert step.results[2].error == "no" and step.batch.loss_mask[2].sum() == 0
+    assert metrics["distill/unscorable"] == 1.0 and metrics["distill/teacher/samples"] == 3.0
+    # reverse KL over the 5 taught model tokens, student - teacher, by hand
+    gap = [-0.1 - 0.0, -0.2 + 0.5, -0.3 + 2.0, -1.0 - 0.0, -2.0 + 0.5]
+    assert metrics["distill/reverse_kl"] == pytest.approx(sum(gap) / 5)
+    compute_advantage(step, algorithm)
+    # GRPO over the two scorable rewards (1, 0): +-0.7071 (unbiased std), plus the term; the failed row 0
+    # (the tool's tokens keep the outcome's advantage, as without distillation: their loss mask is 0)
+    grpo = 1 / (math.sqrt(0.5) + 1e-6) * 0.5
+    expected = [grpo + 0.2, grpo - 0.6, grpo, grpo, grpo - 3.4]
+    assert step.batch.advantages[0, spans[0]].tolist() == pytest.approx(expected)
+    assert step.batch.loss_mask[0, spans[0]].tolist() == [1, 1, 0, 0, 1]
+    assert step.batch.advantages[1, spans[1]].tolist() == pytest.approx([-grpo + 2.0, -grpo + 3.0])
+    assert step.batch.advantages[2, spans[2]].tolist() == [0.0, 0.0]
