@@ -103,6 +103,7 @@ def test_local_teacher_gives_the_models_own_logprobs_of_the_response(teacher_dir
         TeacherQuery(char_tokenizer("12+30=")["input_ids"] + char_tokenizer("42")["input_ids"], 6),
         TeacherQuery(char_tokenizer("7*8=")["input_ids"] + char_tokenizer("56;")["input_ids"], 4),
         TeacherQuery(char_tokenizer("1+1=")["input_ids"] + char_tokenizer("2")["input_ids"], 4),
+        TeacherQuery(char_tokenizer("1+1=")["input_ids"] + char_tokenizer("11")["input_ids"], 4),  # its prompt again
     ]
     got = teacher.logprobs(queries)
     model = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()

@@ -11,8 +11,9 @@ from postrl.train.teachers.teacher import TeacherAnswer, TeacherFailure, Teacher
 
 class LocalTeacher:
     """``source``'s logprob of each response token, by the trainer's own logprob code (its lean
-    forward and chunked head), ``micro_batch_size`` samples at a time, at ``temperature`` (the
-    rollout's, so that teacher and student logprobs are of the same tempered distributions)."""
+    forward and chunked head; the samples of one prompt run it once), ``micro_batch_size`` samples
+    at a time, at ``temperature`` (the rollout's, so that teacher and student logprobs are of the
+    same tempered distributions)."""
 
     def __init__(
         self, source: str, dtype: str, device: torch.device, temperature: float, micro_batch_size: int
@@ -39,6 +40,8 @@ class LocalTeacher:
         ids = torch.zeros((len(queries), longest), dtype=torch.long)
         attention = torch.zeros((len(queries), longest), dtype=torch.long)
         target = torch.zeros((len(queries), longest - 1), dtype=torch.float32)
+        prompts: dict[tuple[int, ...], int] = {}  # samples of one prompt run it once (the lean forward's groups)
+        groups = torch.tensor([prompts.setdefault(tuple(q.ids[: q.start]), len(prompts)) for q in queries])
         for row, q in enumerate(queries):
             if not 0 < q.start <= len(q.ids):
                 raise ValueError(f"a query's response starts at {q.start}, outside its {len(q.ids)} tokens")
@@ -52,6 +55,7 @@ class LocalTeacher:
                 attention.to(self.device),
                 self.temperature,
                 target_mask=target.to(self.device),
+                group_ids=groups.to(self.device),
             )
         logp = logp.float().cpu()
         return [logp[row, q.start - 1 : len(q.ids) - 1].tolist() for row, q in enumerate(queries)]
