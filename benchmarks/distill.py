@@ -5,7 +5,7 @@ for ``--rl-minutes`` of step time (held-out greedy accuracy along the way). The 
 untrained SmolLM2; it samples on the same prompts with the same batch, group, learning rate and
 token limits, and trains on the distillation term alone (``algorithm.distill: {teacher: ...,
 task_reward: false}``: each sampled token's advantage is teacher logprob - student logprob) for
-``--fraction`` of the RL run's step time. Both engines sample in float32 (a bf16 engine would
+``--fraction`` of the RL run's step time (at the RL run's learning rate unless ``--distill-lr``). Both engines sample in float32 (a bf16 engine would
 carry little of each update and would skew the student's logprobs against the float32 teacher's).
 
 ``reached_fraction`` = (student after - student before) / (teacher - student before): the share of
@@ -38,12 +38,12 @@ LR = 1e-5
 EVAL_EVERY = 3
 
 
-def run_config(model_dir: Path, out: Path, name: str, smoke: bool, distill: dict | None) -> dict:
+def run_config(model_dir: Path, out: Path, name: str, smoke: bool, distill: dict | None, lr: float = LR) -> dict:
     """``real_task``'s run (tasks, prompts per step, group, tokens, reward), sampled in float32."""
     config = real_task.run_config(model_dir, out, smoke, 1 if smoke else EVAL_EVERY)
     config["name"] = name
     config["rollout"]["dtype"] = "float32"
-    config["train"]["lr"] = LR
+    config["train"]["lr"] = lr
     if distill is not None:
         config["algorithm"] = {**config["algorithm"], "distill": distill}
     return config
@@ -111,7 +111,7 @@ def make_teacher(model_dir: Path, cache: Path, minutes: float, smoke: bool, prom
     return made
 
 
-def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool) -> dict:
+def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool, lr: float) -> dict:
     """The student distilled from ``teacher`` for ``minutes``; every sample the teacher was sent, counted."""
     from postrl.train.teachers.local_teacher import LocalTeacher
 
@@ -125,7 +125,7 @@ def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool) -> dict:
     LocalTeacher.logprobs = counted  # type: ignore[method-assign]
     out = Path(tempfile.mkdtemp(prefix="distill-student-"))
     try:
-        config = run_config(model_dir, out, "student", smoke, {"teacher": teacher, "task_reward": False})
+        config = run_config(model_dir, out, "student", smoke, {"teacher": teacher, "task_reward": False}, lr)
         final, curve, wall, steps = train_for(config, minutes)
         kept = out / "student_model"
         shutil.copytree(final, kept)
@@ -158,6 +158,9 @@ def main() -> int:
     parser.add_argument(
         "--fraction", type=float, default=0.25, help="the student's step time, as a share of the RL run's"
     )
+    parser.add_argument(
+        "--distill-lr", type=float, default=LR, help="the student's learning rate (default: the RL run's)"
+    )
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "postrl-distill")
     parser.add_argument("--png", type=Path, default=Path("docs/distill.png"), help="the two curves")
     add_smoke(parser)
@@ -174,7 +177,9 @@ def main() -> int:
     began = time.perf_counter()
     before = held_out_accuracy(model_dir, prompts)
     teacher = make_teacher(model_dir, args.cache, 0.05 if args.smoke else args.rl_minutes, args.smoke, prompts)
-    student = distill(model_dir, teacher["model"], args.fraction * teacher["rl_wall_s"] / 60, args.smoke)
+    student = distill(
+        model_dir, teacher["model"], args.fraction * teacher["rl_wall_s"] / 60, args.smoke, args.distill_lr
+    )
     after = held_out_accuracy(student["model"], prompts)
     shutil.rmtree(student["out"], ignore_errors=True)
     gain = teacher["teacher_acc"] - before
@@ -191,6 +196,8 @@ def main() -> int:
         "teacher_logprob_calls_per_sample": round(student["calls_per_sample"], 4),
         "rl_steps": teacher["steps"],
         "distill_steps": student["steps"],
+        "lr": LR,
+        "distill_lr": args.distill_lr,
         "heldout": len(prompts),
         "curve_rl": [(round(p["wall_s"], 1), round(p["acc"], 4)) for p in teacher["curve"]],
         "curve_distill": [(round(p["wall_s"], 1), round(p["acc"], 4)) for p in student["curve"]],

@@ -42,9 +42,14 @@ class Distillation(Stage):
 
     def prepare(self, step: StepBatch) -> dict[str, float]:
         owners = [self.teachers.teacher_of(step.prompts[r.prompt_index].task_type) for r in step.rollouts]
-        rows = [row for row, owner in enumerate(owners) if owner is not None and not step.unscorable[row]]
-        queries = [TeacherQuery(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids)) for r in step.rollouts]
-        answers, counts = self.teachers.logprobs([owners[row] for row in rows], [queries[row] for row in rows])  # type: ignore[misc]
+        taught_by = {row: owner for row, owner in enumerate(owners) if owner is not None and not step.unscorable[row]}
+        rows = list(taught_by)
+        queries = [
+            TeacherQuery(list(step.rollouts[row].prompt_ids) + list(step.rollouts[row].response_ids),
+                         len(step.rollouts[row].prompt_ids))
+            for row in rows
+        ]  # fmt: skip
+        answers, counts = self.teachers.logprobs(list(taught_by.values()), queries)
         teacher = torch.zeros_like(step.batch.old_logprobs)
         taught = torch.zeros(step.size, dtype=torch.bool)
         failed = 0
