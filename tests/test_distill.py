@@ -13,6 +13,7 @@ from postrl.algorithms.distillation import reverse_kl_advantage, with_distillati
 from postrl.config.loading import build_config
 from postrl.config.run import ConfigError
 from postrl.controller.failures import RewardFailureError
+from postrl.models.loading import ModelNotFoundError
 from postrl.train.teachers.teacher import TeacherFailure, TeacherQuery, TokenizerMismatchError
 from tests.conftest import make_tiny_model
 
@@ -155,6 +156,17 @@ def test_a_teacher_on_another_tokenizer_is_refused_naming_both(tmp_path, tiny_mo
     with pytest.raises(TokenizerMismatchError) as caught:
         make_teachers(distill, student, str(tiny_model_dir), torch.device("cpu"), 1.0, 4)
     message = str(caught.value)
+    with pytest.raises(
+        ModelNotFoundError, match=r"algorithm.distill.teachers\[0\].source: no model folder at /no/teacher"
+    ):
+        make_teachers(
+            build_config({"algorithm": {"distill": {"teacher": "/no/teacher"}}}).algorithm.distill,
+            student,
+            str(tiny_model_dir),
+            torch.device("cpu"),
+            1.0,
+            4,
+        )
     assert f"algorithm.distill.teachers[0] ({other})" in message and f"model.path={tiny_model_dir}" in message
     assert "does not share the student's tokenizer" in message and "reads the student's token ids" in message
 

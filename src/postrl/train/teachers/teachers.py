@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from postrl.config.distill import DistillConfig, TeacherConfig, is_url
+from postrl.models.loading import ModelNotFoundError
 from postrl.train.teachers.teacher import (
     Teacher,
     TeacherAnswer,
@@ -125,7 +126,10 @@ def make_teachers(
     built: list[Teacher] = []
     try:
         for i, teacher_config in enumerate(config.teachers):
-            built.append(make_teacher(teacher_config, device, temperature, micro_batch_size))
+            try:
+                built.append(make_teacher(teacher_config, device, temperature, micro_batch_size))
+            except ModelNotFoundError as exc:  # the student's model.path is fine: say which model is missing
+                raise ModelNotFoundError(f"algorithm.distill.teachers[{i}].source: {exc}") from None
             check_tokenizer(built[-1], f"algorithm.distill.teachers[{i}]", tokenizer, student)
     except BaseException:
         for teacher in built:
