@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from postrl.config.run import ConfigError
+
 
 @dataclass(frozen=True)
 class TeacherQuery:
@@ -46,5 +48,6 @@ class Teacher(Protocol):
     def close(self) -> None: ...
 
 
-class TokenizerMismatchError(ValueError):
-    """A teacher and its student do not tokenize alike (their logprobs would be of different tokens)."""
+class TokenizerMismatchError(ConfigError):
+    """A teacher and its student do not tokenize alike (their logprobs would be of different tokens):
+    a config error, reported in one line at start."""
