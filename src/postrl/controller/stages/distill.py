@@ -45,10 +45,9 @@ class Distillation(Stage):
         taught_by = {row: owner for row, owner in enumerate(owners) if owner is not None and not step.unscorable[row]}
         rows = list(taught_by)
         queries = [
-            TeacherQuery(list(step.rollouts[row].prompt_ids) + list(step.rollouts[row].response_ids),
-                         len(step.rollouts[row].prompt_ids))
-            for row in rows
-        ]  # fmt: skip
+            TeacherQuery([*r.prompt_ids, *r.response_ids], len(r.prompt_ids))
+            for r in (step.rollouts[row] for row in rows)
+        ]
         answers, counts = self.teachers.logprobs(list(taught_by.values()), queries)
         teacher = torch.zeros_like(step.batch.old_logprobs)
         taught = torch.zeros(step.size, dtype=torch.bool)

@@ -7,6 +7,7 @@ import torch
 from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.train.logprobs import token_logprobs
 from postrl.train.teachers.teacher import TeacherAnswer, TeacherFailure, TeacherQuery
+from postrl.types.batch import pad_sequences
 
 
 class LocalTeacher:
@@ -36,29 +37,23 @@ class LocalTeacher:
         return answers
 
     def _chunk(self, queries: list[TeacherQuery]) -> list[list[float]]:
-        longest = max(len(q.ids) for q in queries)
-        ids = torch.zeros((len(queries), longest), dtype=torch.long)
-        attention = torch.zeros((len(queries), longest), dtype=torch.long)
-        target = torch.zeros((len(queries), longest - 1), dtype=torch.float32)
-        prompts: dict[tuple[int, ...], int] = {}  # samples of one prompt run it once (the lean forward's groups)
-        groups = torch.tensor([prompts.setdefault(tuple(q.ids[: q.start]), len(prompts)) for q in queries])
-        for row, q in enumerate(queries):
+        for q in queries:
             if not 0 < q.start <= len(q.ids):
                 raise ValueError(f"a query's response starts at {q.start}, outside its {len(q.ids)} tokens")
-            ids[row, : len(q.ids)] = torch.tensor(q.ids)
-            attention[row, : len(q.ids)] = 1
-            target[row, q.start - 1 : len(q.ids) - 1] = 1.0
+        padded = pad_sequences([(q.ids[: q.start], q.ids[q.start :]) for q in queries], pad_id=0)
+        prompts: dict[tuple[int, ...], int] = {}  # samples of one prompt run it once (the lean forward's groups)
+        groups = torch.tensor([prompts.setdefault(tuple(q.ids[: q.start]), len(prompts)) for q in queries])
         with torch.no_grad():
             logp, _ = token_logprobs(
                 self.model,
-                ids.to(self.device),
-                attention.to(self.device),
+                padded.input_ids.to(self.device),
+                padded.attention_mask.to(self.device),
                 self.temperature,
-                target_mask=target.to(self.device),
+                target_mask=padded.response_mask.to(self.device),
                 group_ids=groups.to(self.device),
             )
         logp = logp.float().cpu()
-        return [logp[row, q.start - 1 : len(q.ids) - 1].tolist() for row, q in enumerate(queries)]
+        return [logp[row, span].tolist() for row, span in enumerate(padded.spans)]
 
     def tokenization(self, text: str) -> list[str]:
         return self.pieces(self.tokenizer(text)["input_ids"])
