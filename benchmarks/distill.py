@@ -69,8 +69,11 @@ def train_for(config: dict, minutes: float) -> tuple[Path, list[dict], float, in
         state["steps"] = metrics.step
         if VAL_ACCURACY in values:
             curve.append({"step": metrics.step, "wall_s": state["wall"], "acc": values[VAL_ACCURACY]})
-        print(f"  {config['name']} step {metrics.step}: {state['wall'] / 60:.1f} min"
-              + (f", held-out {values[VAL_ACCURACY]:.3f}" if VAL_ACCURACY in values else ""), file=sys.stderr)  # fmt: skip
+        print(
+            f"  {config['name']} step {metrics.step}: {state['wall'] / 60:.1f} min"
+            + (f", held-out {values[VAL_ACCURACY]:.3f}" if VAL_ACCURACY in values else ""),
+            file=sys.stderr,
+        )
         if state["wall"] + step_s > minutes * 60:
             os.kill(os.getpid(), signal.SIGINT)  # as a user's ^C: the run stops after this step
 
@@ -88,8 +91,9 @@ def held_out_accuracy(model: Path, prompts: list) -> float:
 
     from postrl.models.loading import load_causal_lm, load_tokenizer
 
-    acc, _ = real_task.accuracy_of(load_causal_lm(str(model)).to(torch.float32), load_tokenizer(str(model)), prompts,
-                                   dtype="float32")  # fmt: skip
+    acc, _ = real_task.accuracy_of(
+        load_causal_lm(str(model)).to(torch.float32), load_tokenizer(str(model)), prompts, dtype="float32"
+    )
     return acc
 
 
@@ -105,8 +109,13 @@ def make_teacher(model_dir: Path, cache: Path, minutes: float, smoke: bool, prom
     shutil.rmtree(kept, ignore_errors=True)
     shutil.copytree(final, kept / "model")
     shutil.rmtree(out, ignore_errors=True)  # its checkpoints are GBs
-    made = {"model": str(kept / "model"), "curve": curve, "rl_wall_s": wall, "steps": steps,
-            "teacher_acc": held_out_accuracy(kept / "model", prompts)}  # fmt: skip
+    made = {
+        "model": str(kept / "model"),
+        "curve": curve,
+        "rl_wall_s": wall,
+        "steps": steps,
+        "teacher_acc": held_out_accuracy(kept / "model", prompts),
+    }
     (kept / "teacher.json").write_text(json.dumps(made))
     return made
 
@@ -131,8 +140,14 @@ def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool, lr: floa
         shutil.copytree(final, kept)
     finally:
         LocalTeacher.logprobs = score  # type: ignore[method-assign]
-    return {"model": kept, "out": out, "curve": curve, "wall_s": wall, "steps": steps,
-            "calls_per_sample": len(sent) / max(1, len(set(sent)))}  # fmt: skip
+    return {
+        "model": kept,
+        "out": out,
+        "curve": curve,
+        "wall_s": wall,
+        "steps": steps,
+        "calls_per_sample": len(sent) / max(1, len(set(sent))),
+    }
 
 
 def plot(rl: list[dict], student: list[dict], before: float, png: Path) -> None:
@@ -208,8 +223,10 @@ def main() -> int:
     print(f"{'student before':28s}{before:10.3f}")
     print(f"{'teacher (GRPO)':28s}{teacher['teacher_acc']:10.3f}{teacher['rl_wall_s']:13.0f}{teacher['steps']:7d}")
     print(f"{'student (distilled)':28s}{after:10.3f}{student['wall_s']:13.0f}{student['steps']:7d}")
-    print(f"reached_fraction {result['reached_fraction']} in {result['distill_to_rl_wall']} of the RL run's time; "
-          f"teacher calls per sample {result['teacher_logprob_calls_per_sample']}")  # fmt: skip
+    print(
+        f"reached_fraction {result['reached_fraction']} in {result['distill_to_rl_wall']} of the RL run's time; "
+        f"teacher calls per sample {result['teacher_logprob_calls_per_sample']}"
+    )
     if not args.smoke:
         plot(teacher["curve"], student["curve"], before, args.png)
         print(f"curves: {args.png}")
