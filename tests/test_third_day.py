@@ -314,7 +314,7 @@ def test_b8_whole_hanging_groups_cost_one_timeout_wherever_they_sit(hanging):
     jobs = [{"fn": "tests.reward_fns:hangs_on_marked", "prompt": f"p{p}", "response": "x",
              "columns": {"hang": p in hanging}, "options": {}} for p in range(16) for _ in range(4)]  # fmt: skip
     with ScoringPool(2, timeout_s, preload=("tests.reward_fns:hangs_on_marked",), max_workers=32) as pool:
-        pool.map(jobs[:1])  # the workers are up
+        pool.map([{**jobs[0], "columns": {"hang": False}}] * 2)  # the workers are up (a job that returns)
         began = time.monotonic()
         results = pool.map(jobs)
         took = time.monotonic() - began

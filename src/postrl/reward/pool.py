@@ -262,15 +262,12 @@ class ScoringPool:
         stalled job: it will likely hang too); retire idle surplus workers."""
         now = time.monotonic()
         stalled = [w for w in self._workers if w.stalled(now, self.stall_after_s)]
-        healthy = len(self._workers) - len(stalled)
+        hanging = {w.pending[0].key for w in stalled}
+        # a worker running a sibling of a hanging job will likely stall too: it is not counted healthy
+        healthy = sum(w not in stalled and not (w.pending and w.pending[0].key in hanging) for w in self._workers)
         self._reclaim(stalled)
         if self._has_queued():
-            hanging = {w.pending[0].key for w in stalled}
-            suspects = (
-                sum(job.in_queue and job.key in hanging and not job.future.done() for job in self._queue)
-                if hanging
-                else 0
-            )  # the queue is scanned only while a job hangs
+            suspects = self._suspects_first(hanging) if hanging else 0
             while healthy < self.num_workers + suspects and len(self._workers) < self.max_workers:
                 self._add_worker(selector)
                 healthy += 1
@@ -279,6 +276,15 @@ class ScoringPool:
                 if len(self._workers) <= self.num_workers:
                     break
                 self._remove_worker(worker, selector)
+
+    def _suspects_first(self, hanging: set[str]) -> int:
+        """Move the queued siblings of hanging jobs to the front of the queue (they likely hang too:
+        the sooner each reaches a worker's head, the sooner its timeout runs out); how many there are."""
+        suspects = [j for j in self._queue if j.in_queue and j.key in hanging and not j.future.done()]
+        if suspects:
+            chosen = {id(j) for j in suspects}
+            self._queue = deque([*suspects, *(j for j in self._queue if id(j) not in chosen)])
+        return len(suspects)
 
     def _has_queued(self) -> bool:
         """Whether a job waits in the queue (entries taken or answered meanwhile are dropped here)."""
@@ -301,9 +307,10 @@ class ScoringPool:
 
     def _dispatch(self) -> None:
         now = time.monotonic()
-        open_workers = [
-            w for w in self._workers if not w.stalled(now, self.stall_after_s) and len(w.pending) < self.pipeline_depth
-        ]
+        # while a job hangs, one job per worker: a job queued behind a hanging one (another prompt
+        # that hangs) would only start its clock once the hang is found, a stall later
+        depth = 1 if any(w.stalled(now, self.stall_after_s) for w in self._workers) else self.pipeline_depth
+        open_workers = [w for w in self._workers if not w.stalled(now, self.stall_after_s) and len(w.pending) < depth]
         window = 0
         i = 0
         while open_workers and i < len(self._queue) and window < self.DISPATCH_WINDOW:
@@ -329,7 +336,7 @@ class ScoringPool:
             if not worker.pending:
                 worker.started = time.monotonic()
             worker.push(job)
-            if len(worker.pending) >= self.pipeline_depth:
+            if len(worker.pending) >= depth:
                 open_workers.remove(worker)
             worker.outgoing += (json.dumps({**job.payload, "id": job.id}) + "\n").encode()
         for worker in self._workers:
