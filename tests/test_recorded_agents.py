@@ -58,7 +58,7 @@ def test_recorded_calls_are_the_in_process_trajectory(demo):
     )
     local = runner.run(prompts, GREEDY)
     runner.close()
-    agents = RecordedAgents(RecordingServer(engine, char_tokenizer), char_tokenizer, agent, workers=4)
+    agents = RecordedAgents(RecordingServer(engine, char_tokenizer), agent, workers=4)
     try:
         served = agents.run(prompts, GREEDY)
         assert len(served) == len(local) == 4
@@ -74,7 +74,7 @@ def test_recorded_calls_are_the_in_process_trajectory(demo):
             assert a.episode.reward == (b.episode.reward if b.episode.finish_reason == "stop" else 0.0)
             assert len(a.episode.turns) == len(b.episode.turns)
         assert max(len(r.episode.turns) for r in served) == 3 and all(r.episode.prefix_breaks == 0 for r in served)
-        assert not agents.endpoint.recorder.episodes  # every recording was taken
+        assert not agents.recorders["policy"].episodes  # every recording was taken
         assert engine.kept.hits > 0  # the server's calls continued each episode from its kept K/V
         two = httpx.post(
             agents.episode_url("e") + "/chat/completions",
@@ -98,7 +98,7 @@ def test_an_agent_that_raises_ends_its_episode_not_the_batch(demo):
             raise RuntimeError("the agent broke")
         return 1.0
 
-    agents = RecordedAgents(RecordingServer(engine, char_tokenizer), char_tokenizer, flaky)
+    agents = RecordedAgents(RecordingServer(engine, char_tokenizer), flaky)
     try:
         out = agents.run([Prompt("fine", [], messages=None), Prompt("boom", [], messages=None)], SamplingParams(n=1))
     finally:

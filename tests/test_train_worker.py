@@ -294,11 +294,13 @@ def test_shared_prompt_packing_gives_the_unpacked_logprobs_and_gradients(char_to
         pack_shared_prompts(batch.input_ids[5:], batch.attention_mask[5:], batch.response_mask[5:], batch.group_ids[5:])
         is None
     )
-    # a group whose rows do not share a prompt is a bug upstream, not something to pack
-    wrong = batch.group_ids.clone()
-    wrong[5] = 0
-    with pytest.raises(ValueError, match="rows 0 and 5 of group 0 do not share their prompt"):
-        pack_shared_prompts(batch.input_ids, batch.attention_mask, batch.response_mask, wrong)
+    # rows of one group with different prompts (an episode's later samples) are packed apart
+    merged = batch.group_ids.clone()
+    merged[5:] = 0
+    apart = pack_shared_prompts(batch.input_ids, batch.attention_mask, batch.response_mask, merged)
+    grouped = pack_shared_prompts(batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids)
+    assert apart is not None and grouped is not None
+    torch.testing.assert_close(apart.input_ids, grouped.input_ids)
 
 
 def test_the_forward_is_chosen_in_one_dispatch_and_the_worker_reports_it(char_tokenizer, caplog):

@@ -6,9 +6,10 @@ value given and what is allowed (:class:`ConfigError`).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from postrl.config.agent import AgentConfig
 from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's public names
@@ -18,6 +19,7 @@ from postrl.config.data import DataConfig
 from postrl.config.model import LoraConfig, ModelConfig  # noqa: F401 - the config's public names
 from postrl.config.observability import PlanConfig
 from postrl.config.off_policy import BufferConfig, ControllerConfig
+from postrl.config.policies import POLICY_NAME, POLICY_SECTIONS, PolicyConfig, merged
 from postrl.config.reward import (  # noqa: F401 - the config's public names
     CodeComponent,
     CustomComponent,
@@ -205,6 +207,12 @@ class RunConfig(RunCommandConfig):
     agent: AgentConfig | None = Field(
         None, description="Multi-turn episodes with tools and an environment instead of one response per prompt."
     )
+    policies: dict[str, PolicyConfig] | None = Field(
+        None,
+        description="Several trainable policies acting in the same episodes (agent.function picks one per model "
+        "call by its model name or base URL); each merges its model/train/rollout/algorithm over the run's. "
+        "None: one policy, the run's own sections.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -315,6 +323,61 @@ class RunConfig(RunCommandConfig):
                 "does not do: set agent.scheduling=individual, or controller.overlap=scoring"
             )
         return self
+
+    @model_validator(mode="after")
+    def _policies_fit_the_run(self) -> RunConfig:
+        if self.policies is None:
+            return self
+        if len(self.policies) < 2:
+            raise ValueError(
+                "policies: names one policy; a run with one policy is configured by its own model/train/rollout/"
+                "algorithm sections (leave policies out)"
+            )
+        for name, policy in self.policies.items():
+            if not re.match(POLICY_NAME, name):
+                raise ValueError(f"policies.{name}: a policy's name starts with a letter, then letters, digits, _ . -")
+            if "n" in policy.rollout:
+                raise ValueError(
+                    f"policies.{name}.rollout.n: every policy acts in the same rollout.n episodes of a prompt; "
+                    "set rollout.n for the run"
+                )
+        if self.agent is None or self.agent.function is None:
+            raise ValueError(
+                "policies: the policies act in the episodes of an agent function (agent.function), which picks "
+                "the policy of each model call by its model name or base URL"
+            )
+        refused = {
+            "controller.mode=async": self.controller.mode == "async",
+            "scheduler.type=ray": self.scheduler.type == "ray",
+            "logging.eval_every": bool(self.logging.eval_every),
+            "buffer.replay": self.buffer.replay is not None,
+        }
+        for what, used in refused.items():
+            if used:
+                raise ValueError(f"policies: {what} is not supported with several policies yet (runs are sync, local)")
+        self.policy_runs()  # each policy's run validates, its errors named by policies.NAME
+        return self
+
+    def policy_runs(self) -> dict[str, RunConfig]:
+        """Each policy's run: the run's config with the policy's sections merged over its own, writing
+        under ``RUN_DIR/policies/NAME`` (samples, unscored steps); the run's one checkpoint holds them all."""
+        if self.policies is None:
+            return {}
+        base = self.model_dump(exclude={"policies"})
+        runs = {}
+        for name, policy in self.policies.items():
+            data = dict(base)
+            for section in POLICY_SECTIONS:
+                data[section] = merged(base[section], getattr(policy, section))
+            data.update(output_dir=str(self.run_dir / "policies"), name=name)
+            try:
+                runs[name] = RunConfig.model_validate(data)
+            except ValidationError as exc:
+                from postrl.config.loading import format_validation_error
+
+                reason = format_validation_error(exc).removeprefix("invalid config:\n  ").replace("\n  ", "; ")
+                raise ValueError(f"policies.{name}: {reason}") from None
+        return runs
 
     @property
     def on_policy(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +38,54 @@ def save_checkpoint(
 ) -> Path:
     """``tokenizer`` is saved into the checkpoint's ``model/`` folder, which then loads like any model
     folder (``postrl serve-rollout``/``eval``, ``model.path``, ``AutoModelForCausalLM``)."""
+
+    def write(tmp: Path) -> None:
+        _write_policy(tmp, trainer, tokenizer, critic)
+        _write_state(tmp, run_state)
+
+    return _atomically(run_dir, step, keep_last, write)
+
+
+def save_policies_checkpoint(
+    run_dir: Path, step: int, policies: dict[str, tuple[Any, dict[str, Any], Any, Any]], keep_last: int = 2
+) -> Path:
+    """A run with several policies: each policy's (trainer, run state, tokenizer, critic) under
+    ``policies/NAME`` of one checkpoint, completed at once (a resume never mixes two steps)."""
+
+    def write(tmp: Path) -> None:
+        for name, (trainer, _, tokenizer, critic) in policies.items():
+            _write_policy(tmp / "policies" / name, trainer, tokenizer, critic)
+        states = {name: state for name, (_, state, _, _) in policies.items()}
+        versions = [int(state["weight_version"]) for state in states.values()]
+        _write_state(tmp, {"step": step, "weight_version": min(versions), "policies": states})
+
+    return _atomically(run_dir, step, keep_last, write)
+
+
+def _write_policy(folder: Path, trainer: Any, tokenizer: Any, critic: Any) -> None:
+    trainer.save_checkpoint(folder)
+    if critic is not None:
+        critic.save_checkpoint(folder / "critic")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder / "model")
+
+
+def _write_state(folder: Path, run_state: dict[str, Any]) -> None:
+    torch.save(run_state, folder / "run_state.pt")
+    (folder / "run_state.json").write_text(
+        json.dumps({k: v for k, v in run_state.items() if k in ("step", "weight_version", "sampler")})
+    )
+
+
+def _atomically(run_dir: Path, step: int, keep_last: int, write: Callable[[Path], None]) -> Path:
+    """``write`` fills ``checkpoints/.step_N.tmp``; marked complete, it becomes ``step_N`` in one rename."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".step_{step:08d}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    trainer.save_checkpoint(tmp)
-    if critic is not None:
-        critic.save_checkpoint(tmp / "critic")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "model")
-    torch.save(run_state, tmp / "run_state.pt")
-    (tmp / "run_state.json").write_text(
-        json.dumps({k: v for k, v in run_state.items() if k in ("step", "weight_version", "sampler")})
-    )
+    write(tmp)
     (tmp / MARKER).write_text("ok\n")
     _fsync_dir(tmp)
     if final.exists():

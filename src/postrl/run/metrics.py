@@ -59,8 +59,25 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def console_line(metrics: StepMetrics, total: int | None = None) -> str:
-    parts = [f"step {metrics.step}" + (f"/{total}" if total else "")]
+def console_line(metrics: StepMetrics, total: int | None = None, policies: tuple[str, ...] = ()) -> str:
+    """The step's line; with ``policies``, each policy's main metrics after its name."""
+    head = f"step {metrics.step}" + (f"/{total}" if total else "")
+    if policies:
+        return " || ".join([head, *(policy_part(metrics, name) for name in policies)])
+    return " | ".join([head, *metric_parts(metrics)])
+
+
+def policy_part(metrics: StepMetrics, name: str) -> str:
+    """One policy's part of a step's line: its metrics are the step's ``NAME/...`` ones."""
+    prefix = f"{name}/"
+    values = {k[len(prefix) :]: v for k, v in metrics.values.items() if k.startswith(prefix)}
+    notes = {k[len(prefix) :]: v for k, v in metrics.notes.items() if k.startswith(prefix)}
+    own = StepMetrics(metrics.step, metrics.weight_version, values, notes)
+    return " | ".join([name, *metric_parts(own)])
+
+
+def metric_parts(metrics: StepMetrics) -> list[str]:
+    parts = []
     for key, label, fmt in CONSOLE_KEYS:
         value = metrics.values.get(key)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
@@ -80,7 +97,7 @@ def console_line(metrics: StepMetrics, total: int | None = None) -> str:
     for note in ("flagged", "no_signal"):
         if metrics.notes.get(note):
             parts.append(metrics.notes[note])
-    return " | ".join(parts)
+    return parts
 
 
 def held_out_by_name(values: dict[str, float], most: int = 8) -> list[tuple[str, float]]:
@@ -98,15 +115,19 @@ class ConsoleSink:
     """One line per step: ``step k/N``, the main metrics, time elapsed and an estimate of the time
     left (from this process's steps), the same on a terminal and in a log file."""
 
-    def __init__(self, echo=print, total: int | None = None, clock=time.monotonic) -> None:
+    def __init__(
+        self, echo=print, total: int | None = None, clock=time.monotonic, policies: tuple[str, ...] = ()
+    ) -> None:
+        """``policies``: a run with several, whose metrics carry each policy's name."""
         self.echo = echo
         self.total = total
+        self.policies = policies
         self.clock = clock
         self.started = clock()
         self.first_step: int | None = None
 
     def write(self, metrics: StepMetrics) -> None:
-        line = console_line(metrics, self.total)
+        line = console_line(metrics, self.total, self.policies)
         if self.first_step is None:
             self.first_step = metrics.step - 1
         elapsed = self.clock() - self.started

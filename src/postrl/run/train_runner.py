@@ -125,12 +125,14 @@ def make_sinks(
     resume_step: int | None,
     echo: Callable[[str], None],
     total: int | None = None,
+    policies: tuple[str, ...] = (),
 ) -> list[MetricSink]:
-    """The console, then each of ``logging.trackers``, then the Prometheus endpoint when configured."""
+    """The console, then each of ``logging.trackers``, then the Prometheus endpoint when configured;
+    ``policies``: a run with several (the console shows each one's metrics)."""
     lg = config.logging
     sinks: list[MetricSink] = []
     if lg.console:
-        sinks.append(ConsoleSink(echo, total))
+        sinks.append(ConsoleSink(echo, total, policies=policies))
     for name in lg.trackers:
         if name == "jsonl":
             sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))

@@ -289,17 +289,17 @@ class LeanForward:
 def shared_prompt_groups(
     input_ids: torch.Tensor, spans: list[tuple[int, int]], group_ids: torch.Tensor | None
 ) -> dict[int, list[int]]:
-    """Rows by ``group_ids`` entry (each row its own group without them), in first-seen order; the
-    rows of a group must share their prompt (``spans``: each row's (prompt length, response
-    length)), which is checked."""
+    """Rows that share their prompt (``spans``: each row's (prompt length, response length)), in
+    first-seen order: the rows of a ``group_ids`` entry (each row alone without them), split where
+    their prompts differ (an episode's later samples, or a policy that answers another's text,
+    belong to a prompt's group without sharing its first prompt)."""
     members: dict[int, list[int]] = {}
+    key_of: dict[tuple[int, int, tuple[int, ...]], int] = {}
     for row in range(input_ids.shape[0]):
-        members.setdefault(int(group_ids[row]) if group_ids is not None else row, []).append(row)
-    for group, rows in members.items():
-        lead, p = rows[0], spans[rows[0]][0]
-        for row in rows[1:]:
-            if spans[row][0] != p or not torch.equal(input_ids[row, :p], input_ids[lead, :p]):
-                raise ValueError(f"rows {lead} and {row} of group {group} do not share their prompt")
+        group = int(group_ids[row]) if group_ids is not None else row
+        p = spans[row][0]
+        key = key_of.setdefault((group, p, tuple(input_ids[row, :p].tolist())), len(key_of))
+        members.setdefault(key, []).append(row)
     return members
 
 

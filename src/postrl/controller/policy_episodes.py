@@ -1,0 +1,112 @@
+"""The batch sources of a run with several policies (``policies:``): one agent function's episodes,
+run once per batch with every policy's engine answering its own calls, and each policy's rollouts
+handed to that policy's Controller (:class:`PolicyEpisodes`), which scores, groups, trains and
+checkpoints them as a one-policy run would. A policy's rollouts hold its own turns only."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from postrl.config.agent import AgentConfig
+from postrl.controller.episodes import EpisodeScoring, trainable
+from postrl.controller.stages.base import Groups
+from postrl.rollout.agentic.agent_function import PolicyRollouts, RecordedAgents
+from postrl.rollout.agentic.template_check import check_template
+from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
+from postrl.workers.roles import RewardService
+
+log = logging.getLogger(__name__)
+
+
+class PromptsDiffer(RuntimeError):
+    """The policies' Controllers drew different prompts for one batch (their samplers diverged)."""
+
+
+@dataclass
+class _Batch:
+    prompts: list[Prompt]
+    rollouts: PolicyRollouts
+    taken: set[str] = field(default_factory=set)  # the policies that have taken their rollouts
+
+
+class SharedEpisodes:
+    """A batch's episodes, run when the first policy asks for them; each policy takes its own once,
+    and the next request after every policy has taken its share runs the next batch."""
+
+    def __init__(self, agents: RecordedAgents) -> None:
+        """Takes over ``agents`` (closed by :meth:`close`)."""
+        self.agents = agents
+        self.policies = list(agents.recorders)
+        self._batch: _Batch | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def rollouts(self, policy: str, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
+        with self._lock:
+            batch = self._batch
+            if batch is None or policy in batch.taken:
+                if batch is not None and batch.taken != set(self.policies):
+                    waiting = sorted(set(self.policies) - batch.taken)
+                    raise RuntimeError(f"policy {policy} asked for a new batch before {waiting} took the last one")
+                batch = self._batch = _Batch(prompts, self.agents.run_policies(prompts, sampling))
+            elif prompts != batch.prompts:
+                raise PromptsDiffer(
+                    f"policy {policy} drew other prompts than {sorted(batch.taken)} for the same batch: the "
+                    "policies' samplers must draw alike (the same data and seed)"
+                )
+            batch.taken.add(policy)
+            return batch.rollouts[policy]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.agents.close()
+
+
+class PolicyEpisodes:
+    """The batch source of one policy: its rollouts of the shared episodes, scored by their
+    environment (the function's reward for this policy) or by the reward service."""
+
+    def __init__(
+        self,
+        name: str,
+        shared: SharedEpisodes,
+        config: AgentConfig,
+        tokenizer: object,
+        reward: RewardService,
+        errors_log: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.shared = shared
+        self.scoring = EpisodeScoring(config.reward, reward, errors_log)
+        report = check_template(tokenizer)
+        (log.info if report.append_only else log.warning)("policy %s: %s", name, report.summary(config.on_prefix_break))
+
+    @property
+    def accuracy_component(self) -> str | None:
+        return self.scoring.accuracy_component
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, version: int | None) -> list[Rollout]:
+        return self.shared.rollouts(self.name, prompts, sampling)
+
+    def resume(
+        self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams, version: int | None
+    ) -> list[Rollout]:
+        raise RuntimeError("a run with several policies is sync: no batch is suspended to resume")
+
+    def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
+        return self.scoring.score(prompts, rollouts)
+
+    def trainable(self, groups: Groups, batch: int) -> Groups:
+        return trainable(groups, batch)
+
+    def suspend(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.shared.close()

@@ -1,0 +1,243 @@
+"""``postrl train`` with ``policies:``: several trainable policies acting in one agent function's
+episodes.
+
+Each policy is a one-policy run of its own (its config from :meth:`RunConfig.policy_runs`): its
+trainer, rollout engines, buffer, weight version and Controller; what they share is the prompts,
+the reward service and the episodes (:class:`~postrl.controller.policy_episodes.SharedEpisodes`),
+run once per step with every policy's engine serving its own calls. A step is each policy's step
+in turn, in the order the config names them; every policy trains on its own samples only, and its
+metrics carry its name (``solver/reward/mean``). One checkpoint holds every policy
+(``checkpoints/step_N/policies/NAME``, each a loadable model folder under ``model/``), written and
+completed at once, so a resumed run restarts every policy from the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from postrl.config.loading import save_config
+from postrl.config.run import RunConfig
+from postrl.controller.components import Components
+from postrl.controller.controller import Controller
+from postrl.controller.policy_episodes import PolicyEpisodes, SharedEpisodes
+from postrl.data.prompt_source import prompt_source
+from postrl.models.loading import load_tokenizer
+from postrl.reward.factory import make_reward_service
+from postrl.rollout.agentic.agent_function import RecordedAgents, load_agent_function
+from postrl.rollout.factory import EngineSpec
+from postrl.run.checkpoint import save_policies_checkpoint
+from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
+from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
+from postrl.run.plan.check import check_plan
+from postrl.run.plots import plot_metrics
+from postrl.run.resolve import resolved_run
+from postrl.scheduling.base import Scheduler
+from postrl.scheduling.factory import make_scheduler
+from postrl.serve.recording_server import RecordingServer, ServedPolicy
+from postrl.train.critic import CriticSpec
+from postrl.train.factory import PolicySpec
+from postrl.types import StepMetrics
+from postrl.workers.roles import RewardService
+
+
+class Policies:
+    """Every policy's parts and Controller, and what they share; :meth:`close` stops them all."""
+
+    def __init__(self, config: RunConfig, scheduler: Scheduler, reward: RewardService, parts: dict[str, Components]):
+        self.config = config
+        self.scheduler = scheduler
+        self.reward = reward
+        self.parts = parts
+        self.controllers = {name: Controller(p) for name, p in parts.items()}
+
+    def close(self) -> None:
+        try:
+            for controller in self.controllers.values():
+                controller.close()  # the first closes the shared episodes and their server
+        finally:
+            try:
+                for p in self.parts.values():
+                    for part in (p.rollout, p.trainer, p.critic, p.buffer, p.teachers):
+                        if part is not None:
+                            part.close()
+                self.reward.close()
+            finally:
+                self.scheduler.close()
+
+
+def build_policies(config: RunConfig) -> Policies:
+    """The parts of every policy, placed by the run's scheduler, and the episodes they share."""
+    from postrl.run.train_runner import run_teachers
+
+    assert config.agent is not None and config.agent.function is not None
+    runs = {name: resolved_run(run) for name, run in config.policy_runs().items()}
+    torch.manual_seed(config.seed)
+    tokenizers = {name: load_tokenizer(run.model.path) for name, run in runs.items()}
+    prompts = prompt_source(config.data, next(iter(tokenizers.values())))
+    function = load_agent_function(config.agent.function)
+    critics = any(run.algorithm.critic is not None for run in runs.values())
+    scheduler = make_scheduler(config.scheduler, config.import_paths, critic=critics)
+    built: list[Any] = []
+    try:
+        reward = scheduler.reward_service(make_reward_service, config.reward)
+        built.append(reward)
+        workers: dict[str, tuple[Any, ...]] = {}
+        for name, run in runs.items():
+            trainer = scheduler.train_group(PolicySpec.of_run(run))
+            built.append(trainer)
+            rollout = scheduler.rollout_pool(EngineSpec.of_run(run), tokenizers[name])
+            built.append(rollout)
+            buffer = scheduler.experience_buffer(run.buffer, run.seed)
+            built.append(buffer)
+            critic = None
+            if run.algorithm.critic is not None:
+                critic = scheduler.critic_worker(CriticSpec.of_run(run, tokenizers[name].pad_token_id))
+                built.append(critic)
+            teachers = None if run.algorithm.distill is None else run_teachers(run, tokenizers[name])
+            if teachers is not None:
+                built.append(teachers)
+            workers[name] = (trainer, rollout, buffer, critic, teachers)
+        served = {name: ServedPolicy(w[1], tokenizers[name]) for name, w in workers.items()}
+        server = RecordingServer.of_policies(served, config.agent.tools_in_prompt)
+        built.append(server)
+        shared = SharedEpisodes(
+            RecordedAgents(server, function, config.agent.env_workers, config.agent.function_timeout_s)
+        )
+        built[-1] = shared
+        parts = {}
+        for name, run in runs.items():
+            trainer, rollout, buffer, critic, teachers = workers[name]
+            errors_log = run.run_dir / "episode_errors.log"
+            source = PolicyEpisodes(name, shared, config.agent, tokenizers[name], reward, errors_log)
+            parts[name] = Components(
+                run, tokenizers[name], prompts, rollout, reward, trainer, buffer, source, None, critic, teachers
+            )
+        return Policies(config, scheduler, reward, parts)
+    except BaseException:
+        for part in built:
+            part.close()
+        scheduler.close()
+        raise
+
+
+class PoliciesJob:
+    """``postrl train`` with several policies as the step loop sees it: a step is every policy's
+    step, one checkpoint holds them all."""
+
+    command = "train"
+
+    def __init__(self, policies: Policies) -> None:
+        self.policies = policies
+        self.controllers = policies.controllers
+
+    @property
+    def completed_steps(self) -> int:
+        return min(c.step_count for c in self.controllers.values())
+
+    def step(self) -> StepMetrics:
+        values: dict[str, float] = {}
+        notes: dict[str, str] = {}
+        for name, controller in self.controllers.items():
+            metrics = controller.step()
+            values.update({f"{name}/{key}": value for key, value in metrics.values.items()})
+            notes.update({f"{name}/{key}": text for key, text in metrics.notes.items()})
+        versions = {c.weight_version for c in self.controllers.values()}
+        return StepMetrics(self.completed_steps, min(versions), values, notes)
+
+    def restore_abandoned_step(self) -> bool:
+        """Every policy back to the last completed step: False when one had started updating, or had
+        completed the step (its update cannot be taken back)."""
+        steps = {c.step_count for c in self.controllers.values()}
+        restored = [c.restore_abandoned_step() for c in self.controllers.values()]
+        return all(restored) and len(steps) == 1
+
+    def checkpoint(self) -> Path:
+        config = self.policies.config
+        saved = {
+            name: (c.parts.trainer, c.state_dict(), c.parts.tokenizer, c.parts.critic)
+            for name, c in self.controllers.items()
+        }
+        return save_policies_checkpoint(config.run_dir, self.completed_steps, saved, config.checkpoint.keep_last)
+
+    def save_final(self, folder: Path) -> None:
+        """Each policy's model as a loadable folder, ``final_model/NAME``."""
+        for name, c in self.controllers.items():
+            c.parts.trainer.save_pretrained(folder / name)
+            c.parts.tokenizer.save_pretrained(folder / name)
+
+    def start(self, place: RunPlace, resume: bool, echo: Callable[[str], None]) -> int | None:
+        """Every policy's weights pushed to its engines; a resumed run's from its latest checkpoint
+        (the step it was saved at)."""
+        if not resume:
+            for c in self.controllers.values():
+                c.start()
+            return None
+        checkpoint, state = resume_point(place, echo)
+        for name, c in self.controllers.items():
+            folder = checkpoint / "policies" / name
+            c.parts.trainer.load_checkpoint(folder)
+            if c.parts.critic is not None:
+                c.parts.critic.load_checkpoint(folder / "critic")
+            c.start(state["policies"][name])
+        return self.completed_steps
+
+
+def train_policies(
+    config: RunConfig,
+    resume: bool = False,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    overwrite: bool = False,
+) -> PoliciesJob:
+    """:func:`postrl.run.train_runner.train` for a run with ``policies:``: checked before anything is
+    written, built, stepped, closed."""
+    from postrl.run.train_runner import agent_output, check_devices, check_servers, make_sinks
+
+    site = RunSite(config, "train")
+    place = site.place
+    done = site.check(resume, overwrite)
+    if resume:
+        check_steps_left(config.steps, done, f"steps={config.steps}")
+    echo = stderr_echo
+    for name, run in config.policy_runs().items():
+        check_devices(run)
+        check_plan(run, named_echo(name, echo))
+        check_servers(run)
+    policies = build_policies(config)
+    try:
+        site.open(resume, overwrite, echo)
+        save_config(config, config.run_dir / "config.yaml")
+        place.publish("config.yaml")
+        report_skipped(next(iter(policies.parts.values())).prompts.train().skipped, config.run_dir, echo)
+        policies.reward.set_log_file(config.run_dir / "reward_workers.log")
+        echo(f"policies: {', '.join(policies.parts)} (each call names its policy by model or base URL)")
+        job = PoliciesJob(policies)
+        resume_step = job.start(place, resume, echo)
+        observers = [on_step] if on_step is not None else []
+        loop = StepLoop(
+            config,
+            place,
+            config.steps,
+            sinks=lambda e: make_sinks(config, config.run_dir, resume_step, e, config.steps, tuple(policies.parts)),
+            observers=observers,
+            published_at_end=PUBLISHED_AT_END,
+            at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else None,
+        )
+        with agent_output(config):
+            loop.run(job)
+    finally:
+        try:
+            policies.close()
+        finally:
+            site.close()
+    if place.url and not config.keep_local_copy:
+        place.drop_local_copy(echo)
+    return job
+
+
+def named_echo(name: str, echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` with each line said of policy ``name``."""
+    return lambda text: echo(f"policy {name}: {text}")

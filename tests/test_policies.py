@@ -1,0 +1,167 @@
+"""Several trainable policies in one run (``policies:``): each call reaches the policy it names, each
+policy's samples hold its own turns only, each policy trains, checkpoints and resumes as its own run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from postrl.config.run import RunConfig
+from postrl.models.loading import load_causal_lm, load_tokenizer
+from postrl.rollout.agentic.agent_function import RecordedAgents
+from postrl.rollout.native import NativeRolloutWorker
+from postrl.serve.recording_server import RecordingServer, ServedPolicy
+from postrl.types import Prompt, SamplingParams
+from tests import policy_agents
+
+SAMPLING = SamplingParams(n=2, temperature=1.0, max_tokens=6)
+
+
+@pytest.fixture
+def two_engines(tiny_model_dir):
+    """Two different models with one tokenizer: the demo model and a tiny random one."""
+    tokenizer = load_tokenizer("demo")
+    engines = {
+        "proposer": NativeRolloutWorker.from_hf(load_causal_lm("demo"), tokenizer, torch.float32),
+        "solver": NativeRolloutWorker.from_hf(load_causal_lm(str(tiny_model_dir)), tokenizer, torch.float32),
+    }
+    return engines, tokenizer
+
+
+def served(engines, tokenizer):
+    return RecordingServer.of_policies({name: ServedPolicy(e, tokenizer) for name, e in engines.items()})
+
+
+@pytest.mark.parametrize("function", [policy_agents.propose_and_solve, policy_agents.by_base_url])
+def test_each_policys_samples_are_its_own_calls(two_engines, function):
+    """Every call reaches the policy it names (by model, or by base URL), and each policy's rollouts
+    are exactly its own calls: prompt tokens, response tokens and logprobs from its own engine."""
+    engines, tokenizer = two_engines
+    policy_agents.CALLS.clear()
+    agents = RecordedAgents(served(engines, tokenizer), function, workers=2)
+    try:
+        prompts = [Prompt(t, []) for t in ("12+34=", "5+6=", "70+8=")]
+        out = agents.run_policies(prompts, SAMPLING)
+    finally:
+        agents.close()
+    assert set(out) == {"proposer", "solver"}
+    assert len(out["proposer"]) == len(out["solver"]) == 6  # one call each per episode: one sample each
+    for name, rollouts in out.items():
+        calls = sorted((prompt, text) for model, prompt, text in policy_agents.CALLS if model == name)
+        assert len(calls) == 6
+        own = sorted(
+            (r.episode.messages[0]["content"], tokenizer.decode(r.response_ids, skip_special_tokens=True))
+            for r in rollouts
+        )
+        assert own == calls  # this policy's calls, and no other policy's
+        for r in rollouts:  # the tokens are its own engine's: rescored there they give its logprobs
+            rescored = engines[name].prompt_logprobs([r.prompt_ids + r.response_ids])[0][len(r.prompt_ids) - 1 :]
+            assert torch.allclose(torch.tensor(rescored), torch.tensor(r.logprobs), atol=1e-4)
+            other = engines["solver" if name == "proposer" else "proposer"]
+            theirs = other.prompt_logprobs([r.prompt_ids + r.response_ids])[0][len(r.prompt_ids) - 1 :]
+            assert not torch.allclose(torch.tensor(theirs), torch.tensor(r.logprobs), atol=1e-2)
+
+
+def test_rewards_by_policy_and_their_mistakes(two_engines):
+    engines, tokenizer = two_engines
+    prompts = [Prompt("12+34=", [])]
+    agents = RecordedAgents(served(engines, tokenizer), policy_agents.propose_and_solve, workers=1)
+    try:
+        out = agents.run_policies(prompts, SAMPLING)
+        for name in ("proposer", "solver"):
+            calls = [text for model, _, text in policy_agents.CALLS[-2:] if model == name]
+            assert out[name][-1].episode.reward == sum(c.isdigit() for c in calls[0]) / 6
+        agents.function = policy_agents.solver_only  # a policy that did not act has no rollout
+        out = agents.run_policies(prompts, SAMPLING)
+        assert out["proposer"] == [] and len(out["solver"]) == 2
+        agents.function = policy_agents.leaves_out_the_solver  # a reward missing for a policy that acted
+        out = agents.run_policies(prompts, SAMPLING)
+        solver = out["solver"][0].episode
+        assert "leave out ['solver']" in solver.info["env_error"] and out["solver"][0].finish_reason == "env_error"
+    finally:
+        agents.close()
+
+
+def test_a_call_to_no_policy_is_refused_naming_them(two_engines):
+    import openai
+
+    engines, tokenizer = two_engines
+    server = served(engines, tokenizer)
+    try:
+        client = openai.OpenAI(base_url=f"{server.root}/episodes/e1/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError, match="this run's policies are proposer, solver"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+1="}])
+        assert [m.id for m in client.models.list().data] == ["proposer", "solver"]
+        bad = openai.OpenAI(base_url=f"{server.root}/policies/critic/episodes/e1/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError, match="no policy 'critic'"):
+            bad.chat.completions.create(model="critic", messages=[{"role": "user", "content": "1+1="}])
+    finally:
+        server.close()
+
+
+def test_policy_sections_merge_over_the_run_and_bad_ones_are_named():
+    base = {"model": {"path": "demo"}, "agent": {"function": "tests.policy_agents:propose_and_solve"}}
+    config = RunConfig.model_validate(
+        {**base, "train": {"lr": 1e-4}, "policies": {"proposer": {"train": {"lr": 1e-3}}, "solver": {}}}
+    )
+    runs = config.policy_runs()
+    assert (runs["proposer"].train.lr, runs["solver"].train.lr) == (1e-3, 1e-4)
+    assert runs["solver"].run_dir == config.run_dir / "policies" / "solver"
+    bad = {
+        "policies.proposer: unknown config field 'train.lrr'": {"proposer": {"train": {"lrr": 1}}, "solver": {}},
+        "policies.proposer.rollout.n": {"proposer": {"rollout": {"n": 4}}, "solver": {}},
+        "names one policy": {"solver": {}},
+    }
+    for message, policies in bad.items():
+        with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("[", r"\[")):
+            RunConfig.model_validate({**base, "policies": policies})
+    with pytest.raises(ValueError, match="agent.function"):
+        RunConfig.model_validate({"model": {"path": "demo"}, "policies": {"a": {}, "b": {}}})
+
+
+def train_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
+    config = tmp_path / "two.yaml"
+    config.write_text(
+        "agent: {function: tests.policy_agents:propose_and_solve, max_context: 128, env_workers: 1}\n"
+        "policies:\n  proposer: {train: {lr: 0.001}}\n  solver: {}\n"
+    )
+    return [
+        "train", str(config), f"output_dir={tmp_path}/runs", "name=two", "model.path=demo",
+        f"data.train_files=[{data}]", "data.task=null", "prompts_per_step=2", "rollout.n=2",
+        "logging.trackers=[jsonl]", "train.mini_batch_size=4", "train.micro_batch_size=4", *extra,
+    ]  # fmt: skip
+
+
+def test_postrl_train_steps_every_policy_on_its_own_samples(tmp_path, arithmetic_jsonl):
+    from transformers import AutoModelForCausalLM
+
+    from postrl.cli import main
+
+    policy_agents.CALLS.clear()
+    assert main(train_args(tmp_path, arithmetic_jsonl, "steps=2", "checkpoint.every_steps=1")) == 0
+    run = tmp_path / "runs" / "two"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for name in ("proposer", "solver"):
+        assert all(r[f"{name}/reward/samples"] == 4 for r in rows)
+        samples = [json.loads(line) for line in (run / "policies" / name / "samples" / "step_1.jsonl").open()]
+        calls = [(prompt, text) for model, prompt, text in policy_agents.CALLS[:8] if model == name]
+        assert sorted(s["response"].replace("</s>", "") for s in samples) == sorted(text for _, text in calls)
+        checkpoint = run / "checkpoints" / "step_00000002" / "policies" / name
+        assert (checkpoint / "model" / "config.json").is_file()
+        AutoModelForCausalLM.from_pretrained(run / "final_model" / name)
+    state = torch.load(run / "checkpoints" / "step_00000002" / "run_state.pt", weights_only=True)
+    assert state["step"] == 2 and set(state["policies"]) == {"proposer", "solver"}
+    # the proposer's lr is 100x the solver's: its weights moved further from the start
+    start = load_causal_lm("demo").state_dict()
+    moved = {
+        name: sum(
+            (p - start[k]).abs().sum().item()
+            for k, p in AutoModelForCausalLM.from_pretrained(run / "final_model" / name).state_dict().items()
+        )
+        for name in ("proposer", "solver")
+    }
+    assert moved["proposer"] > 10 * moved["solver"] > 0
