@@ -3,7 +3,9 @@ solver answers it; each call names its policy by ``model`` (or goes to the polic
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import openai
 
@@ -24,6 +26,7 @@ def _ask(client: openai.OpenAI, model: str, content: str) -> str:
 def propose_and_solve(client: openai.OpenAI, row: dict) -> dict[str, float]:
     """The proposer continues the row's prompt, the solver answers the proposer's text: each is
     rewarded for digits in its own answer (the proposer's count, the solver's with a bonus)."""
+    time.sleep(float(os.environ.get("POLICY_AGENT_DELAY_S", "0")))  # a run slow enough to be killed mid-step
     proposal = _ask(client, "proposer", row["prompt"])
     answer = _ask(client, "solver", proposal or row["prompt"])
     return {

@@ -362,7 +362,8 @@ class NativeRolloutWorker(EngineBase):
     def health_check(self) -> Health:
         """Finite weights, a KV cache that matches the model, and one greedy token generated through
         the real scheduler (into slot 0 of the existing cache, whose contents are scratch between
-        loops); it waits for the loop in progress to end."""
+        loops); it waits for the loop in progress to end. The sampling generator is left as it was:
+        a check (after every weight sync, and once more on resume) must not move the samples."""
         bad = non_finite(list(self.model.params.items()))
         if bad:
             return Health(False, f"non-finite weights in {bad[:3]}")
@@ -378,7 +379,11 @@ class NativeRolloutWorker(EngineBase):
                     f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})",
                 )
             request = Request([probe], SamplingParams(n=1, temperature=0.0, max_tokens=1))
-            DecodeLoop(self.loop_state, request, suspendable=False).run()
+            drawn_from = self.generator.get_state()
+            try:
+                DecodeLoop(self.loop_state, request, suspendable=False).run()
+            finally:
+                self.generator.set_state(drawn_from)
         seqs = request.done.result(timeout=0)
         tokens, logprobs = seqs[0][0].tokens, seqs[0][0].logprobs
         if len(tokens) != 1 or not 0 <= tokens[0] < self.model.embed.shape[0] or not math.isfinite(logprobs[0]):
