@@ -341,7 +341,7 @@ def frameworks(args: argparse.Namespace) -> dict:
         engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed)
         calls = log_calls(engine)
         server = RecordingServer(engine, tokenizer, tools_in_prompt="system")
-        agents = RecordedAgents(server, tokenizer, getattr(examples, name), 8, 600.0)
+        agents = RecordedAgents(server, getattr(examples, name), 8, 600.0)
         began = time.perf_counter()
         try:
             rollouts = agents.run(prompts, SamplingParams(n=1, temperature=1.0, max_tokens=examples.MAX_TOKENS))
