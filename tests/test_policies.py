@@ -213,3 +213,29 @@ def test_a_run_killed_and_resumed_trains_every_policy_as_the_straight_run(tmp_pa
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), name
     for name in ("proposer", "solver"):  # both learned: the comparison above compares updates
         assert any(r[f"{name}/actor/grad_norm"] > 0 for r in rows_a), name
+
+
+def test_the_memory_plan_adds_up_the_policies_on_one_device():
+    """Each policy fits the device alone, both do not: refused, naming each policy's share; one
+    device that holds both passes."""
+    from postrl.config.run import ConfigError
+    from postrl.run.plan.check import check_policies_plan, shared_device_bytes
+    from postrl.run.plan.gpus import GpuSpec
+    from postrl.run.plan.inputs import Target
+
+    config = RunConfig.model_validate(
+        {
+            "model": {"path": "demo"},
+            "agent": {"function": "tests.policy_agents:propose_and_solve"},
+            "policies": {"proposer": {}, "solver": {}},
+        }
+    )
+    alone = check_policies_plan(config, print, Target(GpuSpec("big", 100.0, 1.0, 1.0), 1.0, False))
+    need = {name: shared_device_bytes(run, alone[name]) for name, run in config.policy_runs().items()}
+    between = Target(GpuSpec("small", 1.5 * need["proposer"] / 1e9, 1.0, 1.0), 1.0, False)
+    with pytest.raises(ConfigError, match=r"the policies on cpu need .* \(proposer .* GB, solver .* GB\)"):
+        check_policies_plan(config, print, between)
+    warned: list[str] = []
+    config.plan.check = "warn"
+    check_policies_plan(config, warned.append, between)
+    assert len(warned) == 1 and warned[0].startswith("warning: the run may not fit")

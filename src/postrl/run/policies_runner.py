@@ -32,7 +32,7 @@ from postrl.rollout.factory import EngineSpec
 from postrl.run.checkpoint import save_policies_checkpoint
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
-from postrl.run.plan.check import check_plan
+from postrl.run.plan.check import check_policies_plan
 from postrl.run.plots import plot_metrics
 from postrl.run.resolve import resolved_run
 from postrl.scheduling.base import Scheduler
@@ -202,10 +202,10 @@ def train_policies(
     if resume:
         check_steps_left(config.steps, done, f"steps={config.steps}")
     echo = stderr_echo
-    for name, run in config.policy_runs().items():
+    for run in config.policy_runs().values():
         check_devices(run)
-        check_plan(run, named_echo(name, echo))
         check_servers(run)
+    check_policies_plan(config, echo)
     policies = build_policies(config)
     try:
         site.open(resume, overwrite, echo)
@@ -236,8 +236,3 @@ def train_policies(
     if place.url and not config.keep_local_copy:
         place.drop_local_copy(echo)
     return job
-
-
-def named_echo(name: str, echo: Callable[[str], None]) -> Callable[[str], None]:
-    """``echo`` with each line said of policy ``name``."""
-    return lambda text: echo(f"policy {name}: {text}")

@@ -56,18 +56,22 @@ def target_for(gpu: str | None, memory_gb: float | None) -> Target:
     return Target(gpu_spec(gpu, memory_gb))
 
 
-def shared_device_problem(config: RunConfig, plan: Plan, device: str) -> Problem | None:
-    """The engine and the trainer on one device: the engine's weights stay while the trainer
-    updates, and its KV cache too unless it is released after each generation."""
-    if plan.rollout_max_concurrency is None or plan.problems:  # each role must fit alone first
-        return None
+def shared_device_bytes(config: RunConfig, plan: Plan) -> int:
+    """What the engine and the trainer need at once on one device: the engine's weights stay while
+    the trainer updates, and its KV cache too unless it is released after each generation."""
     engine, train = plan.role("rollout engine"), plan.role("train rank")
     others = sum(r.total for r in plan.roles if r.role not in ("rollout engine", "train rank"))
     states = train.items["weights"] + train.items["gradients"] + train.items["optimizer"]
     if config.rollout.native.release_cache:
-        needed = max(engine.total + states, engine.items["weights"] + train.total) + others
-    else:
-        needed = engine.total + train.total + others
+        return max(engine.total + states, engine.items["weights"] + train.total) + others
+    return engine.total + train.total + others
+
+
+def shared_device_problem(config: RunConfig, plan: Plan, device: str) -> Problem | None:
+    """The engine and the trainer on one device (:func:`shared_device_bytes`)."""
+    if plan.rollout_max_concurrency is None or plan.problems:  # each role must fit alone first
+        return None
+    needed = shared_device_bytes(config, plan)
     if needed <= plan.target.usable_bytes:
         return None
     fixes = ["put the engine on another device (rollout.device=cuda:1)"] if device.startswith("cuda") else []
@@ -75,13 +79,13 @@ def shared_device_problem(config: RunConfig, plan: Plan, device: str) -> Problem
     return Problem(f"rollout engine + train rank on {device}", needed, plan.target.usable_bytes, fixes)
 
 
-def check_plan(config: RunConfig, echo: Callable[[str], None]) -> Plan | None:
+def check_plan(config: RunConfig, echo: Callable[[str], None], target: Target | None = None) -> Plan | None:
     """``plan.check``: refuse (ConfigError naming the role, the figure and the fix) or warn when the
-    run does not fit its devices; off skips it."""
+    run does not fit its devices; off skips it. ``target``: the device as it is now (default)."""
     if config.plan.check == "off" or config.scheduler.type == "ray":
         return None
     device = resolve_device(config.train.device, "train.device")
-    target = cuda_target(device) if device.type == "cuda" else cpu_target()
+    target = target or (cuda_target(device) if device.type == "cuda" else cpu_target())
     try:
         plan = make_plan(config, target, gpus=max(1, config.scheduler.train.workers))
     except ShapeError as exc:  # a hub id, or an architecture the planner cannot read: not a reason to stop
@@ -97,3 +101,39 @@ def check_plan(config: RunConfig, echo: Callable[[str], None]) -> Plan | None:
         raise ConfigError(f"the run does not fit {target.gpu.name}: {text} (plan.check=warn runs it anyway)")
     echo(f"warning: the run may not fit {target.gpu.name}: {text}")
     return plan
+
+
+def check_policies_plan(
+    config: RunConfig, echo: Callable[[str], None], target: Target | None = None
+) -> dict[str, Plan | None]:
+    """A run with several policies: each policy must fit alone (:func:`check_plan`), and the
+    policies whose engine and trainer share one device must fit it together (their figures added
+    up): refused or warned as ``plan.check`` says, naming each policy's share."""
+    runs = config.policy_runs()
+    plans = {name: check_plan(run, policy_echo(name, echo), target) for name, run in runs.items()}
+    shares: dict[str, list[tuple[str, int, Plan]]] = {}
+    for name, plan in plans.items():
+        run = runs[name]
+        device = str(resolve_device(run.train.device, "train.device"))
+        same = run.rollout.backend != "openai" and str(resolve_device(run.rollout.device, "rollout.device")) == device
+        if plan is not None and same and plan.rollout_max_concurrency is not None:
+            shares.setdefault(device, []).append((name, shared_device_bytes(run, plan), plan))
+    for device, members in shares.items():
+        needed, usable = sum(b for _, b, _ in members), members[0][2].target.usable_bytes
+        if len(members) < 2 or needed <= usable:
+            continue
+        each = ", ".join(f"{name} {b / GB:.2f} GB" for name, b, _ in members)
+        text = (
+            f"the policies on {device} need {needed / GB:.2f} GB together ({each}), over the "
+            f"{usable / GB:.2f} GB usable: give a policy its own device (policies.NAME.train.device and "
+            "rollout.device), a smaller rollout.max_batch_size, or a smaller model"
+        )
+        if config.plan.check == "refuse":
+            raise ConfigError(f"the run does not fit: {text} (plan.check=warn runs it anyway)")
+        echo(f"warning: the run may not fit: {text}")
+    return plans
+
+
+def policy_echo(name: str, echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` with each line said of policy ``name``."""
+    return lambda text: echo(f"policy {name}: {text}")
