@@ -168,9 +168,11 @@ def test_postrl_train_steps_every_policy_on_its_own_samples(tmp_path, arithmetic
 
 
 @pytest.mark.slow
-def test_a_run_killed_and_resumed_trains_every_policy_as_the_straight_run(tmp_path, arithmetic_jsonl):
+@pytest.mark.parametrize("mode", [[], ["controller.mode=async", "buffer.max_staleness=1"]], ids=["sync", "async"])
+def test_a_run_killed_and_resumed_trains_every_policy_as_the_straight_run(tmp_path, arithmetic_jsonl, mode):
     """kill -9 in the middle of a step, then --resume: every policy restarts from the same checkpoint
-    and the run ends as the uninterrupted one does, metric for metric and weight for weight."""
+    and the run ends as the uninterrupted one does, metric for metric and weight for weight (async:
+    each policy's batch generated ahead is in the checkpoint, and trained once)."""
     import os
     import signal
     import subprocess
@@ -183,7 +185,7 @@ def test_a_run_killed_and_resumed_trains_every_policy_as_the_straight_run(tmp_pa
     from postrl.run.checkpoint import latest_checkpoint
     from postrl.run.metrics import read_metrics
 
-    steps = ["steps=4", "checkpoint.every_steps=1", "rollout.temperature=1.0"]
+    steps = ["steps=4", "checkpoint.every_steps=1", "rollout.temperature=1.0", *mode]
     (tmp_path / "a").mkdir()
     assert main(train_args(tmp_path / "a", arithmetic_jsonl, *steps)) == 0
     (tmp_path / "b").mkdir()

@@ -347,7 +347,8 @@ class RunConfig(RunCommandConfig):
                 "the policy of each model call by its model name or base URL"
             )
         refused = {
-            "controller.mode=async": self.controller.mode == "async",
+            "controller.overlap=generation (episodes suspended at a checkpoint)": self.controller.mode == "async"
+            and self.requested_overlap == "generation",
             "scheduler.type=ray": self.scheduler.type == "ray",
             "logging.eval_every": bool(self.logging.eval_every),
             "buffer.replay": self.buffer.replay is not None,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from postrl.config.agent import AgentConfig
@@ -29,35 +30,39 @@ class PromptsDiffer(RuntimeError):
 class _Batch:
     prompts: list[Prompt]
     rollouts: PolicyRollouts
-    taken: set[str] = field(default_factory=set)  # the policies that have taken their rollouts
 
 
 class SharedEpisodes:
-    """A batch's episodes, run when the first policy asks for them; each policy takes its own once,
-    and the next request after every policy has taken its share runs the next batch."""
+    """The run's batches of episodes, in order: a batch runs when the first policy asks for it, and
+    is kept until every policy has taken its own part (an async pipeline's policy asks for the next
+    batch before the others have taken this one)."""
 
     def __init__(self, agents: RecordedAgents) -> None:
         """Takes over ``agents`` (closed by :meth:`close`)."""
         self.agents = agents
         self.policies = list(agents.recorders)
-        self._batch: _Batch | None = None
+        self._batches: deque[_Batch] = deque()  # not yet taken by every policy, oldest first
+        self._oldest = 0  # the number of the first batch kept
+        self._taken = dict.fromkeys(self.policies, 0)  # batches each policy has taken
         self._lock = threading.Lock()
         self._closed = False
 
     def rollouts(self, policy: str, prompts: list[Prompt], sampling: SamplingParams) -> list[Rollout]:
+        """``policy``'s rollouts of its next batch (run now when no policy has asked for it yet)."""
         with self._lock:
-            batch = self._batch
-            if batch is None or policy in batch.taken:
-                if batch is not None and batch.taken != set(self.policies):
-                    waiting = sorted(set(self.policies) - batch.taken)
-                    raise RuntimeError(f"policy {policy} asked for a new batch before {waiting} took the last one")
-                batch = self._batch = _Batch(prompts, self.agents.run_policies(prompts, sampling))
-            elif prompts != batch.prompts:
+            number = self._taken[policy]
+            if number - self._oldest == len(self._batches):
+                self._batches.append(_Batch(prompts, self.agents.run_policies(prompts, sampling)))
+            batch = self._batches[number - self._oldest]
+            if prompts != batch.prompts:
                 raise PromptsDiffer(
-                    f"policy {policy} drew other prompts than {sorted(batch.taken)} for the same batch: the "
-                    "policies' samplers must draw alike (the same data and seed)"
+                    f"policy {policy} drew other prompts for batch {number + 1} than the policy that ran it: "
+                    "the policies' samplers must draw alike (the same data and seed)"
                 )
-            batch.taken.add(policy)
+            self._taken[policy] += 1
+            while self._batches and min(self._taken.values()) > self._oldest:
+                self._batches.popleft()
+                self._oldest += 1
             return batch.rollouts[policy]
 
     def close(self) -> None:
