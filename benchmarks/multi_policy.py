@@ -89,13 +89,13 @@ def recorded_mismatches(models: dict[str, Path], held_out: list[dict]) -> dict[s
     }
 
 
-def train(out: Path, model: Path, data: Path, steps: int, prompts: int) -> tuple[Path, list[dict], float]:
+def train(out: Path, model: Path, data: Path, steps: int, prompts: int, seed: int) -> tuple[Path, list[dict], float]:
     from postrl.config.loading import load_config
     from postrl.config.run import RunConfig
     from postrl.run.policies_runner import train_policies
 
     overrides = [
-        f"output_dir={out}", "name=chain", f"steps={steps}", f"prompts_per_step={prompts}",
+        f"output_dir={out}", "name=chain", f"steps={steps}", f"prompts_per_step={prompts}", f"seed={seed}",
         f"model.path={model}", f"data.train_files=[{data}]", "logging.trackers=[jsonl]",
         f"import_paths=[{ROOT / 'examples' / 'agents'}]", "checkpoint.every_steps=0",
     ]  # fmt: skip
@@ -107,59 +107,88 @@ def train(out: Path, model: Path, data: Path, steps: int, prompts: int) -> tuple
     return config.run_dir, rows, wall
 
 
+def one_seed(out: Path, seed: int, steps: int, prompts: int, n_eval: int) -> dict:
+    """A whole measurement on the data and run of ``seed``: scores before, the run, scores after."""
+    shutil.rmtree(out, ignore_errors=True)
+    model = chain.make_model(out / "model")
+    train_file, held_out_file = chain.write_data(out / "data", held_out=n_eval, seed=seed)
+    held_out = [json.loads(line) for line in held_out_file.read_text().splitlines()]
+    before = greedy_scores({p: model for p in POLICIES}, held_out)
+    run_dir, rows, wall = train(out / "runs", model, train_file, steps, prompts, seed)
+    trained = {p: run_dir / "final_model" / p for p in POLICIES}
+    after = greedy_scores(trained, held_out)
+    recorded = recorded_mismatches(trained, held_out)
+    return {
+        "seed": seed,
+        "before": before,
+        "after": after,
+        "samples": {p: int(sum(r[f"{p}/reward/samples"] for r in rows)) for p in POLICIES},
+        "mismatches": recorded["mismatches"],
+        "checked": recorded["samples"],
+        "steps": len(rows),
+        "train_minutes": wall / 60,
+        "held_out": len(held_out),
+    }
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--steps", type=int, default=100, help="RL steps (each trains both policies)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (8 episodes each)")
     parser.add_argument("--eval", type=int, default=200, help="held-out problems")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="data and run seeds, one run each")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "postrl-multi-policy")
     add_smoke(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.steps, args.prompts, args.eval = 2, 2, 8
+        args.steps, args.prompts, args.eval, args.seeds = 2, 2, 8, [0]
     torch.set_num_threads(2)
     began = time.perf_counter()
-    shutil.rmtree(args.out, ignore_errors=True)
-    model = chain.make_model(args.out / "model")
-    train_file, held_out_file = chain.write_data(args.out / "data", held_out=args.eval)
-    held_out = [json.loads(line) for line in held_out_file.read_text().splitlines()]
-    before = greedy_scores({p: model for p in POLICIES}, held_out)
-    run_dir, rows, wall = train(args.out / "runs", model, train_file, args.steps, args.prompts)
-    trained = {p: run_dir / "final_model" / p for p in POLICIES}
-    after = greedy_scores(trained, held_out)
-    recorded = recorded_mismatches(trained, held_out)
-    result = {
-        "policies": list(POLICIES),
-        **{
-            p: {
-                "score_before": round(before[p], 4),
-                "score_after": round(after[p], 4),
-                "gain": round(after[p] - before[p], 4),
-                "samples": int(sum(r[f"{p}/reward/samples"] for r in rows)),
-            }
-            for p in POLICIES
-        },
-        "team_before": round(before["team"], 4),
-        "team_after": round(after["team"], 4),
-        "samples_per_policy": {p: int(sum(r[f"{p}/reward/samples"] for r in rows)) for p in POLICIES},
-        "retokenization_mismatches": recorded["mismatches"],
-        "checked_samples": recorded["samples"],
-        "steps": len(rows),
-        "train_minutes": round(wall / 60, 2),
-        "minutes": round((time.perf_counter() - began) / 60, 2),
-        "held_out": len(held_out),
+    runs = [one_seed(args.out / f"seed{seed}", seed, args.steps, args.prompts, args.eval) for seed in args.seeds]
+    result: dict = {"policies": list(POLICIES), "seeds": args.seeds}
+    for p in (*POLICIES, "team"):
+        gains = [r["after"][p] - r["before"][p] for r in runs]
+        result[p] = {
+            "score_before": round(mean([r["before"][p] for r in runs]), 4),
+            "score_after": round(mean([r["after"][p] for r in runs]), 4),
+            "gain": round(mean(gains), 4),
+            "gain_min": round(min(gains), 4),
+            "gain_max": round(max(gains), 4),
+            "per_seed": [(round(r["before"][p], 4), round(r["after"][p], 4)) for r in runs],
+        }
+    result |= {
+        "samples_per_policy": {p: sum(r["samples"][p] for r in runs) for p in POLICIES},
+        "retokenization_mismatches": sum(r["mismatches"] for r in runs),
+        "checked_samples": sum(r["checked"] for r in runs),
+        "steps": runs[0]["steps"],
+        "train_minutes": round(max(r["train_minutes"] for r in runs), 2),
+        "minutes": round((time.perf_counter() - began) / 60 / len(runs), 2),  # one seed's whole measurement
+        "minutes_all_seeds": round((time.perf_counter() - began) / 60, 2),
+        "held_out": runs[0]["held_out"],
         "threads": torch.get_num_threads(),
     }
-    print(f"arithmetic chain, {len(held_out)} held-out problems, greedy, each policy against a fixed reference")
-    print(f"{'policy':10s}{'before':>8s}{'after':>8s}{'gain':>8s}{'samples':>9s}")
-    for p in POLICIES:
-        r = result[p]
-        print(f"{p:10s}{r['score_before']:8.3f}{r['score_after']:8.3f}{r['gain']:+8.3f}{r['samples']:9d}")
-    print(f"{'team':10s}{before['team']:8.3f}{after['team']:8.3f}{after['team'] - before['team']:+8.3f}")
     print(
-        f"{result['steps']} steps in {result['train_minutes']} min ({result['minutes']} min in all); "
-        f"retokenization mismatches {result['retokenization_mismatches']} of {result['checked_samples']} samples"
+        f"arithmetic chain, {result['held_out']} held-out problems, greedy, each policy against a fixed reference; "
+        f"seeds {args.seeds}"
+    )
+    print(
+        f"{'policy':10s}{'before':>8s}{'after':>8s}{'gain':>8s}{'min gain':>10s}{'max gain':>10s}  per seed (before, after)"
+    )
+    for p in (*POLICIES, "team"):
+        r = result[p]
+        print(
+            f"{p:10s}{r['score_before']:8.3f}{r['score_after']:8.3f}{r['gain']:+8.3f}{r['gain_min']:+10.3f}"
+            f"{r['gain_max']:+10.3f}  {r['per_seed']}"
+        )
+    print(
+        f"{result['steps']} steps in {result['train_minutes']} min at most; {result['minutes']} min per seed in all; "
+        f"retokenization mismatches {result['retokenization_mismatches']} of {result['checked_samples']} samples; "
+        f"samples per policy {result['samples_per_policy']}"
     )
     if args.json:
         print(json.dumps(result))

@@ -64,7 +64,7 @@ def rows(count: int, seed: int) -> list[dict]:
 def write_data(folder: Path, train: int = 4000, held_out: int = 200, seed: int = 0) -> tuple[Path, Path]:
     """Train and held-out rows, disjoint (held-out problems never appear in train)."""
     folder.mkdir(parents=True, exist_ok=True)
-    test = rows(held_out, seed + 1)
+    test = rows(held_out, seed + 10_000)  # its own stream, whatever the train seed
     seen = {r["prompt"] for r in test}
     paths = []
     for name, data in (
