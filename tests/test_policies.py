@@ -241,3 +241,22 @@ def test_the_memory_plan_adds_up_the_policies_on_one_device():
     config.plan.check = "warn"
     check_policies_plan(config, warned.append, between)
     assert len(warned) == 1 and warned[0].startswith("warning: the run may not fit")
+
+
+@pytest.mark.slow
+def test_two_policies_under_ray_each_on_its_own_placement(tmp_path, arithmetic_jsonl):
+    """scheduler: ray: each policy's trainer and engine are actors in its own placement groups on a
+    local Ray instance started for the run (holding the CPUs of both); both train; nothing is left."""
+    pytest.importorskip("ray")
+    from postrl.cli import main
+    from tests.test_ray import ray_processes
+
+    assert not ray_processes()
+    ray = ["scheduler.type=ray", "scheduler.rollout.threads=1", "scheduler.train.threads=1", "steps=2"]
+    assert main(train_args(tmp_path, arithmetic_jsonl, *ray)) == 0
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for name in ("proposer", "solver"):
+        assert all(r[f"{name}/reward/samples"] == 4 for r in rows)
+        assert [r[f"{name}/rollout/weight_version"] for r in rows] == [0.0, 1.0]
+    assert ray_processes() == []

@@ -349,13 +349,12 @@ class RunConfig(RunCommandConfig):
         refused = {
             "controller.overlap=generation (episodes suspended at a checkpoint)": self.controller.mode == "async"
             and self.requested_overlap == "generation",
-            "scheduler.type=ray": self.scheduler.type == "ray",
             "logging.eval_every": bool(self.logging.eval_every),
             "buffer.replay": self.buffer.replay is not None,
         }
         for what, used in refused.items():
             if used:
-                raise ValueError(f"policies: {what} is not supported with several policies yet (runs are sync, local)")
+                raise ValueError(f"policies: {what} is not supported with several policies yet")
         self.policy_runs()  # each policy's run validates, its errors named by policies.NAME
         return self
 

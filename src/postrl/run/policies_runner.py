@@ -37,6 +37,7 @@ from postrl.run.plots import plot_metrics
 from postrl.run.resolve import resolved_run
 from postrl.scheduling.base import Scheduler
 from postrl.scheduling.factory import make_scheduler
+from postrl.scheduling.ray_scheduler import cpus_asked
 from postrl.serve.recording_server import RecordingServer, ServedPolicy
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
@@ -47,9 +48,12 @@ from postrl.workers.roles import RewardService
 class Policies:
     """Every policy's parts and Controller, and what they share; :meth:`close` stops them all."""
 
-    def __init__(self, config: RunConfig, scheduler: Scheduler, reward: RewardService, parts: dict[str, Components]):
+    def __init__(
+        self, config: RunConfig, schedulers: list[Scheduler], reward: RewardService, parts: dict[str, Components]
+    ) -> None:
+        """``schedulers``: one per policy, the first's also placing what the policies share."""
         self.config = config
-        self.scheduler = scheduler
+        self.schedulers = schedulers
         self.reward = reward
         self.parts = parts
         self.controllers = {name: Controller(p) for name, p in parts.items()}
@@ -66,7 +70,33 @@ class Policies:
                             part.close()
                 self.reward.close()
             finally:
-                self.scheduler.close()
+                close_schedulers(self.schedulers)
+
+
+def close_schedulers(schedulers: list[Scheduler]) -> None:
+    """Last started, first closed: the first ends a Ray instance it started, after the others."""
+    try:
+        for scheduler in reversed(schedulers[1:]):
+            scheduler.close()
+    finally:
+        if schedulers:
+            schedulers[0].close()
+
+
+def make_schedulers(config: RunConfig, runs: dict[str, RunConfig]) -> list[Scheduler]:
+    """A scheduler per policy, each placing that policy's workers (under Ray: its own placement
+    groups); a Ray instance started for the run holds the CPUs of them all."""
+    critic = {name: run.algorithm.critic is not None for name, run in runs.items()}
+    asks = {name: cpus_asked(run.scheduler, ("rollout", "train"), critic[name]) for name, run in runs.items()}
+    schedulers: list[Scheduler] = []
+    try:
+        for i, (name, run) in enumerate(runs.items()):
+            more = sum(a for other, a in asks.items() if other != name) if i == 0 else 0.0
+            schedulers.append(make_scheduler(run.scheduler, config.import_paths, critic=critic[name], more_cpus=more))
+    except BaseException:
+        close_schedulers(schedulers)
+        raise
+    return schedulers
 
 
 def build_policies(config: RunConfig) -> Policies:
@@ -79,14 +109,13 @@ def build_policies(config: RunConfig) -> Policies:
     tokenizers = {name: load_tokenizer(run.model.path) for name, run in runs.items()}
     prompts = prompt_source(config.data, next(iter(tokenizers.values())))
     function = load_agent_function(config.agent.function)
-    critics = any(run.algorithm.critic is not None for run in runs.values())
-    scheduler = make_scheduler(config.scheduler, config.import_paths, critic=critics)
+    schedulers = make_schedulers(config, runs)
     built: list[Any] = []
     try:
-        reward = scheduler.reward_service(make_reward_service, config.reward)
+        reward = schedulers[0].reward_service(make_reward_service, config.reward)
         built.append(reward)
         workers: dict[str, tuple[Any, ...]] = {}
-        for name, run in runs.items():
+        for scheduler, (name, run) in zip(schedulers, runs.items(), strict=True):
             trainer = scheduler.train_group(PolicySpec.of_run(run))
             built.append(trainer)
             rollout = scheduler.rollout_pool(EngineSpec.of_run(run), tokenizers[name])
@@ -116,11 +145,11 @@ def build_policies(config: RunConfig) -> Policies:
             parts[name] = Components(
                 run, tokenizers[name], prompts, rollout, reward, trainer, buffer, source, None, critic, teachers
             )
-        return Policies(config, scheduler, reward, parts)
+        return Policies(config, schedulers, reward, parts)
     except BaseException:
         for part in built:
             part.close()
-        scheduler.close()
+        close_schedulers(schedulers)
         raise
 
 

@@ -53,9 +53,12 @@ class RayScheduler:
         import_paths: list[str] | None = None,
         roles: tuple[str, ...] = ("rollout", "train"),
         critic: bool = False,
+        more_cpus: float = 0.0,
     ) -> None:
         """``roles``: the placement groups to reserve (``postrl sft`` places only train ranks);
-        ``import_paths``: the run's, for the actors' imports; ``critic``: room for a critic actor."""
+        ``import_paths``: the run's, for the actors' imports; ``critic``: room for a critic actor;
+        ``more_cpus``: CPUs a Ray instance started here also gives the other schedulers of the run
+        (one per policy of a run with several)."""
         import ray
 
         self.scheduler = scheduler
@@ -69,7 +72,8 @@ class RayScheduler:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             local = {}
             if scheduler.address is None:  # the loop's stages take turns, so the CPUs may be promised twice
-                local["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(self._cpus_asked())))
+                asked = cpus_asked(scheduler, roles, critic) + more_cpus
+                local["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(asked)))
                 self.reaper = Reaper()  # the Ray instance started for the run dies with this process
             try:
                 connect_ray(
@@ -104,17 +108,6 @@ class RayScheduler:
         if os.environ.get("PYTHONPATH"):
             paths.append(os.environ["PYTHONPATH"])
         return {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(paths)}
-
-    def _cpus_asked(self) -> float:
-        s = self.scheduler
-        if "rollout" not in self.roles:
-            return s.train.workers * s.train.num_cpus
-        critic = s.train.num_cpus if self.critic else 0.0
-        critic += s.buffer.num_cpus  # and the Experience Buffer's actor
-        if s.colocate:
-            pairs = max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus)
-            return pairs + s.reward.num_cpus + critic
-        return s.rollout.workers * s.rollout.num_cpus + s.train.workers * s.train.num_cpus + s.reward.num_cpus + critic
 
     def _bundle(self, *roles: Any) -> dict[str, float]:
         cpus = sum(r.num_cpus for r in roles)
@@ -330,3 +323,15 @@ class RayScheduler:
         if self.started_here:
             ray.shutdown()
             self._end_reaper()
+
+
+def cpus_asked(s: SchedulerConfig, roles: tuple[str, ...], critic: bool) -> float:
+    """The CPUs a scheduler's placement groups and actors reserve."""
+    if "rollout" not in roles:
+        return s.train.workers * s.train.num_cpus
+    critic_cpus = s.train.num_cpus if critic else 0.0
+    critic_cpus += s.buffer.num_cpus  # and the Experience Buffer's actor
+    if s.colocate:
+        pairs = max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus)
+        return pairs + s.reward.num_cpus + critic_cpus
+    return s.rollout.workers * s.rollout.num_cpus + s.train.workers * s.train.num_cpus + s.reward.num_cpus + critic_cpus
