@@ -373,10 +373,7 @@ class RunConfig(RunCommandConfig):
             try:
                 runs[name] = RunConfig.model_validate(data)
             except ValidationError as exc:
-                from postrl.config.loading import format_validation_error
-
-                reason = format_validation_error(exc).removeprefix("invalid config:\n  ").replace("\n  ", "; ")
-                raise ValueError(f"policies.{name}: {reason}") from None
+                raise ValueError(f"policies.{name}: {field_errors(exc)}") from None
         return runs
 
     @property
@@ -434,6 +431,20 @@ class RunConfig(RunCommandConfig):
                 f"rollout.n >= 2 (got {self.rollout.n}: every advantage would be 0 and nothing would be learned)"
             )
         return self
+
+
+def field_errors(exc: ValidationError) -> str:
+    """A validation error's lines in one, each naming its field (``unknown config field 'train.lrr'``)."""
+    lines = []
+    for e in exc.errors():
+        where = ".".join(str(part) for part in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config field '{where}'")
+        elif e["type"] == "value_error":
+            lines.append(e["msg"].removeprefix("Value error, "))
+        else:
+            lines.append(f"config field '{where}': got {e.get('input')!r}: {e['msg']}")
+    return "; ".join(dict.fromkeys(lines))
 
 
 def activate_import_paths(paths: list[str]) -> None:
