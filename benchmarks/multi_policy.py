@@ -95,10 +95,17 @@ def train(out: Path, model: Path, data: Path, steps: int, prompts: int, seed: in
     from postrl.run.policies_runner import train_policies
 
     overrides = [
-        f"output_dir={out}", "name=chain", f"steps={steps}", f"prompts_per_step={prompts}", f"seed={seed}",
-        f"model.path={model}", f"data.train_files=[{data}]", "logging.trackers=[jsonl]",
-        f"import_paths=[{ROOT / 'examples' / 'agents'}]", "checkpoint.every_steps=0",
-    ]  # fmt: skip
+        f"output_dir={out}",
+        "name=chain",
+        f"steps={steps}",
+        f"prompts_per_step={prompts}",
+        f"seed={seed}",
+        f"model.path={model}",
+        f"data.train_files=[{data}]",
+        "logging.trackers=[jsonl]",
+        f"import_paths=[{ROOT / 'examples' / 'agents'}]",
+        "checkpoint.every_steps=0",
+    ]
     config = load_config(ROOT / "examples" / "agents" / "two_policies.yaml", overrides, model=RunConfig)
     began = time.perf_counter()
     train_policies(config, overwrite=True)

@@ -95,6 +95,10 @@ def test_a_call_to_no_policy_is_refused_naming_them(two_engines):
         with pytest.raises(openai.NotFoundError, match="this run's policies are proposer, solver"):
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+1="}])
         assert [m.id for m in client.models.list().data] == ["proposer", "solver"]
+        import httpx
+
+        not_json = httpx.post(f"{server.root}/episodes/e1/v1/chat/completions", content=b"[1, 2]")
+        assert not_json.status_code == 400 and "not a JSON object" in not_json.json()["error"]["message"]
         bad = openai.OpenAI(base_url=f"{server.root}/policies/critic/episodes/e1/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.NotFoundError, match="no policy 'critic'"):
             bad.chat.completions.create(model="critic", messages=[{"role": "user", "content": "1+1="}])

@@ -133,10 +133,9 @@ def build_policies(config: RunConfig) -> Policies:
         served = {name: ServedPolicy(w[1], tokenizers[name]) for name, w in workers.items()}
         server = RecordingServer.of_policies(served, config.agent.tools_in_prompt)
         built.append(server)
-        shared = SharedEpisodes(
-            RecordedAgents(server, function, config.agent.env_workers, config.agent.function_timeout_s)
-        )
-        built[-1] = shared
+        agents = RecordedAgents(server, function, config.agent.env_workers, config.agent.function_timeout_s)
+        shared = SharedEpisodes(agents)
+        built[-1] = shared  # it closes the server
         parts = {}
         for name, run in runs.items():
             trainer, rollout, buffer, critic, teachers = workers[name]

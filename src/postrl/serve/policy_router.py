@@ -49,9 +49,12 @@ class PolicyRouter:
         if body is None:
             return await _reply(send, 413, f"the request body is over {self.max_body_bytes} bytes", None)
         try:
-            model = json.loads(body).get("model")
-        except (ValueError, AttributeError):
-            model = None
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        if not isinstance(request, dict):
+            return await _reply(send, 400, "the request body is not a JSON object", None)
+        model = request.get("model")
         if model not in self.apps:
             unknown = f"The model '{model}' does not exist; {self.named()}"
             return await _reply(send, 404, unknown, "model", "model_not_found")

@@ -294,12 +294,23 @@ def shared_prompt_groups(
     their prompts differ (an episode's later samples, or a policy that answers another's text,
     belong to a prompt's group without sharing its first prompt)."""
     members: dict[int, list[int]] = {}
-    key_of: dict[tuple[int, int, tuple[int, ...]], int] = {}
+    subgroups: dict[int, list[int]] = {}  # a group's subgroups (their keys in ``members``), in order
     for row in range(input_ids.shape[0]):
         group = int(group_ids[row]) if group_ids is not None else row
         p = spans[row][0]
-        key = key_of.setdefault((group, p, tuple(input_ids[row, :p].tolist())), len(key_of))
-        members.setdefault(key, []).append(row)
+        key = next(
+            (
+                k
+                for k in subgroups.get(group, [])
+                if spans[lead := members[k][0]][0] == p and torch.equal(input_ids[row, :p], input_ids[lead, :p])
+            ),
+            None,
+        )
+        if key is None:  # the first row of its group, or one whose prompt differs from the group's so far
+            key = len(members)
+            subgroups.setdefault(group, []).append(key)
+            members[key] = []
+        members[key].append(row)
     return members
 
 
