@@ -91,9 +91,34 @@ def test_each_row_gets_the_same_numbers_whatever_else_is_in_the_call(dtype):
         assert torch.equal(invariant.logits(x[rows], head), full["logits"][rows])
     tokens = torch.randint(0, 40, (150,))
     lps = invariant.token_logprobs(full["logits"], tokens, 0.7)
+    cos, sin = invariant.RotaryTable(torch.rand(8), 1.0)(torch.arange(150))
+    turned = invariant.rotate(x.view(150, 3, 16).to(dtype), cos, sin)
+    for rows in (slice(0, 1), slice(9, 10), slice(20, 53)):
+        assert torch.equal(invariant.rotate(x.view(150, 3, 16)[rows].to(dtype), cos[rows], sin[rows]), turned[rows])
     assert torch.equal(invariant.token_logprobs(full["logits"][9:10], tokens[9:10], 0.7), lps[9:10])
     reference = torch.log_softmax(full["logits"].double() / 0.7, -1).gather(-1, tokens[:, None])[:, 0]
     torch.testing.assert_close(lps.double(), reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_and_products_of_wide_rows_split_across_threads_do_not_depend_on_the_row_count(dtype):
+    """At a real model's widths the CPU splits a call's rows among threads (the norms are not
+    padded to whole tiles): a row's norm is the same alone, in a decode step's 96 rows or in a
+    training forward's 2,300; each tile's product, written into its rows of one output, is
+    ``F.linear``'s of that tile, bias or not."""
+    torch.manual_seed(2)
+    x, norm = torch.randn(2300, 576) * 3, torch.randn(576).to(dtype)
+    w, bias = (torch.randn(960, 576) * 0.05).to(dtype), torch.randn(960).to(dtype)
+    full = invariant.rms_norm(x, norm, 1e-5)
+    for start, n in ((0, 1), (7, 1), (100, 96), (5, 129), (0, 2300)):
+        assert torch.equal(invariant.rms_norm(x[start : start + n], norm, 1e-5), full[start : start + n]), n
+    if invariant.pack(w) is None:  # unpacked: the products written into one output
+        h = full[:300]
+        for b in (None, bias):
+            out = invariant.linear(h, w, b)
+            for tile in range(3):
+                rows = slice(tile * invariant.TILE_ROWS, (tile + 1) * invariant.TILE_ROWS)
+                assert torch.equal(out[rows], F.linear(invariant.pad_rows(h[rows]), w, b)[: out[rows].shape[0]])
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])

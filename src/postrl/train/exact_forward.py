@@ -255,11 +255,7 @@ class ExactHead(torch.autograd.Function):
             and n * vocab <= KEPT_PROBS_ELEMENTS
         )
         probs = hidden.new_empty(n, vocab, dtype=head.dtype) if keep else None
-        tiles = zip(
-            invariant.pad_rows(hidden).split(invariant.TILE_ROWS),
-            invariant.pad_rows(targets).split(invariant.TILE_ROWS),
-            strict=True,
-        )
+        tiles = zip(invariant.row_tiles(hidden), invariant.row_tiles(targets), strict=True)
         for s, (h, tok) in enumerate(tiles):
             rows = slice(s * invariant.TILE_ROWS, min(n, (s + 1) * invariant.TILE_ROWS))
             real = rows.stop - rows.start
