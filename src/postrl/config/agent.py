@@ -82,6 +82,12 @@ class AgentConfig(Section):
         "toward its step); one that passes it ends its episode as unscorable ('environment step timed out after "
         "N s') without holding up the batch: the call is abandoned on a daemon thread.",
     )
+    seats: dict[str, str] | None = Field(
+        None,
+        description="With policies: the seats of a seated agent.env (players of a game, roles) -> the policy that "
+        "plays each (every seat a policy, each policy one seat); the environment says which seat acts at each turn "
+        "(rollout/agentic/seats.py). textarena:GAME's seats are player_0, player_1, ...",
+    )
     function_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -112,4 +118,8 @@ class AgentConfig(Section):
     def _one_source(self) -> AgentConfig:
         if (self.env is None) == (self.function is None):
             raise ValueError("agent needs exactly one of env (an environment) and function (an OpenAI-API agent)")
+        if self.seats is not None and self.env is None:
+            raise ValueError("agent.seats: the seats are a seated environment's (agent.env), not an agent function's")
+        if self.seats is not None and self.reward != "environment":
+            raise ValueError("agent.seats: each policy's reward is its seat's, from the environment (agent.reward)")
         return self

@@ -1,7 +1,8 @@
 """``policies:``: several trainable policies in one run (a proposer and a solver, two players of a
 game). Each policy has its own model, trainer, engines, optimizer, weight version and checkpoint;
-the run's episodes (``agent.function``) say which policy answers each model call, by the request's
-``model`` name or by the policy's base URL. A policy's sections are merged over the run's: a key a
+the run's episodes say which policy answers each model call: an agent function (``agent.function``)
+by the request's ``model`` name or by the policy's base URL, a seated environment (``agent.env``
+with ``agent.seats``) by the seat whose turn it is. A policy's sections are merged over the run's: a key a
 policy names replaces the run's, the rest is the run's (``policies: {solver: {train: {lr: 1e-6}}}``
 changes the solver's learning rate only)."""
 
@@ -45,3 +46,20 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def check_seats(seats: dict[str, str], policies: list[str]) -> None:
+    """``agent.seats`` maps seats to this run's policies, every policy to exactly one seat (a policy
+    with no seat would never act; one with two would get one reward for both)."""
+    for seat, policy in seats.items():
+        if policy not in policies:
+            raise ValueError(f"agent.seats.{seat}: '{policy}' is not a policy of this run ({', '.join(policies)})")
+    for policy in policies:
+        held = [seat for seat, p in seats.items() if p == policy]
+        if not held:
+            raise ValueError(f"agent.seats: policy '{policy}' plays no seat, so it would never act")
+        if len(held) > 1:
+            raise ValueError(
+                f"agent.seats: policy '{policy}' plays seats {held}; each policy plays one seat (its episode reward is "
+                "its seat's): give each seat its own policy (several may start from one model)"
+            )

@@ -19,7 +19,7 @@ from postrl.config.data import DataConfig
 from postrl.config.model import LoraConfig, ModelConfig  # noqa: F401 - the config's public names
 from postrl.config.observability import PlanConfig
 from postrl.config.off_policy import BufferConfig, ControllerConfig
-from postrl.config.policies import POLICY_NAME, POLICY_SECTIONS, PolicyConfig, merged
+from postrl.config.policies import POLICY_NAME, POLICY_SECTIONS, PolicyConfig, check_seats, merged
 from postrl.config.reward import (  # noqa: F401 - the config's public names
     CodeComponent,
     CustomComponent,
@@ -327,6 +327,10 @@ class RunConfig(RunCommandConfig):
     @model_validator(mode="after")
     def _policies_fit_the_run(self) -> RunConfig:
         if self.policies is None:
+            if self.agent is not None and self.agent.seats is not None:
+                raise ValueError(
+                    "agent.seats: seats are played by the run's policies: name them under policies: (one per seat)"
+                )
             return self
         if len(self.policies) < 2:
             raise ValueError(
@@ -341,15 +345,17 @@ class RunConfig(RunCommandConfig):
                     f"policies.{name}.rollout.n: every policy acts in the same rollout.n episodes of a prompt; "
                     "set rollout.n for the run"
                 )
-        if self.agent is None or self.agent.function is None:
+        if self.agent is None or (self.agent.function is None and self.agent.seats is None):
             raise ValueError(
                 "policies: the policies act in the episodes of an agent function (agent.function), which picks "
-                "the policy of each model call by its model name or base URL"
+                "the policy of each model call by its model name or base URL, or of a seated environment (agent.env "
+                "with agent.seats: its seat -> the policy that plays it)"
             )
+        if self.agent.seats is not None:
+            check_seats(self.agent.seats, list(self.policies))
         refused = {
             "controller.overlap=generation (episodes suspended at a checkpoint)": self.controller.mode == "async"
             and self.requested_overlap == "generation",
-            "logging.eval_every": bool(self.logging.eval_every),
             "buffer.replay": self.buffer.replay is not None,
         }
         for what, used in refused.items():
@@ -370,6 +376,8 @@ class RunConfig(RunCommandConfig):
             for section in POLICY_SECTIONS:
                 data[section] = merged(base[section], getattr(policy, section))
             data.update(output_dir=str(self.run_dir / "policies"), name=name)
+            if data.get("agent") is not None:  # the seats are the run's, not each policy's
+                data["agent"] = {**data["agent"], "seats": None}
             try:
                 runs[name] = RunConfig.model_validate(data)
             except ValidationError as exc:

@@ -65,6 +65,12 @@ class SharedEpisodes:
                 self._oldest += 1
             return batch.rollouts[policy]
 
+    def evaluate(self, prompts: list[Prompt], sampling: SamplingParams) -> PolicyRollouts:
+        """Held-out episodes, every policy's rollouts, outside the batches (after the batch in
+        flight, if any)."""
+        with self._lock:
+            return self.agents.run_policies(prompts, sampling)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -115,3 +121,28 @@ class PolicyEpisodes:
 
     def close(self) -> None:
         self.shared.close()
+
+
+class HeldOutEpisodes:
+    """One validation round's episodes as policy ``name``'s batch source for the
+    :class:`~postrl.run.validation.Validator`: each held-out set's episodes run once for every
+    policy (by the first policy's validator to ask), scored by the policy's own source."""
+
+    def __init__(self, name: str, source: PolicyEpisodes, ran: dict[int, PolicyRollouts]) -> None:
+        """``ran``: the round's episodes by held-out set (the id of its prompt list), shared by the
+        policies' views of one round."""
+        self.name = name
+        self.source = source
+        self.ran = ran
+
+    @property
+    def accuracy_component(self) -> str | None:
+        return self.source.accuracy_component
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, version: int | None) -> list[Rollout]:
+        if id(prompts) not in self.ran:
+            self.ran[id(prompts)] = self.source.shared.evaluate(prompts, sampling)
+        return self.ran[id(prompts)][self.name]
+
+    def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]:
+        return self.source.score(prompts, rollouts)

@@ -1,5 +1,5 @@
-"""``postrl train`` with ``policies:``: several trainable policies acting in one agent function's
-episodes.
+"""``postrl train`` with ``policies:``: several trainable policies acting in the episodes of one
+agent function or seated environment.
 
 Each policy is a one-policy run of its own (its config from :meth:`RunConfig.policy_runs`): its
 trainer, rollout engines, buffer, weight version and Controller; what they share is the prompts,
@@ -8,11 +8,14 @@ run once per step with every policy's engine serving its own calls. A step is ea
 in turn, in the order the config names them; every policy trains on its own samples only, and its
 metrics carry its name (``solver/reward/mean``). One checkpoint holds every policy
 (``checkpoints/step_N/policies/NAME``, each a loadable model folder under ``model/``), written and
-completed at once, so a resumed run restarts every policy from the same step.
+completed at once, so a resumed run restarts every policy from the same step. Validation
+(``logging.eval_every``) runs the held-out episodes once after every policy's step, each policy
+scoring its own part (``NAME/val/...``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,11 +26,13 @@ from postrl.config.loading import save_config
 from postrl.config.run import RunConfig
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
-from postrl.controller.policy_episodes import PolicyEpisodes, SharedEpisodes
+from postrl.controller.policy_episodes import HeldOutEpisodes, PolicyEpisodes, SharedEpisodes
 from postrl.data.prompt_source import prompt_source
 from postrl.models.loading import load_tokenizer
 from postrl.reward.factory import make_reward_service
-from postrl.rollout.agentic.agent_function import RecordedAgents, load_agent_function
+from postrl.rollout.agentic.agent_function import AgentFunction, PolicyRollouts, RecordedAgents, load_agent_function
+from postrl.rollout.agentic.env_lookup import seated_environment_factory
+from postrl.rollout.agentic.seats import SeatedEpisodes, SeatTurns
 from postrl.rollout.factory import EngineSpec
 from postrl.run.checkpoint import save_policies_checkpoint
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
@@ -35,6 +40,7 @@ from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plan.check import check_policies_plan
 from postrl.run.plots import plot_metrics
 from postrl.run.resolve import resolved_run
+from postrl.run.validation import Validator
 from postrl.scheduling.base import Scheduler
 from postrl.scheduling.factory import make_scheduler
 from postrl.scheduling.ray_scheduler import cpus_asked
@@ -42,6 +48,7 @@ from postrl.serve.recording_server import RecordingServer, ServedPolicy
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
 from postrl.types import StepMetrics
+from postrl.types.metric_names import TIME_VALIDATE_S
 from postrl.workers.roles import RewardService
 
 
@@ -99,16 +106,34 @@ def make_schedulers(config: RunConfig, runs: dict[str, RunConfig]) -> list[Sched
     return schedulers
 
 
+def episode_function(config: RunConfig, runs: dict[str, RunConfig]) -> AgentFunction:
+    """What plays an episode: the run's agent function, or one game of its seated environment, each
+    seat's turn by its policy at that policy's temperature."""
+    agent = config.agent
+    assert agent is not None
+    if agent.seats is None:
+        assert agent.function is not None
+        return load_agent_function(agent.function)
+    assert agent.env is not None
+    return SeatedEpisodes(
+        seated_environment_factory(agent.env),
+        agent.env_options,
+        agent.seats,
+        SeatTurns(agent.max_turns, agent.max_tokens_per_turn, {n: r.rollout.temperature for n, r in runs.items()}),
+        agent.env,
+    )
+
+
 def build_policies(config: RunConfig) -> Policies:
     """The parts of every policy, placed by the run's scheduler, and the episodes they share."""
     from postrl.run.train_runner import run_teachers
 
-    assert config.agent is not None and config.agent.function is not None
+    assert config.agent is not None  # policies: act in an agent function's or a seated environment's episodes
     runs = {name: resolved_run(run) for name, run in config.policy_runs().items()}
     torch.manual_seed(config.seed)
     tokenizers = {name: load_tokenizer(run.model.path) for name, run in runs.items()}
     prompts = prompt_source(config.data, next(iter(tokenizers.values())))
-    function = load_agent_function(config.agent.function)
+    function = episode_function(config, runs)
     schedulers = make_schedulers(config, runs)
     built: list[Any] = []
     try:
@@ -158,9 +183,10 @@ class PoliciesJob:
 
     command = "train"
 
-    def __init__(self, policies: Policies) -> None:
+    def __init__(self, policies: Policies, validator: Validator | None = None) -> None:
         self.policies = policies
         self.controllers = policies.controllers
+        self.validator = validator  # logging.eval_every: the held-out episodes, after every policy's step
 
     @property
     def completed_steps(self) -> int:
@@ -174,7 +200,23 @@ class PoliciesJob:
             values.update({f"{name}/{key}": value for key, value in metrics.values.items()})
             notes.update({f"{name}/{key}": text for key, text in metrics.notes.items()})
         versions = {c.weight_version for c in self.controllers.values()}
+        if self.validator is not None and self.validator.due(self.completed_steps):
+            values.update(self.validate())
         return StepMetrics(self.completed_steps, min(versions), values, notes)
+
+    def validate(self) -> dict[str, float]:
+        """Each policy's ``val/*`` metrics (``NAME/val/...``) from one round of held-out episodes in
+        which every policy acts with the weights of its step just done."""
+        assert self.validator is not None
+        began = time.perf_counter()
+        ran: dict[int, PolicyRollouts] = {}
+        values = {}
+        for name, c in self.controllers.items():
+            assert isinstance(c.source, PolicyEpisodes)
+            view = HeldOutEpisodes(name, c.source, ran)
+            values.update({f"{name}/{k}": v for k, v in self.validator.run(view, c.weight_version).items()})
+        values[TIME_VALIDATE_S] = time.perf_counter() - began
+        return values
 
     def restore_abandoned_step(self) -> bool:
         """Every policy back to the last completed step: False when one had started updating, or had
@@ -222,7 +264,7 @@ def train_policies(
 ) -> PoliciesJob:
     """:func:`postrl.run.train_runner.train` for a run with ``policies:``: checked before anything is
     written, built, stepped, closed."""
-    from postrl.run.train_runner import agent_output, check_devices, check_servers, make_sinks
+    from postrl.run.train_runner import agent_output, check_devices, check_servers, make_sinks, make_validator
 
     site = RunSite(config, "train")
     place = site.place
@@ -241,8 +283,10 @@ def train_policies(
         place.publish("config.yaml")
         report_skipped(next(iter(policies.parts.values())).prompts.train().skipped, config.run_dir, echo)
         policies.reward.set_log_file(config.run_dir / "reward_workers.log")
-        echo(f"policies: {', '.join(policies.parts)} (each call names its policy by model or base URL)")
-        job = PoliciesJob(policies)
+        seats = config.agent.seats if config.agent is not None else None
+        how = f"seats {seats}" if seats else "each call names its policy by model or base URL"
+        echo(f"policies: {', '.join(policies.parts)} ({how})")
+        job = PoliciesJob(policies, make_validator(next(iter(policies.parts.values())), echo))
         resume_step = job.start(place, resume, echo)
         observers = [on_step] if on_step is not None else []
         loop = StepLoop(

@@ -257,9 +257,9 @@ def train(
 
 
 def agent_output(config: RunConfig) -> contextlib.AbstractContextManager:
-    """For a run whose agent function runs in this process, its libraries' log records to the run
+    """For a run whose agent function (or seated environment) runs in this process, its libraries' log records to the run
     directory (:mod:`postrl.run.foreign_logs`); otherwise nothing."""
-    if config.agent is not None and config.agent.function is not None:
+    if config.agent is not None and (config.agent.function is not None or config.agent.seats is not None):
         return ForeignLogs(config.run_dir / AGENT_OUTPUT_LOG)
     return contextlib.nullcontext()
 

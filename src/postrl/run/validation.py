@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from postrl.config.run import RunConfig
 from postrl.controller.batches import greedy_sampling
-from postrl.controller.source import BatchSource
 from postrl.data.dataset import PromptDataset
 from postrl.data.prompt_source import PromptSource, load_eval_set
 from postrl.reward.accuracy import accuracy, per_task_accuracy
 from postrl.reward.columns import check_columns
 from postrl.rollout.agentic.episodes import episode_metrics
-from postrl.types import Prompt, RewardResult, Rollout, StepMetrics
+from postrl.types import Prompt, RewardResult, Rollout, SamplingParams, StepMetrics
 from postrl.types.metric_names import (
     TIME_VALIDATE_S,
     VAL_ACCURACY,
@@ -58,6 +57,18 @@ def load_eval_sets(config: RunConfig, tokenizer: Any, echo: Callable[[str], None
     return sets
 
 
+class HeldOutSource(Protocol):
+    """What validation asks of a batch source (a :class:`BatchSource` is one): episodes or answers
+    of held-out prompts, and their scores."""
+
+    @property
+    def accuracy_component(self) -> str | None: ...
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, version: int | None) -> list[Rollout]: ...
+
+    def score(self, prompts: list[Prompt], rollouts: list[Rollout]) -> list[RewardResult]: ...
+
+
 class Validator:
     """Scores the held-out prompts (the main set and each named one) with the run's rollout engine
     and Reward Service."""
@@ -74,14 +85,14 @@ class Validator:
         every = self.config.logging.eval_every
         return bool(every) and (step % every == 0 or step == self.config.steps)
 
-    def observe(self, metrics: StepMetrics, source: BatchSource, weight_version: int | None) -> None:
+    def observe(self, metrics: StepMetrics, source: HeldOutSource, weight_version: int | None) -> None:
         """After a step: when validation is due, its metrics (and seconds) join the step's."""
         if self.due(metrics.step):
             began = time.perf_counter()
             metrics.values.update(self.run(source, weight_version))
             metrics.values[TIME_VALIDATE_S] = time.perf_counter() - began
 
-    def run(self, source: BatchSource, weight_version: int | None) -> dict[str, float]:
+    def run(self, source: HeldOutSource, weight_version: int | None) -> dict[str, float]:
         """Greedy answers, scored as the run scores them; an ``agent:`` run's whole episodes, one per
         prompt (the first training sample of a split episode)."""
         values: dict[str, float] = {}
@@ -92,7 +103,7 @@ class Validator:
         return values
 
     def run_set(
-        self, prompts: list[Prompt], source: BatchSource, weight_version: int | None, prefix: str
+        self, prompts: list[Prompt], source: HeldOutSource, weight_version: int | None, prefix: str
     ) -> dict[str, float]:
         ran = source.generate(prompts, self.sampling, weight_version)
         rollouts = [r for r in ran if r.episode is None or r.episode.part == 0]

@@ -32,7 +32,8 @@ from postrl.rollout.agentic.recorder import EpisodeRecorder, RecordedEpisode
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.types.episode import Episode, RecordedCalls
 
-AgentFunction = Callable[[Any, dict[str, Any]], "float | None"]
+# (client, row) -> the episode's reward: one for every policy, by policy, or None (the service scores)
+AgentFunction = Callable[[Any, dict[str, Any]], "float | dict[str, float] | None"]
 
 
 def load_agent_function(spec: str) -> AgentFunction:

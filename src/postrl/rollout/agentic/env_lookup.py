@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from postrl.config.imports import import_callable
 from postrl.rollout.agentic.env import ENVIRONMENTS, EnvironmentFactory
-from postrl.rollout.agentic.gym_libraries import library_environment
+from postrl.rollout.agentic.gym_libraries import library_environment, seated_library_environment
 from postrl.rollout.agentic.remote_env import RemoteEnvironment
 
 
@@ -24,3 +24,17 @@ def environment_factory(spec: str) -> EnvironmentFactory:
             f"agent.env: unknown environment '{spec}' (registered: {', '.join(sorted(ENVIRONMENTS))}; or module:Class)"
         )
     return import_callable(spec, "agent.env")
+
+
+def seated_environment_factory(spec: str) -> EnvironmentFactory:
+    """The factory of a seated environment (``agent.seats``, :mod:`.seats`): a library's game of
+    several players (``textarena:TicTacToe-v0``), or a registered name or ``module:Class`` whose
+    objects are seated environments (checked when the first episode makes one)."""
+    library = seated_library_environment(spec)
+    if library is not None:
+        return library
+    if spec.startswith(("http://", "https://")):
+        raise ValueError("agent.seats: a postrl serve-env URL serves one-seat environments; seated ones run in-process")
+    if library_environment(spec) is not None:
+        raise ValueError(f"agent.env={spec}: this library has no games of several players in postrl (textarena has)")
+    return environment_factory(spec)

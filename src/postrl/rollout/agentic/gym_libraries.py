@@ -2,7 +2,9 @@
 
 - ``textarena:<game id>`` — a TextArena single-player game (``postrl[textarena]``), e.g.
   ``textarena:Mastermind-v0``; the game's raw variant, so each turn's message is what is new
-  (not the whole history again); the reward is the game's at its end;
+  (not the whole history again); the reward is the game's at its end. With ``agent.seats`` a
+  game of several players (``textarena:TicTacToe-v0``), each player a seat (``player_0``,
+  ``player_1``, ...) played by a policy (:class:`TextArenaSeats`, :mod:`.seats`);
 - ``skyrl_gym:<env id>`` — a skyrl-gym text environment (``postrl[skyrl]``), e.g.
   ``skyrl_gym:gsm8k_multi_turn``, made per episode from the row (``reward_spec``, ``extra_info``;
   without ``reward_spec``, the row's ``answer`` is the ground truth); its per-turn rewards add up;
@@ -26,6 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from postrl.rollout.agentic.env import StepResult, first_messages
+from postrl.rollout.agentic.seats import SeatStep
 from postrl.rollout.agentic.tools import Tool
 
 LIBRARIES = {"textarena": "postrl[textarena]", "skyrl_gym": "postrl[skyrl]", "gem": "postrl[gem]"}
@@ -177,6 +180,70 @@ class TextArenaEnvironment:
         self.random = None
 
 
+def _seat_text(observations: list[Any], player: int) -> str:
+    """A player's new observations as one message: the other players' moves kept, the echo of its
+    own left out (its conversation has it as its turn)."""
+    from textarena.core import ObservationType
+
+    def own_action(o: Any) -> bool:
+        return isinstance(o, tuple) and o[2] == ObservationType.PLAYER_ACTION and o[0] == player
+
+    return "\n".join(str(o[1]) if isinstance(o, tuple) else str(o) for o in observations if not own_action(o)).strip()
+
+
+def seat_name(player: int) -> str:
+    return f"player_{player}"
+
+
+class TextArenaSeats:
+    """A TextArena game of several players as a seated environment: player ``i`` is seat
+    ``player_i``; each turn the acting player is shown what is new to it (the other players' moves
+    among it), and at the end each seat gets the game's reward of its player."""
+
+    def __init__(self, game: str, num_players: int = 2, **options: Any) -> None:
+        ta = _library("textarena")
+        from textarena.envs.registration import ENV_REGISTRY
+
+        if game not in ENV_REGISTRY:
+            near = sorted(g for g in ENV_REGISTRY if g.split("-")[0].lower() == game.split("-")[0].lower())[:5]
+            raise ValueError(
+                f"TextArena has no game '{game}'" + (f" (its variants: {', '.join(near)})" if near else "")
+            )
+        self.game = game
+        self.num_players = num_players
+        self.seats = tuple(seat_name(i) for i in range(num_players))
+        raw = f"{game}-raw" if f"{game}-raw" in ENV_REGISTRY else game
+        with _no_downloads(game):
+            self.env = ta.make(raw, **options)
+        self.random: EpisodeRandom | None = None
+
+    def reset(self, row: dict[str, Any]) -> SeatStep:
+        seed = episode_seed(row)
+        self.random = EpisodeRandom(seed)
+        with self.random.active(), _no_downloads(self.game):
+            self.env.reset(num_players=self.num_players, seed=seed)
+            return self._next()
+
+    def step(self, seat: str, action: str) -> SeatStep:
+        assert self.random is not None, "reset() first"
+        with self.random.active():
+            done, info = self.env.step(action)
+            if done:
+                rewards, game_info = self.env.close()
+                scores = {seat_name(int(p)): float(r) for p, r in (rewards or {}).items()}
+                return SeatStep(rewards=scores, done=True, info={"game": _jsonable(game_info)})
+            return self._next(info)
+
+    def _next(self, info: Any = None) -> SeatStep:
+        player, observations = self.env.get_observation()
+        seat = seat_name(int(player))
+        shown = {seat: [{"role": "user", "content": _seat_text(observations, int(player))}]}
+        return SeatStep(shown, next_seat=seat, info={} if info is None else {"step": _jsonable(info)})
+
+    def close(self) -> None:
+        self.random = None
+
+
 class SkyRLGymEnvironment:
     tools: list[Tool] = []
 
@@ -267,4 +334,17 @@ def library_environment(spec: str) -> Callable[..., Any] | None:
     if library not in ADAPTERS or not env_id:
         return None
     adapter = ADAPTERS[library]
+    return lambda **options: adapter(env_id, **options)
+
+
+SEATED_ADAPTERS: dict[str, Callable[..., Any]] = {"textarena": TextArenaSeats}
+
+
+def seated_library_environment(spec: str) -> Callable[..., Any] | None:
+    """The factory of ``library:game id``'s games of several players (seats), None when ``spec``
+    names no library that has them."""
+    library, _, env_id = spec.partition(":")
+    adapter = SEATED_ADAPTERS.get(library.replace("-", "_"))
+    if adapter is None or not env_id:
+        return None
     return lambda **options: adapter(env_id, **options)

@@ -1,0 +1,167 @@
+"""Environments in which several policies take turns: each seat played by a policy of the run.
+
+A seated environment (two players of a game, a proposer and a solver, a debater and a judge) says
+after every turn which seat acts next and what each seat now sees. ``agent.env`` names it and
+``agent.seats`` maps its seats to the run's ``policies``. :class:`SeatedEpisodes` plays one
+episode of it as an agent function: each seat's conversation is its own (its first messages, then
+its own turns and what the environment shows it), and each turn is a chat call to the seat's
+policy through the run's recording server, so each policy's samples are its own turns,
+token-exact, like any recorded agent's. An episode's reward for a policy is the sum of the rewards
+the environment gave its seat.
+
+The protocol (:class:`SeatedEnvironment`): ``seats`` names the seats; ``reset(row)`` and
+``step(seat, action)`` return a :class:`SeatStep`: the messages each seat is shown, the rewards
+each seat gets, the seat that acts next (None, or ``done``, ends the episode); ``close()`` frees
+what the episode holds.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from postrl.rollout.agentic.checks import EnvironmentOutputError, check_messages
+
+
+@dataclass
+class SeatStep:
+    """What every seat sees and gets after a reset or a turn, and who acts next."""
+
+    messages: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # appended to each seat's conversation
+    next_seat: str | None = None  # None: nobody acts again (the episode is over)
+    rewards: dict[str, float] = field(default_factory=dict)  # added to each seat's return
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class SeatedEnvironment(Protocol):
+    seats: tuple[str, ...]
+
+    def reset(self, row: dict[str, Any]) -> SeatStep: ...
+
+    def step(self, seat: str, action: str) -> SeatStep: ...
+
+    def close(self) -> None: ...
+
+
+def check_seat_step(result: Any, seats: tuple[str, ...], where: str) -> SeatStep:
+    """``result`` when it is a well-formed :class:`SeatStep` of an environment with ``seats``."""
+    if not isinstance(result, SeatStep):
+        raise EnvironmentOutputError(f"{where} must return a SeatStep, got {type(result).__name__} {result!r:.60}")
+    for seat, messages in result.messages.items():
+        _known(seat, seats, f"{where} SeatStep.messages")
+        check_messages(messages, f"{where} SeatStep.messages[{seat!r}]")
+    for seat, reward in result.rewards.items():
+        _known(seat, seats, f"{where} SeatStep.rewards")
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise EnvironmentOutputError(
+                f"{where} SeatStep.rewards[{seat!r}] must be a finite number, got {reward!r:.40}"
+            )
+    if result.next_seat is not None:
+        _known(result.next_seat, seats, f"{where} SeatStep.next_seat")
+    if not isinstance(result.done, bool):
+        raise EnvironmentOutputError(f"{where} SeatStep.done must be a bool, got {type(result.done).__name__}")
+    if not isinstance(result.info, dict):
+        raise EnvironmentOutputError(f"{where} SeatStep.info must be a dict, got {type(result.info).__name__}")
+    return result
+
+
+def _known(seat: Any, seats: tuple[str, ...], field_name: str) -> None:
+    if seat not in seats:
+        raise EnvironmentOutputError(f"{field_name} names seat {seat!r}, not one of the environment's {list(seats)}")
+
+
+def check_seating(env_seats: tuple[str, ...], seating: dict[str, str], env: str) -> None:
+    """The environment's seats are exactly those ``agent.seats`` maps (a seat without a policy could
+    never act; a seat the environment lacks is a typo)."""
+    missing = [s for s in env_seats if s not in seating]
+    unknown = [s for s in seating if s not in env_seats]
+    if missing or unknown:
+        parts = [
+            f"has no seat {unknown}" if unknown else "",
+            f"leaves seat {missing} without a policy" if missing else "",
+        ]
+        raise ValueError(
+            f"agent.seats: the environment {env} has seats {list(env_seats)}; agent.seats "
+            + " and ".join(p for p in parts if p)
+        )
+
+
+@dataclass(frozen=True)
+class SeatTurns:
+    """How a seated episode's turns are sampled: at most ``max_turns`` in all, each of at most
+    ``max_tokens``, at each policy's ``temperatures[policy]``."""
+
+    max_turns: int
+    max_tokens: int
+    temperatures: dict[str, float]
+
+
+class SeatedEpisodes:
+    """One episode of a seated environment, as an agent function ``(client, row) -> {policy:
+    reward}``: each turn a chat completion by the acting seat's policy (``model`` = its name) on
+    that seat's conversation. Only the policies whose seats acted are rewarded (a policy without a
+    turn has no sample)."""
+
+    def __init__(
+        self,
+        make_env: Callable[..., Any],
+        env_options: dict[str, Any],
+        seating: dict[str, str],
+        turns: SeatTurns,
+        env_name: str,
+    ) -> None:
+        self.make_env = make_env
+        self.env_options = env_options
+        self.seating = seating
+        self.turns = turns
+        self.env_name = env_name
+
+    def __call__(self, client: Any, row: dict[str, Any]) -> dict[str, float]:
+        env = self.make_env(**self.env_options)
+        try:
+            if not isinstance(env, SeatedEnvironment):
+                raise TypeError(
+                    f"agent.env {self.env_name}: {type(env).__name__} is not a seated environment (seats, "
+                    "reset(row) -> SeatStep, step(seat, action) -> SeatStep, close())"
+                )
+            seats = tuple(env.seats)
+            check_seating(seats, self.seating, self.env_name)
+            row = {k: v for k, v in row.items() if k != "policy_urls"}
+            return self._play(client, env, seats, row)
+        finally:
+            env.close()
+
+    def _play(
+        self, client: Any, env: SeatedEnvironment, seats: tuple[str, ...], row: dict[str, Any]
+    ) -> dict[str, float]:
+        conversations: dict[str, list[dict[str, Any]]] = {seat: [] for seat in seats}
+        returns = dict.fromkeys(seats, 0.0)
+        acted: set[str] = set()
+        result = check_seat_step(env.reset(row), seats, "reset()")
+        for turn in range(self.turns.max_turns + 1):
+            for seat, messages in result.messages.items():
+                conversations[seat] += messages
+            for seat, reward in result.rewards.items():
+                returns[seat] += float(reward)
+            acting = result.next_seat
+            if result.done or acting is None or turn == self.turns.max_turns:
+                break
+            if not conversations[acting]:
+                raise EnvironmentOutputError(f"seat {acting!r} is to act but has been shown no message")
+            policy = self.seating[acting]
+            reply = client.chat.completions.create(
+                model=policy,
+                messages=conversations[acting],
+                temperature=self.turns.temperatures[policy],
+                max_tokens=self.turns.max_tokens,
+            )
+            text = reply.choices[0].message.content or ""
+            conversations[acting].append({"role": "assistant", "content": text})
+            acted.add(acting)
+            result = check_seat_step(env.step(acting, text), seats, f"step({acting!r})")
+        return {self.seating[seat]: returns[seat] for seat in seats if seat in acted}
