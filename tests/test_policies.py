@@ -124,6 +124,9 @@ def test_policy_sections_merge_over_the_run_and_bad_ones_are_named():
             RunConfig.model_validate({**base, "policies": policies})
     with pytest.raises(ValueError, match="agent.function"):
         RunConfig.model_validate({"model": {"path": "demo"}, "policies": {"a": {}, "b": {}}})
+    overlap = {"controller": {"mode": "async", "overlap": "generation"}, "buffer": {"max_staleness": 1}}
+    with pytest.raises(ValueError, match="overlap=generation .* not supported with several policies"):
+        RunConfig.model_validate({**base, **overlap, "policies": {"proposer": {}, "solver": {}}})
 
 
 def train_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
@@ -169,6 +172,19 @@ def test_postrl_train_steps_every_policy_on_its_own_samples(tmp_path, arithmetic
         for name in ("proposer", "solver")
     }
     assert moved["proposer"] > 10 * moved["solver"] > 0
+
+
+def test_replay_samples_each_policy_s_own_window(tmp_path, arithmetic_jsonl):
+    """buffer.replay per policy: each policy's batch is sampled from its own last two steps' samples
+    (at step 2 some are a version old), never from the other policy's."""
+    from postrl.cli import main
+
+    replay = ["steps=2", "buffer.max_staleness=1", "buffer.replay={capacity_steps: 2, reuse_limit: 2}", "seed=3"]
+    assert main(train_args(tmp_path, arithmetic_jsonl, *replay)) == 0
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "two" / "metrics.jsonl").read_text().splitlines()]
+    for name in ("proposer", "solver"):
+        assert rows[0][f"{name}/buffer/lag_max"] == 0.0 and rows[1][f"{name}/buffer/lag_max"] == 1.0
+        assert all(r[f"{name}/reward/samples"] == 4 for r in rows)
 
 
 @pytest.mark.slow

@@ -356,7 +356,6 @@ class RunConfig(RunCommandConfig):
         refused = {
             "controller.overlap=generation (episodes suspended at a checkpoint)": self.controller.mode == "async"
             and self.requested_overlap == "generation",
-            "buffer.replay": self.buffer.replay is not None,
         }
         for what, used in refused.items():
             if used:
