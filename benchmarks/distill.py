@@ -9,12 +9,14 @@ task_reward: false}``: each sampled token's advantage is teacher logprob - stude
 carry little of each update and would skew the student's logprobs against the float32 teacher's).
 
 ``reached_fraction`` = (student after - student before) / (teacher - student before): the share of
-the RL run's gain that distillation recovered in its fraction of the time. ``rl_time_to_student``:
+the RL run's gain that distillation recovered in its fraction of the time. With ``--seeds`` the
+student is distilled once per seed (its prompt order and samples; the teacher is the same), and
+the top-level figures are the seeds' means, each seed's under ``per_seed``, the spread beside. ``rl_time_to_student``:
 when the RL run's curve first reached the student's final accuracy. ``teacher_logprob_calls_per_sample``:
 samples sent to the teacher / distinct samples sent (1.0: none was sent twice in the whole run).
 The teacher is kept in ``--cache`` by its settings, so a second run distils from the same teacher.
 
-    python benchmarks/distill.py [--json] [--rl-minutes 30] [--fraction 0.25] [--png docs/distill.png]
+    python benchmarks/distill.py [--json] [--rl-minutes 30] [--fraction 0.25] [--seeds 0 1 2] [--png docs/distill.png]
 """
 
 from __future__ import annotations
@@ -120,8 +122,9 @@ def make_teacher(model_dir: Path, cache: Path, minutes: float, smoke: bool, prom
     return made
 
 
-def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool, lr: float) -> dict:
-    """The student distilled from ``teacher`` for ``minutes``; every sample the teacher was sent, counted."""
+def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool, lr: float, seed: int) -> dict:
+    """The student distilled from ``teacher`` for ``minutes`` with run seed ``seed``; every sample the
+    teacher was sent, counted."""
     from postrl.train.teachers.local_teacher import LocalTeacher
 
     sent: list[str] = []
@@ -134,7 +137,8 @@ def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool, lr: floa
     LocalTeacher.logprobs = counted  # type: ignore[method-assign]
     out = Path(tempfile.mkdtemp(prefix="distill-student-"))
     try:
-        config = run_config(model_dir, out, "student", smoke, {"teacher": teacher, "task_reward": False}, lr)
+        config = run_config(model_dir, out, f"student-{seed}", smoke, {"teacher": teacher, "task_reward": False}, lr)
+        config["seed"] = seed
         final, curve, wall, steps = train_for(config, minutes)
         kept = out / "student_model"
         shutil.copytree(final, kept)
@@ -150,20 +154,28 @@ def distill(model_dir: Path, teacher: str, minutes: float, smoke: bool, lr: floa
     }
 
 
-def plot(rl: list[dict], student: list[dict], before: float, png: Path) -> None:
+def plot(rl: list[dict], students: dict[int, list[dict]], before: float, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, curve in (("GRPO (makes the teacher)", rl), ("on-policy distillation from it", student)):
+    curves = {"GRPO (makes the teacher)": rl}
+    curves |= {f"on-policy distillation from it, seed {seed}": curve for seed, curve in students.items()}
+    for name, curve in curves.items():
         points = [{"wall_s": 0.0, "acc": before}, *curve]
         ax.plot([p["wall_s"] / 60 for p in points], [p["acc"] for p in points], marker="o", markersize=3, label=name)
     ax.set_xlabel("training wall time, minutes (evaluation excluded)")
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_title("SmolLM2-135M-Instruct, reasoning-gym " + "/".join(t["name"] for t in real_task.TASKS), fontsize=9)
     save(fig, ax, png)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    mean = sum(values) / len(values)
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return {"mean": round(mean, 4), "sd": round(sd, 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
 def main() -> int:
@@ -175,6 +187,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--distill-lr", type=float, default=LR, help="the student's learning rate (default: the RL run's)"
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="the student's run seeds (one distillation each)"
     )
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "postrl-distill")
     parser.add_argument("--png", type=Path, default=Path("docs/distill.png"), help="the two curves")
@@ -192,43 +207,66 @@ def main() -> int:
     began = time.perf_counter()
     before = held_out_accuracy(model_dir, prompts)
     teacher = make_teacher(model_dir, args.cache, 0.05 if args.smoke else args.rl_minutes, args.smoke, prompts)
-    student = distill(
-        model_dir, teacher["model"], args.fraction * teacher["rl_wall_s"] / 60, args.smoke, args.distill_lr
-    )
-    after = held_out_accuracy(student["model"], prompts)
-    shutil.rmtree(student["out"], ignore_errors=True)
     gain = teacher["teacher_acc"] - before
-    reached = next((p["wall_s"] for p in teacher["curve"] if p["acc"] >= after), None)
+    per_seed, students = [], {}
+    for seed in args.seeds:
+        student = distill(
+            model_dir, teacher["model"], args.fraction * teacher["rl_wall_s"] / 60, args.smoke, args.distill_lr, seed
+        )
+        after = held_out_accuracy(student["model"], prompts)
+        shutil.rmtree(student["out"], ignore_errors=True)
+        reached = next((p["wall_s"] for p in teacher["curve"] if p["acc"] >= after), None)
+        students[seed] = student["curve"]
+        per_seed.append(
+            {
+                "seed": seed,
+                "student_acc_after": round(after, 4),
+                "reached_fraction": round((after - before) / gain, 3) if gain > 0 else None,
+                "distill_wall_s": round(student["wall_s"], 1),
+                "distill_to_rl_wall": round(student["wall_s"] / teacher["rl_wall_s"], 3),
+                "rl_time_to_student_s": None if reached is None else round(reached, 1),
+                "teacher_logprob_calls_per_sample": round(student["calls_per_sample"], 4),
+                "distill_steps": student["steps"],
+                "curve_distill": [(round(p["wall_s"], 1), round(p["acc"], 4)) for p in student["curve"]],
+            }
+        )
+    fractions = [s["reached_fraction"] for s in per_seed if s["reached_fraction"] is not None]
     result = {
         "teacher_acc": round(teacher["teacher_acc"], 4),
         "student_acc_before": round(before, 4),
-        "student_acc_after": round(after, 4),
-        "reached_fraction": round((after - before) / gain, 3) if gain > 0 else None,
-        "distill_wall_s": round(student["wall_s"], 1),
+        "student_acc_after": spread([s["student_acc_after"] for s in per_seed])["mean"],
+        "reached_fraction": spread(fractions)["mean"] if fractions else None,
+        "reached_fraction_spread": spread(fractions) if fractions else None,
+        "distill_wall_s": spread([s["distill_wall_s"] for s in per_seed])["mean"],
         "rl_wall_s": round(teacher["rl_wall_s"], 1),
-        "distill_to_rl_wall": round(student["wall_s"] / teacher["rl_wall_s"], 3) if teacher["rl_wall_s"] else None,
-        "rl_time_to_student_s": None if reached is None else round(reached, 1),
-        "teacher_logprob_calls_per_sample": round(student["calls_per_sample"], 4),
+        "distill_to_rl_wall": max(s["distill_to_rl_wall"] for s in per_seed),
+        "teacher_logprob_calls_per_sample": max(s["teacher_logprob_calls_per_sample"] for s in per_seed),
+        "seeds": list(args.seeds),
+        "per_seed": per_seed,
         "rl_steps": teacher["steps"],
-        "distill_steps": student["steps"],
         "lr": LR,
         "distill_lr": args.distill_lr,
         "heldout": len(prompts),
         "curve_rl": [(round(p["wall_s"], 1), round(p["acc"], 4)) for p in teacher["curve"]],
-        "curve_distill": [(round(p["wall_s"], 1), round(p["acc"], 4)) for p in student["curve"]],
         "minutes": round((time.perf_counter() - began) / 60, 1),
     }
     print(f"held-out greedy accuracy, {len(prompts)} problems never trained on (SmolLM2-135M-Instruct)")
-    print(f"{'':28s}{'accuracy':>10s}{'step time s':>13s}{'steps':>7s}")
+    print(f"{'':28s}{'accuracy':>10s}{'step time s':>13s}{'steps':>7s}{'reached':>9s}")
     print(f"{'student before':28s}{before:10.3f}")
     print(f"{'teacher (GRPO)':28s}{teacher['teacher_acc']:10.3f}{teacher['rl_wall_s']:13.0f}{teacher['steps']:7d}")
-    print(f"{'student (distilled)':28s}{after:10.3f}{student['wall_s']:13.0f}{student['steps']:7d}")
+    for s in per_seed:
+        label = f"student, seed {s['seed']}"
+        print(
+            f"{label:28s}{s['student_acc_after']:10.3f}{s['distill_wall_s']:13.0f}{s['distill_steps']:7d}"
+            f"{s['reached_fraction']!s:>9s}"
+        )
     print(
-        f"reached_fraction {result['reached_fraction']} in {result['distill_to_rl_wall']} of the RL run's time; "
-        f"teacher calls per sample {result['teacher_logprob_calls_per_sample']}"
+        f"reached_fraction {result['reached_fraction']} (seeds {result['reached_fraction_spread']}) in at most "
+        f"{result['distill_to_rl_wall']} of the RL run's time; teacher calls per sample "
+        f"{result['teacher_logprob_calls_per_sample']}"
     )
     if not args.smoke:
-        plot(teacher["curve"], student["curve"], before, args.png)
+        plot(teacher["curve"], students, before, args.png)
         print(f"curves: {args.png}")
     if args.json:
         print(json.dumps(result))
