@@ -63,3 +63,12 @@ class NotSeated:
 
     def close(self) -> None:
         pass
+
+
+class WriterAlone(Relay):
+    """The game ends after the writer's first turn: the reader never acts (no sample for its policy)."""
+
+    def step(self, seat: str, action: str) -> SeatStep:
+        with _lock:
+            ACTIONS.append((seat, self.shown[seat], action))
+        return SeatStep(rewards={"writer": _digits(action), "reader": 1.0}, done=True)

@@ -5,6 +5,7 @@ only, token-exact, rewarded with its seat's rewards."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -204,3 +205,26 @@ def test_postrl_train_steps_each_seat_s_policy(tmp_path, arithmetic_jsonl):
         assert len(samples) == 4
         assert all(s["response"].count("</s>") <= seat_turns for s in samples)
     assert (run / "final_model" / "alice" / "config.json").is_file() and (run / "final_model" / "bob").is_dir()
+
+
+def test_a_policy_whose_seat_never_acts_in_a_batch_skips_its_update(tmp_path, arithmetic_jsonl, capsys):
+    """The reader never gets a turn (the game ends first): its policy has no sample in any batch; it
+    skips its update (no samples, no gradient), the writer's policy trains, and the run completes."""
+    from postrl.cli import main
+
+    config = tmp_path / "alone.yaml"
+    config.write_text(
+        "agent: {env: 'tests.seated_envs:WriterAlone', seats: {writer: alice, reader: bob}, max_tokens_per_turn: 6, "
+        "max_context: 128, env_workers: 1}\npolicies:\n  alice: {}\n  bob: {}\n"
+    )
+    args = [
+        "train", str(config), f"output_dir={tmp_path}/runs", "name=alone", "model.path=demo", "steps=2",
+        f"data.train_files=[{arithmetic_jsonl}]", "data.task=null", "prompts_per_step=2", "rollout.n=2",
+        "logging.trackers=[jsonl]", "train.mini_batch_size=4", "train.micro_batch_size=4",
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert "|| bob | s 0.0 | no sample: the policy took no turn in this batch's episodes" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "alone" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["alice/reward/samples"] == 4 for r in rows) and rows[0]["alice/actor/grad_norm"] > 0
+    assert all(r["bob/reward/samples"] == 0 and math.isnan(r["bob/actor/grad_norm"]) for r in rows)  # skipped

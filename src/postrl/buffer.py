@@ -72,7 +72,10 @@ class ExperienceBuffer:
         self._mark: _Mark | None = None
 
     def put(self, experiences: list[Experience]) -> None:
-        """One producer batch (a step's experiences)."""
+        """One producer batch (a step's experiences); none is no put (its step takes nothing, see
+        :attr:`~postrl.controller.pipeline.ProducedBatch.trainable`)."""
+        if not experiences:
+            return
         with self._lock:
             self.serial += 1
             self._entries.extend(_Entry(e, self.serial) for e in experiences)

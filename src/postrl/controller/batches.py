@@ -137,6 +137,8 @@ class BatchMaker:
         groups = self.select_groups(
             self.source.trainable(Groups(generated.prompts, generated.rollouts, rewards), number), timer, metrics
         )
+        if not groups.rollouts:  # a policy that took no turn in the batch's episodes
+            return [], self.nothing_to_train(timer, batch.alone)
         step = StepBatch.build(
             groups.prompts,
             groups.rollouts,
@@ -152,6 +154,17 @@ class BatchMaker:
         self.record_samples(step, number)
         seconds = {**timer.seconds, "produce": timer.total()["step"]} if batch.alone else timer.seconds
         return step.experiences(), self.report(step, seconds, metrics, rewards)
+
+    def nothing_to_train(self, timer: StageTimer, alone: bool) -> ProducedBatch:
+        """The report of a batch with no sample of this policy: its step trains nothing."""
+        seconds = {**timer.seconds, "produce": timer.total()["step"]} if alone else timer.seconds
+        values = {
+            REWARD_SAMPLES: 0.0,
+            DATA_EPOCH: float(self.draw.epoch),
+            **{seconds_of(name): value for name, value in seconds.items()},
+        }
+        notes = {"no_samples": "no sample: the policy took no turn in this batch's episodes"}
+        return ProducedBatch(values, notes, trainable=False)
 
     def select_groups(self, groups: Groups, timer: StageTimer, metrics: dict[str, float]) -> Groups:
         for stage in self.stages.select:

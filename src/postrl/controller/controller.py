@@ -99,6 +99,9 @@ class Controller:
 
     def consume(self, timer: StageTimer, metrics: dict[str, float]) -> TrainMetrics:
         """Get a step's experiences from the buffer, train, learn from the update, sync."""
+        if self._report is not None and not self._report.trainable:  # it put nothing into the buffer
+            timer.run("sync", self.sync_weights)  # the same weights, a new version: versions keep to steps
+            return TrainMetrics.skipped()
         taken = self.parts.buffer.get(self.train_batch_size, self.versions.weight)
         self._taken = True
         metrics.update(taken.metrics())

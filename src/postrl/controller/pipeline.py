@@ -44,15 +44,19 @@ class ProducedBatch:
 
     values: dict[str, float]
     notes: dict[str, str] = field(default_factory=dict)
+    # False: the batch put nothing into the buffer (a policy that took no turn in its episodes), so
+    # its step takes nothing and trains nothing
+    trainable: bool = True
 
 
 def ledger_state(produced: int, reports: deque[ProducedBatch]) -> dict[str, Any]:
     """A producer's part of the checkpoint: batches produced in all, the reports not yet consumed."""
-    return {"produced": produced, "reports": [(r.values, r.notes) for r in reports]}
+    return {"produced": produced, "reports": [(r.values, r.notes, r.trainable) for r in reports]}
 
 
 def ledger_of(state: dict[str, Any]) -> tuple[int, deque[ProducedBatch]]:
-    return int(state["produced"]), deque(ProducedBatch(dict(v), dict(n)) for v, n in state["reports"])
+    reports = deque(ProducedBatch(dict(r[0]), dict(r[1]), *(bool(x) for x in r[2:])) for r in state["reports"])
+    return int(state["produced"]), reports
 
 
 class PipelineError(RuntimeError):

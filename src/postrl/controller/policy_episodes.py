@@ -114,6 +114,10 @@ class PolicyEpisodes:
         return self.scoring.score(prompts, rollouts)
 
     def trainable(self, groups: Groups, batch: int) -> Groups:
+        """The rollouts with tokens to train on; none where this policy took no turn in the batch's
+        episodes (a game that ended before its seat's turn): its step then trains nothing."""
+        if not groups.rollouts:
+            return groups
         return trainable(groups, batch)
 
     def suspend(self) -> bool:

@@ -94,7 +94,7 @@ def metric_parts(metrics: StepMetrics) -> list[str]:
     named = held_out_by_name(metrics.values)
     if named:
         parts.append("val " + ", ".join(f"{name} {value:.3f}" for name, value in named))
-    for note in ("flagged", "no_signal"):
+    for note in ("flagged", "no_signal", "no_samples"):
         if metrics.notes.get(note):
             parts.append(metrics.notes[note])
     return parts
