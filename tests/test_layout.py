@@ -249,7 +249,6 @@ ONE_FUNCTION_MODULES = {
     "algorithms/kl_control.py": "the adaptive KL controller's formula",
     "models/openmp_waits.py": "imported by postrl/__init__ before anything loads torch, so it imports nothing heavy",
     "models/onednn_cache.py": "imported by postrl/__init__ before torch's first matmul, so it imports nothing heavy",
-    "rollout/agentic/env_lookup.py": "imports every kind of environment, which import env.py: apart, no file cycle",
     "scheduling/factory.py": "imports both schedulers, which import base.py: apart, no file cycle",
     "run/batch_sources.py": "joins the controller's batch sources to serve/'s recording server (controller/ never imports serve/)",
 }

@@ -164,6 +164,20 @@ def test_seat_config_errors_name_the_field(change, message):
     assert all(run.agent.seats is None for run in good.policy_runs().values())  # the run's, not each policy's
 
 
+def seats_run(tmp_path, data, env: str, name: str, bob: str = "{}") -> list[str]:
+    """``postrl train`` arguments: two steps of tests.seated_envs' ``env``, writer alice, reader bob."""
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(
+        f"agent: {{env: 'tests.seated_envs:{env}', seats: {{writer: alice, reader: bob}}, max_tokens_per_turn: 6, "
+        f"max_context: 128, env_workers: 1}}\npolicies:\n  alice: {{}}\n  bob: {bob}\n"
+    )
+    return [
+        "train", str(config), f"output_dir={tmp_path}/runs", f"name={name}", "model.path=demo", "steps=2",
+        f"data.train_files=[{data}]", "data.task=null", "prompts_per_step=2", "rollout.n=2",
+        "logging.trackers=[jsonl]", "train.mini_batch_size=4", "train.micro_batch_size=4",
+    ]  # fmt: skip
+
+
 def test_postrl_train_steps_each_seat_s_policy(tmp_path, arithmetic_jsonl):
     """Both policies train on their own seats' samples; validation (logging.eval_every) plays the
     held-out games once after both steps, each policy reporting its seat's rewards, and takes no
@@ -173,17 +187,8 @@ def test_postrl_train_steps_each_seat_s_policy(tmp_path, arithmetic_jsonl):
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(json.dumps({"prompt": f"{a}*3=", "answer": str(3 * a)}) + "\n" for a in range(3)))
 
-    config = tmp_path / "seats.yaml"
-    config.write_text(
-        "agent: {env: 'tests.seated_envs:Relay', seats: {writer: alice, reader: bob}, max_tokens_per_turn: 6, "
-        "max_context: 128, env_workers: 1}\npolicies:\n  alice: {}\n  bob: {train: {lr: 0.001}}\n"
-    )
-    args = [
-        "train", str(config), f"output_dir={tmp_path}/runs", "name=seats", "model.path=demo", "steps=2",
-        f"data.train_files=[{arithmetic_jsonl}]", "data.task=null", "prompts_per_step=2", "rollout.n=2",
-        "logging.trackers=[jsonl]", "train.mini_batch_size=4", "train.micro_batch_size=4",
-        "logging.eval_every=2", f"data.val_files=[{held_out}]",
-    ]  # fmt: skip
+    args = seats_run(tmp_path, arithmetic_jsonl, "Relay", "seats", "{train: {lr: 0.001}}")
+    args += ["logging.eval_every=2", f"data.val_files=[{held_out}]"]
     seated_envs.ACTIONS.clear()
     assert main(args) == 0
     run = tmp_path / "runs" / "seats"
@@ -212,17 +217,7 @@ def test_a_policy_whose_seat_never_acts_in_a_batch_skips_its_update(tmp_path, ar
     skips its update (no samples, no gradient), the writer's policy trains, and the run completes."""
     from postrl.cli import main
 
-    config = tmp_path / "alone.yaml"
-    config.write_text(
-        "agent: {env: 'tests.seated_envs:WriterAlone', seats: {writer: alice, reader: bob}, max_tokens_per_turn: 6, "
-        "max_context: 128, env_workers: 1}\npolicies:\n  alice: {}\n  bob: {}\n"
-    )
-    args = [
-        "train", str(config), f"output_dir={tmp_path}/runs", "name=alone", "model.path=demo", "steps=2",
-        f"data.train_files=[{arithmetic_jsonl}]", "data.task=null", "prompts_per_step=2", "rollout.n=2",
-        "logging.trackers=[jsonl]", "train.mini_batch_size=4", "train.micro_batch_size=4",
-    ]  # fmt: skip
-    assert main(args) == 0
+    assert main(seats_run(tmp_path, arithmetic_jsonl, "WriterAlone", "alone")) == 0
     assert "|| bob | s 0.0 | no sample: the policy took no turn in this batch's episodes" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "runs" / "alone" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

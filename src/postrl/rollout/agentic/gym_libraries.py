@@ -134,22 +134,26 @@ def _text(observations: list[Any]) -> str:
     return "\n".join(str(o[1]) if isinstance(o, tuple) else str(o) for o in kept).strip()
 
 
+def _textarena_game(game: str, options: dict[str, Any]) -> Any:
+    """TextArena's ``game`` (its raw variant where there is one), made with ``options``; an unknown
+    game is refused naming its variants."""
+    ta = _library("textarena")
+    from textarena.envs.registration import ENV_REGISTRY
+
+    if game not in ENV_REGISTRY:
+        near = sorted(g for g in ENV_REGISTRY if g.split("-")[0].lower() == game.split("-")[0].lower())[:5]
+        raise ValueError(f"TextArena has no game '{game}'" + (f" (its variants: {', '.join(near)})" if near else ""))
+    raw = f"{game}-raw" if f"{game}-raw" in ENV_REGISTRY else game
+    with _no_downloads(game):
+        return ta.make(raw, **options)
+
+
 class TextArenaEnvironment:
     tools: list[Tool] = []
 
     def __init__(self, game: str, **options: Any) -> None:
-        ta = _library("textarena")
-        from textarena.envs.registration import ENV_REGISTRY
-
-        if game not in ENV_REGISTRY:
-            near = sorted(g for g in ENV_REGISTRY if g.split("-")[0].lower() == game.split("-")[0].lower())[:5]
-            raise ValueError(
-                f"TextArena has no game '{game}'" + (f" (its variants: {', '.join(near)})" if near else "")
-            )
         self.game = game
-        raw = f"{game}-raw" if f"{game}-raw" in ENV_REGISTRY else game
-        with _no_downloads(game):
-            self.env = ta.make(raw, **options)
+        self.env = _textarena_game(game, options)
         self.random: EpisodeRandom | None = None
 
     def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -201,20 +205,10 @@ class TextArenaSeats:
     among it), and at the end each seat gets the game's reward of its player."""
 
     def __init__(self, game: str, num_players: int = 2, **options: Any) -> None:
-        ta = _library("textarena")
-        from textarena.envs.registration import ENV_REGISTRY
-
-        if game not in ENV_REGISTRY:
-            near = sorted(g for g in ENV_REGISTRY if g.split("-")[0].lower() == game.split("-")[0].lower())[:5]
-            raise ValueError(
-                f"TextArena has no game '{game}'" + (f" (its variants: {', '.join(near)})" if near else "")
-            )
         self.game = game
         self.num_players = num_players
         self.seats = tuple(seat_name(i) for i in range(num_players))
-        raw = f"{game}-raw" if f"{game}-raw" in ENV_REGISTRY else game
-        with _no_downloads(game):
-            self.env = ta.make(raw, **options)
+        self.env = _textarena_game(game, options)
         self.random: EpisodeRandom | None = None
 
     def reset(self, row: dict[str, Any]) -> SeatStep:
