@@ -124,6 +124,11 @@ def test_policy_sections_merge_over_the_run_and_bad_ones_are_named():
             RunConfig.model_validate({**base, "policies": policies})
     with pytest.raises(ValueError, match="agent.function"):
         RunConfig.model_validate({"model": {"path": "demo"}, "policies": {"a": {}, "b": {}}})
+    ray_async = {"controller": {"mode": "async"}, "scheduler": {"type": "ray"}, "buffer": {"max_staleness": 1}}
+    with pytest.raises(ValueError, match=r"overlap=generation \(auto under Ray\) .* set controller.overlap=scoring"):
+        RunConfig.model_validate({**base, **ray_async, "policies": {"proposer": {}, "solver": {}}})
+    scoring = {**ray_async, "controller": {"mode": "async", "overlap": "scoring"}}
+    RunConfig.model_validate({**base, **scoring, "policies": {"proposer": {}, "solver": {}}})
     overlap = {"controller": {"mode": "async", "overlap": "generation"}, "buffer": {"max_staleness": 1}}
     with pytest.raises(ValueError, match="overlap=generation .* not supported with several policies"):
         RunConfig.model_validate({**base, **overlap, "policies": {"proposer": {}, "solver": {}}})

@@ -353,13 +353,13 @@ class RunConfig(RunCommandConfig):
             )
         if self.agent.seats is not None:
             check_seats(self.agent.seats, list(self.policies))
-        refused = {
-            "controller.overlap=generation (episodes suspended at a checkpoint)": self.controller.mode == "async"
-            and self.requested_overlap == "generation",
-        }
-        for what, used in refused.items():
-            if used:
-                raise ValueError(f"policies: {what} is not supported with several policies yet")
+        if self.controller.mode == "async" and self.requested_overlap == "generation":
+            asked = "asked" if self.controller.overlap == "generation" else "auto under Ray"
+            raise ValueError(
+                f"policies: controller.overlap=generation ({asked}) is not supported with several policies yet (the "
+                "policies' producers would need one staleness gate and one pause, docs/agentic.md): set "
+                "controller.overlap=scoring"
+            )
         self.policy_runs()  # each policy's run validates, its errors named by policies.NAME
         return self
 
