@@ -223,3 +223,15 @@ def test_a_policy_whose_seat_never_acts_in_a_batch_skips_its_update(tmp_path, ar
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["alice/reward/samples"] == 4 for r in rows) and rows[0]["alice/actor/grad_norm"] > 0
     assert all(r["bob/reward/samples"] == 0 and math.isnan(r["bob/actor/grad_norm"]) for r in rows)  # skipped
+
+
+def test_seats_the_environment_lacks_stop_the_run_before_its_first_step(tmp_path, arithmetic_jsonl, capsys):
+    from postrl.cli import main
+
+    args = seats_run(tmp_path, arithmetic_jsonl, "Relay", "typo")
+    config = tmp_path / "typo.yaml"
+    config.write_text(config.read_text().replace("reader: bob", "raeder: bob"))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "has no seat ['raeder'] and leaves seat ['reader'] without a policy" in err
+    assert not (tmp_path / "runs" / "typo" / "metrics.jsonl").exists()

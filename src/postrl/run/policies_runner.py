@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from postrl.config.loading import save_config
-from postrl.config.run import RunConfig
+from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
 from postrl.controller.policy_episodes import HeldOutEpisodes, PolicyEpisodes, SharedEpisodes
@@ -115,13 +115,18 @@ def episode_function(config: RunConfig, runs: dict[str, RunConfig]) -> AgentFunc
         assert agent.function is not None
         return load_agent_function(agent.function)
     assert agent.env is not None
-    return SeatedEpisodes(
+    episodes = SeatedEpisodes(
         seated_environment_factory(agent.env),
         agent.env_options,
         agent.seats,
         SeatTurns(agent.max_turns, agent.max_tokens_per_turn, {n: r.rollout.temperature for n, r in runs.items()}),
         agent.env,
     )
+    try:
+        episodes.check()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    return episodes
 
 
 def build_policies(config: RunConfig) -> Policies:

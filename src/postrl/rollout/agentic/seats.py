@@ -121,20 +121,33 @@ class SeatedEpisodes:
         self.turns = turns
         self.env_name = env_name
 
+    def check(self) -> None:
+        """One environment made, checked (seated, its seats those of ``agent.seats``) and closed:
+        a run with a wrong seat stops before its first step, not at its first episodes."""
+        env = self.make_env(**self.env_options)
+        try:
+            self._seats_of(env)
+        finally:
+            env.close()
+
     def __call__(self, client: Any, row: dict[str, Any]) -> dict[str, float]:
         env = self.make_env(**self.env_options)
         try:
-            if not isinstance(env, SeatedEnvironment):
-                raise TypeError(
-                    f"agent.env {self.env_name}: {type(env).__name__} is not a seated environment (seats, "
-                    "reset(row) -> SeatStep, step(seat, action) -> SeatStep, close())"
-                )
-            seats = tuple(env.seats)
-            check_seating(seats, self.seating, self.env_name)
+            seats = self._seats_of(env)
             row = {k: v for k, v in row.items() if k != "policy_urls"}
             return self._play(client, env, seats, row)
         finally:
             env.close()
+
+    def _seats_of(self, env: Any) -> tuple[str, ...]:
+        if not isinstance(env, SeatedEnvironment):
+            raise TypeError(
+                f"agent.env {self.env_name}: {type(env).__name__} is not a seated environment (seats, "
+                "reset(row) -> SeatStep, step(seat, action) -> SeatStep, close())"
+            )
+        seats = tuple(env.seats)
+        check_seating(seats, self.seating, self.env_name)
+        return seats
 
     def _play(
         self, client: Any, env: SeatedEnvironment, seats: tuple[str, ...], row: dict[str, Any]
