@@ -178,6 +178,116 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": round(mean, 4), "sd": round(sd, 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
+# -- --demo: the shipped demo model, its own GRPO run as the teacher ----------------------------------
+DEMO_STUDENT = ["train.epochs=2"]  # what docs/algorithms.md tells a user to set for distillation
+
+
+def demo_run(name: str, out: Path, steps: int, seed: int, smoke: bool, extra: list[str]) -> tuple[float, float]:
+    """The demo's settings (``postrl demo``), ``steps`` steps with run seed ``seed`` and ``extra``
+    overrides: the held-out accuracy of the model it made (the demo's own evaluation) and its step time."""
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.run.demo import demo_config
+    from postrl.run.evaluate import evaluate_model
+    from postrl.run.train_runner import train
+    from postrl.types.metric_names import TIME_STEP_S
+
+    wall = []
+    overrides = [f"name={name}", f"output_dir={out}", f"steps={steps}", f"seed={seed}", "logging.console=false"]
+    overrides += ["prompts_per_step=4"] if smoke else []
+    config = demo_config(overrides + extra)
+    train(config, on_step=lambda m: wall.append(m.values[TIME_STEP_S]))
+    model = load_causal_lm(str(config.run_dir / "final_model"))
+    held_out = evaluate_model(model, load_tokenizer(config.model.path), "arithmetic", rollout=config.rollout)
+    return held_out.accuracy, sum(wall)
+
+
+def demo_teacher(cache: Path, smoke: bool) -> dict:
+    """``postrl demo``'s GRPO run, kept in ``cache`` by its settings: the teacher."""
+    from postrl.run.demo import DEMO_SETTINGS
+
+    steps = 2 if smoke else DEMO_SETTINGS["steps"]
+    kept = cache / f"demo-teacher-{hashlib.sha256(json.dumps([DEMO_SETTINGS, steps]).encode()).hexdigest()[:12]}"
+    if (kept / "teacher.json").is_file():
+        print(f"  the teacher from {kept}", file=sys.stderr)
+        return json.loads((kept / "teacher.json").read_text())
+    out = Path(tempfile.mkdtemp(prefix="distill-demo-"))
+    acc, wall = demo_run("teacher", out, steps, 0, smoke, [])
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(out / "teacher" / "final_model", kept / "model")
+    shutil.rmtree(out, ignore_errors=True)
+    made = {"model": str(kept / "model"), "teacher_acc": acc, "teacher_steps": steps, "teacher_wall_s": wall}
+    (kept / "teacher.json").write_text(json.dumps(made))
+    return made
+
+
+def demo_main(args: argparse.Namespace) -> dict:
+    """The student (the shipped demo model) distilled from the demo's GRPO-trained model for a
+    quarter of the teacher's steps, over ``args.seeds``; beside each, GRPO alone with the student's
+    settings and seed (what the teacher adds over the task's own reward)."""
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.run.evaluate import evaluate_model
+
+    teacher = demo_teacher(args.cache, args.smoke)
+    before = evaluate_model(load_causal_lm("demo"), load_tokenizer("demo"), "arithmetic").accuracy
+    steps = max(1, teacher["teacher_steps"] // 4)
+    gain = teacher["teacher_acc"] - before
+    per_seed = []
+    for seed in args.seeds:
+        out = Path(tempfile.mkdtemp(prefix="distill-demo-"))
+        try:
+            distill = [f"algorithm.distill.teacher={teacher['model']}", *DEMO_STUDENT]
+            after, wall = demo_run("student", out, steps, seed, args.smoke, distill)
+            grpo, grpo_wall = demo_run("grpo", out, steps, seed, args.smoke, DEMO_STUDENT)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        per_seed.append(
+            {
+                "seed": seed,
+                "student_acc_after": round(after, 4),
+                "of_teacher_acc": round(after / teacher["teacher_acc"], 3) if teacher["teacher_acc"] else None,
+                "reached_fraction": round((after - before) / gain, 3) if gain > 0 else None,
+                "grpo_same_settings_acc": round(grpo, 4),
+                "student_wall_s": round(wall, 1),
+                "grpo_wall_s": round(grpo_wall, 1),
+            }
+        )
+    fractions = [s["reached_fraction"] for s in per_seed if s["reached_fraction"] is not None]
+    return {
+        "teacher_acc": round(teacher["teacher_acc"], 4),
+        "student_acc_before": round(before, 4),
+        "student_acc_after": spread([s["student_acc_after"] for s in per_seed])["mean"],
+        "student_acc_after_spread": spread([s["student_acc_after"] for s in per_seed]),
+        "of_teacher_acc": spread([s["of_teacher_acc"] for s in per_seed if s["of_teacher_acc"] is not None])["mean"],
+        "reached_fraction": spread(fractions)["mean"] if fractions else None,
+        "reached_fraction_spread": spread(fractions) if fractions else None,
+        "grpo_same_settings_acc": spread([s["grpo_same_settings_acc"] for s in per_seed])["mean"],
+        "student_steps": steps,
+        "teacher_steps": teacher["teacher_steps"],
+        "student_settings": DEMO_STUDENT,
+        "seeds": list(args.seeds),
+        "per_seed": per_seed,
+    }
+
+
+def print_demo(result: dict) -> None:
+    print("held-out greedy accuracy on the demo's 200 problems (arithmetic), the shipped demo model as the student")
+    print(f"{'':34s}{'accuracy':>10s}{'steps':>7s}{'of teacher':>12s}{'reached':>9s}")
+    print(f"{'student before':34s}{result['student_acc_before']:10.3f}")
+    print(f"{'teacher (postrl demo: GRPO)':34s}{result['teacher_acc']:10.3f}{result['teacher_steps']:7d}")
+    for s in result["per_seed"]:
+        print(
+            f"{'student, seed ' + str(s['seed']):34s}{s['student_acc_after']:10.3f}{result['student_steps']:7d}"
+            f"{s['of_teacher_acc']!s:>12s}{s['reached_fraction']!s:>9s}"
+        )
+        print(f"{'  GRPO alone, same settings':34s}{s['grpo_same_settings_acc']:10.3f}{result['student_steps']:7d}")
+    print(
+        f"student {result['student_acc_after']} = {result['of_teacher_acc']} of the teacher's accuracy, reached_fraction "
+        f"{result['reached_fraction']} (seeds {result['reached_fraction_spread']}) in {result['student_steps']} of "
+        f"the teacher's {result['teacher_steps']} steps; GRPO alone with the student's settings "
+        f"{result['grpo_same_settings_acc']}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -193,8 +303,19 @@ def main() -> int:
     )
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "postrl-distill")
     parser.add_argument("--png", type=Path, default=Path("docs/distill.png"), help="the two curves")
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="the demo model distilled from the demo's own GRPO run (quarter of its steps), beside GRPO alone",
+    )
     add_smoke(parser)
     args = parser.parse_args()
+    if args.demo:
+        result = demo_main(args)
+        print_demo(result)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     if (why := real_task.missing()) is not None:
         skip(why, args.json)
         return 0

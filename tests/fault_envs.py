@@ -240,3 +240,9 @@ class JitteryGuess(GuessNumber):
         if self.turns < 2:
             return StepResult([{"role": "user", "content": "again"}], reward=0.0)
         return StepResult([], reward=float(self.secret in action), done=True)
+
+
+def agent_thinks_a_while(client, row):
+    """Thinks for 250 ms by itself, then asks the model (a batch of these is a long phase)."""
+    time.sleep(0.25)
+    return agent_answers(client, row)

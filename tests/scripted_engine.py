@@ -59,5 +59,10 @@ class ScriptedEngine(EngineBase):
     def health_check(self):
         return True
 
+    def health(self):
+        from postrl.types import Health
+
+        return Health(True)
+
     def close(self):
         pass

@@ -43,6 +43,9 @@ class FakeRollout(EngineBase):
         self.weight_version = version
 
     def health_check(self):
+        return self.health().ok
+
+    def health(self):
         self.calls.append(("health_check", self.weight_version))
         if self.weight_version >= self.healthy_after:
             return Health(False, "KV cache holds NaN")

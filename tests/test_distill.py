@@ -171,7 +171,19 @@ def test_a_teacher_on_another_tokenizer_is_refused_naming_both(tmp_path, tiny_mo
     assert "does not share the student's tokenizer" in message and "reads the student's token ids" in message
 
 
-def distill_run(tmp_path, student, data, distill, name, steps=2, lr=5e-2, n=4, max_tokens=6, checkpoint_every=0):
+def distill_run(
+    tmp_path,
+    student,
+    data,
+    distill,
+    name,
+    steps=2,
+    lr=5e-2,
+    n=4,
+    max_tokens=6,
+    checkpoint_every=0,
+    reward="digit_share",
+):
     from postrl.run.train_runner import train
 
     config = build_config(
@@ -184,9 +196,7 @@ def distill_run(tmp_path, student, data, distill, name, steps=2, lr=5e-2, n=4, m
             "model": {"path": str(student)},
             "data": {"train_files": [str(data)]},
             "rollout": {"n": n, "max_tokens": max_tokens, "dtype": "float32"},
-            "reward": {
-                "components": [{"type": "custom", "name": "digits", "function": "tests.reward_fns:digit_share"}]
-            },
+            "reward": {"components": [{"type": "custom", "name": "digits", "function": f"tests.reward_fns:{reward}"}]},
             "algorithm": {"distill": distill},
             "train": {"lr": lr, "mini_batch_size": 4 * n, "micro_batch_size": 8, "precision": "float32"},
             "checkpoint": {"every_steps": checkpoint_every},

@@ -195,8 +195,8 @@ def test_the_seed_s_interfaces_as_the_seed_writes_them(tmp_path, char_tokenizer)
     assert advantages[1] == -advantages[0] and advantages[2] == advantages[3] == 0.0
 
     worker = NativeRolloutWorker.from_hf(make_tiny_model("llama", char_tokenizer), char_tokenizer)
-    assert worker.health_check()  # RolloutWorker.health_check() -> bool: a Health is true when it can serve
-    assert bool(worker.health_check()) is True
+    assert worker.health_check() is True  # RolloutWorker.health_check() -> bool, as the seed writes it
+    assert worker.health() and worker.health().reason == ""  # the details, one call away
 
     service = LocalRewardService(RewardConfig(num_workers=1))
     try:  # score(prompt, response) -> float, the answer in the prompt's columns

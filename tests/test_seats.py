@@ -105,7 +105,10 @@ def test_an_environment_without_seats_or_with_other_seats_is_refused(two_policie
     assert "NotSeated is not a seated environment" in r.episode.info["env_error"]
     other = SeatedEpisodes(seated_envs.Relay, {}, {"writer": "alice", "judge": "bob"}, TURNS, "relay")
     (r,) = play(engines, tokenizer, other, ["1+2="], n=1)["bob"]
-    assert "has no seat ['judge'] and leaves seat ['reader'] without a policy" in r.episode.info["env_error"]
+    assert (
+        "agent.seats names seat 'judge' that the environment does not have (a typo?) and leaves seat 'reader' of "
+        "the environment without a policy: the environment relay has seats ['writer', 'reader']"
+    ) in r.episode.info["env_error"]
 
 
 def test_textarena_players_are_seats_each_shown_the_other_s_moves():
@@ -233,5 +236,6 @@ def test_seats_the_environment_lacks_stop_the_run_before_its_first_step(tmp_path
     config.write_text(config.read_text().replace("reader: bob", "raeder: bob"))
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "has no seat ['raeder'] and leaves seat ['reader'] without a policy" in err
+    assert "agent.seats names seat 'raeder' that the environment does not have (a typo?)" in err
+    assert "has no seat" not in err  # the seats, not the environment, were misnamed
     assert not (tmp_path / "runs" / "typo" / "metrics.jsonl").exists()

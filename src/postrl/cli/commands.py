@@ -131,17 +131,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from postrl.run.evaluate import SampledEval, run_eval
+    from postrl.run.progress import shown_on_console
 
-    return run_eval(
-        model=args.model,
-        run=args.run,
-        task=args.task,
-        data=args.data,
-        config=args.config,
-        max_tokens=args.max_tokens,
-        out=args.out,
-        sampling=SampledEval(args.n, args.k, args.temperature, args.top_p, args.url, args.json),
-    )
+    with shown_on_console():
+        return run_eval(
+            model=args.model,
+            run=args.run,
+            task=args.task,
+            data=args.data,
+            config=args.config,
+            max_tokens=args.max_tokens,
+            out=args.out,
+            sampling=SampledEval(args.n, args.k, args.temperature, args.top_p, args.url, args.json),
+        )
 
 
 def _cmd_serve_rollout(args: argparse.Namespace) -> int:
@@ -170,7 +172,7 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
         weights_dir=args.weights_dir,
         max_body_bytes=args.max_body_bytes,
     )
-    recorder = EpisodeRecorder(tokenizer) if args.record else None
+    recorder = EpisodeRecorder(tokenizer, ids_from_callers=True) if args.record else None
     app = build_app(
         batcher,
         tokenizer,

@@ -42,6 +42,13 @@ class MlflowConfig(Section):
 class LoggingConfig(Section):
     console: bool = Field(True, description="One line of metrics per step on stdout.")
     progress_bar: bool = Field(True, description="A progress bar on a terminal (never when stderr is not a TTY).")
+    progress: bool = Field(
+        True,
+        description="Progress of a step's phases that run longer than 5 s (a batch's generation or episodes, the "
+        "update, a teacher pass, an evaluation): done / total, tokens/s and the time left, on the progress bar "
+        "(else in place on one line of stderr) where stderr is a terminal; where it is not (a log file), a line "
+        "every 30 s and one when the phase ends.",
+    )
     trackers: list[Tracker] = Field(
         default_factory=lambda: list(DEFAULT_TRACKERS),
         description="Where each step's scalars go besides the console: tensorboard (tensorboard/), jsonl "

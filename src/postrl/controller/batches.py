@@ -204,4 +204,5 @@ class BatchMaker:
             **stage_metrics,
             **episode_metrics(rollouts),
         }
-        return ProducedBatch(values, step_notes(scored, values[REWARD_NO_SIGNAL_GROUPS]))
+        notes = step_notes(scored, values[REWARD_NO_SIGNAL_GROUPS], self.config.algorithm.distill)
+        return ProducedBatch(values, notes)

@@ -15,6 +15,7 @@ from postrl.workers.roles import Critic, ExperienceStore, RewardService, Scalabl
 
 class Tokenizer(Protocol):
     pad_token_id: int
+    chat_template: str | None
 
     def save_pretrained(self, folder: Any) -> Any: ...
 

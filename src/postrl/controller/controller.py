@@ -183,7 +183,7 @@ class Controller:
 
     def check_engine(self, when: str) -> None:
         """Stop the run, with the engine's own reason, when the rollout engine cannot serve."""
-        health = self.parts.rollout.health_check()
+        health = self.parts.rollout.health()
         self.engine_healthy = bool(health)
         if not health:
             raise EngineUnhealthyError(

@@ -71,7 +71,8 @@ class EnvEpisodes:
                 "system (postrl writes them into a system message), none (the model was trained on them) or use a "
                 "model whose template renders tools"
             )
-        (log.info if report.append_only else log.warning)("agent: %s", report.summary(config.on_prefix_break))
+        summary = report.summary(config.on_prefix_break, bool(tools) and config.tools_in_prompt == "template")
+        (log.info if report.append_only else log.warning)("agent: %s", summary)
         self._running: set[EpisodeRunner] = set()  # the runs in progress (suspend() reaches them)
         self._lock = threading.Lock()
 

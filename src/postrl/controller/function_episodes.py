@@ -36,7 +36,10 @@ class AgentFunctionEpisodes:
         self.rollout = rollout
         self.scoring = EpisodeScoring(config.reward, reward, errors_log)
         report = check_template(tokenizer)
-        (log.info if report.append_only else log.warning)("agent: %s", report.summary(config.on_prefix_break))
+        # the function's tools are known only at its calls: a call with tools= on a template that drops them
+        # is refused there, naming agent.tools_in_prompt
+        summary = report.summary(config.on_prefix_break, tools_shown=False)
+        (log.info if report.append_only else log.warning)("agent: %s", summary)
 
     @property
     def accuracy_component(self) -> str | None:

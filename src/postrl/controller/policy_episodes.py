@@ -96,7 +96,8 @@ class PolicyEpisodes:
         self.shared = shared
         self.scoring = EpisodeScoring(config.reward, reward, errors_log)
         report = check_template(tokenizer)
-        (log.info if report.append_only else log.warning)("policy %s: %s", name, report.summary(config.on_prefix_break))
+        summary = report.summary(config.on_prefix_break, tools_shown=False)  # as for one policy's agent function
+        (log.info if report.append_only else log.warning)("policy %s: %s", name, summary)
 
     @property
     def accuracy_component(self) -> str | None:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from postrl.controller.stages.base import Groups
 from postrl.reward.requests import score_with
+from postrl.rollout.common import generate_shown
 from postrl.rollout.continuation import continue_rollouts
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 from postrl.workers.roles import RewardService, RolloutWorker
@@ -62,7 +63,7 @@ class SingleTurn:
         return self.reward.accuracy_component
 
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, version: int | None) -> list[Rollout]:
-        return self.rollout.generate(prompts, sampling, version)
+        return generate_shown(self.rollout, prompts, sampling, version)
 
     def resume(
         self, prompts: list[Prompt], rollouts: list[Rollout], sampling: SamplingParams, version: int | None

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from postrl.config.distill import DistillConfig
 from postrl.types import Prompt, RewardResult, Rollout, StepBatch
 from postrl.types.episode import Episode
 from postrl.types.metric_names import (
@@ -144,14 +145,20 @@ def _plain_metadata(step: StepBatch, row: int) -> dict:
     return {k: v for k, v in step.metadata(row).items() if k not in skip}
 
 
-def step_notes(rewards: list[RewardResult], no_signal: float) -> dict[str, str]:
-    """Text for the console: the top unscorable reason, groups without signal, flagged samples."""
+def step_notes(rewards: list[RewardResult], no_signal: float, distill: DistillConfig | None = None) -> dict[str, str]:
+    """Text for the console: the top unscorable reason, groups without signal, flagged samples.
+    With ``distill``, a group of identical rewards still learns from its teacher: said so where
+    the task reward is part of the advantage, not said where it is not."""
     notes = {}
     reason = most_common_error(rewards)
     if reason:
         notes["unscorable_reason"] = reason
-    if no_signal > 0:
+    if no_signal > 0 and distill is None:
         notes["no_signal"] = f"{no_signal:.0%} of groups have identical rewards (no advantage, no gradient)"
+    elif no_signal > 0 and distill is not None and distill.task_reward:
+        notes["no_signal"] = (
+            f"{no_signal:.0%} of groups have identical rewards (their gradient is the teacher's term alone)"
+        )
     flags = Counter(f for r in rewards for f in r.flags)
     if flags:
         flag, count = flags.most_common(1)[0]

@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from postrl.models.weights import verify_manifest
-from postrl.types import Health, Prompt, SamplingParams
+from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback
+from postrl.types.progress import phase
+from postrl.workers.roles import RolloutWorker
 
 
 def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
@@ -70,6 +72,14 @@ class EngineBase:
     streams_tokens: ClassVar[bool] = False  # generate takes on_token (the engines that sample token by token)
     joins_calls: ClassVar[bool] = False  # concurrent generate calls share one batch (see RolloutWorker)
 
+    def health(self) -> Health:
+        """See :meth:`postrl.workers.roles.RolloutWorker.health` (each engine checks its own)."""
+        raise NotImplementedError
+
+    def health_check(self) -> bool:
+        """Whether the engine can serve; :meth:`health` says why not."""
+        return self.health().ok
+
     def counters(self) -> dict[str, float]:
         """Nothing counted (see :meth:`postrl.workers.roles.RolloutWorker.counters`)."""
         return {}
@@ -117,3 +127,26 @@ class EngineBase:
 
     def close(self) -> None:
         """Release what the engine holds (processes, caches); in-process engines hold nothing to release."""
+
+
+def replay_tokens(on_token: TokenCallback, rollouts: list[Rollout]) -> None:
+    """Token events for responses an engine did not stream: every token of every response, at once
+    (the last with its finish reason), the samples of a prompt numbered in order."""
+    seen: dict[int, int] = {}
+    for r in rollouts:
+        sample = seen.get(r.prompt_index, 0)
+        seen[r.prompt_index] = sample + 1
+        last = len(r.response_ids) - 1
+        for t, (token, logprob) in enumerate(zip(r.response_ids, r.logprobs)):
+            top = r.top_logprobs[t] if r.top_logprobs else None
+            on_token(r.prompt_index, sample, token, logprob, top, r.finish_reason if t == last else None)
+
+
+def generate_shown(
+    engine: RolloutWorker, prompts: list[Prompt], sampling: SamplingParams, version: int | None
+) -> list[Rollout]:
+    """``engine.generate`` as a ``generate`` phase (:mod:`postrl.types.progress`) whose samples are
+    counted as they finish where the engine streams its tokens (else when it returns)."""
+    with phase("generate", len(prompts) * sampling.n, "samples") as shown:
+        counting = {"on_token": shown.token_counter()} if engine.streams_tokens else {}
+        return engine.generate(prompts, sampling, version, **counting)

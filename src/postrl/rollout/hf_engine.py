@@ -104,7 +104,7 @@ class HFRolloutWorker(EngineBase):
                 out.append(logp.gather(-1, tokens[0, 1:].unsqueeze(-1)).squeeze(-1).cpu().tolist())
         return out
 
-    def health_check(self) -> Health:
+    def health(self) -> Health:
         """Finite weights, and one greedy token from a one-token prompt."""
         with self._busy:
             return self._health_check()

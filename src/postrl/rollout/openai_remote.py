@@ -108,7 +108,7 @@ class OpenAIRolloutWorker(EngineBase):
                 old.unlink(missing_ok=True)
         self.weight_version = version
 
-    def health_check(self) -> Health:
+    def health(self) -> Health:
         return http_health(self.client, self.url, "rollout server", timeout=30)
 
     def close(self) -> None:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from postrl.rollout.common import replay_tokens
 from postrl.rollout.weight_transport import WeightTransport
-from postrl.types import Health, Prompt, Rollout, SamplingParams
+from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback
 from postrl.workers import Handle, WorkerDiedError, WorkerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class EngineSlot:
     handle: Handle
     outstanding: int = 0  # tokens of prompts sent and not yet answered
     _joins: bool | None = None  # read from the engine once per handle
+    _streams: bool | None = None
 
     @property
     def joins_calls(self) -> bool:
@@ -44,12 +46,21 @@ class EngineSlot:
         return self._joins
 
     @property
+    def streams(self) -> bool:
+        """The engine is in this process and calls ``on_token`` for every token as it is sampled."""
+        if self._streams is None:
+            self._streams = self.handle.in_process and bool(self.handle.attribute("streams_tokens"))
+        return self._streams
+
+    @property
     def name(self) -> str:
         return self.handle.name
 
 
 class RolloutPool:
-    streams_tokens = False  # its engines' tokens are not relayed one by one
+    # generate takes on_token: relayed as sampled from engines in this process that stream, and given
+    # for every token of an engine's part when it returns from the others (a process, an actor)
+    streams_tokens = True
 
     def __init__(
         self,
@@ -82,8 +93,14 @@ class RolloutPool:
 
     # -- generation --------------------------------------------------------------------------
     def generate(
-        self, prompts: list[Prompt], sampling_params: SamplingParams, weight_version: int | None
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams,
+        weight_version: int | None,
+        on_token: TokenCallback | None = None,
     ) -> list[Rollout]:
+        """``on_token``: see :attr:`streams_tokens` (a lost engine's prompts, generated again
+        elsewhere, give their tokens once: a remote engine's are given only when its part returns)."""
         done: dict[int, list[Rollout]] = {}
         pending = list(range(len(prompts)))
         while pending:
@@ -91,16 +108,18 @@ class RolloutPool:
             for slot, indices in self._assign(prompts, pending, sampling_params).items():
                 work = sum(self._work(prompts[i], sampling_params) for i in indices)
                 slot.outstanding += work
+                relayed = on_token is not None and slot.streams
                 future = (handle := slot.handle).call_async(
                     "generate",
                     [prompts[i] for i in indices],
                     sampling_params,
                     weight_version,
                     timeout=self.generate_timeout_s,
+                    **({"on_token": _relay(on_token, indices)} if relayed and on_token is not None else {}),
                 )
-                calls.append((slot, handle, indices, work, future))
+                calls.append((slot, handle, indices, work, future, relayed))
             pending = []
-            for slot, handle, indices, work, future in calls:
+            for slot, handle, indices, work, future, relayed in calls:
                 try:
                     answered = future.result()
                 except LOST as exc:
@@ -118,10 +137,13 @@ class RolloutPool:
                     continue
                 finally:
                     slot.outstanding -= work
-                for r in answered:
-                    done.setdefault(indices[r.prompt_index], []).append(
-                        dataclasses.replace(r, prompt_index=indices[r.prompt_index], engine=slot.name)
-                    )
+                mine = [
+                    dataclasses.replace(r, prompt_index=indices[r.prompt_index], engine=slot.name) for r in answered
+                ]
+                for r in mine:
+                    done.setdefault(r.prompt_index, []).append(r)
+                if on_token is not None and not relayed:
+                    replay_tokens(on_token, mine)
         return [r for i in range(len(prompts)) for r in done.get(i, [])]
 
     def suspend(self) -> bool:
@@ -206,7 +228,11 @@ class RolloutPool:
         )
 
     # -- the rest of the Rollout Worker interface -------------------------------------------------
-    def health_check(self) -> Health:
+    def health_check(self) -> bool:
+        """Whether every engine serves (:meth:`health` says which does not, and why)."""
+        return self.health().ok
+
+    def health(self) -> Health:
         """Every engine serves. An engine lost meanwhile (its process or node gone) is replaced, given
         the current weights and checked once more, as a lost engine is during generate and sync; an
         engine that answers unhealthy, or a replacement that is lost too, fails the check."""
@@ -222,13 +248,13 @@ class RolloutPool:
     def _checked(self, slot: EngineSlot) -> Health:
         handle = slot.handle
         try:
-            return handle.call("health_check", timeout=120)
+            return handle.call("health", timeout=120)
         except LOST as exc:
             log.warning("%s was lost during a health check (%s); restarting it", slot.name, exc)
             self._replace(slot, str(exc), handle)
             if self._weights is not None:
                 self._push([slot], *self._weights)
-            return slot.handle.call("health_check", timeout=120)
+            return slot.handle.call("health", timeout=120)
 
     def counters(self) -> dict[str, float]:
         """The engines' counters, summed, as the change since the last call (a step's share); an
@@ -261,3 +287,12 @@ class RolloutPool:
     def close(self) -> None:
         for slot in self.engines:
             slot.handle.close()
+
+
+def _relay(on_token: TokenCallback, indices: list[int]) -> TokenCallback:
+    """``on_token`` for an engine given ``indices`` of the pool's prompts: its prompt numbers mapped back."""
+
+    def relay(prompt_index: int, *rest: Any) -> None:
+        on_token(indices[prompt_index], *rest)
+
+    return relay

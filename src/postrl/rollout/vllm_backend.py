@@ -198,7 +198,7 @@ class VLLMRolloutWorker(EngineBase):
             shutil.copyfile(path, target)
         return target
 
-    def health_check(self) -> Health:
+    def health(self) -> Health:
         """Asks the server; a dead process or a failed /health is unhealthy, with the log's tail."""
         if self.proc.poll() is not None:
             return Health(False, f"vLLM server exited with code {self.proc.returncode}; log {self.log.name}")

@@ -92,8 +92,8 @@ def run_harness(
         service.close()
         engine.close()
         raise
+    votes = agent is None or agent.reward == "service"
     try:
-        votes = agent is None or agent.reward == "service"
         harness = Harness(source, accuracy_component(source), reward.accuracy_threshold, greedy, sampling, votes)
         reports = [harness.report(name, dataset, ks) for name, dataset in sets.items()]
     finally:
@@ -102,7 +102,7 @@ def run_harness(
         engine.close()
     result = summary(model if url is None else url, n, temperature, top_p, reports)
     if not as_json:
-        echo(table(reports, ks, n if n > 1 else 0))
+        echo(table(reports, ks, n if n > 1 else 0, votes))
     else:
         echo(json.dumps(result))
     return result

@@ -17,10 +17,13 @@ from postrl.data.prompt_source import prompt_source
 from postrl.reward.accuracy import accuracy
 from postrl.reward.verifiers import VERIFIERS
 from postrl.reward.worker import resolve
+from postrl.rollout.common import generate_shown
 from postrl.rollout.factory import rollout_worker_for_model
 from postrl.tasks import get_task, task_rows
 from postrl.types import Rollout
 from postrl.workers.net import can_connect, url_endpoint
+
+DEFAULT_TASK = "arithmetic"  # what `postrl eval --model DIR` measures with no --task, --data or run: the demo's task
 
 
 @dataclass
@@ -53,7 +56,7 @@ def greedy_rollouts(
     engine = rollout_worker_for_model(rollout, model, tokenizer, "float32", seed=0)
     was_training = model.training
     try:
-        return engine.generate(dataset.prompts, greedy_sampling(rollout, max_tokens), 0)
+        return generate_shown(engine, dataset.prompts, greedy_sampling(rollout, max_tokens), 0)
     finally:
         engine.close()
         model.train(was_training)
@@ -270,6 +273,8 @@ def run_eval(
     model, run_config = _resolve_run(model, run, task, config)
     if task and data:
         raise ConfigError("give either --task or --data, not both")
+    if run_config is None and not task and not data:
+        task = DEFAULT_TASK  # a bare model folder: one rule for the one-line and the sampled evaluation
     if sampling.wanted(run_config):
         if out:
             raise ConfigError(
@@ -282,7 +287,7 @@ def run_eval(
     if not data and not task:
         data = _held_out_files(run, run_config)
     if not data:
-        task = task or (run_config.data.task if run_config and run_config.data.task else "arithmetic")
+        task = task or (run_config.data.task if run_config and run_config.data.task else DEFAULT_TASK)
         on_task = evaluate_model(policy, tokenizer, task, max_tokens or 16, run_config.rollout if run_config else None)
         print(f"{task}: held-out accuracy {on_task.accuracy:.3f} ({on_task.correct}/{on_task.total}) [{model}]")
         return 0

@@ -155,8 +155,15 @@ class Harness:
         return SetReport(name, figures(outcomes, ks, self.votes), per_task, errors)
 
 
-def table(reports: list[SetReport], ks: list[int], n: int) -> str:
-    """One row per set and per task: prompts, greedy, mean@n, pass@k..., maj@k..."""
+NO_VOTES = (
+    "maj@k is n/a: the episodes' rewards come from their environment or agent function, which give a score but "
+    "no stated answer to vote on (pass@k and mean@n count those rewards)"
+)
+
+
+def table(reports: list[SetReport], ks: list[int], n: int, votes: bool = True) -> str:
+    """One row per set and per task: prompts, greedy, mean@n, pass@k..., maj@k...; a line saying
+    why maj@k is n/a where answers cannot be ``votes``."""
     head = ["set", "task", "prompts", "greedy"]
     if n:
         head += [f"mean@{n}", *(f"pass@{k}" for k in ks), *(f"maj@{k}" for k in ks)]
@@ -173,4 +180,5 @@ def table(reports: list[SetReport], ks: list[int], n: int) -> str:
         rows.extend([report.name, task, *cells(f)] for task, f in report.per_task.items())
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines + [line for r in reports if (line := r.unscorable_line()) is not None])
+    lines += [line for r in reports if (line := r.unscorable_line()) is not None]
+    return "\n".join(lines + ([NO_VOTES] if n and ks and not votes else []))

@@ -23,6 +23,7 @@ from postrl.run.interrupt import GracefulStop, RunInterrupted, StepAbandoned
 from postrl.run.lease import RunLease
 from postrl.run.metrics import MetricSink
 from postrl.run.place import RunPlace
+from postrl.run.progress import shown_on_console
 from postrl.types import StepMetrics
 
 
@@ -201,8 +202,9 @@ class StepLoop:
         echo = bar.write if show_bar else stderr_echo
         sinks = self.make_sinks(bar.write if show_bar else print)
         stopper = GracefulStop(echo=echo)
+        shown = shown_on_console(self.config.logging.progress, bar.set_postfix_str if show_bar else None)
         try:
-            with stopper:
+            with stopper, shown:
                 self._steps(job, stopper, sinks, bar)
             final = self.config.run_dir / "final_model"
             job.save_final(final)

@@ -14,6 +14,7 @@ from postrl.types.metric_names import (
     ACTOR_ENTROPY,
     ACTOR_GRAD_NORM,
     ACTOR_KL,
+    DISTILL_REVERSE_KL,
     DPO_LOSS,
     DPO_MARGIN,
     DPO_REWARD_ACCURACY,
@@ -21,6 +22,7 @@ from postrl.types.metric_names import (
     RESPONSE_LENGTH_MEAN,
     REWARD_MEAN,
     REWARD_UNSCORABLE,
+    ROLLOUT_LOGPROB_DIFF_MAX,
     SFT_LOSS,
     TIME_STEP_S,
     VAL_ACCURACY,
@@ -33,6 +35,7 @@ CONSOLE_KEYS = [
     (ACCURACY, "acc", "{:.3f}"),
     (RESPONSE_LENGTH_MEAN, "len", "{:.1f}"),
     (ACTOR_KL, "kl", "{:.4f}"),
+    (DISTILL_REVERSE_KL, "distill kl", "{:.4f}"),
     (ACTOR_ENTROPY, "ent", "{:.3f}"),
     (ACTOR_GRAD_NORM, "gnorm", "{:.3f}"),
     (PERF_GEN_TOKENS_PER_S, "tok/s", "{:.0f}"),
@@ -41,6 +44,10 @@ CONSOLE_KEYS = [
     (DPO_MARGIN, "margin", "{:.3f}"),
     (TIME_STEP_S, "s", "{:.1f}"),
 ]
+
+
+# with rollout.exact: the largest difference between an engine's and the trainer's logprob of a token
+EXACT_KEY = (ROLLOUT_LOGPROB_DIFF_MAX, "engine-trainer diff", "{:.3g}")
 
 
 class MetricSink(Protocol):
@@ -59,26 +66,29 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def console_line(metrics: StepMetrics, total: int | None = None, policies: tuple[str, ...] = ()) -> str:
-    """The step's line; with ``policies``, each policy's main metrics after its name."""
+def console_line(
+    metrics: StepMetrics, total: int | None = None, policies: tuple[str, ...] = (), exact: bool = False
+) -> str:
+    """The step's line; with ``policies``, each policy's main metrics after its name; ``exact``
+    (rollout.exact): the engine-trainer logprob difference too, which exact mode keeps at 0."""
     head = f"step {metrics.step}" + (f"/{total}" if total else "")
     if policies:
-        return " || ".join([head, *(policy_part(metrics, name) for name in policies)])
-    return " | ".join([head, *metric_parts(metrics)])
+        return " || ".join([head, *(policy_part(metrics, name, exact) for name in policies)])
+    return " | ".join([head, *metric_parts(metrics, exact)])
 
 
-def policy_part(metrics: StepMetrics, name: str) -> str:
+def policy_part(metrics: StepMetrics, name: str, exact: bool = False) -> str:
     """One policy's part of a step's line: its metrics are the step's ``NAME/...`` ones."""
     prefix = f"{name}/"
     values = {k[len(prefix) :]: v for k, v in metrics.values.items() if k.startswith(prefix)}
     notes = {k[len(prefix) :]: v for k, v in metrics.notes.items() if k.startswith(prefix)}
     own = StepMetrics(metrics.step, metrics.weight_version, values, notes)
-    return " | ".join([name, *metric_parts(own)])
+    return " | ".join([name, *metric_parts(own, exact)])
 
 
-def metric_parts(metrics: StepMetrics) -> list[str]:
+def metric_parts(metrics: StepMetrics, exact: bool = False) -> list[str]:
     parts = []
-    for key, label, fmt in CONSOLE_KEYS:
+    for key, label, fmt in [*CONSOLE_KEYS[:-1], *([EXACT_KEY] if exact else []), CONSOLE_KEYS[-1]]:
         value = metrics.values.get(key)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
             parts.append(f"{label} {fmt.format(value)}")
@@ -116,18 +126,25 @@ class ConsoleSink:
     left (from this process's steps), the same on a terminal and in a log file."""
 
     def __init__(
-        self, echo=print, total: int | None = None, clock=time.monotonic, policies: tuple[str, ...] = ()
+        self,
+        echo=print,
+        total: int | None = None,
+        clock=time.monotonic,
+        policies: tuple[str, ...] = (),
+        exact: bool = False,
     ) -> None:
-        """``policies``: a run with several, whose metrics carry each policy's name."""
+        """``policies``: a run with several, whose metrics carry each policy's name; ``exact``: the
+        run's rollout.exact (each line shows the engine-trainer difference)."""
         self.echo = echo
         self.total = total
         self.policies = policies
+        self.exact = exact
         self.clock = clock
         self.started = clock()
         self.first_step: int | None = None
 
     def write(self, metrics: StepMetrics) -> None:
-        line = console_line(metrics, self.total, self.policies)
+        line = console_line(metrics, self.total, self.policies, self.exact)
         if self.first_step is None:
             self.first_step = metrics.step - 1
         elapsed = self.clock() - self.started

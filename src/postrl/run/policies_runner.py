@@ -36,6 +36,7 @@ from postrl.rollout.agentic.seats import SeatedEpisodes, SeatTurns
 from postrl.rollout.factory import EngineSpec
 from postrl.run.checkpoint import save_policies_checkpoint
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
+from postrl.run.model_card import trained_how, write_model_card
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plan.check import check_policies_plan
 from postrl.run.plots import plot_metrics
@@ -48,7 +49,7 @@ from postrl.serve.recording_server import RecordingServer, ServedPolicy
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
 from postrl.types import StepMetrics
-from postrl.types.metric_names import TIME_VALIDATE_S
+from postrl.types.metric_names import PERF_GEN_TOKENS_PER_S, TIME_GENERATE_S, TIME_VALIDATE_S
 from postrl.workers.roles import RewardService
 
 
@@ -182,6 +183,20 @@ def build_policies(config: RunConfig) -> Policies:
         raise
 
 
+def shared_generation_rates(stepped: dict[str, StepMetrics]) -> dict[str, float]:
+    """Each policy's tokens per second of the batch's generation, which its policies share: the
+    policy that ran the batch's episodes timed all of it, the others only the hand-over of their
+    part (a rate over that would be meaningless). The generation's seconds are the longest any
+    policy timed."""
+    seconds = max((m.values.get(TIME_GENERATE_S, 0.0) for m in stepped.values()), default=0.0)
+    rates = {}
+    for name, metrics in stepped.items():
+        rate, own = metrics.values.get(PERF_GEN_TOKENS_PER_S), metrics.values.get(TIME_GENERATE_S)
+        if rate is not None and own is not None and seconds > 0:
+            rates[name] = rate * max(own, 1e-9) / seconds  # its tokens (the rate's numerator) over the batch's time
+    return rates
+
+
 class PoliciesJob:
     """``postrl train`` with several policies as the step loop sees it: a step is every policy's
     step, one checkpoint holds them all."""
@@ -200,8 +215,10 @@ class PoliciesJob:
     def step(self) -> StepMetrics:
         values: dict[str, float] = {}
         notes: dict[str, str] = {}
-        for name, controller in self.controllers.items():
-            metrics = controller.step()
+        stepped = {name: controller.step() for name, controller in self.controllers.items()}
+        for name, rate in shared_generation_rates(stepped).items():
+            stepped[name].values[PERF_GEN_TOKENS_PER_S] = rate
+        for name, metrics in stepped.items():
             values.update({f"{name}/{key}": value for key, value in metrics.values.items()})
             notes.update({f"{name}/{key}": text for key, text in metrics.notes.items()})
         versions = {c.weight_version for c in self.controllers.values()}
@@ -243,6 +260,9 @@ class PoliciesJob:
         for name, c in self.controllers.items():
             c.parts.trainer.save_pretrained(folder / name)
             c.parts.tokenizer.save_pretrained(folder / name)
+            how = trained_how(c.config, c.step_count) + f", as policy {name} of {len(self.controllers)}"
+            chat = bool(c.parts.tokenizer.chat_template)
+            write_model_card(folder / name, f"{c.config.name}: {name}", c.config.model.path, c.config.data, how, chat)
 
     def start(self, place: RunPlace, resume: bool, echo: Callable[[str], None]) -> int | None:
         """Every policy's weights pushed to its engines; a resumed run's from its latest checkpoint
@@ -298,7 +318,9 @@ def train_policies(
             config,
             place,
             config.steps,
-            sinks=lambda e: make_sinks(config, config.run_dir, resume_step, e, config.steps, tuple(policies.parts)),
+            sinks=lambda e: make_sinks(
+                config, config.run_dir, resume_step, e, config.steps, tuple(policies.parts), config.rollout.exact
+            ),
             observers=observers,
             published_at_end=PUBLISHED_AT_END,
             at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else None,

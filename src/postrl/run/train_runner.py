@@ -34,13 +34,14 @@ from postrl.run.checkpoint import save_checkpoint
 from postrl.run.foreign_logs import AGENT_OUTPUT_LOG, ForeignLogs
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
+from postrl.run.model_card import trained_how, write_model_card
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plan.check import check_plan
 from postrl.run.plots import plot_metrics
 from postrl.run.resolve import resolved_run
 from postrl.run.trackers import make_tracker
 from postrl.run.validation import Validator, load_eval_sets, load_validation_set
-from postrl.run.watch import describe_placement, run_watches
+from postrl.run.watch import EXACT_MODE, describe_placement, run_watches
 from postrl.scheduling.factory import make_scheduler
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
@@ -126,13 +127,15 @@ def make_sinks(
     echo: Callable[[str], None],
     total: int | None = None,
     policies: tuple[str, ...] = (),
+    exact: bool = False,
 ) -> list[MetricSink]:
     """The console, then each of ``logging.trackers``, then the Prometheus endpoint when configured;
-    ``policies``: a run with several (the console shows each one's metrics)."""
+    ``policies``: a run with several (the console shows each one's metrics); ``exact``: the run's
+    rollout.exact (the console shows the engine-trainer difference)."""
     lg = config.logging
     sinks: list[MetricSink] = []
     if lg.console:
-        sinks.append(ConsoleSink(echo, total, policies=policies))
+        sinks.append(ConsoleSink(echo, total, policies=policies, exact=exact))
     for name in lg.trackers:
         if name == "jsonl":
             sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))
@@ -232,6 +235,8 @@ def train(
         report_skipped(parts.prompts.train().skipped, run_dir, echo)
         parts.reward.set_log_file(run_dir / "reward_workers.log")
         echo(describe_placement(config))
+        if config.rollout.exact:
+            echo(EXACT_MODE)
         echo(describe_accuracy(config, parts.reward.accuracy_component))
         if place.url:
             echo(f"run: {place.url} (working copy on this machine: {run_dir})")
@@ -290,8 +295,12 @@ class TrainJob:
         )
 
     def save_final(self, folder: Path) -> None:
-        self.controller.parts.trainer.save_pretrained(folder)
-        self.controller.parts.tokenizer.save_pretrained(folder)
+        c = self.controller
+        c.parts.trainer.save_pretrained(folder)
+        c.parts.tokenizer.save_pretrained(folder)
+        how = trained_how(c.config, c.step_count)
+        chat = bool(c.parts.tokenizer.chat_template)
+        write_model_card(folder, c.config.name, c.config.model.path, c.config.data, how, chat)
 
 
 def _run_loop(
@@ -312,7 +321,9 @@ def _run_loop(
         config,
         place,
         config.steps,
-        sinks=lambda echo: make_sinks(config, config.run_dir, resume_step, echo=echo, total=config.steps),
+        sinks=lambda echo: make_sinks(
+            config, config.run_dir, resume_step, echo, config.steps, exact=config.rollout.exact
+        ),
         observers=observers,
         published_at_end=PUBLISHED_AT_END,
         at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else NOTHING_TO_PLOT,

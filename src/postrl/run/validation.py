@@ -33,6 +33,7 @@ from postrl.types.metric_names import (
     component_mean,
     eval_set,
 )
+from postrl.types.progress import phase
 
 
 def load_validation_set(
@@ -96,10 +97,13 @@ class Validator:
         """Greedy answers, scored as the run scores them; an ``agent:`` run's whole episodes, one per
         prompt (the first training sample of a split episode)."""
         values: dict[str, float] = {}
-        if self.dataset is not None:
-            values.update(self.run_set(self.dataset.prompts, source, weight_version, "val"))
-        for name, dataset in self.named.items():
-            values.update(self.run_set(dataset.prompts, source, weight_version, eval_set(name)))
+        sets = ([("val", self.dataset)] if self.dataset is not None else []) + [
+            (eval_set(name), dataset) for name, dataset in self.named.items()
+        ]
+        with phase("validation", len(sets), "held-out sets") as shown:
+            for prefix, dataset in sets:
+                values.update(self.run_set(dataset.prompts, source, weight_version, prefix))
+                shown.advance(1)
         return values
 
     def run_set(

@@ -165,7 +165,15 @@ def run_watches(config: RunConfig, echo: Callable[[str], None]) -> list[Watch]:
     source = "the reward function" if config.scores_with_components else "the environment's rewards (agent.env)"
     if config.agent is not None and config.agent.function is not None and not config.scores_with_components:
         source = "the rewards your agent function returns (agent.function)"
-    return [NoSignalWatch(echo, source=source), MismatchWatch(config, echo), UpdateVisibilityWatch(config, echo)]
+    # a run that distils learns from its teachers whatever its rewards do
+    no_signal = [NoSignalWatch(echo, source=source)] if config.algorithm.distill is None else []
+    return [*no_signal, MismatchWatch(config, echo), UpdateVisibilityWatch(config, echo)]
+
+
+EXACT_MODE = (
+    "exact mode (rollout.exact): the engine and the trainer compute every logprob alike, bit for bit; each step's "
+    "line shows their largest difference (engine-trainer diff), 0 while the weights they hold are the same"
+)
 
 
 def describe_placement(config: RunConfig) -> str:

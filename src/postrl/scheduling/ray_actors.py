@@ -65,6 +65,7 @@ class RayHandle:
         self.name = name
         self.actor = actor
         self.concurrent = concurrent
+        self.in_process = False
         self._killed = False
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:

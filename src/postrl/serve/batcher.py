@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from postrl.rollout.common import replay_tokens
 from postrl.types import Prompt, Rollout, SamplingParams, TokenCallback
 from postrl.workers.roles import RolloutWorker
 
@@ -153,7 +154,7 @@ class EngineBatcher:
         for job in group:
             mine = per_job[id(job)]
             if job.on_token is not None and not self.streams_tokens:
-                _replay_tokens(job.on_token, mine, params.n)
+                replay_tokens(job.on_token, mine)
             job.future.set_result(mine)
 
     @staticmethod
@@ -162,15 +163,3 @@ class EngineBatcher:
             job.future.set_result(fn())
         except Exception as exc:  # noqa: BLE001
             job.future.set_exception(exc)
-
-
-def _replay_tokens(on_token: TokenCallback, rollouts: list[Rollout], n: int) -> None:
-    """Token events for an engine that does not stream: every token of every response, at once."""
-    seen: dict[int, int] = {}
-    for r in rollouts:
-        sample = seen.get(r.prompt_index, 0)
-        seen[r.prompt_index] = sample + 1
-        last = len(r.response_ids) - 1
-        for t, (token, logprob) in enumerate(zip(r.response_ids, r.logprobs)):
-            top = r.top_logprobs[t] if r.top_logprobs else None
-            on_token(r.prompt_index, sample, token, logprob, top, r.finish_reason if t == last else None)

@@ -30,7 +30,9 @@ def rows(count: int, seed: int = 0) -> list[dict]:
 
 
 def write_jsonl(path: str | Path, count: int, seed: int = 0) -> Path:
+    """``count`` rows as JSONL at ``path`` (its folder made if missing), the same for the same seed."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows(count, seed)))
     return path
 

@@ -27,6 +27,7 @@ class TrainGroup:
     :class:`~postrl.workers.roles.TrainWorker` Protocol over it is the group's Train Worker."""
 
     concurrent = False
+    in_process = False  # its ranks are called as a group: no callback reaches them
 
     def __init__(self, ranks: Sequence[Handle], call_timeout_s: float | None = None, name: str = "train group") -> None:
         if not ranks:

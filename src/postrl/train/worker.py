@@ -55,6 +55,7 @@ from postrl.types.metric_names import (
     ROLLOUT_MISMATCH_KL,
     TRAIN_UPDATE_VISIBLE_BF16,
 )
+from postrl.types.progress import phase
 
 # measured on the update's first optimizer step only: the behaviour policy against the proximal one
 MEASURED_BEFORE_UPDATE = (ROLLOUT_MISMATCH_KL, ROLLOUT_LOGPROB_DIFF_MAX)
@@ -148,19 +149,22 @@ class PolicyTrainer:
         batch = self.proximal.prepare(batch, orders[0])
         self.visibility.start()
         starts = range(0, batch.size, self.cfg.mini_batch_size)
-        for epoch, order in enumerate(orders):
-            for i, start in enumerate(starts):
-                mini = batch.select(order[start : start + self.cfg.mini_batch_size].to(device))
-                if mini.num_tokens == 0:
-                    continue
-                still_pi_old = self.optimization.steps == steps_at_start
-                progress = (epoch * len(starts) + i) / (len(orders) * len(starts))
-                stats, norm = self._mini_batch_step(mini, progress)
-                total = total.merge(stats)
-                if still_pi_old:
-                    before_update = before_update.merge(stats)
-                if norm is not None:
-                    grad_norms.append(norm)
+        with phase("update", len(orders) * batch.size, "samples") as shown:
+            for epoch, order in enumerate(orders):
+                for i, start in enumerate(starts):
+                    mini = batch.select(order[start : start + self.cfg.mini_batch_size].to(device))
+                    if mini.num_tokens == 0:
+                        shown.advance(mini.size)
+                        continue
+                    still_pi_old = self.optimization.steps == steps_at_start
+                    progress = (epoch * len(starts) + i) / (len(orders) * len(starts))
+                    stats, norm = self._mini_batch_step(mini, progress)
+                    shown.advance(mini.size, int(mini.num_tokens))
+                    total = total.merge(stats)
+                    if still_pi_old:
+                        before_update = before_update.merge(stats)
+                    if norm is not None:
+                        grad_norms.append(norm)
         self.model.eval()
         values = {k: v for k, v in total.finish(empty=0.0).items() if k not in MEASURED_BEFORE_UPDATE}
         values.update({k: v for k, v in before_update.finish().items() if k in MEASURED_BEFORE_UPDATE})

@@ -29,6 +29,7 @@ class WorkerTimeoutError(TimeoutError):
 class Handle(Protocol):
     name: str
     concurrent: bool  # a call may run beside one in progress (the worker orders its own calls)
+    in_process: bool  # the worker is an object of this process: arguments pass as they are, callbacks included
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Run ``worker.method(*args, **kwargs)`` and return its result; raise WorkerDiedError or
@@ -100,6 +101,7 @@ class InProcessHandle:
         self.obj = obj
         self.name = name
         self.concurrent = not serialized
+        self.in_process = True
         self._lock: threading.Lock | contextlib.nullcontext = (
             threading.Lock() if serialized else contextlib.nullcontext()
         )

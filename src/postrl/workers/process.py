@@ -88,6 +88,7 @@ class ProcessHandle:
         self.name = name
         self.side_calls = side_calls
         self.concurrent = bool(side_calls)
+        self.in_process = False
         ctx = mp.get_context("spawn")
         main, child = ctx.Pipe()
         side, side_child = ctx.Pipe() if side_calls else (None, None)

@@ -148,7 +148,11 @@ class RolloutWorker(Protocol):
         samples not yet started); True when a generate was running."""
         ...
 
-    def health_check(self) -> Health:
+    def health_check(self) -> bool:
+        """Whether the engine can serve (the seed's check); :meth:`health` has the reason why not."""
+        ...
+
+    def health(self) -> Health:
         """Real work, not a flag: the engine checks its weights (and cache) and generates a token, or
         asks its server. Falsy, with the reason, when it cannot serve."""
         ...

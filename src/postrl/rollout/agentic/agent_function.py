@@ -31,6 +31,7 @@ from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.rollout.agentic.recorder import EpisodeRecorder, RecordedEpisode
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.types.episode import Episode, RecordedCalls
+from postrl.types.progress import Phase, phase
 
 # (client, row) -> the episode's reward: one for every policy, by policy, or None (the service scores)
 AgentFunction = Callable[[Any, dict[str, Any]], "float | dict[str, float] | None"]
@@ -153,12 +154,20 @@ class RecordedAgents:
             self._suspending = False
         for recorder in self.recorders.values():
             recorder.resume()
-        calls = [lambda job=job: self._call(job[1], job[2]) for job in jobs]
-        outcomes = run_limited(calls, self.timeout_s, self.workers, "agent function")
+        with phase("episodes", len(jobs), "episodes") as shown:
+            calls = [lambda job=job: self._counted(shown, job[1], job[2]) for job in jobs]
+            outcomes = run_limited(calls, self.timeout_s, self.workers, "agent function")
         done = [self._episode(index, episode, outcome) for (index, _, episode), outcome in zip(jobs, outcomes)]
         with self._lock:
             self._returned.difference_update(episode for _, _, episode in jobs)
         return done
+
+    def _counted(self, shown: Phase, prompt: Prompt, episode: str) -> Reward | dict[str, Reward]:
+        """:meth:`_call`, the episode counted in ``shown`` with the tokens its policies generated."""
+        try:
+            return self._call(prompt, episode)
+        finally:
+            shown.advance(1, sum(rec.generated_tokens(episode) for rec in self.recorders.values()))
 
     def _call(self, prompt: Prompt, episode: str) -> Reward | dict[str, Reward]:
         import openai

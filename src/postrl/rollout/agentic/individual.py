@@ -37,6 +37,7 @@ from postrl.rollout.agentic.limited import Outcome, log_close_failures, run_limi
 from postrl.rollout.agentic.turn_batcher import TurnBatcher
 from postrl.types import Rollout, SamplingParams
 from postrl.types.episode import EpisodeState
+from postrl.types.progress import Phase, generated_tokens, phase
 
 
 class _Stopped(Exception):
@@ -80,16 +81,25 @@ class Individual:
             pool.submit(episode, job, s) for job, s in zip(jobs, states, strict=True)
         ]
         try:
-            while not all(f.done() for f in futures):
-                done, _ = wait(futures, timeout=1.0, return_when="FIRST_EXCEPTION")
-                failed = next((f for f in done if f.exception() is not None), None)
-                if failed is not None:
-                    raise failed.exception()  # type: ignore[misc]
+            with phase("episodes", len(jobs), "episodes") as shown:
+                for future in futures:
+                    future.add_done_callback(partial(_count, shown))
+                while not all(f.done() for f in futures):
+                    done, _ = wait(futures, timeout=1.0, return_when="FIRST_EXCEPTION")
+                    failed = next((f for f in done if f.exception() is not None), None)
+                    if failed is not None:
+                        raise failed.exception()  # type: ignore[misc]
             return [r for f in futures for r in f.result()]
         finally:
             signals.stop.set()  # a no-op when all are done; otherwise the others stop after their current call
             pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
             log_close_failures(signals.close_failures, len(jobs))
+
+
+def _count(shown: Phase, future: Future[list[Rollout]]) -> None:
+    """A finished episode in the batch's progress, with the tokens the model generated in it."""
+    rollouts = [] if future.cancelled() or future.exception() is not None else future.result()
+    shown.advance(1, generated_tokens(rollouts))
 
 
 def _in_thread(threads: int, run: Callable[..., list[Rollout]], *args: Any) -> list[Rollout]:

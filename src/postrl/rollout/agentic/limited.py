@@ -152,17 +152,25 @@ def _serve(jobs: queue.SimpleQueue[Any]) -> None:
             reply.put(Outcome(error=exc, seconds=time.monotonic() - began))
 
 
-def _outside_postrl_and_stdlib(filename: str) -> bool:
-    in_stdlib = filename.startswith(_STDLIB) and "site-packages" not in filename
+def _not_ours_nor_python_s(filename: str) -> bool:
+    in_stdlib = filename.startswith(_STDLIB) and not _installed(filename)
     return not (filename.startswith(_PACKAGE) or in_stdlib or filename.startswith("<"))
+
+
+def _installed(filename: str) -> bool:
+    """A frame of an installed library (``site-packages``, Debian's ``dist-packages``)."""
+    return any(part in ("site-packages", "dist-packages") for part in Path(filename).parts)
 
 
 def describe_failure(exc: BaseException) -> tuple[str, str]:
     """``(reason, traceback)``: the reason is one line, ``Type: message (file:line)`` with the
-    innermost frame outside postrl and Python's standard library (where the user's code, or a
-    library it calls, raised: not ``contextlib.py``); the traceback is the whole one."""
+    innermost frame of the user's own code: outside postrl, Python's standard library and installed
+    libraries (not ``contextlib.py`` nor ``openai/_base_client.py``, but the agent's line that called
+    them); a failure raised wholly inside libraries names the innermost library frame. The
+    traceback is the whole one."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _outside_postrl_and_stdlib(f.filename)]
+    outside = [f for f in traceback.extract_tb(exc.__traceback__) if _not_ours_nor_python_s(f.filename)]
+    frames = [f for f in outside if not _installed(f.filename)] or outside
     where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {message}{where}" if message else f"{type(exc).__name__}{where}", text

@@ -19,6 +19,7 @@ from postrl.rollout.agentic.episode_ops import EpisodeOps, Job, LiveEpisode
 from postrl.rollout.agentic.limited import log_close_failures, run_limited
 from postrl.types import Rollout, SamplingParams
 from postrl.types.episode import EpisodeState
+from postrl.types.progress import phase
 
 
 class Lockstep:
@@ -32,8 +33,11 @@ class Lockstep:
         started = run_limited(resets, limits.env_timeout_s, limits.env_workers, "environment reset")
         try:
             episodes = [ops.start(job, outcome) for job, outcome in zip(jobs, started)]
-            while running := [e for e in episodes if e.finish is None]:
-                self._turn(ops, running, turn)
+            with phase("episodes", len(episodes), "episodes") as shown:
+                shown.advance(done=sum(e.finish is not None for e in episodes))  # ended at their start
+                while running := [e for e in episodes if e.finish is None]:
+                    generated = self._turn(ops, running, turn)
+                    shown.advance(done=sum(e.finish is not None for e in running), tokens=generated)
             return [r for e in episodes for r in ops.rollouts(e)]
         finally:  # unwinding (a stop signal, an error): closes get a second, not the whole time limit
             made = [o.value[0] for o in started if o.value is not None]
@@ -43,9 +47,10 @@ class Lockstep:
         """Nothing to ask: a turn the engines cut ends its episode."""
 
     @staticmethod
-    def _turn(ops: EpisodeOps, running: list[LiveEpisode], sampling: SamplingParams) -> None:
+    def _turn(ops: EpisodeOps, running: list[LiveEpisode], sampling: SamplingParams) -> int:
         """One model turn of every running episode (one batch per token budget), then every
-        environment that has an answer to give."""
+        environment that has an answer to give; the tokens the turn generated."""
+        generated = 0
         by_budget: dict[int, list[LiveEpisode]] = {}
         for e in running:
             if budget := ops.budget(e):
@@ -57,9 +62,11 @@ class Lockstep:
             for e, r in zip(group, rollouts, strict=True):
                 e.generate_s += took
                 ops.record_generation(e, r)
+            generated += sum(len(r.response_ids) for r in rollouts)
         stepping = [e for e in running if e.finish == "pending"]
         steps: list[Callable[[], Any]] = [partial(ops.step_env, e) for e in stepping]
         outcomes = run_limited(steps, ops.limits.env_timeout_s, ops.limits.env_workers, "environment step")
         for e, outcome in zip(stepping, outcomes, strict=True):
             e.env_s += outcome.seconds
             ops.observe(e, outcome)
+        return generated

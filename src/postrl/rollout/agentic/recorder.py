@@ -30,6 +30,7 @@ One episode may hold several samples, by these rules (every generated token is t
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from postrl.rollout.agentic.episodes import sample_rollout
 from postrl.rollout.agentic.history_match import continues, edits, without_reasoning
 from postrl.types import Rollout
 from postrl.types.episode import Episode, ModelCall, RecordedCalls, ToolCallRecord, TrajectorySample, Turn
+
+log = logging.getLogger(__name__)
 
 
 class EpisodesSuspended(Exception):
@@ -141,11 +144,16 @@ def _extend(sample: TrajectorySample, ids: list[int]) -> None:
 class EpisodeRecorder:
     """Every recorded episode by id, until it is taken."""
 
-    def __init__(self, tokenizer: Any, max_episodes: int = 100_000) -> None:
+    def __init__(self, tokenizer: Any, max_episodes: int = 100_000, ids_from_callers: bool = False) -> None:
+        """``ids_from_callers``: the episode ids are the callers' own (``serve-rollout --record``), so
+        one may be used again by mistake: a new conversation on an id that already holds a finished
+        recording is warned about, once per id (a run names each episode itself)."""
         self.renderer = ChatRenderer(tokenizer)
         self.max_episodes = max_episodes
         self.episodes: dict[str, RecordedEpisode] = {}
         self.suspended = False
+        self.ids_from_callers = ids_from_callers
+        self._warned: set[str] = set()
         self._lock = threading.Lock()
 
     def suspend(self) -> None:
@@ -189,6 +197,7 @@ class EpisodeRecorder:
             if episode_id not in self.episodes and len(self.episodes) >= self.max_episodes:
                 raise ValueError(f"{self.max_episodes} episodes are recorded and not taken yet")
             ep = self.episodes.setdefault(episode_id, RecordedEpisode())
+            reused = self._reused(episode_id, ep, messages)
             index, text, rendered, rendered_tools = self._place(ep, full, list(messages), sent, tools, prefix)
             ep.busy.add(index)
             ep.messages = list(messages)
@@ -199,7 +208,25 @@ class EpisodeRecorder:
                 ep.replayed += 1
             else:
                 ep.replay = []  # the re-run asked something else: the engine answers from here on
+        if reused:
+            log.warning(
+                "episode %s already holds a recording of %d model calls, and this call starts a new conversation in "
+                "it (a prefix break in that recording): give a new episode its own id, or take the old recording "
+                "first (DELETE /v1/episodes/%s)",
+                episode_id,
+                reused,
+                episode_id,
+            )
         return PendingTurn(episode_id, index, context, text, rendered, rendered_tools, sent, replayed)
+
+    def _reused(self, episode_id: str, ep: RecordedEpisode, messages: list[dict[str, Any]]) -> int:
+        """The recorded calls of an episode a caller seems to use again (0: not so): a conversation
+        with no model turn yet, on an id whose recording has model calls and none in flight."""
+        fresh = not any(m.get("role") == "assistant" for m in messages)
+        if not (self.ids_from_callers and fresh and ep.calls and not ep.busy and episode_id not in self._warned):
+            return 0
+        self._warned.add(episode_id)
+        return len(ep.calls)
 
     def _place(
         self,
@@ -305,6 +332,12 @@ class EpisodeRecorder:
         if tail and rendered.startswith(turn.rendered) and rendered.endswith(tail):
             return rendered[: len(rendered) - len(tail)] + ended_by
         return turn.rendered + seen
+
+    def generated_tokens(self, episode_id: str) -> int:
+        """The tokens the engine generated in the episode's recorded calls so far (0: no such episode)."""
+        with self._lock:
+            ep = self.episodes.get(episode_id)
+            return 0 if ep is None else sum(len(ids) for call in ep.calls for ids in call.response_ids)
 
     def take(self, episode_id: str) -> RecordedEpisode | None:
         with self._lock:

@@ -82,13 +82,16 @@ def check_seating(env_seats: tuple[str, ...], seating: dict[str, str], env: str)
     unknown = [s for s in seating if s not in env_seats]
     if missing or unknown:
         parts = [
-            f"has no seat {unknown}" if unknown else "",
-            f"leaves seat {missing} without a policy" if missing else "",
+            f"names {_seats(unknown)} that the environment does not have (a typo?)" if unknown else "",
+            f"leaves {_seats(missing)} of the environment without a policy" if missing else "",
         ]
         raise ValueError(
-            f"agent.seats: the environment {env} has seats {list(env_seats)}; agent.seats "
-            + " and ".join(p for p in parts if p)
+            f"agent.seats {' and '.join(p for p in parts if p)}: the environment {env} has seats {list(env_seats)}"
         )
+
+
+def _seats(names: list[str]) -> str:
+    return f"seat {names[0]!r}" if len(names) == 1 else f"seats {names}"
 
 
 @dataclass(frozen=True)

@@ -88,14 +88,16 @@ class TemplateReport:
     def broken(self) -> list[str]:
         return [c.name for c in self.cases if not c.append_only]
 
-    def summary(self, policy: str | None = None) -> str:
+    def summary(self, policy: str | None = None, tools_shown: bool = True) -> str:
+        """``tools_shown``: the tools reach the model through the template's ``tools=`` (a run whose
+        tools go into a system message, or that offers none, is not told that the template drops them)."""
         if self.append_only:
             text = "the chat template is append-only in every probe: each turn's context extends the last exactly"
         else:
             text = f"the chat template rewrites earlier turns in: {', '.join(self.broken())}"
             if policy is not None:
                 text += f"; agent.on_prefix_break={policy} applies there"
-        return text if self.tools_rendered else f"{text}; {TOOLS_DROPPED}"
+        return text if self.tools_rendered or not tools_shown else f"{text}; {TOOLS_DROPPED}"
 
     def tools_line(self) -> str:
         return (

@@ -359,7 +359,7 @@ class NativeRolloutWorker(EngineBase):
                 raise WeightSyncError(f"engine weights differ from the sent weights after the copy: {bad[:5]}")
         self.weight_version = version
 
-    def health_check(self) -> Health:
+    def health(self) -> Health:
         """Finite weights, a KV cache that matches the model, and one greedy token generated through
         the real scheduler (into slot 0 of the existing cache, whose contents are scratch between
         loops); it waits for the loop in progress to end. The sampling generator is left as it was:

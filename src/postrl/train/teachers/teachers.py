@@ -20,9 +20,12 @@ from postrl.train.teachers.teacher import (
     TeacherQuery,
     TokenizerMismatchError,
 )
+from postrl.types.progress import phase
 
 # what the tokenizer check tokenizes: words, digits, operators, code, whitespace runs and a newline
 # (short: a character-level tokenizer makes one token of each character)
+PART = 64  # queries per teacher call: a long pass reports its progress between them
+
 PROBE = "The fox, 13 dogs: 4+5=9, 12*34=408.\n\tdef f(x):  return x**2  # ok?"
 
 
@@ -60,16 +63,28 @@ class Teachers:
                 self.cache.move_to_end(key)
                 answers[key] = self.cache[key]
                 counts.kept += 1
-        for index, teacher in enumerate(self.teachers):
+        for index in range(len(self.teachers)):
             mine = {key: queries[i] for i, key in enumerate(keys) if key[0] == index and key not in answers}
             if not mine:
                 continue
             counts.asked[self.names[index]] += len(mine)
-            for key, answer in zip(mine, teacher.logprobs(list(mine.values())), strict=True):
+            for key, answer in zip(mine, self._ask(index, list(mine.values())), strict=True):
                 answers[key] = answer
                 if not isinstance(answer, TeacherFailure):
                     self._keep(key, answer)
         return [answers[key] for key in keys], counts
+
+    def _ask(self, index: int, queries: list[TeacherQuery]) -> list[TeacherAnswer]:
+        """Teacher ``index``'s answers, asked in parts (``PART`` queries, or 4 per request a URL teacher
+        keeps in flight) so that a long pass shows its progress between them."""
+        answers: list[TeacherAnswer] = []
+        size = max(PART, 4 * self.config.teachers[index].concurrency)
+        with phase(f"teacher {self.names[index]}", len(queries), "samples") as shown:
+            for at in range(0, len(queries), size):
+                part = queries[at : at + size]
+                answers += self.teachers[index].logprobs(part)
+                shown.advance(len(part), sum(len(q.ids) - q.start for q in part))
+        return answers
 
     def _keep(self, key: tuple[int, str], answer: list[float]) -> None:
         self.cache[key] = answer
