@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # Ray clusters, benchmark runs, whole CLI session
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 RUNS = [("ray_scaling", ())] + [(name, ()) for name in SCRIPTS if name != "ray_scaling"]
-RUNS += [("fault_paths", ("--agent",)), ("algorithms", ("--dpo",))]
+RUNS += [("fault_paths", ("--agent",)), ("algorithms", ("--dpo",)), ("distill", ("--demo",))]
 _runs: dict[tuple[str, tuple[str, ...]], Future] = {}
 
 
@@ -66,6 +66,11 @@ def test_benchmark_runs_in_smoke_mode(name, extra):
         assert result["episodes_lost"] == 0 and result["trained_twice"] == 0
         assert result["hang_episode_s"] <= 2 * result["env_timeout_s"]
         assert result["second_signal_exit_s"] <= 10
+    elif name == "distill" and extra == ("--demo",):
+        keys = {"teacher_acc", "student_acc_before", "student_acc_after", "reached_fraction", "student_steps"}
+        assert keys | {"teacher_steps", "per_seed", "grpo_same_settings_acc"} <= set(result)
+        assert result["student_steps"] == max(1, result["teacher_steps"] // 4)
+        assert result["student_acc_before"] == 0.315  # the shipped demo model on its 200 held-out problems
     elif name == "fault_paths":
         assert set(result["layouts"]) == {"first", "spread", "last", "one_worker_line"}
         assert result["hang_unscorable"] == 12

@@ -107,7 +107,7 @@ def test_a_long_step_of_agent_episodes_prints_its_progress(tmp_path, capsys, mon
     assert main(args) == 0, capsys.readouterr().err
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("episodes: ")]
-    assert 2 <= len(lines) <= 8, err  # a few lines, not one per episode or per tick
+    assert 2 <= len(lines) <= 20, err  # a line per 0.5 s and one at the end, not one per tick (every 0.05 s)
     assert any(" episodes (" in line and "elapsed, ~" in line and "left" in line for line in lines[:-1]), lines
     assert lines[-1].startswith("episodes: 8/8 episodes in ") and "tok/s" in lines[-1]
 

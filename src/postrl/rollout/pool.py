@@ -108,16 +108,16 @@ class RolloutPool:
             for slot, indices in self._assign(prompts, pending, sampling_params).items():
                 work = sum(self._work(prompts[i], sampling_params) for i in indices)
                 slot.outstanding += work
-                relayed = on_token is not None and slot.streams
+                relay = {"on_token": _relay(on_token, indices)} if on_token is not None and slot.streams else {}
                 future = (handle := slot.handle).call_async(
                     "generate",
                     [prompts[i] for i in indices],
                     sampling_params,
                     weight_version,
                     timeout=self.generate_timeout_s,
-                    **({"on_token": _relay(on_token, indices)} if relayed and on_token is not None else {}),
+                    **relay,
                 )
-                calls.append((slot, handle, indices, work, future, relayed))
+                calls.append((slot, handle, indices, work, future, bool(relay)))
             pending = []
             for slot, handle, indices, work, future, relayed in calls:
                 try:

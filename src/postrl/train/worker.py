@@ -55,7 +55,7 @@ from postrl.types.metric_names import (
     ROLLOUT_MISMATCH_KL,
     TRAIN_UPDATE_VISIBLE_BF16,
 )
-from postrl.types.progress import phase
+from postrl.types.progress import Phase, phase
 
 # measured on the update's first optimizer step only: the behaviour policy against the proximal one
 MEASURED_BEFORE_UPDATE = (ROLLOUT_MISMATCH_KL, ROLLOUT_LOGPROB_DIFF_MAX)
@@ -158,8 +158,7 @@ class PolicyTrainer:
                         continue
                     still_pi_old = self.optimization.steps == steps_at_start
                     progress = (epoch * len(starts) + i) / (len(orders) * len(starts))
-                    stats, norm = self._mini_batch_step(mini, progress)
-                    shown.advance(mini.size, int(mini.num_tokens))
+                    stats, norm = self._mini_batch_step(mini, progress, shown)
                     total = total.merge(stats)
                     if still_pi_old:
                         before_update = before_update.merge(stats)
@@ -201,16 +200,19 @@ class PolicyTrainer:
         size, rows = self.cfg.micro_batch_size, torch.arange(batch.size, device=batch.input_ids.device)
         return [rows[s : s + size] for s in range(0, batch.size, size)]
 
-    def accumulate_gradients(self, mini: ExperienceBatch, progress: float = 0.0) -> Stats:
+    def accumulate_gradients(self, mini: ExperienceBatch, progress: float = 0.0, shown: Phase | None = None) -> Stats:
         """Backward over ``mini`` in micro-batches; each micro loss is normalised by mini's token
         count. ``progress``: the share of the update's mini-batches done (the proximal policy may
-        depend on it). Returns the summed statistics, still on the device."""
+        depend on it); ``shown``: the update's phase, advanced by each micro-batch's rows. Returns
+        the summed statistics, still on the device."""
         norm = self.loss_normalizer(mini)
         micro_batches = self.micro_batches(mini)
         stats = Stats()
         for i, (_, micro) in enumerate(micro_batches):
             self.before_micro_batch(i, len(micro_batches))
             stats = stats.merge(self._micro_batch_backward(micro, norm, progress))
+            if shown is not None:
+                shown.advance(micro.size)
         return self.reduce_stats(stats)
 
     def loss_normalizer(self, mini: ExperienceBatch) -> LossNormalizer:
@@ -282,10 +284,10 @@ class PolicyTrainer:
         self.exact_forward.weights.at(self.optimization.weight_changes)
         return self.exact_forward
 
-    def _mini_batch_step(self, mini: ExperienceBatch, progress: float) -> tuple[Stats, float | None]:
+    def _mini_batch_step(self, mini: ExperienceBatch, progress: float, shown: Phase) -> tuple[Stats, float | None]:
         """One optimizer step over ``mini``; the statistics and the gradient norm are read back from
         the device together, once."""
-        sums = self.accumulate_gradients(mini, progress)
+        sums = self.accumulate_gradients(mini, progress, shown)
         stats, (norm,) = sums.read(self.optimization.clip_gradients())
         return stats, norm if self.optimization.step(norm) else None
 
