@@ -64,7 +64,7 @@ def test_on_a_terminal_the_phases_ride_on_one_line_that_is_cleared_at_their_end(
     try:
         with phase("generate", 256, "samples") as generate:
             clock.now += 1
-            with phase("teacher teacher", 64, "samples"):
+            with phase("teacher math", 64, "samples"):
                 reporter.tick()
                 assert shown == []
                 clock.now += 2
@@ -74,7 +74,8 @@ def test_on_a_terminal_the_phases_ride_on_one_line_that_is_cleared_at_their_end(
     finally:
         install(None)
     assert shown[0] == (
-        "generate: 64/256 samples (25%), 341 tok/s, 3s elapsed, ~9s left · teacher teacher: 0/64 samples (0%), 2s elapsed"
+        "generate [##........] 64/256 samples (25%), 341 tok/s, 3s elapsed, ~9s left · "
+        "teacher math [..........] 0/64 samples (0%), 2s elapsed"
     )
     assert shown[-1] == ""  # no phase is left: the bar's text is cleared
 
@@ -144,6 +145,61 @@ def test_the_native_engine_s_samples_and_tokens_are_counted_through_the_pool(tin
     (generated,) = seen
     assert (generated.name, generated.total, generated.unit) == ("generate", 6, "samples")
     assert generated.snapshot() == (6, sum(len(r.response_ids) for r in rollouts))
+
+
+class KeptPhases:
+    """A reporter that keeps every phase opened (to read their counts after they close)."""
+
+    def __init__(self) -> None:
+        self.phases: list[Phase] = []
+
+    def opened(self, p: Phase) -> None:
+        self.phases.append(p)
+
+    def closed(self, p: Phase) -> None:
+        pass
+
+
+def test_a_teacher_s_pass_is_asked_in_parts_each_shown_as_it_returns():
+    from postrl.config.distill import DistillConfig
+    from postrl.train.teachers.teacher import TeacherQuery
+    from postrl.train.teachers.teachers import Teachers
+
+    class Scores:
+        source = "fake"
+
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def logprobs(self, queries):
+            self.calls.append(len(queries))
+            return [[-1.0] * (len(q.ids) - q.start) for q in queries]
+
+    scores, kept = Scores(), KeptPhases()
+    teachers = Teachers(DistillConfig.model_validate({"teacher": "fake"}), [scores])  # type: ignore[list-item]
+    queries = [TeacherQuery([1, 2, 3, i + 4], 2) for i in range(130)]  # 130 distinct samples of 2 tokens
+    install(kept)
+    try:
+        answers, counts = teachers.logprobs([0] * 130, queries)
+    finally:
+        install(None)
+    assert scores.calls == [64, 64, 2] and len(answers) == 130 and counts.asked == {"teacher": 130}
+    (shown,) = kept.phases
+    assert (shown.name, shown.total, shown.unit, shown.snapshot()) == ("teacher", 130, "samples", (130, 260))
+
+
+def test_a_demo_step_s_generation_and_update_are_phases_counted_to_their_totals(tmp_path):
+    kept = KeptPhases()
+    install(kept)  # logging.progress false: the run installs no console reporter of its own
+    try:
+        args = ["demo", f"output_dir={tmp_path}", "steps=1", "prompts_per_step=2", "logging.progress=false"]
+        assert main([*args, "train.epochs=2"]) == 0
+    finally:
+        install(None)
+    named = [(p.name, p.total, p.snapshot()[0]) for p in kept.phases]
+    # the held-out evaluation before and after (200 prompts, greedy); the step's 2 x 8 samples, updated twice
+    assert named == [("generate", 200, 200), ("generate", 16, 16), ("update", 32, 32), ("generate", 200, 200)]
+    assert kept.phases[1].snapshot()[1] > 16  # the step's generated tokens, counted as sampled
 
 
 # -- messages that misled ---------------------------------------------------------------------------

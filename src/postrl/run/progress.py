@@ -17,15 +17,18 @@ from postrl.types.progress import Phase, install
 AFTER_S = 5.0  # a phase shorter than this shows nothing
 EVERY_S = 30.0  # between two plain lines of one phase (not a terminal)
 TICK_S = 0.5  # how often what is due is shown (a terminal's line is redrawn)
+BAR_WIDTH = 10  # characters of a phase's bar on a terminal
 
 
-def describe(phase: Phase, now: float) -> str:
-    """``generate: 120/256 samples (47%), 1234 tok/s, 34s elapsed, ~38s left``."""
+def describe(phase: Phase, now: float, bar: bool = False) -> str:
+    """``generate: 120/256 samples (47%), 1234 tok/s, 34s elapsed, ~38s left``; with ``bar``, a bar of
+    the share done after the name (``generate [####......] 120/256 samples ...``)."""
     done, tokens = phase.snapshot()
     elapsed = max(now - phase.started, 1e-9)
-    parts = [
-        f"{phase.name}: {done}/{phase.total} {phase.unit}" + (f" ({done / phase.total:.0%})" if phase.total else "")
-    ]
+    share = min(done / phase.total, 1.0) if phase.total else 0.0
+    filled = round(share * BAR_WIDTH)
+    head = f"{phase.name} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}]" if bar else f"{phase.name}:"
+    parts = [f"{head} {done}/{phase.total} {phase.unit}" + (f" ({share:.0%})" if phase.total else "")]
     if tokens:
         parts.append(f"{tokens / elapsed:.0f} tok/s")
     left = f", ~{duration(elapsed / done * (phase.total - done))} left" if 0 < done < phase.total else ""
@@ -105,7 +108,7 @@ class ConsoleProgress:
             for p in due:
                 self.show(describe(p, now))
         else:
-            self.show(" · ".join(describe(p, now) for p in due))
+            self.show(" · ".join(describe(p, now, bar=True) for p in due))
 
     def close(self) -> None:
         self._stop.set()

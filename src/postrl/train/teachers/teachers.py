@@ -79,7 +79,8 @@ class Teachers:
         keeps in flight) so that a long pass shows its progress between them."""
         answers: list[TeacherAnswer] = []
         size = max(PART, 4 * self.config.teachers[index].concurrency)
-        with phase(f"teacher {self.names[index]}", len(queries), "samples") as shown:
+        name = self.names[index]
+        with phase("teacher" if name == "teacher" else f"teacher {name}", len(queries), "samples") as shown:
             for at in range(0, len(queries), size):
                 part = queries[at : at + size]
                 answers += self.teachers[index].logprobs(part)
