@@ -318,6 +318,23 @@ def test_a_run_without_tools_is_not_told_that_the_template_drops_them(caplog):
     assert TOOLS_DROPPED in report.summary("keep")  # postrl check-template, and a run whose tools go through it
 
 
+@pytest.mark.parametrize(
+    ("kind", "logger"),
+    [
+        ("agent.function=tests.fault_envs:agent_answers", "function_episodes"),
+        ("agent.env=tests.fault_envs:GuessNumber", "env_episodes"),
+    ],
+)
+def test_an_agent_run_without_tools_on_a_template_that_drops_them_says_nothing_of_tools(tmp_path, capsys, kind, logger):
+    """The demo model's template drops tools=; neither an agent function nor an environment without
+    tools offers any, so the run's report of its template says nothing of them."""
+    args = agent_run(tmp_path, "agent.env=null", kind) if "function" in kind else agent_run(tmp_path, kind)
+    assert main(["-v", *args]) == 0  # -v: postrl's INFO lines, where the template's report is
+    err = capsys.readouterr().err
+    (report,) = [line for line in err.splitlines() if line.startswith(f"INFO postrl.controller.{logger}: agent:")]
+    assert "the chat template is append-only" in report and "tools" not in report
+
+
 def test_an_episode_id_used_again_for_a_new_conversation_is_warned_about_once(caplog):
     import httpx
     import openai
