@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -459,3 +460,24 @@ def test_without_exact_mode_bf16_logprobs_differ_from_the_trainer_s(char_tokeniz
         logp, _ = token_logprobs(model, input_ids, attention, target_mask=target, group_ids=groups)
     assert not torch.equal(logp[target.bool()], reported)
     assert float((logp[target.bool()] - reported).abs().max()) > 1e-3
+
+
+def test_the_exact_layer_is_written_once_for_the_engine_and_the_trainer():
+    """Issue 59: the engine's and the trainer's exact forwards run one decoder layer
+    (``models/exact_layer.decoder_layer``): no second copy of its operations to keep in step."""
+    import inspect
+
+    from postrl.models import exact_layer
+    from postrl.rollout.native import model as engine_model
+    from postrl.train import exact_forward
+
+    src = Path(exact_layer.__file__).parents[1]
+    layer_ops = ("invariant.silu_mul(", "invariant.rotate(")
+    writers = sorted(
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if p.name != "invariant.py" and any(op in p.read_text() for op in layer_ops)
+    )
+    assert writers == ["models/exact_layer.py"]
+    assert "decoder_layer(" in inspect.getsource(engine_model.NativeCausalLM._exact_forward)
+    assert "decoder_layer(" in inspect.getsource(exact_forward.ExactForward._layer)

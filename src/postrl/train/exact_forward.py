@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from postrl.models import invariant
+from postrl.models.exact_layer import LayerShape, LayerWeights, decoder_layer
 from postrl.train.chunked_head import KEPT_PROBS_ELEMENTS, HeadSaved, head_gradients, rows_per_chunk
 from postrl.train.lean_forward import shared_prompt_groups, supports_lean_forward
 
@@ -157,6 +158,7 @@ class ExactForward:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
         self.eps = float(cfg.rms_norm_eps)
+        self.shape = LayerShape(self.heads, self.kv_heads, self.head_dim, self.eps)
         rotary = inner.model.rotary_emb
         self.rotary = invariant.RotaryTable(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))
         self.weights = RoundedWeights()
@@ -202,27 +204,37 @@ class ExactForward:
     def _layer(
         self, i: int, layer, x, cos, sin, layout: ExactLayout, items: invariant.QueryItems, dtype: torch.dtype
     ) -> torch.Tensor:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = _key_store(k.float(), layout.key_map), _key_store(v.float(), layout.key_map)
+            return invariant.attention(q, keys, values, items)
+
+        return decoder_layer(x, self._layer_weights(i, layer, dtype), self.shape, cos, sin, attend)
+
+    def _layer_weights(self, i: int, layer, dtype: torch.dtype) -> LayerWeights:
+        """Layer ``i``'s weights rounded to ``dtype`` (kept until the parameters change), q|k|v and
+        gate|up fused as the engine holds them."""
         attn, mlp = layer.self_attn, layer.mlp
-        d, nh, nkv = self.head_dim, self.heads, self.kv_heads
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        wqkv, packed_qkv = self.weights.get(f"{i}.qkv", tuple(m.weight for m in projections), dtype)  # fused q|k|v
+        wqkv, packed_qkv = self.weights.get(f"{i}.qkv", tuple(m.weight for m in projections), dtype)
         bqkv = None
         if attn.q_proj.bias is not None:
             bqkv, _ = self.weights.get(f"{i}.qkv.bias", tuple(m.bias for m in projections), dtype)
         wo, packed_o = self.weights.get(f"{i}.o", (attn.o_proj.weight,), dtype)
         w_gate_up, packed_gate_up = self.weights.get(f"{i}.gate_up", (mlp.gate_proj.weight, mlp.up_proj.weight), dtype)
         w_down, packed_down = self.weights.get(f"{i}.down", (mlp.down_proj.weight,), dtype)
-        h = invariant.rms_norm(x, layer.input_layernorm.weight.to(dtype), self.eps)
-        qkv = invariant.linear(h, wqkv, bqkv, packed_qkv)
-        q = invariant.rotate(qkv[:, : nh * d].view(-1, nh, d), cos, sin)
-        k = invariant.rotate(qkv[:, nh * d : (nh + nkv) * d].view(-1, nkv, d), cos, sin)
-        v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
-        keys, values = _key_store(k.float(), layout.key_map), _key_store(v.float(), layout.key_map)
-        out = invariant.attention(q, keys, values, items)
-        x = x + invariant.linear(out, wo, packed=packed_o).float()
-        h = invariant.rms_norm(x, layer.post_attention_layernorm.weight.to(dtype), self.eps)
-        gate_up = invariant.linear(h, w_gate_up, packed=packed_gate_up)
-        return x + invariant.linear(invariant.silu_mul(gate_up), w_down, packed=packed_down).float()
+        return LayerWeights(
+            layer.input_layernorm.weight.to(dtype),
+            wqkv,
+            bqkv,
+            packed_qkv,
+            wo,
+            packed_o,
+            layer.post_attention_layernorm.weight.to(dtype),
+            w_gate_up,
+            packed_gate_up,
+            w_down,
+            packed_down,
+        )
 
 
 def _key_store(k: torch.Tensor, key_map: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from postrl.models import invariant
 from postrl.models.adapters import is_adapter_key
+from postrl.models.exact_layer import LayerShape, LayerWeights, decoder_layer
 from postrl.models.loading import PLAIN_HEAD_MODEL_TYPES
 from postrl.rollout.native.adapters import EngineAdapters
 
@@ -310,23 +311,35 @@ class NativeCausalLM:
     ) -> torch.Tensor:
         """:meth:`forward` through :mod:`postrl.models.invariant`: the residual stream in float32,
         the projections in the engine's dtype, the same operations as
-        :class:`postrl.train.exact_forward.ExactForward` (``attend`` must be an exact attention too)."""
+        :class:`postrl.train.exact_forward.ExactForward` (:func:`postrl.models.exact_layer.decoder_layer`;
+        ``attend`` must be an exact attention too)."""
         cfg = self.cfg
-        d, nh, nkv = cfg.head_dim, cfg.heads, cfg.kv_heads
+        shape = LayerShape(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps)
         x = F.embedding(tokens, self.embed).float()
         cos, sin = self.rotary(positions)
         for i in range(cfg.layers):
-            h = invariant.rms_norm(x, self.ln1[i], cfg.eps)
-            bias = self.bqkv[i] if self.bqkv is not None else None
-            qkv = invariant.linear(h, self.wqkv[i], bias, self.x_wqkv[i])
-            q = invariant.rotate(qkv[:, : nh * d].view(-1, nh, d), cos, sin)
-            k = invariant.rotate(qkv[:, nh * d : (nh + nkv) * d].view(-1, nkv, d), cos, sin)
-            v = qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
-            cache.write(i, write_slots, positions, k, v)
-            x = x + invariant.linear(attend(i, q, k, v), self.wo[i], packed=self.x_wo[i]).float()
-            h = invariant.rms_norm(x, self.ln2[i], cfg.eps)
-            gate_up = invariant.linear(h, self.w_gate_up[i], packed=self.x_gate_up[i])
-            x = x + invariant.linear(invariant.silu_mul(gate_up), self.w_down[i], packed=self.x_down[i]).float()
+
+            def cached_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
+                cache.write(i, write_slots, positions, k, v)
+                return attend(i, q, k, v)
+
+            x = decoder_layer(x, self._exact_layer(i), shape, cos, sin, cached_attend)
         if logits_rows is not None:
             x = x[logits_rows]
         return invariant.logits(invariant.rms_norm(x, self.final_norm, cfg.eps), self.lm_head, self.x_head)
+
+    def _exact_layer(self, i: int) -> LayerWeights:
+        """Layer ``i``'s weights as exact mode computes with them (the ones held now, prepacked)."""
+        return LayerWeights(
+            self.ln1[i],
+            self.wqkv[i],
+            self.bqkv[i] if self.bqkv is not None else None,
+            self.x_wqkv[i],
+            self.wo[i],
+            self.x_wo[i],
+            self.ln2[i],
+            self.w_gate_up[i],
+            self.x_gate_up[i],
+            self.w_down[i],
+            self.x_down[i],
+        )
