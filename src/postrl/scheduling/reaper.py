@@ -4,10 +4,12 @@ Ray's own fate sharing covers the GCS server and the raylet, not the agents the 
 (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``, which ignore SIGTERM) nor idle workers. So
 before a local Ray instance is started, the driver marks its environment with a token that every
 Ray process inherits, and starts a reaper: a small process in its own session that holds the read
-end of a pipe from the driver and notes, twice a second, every process below the driver. When the
-pipe closes (the driver exited, crashed or was killed with SIGKILL), the reaper kills every
-process whose environment carries the token or that it saw below the driver, and everything
-below those.
+end of a pipe from the driver and notes, twice a second, every process below the driver and every
+process below a marked one. The second net matters: a process that sets its title (the agents do)
+may overwrite the start of its environment, and with it the token. When the pipe closes, the
+reaper kills every marked process and every process it saw below one, and everything below those;
+when the driver did not say goodbye first (it crashed or was killed with SIGKILL), also every
+process it saw below the driver.
 
 Run as ``python -m postrl.scheduling.reaper TOKEN DRIVER_PID``.
 """
@@ -24,6 +26,7 @@ import uuid
 from pathlib import Path
 
 MARKER = "POSTRL_RAY_OWNER"
+GOODBYE = b"bye"  # what a driver that closes cleanly writes before closing the pipe
 
 
 def marked_processes(token: str, exclude: set[int]) -> list[int]:
@@ -112,27 +115,47 @@ class Reaper:
         if os.environ.get(MARKER) == self.token:
             del os.environ[MARKER]
         if self.process.stdin is not None:
-            self.process.stdin.close()
+            try:
+                self.process.stdin.write(GOODBYE)
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
         try:
             self.process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             pass
 
 
+def _watch(token: str, driver: int) -> tuple[dict[int, int], dict[int, int], bool]:
+    """Until the driver's pipe closes: (processes seen below the driver, processes seen below a
+    marked one, whether the driver said goodbye), each seen process with its start time."""
+    below_driver: dict[int, int] = {}
+    below_marked: dict[int, int] = {}
+    said = b""
+    me = os.getpid()
+    while True:
+        ready, _, _ = select.select([sys.stdin.buffer], [], [], 0.5)
+        if ready:
+            chunk = os.read(sys.stdin.fileno(), 4096)
+            if not chunk:
+                return below_driver, below_marked, said == GOODBYE
+            said += chunk
+        below_driver.update(descendants({driver}))
+        below_marked.update(descendants(set(marked_processes(token, {me, driver}))))
+        for pid in (me, driver):
+            below_driver.pop(pid, None)
+            below_marked.pop(pid, None)
+
+
 def main(argv: list[str]) -> int:
     token, driver = argv[0], int(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the driver is not for the reaper
-    known: dict[int, int] = {}  # every process seen below the driver: a second net besides the token
-    me = os.getpid()
-    while True:  # until the driver closes the pipe or dies
-        ready, _, _ = select.select([sys.stdin.buffer], [], [], 0.5)
-        if ready and not os.read(sys.stdin.fileno(), 4096):
-            break
-        known.update((pid, start) for pid, start in descendants({driver}).items() if pid not in (driver, me))
-    # after a clean close (the driver lives on) only the marked processes are Ray's; once the driver
-    # is dead, everything it left below it goes too
-    driver_died = _stat(driver) is None
-    kill_marked(token, exclude={me, driver}, known=known if driver_died else None)
+    below_driver, below_marked, clean = _watch(token, driver)
+    # after a clean close (the driver lives on) only Ray's processes go; when the driver died
+    # without a goodbye, everything it left below it goes too (its pipe closes before it is gone,
+    # so asking /proc whether it is dead would race)
+    known = below_marked if clean else {**below_driver, **below_marked}
+    kill_marked(token, exclude={os.getpid(), driver}, known=known)
     return 0
 
 
