@@ -464,20 +464,34 @@ def test_without_exact_mode_bf16_logprobs_differ_from_the_trainer_s(char_tokeniz
 
 def test_the_exact_layer_is_written_once_for_the_engine_and_the_trainer():
     """Issue 59: the engine's and the trainer's exact forwards run one decoder layer
-    (``models/exact_layer.decoder_layer``): no second copy of its operations to keep in step."""
+    (``models/exact_layer.decoder_layer``): no second copy of its operations to keep in step. The
+    engine's exact attention is one closure, and the engine reads ``exact`` once: to choose its
+    kernels."""
     import inspect
+    import io
+    import tokenize
 
     from postrl.models import exact_layer
-    from postrl.rollout.native import model as engine_model
+    from postrl.rollout.native import exact_kernels
     from postrl.train import exact_forward
 
     src = Path(exact_layer.__file__).parents[1]
-    layer_ops = ("invariant.silu_mul(", "invariant.rotate(")
-    writers = sorted(
-        str(p.relative_to(src))
-        for p in src.rglob("*.py")
-        if p.name != "invariant.py" and any(op in p.read_text() for op in layer_ops)
-    )
-    assert writers == ["models/exact_layer.py"]
-    assert "decoder_layer(" in inspect.getsource(engine_model.NativeCausalLM._exact_forward)
+
+    def files_with(*needles: str) -> list[str]:
+        return sorted(
+            str(p.relative_to(src))
+            for p in src.rglob("*.py")
+            if p.name != "invariant.py" and any(n in p.read_text() for n in needles)
+        )
+
+    assert files_with("invariant.silu_mul(", "invariant.rotate(") == ["models/exact_layer.py"]
+    assert "decoder_layer(" in inspect.getsource(exact_kernels.ExactKernels.forward)
     assert "decoder_layer(" in inspect.getsource(exact_forward.ExactForward._layer)
+    assert files_with("invariant.attention(") == ["rollout/native/exact_kernels.py", "train/exact_forward.py"]
+    assert inspect.getsource(exact_kernels).count("invariant.attention(") == 1
+    def names(path: Path) -> list[str]:  # the code's names: no comments, no strings
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        return [t.string for t in tokens if t.type == tokenize.NAME]
+
+    readers = {p.name for p in (src / "rollout" / "native").glob("*.py") if "exact" in names(p)}
+    assert readers == {"engine.py", "model.py"}  # passed down to NativeCausalLM, which chooses its kernels

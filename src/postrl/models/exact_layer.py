@@ -1,6 +1,6 @@
 """Exact mode's decoder layer, written once for the engine and the trainer.
 
-The native engine (:meth:`postrl.rollout.native.model.NativeLlama.forward` with ``exact``) and the
+The native engine (:class:`postrl.rollout.native.exact_kernels.ExactKernels`) and the
 trainer (:class:`postrl.train.exact_forward.ExactForward`) both run :func:`decoder_layer`: the same
 :mod:`postrl.models.invariant` operations in the same order, so that their logprobs agree bit for
 bit by construction rather than by two copies kept in step. Each side passes the layer's weights as

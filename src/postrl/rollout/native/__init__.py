@@ -1,4 +1,5 @@
 from postrl.rollout.native.engine import NativeRolloutWorker
-from postrl.rollout.native.model import SUPPORTED_MODEL_TYPES, NativeCausalLM, NativeConfig
+from postrl.rollout.native.model import NativeCausalLM
+from postrl.rollout.native.weights import SUPPORTED_MODEL_TYPES, NativeConfig
 
 __all__ = ["NativeCausalLM", "NativeConfig", "NativeRolloutWorker", "SUPPORTED_MODEL_TYPES"]

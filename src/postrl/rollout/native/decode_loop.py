@@ -17,9 +17,8 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from postrl.models import invariant
+from postrl.rollout.native.kernels import PrefillLayout
 from postrl.rollout.native.kv_cache import MIN_SHARED_PREFIX, KVCache, shared_prefix_length
 from postrl.rollout.native.loop_state import LoopState
 from postrl.rollout.native.sequences import ForwardPass, Request, SamplingKey, Sequence, sampling_key
@@ -27,7 +26,6 @@ from postrl.rollout.sampling import sample_tokens, top_logprobs
 from postrl.rollout.stops import StopChecker
 from postrl.rollout.streams import derive, prompt_key, uniforms
 
-SPAN_STEP = 64  # decode attends over positions [0, span): the longest active, rounded up to this
 COMPACT_AT = 8  # idle slots below the highest active one that make decode move sequences down
 LENGTH_STEP = 128  # a cache that must grow for a longer context grows to a multiple of this
 
@@ -53,6 +51,7 @@ class DecodeLoop:
         self.suspendable = suspendable
         self.key = sampling_key(first.sp)
         self.device = state.model.device
+        self.kernels = state.model.kernels
         self.waiting: deque[tuple[int, list[int]]] = deque()  # (loop prompt index, ids)
         self.owner: list[tuple[Request, int]] = []  # loop prompt index -> (request, its index there)
         self.keys: list[str | None] = []
@@ -154,8 +153,7 @@ class DecodeLoop:
         sampled = [self.active[s] for s in slots.tolist()]
         u = uniforms(torch.tensor([q.stream for q in sampled]), torch.tensor([len(q.tokens) for q in sampled]))
         tokens, lps = sample_tokens(rows, self.sp.temperature, self.sp.top_k, self.sp.top_p, u)
-        if self.s.model.exact:  # the trainer's computation of the same quantity, tile by tile
-            lps = invariant.token_logprobs(rows, tokens, self.sp.temperature or 1.0)
+        lps = self.kernels.sampled_logprobs(rows, tokens, lps, self.sp.temperature)
         top = top_logprobs(rows, self.sp.temperature, self.sp.top_logprobs) if self.sp.top_logprobs else None
         self._record(slots, tokens, lps, top)
 
@@ -244,29 +242,8 @@ class DecodeLoop:
         active_t = torch.tensor(active, dtype=torch.long, device=self.device)
         slots = torch.arange(hi, device=self.device)
         rows = active_t if len(active) != hi else slots
-        attend = self._exact_attend(slots, attended) if self.s.model.exact else self._decode_attend(hi, attended)
+        attend = self.kernels.decode_attention(self.cache, hi, attended)
         return ForwardPass(self.last[:hi], written, slots, attend, rows, owners=active_t, live=live)
-
-    def _decode_attend(self, hi: int, attended: torch.Tensor) -> Callable[..., torch.Tensor]:
-        """Attention of slot ``s`` < ``hi`` over its positions ``0 .. attended[s]``."""
-        cfg = self.s.model.cfg
-        # attend over the cache's contiguous blocks with an additive mask: on CPU, batched matmuls on
-        # contiguous blocks beat both SDPA and gathers of the live part; each (slot, head) block of
-        # positions [0, span) is contiguous, so the span costs no copy
-        span = min(self.cache.max_len, -(-(int(attended.max()) + 1) // SPAN_STEP) * SPAN_STEP)
-        keys = torch.arange(span, device=self.device)
-        bias = torch.zeros((hi, 1, 1, span), dtype=torch.float32, device=self.device)
-        bias.masked_fill_((keys.unsqueeze(0) > attended.unsqueeze(1)).view(hi, 1, 1, -1), float("-inf"))
-        groups, scale = cfg.heads // cfg.kv_heads, cfg.head_dim**-0.5
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            qg = q.view(hi, cfg.kv_heads, groups, cfg.head_dim)
-            cached_k, cached_v = self.cache.k[layer][:hi, :, :span], self.cache.v[layer][:hi, :, :span]
-            scores = torch.add(bias, torch.matmul(qg, cached_k.transpose(-1, -2)), alpha=scale)
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            return torch.matmul(probs, cached_v).reshape(hi, cfg.heads * cfg.head_dim)
-
-        return attend
 
     def _compact(self) -> None:
         """Move the highest active sequences into the free slots below them when the dense range
@@ -366,8 +343,8 @@ class DecodeLoop:
         """Tokens ``ids[start:]`` of each (slot, ids), packed without padding; positions before
         ``start`` are already in the slot's cache. Its rows: each item's last token.
 
-        Attention runs on a padded [items, longest, ...] view and reads keys from the cache, so a
-        suffix attends to its cached prefix and, causally, to itself."""
+        Attention reads keys from the cache, so a suffix attends to its cached prefix and,
+        causally, to itself."""
         lengths = [len(ids) - st for (_, ids), st in zip(items, starts, strict=True)]
         tokens = torch.tensor(
             [t for (_, ids), st in zip(items, starts) for t in ids[st:]], dtype=torch.long, device=self.device
@@ -376,55 +353,12 @@ class DecodeLoop:
         col = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         row = torch.cat([torch.full((n,), g, dtype=torch.long, device=self.device) for g, n in enumerate(lengths)])
         slots = torch.tensor([s for s, _ in items], dtype=torch.long, device=self.device)
-        positions = first[row] + col
-        attend = (
-            self._exact_attend(slots[row], positions)
-            if self.s.model.exact
-            else self._prefill_attend(items, lengths, first, row, col, slots)
-        )
+        totals = torch.tensor([len(ids) for _, ids in items], device=self.device)
+        layout = PrefillLayout(slots, row, col, first, lengths, totals)
+        attend = self.kernels.prefill_attention(self.cache, layout)
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         self.s.stats["prefill_tokens"] += len(tokens)
-        return ForwardPass(tokens, positions, slots[row], attend, ends)
-
-    def _prefill_attend(
-        self,
-        items: list[tuple[int, list[int]]],
-        lengths: list[int],
-        first: torch.Tensor,
-        row: torch.Tensor,
-        col: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> Callable[..., torch.Tensor]:
-        """Attention of item ``row[t]``'s token at ``first[row[t]] + col[t]`` over its slot's cache."""
-        total = torch.tensor([len(ids) for _, ids in items], device=self.device)
-        longest_q, longest_k = max(lengths), int(total.max())
-        key_pos = torch.arange(longest_k, device=self.device).view(1, 1, 1, -1)
-        query_pos = first.view(-1, 1, 1, 1) + torch.arange(longest_q, device=self.device).view(1, 1, -1, 1)
-        mask = (key_pos <= query_pos) & (key_pos < total.view(-1, 1, 1, 1))
-        cfg = self.s.model.cfg
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            qp = q.new_zeros((len(items), longest_q, cfg.heads, cfg.head_dim))
-            qp[row, col] = q
-            keys = self.cache.k[layer][slots, :, :longest_k]
-            values = self.cache.v[layer][slots, :, :longest_k]
-            out = F.scaled_dot_product_attention(
-                qp.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=cfg.kv_heads != cfg.heads
-            )
-            return out.transpose(1, 2)[row, col].reshape(-1, cfg.heads * cfg.head_dim)
-
-        return attend
-
-    def _exact_attend(self, sequence: torch.Tensor, position: torch.Tensor) -> Callable[..., torch.Tensor]:
-        """Attention of token ``t`` over positions ``0 .. position[t]`` of cache slot ``sequence[t]``,
-        through the batch-invariant kernel (the cache holds the pass's own K/V already)."""
-
-        items = invariant.query_items(sequence, position)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return invariant.attention(q, self.cache.k[layer], self.cache.v[layer], items)
-
-        return attend
+        return ForwardPass(tokens, layout.positions, slots[row], attend, ends)
 
     def _first_sample_index(self, prompt_index: int, now: int) -> int:
         """Sample indices already handed out for this prompt (before this admission of ``now`` more)."""

@@ -40,7 +40,6 @@ from postrl.rollout.native.decode_loop import DecodeLoop
 from postrl.rollout.native.kv_cache import KeptCaches, KVCache
 from postrl.rollout.native.loop_state import LoopState
 from postrl.rollout.native.model import NativeCausalLM
-from postrl.rollout.native.prompt_scores import sequence_logprobs
 from postrl.rollout.native.sequences import Request, SamplingKey, Sequence, sampling_key
 from postrl.types import Health, Prompt, Rollout, SamplingParams, TokenCallback, compact_versions
 from postrl.types.metric_names import ROLLOUT_DECODE_S, ROLLOUT_PREFILL_S, ROLLOUT_UPDATES_MID_GENERATE
@@ -294,7 +293,7 @@ class NativeRolloutWorker(EngineBase):
         """Each sequence's logprob of every token after its first, by this engine's model and kernels
         (between decode loops, with the engine to itself)."""
         with self._alone():
-            return [sequence_logprobs(self.model, ids) for ids in sequences]
+            return [self.model.sequence_logprobs(ids) for ids in sequences]
 
     def counters(self) -> dict[str, float]:
         return {

@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 import torch
 
-from postrl.models import invariant
 from postrl.rollout.native.kv_cache import KeptCaches, KVCache
 from postrl.rollout.native.model import NativeCausalLM
 
@@ -52,8 +51,7 @@ class LoopState:
         """Reuse the cache across calls when it fits and is at most ``cache_reuse_ratio`` times too long
         (decode attends over its whole length); otherwise allocate it once for this call. An exact
         engine's length is whole key blocks, so that its attention reads each block as a view."""
-        if self.model.exact:
-            max_len = -(-max_len // invariant.KEY_BLOCK) * invariant.KEY_BLOCK
+        max_len = self.model.kernels.cache_length(max_len)
         old = self.cache
         if old is not None and old.fits(slots, max_len) and old.max_len <= self.cache_reuse_ratio * max_len:
             return old
@@ -61,6 +59,6 @@ class LoopState:
         cfg = self.model.cfg
         self.cache = None  # the old one is freed before the new one is allocated
         self.cache = KVCache(
-            cfg.layers, slots, cfg.kv_heads, max_len, cfg.head_dim, self.model.cache_dtype, self.model.device
+            cfg.layers, slots, cfg.kv_heads, max_len, cfg.head_dim, self.model.kernels.cache_dtype(), self.model.device
         )
         return self.cache
