@@ -175,9 +175,8 @@ def sync_survival(precision: str, engine_dtype: torch.dtype, exact: bool, smoke:
     engine = NativeRolloutWorker.from_hf(model, tokenizer, engine_dtype, exact=exact)
     algorithm = AlgorithmConfig(kl_beta=0.0, old_logprobs="recompute", importance={"type": "none"})
     rows = 4 if smoke else 16
-    forward = "exact" if exact else "lean"
-    train = TrainConfig(lr=LR, precision=precision, mini_batch_size=rows, micro_batch_size=rows, forward=forward)
-    trainer = PolicyTrainer(model, train, algorithm, max_response_tokens=24, seed=0, proximal="recompute")
+    train = TrainConfig(lr=LR, precision=precision, mini_batch_size=rows, micro_batch_size=rows)
+    trainer = PolicyTrainer(model, train, algorithm, max_response_tokens=24, seed=0, proximal="recompute", exact=exact)
     gen = torch.Generator().manual_seed(0)
     experiences = []
     for i in range(rows):

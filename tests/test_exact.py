@@ -375,8 +375,8 @@ def test_the_exact_plan_refuses_what_it_cannot_compute(char_tokenizer):
     [
         (["rollout.exact=true", "rollout.backend=hf"], "needs the native engine"),
         (["rollout.exact=true", "rollout.dtype=bfloat16", "train.precision=float32"], "one dtype"),
-        (["rollout.exact=true", "rollout.dtype=float32", "train.precision=float32", "train.forward=lean"], "forward"),
-        (["train.forward=exact"], "set rollout.exact"),
+        (["rollout.exact=true", "train.forward=transformers"], "train.forward=transformers does not apply"),
+        (["train.forward=exact"], "'lean' or 'transformers'"),  # rollout.exact is the one switch
     ],
 )
 def test_exact_config_errors_name_the_fields(overrides, message):
@@ -386,23 +386,29 @@ def test_exact_config_errors_name_the_fields(overrides, message):
         demo_config(overrides)
 
 
-def test_exact_config_sets_the_trainer_s_forward():
+def test_exact_numerics_are_resolved_once_and_reach_the_trainer():
+    """Issue 59: rollout.exact is the only switch; the run's Numerics carry it to the trainer, which
+    then computes the policy's logprobs with the exact forward. Dtypes that resolve apart on the
+    machine are refused, naming both."""
+    from postrl.models.numerics import Machine, resolve_numerics
     from postrl.run.demo import demo_config
+    from postrl.train.factory import PolicySpec, build_train_worker
 
     config = demo_config(["rollout.exact=true", "rollout.dtype=float32", "train.precision=float32"])
-    assert config.train.forward == "exact"
-    # the defaults resolve alike on a machine without a GPU (float32 engine, float32 trainer); where
-    # auto resolves to two dtypes, building the run's policy refuses it, naming both
-    from postrl.train.factory import PolicySpec
-
-    if not torch.cuda.is_available():
-        assert PolicySpec.of_run(demo_config(["rollout.exact=true"])).train.forward == "exact"
-    from postrl.rollout.factory import bf16_is_fast
-
+    assert config.train.forward == "lean"  # nothing writes into the user's train section
+    cpu = Machine(engine_bf16_fast=False, trainer_bf16=False, gpu=False)
+    numerics = resolve_numerics(config, cpu)
+    assert (numerics.engine, numerics.trainer, numerics.autocast, numerics.exact) == ("float32", "float32", False, True)
+    assert numerics.describe() == "engine float32, trainer float32, exact, the engine's logprobs as the old policy's"
+    trainer = build_train_worker(PolicySpec.of_run(config, numerics), torch.device("cpu"))
+    assert trainer.exact
+    plain = build_train_worker(PolicySpec.of_run(demo_config([]), resolve_numerics(demo_config([]), cpu)), "cpu")
+    assert not plain.exact
     auto_engine = demo_config(["rollout.exact=true", "rollout.dtype=auto", "train.precision=float32"])
-    if bf16_is_fast(torch.device("cpu")) and not torch.cuda.is_available():  # auto: a bf16 engine here
-        with pytest.raises(ValueError, match="bfloat16 and float32 on this machine"):
-            PolicySpec.of_run(auto_engine)
+    assert resolve_numerics(auto_engine, cpu).engine == "float32"
+    amx = Machine(engine_bf16_fast=True, trainer_bf16=False, gpu=False)  # auto: a bf16 engine there
+    with pytest.raises(ValueError, match="bfloat16 and float32 on this machine"):
+        resolve_numerics(auto_engine, amx)
     with pytest.raises(ValueError, match="float32 and bfloat16 on this machine"):
         demo_config(["rollout.exact=true", "rollout.dtype=float32", "train.precision=bf16_autocast"])
 
@@ -489,6 +495,7 @@ def test_the_exact_layer_is_written_once_for_the_engine_and_the_trainer():
     assert "decoder_layer(" in inspect.getsource(exact_forward.ExactForward._layer)
     assert files_with("invariant.attention(") == ["rollout/native/exact_kernels.py", "train/exact_forward.py"]
     assert inspect.getsource(exact_kernels).count("invariant.attention(") == 1
+
     def names(path: Path) -> list[str]:  # the code's names: no comments, no strings
         tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
         return [t.string for t in tokens if t.type == tokenize.NAME]

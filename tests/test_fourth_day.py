@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from postrl.cli import main
+from postrl.controller.overlap import resolve_overlap
 from tests import fault_envs
 from tests.test_third_day import REPO, agent_run
 
@@ -63,7 +64,11 @@ def test_c5_an_agent_function_run_reports_its_model_and_own_time(tmp_path, capsy
 # -- C6 -------------------------------------------------------------------------------------------
 def test_c6_the_mismatch_warning_names_only_fixes_not_in_force():
     from postrl.config.loading import build_config
-    from postrl.run.watch import mismatch_fixes
+    from postrl.models.numerics import resolve_numerics
+    from postrl.run.watch import mismatch_fixes as fixes_with
+
+    def mismatch_fixes(config):
+        return fixes_with(config, resolve_numerics(config))
 
     base = {"model": {"path": "demo"}, "data": {"task": "arithmetic"}}
     in_force = build_config({**base, "rollout": {"dtype": "bfloat16"}, "train": {"precision": "bf16_autocast"}})
@@ -138,7 +143,14 @@ def test_a_custom_environment_s_tools_are_checked_at_its_first_episode(tmp_path,
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert (
-        len([line for line in err.splitlines() if line.strip() and not line.startswith(("workers:", "accuracy:"))]) == 1
+        len(
+            [
+                line
+                for line in err.splitlines()
+                if line.strip() and not line.startswith(("workers:", "numerics:", "accuracy:"))
+            ]
+        )
+        == 1
     )
 
 
@@ -271,18 +283,18 @@ def test_c3_compute_is_serial_where_the_engine_shares_the_trainer_s_cpu():
 
     one_off = {"max_staleness": 1}
     local = RunConfig(controller={"mode": "async", "overlap": "generation"}, buffer=one_off)
-    assert local.computes_serially  # no GPU here: the native engine computes on the trainer's CPU
-    assert local.async_overlap == "scoring" and local.requested_overlap == "generation"
+    assert resolve_overlap(local).serial  # no GPU here: the native engine computes on the trainer's CPU
+    assert resolve_overlap(local).runs == "scoring" and resolve_overlap(local).requested == "generation"
     kept = RunConfig(controller={"mode": "async", "overlap": "generation", "serial_compute": False}, buffer=one_off)
-    assert not kept.computes_serially and kept.async_overlap == "generation"
+    assert not resolve_overlap(kept).serial and resolve_overlap(kept).runs == "generation"
     remote = RunConfig(
         rollout={"backend": "openai", "url": "http://127.0.0.1:1/v1", "sync_dir": "w"},
         controller={"mode": "async"},
         buffer=one_off,
     )
-    assert not remote.computes_serially  # the engine computes elsewhere
+    assert not resolve_overlap(remote).serial  # the engine computes elsewhere
     ray = RunConfig(scheduler={"type": "ray"}, controller={"mode": "async"}, buffer=one_off)
-    assert not ray.computes_serially and ray.async_overlap == "generation"
+    assert not resolve_overlap(ray).serial and resolve_overlap(ray).runs == "generation"
 
 
 @pytest.mark.parametrize(
@@ -303,7 +315,7 @@ def test_c3_an_env_agent_asking_for_overlap_generation_keeps_the_producer_thread
     config = RunConfig(
         controller={"mode": "async", **controller}, buffer={"max_staleness": 1}, rollout={"device": "cpu"}, **extra
     )
-    assert config.computes_serially is serial and config.async_overlap == overlap
+    assert resolve_overlap(config).serial is serial and resolve_overlap(config).runs == overlap
 
 
 @pytest.mark.parametrize("serial", [True, False])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -341,3 +343,20 @@ def test_the_architecture_table_is_a_map_of_what_is_there():
     assert not uncovered, uncovered
     long = [line[:60] for _, line in rows if len(line) > 220]
     assert not long, long
+
+
+def test_the_config_package_imports_no_torch():
+    """Issue 59: config/ describes and validates; what depends on the machine (dtypes, devices,
+    serial compute) is resolved outside it (models/numerics.py, controller/overlap.py)."""
+    code = "import sys, postrl.config.run, postrl.config.loading; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    importers = set()  # not inside a function either (RunConfig.computes_serially once asked torch there)
+    for path in (SRC / "config").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if any(n == "torch" or n.startswith("torch.") for n in names):
+                importers.add(path.name)
+    assert importers == set()

@@ -11,8 +11,9 @@ import torch
 
 from postrl.algorithms import IMPORTANCE_CORRECTIONS
 from postrl.config.run import AlgorithmConfig, RunConfig, TrainConfig
+from postrl.controller.overlap import resolve_overlap
+from postrl.models.numerics import Machine, resolve_numerics
 from postrl.rollout.native import NativeRolloutWorker
-from postrl.train.factory import old_logprobs_source
 from postrl.train.worker import PolicyTrainer
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
 from tests.conftest import make_tiny_model
@@ -89,6 +90,10 @@ def test_the_built_in_loss_aggregations_are_the_config_literal():
     assert set(get_args(LossAggregation)) == built_in  # (other tests register their own)
     with pytest.raises(ValueError, match="unknown loss aggregation 'token_sum'"):
         AlgorithmConfig(loss_agg="token_sum")
+
+
+def old_logprobs_source(config: RunConfig) -> str:
+    return resolve_numerics(config, Machine(engine_bf16_fast=False, trainer_bf16=False, gpu=False)).proximal
 
 
 def test_old_logprobs_auto_recomputes_whenever_engine_and_trainer_may_differ():
@@ -220,8 +225,8 @@ def test_async_settings_that_cannot_work_are_refused_naming_the_fields():
         RunConfig(controller={"mode": "async"}, buffer={"max_staleness": 1}, scheduler={"rollout_schedule": {3: 2}})
     ok = RunConfig(controller={"mode": "async"}, buffer={"max_staleness": 1})
     assert (
-        ok.async_overlap == "scoring"
-        and RunConfig(controller={"mode": "async"}, buffer={"max_staleness": 1}, scheduler="ray").async_overlap
+        resolve_overlap(ok).runs == "scoring"
+        and resolve_overlap(RunConfig(controller={"mode": "async"}, buffer={"max_staleness": 1}, scheduler="ray")).runs
         == "generation"
     )
 

@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 
 from postrl.config.loading import build_config  # noqa: E402
 from postrl.config.observability import PrometheusConfig  # noqa: E402
+from postrl.controller.overlap import resolve_overlap  # noqa: E402
 from postrl.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from postrl.models.weights import dedupe_tied, weight_manifest  # noqa: E402
 from postrl.reward.factory import make_reward_service  # noqa: E402
@@ -177,7 +178,7 @@ def test_async_run_under_ray_overlaps_generation_and_leaves_nothing_running(tmp_
     config.steps = 4
     config.buffer = BufferConfig(max_staleness=1)
     config.controller = ControllerConfig(mode="async")
-    assert config.async_overlap == "generation"  # auto: the producer thread drives the rollout actors
+    assert resolve_overlap(config).runs == "generation"  # auto: the producer thread drives the rollout actors
     controller = train(config)
     assert controller.step_count == 4 and controller.weight_version == 4
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -301,7 +301,7 @@ def test_a_large_logprob_mismatch_is_warned_once_naming_both_dtypes():
     assert said == [
         "warning: at step 2 the rollout's logprobs differ from the trainer's by up to 1.17 (mismatch KL 0.0300): "
         "rollouts come from the rollout servers at http://127.0.0.1:8200 (in the dtype they were started with: "
-        "serve-rollout --dtype), the trainer computes in float32 (bf16 autocast on a GPU). The policy ratio then "
+        "serve-rollout --dtype), the trainer computes in float32. The policy ratio then "
         "mixes two policies; start the servers with `postrl serve-rollout --dtype float32` (and "
         "train.precision=float32 on a GPU) so both compute alike in float32; or train.precision=bf16_autocast "
         "brings the trainer closer to a bf16 engine"
@@ -386,11 +386,11 @@ def test_an_update_a_bf16_engine_cannot_see_is_warned_once():
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_an_auto_engine_is_warned_about_only_where_it_runs_in_bf16(monkeypatch, fast_bf16):
     from postrl.config.loading import build_config
-    from postrl.rollout import factory
+    from postrl.models import numerics
     from postrl.run.watch import UpdateVisibilityWatch
     from postrl.types import StepMetrics
 
-    monkeypatch.setattr(factory, "bf16_is_fast", lambda device: fast_bf16)
+    monkeypatch.setattr(numerics, "bf16_is_fast", lambda device: fast_bf16)
     said: list[str] = []
     watch = UpdateVisibilityWatch(build_config({}, ["rollout.dtype=auto", "rollout.device=cpu"]), said.append)
     watch.observe(StepMetrics(2, 2, {"train/update_visible_bf16": 0.1}))

@@ -137,7 +137,7 @@ class RolloutConfig(Section):
         description="Exactly on-policy: the native engine and the trainer compute every token through the same "
         "batch-invariant operations (fixed 32-row tiles, attention over fixed 64-position key blocks) from the "
         "same weights, so each sampled token's logprob equals the trainer's recomputation bit for bit, whatever "
-        "the batch, and an on-policy step's importance ratio is exactly 1. Sets train.forward=exact; needs the "
+        "the batch, and an on-policy step's importance ratio is exactly 1. Needs the "
         "native engine, no LoRA, and one compute dtype on both sides (rollout.dtype=float32 with "
         "train.precision=float32, or bfloat16 with bf16_autocast). Its cost is in docs/benchmarks.md (mismatch.py).",
     )
@@ -231,16 +231,18 @@ class RunConfig(RunCommandConfig):
 
     @model_validator(mode="after")
     def _exact_rollout_fits_the_run(self) -> RunConfig:
-        """rollout.exact makes the trainer use the exact forward, and needs what that forward can match."""
+        """rollout.exact computes the trainer's logprobs with the engine's exact operations; what that
+        cannot match is refused here, and dtypes that resolve apart on the machine at start."""
         r, t = self.rollout, self.train
         if not r.exact:
-            if t.forward == "exact":
-                raise ValueError("train.forward=exact matches the native engine's exact mode: set rollout.exact: true")
             return self
         if r.backend not in ("auto", "native"):
             raise ValueError(f"rollout.exact needs the native engine (rollout.backend=native), not {r.backend}")
-        if "forward" in t.model_fields_set and t.forward != "exact":
-            raise ValueError(f"rollout.exact computes the trainer's logprobs with train.forward=exact, not {t.forward}")
+        if t.forward != "lean":
+            raise ValueError(
+                f"rollout.exact computes the trainer's logprobs with the engine's exact forward: train.forward="
+                f"{t.forward} does not apply (remove it)"
+            )
         if self.model.lora is not None:
             raise ValueError("rollout.exact does not support model.lora (the exact forward has no adapter path)")
         dtype = r.dtype or self.model.dtype
@@ -249,7 +251,6 @@ class RunConfig(RunCommandConfig):
             trainer = "bfloat16"  # bf16 parameters compute in bf16 whatever the precision
         if dtype != "auto" and trainer is not None and dtype != trainer:
             raise ValueError(exact_dtype_message(dtype, t.precision, dtype, trainer))
-        t.forward = "exact"
         return self
 
     @model_validator(mode="after")
@@ -396,37 +397,13 @@ class RunConfig(RunCommandConfig):
         return self.agent is None or self.agent.reward == "service"
 
     @property
-    def async_overlap(self) -> str:
-        """The overlap that runs: scoring where compute is serial (``computes_serially``), else
-        :attr:`requested_overlap`."""
-        return "scoring" if self.computes_serially else self.requested_overlap
-
-    @property
     def requested_overlap(self) -> str:
-        """``controller.overlap`` as the config asks (auto: generation under Ray, scoring locally)."""
+        """``controller.overlap`` as the config asks (auto: generation under Ray, scoring locally); what
+        runs is resolved for the machine (:func:`postrl.controller.overlap.resolve_overlap`)."""
         overlap = self.controller.overlap
         if overlap == "auto":
             return "generation" if self.scheduler.type == "ray" else "scoring"
         return overlap
-
-    @property
-    def computes_serially(self) -> bool:
-        """``controller.serial_compute`` resolved (None: true when the engine runs in this process on
-        the trainer's CPU: a local scheduler, an in-process engine, both devices the CPU; but not for
-        an ``agent.env`` run that asks for ``overlap: generation``, whose episodes mostly wait on their
-        environments: the producer thread hides that waiting, see docs/async.md)."""
-        choice = self.controller.serial_compute
-        if choice is not None:
-            return choice
-        if self.agent is not None and self.agent.env is not None and self.requested_overlap == "generation":
-            return False
-        import torch
-
-        def on_cpu(device: str) -> bool:
-            return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-
-        in_process = self.scheduler.type != "ray" and self.rollout.backend in ("auto", "native", "hf")
-        return in_process and on_cpu(self.rollout.device) and on_cpu(self.train.device)
 
     @model_validator(mode="after")
     def _groups_need_samples(self) -> RunConfig:

@@ -43,14 +43,13 @@ class OptimizerConfig(Section):
         description="Where the policy, the reference model, the "
         "batches and the optimizer state live: auto (CUDA when present), cpu, cuda, cuda:N.",
     )
-    forward: Literal["lean", "transformers", "exact"] = Field(
+    forward: Literal["lean", "transformers"] = Field(
         "lean",
         description="The training forward. lean: Llama / Qwen2 / Mistral models run postrl's own forward "
         "(flat tokens, per-block attention over shared-prompt groups, fused norms; values and gradients "
         "equal the transformers model's up to rounding), any other model (or a sharded one, or adapters other "
-        "than plain LoRA) the transformers forward. transformers: always the transformers forward. exact: "
-        "the native engine's batch-invariant forward (set by rollout.exact, which it needs): every logprob "
-        "equals the engine's bit for bit.",
+        "than plain LoRA) the transformers forward. transformers: always the transformers forward. With "
+        "rollout.exact the policy's logprobs go through the engine's batch-invariant forward instead.",
     )
     attention: Literal["auto", "eager", "sdpa"] = Field(
         "auto",

@@ -16,6 +16,7 @@ import torch
 
 from postrl.config.run import RunConfig
 from postrl.controller.generated import Generated
+from postrl.controller.overlap import computes_serially
 from postrl.controller.pipeline import (
     Batch,
     BatchSteps,
@@ -361,7 +362,7 @@ class InlinePipeline(BackgroundWeights):
         self.waited_s = 0.0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="postrl-scoring")
         self._in_flight: tuple[Batch, Future] | None = None
-        self.serial = config.computes_serially  # resolved once: it asks torch about the devices
+        self.serial = computes_serially(config)  # resolved once: it asks torch about the devices
 
     def publish(self, state: Weights, version: int) -> None:
         """With serial compute (``controller.serial_compute``) the new weights are pushed now, from the

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from postrl.config.run import RunConfig
 from postrl.controller.source import BatchSource
 from postrl.data.prompt_source import PromptSource
+from postrl.models.numerics import Numerics
 from postrl.scheduling.base import Scheduler
 from postrl.train.teachers.teachers import Teachers
 from postrl.workers.roles import Critic, ExperienceStore, RewardService, ScalableRolloutWorker, TrainWorker
@@ -33,3 +34,4 @@ class Components:
     scheduler: Scheduler | None = None  # placed the workers; closed last
     critic: Critic | None = None  # when algorithm.critic is set (PPO with GAE)
     teachers: Teachers | None = None  # when algorithm.distill is set
+    numerics: Numerics | None = None  # how the engine and the trainer compute, resolved at start

@@ -20,6 +20,7 @@ from postrl.controller.advantage import rollout_advantages
 from postrl.controller.async_pipelines import InlinePipeline, ThreadedPipeline
 from postrl.controller.batches import BatchMaker
 from postrl.controller.components import Components
+from postrl.controller.overlap import resolve_overlap
 from postrl.controller.pipeline import Pipeline, ProducedBatch, SyncPipeline, Weights, ledger_state
 from postrl.controller.stages.kl import KLCoefficient
 from postrl.controller.step_metrics import StageTimer, operating_figures
@@ -52,9 +53,10 @@ class Controller:
         c, steps, deliver = self.config, self.batches, self.parts.buffer.put
         if c.controller.mode == "sync":
             return SyncPipeline(steps, deliver, self.versions, self._push_weights, self._undo_point, self._undo)
-        if c.async_overlap == "generation":
+        overlap = resolve_overlap(c)
+        if overlap.runs == "generation":
             return ThreadedPipeline(steps, deliver, self.versions, self._push_weights, c)
-        if c.requested_overlap == "generation":
+        if overlap.requested == "generation":
             log.warning(
                 "controller.overlap=generation: the engine computes on the trainer's CPU, where a producer thread "
                 "generating beside the update is slower than sync, so the next batch is generated between updates "

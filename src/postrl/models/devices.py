@@ -36,3 +36,14 @@ def resolve_device(name: str, field: str = "device") -> torch.device:
 
 def bf16_matmul_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """bf16 matrix products are native on CUDA (compute capability >= 8) and on CPUs with AMX or AVX512-BF16."""
+    if device.type == "cuda":
+        return bf16_matmul_supported(device)
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from postrl.config.run import RolloutConfig, RunConfig
-from postrl.models.devices import bf16_matmul_supported, resolve_device
+from postrl.models import numerics
+from postrl.models.devices import bf16_is_fast, resolve_device
 from postrl.models.loading import context_length, load_causal_lm, resolve_model_path
 from postrl.rollout.hf_engine import HFRolloutWorker
 from postrl.rollout.native import SUPPORTED_MODEL_TYPES, NativeRolloutWorker
@@ -54,22 +55,10 @@ class EngineSpec:
         )
 
 
-def bf16_is_fast(device: torch.device) -> bool:
-    """bf16 matrix products are native on CUDA (compute capability >= 8) and on CPUs with AMX or AVX512-BF16."""
-    if device.type == "cuda":
-        return bf16_matmul_supported(device)
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def engine_dtype(config: RolloutConfig, model_dtype: str, device: torch.device) -> torch.dtype:
-    name = config.dtype or model_dtype
-    if name == "auto":
-        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    """The engine's dtype on ``device`` (:func:`postrl.models.numerics.engine_dtype`'s rule)."""
+    name = numerics.engine_dtype(config.dtype or model_dtype, bf16_is_fast(device))
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
 def make_rollout_worker(
@@ -91,7 +80,8 @@ def make_rollout_worker(
     if config.backend == "vllm":
         from postrl.rollout.vllm_backend import VLLMRolloutWorker
 
-        dtype = "float32" if engine_dtype(config, model_dtype, torch.device("cpu")) == torch.float32 else "bfloat16"
+        gpu = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        dtype = numerics.engine_dtype(config.dtype or model_dtype, bf16_is_fast(gpu))
         v = config.vllm
         return VLLMRolloutWorker(
             resolve_model_path(model_path),

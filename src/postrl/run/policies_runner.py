@@ -132,7 +132,7 @@ def episode_function(config: RunConfig, runs: dict[str, RunConfig]) -> AgentFunc
 
 def build_policies(config: RunConfig) -> Policies:
     """The parts of every policy, placed by the run's scheduler, and the episodes they share."""
-    from postrl.run.train_runner import run_teachers
+    from postrl.run.train_runner import run_numerics, run_teachers
 
     assert config.agent is not None  # policies: act in an agent function's or a seated environment's episodes
     runs = {name: resolved_run(run) for name, run in config.policy_runs().items()}
@@ -147,7 +147,8 @@ def build_policies(config: RunConfig) -> Policies:
         built.append(reward)
         workers: dict[str, tuple[Any, ...]] = {}
         for scheduler, (name, run) in zip(schedulers, runs.items(), strict=True):
-            trainer = scheduler.train_group(PolicySpec.of_run(run))
+            numerics = run_numerics(run)
+            trainer = scheduler.train_group(PolicySpec.of_run(run, numerics))
             built.append(trainer)
             rollout = scheduler.rollout_pool(EngineSpec.of_run(run), tokenizers[name])
             built.append(rollout)
@@ -160,7 +161,7 @@ def build_policies(config: RunConfig) -> Policies:
             teachers = None if run.algorithm.distill is None else run_teachers(run, tokenizers[name])
             if teachers is not None:
                 built.append(teachers)
-            workers[name] = (trainer, rollout, buffer, critic, teachers)
+            workers[name] = (trainer, rollout, buffer, critic, teachers, numerics)
         served = {name: ServedPolicy(w[1], tokenizers[name]) for name, w in workers.items()}
         server = RecordingServer.of_policies(served, config.agent.tools_in_prompt)
         built.append(server)
@@ -169,11 +170,12 @@ def build_policies(config: RunConfig) -> Policies:
         built[-1] = shared  # it closes the server
         parts = {}
         for name, run in runs.items():
-            trainer, rollout, buffer, critic, teachers = workers[name]
+            trainer, rollout, buffer, critic, teachers, numerics = workers[name]
             errors_log = run.run_dir / "episode_errors.log"
-            source = PolicyEpisodes(name, shared, config.agent, tokenizers[name], reward, errors_log)
+            tokenizer = tokenizers[name]
+            source = PolicyEpisodes(name, shared, config.agent, tokenizer, reward, errors_log)
             parts[name] = Components(
-                run, tokenizers[name], prompts, rollout, reward, trainer, buffer, source, None, critic, teachers
+                run, tokenizer, prompts, rollout, reward, trainer, buffer, source, None, critic, teachers, numerics
             )
         return Policies(config, schedulers, reward, parts)
     except BaseException:

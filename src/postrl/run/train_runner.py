@@ -26,6 +26,7 @@ from postrl.data.prompt_source import prompt_source
 from postrl.models.devices import DeviceError, resolve_device
 from postrl.models.host_memory import keep_freed_memory
 from postrl.models.loading import load_tokenizer
+from postrl.models.numerics import Numerics, resolve_numerics
 from postrl.reward.columns import check_columns
 from postrl.reward.factory import make_reward_service
 from postrl.rollout.factory import EngineSpec
@@ -52,10 +53,12 @@ from postrl.workers.net import can_connect, host_port, url_endpoint
 log = logging.getLogger(__name__)
 
 
-def build_components(config: RunConfig) -> Components:
+def build_components(config: RunConfig, numerics: Numerics | None = None) -> Components:
     """The parts of a run, placed by the configured scheduler; the step code does not know where.
-    Settings decided from the model (an unset ``data.max_prompt_tokens``) are decided here first."""
+    Settings decided from the model (an unset ``data.max_prompt_tokens``) are decided here first;
+    ``numerics``: the run's (default: resolved for this machine)."""
     config = resolved_run(config)
+    numerics = numerics or run_numerics(config)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     prompts = prompt_source(config.data, tokenizer)
@@ -64,7 +67,7 @@ def build_components(config: RunConfig) -> Components:
     scheduler = make_scheduler(config.scheduler, config.import_paths, critic=config.algorithm.critic is not None)
     built: list = []
     try:
-        built.append(scheduler.train_group(PolicySpec.of_run(config)))
+        built.append(scheduler.train_group(PolicySpec.of_run(config, numerics)))
         built.append(scheduler.rollout_pool(EngineSpec.of_run(config), tokenizer))
         built.append(scheduler.reward_service(make_reward_service, config.reward))
         built.append(scheduler.experience_buffer(config.buffer, config.seed))
@@ -91,6 +94,7 @@ def build_components(config: RunConfig) -> Components:
         scheduler,
         critic[0] if critic else None,
         teachers,
+        numerics,
     )
 
 
@@ -197,6 +201,14 @@ def check_servers(config: RunConfig, timeout_s: float = 5.0) -> None:
             raise ConfigError(f"{field}={url} cannot be reached ({why}); start the server first, or fix the URL")
 
 
+def run_numerics(config: RunConfig) -> Numerics:
+    """The run's numerics on this machine; exact mode whose dtypes resolve apart here is refused."""
+    try:
+        return resolve_numerics(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def check_devices(config: RunConfig) -> None:
     """A CUDA device that is not there is refused before any work (never a silent fall back to the CPU)."""
     try:
@@ -223,10 +235,11 @@ def train(
         check_steps_left(config.steps, done, f"steps={config.steps}")
     config = resolved_run(config)  # what the run uses and config.yaml records; the caller's config is unchanged
     check_devices(config)
+    numerics = run_numerics(config)
     echo = stderr_echo
     check_plan(config, echo)
     check_servers(config)
-    parts = build_components(config)
+    parts = build_components(config, numerics)
     try:
         validator = make_validator(parts, echo)
         site.open(resume, overwrite, echo)
@@ -235,6 +248,7 @@ def train(
         report_skipped(parts.prompts.train().skipped, run_dir, echo)
         parts.reward.set_log_file(run_dir / "reward_workers.log")
         echo(describe_placement(config))
+        echo(f"numerics: {numerics.describe()}")
         if config.rollout.exact:
             echo(EXACT_MODE)
         echo(describe_accuracy(config, parts.reward.accuracy_component))
@@ -314,7 +328,7 @@ def _run_loop(
     observers: list[Callable[[StepMetrics], None]] = []
     if validator is not None:
         observers.append(lambda m: validator.observe(m, controller.source, controller.batches.generation_version))
-    observers += [watch.observe for watch in run_watches(config, stderr_echo)]
+    observers += [watch.observe for watch in run_watches(config, stderr_echo, controller.parts.numerics)]
     if on_step is not None:
         observers.append(on_step)
     loop = StepLoop(

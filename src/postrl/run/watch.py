@@ -8,8 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from postrl.config.run import RunConfig
-from postrl.models.devices import resolve_device
-from postrl.rollout import factory
+from postrl.models.numerics import Numerics, resolve_numerics
 from postrl.types import StepMetrics
 from postrl.types.metric_names import (
     REWARD_NO_SIGNAL_GROUPS,
@@ -42,29 +41,15 @@ class NoSignalWatch:
             )
 
 
-def engine_precision(config: RunConfig) -> str:
+def engine_precision(config: RunConfig, numerics: Numerics) -> str:
     r = config.rollout
-    if r.backend == "openai":
+    if numerics.engine_on_server:
         return f"the rollout servers at {r.url} (in the dtype they were started with: serve-rollout --dtype)"
-    dtype = r.dtype or config.model.dtype
-    return f"the {r.backend} engine in {dtype}" + (
-        " (bf16 where the hardware has fast bf16)" if dtype == "auto" else ""
-    )
+    return f"the {r.backend} engine in {numerics.engine}"
 
 
-def samples_from_a_rounding(config: RunConfig) -> bool:
-    """Whether the engine computes with a lower-precision copy of the weights: any dtype but
-    float32, where ``auto`` is bf16 only on hardware with fast bf16 (as the engine factory decides)."""
-    r = config.rollout
-    dtype = r.dtype or config.model.dtype
-    if dtype == "auto" and r.backend in ("auto", "native", "hf"):
-        return factory.bf16_is_fast(resolve_device(r.device, "rollout.device"))
-    return dtype != "float32"
-
-
-def trainer_precision(config: RunConfig) -> str:
-    p = config.train.precision
-    return {"float32": "float32", "bf16_autocast": "bf16 autocast", "auto": "float32 (bf16 autocast on a GPU)"}[p]
+def trainer_precision(numerics: Numerics) -> str:
+    return "bf16 autocast" if numerics.autocast else numerics.trainer
 
 
 class MismatchWatch:
@@ -74,9 +59,16 @@ class MismatchWatch:
     corrected by ``algorithm.importance``, and says nothing about the engine's precision."""
 
     def __init__(
-        self, config: RunConfig, echo: Callable[[str], None], max_diff: float = 0.5, max_kl: float = 0.01
+        self,
+        config: RunConfig,
+        echo: Callable[[str], None],
+        max_diff: float = 0.5,
+        max_kl: float = 0.01,
+        numerics: Numerics | None = None,
     ) -> None:
+        """``numerics``: the run's (default: resolved for this machine)."""
         self.config = config
+        self.numerics = numerics or resolve_numerics(config)
         self.echo = echo
         self.max_diff = max_diff
         self.max_kl = max_kl
@@ -92,15 +84,14 @@ class MismatchWatch:
         self.warned = True
         self.echo(
             f"warning: at step {metrics.step} the rollout's logprobs differ from the trainer's by up to {diff:.2f} "
-            f"(mismatch KL {kl:.4f}): rollouts come from {engine_precision(self.config)}, the trainer computes in "
-            f"{trainer_precision(self.config)}. The policy ratio then mixes two policies; {mismatch_fixes(self.config)}"
+            f"(mismatch KL {kl:.4f}): rollouts come from {engine_precision(self.config, self.numerics)}, the trainer "
+            f"computes in {trainer_precision(self.numerics)}. The policy ratio then mixes two policies; "
+            f"{mismatch_fixes(self.config, self.numerics)}"
         )
 
 
-def mismatch_fixes(config: RunConfig) -> str:
+def mismatch_fixes(config: RunConfig, numerics: Numerics) -> str:
     """What would bring the engine's logprobs to the trainer's, naming only settings not already in force."""
-    from postrl.train.factory import old_logprobs_source
-
     r, t = config.rollout, config.train
     engine_fp32 = (r.dtype or config.model.dtype) == "float32" and r.backend != "openai"
     fixes = []
@@ -127,7 +118,7 @@ def mismatch_fixes(config: RunConfig) -> str:
         fixes[-1] += " so both compute alike in float32"
         if t.precision != "bf16_autocast":
             fixes.append("train.precision=bf16_autocast brings the trainer closer to a bf16 engine")
-    if old_logprobs_source(config) == "rollout":
+    if numerics.proximal == "rollout":
         fixes.append("algorithm.old_logprobs=recompute corrects the gap with importance weights")
     if not fixes:
         return (
@@ -142,32 +133,42 @@ class UpdateVisibilityWatch:
     rounding cannot carry it (``train/update_visible_bf16`` below ``min_share``): the engine then
     samples from the policy of several steps ago, and learning looks stalled."""
 
-    def __init__(self, config: RunConfig, echo: Callable[[str], None], min_share: float = 0.5) -> None:
+    def __init__(
+        self, config: RunConfig, echo: Callable[[str], None], min_share: float = 0.5, numerics: Numerics | None = None
+    ) -> None:
+        """``numerics``: the run's (default: resolved for this machine)."""
         self.config = config
+        self.numerics = numerics or resolve_numerics(config)
         self.echo = echo
         self.min_share = min_share
         self.warned = False
 
     def observe(self, metrics: StepMetrics) -> None:
         share = metrics.values.get(TRAIN_UPDATE_VISIBLE_BF16, float("nan"))
-        if self.warned or not samples_from_a_rounding(self.config) or not share < self.min_share:
+        if self.warned or not self.numerics.samples_from_a_rounding or not share < self.min_share:
             return
         self.warned = True
         self.echo(
             f"warning: at step {metrics.step} only {share:.0%} of the update (train/update_visible_bf16) changed the "
-            f"bf16 rounding of the weights at train.lr={self.config.train.lr:g}: {engine_precision(self.config)} "
+            f"bf16 rounding of the weights at train.lr={self.config.train.lr:g}: {engine_precision(self.config, self.numerics)} "
             "samples with that rounding, so it keeps sampling from older weights until the changes add up. Set "
             "rollout.dtype=float32, or raise train.lr"
         )
 
 
-def run_watches(config: RunConfig, echo: Callable[[str], None]) -> list[Watch]:
+def run_watches(config: RunConfig, echo: Callable[[str], None], numerics: Numerics | None = None) -> list[Watch]:
+    """The run's watches (``numerics``: the run's, default resolved for this machine)."""
+    numerics = numerics or resolve_numerics(config)
     source = "the reward function" if config.scores_with_components else "the environment's rewards (agent.env)"
     if config.agent is not None and config.agent.function is not None and not config.scores_with_components:
         source = "the rewards your agent function returns (agent.function)"
     # a run that distils learns from its teachers whatever its rewards do
     no_signal = [NoSignalWatch(echo, source=source)] if config.algorithm.distill is None else []
-    return [*no_signal, MismatchWatch(config, echo), UpdateVisibilityWatch(config, echo)]
+    return [
+        *no_signal,
+        MismatchWatch(config, echo, numerics=numerics),
+        UpdateVisibilityWatch(config, echo, numerics=numerics),
+    ]
 
 
 EXACT_MODE = (

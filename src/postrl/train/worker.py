@@ -29,6 +29,7 @@ from postrl.config.run import AlgorithmConfig, LoraConfig, TrainConfig
 from postrl.models.devices import bf16_matmul_supported
 from postrl.models.host_memory import return_freed_memory
 from postrl.models.loading import hf
+from postrl.models.numerics import trainer_autocast
 from postrl.models.weights import dedupe_tied
 from postrl.train.chunked_head import Entropy
 from postrl.train.exact_forward import ExactForward
@@ -101,7 +102,10 @@ class PolicyTrainer:
         proximal: ProximalSource = "rollout",
         lora: LoraConfig | None = None,
         is_main: bool = True,
+        exact: bool = False,
     ) -> None:
+        """``proximal`` and ``exact``: the run's :class:`~postrl.models.numerics.Numerics` (``exact``:
+        the policy's logprobs through the engine's exact operations, rollout.exact)."""
         self.model = model
         self.cfg = train
         self.algo = algorithm
@@ -127,7 +131,11 @@ class PolicyTrainer:
         self.optimization = Optimization(model, OptimizerSettings.of_train(train))
         self.generator = torch.Generator().manual_seed(seed)
         self.forward_paths: Counter[ForwardPath] = Counter()  # micro-batch forwards per path (plan_forward)
-        self.exact_forward: ExactForward | None = None  # train.forward=exact's, made at its first use
+        self.exact = exact
+        self.exact_forward: ExactForward | None = None  # made at its first use
+        # the transformers or lean forward for what the exact one does not compute (the reference)
+        self.lean = train.forward == "lean"
+        self.autocast = trainer_autocast(train.precision, bf16_matmul_supported(next(model.parameters()).device))
         self.visibility = Bf16Visibility(model)
 
     def update(self, batch: ExperienceBatch) -> TrainMetrics:
@@ -256,8 +264,8 @@ class PolicyTrainer:
             micro.attention_mask,
             micro.response_mask,
             micro.group_ids,
-            lean=self.cfg.forward == "lean",
-            exact=self.cfg.forward == "exact",
+            lean=self.lean and not self.exact,
+            exact=self.exact,
         )
         if plan.path not in self.forward_paths:
             log.info("train forward: %s (%s)", plan.path, plan.why)
@@ -338,17 +346,15 @@ class PolicyTrainer:
                 self.temperature,
                 target_mask=micro.response_mask,
                 group_ids=micro.group_ids,
-                lean=self.cfg.forward == "lean",
+                lean=self.lean and not self.exact,
                 fused_head=self.cfg.fused_head,
             )
         return ref_logp
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        device = next(self.model.parameters()).device
-        bf16 = self.cfg.precision == "bf16_autocast" or (self.cfg.precision == "auto" and bf16_matmul_supported(device))
-        if not bf16:
+        if not self.autocast:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=next(self.model.parameters()).device.type, dtype=torch.bfloat16)
 
     def set_kl_beta(self, beta: float) -> None:
         self.kl_beta = beta

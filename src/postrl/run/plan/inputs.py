@@ -63,10 +63,8 @@ class RunShape:
 
 def run_shape(config: RunConfig, shape: ModelShape, target: Target) -> RunShape:
     """``data.max_prompt_tokens`` unset is the context left after the response (as at a run's start);
-    dtypes ``auto`` are bf16 on a GPU with bf16 and on a CPU with fast bf16."""
-    import torch
-
-    from postrl.rollout.factory import bf16_is_fast
+    the dtypes are the run's numerics on the target (:meth:`postrl.models.numerics.Machine.planned`)."""
+    from postrl.models.numerics import Machine, resolve_numerics
 
     context = shape.context or 512
     prompt = config.data.max_prompt_tokens or max(1, context - config.rollout.max_tokens)
@@ -75,13 +73,11 @@ def run_shape(config: RunConfig, shape: ModelShape, target: Target) -> RunShape:
     if config.agent is not None:  # an episode's sample is its first prompt and every turn after it
         prompt, response = agent_split(config.agent.max_context, config.data.max_prompt_tokens)
         sized_by = f"agent.max_context={config.agent.max_context}"
-    fast_bf16 = target.accelerator or bf16_is_fast(torch.device("cpu"))
-    engine = config.rollout.dtype or config.model.dtype
-    engine_bytes = 2 if engine == "bfloat16" or (engine == "auto" and fast_bf16) else 4
+    numerics = resolve_numerics(config, Machine.planned(target.accelerator))
+    engine_bytes = 2 if numerics.engine == "bfloat16" else 4
     param_bytes = 2 if config.model.dtype == "bfloat16" else 4
-    precision = config.train.precision
-    autocast = precision == "bf16_autocast" or (precision == "auto" and target.accelerator)
-    act_bytes = 2 if autocast or param_bytes == 2 else 4
+    autocast = numerics.autocast
+    act_bytes = 2 if numerics.trainer == "bfloat16" else 4
     return RunShape(
         config.prompts_per_step,
         config.rollout.n,
@@ -121,7 +117,7 @@ def train_setup(
         config.model.gradient_checkpointing if checkpointing is None else checkpointing,
         lora.r if lora is not None else None,
         tuple(lora.target_modules) if lora is not None else (),
-        lean=t.forward == "lean" and run.lean_model,
+        lean=t.forward == "lean" and run.lean_model and not config.rollout.exact,  # exact: its own forward
         eager_attention=attention == "eager",
     )
 

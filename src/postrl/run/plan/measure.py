@@ -178,6 +178,7 @@ def measure_case(name: str, config: Any, device: str = "cpu") -> MeasuredCase:
     a full-length step (``data.max_prompt_tokens`` long prompts, ``rollout.max_tokens`` long responses)
     and compare. ``config.data.max_prompt_tokens`` must be set: it is the prompts' length."""
     from postrl.models.loading import load_tokenizer
+    from postrl.models.numerics import resolve_numerics
     from postrl.rollout.factory import make_rollout_worker
     from postrl.run.plan.check import cpu_target, cuda_target
     from postrl.run.plan.planner import make_plan
@@ -192,7 +193,7 @@ def measure_case(name: str, config: Any, device: str = "cpu") -> MeasuredCase:
     )
     tokenizer = load_tokenizer(config.model.path)
     torch.manual_seed(config.seed)
-    worker = build_train_worker(PolicySpec.of_run(config), where)
+    worker = build_train_worker(PolicySpec.of_run(config, resolve_numerics(config)), where)
     vocab = int(plan_vocab(config.model.path))
     train = measure_train_step(worker, shape, vocab, tokenizer.pad_token_id or 0)
     worker.close()
