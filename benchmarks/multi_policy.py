@@ -92,7 +92,7 @@ def recorded_mismatches(models: dict[str, Path], held_out: list[dict]) -> dict[s
 def train(out: Path, model: Path, data: Path, steps: int, prompts: int, seed: int) -> tuple[Path, list[dict], float]:
     from postrl.config.loading import load_config
     from postrl.config.run import RunConfig
-    from postrl.run.policies_runner import train_policies
+    from postrl.run.train_runner import train as train_run
 
     overrides = [
         f"output_dir={out}",
@@ -108,7 +108,7 @@ def train(out: Path, model: Path, data: Path, steps: int, prompts: int, seed: in
     ]
     config = load_config(ROOT / "examples" / "agents" / "two_policies.yaml", overrides, model=RunConfig)
     began = time.perf_counter()
-    train_policies(config, overwrite=True)
+    train_run(config, overwrite=True)
     wall = time.perf_counter() - began
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     return config.run_dir, rows, wall

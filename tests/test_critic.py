@@ -83,7 +83,7 @@ def test_ppo_run_trains_the_critic_checkpoints_and_resumes_it(tmp_path, tiny_mod
             "logging": {"trackers": ["jsonl"]},
         }
     )
-    controller = train(config)
+    controller = train(config).controller
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["critic/value_loss"] > 0 for r in rows)
     assert rows[0]["actor/grad_norm"] != rows[0]["actor/grad_norm"]  # NaN: step 1 is the critic's warm-up
@@ -91,10 +91,10 @@ def test_ppo_run_trains_the_critic_checkpoints_and_resumes_it(tmp_path, tiny_mod
     assert controller.parts.critic.handle.obj.updates == 2
     checkpoint = latest_checkpoint(config.run_dir)
     assert (checkpoint / "critic" / "optimization.pt").is_file() and (checkpoint / "critic" / "dcp").is_dir()
-    resumed = train(resume_config(config.run_dir, ["steps=3"]), resume=True)
+    resumed = train(resume_config(config.run_dir, ["steps=3"]), resume=True).controller
     assert resumed.parts.critic.handle.obj.updates == 3  # 2 restored from the checkpoint + 1
     # the same 3 steps without a stop: the resumed critic's weights (and so its optimizer) match exactly
-    straight = train(config.model_copy(update={"name": "straight", "steps": 3}))
+    straight = train(config.model_copy(update={"name": "straight", "steps": 3})).controller
     for (name, a), (_, b) in zip(
         resumed.parts.critic.handle.obj.model.state_dict().items(),
         straight.parts.critic.handle.obj.model.state_dict().items(),

@@ -203,7 +203,7 @@ def distill_run(
             "logging": {"trackers": ["jsonl"]},
         }
     )
-    controller = train(config)
+    controller = train(config).controller
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     return controller, rows, config.run_dir
 
@@ -373,7 +373,7 @@ def test_a_distillation_run_resumes_where_it_stopped(tmp_path, tiny_model_dir, t
         steps=1,
         checkpoint_every=1,
     )
-    resumed = train(resume_config(run_dir, ["steps=2"]), resume=True)
+    resumed = train(resume_config(run_dir, ["steps=2"]), resume=True).controller
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert resumed.step_count == 2 and [r["step"] for r in rows] == [1, 2]
     assert rows[1]["distill/teacher/samples"] == 16.0 and rows[1]["distill/reverse_kl"] > 0.1
@@ -405,12 +405,12 @@ def test_an_episodes_tool_tokens_get_no_distillation_term_and_its_model_tokens_t
     from postrl.config.algorithm import AlgorithmConfig
     from postrl.controller.advantage import compute_advantage
     from postrl.controller.stages.distill import Distillation
-    from postrl.train.teachers.teachers import Teachers
+    from postrl.train.teachers.teachers import TeacherSet
     from postrl.types import Prompt, RewardResult, Rollout, StepBatch
 
     algorithm = AlgorithmConfig.model_validate({"distill": {"teacher": "scripted", "weight": 2.0}})
     teacher = ScriptedTeacher(fail_on=9)
-    stage = Distillation(Teachers(algorithm.distill, [teacher]), 2.0, tmp_path, max_failure_rate=0.5)
+    stage = Distillation(TeacherSet(algorithm.distill, [teacher]), algorithm.distill, tmp_path, max_failure_rate=0.5)
     episode = Rollout(
         0, [7, 8], [1, 2, 3, 4, 5], [-0.1, -0.2, 0.0, 0.0, -0.3], "", "stop", 0, loss_mask=[1, 1, 0, 0, 1]
     )
@@ -429,7 +429,9 @@ def test_an_episodes_tool_tokens_get_no_distillation_term_and_its_model_tokens_t
     # reverse KL over the 5 taught model tokens, student - teacher, by hand
     gap = [-0.1 - 0.0, -0.2 + 0.5, -0.3 + 2.0, -1.0 - 0.0, -2.0 + 0.5]
     assert metrics["distill/reverse_kl"] == pytest.approx(sum(gap) / 5)
-    compute_advantage(step, algorithm)
+    compute_advantage(step, algorithm)  # the task's advantage alone: the stage adds its term after it
+    assert step.batch.advantages[1, spans[1]].tolist() == pytest.approx([-1 / (math.sqrt(0.5) + 1e-6) * 0.5] * 2)
+    assert stage.after_advantage(step) == {}
     # GRPO over the two scorable rewards (1, 0): +-0.7071 (unbiased std), plus the term; the failed row 0
     # (the tool's tokens keep the outcome's advantage, as without distillation: their loss mask is 0)
     grpo = 1 / (math.sqrt(0.5) + 1e-6) * 0.5
@@ -438,3 +440,39 @@ def test_an_episodes_tool_tokens_get_no_distillation_term_and_its_model_tokens_t
     assert step.batch.loss_mask[0, spans[0]].tolist() == [1, 1, 0, 0, 1]
     assert step.batch.advantages[1, spans[1]].tolist() == pytest.approx([-grpo + 2.0, -grpo + 3.0])
     assert step.batch.advantages[2, spans[2]].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_under_ray_a_folder_teacher_is_an_actor_of_its_own(tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch):
+    """Issue 59: the teachers are a role the scheduler places: under Ray a folder teacher computes in
+    an actor (the train role's resources), not in the driver; the run's distillation is the same
+    (the student's own weights as teacher: reverse KL 0 at the first step)."""
+    ray = pytest.importorskip("ray")
+    from postrl.run.train_runner import train
+    from postrl.scheduling.ray_actors import RayHandle
+    from tests.test_ray import ray_processes
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    config = build_config(
+        {
+            "name": "ray-teacher",
+            "output_dir": str(tmp_path),
+            "steps": 1,
+            "prompts_per_step": 2,
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_files": [str(arithmetic_jsonl)]},
+            "rollout": {"n": 2, "max_tokens": 6, "dtype": "float32", "device": "cpu"},
+            "reward": {"components": [{"type": "custom", "name": "d", "function": "tests.reward_fns:digit_share"}]},
+            "algorithm": {"distill": {"teacher": str(tiny_model_dir)}},
+            "train": {"mini_batch_size": 4, "micro_batch_size": 4, "precision": "float32", "device": "cpu"},
+            "checkpoint": {"every_steps": 0},
+            "logging": {"trackers": ["jsonl"]},
+            "scheduler": {"type": "ray", "train": {"threads": 1}, "rollout": {"threads": 1}},
+        }
+    )
+    job = train(config)
+    teachers = job.controller.parts.teachers
+    assert teachers is not None and isinstance(teachers.handle, RayHandle) and teachers.names == ["teacher"]
+    (row,) = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert abs(row["distill/reverse_kl"]) < 1e-5 and row["distill/teacher/samples"] == 4.0
+    assert not ray.is_initialized() and ray_processes() == []

@@ -162,8 +162,8 @@ class KeptPhases:
 
 def test_a_teacher_s_pass_is_asked_in_parts_each_shown_as_it_returns():
     from postrl.config.distill import DistillConfig
-    from postrl.train.teachers.teacher import TeacherQuery
-    from postrl.train.teachers.teachers import Teachers
+    from postrl.train.teachers.teachers import TeacherSet
+    from postrl.types.teaching import TeacherQuery
 
     class Scores:
         source = "fake"
@@ -176,7 +176,7 @@ def test_a_teacher_s_pass_is_asked_in_parts_each_shown_as_it_returns():
             return [[-1.0] * (len(q.ids) - q.start) for q in queries]
 
     scores, kept = Scores(), KeptPhases()
-    teachers = Teachers(DistillConfig.model_validate({"teacher": "fake"}), [scores])  # type: ignore[list-item]
+    teachers = TeacherSet(DistillConfig.model_validate({"teacher": "fake"}), [scores])  # type: ignore[list-item]
     queries = [TeacherQuery([1, 2, 3, i + 4], 2) for i in range(130)]  # 130 distinct samples of 2 tokens
     install(kept)
     try:

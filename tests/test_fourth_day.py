@@ -361,7 +361,7 @@ def test_c3_overlap_generation_on_a_shared_cpu_runs_between_updates_and_says_so(
         settings, ["controller.mode=async", "controller.overlap=generation", "buffer.max_staleness=1"]
     )
     with caplog.at_level(logging.WARNING, logger="postrl.controller.controller"):
-        controller = train(config)
+        controller = train(config).controller
     assert isinstance(controller.pipeline, InlinePipeline) and controller.step_count == 2
     (warning,) = [r.getMessage() for r in caplog.records if "overlap=generation" in r.getMessage()]
     assert "controller.serial_compute=false keeps the producer thread" in warning

@@ -151,7 +151,7 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
         "logging": {"trackers": ["jsonl"]},
         "scheduler": {"train": {"workers": 2}},
     }
-    controller = train(build_config(settings))
+    controller = train(build_config(settings)).controller
     assert controller.step_count == 2
     checkpoint = latest_checkpoint(tmp_path / "fsdp")
     saved = load_causal_lm(str(checkpoint / "model")).state_dict()
@@ -160,11 +160,11 @@ def test_train_run_on_two_ranks_resumes_on_one(tmp_path, tiny_model_dir, arithme
     assert any(not torch.equal(saved[n], t) for n, t in load_causal_lm(str(tiny_model_dir)).state_dict().items())
     # one process takes the 2-rank checkpoint: with no step left to run, final_model is what it loaded
     (tmp_path / "fsdp" / "final_model" / "model.safetensors").unlink()
-    same = train(resume_config(tmp_path / "fsdp", ["scheduler.train.workers=1"]), resume=True)
+    same = train(resume_config(tmp_path / "fsdp", ["scheduler.train.workers=1"]), resume=True).controller
     assert same.step_count == 2 and isinstance(same.parts.trainer.handle.obj, PolicyTrainer)  # one in-process worker
     reloaded = load_causal_lm(str(tmp_path / "fsdp" / "final_model")).state_dict()
     assert all(torch.equal(saved[n], reloaded[n]) for n in saved)
-    more = train(resume_config(tmp_path / "fsdp", ["steps=3", "scheduler.train.workers=1"]), resume=True)
+    more = train(resume_config(tmp_path / "fsdp", ["steps=3", "scheduler.train.workers=1"]), resume=True).controller
     assert more.step_count == 3
 
 
@@ -273,7 +273,7 @@ def test_lora_train_run_on_two_ranks_syncs_adapters_and_resumes_on_one(tmp_path,
         "logging": {"trackers": ["jsonl"]},
         "scheduler": {"train": {"workers": 2}},
     }
-    assert train(build_config(settings)).step_count == 2
+    assert train(build_config(settings)).completed_steps == 2
     run = tmp_path / "fsdp-lora"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["actor/kl"] > 0  # step 2 trains on samples of the synced adapters, off the base model
@@ -284,7 +284,7 @@ def test_lora_train_run_on_two_ranks_syncs_adapters_and_resumes_on_one(tmp_path,
     assert moved and all(
         n.endswith("_proj.weight") for n in moved
     )  # the adapted projections; norms, embeddings as they were
-    more = train(resume_config(run, ["steps=3", "scheduler.train.workers=1"]), resume=True)
+    more = train(resume_config(run, ["steps=3", "scheduler.train.workers=1"]), resume=True).controller
     assert more.step_count == 3
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["rollout/logprob_diff_max"] < 1e-4

@@ -59,7 +59,7 @@ def test_a_tiny_gemma3_trains_with_engine_logprobs_equal_to_the_trainers(tmp_pat
         "train": {"lr": 1e-2, "mini_batch_size": 16, "micro_batch_size": 8},
         "logging": {"trackers": ["jsonl"]},
     })  # fmt: skip
-    controller = train(config)
+    controller = train(config).controller
     assert controller.step_count == 2
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]

@@ -76,7 +76,7 @@ def test_two_step_run_on_cuda(tmp_path, tiny_model_dir, arithmetic_jsonl):
             "logging": {"trackers": ["jsonl"]},
         }
     )
-    controller = train(config)
+    controller = train(config).controller
     assert controller.step_count == 2
     assert next(controller.parts.trainer.handle.obj.model.parameters()).device.type == "cuda"
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -151,7 +151,7 @@ def test_postrl_train_plays_a_textarena_game(tmp_path):
         "rollout": {"n": 2, "max_tokens": 6}, "train": {"mini_batch_size": 4, "micro_batch_size": 4},
         "logging": {"trackers": ["jsonl"], "samples_first_steps": 2},
     })  # fmt: skip
-    assert train(run).step_count == 2
+    assert train(run).completed_steps == 2
     samples = [json.loads(line) for line in (run.run_dir / "samples" / "step_1.jsonl").read_text().splitlines()]
     # a random model's guesses are invalid: the game warns after the first and ends itself after the second
     assert [(s["episode"]["finish_reason"], s["episode"]["turns"]) for s in samples] == [("stop", 2)] * 4

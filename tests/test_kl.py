@@ -52,7 +52,7 @@ def run(tmp_path, model_dir, data, algorithm, name):
             "logging": {"trackers": ["jsonl"]},
         }
     )
-    controller = train(config)
+    controller = train(config).controller
     return controller, [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -85,5 +85,5 @@ def test_adaptive_kl_coefficient_follows_the_observed_kl_and_resumes(tmp_path, t
         beta = adaptive_kl_coef(beta, row["actor/kl"], 0.01, 16, 100)
         assert row["actor/kl_beta"] == pytest.approx(beta)
     assert rows[-1]["actor/kl_beta"] != 0.1 and controller.parts.trainer.handle.obj.kl_beta == pytest.approx(beta)
-    resumed = train(resume_config(tmp_path / "kl-adaptive", ["steps=2"]), resume=True)
+    resumed = train(resume_config(tmp_path / "kl-adaptive", ["steps=2"]), resume=True).controller
     assert resumed.kl.beta == pytest.approx(beta) and resumed.parts.trainer.handle.obj.kl_beta == pytest.approx(beta)

@@ -360,3 +360,17 @@ def test_the_config_package_imports_no_torch():
             if any(n == "torch" or n.startswith("torch.") for n in names):
                 importers.add(path.name)
     assert importers == set()
+
+
+def test_the_controller_imports_nothing_from_train_and_train_nothing_from_rollout():
+    """Issue 59: the teachers are a role (workers/roles.Teachers) the scheduler places; the trainer's
+    device checks are models/devices.py's. Neither arrow comes back."""
+    graph = file_import_graph()
+    arrows = {
+        (a.split(".")[1], b.split(".")[1])
+        for a, deps in graph.items()
+        for b in deps
+        if len(a.split(".")) > 2 and len(b.split(".")) > 1
+    }
+    assert ("controller", "train") not in arrows
+    assert ("train", "rollout") not in arrows

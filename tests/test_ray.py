@@ -87,7 +87,7 @@ def test_three_step_ray_run_then_nothing_left_running(tmp_path, tiny_model_dir, 
         if metrics.step == 3:
             scraped.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
 
-    controller = train(config, on_step=scrape)
+    controller = train(config, on_step=scrape).controller
     series = {
         line.split(" ")[0]: float(line.split(" ")[1]) for line in scraped[0].splitlines() if line.startswith("postrl_")
     }
@@ -162,7 +162,7 @@ def test_ppo_with_critic_and_kl_in_the_reward_under_ray(tmp_path, tiny_model_dir
             },
         }
     )
-    controller = train(config)
+    controller = train(config).controller
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["critic/value_loss"] > 0 for r in rows) and rows[1]["kl/reward_penalty"] > 0
@@ -179,7 +179,7 @@ def test_async_run_under_ray_overlaps_generation_and_leaves_nothing_running(tmp_
     config.buffer = BufferConfig(max_staleness=1)
     config.controller = ControllerConfig(mode="async")
     assert resolve_overlap(config).runs == "generation"  # auto: the producer thread drives the rollout actors
-    controller = train(config)
+    controller = train(config).controller
     assert controller.step_count == 4 and controller.weight_version == 4
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -231,7 +231,7 @@ def test_async_on_two_nodes_losing_the_generation_node_loses_and_repeats_no_samp
                 cluster.remove_node(generation)
                 moved.append(cluster.add_node(num_cpus=2, resources={"gen_node": 1}))
 
-        controller = train(config, on_step=lose_the_generation_node)
+        controller = train(config, on_step=lose_the_generation_node).controller
         assert moved and controller.parts.rollout.restarts >= 1
         assert sorted(trained) == list(range(1, 9))
         ids = [s for step in sorted(trained) for s in trained[step]]

@@ -47,7 +47,7 @@ def test_run_trains_with_rollouts_from_servers_behind_the_router(tmp_path, tiny_
                 "logging": {"trackers": ["jsonl"]},
             }
         )
-        controller = train(config)
+        controller = train(config).controller
         assert controller.step_count == 2
         rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
         # the servers' logprobs are the policy's: they agree with the trainer's recomputation

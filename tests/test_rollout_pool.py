@@ -167,7 +167,7 @@ def test_rollout_schedule_grows_the_pool_between_steps_on_the_current_weights(
         }
     )
     seen = []
-    controller = train(config, on_step=lambda m: seen.append(m.step))
+    controller = train(config, on_step=lambda m: seen.append(m.step)).controller
     pool = controller.parts.rollout
     assert seen == [1, 2, 3] and len(pool.engines) == 2  # 1 engine, 3 from step 2, 2 from step 3
     assert [slot.index for slot in pool.engines] == [0, 1] and pool.engines_started == 3

@@ -53,7 +53,7 @@ def test_url_run_publishes_refuses_a_second_new_run_and_resumes_elsewhere(
         train(url_config(tmp_path, tiny_model_dir, arithmetic_jsonl))
 
     shutil.rmtree(tmp_path / "cache")  # another machine: no local copy
-    resumed = train(resume_config(config.run_url, ["steps=3"]), resume=True)
+    resumed = train(resume_config(config.run_url, ["steps=3"]), resume=True).controller
     assert resumed.step_count == 3
     assert [json.loads(line)["step"] for line in (remote / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert sorted(p.name for p in (remote / "checkpoints").iterdir()) == ["step_00000003"]

@@ -42,12 +42,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from postrl.run.train_runner import train
 
     config = _run_config(args, RunConfig, _ray_overrides(args))
-    if config.policies is not None:
-        from postrl.run.policies_runner import train_policies
-
-        steps = train_policies(config, resume=bool(args.resume), overwrite=args.overwrite).completed_steps
-    else:
-        steps = train(config, resume=bool(args.resume), overwrite=args.overwrite).step_count
+    steps = train(config, resume=bool(args.resume), overwrite=args.overwrite).completed_steps
     print(f"finished {steps} steps; run directory: {config.run_dir}")
     return 0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from postrl.algorithms import ADVANTAGES, VALUE_TARGETS, AdvantageInputs
-from postrl.algorithms.distillation import with_distillation
 from postrl.config.algorithm import AlgorithmConfig
 from postrl.types import Prompt, RewardResult, Rollout, StepBatch
 
@@ -25,14 +24,10 @@ def advantage_inputs(step: StepBatch) -> AdvantageInputs:
 
 def compute_advantage(step: StepBatch, algorithm: AlgorithmConfig) -> None:
     """Set the step's advantages (and, for an estimator that needs values, the critic's targets);
-    with ``algorithm.distill``, each token's distillation term added to (or, ``task_reward: false``,
-    in place of) the task's advantage."""
+    stages that change them act after (``after_advantage``: distillation's term)."""
     entry = algorithm.advantage
     inputs = advantage_inputs(step)
-    task = ADVANTAGES.get(entry.type)(inputs, **entry.options())
-    if algorithm.distill is not None and step.distill is not None and step.taught is not None:
-        task = with_distillation(task if algorithm.distill.task_reward else None, step.distill, step.taught)
-    step.set_advantages(task)
+    step.set_advantages(ADVANTAGES.get(entry.type)(inputs, **entry.options()))
     if ADVANTAGES.needs(entry.type).values:
         step.batch.returns = VALUE_TARGETS.get(entry.type)(inputs, **entry.options())
 

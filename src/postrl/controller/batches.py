@@ -151,6 +151,8 @@ class BatchMaker:
         for stage in self.stages.prepare:
             metrics.update(timer.run(stage.timer_name("prepare"), stage.prepare, step))
         compute_advantage(step, self.config.algorithm)
+        for stage in self.stages.after_advantage:
+            metrics.update(timer.run(stage.timer_name("after_advantage"), stage.after_advantage, step))
         self.record_samples(step, number)
         seconds = {**timer.seconds, "produce": timer.total()["step"]} if batch.alone else timer.seconds
         return step.experiences(), self.report(step, seconds, metrics, rewards)

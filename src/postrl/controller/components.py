@@ -10,8 +10,7 @@ from postrl.controller.source import BatchSource
 from postrl.data.prompt_source import PromptSource
 from postrl.models.numerics import Numerics
 from postrl.scheduling.base import Scheduler
-from postrl.train.teachers.teachers import Teachers
-from postrl.workers.roles import Critic, ExperienceStore, RewardService, ScalableRolloutWorker, TrainWorker
+from postrl.workers.roles import Critic, ExperienceStore, RewardService, ScalableRolloutWorker, Teachers, TrainWorker
 
 
 class Tokenizer(Protocol):

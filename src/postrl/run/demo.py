@@ -64,11 +64,9 @@ def run_demo(overrides: list[str] | None = None, echo=print) -> DemoResult:
 
     before = evaluate_model(load_causal_lm(config.model.path), tokenizer, task, rollout=config.rollout)
     echo(f"held-out accuracy before GRPO: {before.accuracy:.3f} ({before.correct}/{before.total})")
-    controller = train(config)
+    job = train(config)
     after = evaluate_model(load_causal_lm(str(config.run_dir / "final_model")), tokenizer, task, rollout=config.rollout)
     echo(f"held-out accuracy after  GRPO: {after.accuracy:.3f} ({after.correct}/{after.total})")
     plot = plot_metrics(config.run_dir, (before.accuracy, after.accuracy), "postrl demo: GRPO on 3-digit addition")
     echo(f"plot with held-out accuracy: {plot}")
-    return DemoResult(
-        config.run_dir, before.accuracy, after.accuracy, controller.step_count, time.perf_counter() - start
-    )
+    return DemoResult(config.run_dir, before.accuracy, after.accuracy, job.completed_steps, time.perf_counter() - start)

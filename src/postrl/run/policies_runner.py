@@ -15,6 +15,7 @@ scoring its own part (``NAME/val/...``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,32 +23,29 @@ from typing import Any
 
 import torch
 
-from postrl.config.loading import save_config
 from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
 from postrl.controller.policy_episodes import HeldOutEpisodes, PolicyEpisodes, SharedEpisodes
 from postrl.data.prompt_source import prompt_source
 from postrl.models.loading import load_tokenizer
+from postrl.models.numerics import Numerics
 from postrl.reward.factory import make_reward_service
 from postrl.rollout.agentic.agent_function import AgentFunction, PolicyRollouts, RecordedAgents, load_agent_function
 from postrl.rollout.agentic.env_lookup import seated_environment_factory
 from postrl.rollout.agentic.seats import SeatedEpisodes, SeatTurns
-from postrl.rollout.factory import EngineSpec
 from postrl.run.checkpoint import save_policies_checkpoint
-from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
+from postrl.run.lifecycle import resume_point
 from postrl.run.model_card import trained_how, write_model_card
-from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
-from postrl.run.plan.check import check_policies_plan
-from postrl.run.plots import plot_metrics
+from postrl.run.place import RunPlace
 from postrl.run.resolve import resolved_run
+from postrl.run.train_job import Observer, describe_accuracy, policy_lines
 from postrl.run.validation import Validator
+from postrl.run.watch import Watch, run_watches
 from postrl.scheduling.base import Scheduler
 from postrl.scheduling.factory import make_scheduler
-from postrl.scheduling.ray_scheduler import cpus_asked
+from postrl.scheduling.ray_scheduler import cpus_asked, teacher_cpus
 from postrl.serve.recording_server import RecordingServer, ServedPolicy
-from postrl.train.critic import CriticSpec
-from postrl.train.factory import PolicySpec
 from postrl.types import StepMetrics
 from postrl.types.metric_names import PERF_GEN_TOKENS_PER_S, TIME_GENERATE_S, TIME_VALIDATE_S
 from postrl.workers.roles import RewardService
@@ -95,7 +93,10 @@ def make_schedulers(config: RunConfig, runs: dict[str, RunConfig]) -> list[Sched
     """A scheduler per policy, each placing that policy's workers (under Ray: its own placement
     groups); a Ray instance started for the run holds the CPUs of them all."""
     critic = {name: run.algorithm.critic is not None for name, run in runs.items()}
-    asks = {name: cpus_asked(run.scheduler, ("rollout", "train"), critic[name]) for name, run in runs.items()}
+    asks = {
+        name: cpus_asked(run.scheduler, ("rollout", "train"), critic[name]) + teacher_cpus(run)
+        for name, run in runs.items()
+    }
     schedulers: list[Scheduler] = []
     try:
         for i, (name, run) in enumerate(runs.items()):
@@ -130,9 +131,10 @@ def episode_function(config: RunConfig, runs: dict[str, RunConfig]) -> AgentFunc
     return episodes
 
 
-def build_policies(config: RunConfig) -> Policies:
-    """The parts of every policy, placed by the run's scheduler, and the episodes they share."""
-    from postrl.run.train_runner import run_numerics, run_teachers
+def build_policies(config: RunConfig, numerics: dict[str, Numerics]) -> Policies:
+    """The parts of every policy, placed by the run's scheduler, and the episodes they share
+    (``numerics``: each policy's, by name)."""
+    from postrl.run.train_runner import place_policy
 
     assert config.agent is not None  # policies: act in an agent function's or a seated environment's episodes
     runs = {name: resolved_run(run) for name, run in config.policy_runs().items()}
@@ -145,24 +147,11 @@ def build_policies(config: RunConfig) -> Policies:
     try:
         reward = schedulers[0].reward_service(make_reward_service, config.reward)
         built.append(reward)
-        workers: dict[str, tuple[Any, ...]] = {}
-        for scheduler, (name, run) in zip(schedulers, runs.items(), strict=True):
-            numerics = run_numerics(run)
-            trainer = scheduler.train_group(PolicySpec.of_run(run, numerics))
-            built.append(trainer)
-            rollout = scheduler.rollout_pool(EngineSpec.of_run(run), tokenizers[name])
-            built.append(rollout)
-            buffer = scheduler.experience_buffer(run.buffer, run.seed)
-            built.append(buffer)
-            critic = None
-            if run.algorithm.critic is not None:
-                critic = scheduler.critic_worker(CriticSpec.of_run(run, tokenizers[name].pad_token_id))
-                built.append(critic)
-            teachers = None if run.algorithm.distill is None else run_teachers(run, tokenizers[name])
-            if teachers is not None:
-                built.append(teachers)
-            workers[name] = (trainer, rollout, buffer, critic, teachers, numerics)
-        served = {name: ServedPolicy(w[1], tokenizers[name]) for name, w in workers.items()}
+        workers = {
+            name: place_policy(scheduler, run, tokenizers[name], numerics[name], built)
+            for scheduler, (name, run) in zip(schedulers, runs.items(), strict=True)
+        }
+        served = {name: ServedPolicy(w.rollout, tokenizers[name]) for name, w in workers.items()}
         server = RecordingServer.of_policies(served, config.agent.tools_in_prompt)
         built.append(server)
         agents = RecordedAgents(server, function, config.agent.env_workers, config.agent.function_timeout_s)
@@ -170,12 +159,21 @@ def build_policies(config: RunConfig) -> Policies:
         built[-1] = shared  # it closes the server
         parts = {}
         for name, run in runs.items():
-            trainer, rollout, buffer, critic, teachers, numerics = workers[name]
-            errors_log = run.run_dir / "episode_errors.log"
-            tokenizer = tokenizers[name]
-            source = PolicyEpisodes(name, shared, config.agent, tokenizer, reward, errors_log)
+            w, tokenizer = workers[name], tokenizers[name]
+            source = PolicyEpisodes(name, shared, config.agent, tokenizer, reward, run.run_dir / "episode_errors.log")
             parts[name] = Components(
-                run, tokenizer, prompts, rollout, reward, trainer, buffer, source, None, critic, teachers, numerics
+                run,
+                tokenizer,
+                prompts,
+                w.rollout,
+                reward,
+                w.trainer,
+                w.buffer,
+                source,
+                None,
+                w.critic,
+                w.teachers,
+                numerics[name],
             )
         return Policies(config, schedulers, reward, parts)
     except BaseException:
@@ -183,6 +181,22 @@ def build_policies(config: RunConfig) -> Policies:
             part.close()
         close_schedulers(schedulers)
         raise
+
+
+def named_echo(name: str, echo: Callable[[str], None]) -> Callable[[str], None]:
+    return lambda text: echo(f"{name}: {text}")
+
+
+def observe_policy(watch: Watch, name: str, metrics: StepMetrics) -> None:
+    watch.observe(policy_view(name, metrics))
+
+
+def policy_view(name: str, metrics: StepMetrics) -> StepMetrics:
+    """A policy's metrics of a step of several policies, under their own names."""
+    prefix = f"{name}/"
+    values = {k.removeprefix(prefix): v for k, v in metrics.values.items() if k.startswith(prefix)}
+    notes = {k.removeprefix(prefix): v for k, v in metrics.notes.items() if k.startswith(prefix)}
+    return StepMetrics(metrics.step, metrics.weight_version, values, notes)
 
 
 def shared_generation_rates(stepped: dict[str, StepMetrics]) -> dict[str, float]:
@@ -211,8 +225,37 @@ class PoliciesJob:
         self.validator = validator  # logging.eval_every: the held-out episodes, after every policy's step
 
     @property
+    def first(self) -> Components:
+        return next(iter(self.policies.parts.values()))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.policies.parts)
+
+    @property
     def completed_steps(self) -> int:
         return min(c.step_count for c in self.controllers.values())
+
+    def startup_lines(self) -> list[str]:
+        """The policies and how calls reach them, then each policy's own lines, named."""
+        config = self.policies.config
+        seats = config.agent.seats if config.agent is not None else None
+        how = f"seats {seats}" if seats else "each call names its policy by model or base URL"
+        lines = [f"policies: {', '.join(self.names)} ({how})"]
+        for name, parts in self.policies.parts.items():
+            lines += [f"{name}: {line}" for line in policy_lines(parts, describe_accuracy(parts))]
+        return lines
+
+    def observers(self, echo: Callable[[str], None]) -> list[Observer]:
+        """Each policy's watches, on its own metrics (``NAME/...`` without the name)."""
+        observers: list[Observer] = []
+        for name, parts in self.policies.parts.items():
+            for watch in run_watches(parts.config, named_echo(name, echo), parts.numerics):
+                observers.append(functools.partial(observe_policy, watch, name))
+        return observers
+
+    def close(self) -> None:
+        self.policies.close()
 
     def step(self) -> StepMetrics:
         values: dict[str, float] = {}
@@ -281,59 +324,3 @@ class PoliciesJob:
                 c.parts.critic.load_checkpoint(folder / "critic")
             c.start(state["policies"][name])
         return self.completed_steps
-
-
-def train_policies(
-    config: RunConfig,
-    resume: bool = False,
-    on_step: Callable[[StepMetrics], None] | None = None,
-    overwrite: bool = False,
-) -> PoliciesJob:
-    """:func:`postrl.run.train_runner.train` for a run with ``policies:``: checked before anything is
-    written, built, stepped, closed."""
-    from postrl.run.train_runner import agent_output, check_devices, check_servers, make_sinks, make_validator
-
-    site = RunSite(config, "train")
-    place = site.place
-    done = site.check(resume, overwrite)
-    if resume:
-        check_steps_left(config.steps, done, f"steps={config.steps}")
-    echo = stderr_echo
-    for run in config.policy_runs().values():
-        check_devices(run)
-        check_servers(run)
-    check_policies_plan(config, echo)
-    policies = build_policies(config)
-    try:
-        site.open(resume, overwrite, echo)
-        save_config(config, config.run_dir / "config.yaml")
-        place.publish("config.yaml")
-        report_skipped(next(iter(policies.parts.values())).prompts.train().skipped, config.run_dir, echo)
-        policies.reward.set_log_file(config.run_dir / "reward_workers.log")
-        seats = config.agent.seats if config.agent is not None else None
-        how = f"seats {seats}" if seats else "each call names its policy by model or base URL"
-        echo(f"policies: {', '.join(policies.parts)} ({how})")
-        job = PoliciesJob(policies, make_validator(next(iter(policies.parts.values())), echo))
-        resume_step = job.start(place, resume, echo)
-        observers = [on_step] if on_step is not None else []
-        loop = StepLoop(
-            config,
-            place,
-            config.steps,
-            sinks=lambda e: make_sinks(
-                config, config.run_dir, resume_step, e, config.steps, tuple(policies.parts), config.rollout.exact
-            ),
-            observers=observers,
-            published_at_end=PUBLISHED_AT_END,
-            at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else None,
-        )
-        with agent_output(config):
-            loop.run(job)
-    finally:
-        try:
-            policies.close()
-        finally:
-            site.close()
-    if place.url and not config.keep_local_copy:
-        place.drop_local_copy(echo)
-    return job

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ from postrl.config.distill import is_url
 from postrl.config.loading import save_config
 from postrl.config.run import ConfigError, RunConfig
 from postrl.controller.components import Components
-from postrl.controller.controller import Controller
 from postrl.data.prompt_source import prompt_source
 from postrl.models.devices import DeviceError, resolve_device
 from postrl.models.host_memory import keep_freed_memory
@@ -31,24 +31,25 @@ from postrl.reward.columns import check_columns
 from postrl.reward.factory import make_reward_service
 from postrl.rollout.factory import EngineSpec
 from postrl.run.batch_sources import make_batch_source
-from postrl.run.checkpoint import save_checkpoint
 from postrl.run.foreign_logs import AGENT_OUTPUT_LOG, ForeignLogs
-from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, resume_point, stderr_echo
+from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, stderr_echo
 from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink
-from postrl.run.model_card import trained_how, write_model_card
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
-from postrl.run.plan.check import check_plan
+from postrl.run.plan.check import check_plan, check_policies_plan
 from postrl.run.plots import plot_metrics
 from postrl.run.resolve import resolved_run
 from postrl.run.trackers import make_tracker
+from postrl.run.train_job import RunJob, TrainJob
 from postrl.run.validation import Validator, load_eval_sets, load_validation_set
-from postrl.run.watch import EXACT_MODE, describe_placement, run_watches
+from postrl.scheduling.base import Scheduler
 from postrl.scheduling.factory import make_scheduler
+from postrl.scheduling.ray_scheduler import teacher_cpus
 from postrl.train.critic import CriticSpec
 from postrl.train.factory import PolicySpec
-from postrl.train.teachers.teachers import Teachers, make_teachers
+from postrl.train.teachers.teachers import TeacherSpec
 from postrl.types import StepMetrics
 from postrl.workers.net import can_connect, host_port, url_endpoint
+from postrl.workers.roles import Critic, ExperienceStore, ScalableRolloutWorker, Teachers, TrainWorker
 
 log = logging.getLogger(__name__)
 
@@ -64,53 +65,70 @@ def build_components(config: RunConfig, numerics: Numerics | None = None) -> Com
     prompts = prompt_source(config.data, tokenizer)
     if config.scores_with_components:
         check_columns(config.reward, ((p.source, p.columns) for p in prompts.train().prompts))
-    scheduler = make_scheduler(config.scheduler, config.import_paths, critic=config.algorithm.critic is not None)
+    scheduler = make_scheduler(
+        config.scheduler,
+        config.import_paths,
+        critic=config.algorithm.critic is not None,
+        more_cpus=teacher_cpus(config),
+    )
     built: list = []
     try:
-        built.append(scheduler.train_group(PolicySpec.of_run(config, numerics)))
-        built.append(scheduler.rollout_pool(EngineSpec.of_run(config), tokenizer))
-        built.append(scheduler.reward_service(make_reward_service, config.reward))
-        built.append(scheduler.experience_buffer(config.buffer, config.seed))
-        if config.algorithm.critic is not None:
-            built.append(scheduler.critic_worker(CriticSpec.of_run(config, tokenizer.pad_token_id)))
+        reward = scheduler.reward_service(make_reward_service, config.reward)
+        built.append(reward)
+        placed = place_policy(scheduler, config, tokenizer, numerics, built)
         errors_log = config.run_dir / "episode_errors.log"
-        source = make_batch_source(config.agent, tokenizer, built[1], built[2], errors_log, config.model.path)
-        teachers = None if config.algorithm.distill is None else run_teachers(config, tokenizer)
+        source = make_batch_source(config.agent, tokenizer, placed.rollout, reward, errors_log, config.model.path)
     except BaseException:
         for part in built:
             part.close()
         scheduler.close()
         raise
-    trainer, rollout, reward, buffer, *critic = built
     return Components(
         config,
         tokenizer,
         prompts,
-        rollout,
+        placed.rollout,
         reward,
-        trainer,
-        buffer,
+        placed.trainer,
+        placed.buffer,
         source,
         scheduler,
-        critic[0] if critic else None,
-        teachers,
+        placed.critic,
+        placed.teachers,
         numerics,
     )
 
 
-def run_teachers(config: RunConfig, tokenizer: Any) -> Teachers:
-    """``algorithm.distill``'s teachers: a folder's in this process on the trainer's device, at the
-    rollout's temperature; each checked against the student's tokenizer."""
-    assert config.algorithm.distill is not None
-    device = resolve_device(config.train.device, "train.device")
-    return make_teachers(
-        config.algorithm.distill,
-        tokenizer,
-        config.model.path,
-        device,
-        config.rollout.temperature,
-        config.train.micro_batch_size,
-    )
+@dataclass(frozen=True)
+class PolicyWorkers:
+    """One policy's workers, as its scheduler placed them."""
+
+    trainer: TrainWorker
+    rollout: ScalableRolloutWorker  # a RolloutPool
+    buffer: ExperienceStore
+    critic: Critic | None
+    teachers: Teachers | None
+
+
+def place_policy(
+    scheduler: Scheduler, config: RunConfig, tokenizer: Any, numerics: Numerics, built: list[Any]
+) -> PolicyWorkers:
+    """``config``'s policy's trainer, engines, buffer, critic and teachers, placed by ``scheduler``;
+    each is added to ``built`` as it starts, so that a failure closes the ones already running."""
+
+    def started(part: Any) -> Any:
+        built.append(part)
+        return part
+
+    trainer = started(scheduler.train_group(PolicySpec.of_run(config, numerics)))
+    rollout = started(scheduler.rollout_pool(EngineSpec.of_run(config), tokenizer))
+    buffer = started(scheduler.experience_buffer(config.buffer, config.seed))
+    critic = teachers = None
+    if config.algorithm.critic is not None:
+        critic = started(scheduler.critic_worker(CriticSpec.of_run(config, tokenizer.pad_token_id)))
+    if config.algorithm.distill is not None:
+        teachers = started(scheduler.teachers(TeacherSpec.of_run(config)))
+    return PolicyWorkers(trainer, rollout, buffer, critic, teachers)
 
 
 def close_components(parts: Components) -> None:
@@ -152,15 +170,6 @@ def make_sinks(
 
         sinks.append(PrometheusExporter(lg.prometheus, lg.stall_after_s, config.name, stderr_echo))
     return sinks
-
-
-def describe_accuracy(config: RunConfig, component: str | None) -> str:
-    """Which number the run's ``accuracy`` is, said once at the start."""
-    if not config.scores_with_components:
-        return f"accuracy: the environment's reward >= {config.reward.accuracy_threshold:g}"
-    if component is None:
-        return "accuracy: none (no exact_match or math component; mark one component accuracy: true to report one)"
-    return f"accuracy: reward component '{component}' >= {config.reward.accuracy_threshold:g}"
 
 
 NOTHING_TO_PLOT = "plot: nothing to plot (no step had a scorable sample; see samples/ and reward_workers.log)"
@@ -223,56 +232,82 @@ def train(
     resume: bool = False,
     on_step: Callable[[StepMetrics], None] | None = None,
     overwrite: bool = False,
-) -> Controller:
-    """Validate, build, then run; nothing is written into the run directory before the config,
-    the model and the data have been checked. A signal stops the run after the current step
-    (:class:`RunInterrupted`), with a checkpoint of the last completed step."""
+) -> RunJob:
+    """Validate, build, then run, for one policy or several (``policies:``); nothing is written into
+    the run directory before the config, the models and the data have been checked. A signal stops
+    the run after the current step (:class:`RunInterrupted`), with a checkpoint of the last
+    completed step. Returns the job: its Controllers and completed steps."""
     keep_freed_memory()
-    run_dir, site = config.run_dir, RunSite(config, "train")
-    place = site.place
+    site = RunSite(config, "train")
+    place, echo = site.place, stderr_echo
     done = site.check(resume, overwrite)  # a second live controller on this run is refused before any work
     if resume:
         check_steps_left(config.steps, done, f"steps={config.steps}")
-    config = resolved_run(config)  # what the run uses and config.yaml records; the caller's config is unchanged
-    check_devices(config)
-    numerics = run_numerics(config)
-    echo = stderr_echo
-    check_plan(config, echo)
-    check_servers(config)
-    parts = build_components(config, numerics)
+    if config.policies is None:
+        config = resolved_run(config)  # what the run uses and config.yaml records; the caller's is unchanged
+    runs = config.policy_runs() or {"": config}
+    for run in runs.values():
+        check_devices(run)
+    numerics = {name: run_numerics(run) for name, run in runs.items()}
+    check_plan(config, echo) if config.policies is None else check_policies_plan(config, echo)
+    for run in runs.values():
+        check_servers(run)
+    job = make_job(config, numerics, echo)
     try:
-        validator = make_validator(parts, echo)
         site.open(resume, overwrite, echo)
-        save_config(config, run_dir / "config.yaml")
+        save_config(config, config.run_dir / "config.yaml")
         place.publish("config.yaml")
-        report_skipped(parts.prompts.train().skipped, run_dir, echo)
-        parts.reward.set_log_file(run_dir / "reward_workers.log")
-        echo(describe_placement(config))
-        echo(f"numerics: {numerics.describe()}")
-        if config.rollout.exact:
-            echo(EXACT_MODE)
-        echo(describe_accuracy(config, parts.reward.accuracy_component))
+        report_skipped(job.first.prompts.train().skipped, config.run_dir, echo)
+        job.first.reward.set_log_file(config.run_dir / "reward_workers.log")
+        for line in job.startup_lines():
+            echo(line)
         if place.url:
-            echo(f"run: {place.url} (working copy on this machine: {run_dir})")
-        controller = Controller(parts)
-        resume_step = None
-        if resume:
-            resume_step = _resume(controller, place, echo)
-        else:
-            controller.start()
-        try:
-            with agent_output(config):
-                _run_loop(controller, config, resume_step, on_step, place, validator)
-        finally:
-            controller.close()
+            echo(f"run: {place.url} (working copy on this machine: {config.run_dir})")
+        resume_step = job.start(place, resume, echo)
+        _run_loop(job, config, resume_step, job.observers(stderr_echo) + ([on_step] if on_step else []), place)
     finally:
         try:
-            close_components(parts)
+            job.close()
         finally:
             site.close()
     if place.url and not config.keep_local_copy:
         place.drop_local_copy(echo)
-    return controller
+    return job
+
+
+def make_job(config: RunConfig, numerics: dict[str, Numerics], echo: Callable[[str], None]) -> RunJob:
+    """The run's parts, built and placed, and its validation, as the job that steps them."""
+    from postrl.run.policies_runner import PoliciesJob, build_policies
+
+    if config.policies is not None:
+        policies = build_policies(config, numerics)
+        try:
+            return PoliciesJob(policies, make_validator(next(iter(policies.parts.values())), echo))
+        except BaseException:
+            policies.close()
+            raise
+    parts = build_components(config, numerics[""])
+    try:
+        return TrainJob(parts, make_validator(parts, echo), lambda: close_components(parts))
+    except BaseException:
+        close_components(parts)
+        raise
+
+
+def _run_loop(job: RunJob, config: RunConfig, resume_step: int | None, observers: list, place: RunPlace) -> None:
+    loop = StepLoop(
+        config,
+        place,
+        config.steps,
+        sinks=lambda echo: make_sinks(
+            config, config.run_dir, resume_step, echo, config.steps, job.names, config.rollout.exact
+        ),
+        observers=observers,
+        published_at_end=PUBLISHED_AT_END,
+        at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else NOTHING_TO_PLOT,
+    )
+    with agent_output(config):
+        loop.run(job)
 
 
 def agent_output(config: RunConfig) -> contextlib.AbstractContextManager:
@@ -281,74 +316,3 @@ def agent_output(config: RunConfig) -> contextlib.AbstractContextManager:
     if config.agent is not None and (config.agent.function is not None or config.agent.seats is not None):
         return ForeignLogs(config.run_dir / AGENT_OUTPUT_LOG)
     return contextlib.nullcontext()
-
-
-class TrainJob:
-    """``postrl train`` as the step loop sees it: the Controller's steps, and its checkpoints."""
-
-    command = "train"
-
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-
-    @property
-    def completed_steps(self) -> int:
-        return self.controller.step_count
-
-    def step(self) -> StepMetrics:
-        return self.controller.step()
-
-    def restore_abandoned_step(self) -> bool:
-        return self.controller.restore_abandoned_step()
-
-    def checkpoint(self) -> Path:
-        c, parts = self.controller, self.controller.parts
-        keep = c.config.checkpoint.keep_last
-        return save_checkpoint(
-            c.config.run_dir, c.step_count, parts.trainer, c.state_dict(), keep, parts.tokenizer, parts.critic
-        )
-
-    def save_final(self, folder: Path) -> None:
-        c = self.controller
-        c.parts.trainer.save_pretrained(folder)
-        c.parts.tokenizer.save_pretrained(folder)
-        how = trained_how(c.config, c.step_count)
-        chat = bool(c.parts.tokenizer.chat_template)
-        write_model_card(folder, c.config.name, c.config.model.path, c.config.data, how, chat)
-
-
-def _run_loop(
-    controller: Controller,
-    config: RunConfig,
-    resume_step: int | None,
-    on_step: Callable[[StepMetrics], None] | None,
-    place: RunPlace,
-    validator: Validator | None = None,
-) -> None:
-    observers: list[Callable[[StepMetrics], None]] = []
-    if validator is not None:
-        observers.append(lambda m: validator.observe(m, controller.source, controller.batches.generation_version))
-    observers += [watch.observe for watch in run_watches(config, stderr_echo, controller.parts.numerics)]
-    if on_step is not None:
-        observers.append(on_step)
-    loop = StepLoop(
-        config,
-        place,
-        config.steps,
-        sinks=lambda echo: make_sinks(
-            config, config.run_dir, resume_step, echo, config.steps, exact=config.rollout.exact
-        ),
-        observers=observers,
-        published_at_end=PUBLISHED_AT_END,
-        at_end=lambda: f"plot: {plot}" if (plot := plot_metrics(config.run_dir)) else NOTHING_TO_PLOT,
-    )
-    loop.run(TrainJob(controller))
-
-
-def _resume(controller: Controller, place: RunPlace, echo: Callable[[str], None]) -> int:
-    checkpoint, state = resume_point(place, echo)
-    controller.parts.trainer.load_checkpoint(checkpoint)
-    if controller.parts.critic is not None:
-        controller.parts.critic.load_checkpoint(checkpoint / "critic")
-    controller.start(state)
-    return controller.step_count

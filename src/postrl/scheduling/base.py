@@ -1,6 +1,7 @@
 """What a scheduler is: it places the workers of a run, each built from its spec (a
 :class:`~postrl.train.factory.PolicySpec`, an :class:`~postrl.rollout.factory.EngineSpec`, a
-:class:`~postrl.train.critic.CriticSpec`, a :class:`~postrl.train.dpo.PreferenceSpec`), and hands each role out as a client made from its
+:class:`~postrl.train.critic.CriticSpec`, a :class:`~postrl.train.dpo.PreferenceSpec`, a
+:class:`~postrl.train.teachers.teachers.TeacherSpec`), and hands each role out as a client made from its
 Protocol. Where a worker runs (this process, a child process, a Ray actor) is the scheduler's only
 decision; what it is, is its spec's."""
 
@@ -16,7 +17,8 @@ from postrl.rollout.pool import RolloutPool
 from postrl.train.critic import CriticSpec
 from postrl.train.dpo import PreferenceSpec
 from postrl.train.factory import PolicySpec
-from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, RewardService, TrainWorker
+from postrl.train.teachers.teachers import TeacherSpec
+from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, RewardService, Teachers, TrainWorker
 
 RewardFactory = Callable[[RewardConfig], Any]  # a RewardConfig -> the Reward Service object it describes
 
@@ -39,5 +41,9 @@ class Scheduler(Protocol):
     def reward_service(self, make: RewardFactory, reward: RewardConfig) -> RewardService: ...
 
     def experience_buffer(self, buffer: BufferConfig, seed: int) -> ExperienceStore: ...
+
+    def teachers(self, spec: TeacherSpec) -> Teachers:
+        """``algorithm.distill``'s teachers (a folder teacher computes where they are placed)."""
+        ...
 
     def close(self) -> None: ...

@@ -20,11 +20,12 @@ from postrl.train.dpo import PreferenceSpec
 from postrl.train.factory import PolicySpec, build_train_worker
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
+from postrl.train.teachers.teachers import TeacherSpec
 from postrl.workers.clients import RewardServiceClient, client
 from postrl.workers.handles import Handle, InProcessHandle
 from postrl.workers.net import free_port
 from postrl.workers.process import ProcessHandle
-from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, TrainWorker
+from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, Teachers, TrainWorker
 
 
 class LocalScheduler:
@@ -72,6 +73,10 @@ class LocalScheduler:
         """The buffer in this process; it orders its own calls (the producer's puts beside the consumer's gets)."""
         store = ExperienceBuffer(buffer.max_staleness, buffer.on_stale, buffer.replay, seed=seed)
         return client(InProcessHandle(store, "experience buffer", serialized=False), ExperienceStore)
+
+    def teachers(self, spec: TeacherSpec) -> Teachers:
+        """In this process, a folder teacher on ``train.device``."""
+        return client(InProcessHandle(spec.build(), "teachers"), Teachers)
 
     def close(self) -> None:
         """Nothing to shut down beyond the workers, which the run closes."""

@@ -29,12 +29,13 @@ from postrl.train.dpo import PreferenceSpec
 from postrl.train.factory import PolicySpec
 from postrl.train.group import TrainGroup
 from postrl.train.rank import GroupSpec, TrainRank
+from postrl.train.teachers.teachers import TeacherSpec
 from postrl.workers.clients import RewardServiceClient, client
 from postrl.workers.handles import (
     InProcessHandle,
     PlacementError,
 )
-from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, TrainWorker
+from postrl.workers.roles import Critic, ExperienceStore, PreferenceTrainer, Teachers, TrainWorker
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +270,17 @@ class RayScheduler:
         )
         return client(handle, Critic, timeout=self.scheduler.call_timeout_s)
 
+    def teachers(self, spec: TeacherSpec) -> Teachers:
+        """A folder teacher's model in an actor of its own, with the train role's resources (its own
+        device); teachers that are all servers are called from the driver."""
+        if not spec.loads_a_model:
+            return client(InProcessHandle(spec.build(), "teachers"), Teachers)
+        t = self.scheduler.train
+        handle = self._actor(
+            "teachers", "teachers", 0, spec.build, num_cpus=t.num_cpus, num_gpus=t.num_gpus, threads=t.threads
+        )
+        return client(handle, Teachers, timeout=self.scheduler.call_timeout_s)
+
     def preference_trainer(self, spec: PreferenceSpec) -> PreferenceTrainer:
         """``postrl dpo``'s trainer as an actor, with the train role's resources."""
         t = self.scheduler.train
@@ -335,3 +347,11 @@ def cpus_asked(s: SchedulerConfig, roles: tuple[str, ...], critic: bool) -> floa
         pairs = max(s.rollout.workers, s.train.workers) * (s.rollout.num_cpus + s.train.num_cpus)
         return pairs + s.reward.num_cpus + critic_cpus
     return s.rollout.workers * s.rollout.num_cpus + s.train.workers * s.train.num_cpus + s.reward.num_cpus + critic_cpus
+
+
+def teacher_cpus(config: Any) -> float:
+    """What a Ray instance started for ``config``'s run (a RunConfig) also holds for a folder teacher's actor."""
+    distill = config.algorithm.distill
+    if distill is None or config.scheduler.type != "ray" or not TeacherSpec.of_run(config).loads_a_model:
+        return 0.0
+    return config.scheduler.train.num_cpus

@@ -4,7 +4,7 @@ worker lives. A scheduler hands each role out as a client made from its Protocol
 process, a child process or a Ray actor. The implementations are named apart: the
 :class:`~postrl.train.worker.PolicyTrainer`, the engines and :class:`~postrl.rollout.pool.RolloutPool`,
 :class:`~postrl.reward.service.LocalRewardService`, :class:`~postrl.train.critic.CriticWorker`, :class:`~postrl.train.dpo.DPOWorker`,
-:class:`~postrl.buffer.ExperienceBuffer`.
+:class:`~postrl.buffer.ExperienceBuffer`, :class:`~postrl.train.teachers.teachers.TeacherSet`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from postrl.types import (
     ScoreRequest,
     TrainMetrics,
 )
+from postrl.types.teaching import TeacherAnswer, TeacherCounts, TeacherQuery
 
 
 class TrainWorker(Protocol):
@@ -103,6 +104,20 @@ class RewardService(Protocol):
     def error_count(self) -> int: ...
 
     def set_log_file(self, path: Path | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Teachers(Protocol):
+    """``algorithm.distill``'s teachers, in ``algorithm.distill.teachers`` order: the logprob of each
+    response token of a sample by the teacher its task names (the routing is the config's,
+    :meth:`~postrl.config.distill.DistillConfig.teacher_for`)."""
+
+    names: list[str]  # each teacher's name in metrics (teacher/NAME/...)
+
+    def logprobs(self, owners: list[int], queries: list[TeacherQuery]) -> tuple[list[TeacherAnswer], TeacherCounts]:
+        """Query ``i``'s answer from teacher ``owners[i]``; a failure of one sample does not fail the others."""
+        ...
 
     def close(self) -> None: ...
 

@@ -17,8 +17,7 @@ from postrl.controller.stages.greedy_baseline import GreedyBaseline
 from postrl.controller.stages.kl import AdaptiveKL, KLCoefficient, KLPenalty
 from postrl.data.curriculum import LeveledDraw
 from postrl.data.sampler import PromptDraw
-from postrl.train.teachers.teachers import Teachers
-from postrl.workers.roles import Critic, TrainWorker
+from postrl.workers.roles import Critic, Teachers, TrainWorker
 
 __all__ = ["Groups", "Phase", "Stage", "StageContext", "StagePlan", "StepServices", "build_stages"]
 
@@ -48,6 +47,7 @@ class StagePlan:
         self.stages = stages
         self.select = [s for s in stages if "select" in s.phases]
         self.prepare = [s for s in stages if "prepare" in s.phases]
+        self.after_advantage = [s for s in stages if "after_advantage" in s.phases]
         self.after_update = [s for s in stages if "after_update" in s.phases]
 
     def policy_waits(self, completed_steps: int) -> bool:
@@ -84,7 +84,7 @@ def build_stages(context: StageContext) -> StagePlan:
         if context.teachers is None:
             raise ConfigError("algorithm.distill is set but the run has no teachers")
         c = context.config
-        stages.append(Distillation(context.teachers, a.distill.weight, c.run_dir, c.reward.max_failure_rate))
+        stages.append(Distillation(context.teachers, a.distill, c.run_dir, c.reward.max_failure_rate))
     penalty = KLPenalty(context.trainer, context.kl, a.kl_estimator, a.kl_clamp) if a.kl_in == "reward" else None
     if penalty is not None:
         stages.append(penalty)

@@ -1,11 +1,13 @@
 """A stage some algorithms add to a step, as an object with its own state.
 
-A stage acts at one or more of three points of the step, named in its ``phases``:
+A stage acts at one or more of four points of the step, named in its ``phases``:
 
 - ``select`` (producer, before the StepBatch is built): keep or replace the step's groups, e.g.
   DAPO's dynamic sampling generating more prompts;
 - ``prepare`` (producer, on the StepBatch, before advantages): add a field, e.g. the critic's
   values, the greedy baseline, the per-token KL penalty;
+- ``after_advantage`` (producer, on the StepBatch, once its advantages are set): change them, e.g.
+  on-policy distillation adding its per-token term;
 - ``after_update`` (consumer, after the policy update, on the trained batch): e.g. the critic's
   update, the adaptive KL coefficient.
 
@@ -20,7 +22,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from postrl.types import ExperienceBatch, Prompt, RewardResult, Rollout, SamplingParams, StepBatch, TrainMetrics
 
-Phase = Literal["select", "prepare", "after_update"]
+Phase = Literal["select", "prepare", "after_advantage", "after_update"]
 Need = Literal["critic", "reference"]  # a critic worker; the reference model in the trainer
 
 
@@ -60,6 +62,9 @@ class Stage:
         return groups, {}
 
     def prepare(self, step: StepBatch) -> dict[str, float]:
+        return {}
+
+    def after_advantage(self, step: StepBatch) -> dict[str, float]:
         return {}
 
     def after_update(self, batch: ExperienceBatch, train: TrainMetrics) -> dict[str, float]:

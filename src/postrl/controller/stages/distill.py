@@ -7,11 +7,10 @@ from pathlib import Path
 
 import torch
 
-from postrl.algorithms.distillation import reverse_kl_advantage
+from postrl.algorithms.distillation import reverse_kl_advantage, with_distillation
+from postrl.config.distill import DistillConfig
 from postrl.controller.failures import check_failure_rate
 from postrl.controller.stages.base import Stage
-from postrl.train.teachers.teacher import TeacherFailure, TeacherQuery
-from postrl.train.teachers.teachers import Teachers
 from postrl.types import StepBatch
 from postrl.types.metric_names import (
     DISTILL_CACHED,
@@ -21,27 +20,31 @@ from postrl.types.metric_names import (
     DISTILL_UNTAUGHT,
     teacher_metric,
 )
+from postrl.types.teaching import TeacherFailure, TeacherQuery
+from postrl.workers.roles import Teachers
 
 
 class Distillation(Stage):
-    """Sets ``step.teacher_logprobs``, ``step.distill`` (``weight x (teacher - student)`` on the
-    tokens the model generated; the student's logprobs are the engine's, of the tokens it sampled)
-    and ``step.taught``. A sample whose teacher fails is unscorable, as a reward failure; a sample of
-    a task no teacher applies to keeps its task advantage alone. Its seconds are ``time/distill_s``.
+    """Before the advantages, sets ``step.teacher_logprobs``, ``step.distill`` (``weight x (teacher -
+    student)`` on the tokens the model generated; the student's logprobs are the engine's, of the
+    tokens it sampled) and ``step.taught``; after them, adds its term to each taught sample's
+    advantage (or, ``task_reward: false``, puts it in the task's place). A sample whose teacher
+    fails is unscorable, as a reward failure; a sample of a task no teacher applies to keeps its
+    task advantage alone. Its seconds are ``time/distill_s``.
     Samples its teacher failed count against ``reward.max_failure_rate`` as reward failures do (a
     teacher gone for good stops the run, naming it, instead of training on nothing)."""
 
     name = "distill"
-    phases = ("prepare",)
+    phases = ("prepare", "after_advantage")
 
-    def __init__(self, teachers: Teachers, weight: float, run_dir: Path, max_failure_rate: float) -> None:
+    def __init__(self, teachers: Teachers, config: DistillConfig, run_dir: Path, max_failure_rate: float) -> None:
         self.teachers = teachers
-        self.weight = weight
+        self.config = config
         self.run_dir = run_dir
         self.max_failure_rate = max_failure_rate
 
     def prepare(self, step: StepBatch) -> dict[str, float]:
-        owners = [self.teachers.teacher_of(step.prompts[r.prompt_index].task_type) for r in step.rollouts]
+        owners = [self.config.teacher_for(step.prompts[r.prompt_index].task_type) for r in step.rollouts]
         taught_by = {row: owner for row, owner in enumerate(owners) if owner is not None and not step.unscorable[row]}
         rows = list(taught_by)
         queries = [
@@ -63,7 +66,7 @@ class Distillation(Stage):
         if failed:
             number = int(step.times.get("batch", 0))
             check_failure_rate(self.run_dir, number, self.max_failure_rate, step.prompts, step.rollouts, step.results)
-        step.distill = reverse_kl_advantage(step.batch.old_logprobs, teacher, step.model_mask, self.weight)
+        step.distill = reverse_kl_advantage(step.batch.old_logprobs, teacher, step.model_mask, self.config.weight)
         return {
             **self._reverse_kl(step, owners),
             DISTILL_TEACHER_CALLS_PER_SAMPLE: sum(counts.asked.values()) / max(1, len(rows)),
@@ -72,6 +75,12 @@ class Distillation(Stage):
             DISTILL_UNTAUGHT: float(sum(owner is None for owner in owners)),
             **{teacher_metric(name, "samples"): float(n) for name, n in counts.asked.items()},
         }
+
+    def after_advantage(self, step: StepBatch) -> dict[str, float]:
+        assert step.distill is not None and step.taught is not None
+        task = step.batch.advantages if self.config.task_reward else None
+        step.set_advantages(with_distillation(task, step.distill, step.taught))
+        return {}
 
     def _reverse_kl(self, step: StepBatch, owners: list[int | None]) -> dict[str, float]:
         """Student minus teacher logprob, mean over the taught tokens: overall and per teacher."""

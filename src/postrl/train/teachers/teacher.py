@@ -3,28 +3,12 @@ after a given position, or says why it could not."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from postrl.config.run import ConfigError
+from postrl.types.teaching import TeacherAnswer, TeacherFailure, TeacherQuery
 
-
-@dataclass(frozen=True)
-class TeacherQuery:
-    """One sample: its prompt and response tokens, ``ids[start:]`` the response."""
-
-    ids: list[int]
-    start: int
-
-
-@dataclass(frozen=True)
-class TeacherFailure:
-    """Why a teacher gave no logprobs for a sample (it is then unscorable, as a reward failure)."""
-
-    reason: str
-
-
-TeacherAnswer = list[float] | TeacherFailure  # the logprob of each of ids[start:], in order
+__all__ = ["Teacher", "TeacherAnswer", "TeacherFailure", "TeacherQuery", "TokenizerMismatchError"]
 
 
 class Teacher(Protocol):

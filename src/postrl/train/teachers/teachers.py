@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from postrl.config.distill import DistillConfig, TeacherConfig, is_url
 from postrl.models.loading import ModelNotFoundError
-from postrl.train.teachers.teacher import (
-    Teacher,
-    TeacherAnswer,
-    TeacherFailure,
-    TeacherQuery,
-    TokenizerMismatchError,
-)
+from postrl.train.teachers.teacher import Teacher, TokenizerMismatchError
 from postrl.types.progress import phase
+from postrl.types.teaching import TeacherAnswer, TeacherCounts, TeacherFailure, TeacherQuery
 
 # what the tokenizer check tokenizes: words, digits, operators, code, whitespace runs and a newline
 # (short: a character-level tokenizer makes one token of each character)
@@ -29,16 +24,8 @@ PART = 64  # queries per teacher call: a long pass reports its progress between 
 PROBE = "The fox, 13 dogs: 4+5=9, 12*34=408.\n\tdef f(x):  return x**2  # ok?"
 
 
-@dataclass
-class TeacherCounts:
-    """What the teachers were asked in one step (a step's metrics)."""
-
-    asked: dict[str, int] = field(default_factory=dict)  # per teacher: samples sent to it
-    kept: int = 0  # samples answered from the kept logprobs (scored in an earlier step)
-
-
-class Teachers:
-    """The run's teachers by name, in ``config.teachers`` order."""
+class TeacherSet:
+    """The run's teachers by name, in ``config.teachers`` order (a :class:`~postrl.workers.roles.Teachers`)."""
 
     def __init__(self, config: DistillConfig, teachers: list[Teacher], cache_size: int = 16384) -> None:
         if len(teachers) != len(config.teachers):
@@ -137,7 +124,7 @@ def make_teachers(
     device: torch.device,
     temperature: float,
     micro_batch_size: int,
-) -> Teachers:
+) -> TeacherSet:
     """Each configured teacher, loaded or connected and its tokenizer checked against the student's."""
     built: list[Teacher] = []
     try:
@@ -151,4 +138,39 @@ def make_teachers(
         for teacher in built:
             teacher.close()
         raise
-    return Teachers(config, built)
+    return TeacherSet(config, built)
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """What builds a run's teachers, wherever the scheduler places them: a folder teacher on the
+    trainer's device (``train.device``) at the rollout's temperature, each checked against the
+    student's tokenizer (``model.path``)."""
+
+    config: DistillConfig
+    student: str
+    device: str
+    temperature: float
+    micro_batch_size: int
+
+    @staticmethod
+    def of_run(config: Any) -> TeacherSpec:
+        """The teachers of a ``postrl train`` run (a RunConfig with ``algorithm.distill``)."""
+        distill = config.algorithm.distill
+        if distill is None:
+            raise ValueError("teachers need algorithm.distill")
+        t = config.train
+        return TeacherSpec(distill, config.model.path, t.device, config.rollout.temperature, t.micro_batch_size)
+
+    @property
+    def loads_a_model(self) -> bool:
+        """Some teacher is a model folder (run where it is placed), not only servers called by URL."""
+        return any(not is_url(t.source) for t in self.config.teachers)
+
+    def build(self) -> TeacherSet:
+        from postrl.models.devices import resolve_device
+        from postrl.models.loading import load_tokenizer
+
+        device = resolve_device(self.device, "train.device")
+        tokenizer = load_tokenizer(self.student)
+        return make_teachers(self.config, tokenizer, self.student, device, self.temperature, self.micro_batch_size)
