@@ -30,6 +30,11 @@ class NativeCausalLM(NativeWeights):
         # operations the trainer's exact forward runs, on the plain weights; else the fastest here
         self.kernels: Kernels = ExactKernels(self) if exact else FastKernels(self)
 
+    def held(self) -> list[object]:
+        """Everything the model holds, its kernels' copies of the weights included (what the memory
+        planner's measurement counts)."""
+        return [*vars(self).values(), *vars(self.kernels).values()]
+
     @torch.no_grad()
     def load(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
         """Copy Hugging Face-named tensors into place; returns the names written. LoRA adapters

@@ -132,7 +132,7 @@ def measure_rollout_step(worker: Any, shape: StepShape, vocab: int) -> int:
         worker.generate(prompts, params, None)
         return int(torch.cuda.max_memory_allocated(device))
     with TensorBytes() as counter:
-        counter.hold(list(vars(worker.model).values()))
+        counter.hold(worker.model.held())
         counter.reset_peak()
         worker.generate(prompts, params, None)
     return counter.peak
