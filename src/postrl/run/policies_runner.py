@@ -38,6 +38,7 @@ from postrl.run.checkpoint import save_policies_checkpoint
 from postrl.run.lifecycle import resume_point
 from postrl.run.model_card import trained_how, write_model_card
 from postrl.run.place import RunPlace
+from postrl.run.policy_workers import place_policy
 from postrl.run.resolve import resolved_run
 from postrl.run.train_job import Observer, describe_accuracy, policy_lines
 from postrl.run.validation import Validator
@@ -134,8 +135,6 @@ def episode_function(config: RunConfig, runs: dict[str, RunConfig]) -> AgentFunc
 def build_policies(config: RunConfig, numerics: dict[str, Numerics]) -> Policies:
     """The parts of every policy, placed by the run's scheduler, and the episodes they share
     (``numerics``: each policy's, by name)."""
-    from postrl.run.train_runner import place_policy
-
     assert config.agent is not None  # policies: act in an agent function's or a seated environment's episodes
     runs = {name: resolved_run(run) for name, run in config.policy_runs().items()}
     torch.manual_seed(config.seed)

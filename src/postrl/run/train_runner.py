@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -29,7 +27,6 @@ from postrl.models.loading import load_tokenizer
 from postrl.models.numerics import Numerics, resolve_numerics
 from postrl.reward.columns import check_columns
 from postrl.reward.factory import make_reward_service
-from postrl.rollout.factory import EngineSpec
 from postrl.run.batch_sources import make_batch_source
 from postrl.run.foreign_logs import AGENT_OUTPUT_LOG, ForeignLogs
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, stderr_echo
@@ -37,19 +34,15 @@ from postrl.run.metrics import ConsoleSink, JsonlSink, MetricSink, TensorBoardSi
 from postrl.run.place import PUBLISHED_AT_END, RunPlace, check_steps_left
 from postrl.run.plan.check import check_plan, check_policies_plan
 from postrl.run.plots import plot_metrics
+from postrl.run.policy_workers import place_policy
 from postrl.run.resolve import resolved_run
 from postrl.run.trackers import make_tracker
 from postrl.run.train_job import RunJob, TrainJob
 from postrl.run.validation import Validator, load_eval_sets, load_validation_set
-from postrl.scheduling.base import Scheduler
 from postrl.scheduling.factory import make_scheduler
 from postrl.scheduling.ray_scheduler import teacher_cpus
-from postrl.train.critic import CriticSpec
-from postrl.train.factory import PolicySpec
-from postrl.train.teachers.teachers import TeacherSpec
 from postrl.types import StepMetrics
 from postrl.workers.net import can_connect, host_port, url_endpoint
-from postrl.workers.roles import Critic, ExperienceStore, ScalableRolloutWorker, Teachers, TrainWorker
 
 log = logging.getLogger(__name__)
 
@@ -97,38 +90,6 @@ def build_components(config: RunConfig, numerics: Numerics | None = None) -> Com
         placed.teachers,
         numerics,
     )
-
-
-@dataclass(frozen=True)
-class PolicyWorkers:
-    """One policy's workers, as its scheduler placed them."""
-
-    trainer: TrainWorker
-    rollout: ScalableRolloutWorker  # a RolloutPool
-    buffer: ExperienceStore
-    critic: Critic | None
-    teachers: Teachers | None
-
-
-def place_policy(
-    scheduler: Scheduler, config: RunConfig, tokenizer: Any, numerics: Numerics, built: list[Any]
-) -> PolicyWorkers:
-    """``config``'s policy's trainer, engines, buffer, critic and teachers, placed by ``scheduler``;
-    each is added to ``built`` as it starts, so that a failure closes the ones already running."""
-
-    def started(part: Any) -> Any:
-        built.append(part)
-        return part
-
-    trainer = started(scheduler.train_group(PolicySpec.of_run(config, numerics)))
-    rollout = started(scheduler.rollout_pool(EngineSpec.of_run(config), tokenizer))
-    buffer = started(scheduler.experience_buffer(config.buffer, config.seed))
-    critic = teachers = None
-    if config.algorithm.critic is not None:
-        critic = started(scheduler.critic_worker(CriticSpec.of_run(config, tokenizer.pad_token_id)))
-    if config.algorithm.distill is not None:
-        teachers = started(scheduler.teachers(TeacherSpec.of_run(config)))
-    return PolicyWorkers(trainer, rollout, buffer, critic, teachers)
 
 
 def close_components(parts: Components) -> None:
