@@ -147,13 +147,17 @@ def train_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_postrl_train_steps_every_policy_on_its_own_samples(tmp_path, arithmetic_jsonl):
+def test_postrl_train_steps_every_policy_on_its_own_samples(tmp_path, arithmetic_jsonl, capsys):
     from transformers import AutoModelForCausalLM
 
     from postrl.cli import main
 
     policy_agents.CALLS.clear()
     assert main(train_args(tmp_path, arithmetic_jsonl, "steps=2", "checkpoint.every_steps=1")) == 0
+    err = capsys.readouterr().err  # one train() for any number of policies: every policy's start-up lines
+    for name in ("proposer", "solver"):
+        assert f"{name}: workers: train 1 rank in this process" in err
+        assert f"{name}: numerics: engine " in err and f"{name}: accuracy: " in err
     run = tmp_path / "runs" / "two"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -10,6 +10,37 @@ from postrl.config.base import Section
 from postrl.config.imports import import_callable
 
 
+AgentKind = Literal["env", "function", "seated"]
+
+KIND_RUNS = {
+    "env": "an agent.env run",
+    "function": "an agent.function run",
+    "seated": "a seated run (agent.env with agent.seats)",
+}
+
+# what each kind of run never reads, and why: set to anything but its default, it is refused by name
+UNREAD: dict[str, dict[str, str]] = {
+    "function": {
+        "env_options": "there is no environment to make",
+        "max_turns": "your function decides how many calls it makes",
+        "max_tokens_per_turn": "each call's max_tokens is the request's",
+        "on_turn_length": "your function sees a cut turn's finish_reason and decides",
+        "scheduling": "your function's calls join the engine as they come",
+        "max_concurrent_episodes": "agent.env_workers bounds the functions running at once",
+        "env_timeout_s": "a whole episode is bounded by agent.function_timeout_s",
+    },
+    "seated": {
+        "on_turn_length": "a seat's turn cut at max_tokens_per_turn goes to the environment as it is",
+        "scheduling": "each game is played through the run's recording server, one thread per game",
+        "max_concurrent_episodes": "agent.env_workers bounds the games played at once",
+        "env_timeout_s": "a whole game is bounded by agent.function_timeout_s",
+    },
+    "env": {
+        "function_timeout_s": "an environment's calls are bounded by agent.env_timeout_s",
+    },
+}
+
+
 class AgentConfig(Section):
     env: str | None = Field(
         None,
@@ -114,6 +145,14 @@ class AgentConfig(Section):
             import_callable(v, "agent.function")
         return v
 
+    @property
+    def kind(self) -> AgentKind:
+        """env (episodes postrl drives), function (your OpenAI-API agent) or seated (a game of several
+        policies' seats)."""
+        if self.function is not None:
+            return "function"
+        return "env" if self.seats is None else "seated"
+
     @model_validator(mode="after")
     def _one_source(self) -> AgentConfig:
         if (self.env is None) == (self.function is None):
@@ -122,4 +161,13 @@ class AgentConfig(Section):
             raise ValueError("agent.seats: the seats are a seated environment's (agent.env), not an agent function's")
         if self.seats is not None and self.reward != "environment":
             raise ValueError("agent.seats: each policy's reward is its seat's, from the environment (agent.reward)")
+        return self
+
+    @model_validator(mode="after")
+    def _only_what_its_kind_reads(self) -> AgentConfig:
+        """A field this kind of run never reads, set to anything but its default, is refused by name
+        (silently ignoring it would let a user believe it applies)."""
+        for name, why in UNREAD[self.kind].items():
+            if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True):
+                raise ValueError(f"agent.{name} is not read by {KIND_RUNS[self.kind]}: {why} (remove it)")
         return self

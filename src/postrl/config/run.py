@@ -376,8 +376,8 @@ class RunConfig(RunCommandConfig):
             for section in POLICY_SECTIONS:
                 data[section] = merged(base[section], getattr(policy, section))
             data.update(output_dir=str(self.run_dir / "policies"), name=name)
-            if data.get("agent") is not None:  # the seats are the run's, not each policy's
-                data["agent"] = {**data["agent"], "seats": None}
+            if data.get("agent") is not None:  # the seats and the games' time limit are the shared episodes'
+                data["agent"] = {k: v for k, v in data["agent"].items() if k not in ("seats", "function_timeout_s")}
             try:
                 runs[name] = RunConfig.model_validate(data)
             except ValidationError as exc:
