@@ -9,7 +9,6 @@ from pydantic import Field, field_validator, model_validator
 from postrl.config.base import Section
 from postrl.config.imports import import_callable
 
-
 AgentKind = Literal["env", "function", "seated"]
 
 KIND_RUNS = {

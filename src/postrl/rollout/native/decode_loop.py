@@ -140,7 +140,7 @@ class DecodeLoop:
         self.s.stats["prefill_s"] += took * (1 - share)
         row_slots, logits = [], []
         if decode is not None:
-            assert decode.live is not None
+            assert decode.live is not None and decode.owners is not None
             self.pos[: len(decode.live)] += decode.live.long()
             self.s.stats["decode_tokens"] += len(decode.rows)
             row_slots.append(decode.owners)

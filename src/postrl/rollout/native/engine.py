@@ -378,11 +378,11 @@ class NativeRolloutWorker(EngineBase):
                     f"({cfg.layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})",
                 )
             request = Request([probe], SamplingParams(n=1, temperature=0.0, max_tokens=1))
-            drawn_from = self.generator.get_state()
+            drawn_from = self.loop_state.generator.get_state()
             try:
                 DecodeLoop(self.loop_state, request, suspendable=False).run()
             finally:
-                self.generator.set_state(drawn_from)
+                self.loop_state.generator.set_state(drawn_from)
         seqs = request.done.result(timeout=0)
         tokens, logprobs = seqs[0][0].tokens, seqs[0][0].logprobs
         if len(tokens) != 1 or not 0 <= tokens[0] < self.model.embed.shape[0] or not math.isfinite(logprobs[0]):

@@ -134,7 +134,7 @@ class FastKernels:
         if logits_rows is not None:
             x = x[logits_rows]
         h = rms(x, m.final_norm)
-        if self.prepacked:
+        if self.p_head is not None:  # prepacked
             return self._linear(h, self.p_head).float()
         assert self.lm_head_t is not None
         return torch.matmul(h, self.lm_head_t).float()

@@ -3,6 +3,8 @@ that compute with them, chosen once (:mod:`postrl.rollout.native.kernels`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from postrl.models.adapters import is_adapter_key
@@ -57,7 +59,8 @@ class NativeCausalLM(NativeWeights):
         model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu", exact: bool = False
     ) -> NativeCausalLM:
         cfg = NativeConfig.from_hf(model.config)
-        rotary = model.model.rotary_emb
+        inner: Any = model.model  # a transformers Llama-family model's decoder, reached by name
+        rotary = inner.rotary_emb
         scaling = float(getattr(rotary, "attention_scaling", 1.0))
         engine = NativeCausalLM(cfg, rotary.inv_freq, scaling, dtype, device, exact=exact)
         engine.load(dict(model.state_dict()))
