@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/build_tool_adapter.py            # ~6-8 min on 2 cores
 
-1. writes tool-calling traces (postrl.serve.tool_traces: integer arithmetic, one Hermes <tool_call>
+1. writes tool-calling traces (postrl.data.tool_traces: integer arithmetic, one Hermes <tool_call>
    per operation, the tools described as the Agents SDK, LangChain and postrl write them);
 2. runs ``postrl sft`` on them with a LoRA adapter (r 8 on every linear layer, bf16 autocast);
 3. checks it: on held-out traces (another seed), greedy, the share of first turns that are a
@@ -31,9 +31,9 @@ from safetensors.torch import load_file, save_file
 
 from postrl.config.loading import build_config
 from postrl.config.sft import SFTRunConfig
+from postrl.data.tool_traces import TOOLS, trace, write_traces
 from postrl.models.merge_adapter import TOOL_ADAPTER_DIR
 from postrl.run.sft_runner import train_sft
-from postrl.serve.tool_traces import TOOLS, trace, write_traces
 
 SFT = {
     "lora": {"r": 8, "alpha": 16, "export": "adapter"},

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from postrl.serve.tool_traces import TOOLS, Step, call_text, solve, system_messages, trace
+from postrl.data.tool_traces import TOOLS, Step, call_text, solve, system_messages, trace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples" / "agents"), str(ROOT / "benchmarks")]

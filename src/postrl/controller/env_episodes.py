@@ -11,7 +11,7 @@ from typing import Any
 
 from postrl.config.agent import AgentConfig
 from postrl.config.run import ConfigError
-from postrl.controller.episodes import EpisodeScoring, trainable
+from postrl.controller.episode_scoring import EpisodeScoring, trainable
 from postrl.controller.stages.base import Groups
 from postrl.rollout.agentic.env_lookup import environment_factory
 from postrl.rollout.agentic.episode_ops import EpisodeLimits, EpisodeSchedule

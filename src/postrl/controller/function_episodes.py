@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from postrl.config.agent import AgentConfig
-from postrl.controller.episodes import EpisodeScoring, trainable
+from postrl.controller.episode_scoring import EpisodeScoring, trainable
 from postrl.controller.stages.base import Groups
 from postrl.rollout.agentic.agent_function import RecordedAgents
 from postrl.rollout.agentic.template_check import check_template

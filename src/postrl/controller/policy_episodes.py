@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from postrl.config.agent import AgentConfig
-from postrl.controller.episodes import EpisodeScoring, trainable
+from postrl.controller.episode_scoring import EpisodeScoring, trainable
 from postrl.controller.stages.base import Groups
 from postrl.rollout.agentic.agent_function import PolicyRollouts, RecordedAgents
 from postrl.rollout.agentic.template_check import check_template
