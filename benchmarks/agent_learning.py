@@ -133,7 +133,7 @@ def episodes(model_dir: Path, framework: str, prompts: list, seed: int) -> dict:
     engine = NativeRolloutWorker.from_hf(load_causal_lm(str(model_dir)), tokenizer, torch.float32, seed=seed)
     calls = log_calls(engine)
     agents = RecordedAgents(
-        RecordingServer(engine, tokenizer, tools_in_prompt="system"), getattr(examples, FRAMEWORKS[framework]),
+        RecordingServer.of_engine(engine, tokenizer, tools_in_prompt="system"), getattr(examples, FRAMEWORKS[framework]),
         16, 600.0,
     )  # fmt: skip
     try:

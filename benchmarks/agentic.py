@@ -340,7 +340,7 @@ def frameworks(args: argparse.Namespace) -> dict:
     for name in ("agents_sdk", "langgraph_react"):
         engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=args.seed)
         calls = log_calls(engine)
-        server = RecordingServer(engine, tokenizer, tools_in_prompt="system")
+        server = RecordingServer.of_engine(engine, tokenizer, tools_in_prompt="system")
         agents = RecordedAgents(server, getattr(examples, name), 8, 600.0)
         began = time.perf_counter()
         try:

@@ -77,7 +77,7 @@ def recorded_mismatches(models: dict[str, Path], held_out: list[dict]) -> dict[s
         engine = NativeRolloutWorker.from_hf(load_causal_lm(str(models[policy])), tokenizer, torch.float32)
         calls[policy] = log_calls(engine)
         served[policy] = ServedPolicy(engine, tokenizer)
-    agents = RecordedAgents(RecordingServer.of_policies(served), chain.chain, 16, 120.0)
+    agents = RecordedAgents(RecordingServer(served), chain.chain, 16, 120.0)
     try:
         prompts = [Prompt(r["prompt"], [], columns=r) for r in held_out]
         out = agents.run_policies(prompts, SamplingParams(n=1, temperature=1.0, max_tokens=16))

@@ -36,7 +36,7 @@ def test_a_framework_agent_is_recorded_token_exactly_across_its_tool_calls(name)
     tokenizer = family_tokenizer("qwen2.5")
     engine = ScriptedEngine(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"))
     engine.script = list(TURNS)
-    agents = RecordedAgents(RecordingServer(engine, tokenizer), getattr(frameworks, name), workers=1)
+    agents = RecordedAgents(RecordingServer.of_engine(engine, tokenizer), getattr(frameworks, name), workers=1)
     try:
         (rollout,) = agents.run(
             [Prompt("What is 52*30+504?", [], columns={"answer": "2064"})], SamplingParams(n=1, max_tokens=96)

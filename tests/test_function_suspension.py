@@ -38,7 +38,7 @@ def agents():
     tokenizer = family_tokenizer("qwen2.5")
     model = make_tiny_model("llama", tokenizer)
     engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=0)
-    agents = RecordedAgents(RecordingServer(engine, tokenizer), slow_agent, workers=4)
+    agents = RecordedAgents(RecordingServer.of_engine(engine, tokenizer), slow_agent, workers=4)
     yield agents, engine
     agents.close()
 

@@ -32,7 +32,7 @@ def two_engines(tiny_model_dir):
 
 
 def served(engines, tokenizer):
-    return RecordingServer.of_policies({name: ServedPolicy(e, tokenizer) for name, e in engines.items()})
+    return RecordingServer({name: ServedPolicy(e, tokenizer) for name, e in engines.items()})
 
 
 @pytest.mark.parametrize("function", [policy_agents.propose_and_solve, policy_agents.by_base_url])

@@ -58,7 +58,7 @@ def test_recorded_calls_are_the_in_process_trajectory(demo):
     )
     local = runner.run(prompts, GREEDY)
     runner.close()
-    agents = RecordedAgents(RecordingServer(engine, char_tokenizer), agent, workers=4)
+    agents = RecordedAgents(RecordingServer.of_engine(engine, char_tokenizer), agent, workers=4)
     try:
         served = agents.run(prompts, GREEDY)
         assert len(served) == len(local) == 4
@@ -98,7 +98,7 @@ def test_an_agent_that_raises_ends_its_episode_not_the_batch(demo):
             raise RuntimeError("the agent broke")
         return 1.0
 
-    agents = RecordedAgents(RecordingServer(engine, char_tokenizer), flaky)
+    agents = RecordedAgents(RecordingServer.of_engine(engine, char_tokenizer), flaky)
     try:
         out = agents.run([Prompt("fine", [], messages=None), Prompt("boom", [], messages=None)], SamplingParams(n=1))
     finally:

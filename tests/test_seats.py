@@ -36,7 +36,7 @@ def two_policies(tiny_model_dir):
 
 
 def play(engines, tokenizer, episodes: SeatedEpisodes, prompts: list[str], n: int = 2):
-    server = RecordingServer.of_policies({name: ServedPolicy(e, tokenizer) for name, e in engines.items()})
+    server = RecordingServer({name: ServedPolicy(e, tokenizer) for name, e in engines.items()})
     agents = RecordedAgents(server, episodes, workers=2)
     try:
         return agents.run_policies([Prompt(t, []) for t in prompts], SamplingParams(n=n, max_tokens=6))

@@ -129,7 +129,7 @@ def test_each_framework_records_a_multi_call_episode_of_the_warm_start_exactly(w
     engine = NativeRolloutWorker.from_hf(model, tokenizer, torch.float32, seed=0)
     calls = log_calls(engine)
     agents = RecordedAgents(
-        RecordingServer(engine, tokenizer, tools_in_prompt="system"), getattr(frameworks, name), workers=1
+        RecordingServer.of_engine(engine, tokenizer, tools_in_prompt="system"), getattr(frameworks, name), workers=1
     )
     try:
         rollouts = agents.run([Prompt(MULTI, [], columns={"answer": "658"})], SamplingParams(n=1))

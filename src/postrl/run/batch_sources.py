@@ -28,6 +28,6 @@ def make_batch_source(
     if agent.function is None:
         return EnvEpisodes(agent, tokenizer, rollout, reward, errors_log, model)
     function = load_agent_function(agent.function)
-    server = RecordingServer(rollout, tokenizer, agent.tools_in_prompt)
+    server = RecordingServer.of_engine(rollout, tokenizer, agent.tools_in_prompt)
     agents = RecordedAgents(server, function, agent.env_workers, agent.function_timeout_s)
     return AgentFunctionEpisodes(agent, tokenizer, agents, rollout, reward, errors_log)

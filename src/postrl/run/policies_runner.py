@@ -151,7 +151,7 @@ def build_policies(config: RunConfig, numerics: dict[str, Numerics]) -> Policies
             for scheduler, (name, run) in zip(schedulers, runs.items(), strict=True)
         }
         served = {name: ServedPolicy(w.rollout, tokenizers[name]) for name, w in workers.items()}
-        server = RecordingServer.of_policies(served, config.agent.tools_in_prompt)
+        server = RecordingServer(served, config.agent.tools_in_prompt)
         built.append(server)
         agents = RecordedAgents(server, function, config.agent.env_workers, config.agent.function_timeout_s)
         shared = SharedEpisodes(agents)

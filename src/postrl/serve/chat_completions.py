@@ -177,6 +177,6 @@ async def chat_completion(
     return ctx.envelope("chatcmpl", "chat.completion", choices, [prepared.prompt], [a.rollout for a in answers])
 
 
-def add_chat_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
+def add_chat_routes(app: FastAPI, ctx: TurnContext) -> None:
     """``/v1/chat/completions`` (and, recording, under an episode's base URL)."""
-    add_api_routes(app, ctx, "/chat/completions", ChatRequest, chat_completion, recorded)
+    add_api_routes(app, ctx, "/chat/completions", ChatRequest, chat_completion)

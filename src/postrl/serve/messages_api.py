@@ -264,6 +264,6 @@ async def create_message(ctx: TurnContext, req: MessagesRequest, episode: str | 
     return _message(f"msg_{uuid.uuid4().hex}", ctx.model_name, content_blocks(answer), reason, usage)
 
 
-def add_messages_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
+def add_messages_routes(app: FastAPI, ctx: TurnContext) -> None:
     """``/v1/messages`` (and, recording, under an episode's base URL, to which an Anthropic client adds ``/v1``)."""
-    add_api_routes(app, ctx, "/messages", MessagesRequest, create_message, recorded)
+    add_api_routes(app, ctx, "/messages", MessagesRequest, create_message)

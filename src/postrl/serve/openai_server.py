@@ -198,7 +198,7 @@ def build_app(
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/update_weights")(server.update_weights)
     for add_routes in (add_chat_routes, add_responses_routes, add_messages_routes):
-        add_routes(app, ctx, recorded=recorder is not None)
+        add_routes(app, ctx)
     if recorder is not None:
         add_episode_routes(app, recorder)
     return app

@@ -35,19 +35,18 @@ class ServedPolicy:
 
 
 class RecordingServer:
-    """A :class:`~postrl.rollout.agentic.agent_function.RecordingEndpoint`, started: one policy's
-    engine (``RecordingServer(engine, tokenizer)``), or several by name (:meth:`of_policies`)."""
+    """A :class:`~postrl.rollout.agentic.agent_function.RecordingEndpoint`, started: several policies
+    by name (``RecordingServer(policies)``), or one policy's engine (:meth:`of_engine`)."""
 
-    def __init__(self, engine: RolloutWorker, tokenizer: Any, tools_in_prompt: ToolsInPrompt = "template") -> None:
-        self._start({MODEL_NAME: ServedPolicy(engine, tokenizer)}, tools_in_prompt)
+    def __init__(self, policies: Mapping[str, ServedPolicy], tools_in_prompt: ToolsInPrompt = "template") -> None:
+        self._start(policies, tools_in_prompt)
 
     @classmethod
-    def of_policies(
-        cls, policies: Mapping[str, ServedPolicy], tools_in_prompt: ToolsInPrompt = "template"
+    def of_engine(
+        cls, engine: RolloutWorker, tokenizer: Any, tools_in_prompt: ToolsInPrompt = "template"
     ) -> RecordingServer:
-        server = cls.__new__(cls)
-        server._start(policies, tools_in_prompt)
-        return server
+        """One policy: calls that name no model (or any) go to ``engine``."""
+        return cls({MODEL_NAME: ServedPolicy(engine, tokenizer)}, tools_in_prompt)
 
     def _start(self, policies: Mapping[str, ServedPolicy], tools_in_prompt: ToolsInPrompt) -> None:
         import uvicorn

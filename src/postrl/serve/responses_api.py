@@ -342,6 +342,6 @@ async def create_response(
     return response_object(req, f"resp_{uuid.uuid4().hex}", model, output_items(answer), status, usage)
 
 
-def add_responses_routes(app: FastAPI, ctx: TurnContext, recorded: bool) -> None:
+def add_responses_routes(app: FastAPI, ctx: TurnContext) -> None:
     """``/v1/responses`` (and, recording, under an episode's base URL)."""
-    add_api_routes(app, ctx, "/responses", ResponsesRequest, create_response, recorded)
+    add_api_routes(app, ctx, "/responses", ResponsesRequest, create_response)

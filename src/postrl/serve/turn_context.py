@@ -188,11 +188,9 @@ class EpisodeRequest(Protocol):
 Handler = Callable[[TurnContext, Any, "str | None"], Awaitable[Any]]
 
 
-def add_api_routes(
-    app: FastAPI, ctx: TurnContext, path: str, request: type[EpisodeRequest], handle: Handler, recorded: bool
-) -> None:
+def add_api_routes(app: FastAPI, ctx: TurnContext, path: str, request: type[EpisodeRequest], handle: Handler) -> None:
     """``/v1{path}``, a body of type ``request`` answered by ``handle(ctx, body, episode)``; with a
-    recorder (``recorded``), also under an episode's base URL ``/episodes/{id}/v1{path}``, for agents
+    recorder (``ctx.recorder``), also under an episode's base URL ``/episodes/{id}/v1{path}``, for agents
     and frameworks that can only be pointed at a URL."""
 
     async def plain(req: Any, x_episode_id: str | None = Header(None, max_length=200)) -> Any:
@@ -204,5 +202,5 @@ def add_api_routes(
     for endpoint in (plain, in_episode):
         endpoint.__annotations__["req"] = request  # the body's model (Any above), which FastAPI parses
     app.post(f"/v1{path}", response_model=None)(plain)
-    if recorded:
+    if ctx.recorder is not None:
         app.post(f"/episodes/{{episode}}/v1{path}", response_model=None)(in_episode)
