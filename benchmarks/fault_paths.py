@@ -189,6 +189,13 @@ FAULTS_SCRIPT = textwrap.dedent("""
 """)
 
 
+def limits(overrides: list[str], timeout_s: float) -> list[str]:
+    """The time and turn limits the fault's kind of run reads (an agent function: its whole episode's)."""
+    if any(o.startswith("agent.function=") for o in overrides):
+        return [f"agent.function_timeout_s={10 * timeout_s}"]
+    return ["agent.max_tokens_per_turn=8", f"agent.env_timeout_s={timeout_s}"]
+
+
 def agent_config(folder: Path, timeout_s: float) -> Path:
     rows = [{"prompt": f"{i}+1=", "secret": 0 if i == 0 else i + 1} for i in range(4)]
     (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -198,8 +205,7 @@ def agent_config(folder: Path, timeout_s: float) -> Path:
         "prompts_per_step": 4,
         "data": {"train_files": [str(folder / "rows.jsonl")], "shuffle": False},
         "rollout": {"n": 4, "max_tokens": 8},
-        "agent": {"env": "tests.fault_envs:GuessNumber", "max_context": 100, "max_tokens_per_turn": 8,
-                  "env_timeout_s": timeout_s, "function_timeout_s": 10 * timeout_s},
+        "agent": {"env": "tests.fault_envs:GuessNumber", "max_context": 100},
         "train": {"mini_batch_size": 16, "micro_batch_size": 16},
         "checkpoint": {"every_steps": 0},
         "logging": {"progress_bar": False, "trackers": ["jsonl"], "samples_first_steps": 1},
@@ -274,7 +280,7 @@ def agent_faults(timeout_s: float) -> dict:
         server, url = start_cli_server(["serve-env", "tests.fault_envs:ResetRaises"])
         try:
             runs = [["train", str(config), f"output_dir={folder / 'runs'}", f"name=fault{i}",
-                     *[o.replace("{serve_env}", url) for o in overrides]]
+                     *[o.replace("{serve_env}", url) for o in overrides], *limits(overrides, timeout_s)]
                     for i, (overrides, _) in enumerate(AGENT_FAULTS.values())]  # fmt: skip
             out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, json.dumps(runs)], cwd=ROOT,
                                  capture_output=True, text=True, timeout=1800)  # fmt: skip

@@ -44,13 +44,15 @@ def agent_run(tmp_path: Path, *overrides: str, rows: int = 4) -> list[str]:
         "model: {path: demo}\n"
         f"data: {{train_files: [{data}]}}\n"
         "rollout: {n: 2, max_tokens: 8}\n"
-        "agent: {env: tests.fault_envs:GuessNumber, max_context: 100, max_tokens_per_turn: 8}\n"
+        "agent: {env: tests.fault_envs:GuessNumber, max_context: 100}\n"
         "train: {mini_batch_size: 8, micro_batch_size: 8}\n"
         "checkpoint: {every_steps: 0}\n"
         "logging: {progress_bar: false, trackers: [jsonl]}\n"
     )
+    function = any(o.startswith("agent.function=") for o in overrides)  # reads no turn limit of its own
+    turns = [] if function else ["agent.max_tokens_per_turn=8"]
     return ["train", str(config), f"output_dir={tmp_path / 'runs'}", "name=agent", "steps=1", "prompts_per_step=4",
-            *overrides]  # fmt: skip
+            *turns, *overrides]  # fmt: skip
 
 
 def one_turn(tok) -> list[list[int]]:
@@ -218,7 +220,7 @@ def test_a_typo_in_a_custom_reward_function_lists_what_the_module_has(tmp_path, 
     config = Path(args[1])
     config.write_text(
         config.read_text().replace(
-            "agent: {env: tests.fault_envs:GuessNumber, max_context: 100, max_tokens_per_turn: 8}\n", ""
+            "agent: {env: tests.fault_envs:GuessNumber, max_context: 100}\n", ""
         )
         + "reward: {components: [{name: r, type: custom, function: 'tests.reward_fns:nope'}]}\n"
     )
