@@ -49,8 +49,8 @@ def agent_run(tmp_path: Path, *overrides: str, rows: int = 4) -> list[str]:
         "checkpoint: {every_steps: 0}\n"
         "logging: {progress_bar: false, trackers: [jsonl]}\n"
     )
-    function = any(o.startswith("agent.function=") for o in overrides)  # reads no turn limit of its own
-    turns = [] if function else ["agent.max_tokens_per_turn=8"]
+    env_run = not any(o.startswith(("agent.function=", "agent=null")) for o in overrides)
+    turns = ["agent.max_tokens_per_turn=8"] if env_run else []  # a function run reads no turn limit
     return ["train", str(config), f"output_dir={tmp_path / 'runs'}", "name=agent", "steps=1", "prompts_per_step=4",
             *turns, *overrides]  # fmt: skip
 
@@ -219,9 +219,7 @@ def test_a_typo_in_a_custom_reward_function_lists_what_the_module_has(tmp_path, 
     args = agent_run(tmp_path, "agent=null")
     config = Path(args[1])
     config.write_text(
-        config.read_text().replace(
-            "agent: {env: tests.fault_envs:GuessNumber, max_context: 100}\n", ""
-        )
+        config.read_text().replace("agent: {env: tests.fault_envs:GuessNumber, max_context: 100}\n", "")
         + "reward: {components: [{name: r, type: custom, function: 'tests.reward_fns:nope'}]}\n"
     )
     assert main(args[:2] + args[2:-1]) == 2
