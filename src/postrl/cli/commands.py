@@ -143,6 +143,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     from postrl.config.run import RolloutConfig
+    from postrl.models.host_memory import keep_freed_memory
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.agentic.recorder import EpisodeRecorder
     from postrl.rollout.factory import rollout_worker_for_model
@@ -151,6 +152,7 @@ def _cmd_serve_rollout(args: argparse.Namespace) -> int:
     from postrl.serve.openai_server import build_app
     from postrl.serve.run import serve_app
 
+    keep_freed_memory()  # as a run's engine: each decode loop reuses the blocks the last one freed
     token = _serve_rollout_token(args)
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model)

@@ -14,6 +14,7 @@ import torch
 from postrl.config.dpo import DPORunConfig
 from postrl.config.loading import save_config
 from postrl.data.preferences import load_preference_pairs
+from postrl.models.host_memory import keep_freed_memory
 from postrl.models.loading import load_tokenizer
 from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped, resume_point
 from postrl.run.place import RunPlace, check_steps_left
@@ -51,6 +52,7 @@ def reference_logprobs(
 
 def train_dpo(config: DPORunConfig, resume: bool = False, overwrite: bool = False, echo=print) -> int:
     """Check, place the trainer, run; returns the steps done."""
+    keep_freed_memory()  # as postrl train's: an update's tensors reuse the blocks freed before them
     site = RunSite(config, "dpo")
     done = site.check(resume, overwrite)
     tokenizer = load_tokenizer(config.model.path)

@@ -19,6 +19,7 @@ from postrl.config.loading import save_config
 from postrl.config.sft import SFTRunConfig
 from postrl.config.training import TrainConfig
 from postrl.data.sft import SFTExample, load_sft_examples
+from postrl.models.host_memory import keep_freed_memory
 from postrl.models.loading import load_tokenizer
 from postrl.run.lifecycle import MiniBatchJob, RunSite, StepLoop, report_skipped, resume_point
 from postrl.run.place import RunPlace, check_steps_left
@@ -94,6 +95,7 @@ def train_sft(
     config: SFTRunConfig, resume: bool = False, overwrite: bool = False, echo: Callable[[str], None] = print
 ) -> int:
     """Check, build, run; returns the steps done. Nothing is written before the data is checked."""
+    keep_freed_memory()  # as postrl train's: an update's tensors reuse the blocks freed before them
     site = RunSite(config, "sft")
     done = site.check(resume, overwrite)
     tokenizer = load_tokenizer(config.model.path)

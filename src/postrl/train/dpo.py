@@ -16,6 +16,7 @@ from postrl.algorithms.preference import margin
 from postrl.config.dpo import DPOConfig, DPORunConfig
 from postrl.config.model import LoraConfig
 from postrl.config.training import OptimizerConfig
+from postrl.models.host_memory import return_freed_memory
 from postrl.train.logprobs import token_logprobs
 from postrl.train.lora import apply_lora, save_policy
 from postrl.train.optimization import Optimization, OptimizerSettings
@@ -153,6 +154,7 @@ class DPOWorker:
         self.optimization.step(norm)
         self.model.eval()
         values = (sums / len(pairs)).tolist()
+        return_freed_memory()  # the step's activations, from the host's heap (postrl.models.host_memory)
         names = [DPO_LOSS, DPO_REWARD_ACCURACY, DPO_MARGIN, DPO_CHOSEN_REWARD, DPO_REJECTED_REWARD]
         return {
             **dict(zip(names, values)),
