@@ -258,7 +258,7 @@ def test_samples_file_carries_each_samples_advantage_and_metadata(tmp_path):
 
 
 def test_closing_the_components_closes_every_worker_and_then_the_scheduler():
-    from postrl.run.train_runner import close_components
+    from postrl.run.train_job import close_components
 
     closed: list[str] = []
 

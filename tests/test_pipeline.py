@@ -71,7 +71,8 @@ def test_prompt_fields_split_and_health_as_a_bool():
 
 
 def test_build_components_works_on_a_default_config():
-    from postrl.run.train_runner import build_components, close_components
+    from postrl.run.train_job import close_components
+    from postrl.run.train_runner import build_components
 
     config = build_config({})
     parts = build_components(config)

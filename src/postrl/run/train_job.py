@@ -75,18 +75,27 @@ def describe_accuracy(parts: Components) -> str:
     return f"accuracy: reward component '{component}' >= {config.reward.accuracy_threshold:g}"
 
 
+def close_components(parts: Components) -> None:
+    """Stop every worker, then the scheduler (a Ray instance started for the run ends here)."""
+    try:
+        for part in (parts.reward, parts.rollout, parts.trainer, parts.critic, parts.buffer, parts.teachers):
+            if part is not None:
+                part.close()
+    finally:
+        if parts.scheduler is not None:
+            parts.scheduler.close()
+
+
 class TrainJob:
     """One policy: the Controller's steps, and its checkpoints."""
 
     command = "train"
 
-    def __init__(self, parts: Components, validator: Validator | None, close_parts: Callable[[], None]) -> None:
-        """``close_parts``: stops the workers and the scheduler, after the Controller."""
+    def __init__(self, parts: Components, validator: Validator | None) -> None:
         self.parts = parts
         self.controller = Controller(parts)
         self.controllers = {"": self.controller}
         self.validator = validator
-        self._close_parts = close_parts
 
     @property
     def first(self) -> Components:
@@ -146,4 +155,4 @@ class TrainJob:
         try:
             self.controller.close()
         finally:
-            self._close_parts()
+            close_components(self.parts)

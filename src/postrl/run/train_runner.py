@@ -37,7 +37,7 @@ from postrl.run.plots import plot_metrics
 from postrl.run.policy_workers import place_policy
 from postrl.run.resolve import resolved_run
 from postrl.run.trackers import make_tracker
-from postrl.run.train_job import RunJob, TrainJob
+from postrl.run.train_job import RunJob, TrainJob, close_components
 from postrl.run.validation import Validator, load_eval_sets, load_validation_set
 from postrl.scheduling.factory import make_scheduler
 from postrl.scheduling.ray_scheduler import teacher_cpus
@@ -90,17 +90,6 @@ def build_components(config: RunConfig, numerics: Numerics | None = None) -> Com
         placed.teachers,
         numerics,
     )
-
-
-def close_components(parts: Components) -> None:
-    """Stop every worker, then the scheduler (a Ray instance started for the run ends here)."""
-    try:
-        for part in (parts.reward, parts.rollout, parts.trainer, parts.critic, parts.buffer, parts.teachers):
-            if part is not None:
-                part.close()
-    finally:
-        if parts.scheduler is not None:
-            parts.scheduler.close()
 
 
 def make_sinks(
@@ -210,7 +199,10 @@ def train(
     for run in runs.values():
         check_devices(run)
     numerics = {name: run_numerics(run) for name, run in runs.items()}
-    check_plan(config, echo) if config.policies is None else check_policies_plan(config, echo)
+    if config.policies is None:
+        check_plan(config, echo)
+    else:
+        check_policies_plan(config, echo)
     for run in runs.values():
         check_servers(run)
     job = make_job(config, numerics, echo)
@@ -249,7 +241,7 @@ def make_job(config: RunConfig, numerics: dict[str, Numerics], echo: Callable[[s
             raise
     parts = build_components(config, numerics[""])
     try:
-        return TrainJob(parts, make_validator(parts, echo), lambda: close_components(parts))
+        return TrainJob(parts, make_validator(parts, echo))
     except BaseException:
         close_components(parts)
         raise

@@ -133,8 +133,9 @@ class PolicyTrainer:
         self.forward_paths: Counter[ForwardPath] = Counter()  # micro-batch forwards per path (plan_forward)
         self.exact = exact
         self.exact_forward: ExactForward | None = None  # made at its first use
-        # the transformers or lean forward for what the exact one does not compute (the reference)
-        self.lean = train.forward == "lean"
+        # the lean forward, unless exact mode computes the policy's logprobs (the reference then
+        # takes the transformers forward, as it did when train.forward was exact)
+        self.lean = train.forward == "lean" and not exact
         self.autocast = trainer_autocast(train.precision, bf16_matmul_supported(next(model.parameters()).device))
         self.visibility = Bf16Visibility(model)
 
@@ -264,7 +265,7 @@ class PolicyTrainer:
             micro.attention_mask,
             micro.response_mask,
             micro.group_ids,
-            lean=self.lean and not self.exact,
+            lean=self.lean,
             exact=self.exact,
         )
         if plan.path not in self.forward_paths:
@@ -346,7 +347,7 @@ class PolicyTrainer:
                 self.temperature,
                 target_mask=micro.response_mask,
                 group_ids=micro.group_ids,
-                lean=self.lean and not self.exact,
+                lean=self.lean,
                 fused_head=self.cfg.fused_head,
             )
         return ref_logp
