@@ -22,7 +22,7 @@ def char_tokenizer():
     return build_char_tokenizer()
 
 
-def make_tiny_model(kind: str, tokenizer, seed: int = 0):
+def make_tiny_model(kind: str, tokenizer, seed: int = 0, max_positions: int = 128):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -33,7 +33,7 @@ def make_tiny_model(kind: str, tokenizer, seed: int = 0):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

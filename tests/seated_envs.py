@@ -72,3 +72,18 @@ class WriterAlone(Relay):
         with _lock:
             ACTIONS.append((seat, self.shown[seat], action))
         return SeatStep(rewards={"writer": _digits(action), "reader": 1.0}, done=True)
+
+
+class SlowReader(Relay):
+    """The reader's turn takes ``delay`` seconds to answer (past a run's env_timeout_s)."""
+
+    def __init__(self, delay: float = 5.0) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def step(self, seat: str, action: str) -> SeatStep:
+        if seat == "reader":
+            import time
+
+            time.sleep(self.delay)
+        return super().step(seat, action)

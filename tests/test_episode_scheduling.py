@@ -179,7 +179,7 @@ def test_an_episode_spanning_weight_versions_is_as_old_as_its_oldest_token():
     """buffer.max_staleness counts from an episode's oldest token: its first turn by version 2, the
     environment's tokens in between, its second turn by version 4."""
     from postrl.rollout.agentic.chat import ChatRenderer
-    from postrl.rollout.agentic.episodes import sample_rollout
+    from postrl.rollout.agentic.trajectory import sample_rollout
     from postrl.types.episode import Episode, TrajectorySample
 
     sample = TrajectorySample([1, 2, 3])

@@ -6,22 +6,23 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from postrl.config.run import RunConfig
 from postrl.models.loading import load_causal_lm, load_tokenizer
-from postrl.rollout.agentic.agent_function import RecordedAgents
 from postrl.rollout.agentic.env_lookup import seated_environment_factory
-from postrl.rollout.agentic.seats import SeatedEpisodes, SeatTurns
+from postrl.rollout.agentic.episode_ops import EpisodeLimits
+from postrl.rollout.agentic.lockstep import Lockstep
+from postrl.rollout.agentic.seated_games import SeatedGames, SeatPlayer
 from postrl.rollout.native import NativeRolloutWorker
-from postrl.serve.recording_server import RecordingServer, ServedPolicy
 from postrl.types import Prompt, SamplingParams
 from tests import seated_envs
 
 SEATING = {"writer": "alice", "reader": "bob"}
-TURNS = SeatTurns(max_turns=4, max_tokens=6, temperatures={"alice": 1.0, "bob": 1.0})
+LIMITS = EpisodeLimits(max_turns=4, max_tokens_per_turn=6, end_on_turn_length=False, env_workers=2)
 
 
 @pytest.fixture
@@ -35,17 +36,17 @@ def two_policies(tiny_model_dir):
     return engines, tokenizer
 
 
-def play(engines, tokenizer, episodes: SeatedEpisodes, prompts: list[str], n: int = 2):
-    server = RecordingServer({name: ServedPolicy(e, tokenizer) for name, e in engines.items()})
-    agents = RecordedAgents(server, episodes, workers=2)
-    try:
-        return agents.run_policies([Prompt(t, []) for t in prompts], SamplingParams(n=n, max_tokens=6))
-    finally:
-        agents.close()
+def games(engines, tokenizer, env=seated_envs.Relay, seating=SEATING, **options) -> SeatedGames:
+    players = {name: SeatPlayer(e, tokenizer, SamplingParams()) for name, e in engines.items()}
+    return SeatedGames(env, options, env.__name__, seating, players, LIMITS, Lockstep())
 
 
-def relay(**options) -> SeatedEpisodes:
-    return SeatedEpisodes(seated_envs.Relay, options, SEATING, TURNS, "tests.seated_envs:Relay")
+def play(engines, tokenizer, played: SeatedGames, prompts: list[str], n: int = 2):
+    return played.run_policies([Prompt(t, []) for t in prompts], SamplingParams(n=n, max_tokens=6))
+
+
+def relay(engines, tokenizer, **options) -> SeatedGames:
+    return games(engines, tokenizer, **options)
 
 
 def test_each_policy_trains_on_its_own_seat_s_turns(two_policies):
@@ -54,25 +55,24 @@ def test_each_policy_trains_on_its_own_seat_s_turns(two_policies):
     is its own engine's; each policy's reward is its seat's sum."""
     engines, tokenizer = two_policies
     seated_envs.ACTIONS.clear()
-    out = play(engines, tokenizer, relay(), ["12+34=", "5+6="])
+    out = play(engines, tokenizer, relay(engines, tokenizer), ["12+34=", "5+6="])
     assert len(out["alice"]) == len(out["bob"]) == 4
     actions = list(seated_envs.ACTIONS)
     assert len(actions) == 12  # 4 episodes of 3 turns
-    for r in out["alice"]:  # the episode's messages are its last call's: the writer's third turn follows
+    for r in out["alice"]:  # the episode's messages are the seat's whole conversation
         messages = r.episode.messages
-        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
-        first, shown = messages[1]["content"], messages[2]["content"]
-        generated = [t for t, m in zip(r.response_ids, r.loss_mask, strict=True) if m]
-        both = tokenizer.decode(generated, skip_special_tokens=True)
-        assert both.startswith(first) and r.loss_mask.count(0) > 0  # the reader's answer: context, not trained
-        second = both[len(first) :]
+        assert r.episode.seat == "writer" and [m["role"] for m in messages] == ["user", "assistant"] * 2
+        first, shown, second = (m["content"] for m in messages[1:])
+        generated = tokenizer.decode([t for t, m in zip(r.response_ids, r.loss_mask, strict=True) if m])
+        assert generated.startswith(first) and second in generated[len(first) :]
+        assert shown in tokenizer.decode(r.response_ids) and r.loss_mask.count(0) > 0  # the reader's: not trained
         assert ("writer", messages[0]["content"], first) in actions and shown.startswith("reader says")
         assert ("writer", shown, second) in actions
         assert r.episode.reward == pytest.approx(sum(c.isdigit() for c in first + second) / 6)  # per-turn sums round
     for r in out["bob"]:
-        (shown,) = r.episode.messages
-        answer = tokenizer.decode(r.response_ids, skip_special_tokens=True)
-        assert shown["content"].startswith("writer says") and ("reader", shown["content"], answer) in actions
+        shown, answer = (m["content"] for m in r.episode.messages)
+        assert r.episode.seat == "reader" and answer in tokenizer.decode(r.response_ids)
+        assert shown.startswith("writer says") and ("reader", shown, answer) in actions
         assert r.episode.reward == sum(c.isdigit() for c in answer) / 6
     for name, rollouts in out.items():  # rescored by its own engine, each sample gives its logprobs
         for r in rollouts:
@@ -91,23 +91,43 @@ def test_each_policy_trains_on_its_own_seat_s_turns(two_policies):
 )
 def test_a_malformed_seat_step_fails_its_episode_naming_the_field(two_policies, bad, message):
     engines, tokenizer = two_policies
-    out = play(engines, tokenizer, relay(bad=bad), ["1+2="], n=1)
+    out = play(engines, tokenizer, relay(engines, tokenizer, bad=bad), ["1+2="], n=1)
     for name in ("alice", "bob"):
         (r,) = out[name]
         assert r.finish_reason == "env_error"
         assert message in r.episode.info["env_error"]
 
 
+def test_a_seated_game_honours_env_timeout_s_and_max_context(two_policies):
+    """A step past agent.env_timeout_s ends its game as unscorable, naming the time-out (the writer,
+    who acted, gets its sample with the failure; bob's reader turn was generated, so he has his);
+    a seat whose context fills ends its game at max_context."""
+    from postrl.rollout.agentic.individual import Individual
+
+    engines, tokenizer = two_policies
+    players = {name: SeatPlayer(e, tokenizer, SamplingParams()) for name, e in engines.items()}
+    limits = replace(LIMITS, env_timeout_s=0.3)
+    slow = SeatedGames(seated_envs.SlowReader, {}, "slow", SEATING, players, limits, Individual())
+    out = play(engines, tokenizer, slow, ["1+2="], n=2)
+    for r in out["alice"] + out["bob"]:
+        assert r.finish_reason == "env_error" and "timed out after 0.3 s" in r.episode.info["env_error"]
+    assert len(out["alice"]) == len(out["bob"]) == 2
+    full = SeatedGames(seated_envs.Relay, {}, "relay", SEATING, players, replace(LIMITS, max_context=24), Lockstep())
+    out = play(engines, tokenizer, full, ["1+2="], n=2)
+    contexts = [len(r.prompt_ids) + len(r.response_ids) for r in out["alice"] + out["bob"]]
+    assert all(r.finish_reason == "max_context" for r in out["alice"]) and max(contexts) <= 24
+
+
 def test_an_environment_without_seats_or_with_other_seats_is_refused(two_policies):
     engines, tokenizer = two_policies
-    not_seated = SeatedEpisodes(seated_envs.NotSeated, {}, SEATING, TURNS, "tests.seated_envs:NotSeated")
+    not_seated = games(engines, tokenizer, seated_envs.NotSeated)
     (r,) = play(engines, tokenizer, not_seated, ["1+2="], n=1)["alice"]
     assert "NotSeated is not a seated environment" in r.episode.info["env_error"]
-    other = SeatedEpisodes(seated_envs.Relay, {}, {"writer": "alice", "judge": "bob"}, TURNS, "relay")
+    other = games(engines, tokenizer, seating={"writer": "alice", "judge": "bob"})
     (r,) = play(engines, tokenizer, other, ["1+2="], n=1)["bob"]
     assert (
         "agent.seats names seat 'judge' that the environment does not have (a typo?) and leaves seat 'reader' of "
-        "the environment without a policy: the environment relay has seats ['writer', 'reader']"
+        "the environment without a policy: the environment Relay has seats ['writer', 'reader']"
     ) in r.episode.info["env_error"]
 
 
@@ -164,7 +184,7 @@ def test_seat_config_errors_name_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         RunConfig.model_validate(config)
     good = RunConfig.model_validate({**BASE, "policies": {"alice": {}, "bob": {}}})
-    assert all(run.agent.seats is None for run in good.policy_runs().values())  # the run's, not each policy's
+    assert all(run.agent.kind == "env" for run in good.policy_runs().values())  # the seats: the run's, not a policy's
 
 
 def seats_run(tmp_path, data, env: str, name: str, bob: str = "{}") -> list[str]:
@@ -172,7 +192,7 @@ def seats_run(tmp_path, data, env: str, name: str, bob: str = "{}") -> list[str]
     config = tmp_path / f"{name}.yaml"
     config.write_text(
         f"agent: {{env: 'tests.seated_envs:{env}', seats: {{writer: alice, reader: bob}}, max_tokens_per_turn: 6, "
-        f"max_context: 128, env_workers: 1}}\npolicies:\n  alice: {{}}\n  bob: {bob}\n"
+        f"max_context: 128, env_workers: 4}}\npolicies:\n  alice: {{}}\n  bob: {bob}\n"
     )
     return [
         "train", str(config), f"output_dir={tmp_path}/runs", f"name={name}", "model.path=demo", "steps=2",
@@ -198,17 +218,19 @@ def test_postrl_train_steps_each_seat_s_policy(tmp_path, arithmetic_jsonl):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert "alice/val/reward_mean" not in rows[0] and rows[1]["alice/val/prompts"] == rows[1]["bob/val/prompts"] == 3
-    validation = [a for a in seated_envs.ACTIONS[-9:]]  # the last 3 games: 3 turns each, greedy
-    assert [seat for seat, _, _ in validation] == ["writer", "reader", "writer"] * 3
-    assert {shown for seat, shown, _ in validation[::3]} == {"0*3=", "1*3=", "2*3="}
+    validation = seated_envs.ACTIONS[-9:]  # the last 3 games, 3 turns each, greedy, interleaved
+    turns = {seat: [(shown, action) for s, shown, action in validation if s == seat] for seat in SEATING}
+    assert len(turns["writer"]) == 6 and len(turns["reader"]) == 3
+    assert {shown for shown, _ in turns["writer"] if "says" not in shown} == {"0*3=", "1*3=", "2*3="}
+    writes = {action for shown, action in turns["writer"] if "says" not in shown}
+    assert {shown for shown, _ in turns["reader"]} == {f"writer says: {a}" for a in writes}
     digits = lambda text: sum(c.isdigit() for c in text) / 6  # noqa: E731
-    writer = [digits(validation[i][2]) + digits(validation[i + 2][2]) for i in (0, 3, 6)]
-    reader = [digits(validation[i + 1][2]) for i in (0, 3, 6)]
-    assert rows[1]["alice/val/reward_mean"] == pytest.approx(sum(writer) / 3)
-    assert rows[1]["bob/val/reward_mean"] == pytest.approx(sum(reader) / 3)
+    for seat, policy in SEATING.items():  # each game's reward is its seat's turns' (summed over the 3 games)
+        total = sum(digits(action) for _, action in turns[seat])
+        assert rows[1][f"{policy}/val/reward_mean"] == pytest.approx(total / 3)
     for name, seat_turns in (("alice", 2), ("bob", 1)):
         assert all(r[f"{name}/reward/samples"] == 4 for r in rows)
-        assert rows[0][f"{name}/actor/grad_norm"] > 0  # (bob, at lr 1e-3, writes only digits by step 2)
+        assert any(r[f"{name}/actor/grad_norm"] > 0 for r in rows)  # each policy learns from its own samples
         samples = [json.loads(line) for line in (run / "policies" / name / "samples" / "step_1.jsonl").open()]
         assert len(samples) == 4
         assert all(s["response"].count("</s>") <= seat_turns for s in samples)
@@ -224,7 +246,9 @@ def test_a_policy_whose_seat_never_acts_in_a_batch_skips_its_update(tmp_path, ar
     assert "|| bob | s 0.0 | no sample: the policy took no turn in this batch's episodes" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "runs" / "alone" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["alice/reward/samples"] == 4 for r in rows) and rows[0]["alice/actor/grad_norm"] > 0
+    assert all(
+        r["alice/reward/samples"] == 4 and not math.isnan(r["alice/actor/grad_norm"]) for r in rows
+    )  # it updates
     assert all(r["bob/reward/samples"] == 0 and math.isnan(r["bob/actor/grad_norm"]) for r in rows)  # skipped
 
 
@@ -239,3 +263,74 @@ def test_seats_the_environment_lacks_stop_the_run_before_its_first_step(tmp_path
     assert "agent.seats names seat 'raeder' that the environment does not have (a typo?)" in err
     assert "has no seat" not in err  # the seats, not the environment, were misnamed
     assert not (tmp_path / "runs" / "typo" / "metrics.jsonl").exists()
+
+
+def _learning(row: dict) -> dict:
+    """A metrics row without what the clock or the machine decides (times, rates, memory); NaN as
+    text, so that two rows compare equal."""
+    clocked = ("time/", "perf/", "memory/", "_s", "tokens_per_s", "elapsed")
+    return {k: "nan" if v != v else v for k, v in row.items() if not any(part in k for part in clocked)}
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory, char_tokenizer):
+    """A tiny random Llama that takes a TicTacToe board's 1024 characters."""
+    from tests.conftest import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny_llama_1k")
+    make_tiny_model("llama", char_tokenizer, max_positions=1024).save_pretrained(out, safe_serialization=True)
+    char_tokenizer.save_pretrained(out)
+    return out
+
+
+def seated_metrics(tmp_path, model, env: str, seats: str, scheduling: str, name: str) -> list[dict]:
+    """The learning metrics of two steps of ``env`` played by alice and bob, four games at once."""
+    from postrl.cli import main
+
+    seeds = tmp_path / "seeds.jsonl"
+    seeds.write_text("".join(json.dumps({"prompt": f"{s}+{s}=", "seed": s}) + "\n" for s in range(4)))
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(
+        f"agent: {{env: '{env}', seats: {seats}, max_turns: 4, max_tokens_per_turn: 8, max_context: 1024, "
+        f"env_workers: 4, scheduling: {scheduling}}}\npolicies:\n  alice: {{}}\n  bob: {{train: {{lr: 0.001}}}}\n"
+    )
+    args = [
+        "train", str(config), f"output_dir={tmp_path}/runs", f"name={name}", f"model.path={model}", "steps=2",
+        f"data.train_files=[{seeds}]", "data.task=null", "prompts_per_step=2", "rollout.n=2", "seed=3",
+        "logging.trackers=[jsonl]", "train.mini_batch_size=4", "train.micro_batch_size=4",
+    ]  # fmt: skip
+    assert main(args) == 0
+    metrics = tmp_path / "runs" / name / "metrics.jsonl"
+    return [_learning(json.loads(line)) for line in metrics.read_text().splitlines()]
+
+
+def test_a_seated_textarena_run_repeats_its_metrics_for_a_seed_at_four_env_workers(tmp_path, long_context_model):
+    """TicTacToe, two policies, four games played at once, each turn on its policy's engine: the
+    same seed gives the same metrics twice, whatever order the games' turns interleave in."""
+    pytest.importorskip("textarena")
+    seats = "{player_0: alice, player_1: bob}"
+    first, second = (
+        seated_metrics(tmp_path, long_context_model, "textarena:TicTacToe-v0", seats, "individual", run)
+        for run in ("first", "second")
+    )
+    assert first == second
+    assert [r["alice/reward/samples"] for r in first] == [4, 4] and first[0]["alice/agent/turns_mean"] >= 1
+    assert first[0]["alice/response/length_mean"] > 300  # the board, then its moves: a seat's whole game
+
+
+def test_seated_games_repeat_for_a_seed_and_either_schedule_plays_the_same_games(tmp_path, long_context_model):
+    """Both seats act in every game (writer, reader, writer), four games at once: individual
+    scheduling repeats its metrics for a seed, and lockstep plays the same games (each turn samples
+    from its game's own stream)."""
+    seats = "{writer: alice, reader: bob}"
+    runs = {
+        (scheduling, run): seated_metrics(
+            tmp_path, long_context_model, "tests.seated_envs:Relay", seats, scheduling, f"{scheduling}-{run}"
+        )
+        for scheduling, run in (("individual", 1), ("individual", 2), ("lockstep", 1))
+    }
+    first = runs["individual", 1]
+    assert runs["individual", 2] == first and runs["lockstep", 1] == first
+    assert all(r["alice/agent/turns_mean"] == 2 and r["bob/agent/turns_mean"] == 1 for r in first)
+    assert all(r["bob/reward/samples"] == 4 for r in first)
+    assert any(r["alice/actor/grad_norm"] > 0 for r in first) and any(r["bob/actor/grad_norm"] > 0 for r in first)

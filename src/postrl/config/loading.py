@@ -30,6 +30,9 @@ def _union_members(annotation: Any) -> list[tuple[Any, set[str]]]:
         if typing.get_origin(arg) is Annotated:
             cls, *meta = typing.get_args(arg)
             tags |= {m.tag for m in meta if hasattr(m, "tag")}
+        if typing.get_origin(cls) in (typing.Union, __import__("types").UnionType):  # a tagged union, optional
+            members += _union_members(cls)
+            continue
         type_field = getattr(cls, "model_fields", {}).get("type")
         if type_field is not None and typing.get_origin(type_field.annotation) is Literal:
             tags |= set(typing.get_args(type_field.annotation))

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from postrl.config.agent import AgentConfig
+from postrl.config.agent import AgentConfig, EnvAgent, FunctionAgent, SeatedAgent
 from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config.base import DEVICE_PATTERN, Section
 from postrl.config.command import RunCommandConfig
@@ -318,7 +318,7 @@ class RunConfig(RunCommandConfig):
         from their start, their recorded calls replayed)."""
         if self.agent is None or self.controller.mode != "async" or self.requested_overlap != "generation":
             return self
-        if self.agent.function is None and self.agent.scheduling != "individual":
+        if isinstance(self.agent, EnvAgent) and self.agent.scheduling != "individual":
             raise ValueError(
                 "controller.overlap=generation suspends episodes between turns, which agent.scheduling=lockstep "
                 "does not do: set agent.scheduling=individual, or controller.overlap=scoring"
@@ -328,7 +328,7 @@ class RunConfig(RunCommandConfig):
     @model_validator(mode="after")
     def _policies_fit_the_run(self) -> RunConfig:
         if self.policies is None:
-            if self.agent is not None and self.agent.seats is not None:
+            if isinstance(self.agent, SeatedAgent):
                 raise ValueError(
                     "agent.seats: seats are played by the run's policies: name them under policies: (one per seat)"
                 )
@@ -346,13 +346,13 @@ class RunConfig(RunCommandConfig):
                     f"policies.{name}.rollout.n: every policy acts in the same rollout.n episodes of a prompt; "
                     "set rollout.n for the run"
                 )
-        if self.agent is None or (self.agent.function is None and self.agent.seats is None):
+        if not isinstance(self.agent, FunctionAgent | SeatedAgent):
             raise ValueError(
                 "policies: the policies act in the episodes of an agent function (agent.function), which picks "
                 "the policy of each model call by its model name or base URL, or of a seated environment (agent.env "
                 "with agent.seats: its seat -> the policy that plays it)"
             )
-        if self.agent.seats is not None:
+        if isinstance(self.agent, SeatedAgent):
             check_seats(self.agent.seats, list(self.policies))
         if self.controller.mode == "async" and self.requested_overlap == "generation":
             asked = "asked" if self.controller.overlap == "generation" else "auto under Ray"

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from postrl.config.agent import AgentConfig
+from postrl.config.agent import EnvAgent, EnvironmentEpisodes
 from postrl.config.run import ConfigError
 from postrl.controller.episode_scoring import EpisodeScoring, trainable
 from postrl.controller.stages.base import Groups
@@ -26,7 +26,7 @@ from postrl.workers.roles import RewardService, RolloutWorker
 log = logging.getLogger(__name__)
 
 
-def episode_limits(config: AgentConfig) -> EpisodeLimits:
+def episode_limits(config: EnvironmentEpisodes) -> EpisodeLimits:
     return EpisodeLimits(
         config.max_turns,
         config.max_tokens_per_turn,
@@ -42,7 +42,7 @@ class EnvEpisodes:
 
     def __init__(
         self,
-        config: AgentConfig,
+        config: EnvAgent,
         tokenizer: Any,
         rollout: RolloutWorker,
         reward: RewardService,
@@ -51,7 +51,6 @@ class EnvEpisodes:
     ) -> None:
         """Finds the environment and checks, before the run starts, that one can be made and that its
         tools reach the prompt; a ConfigError names the field to change."""
-        assert config.env is not None
         self.config = config
         self.tokenizer = tokenizer
         self.rollout = rollout

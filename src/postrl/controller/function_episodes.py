@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from postrl.config.agent import AgentConfig
+from postrl.config.agent import FunctionAgent
 from postrl.controller.episode_scoring import EpisodeScoring, trainable
 from postrl.controller.stages.base import Groups
 from postrl.rollout.agentic.agent_function import RecordedAgents
@@ -24,7 +24,7 @@ class AgentFunctionEpisodes:
 
     def __init__(
         self,
-        config: AgentConfig,
+        config: FunctionAgent,
         tokenizer: Any,
         agents: RecordedAgents,
         rollout: RolloutWorker,

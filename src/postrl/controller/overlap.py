@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from postrl.config.agent import EnvAgent
 from postrl.config.run import RunConfig
 
 
@@ -25,7 +26,7 @@ def computes_serially(config: RunConfig) -> bool:
     choice = config.controller.serial_compute
     if choice is not None:
         return choice
-    if config.agent is not None and config.agent.env is not None and config.requested_overlap == "generation":
+    if isinstance(config.agent, EnvAgent) and config.requested_overlap == "generation":
         return False
 
     def on_cpu(device: str) -> bool:

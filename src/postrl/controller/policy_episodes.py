@@ -1,7 +1,9 @@
-"""The batch sources of a run with several policies (``policies:``): one agent function's episodes,
-run once per batch with every policy's engine answering its own calls, and each policy's rollouts
-handed to that policy's Controller (:class:`PolicyEpisodes`), which scores, groups, trains and
-checkpoints them as a one-policy run would. A policy's rollouts hold its own turns only."""
+"""The batch sources of a run with several policies (``policies:``): the episodes of one agent
+function (:class:`~postrl.rollout.agentic.agent_function.RecordedAgents`) or of one seated game
+(:class:`~postrl.rollout.agentic.seated_games.SeatedGames`), run once per batch with every policy's
+engine answering its own turns, and each policy's rollouts handed to that policy's Controller
+(:class:`PolicyEpisodes`), which scores, groups, trains and checkpoints them as a one-policy run
+would. A policy's rollouts hold its own turns only."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from postrl.config.agent import AgentConfig
+from postrl.config.agent import FunctionAgent, SeatedAgent
 from postrl.controller.episode_scoring import EpisodeScoring, trainable
 from postrl.controller.stages.base import Groups
-from postrl.rollout.agentic.agent_function import PolicyRollouts, RecordedAgents
+from postrl.rollout.agentic.agent_function import PolicyRollouts
 from postrl.rollout.agentic.template_check import check_template
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 from postrl.workers.roles import RewardService
@@ -24,6 +27,19 @@ log = logging.getLogger(__name__)
 
 class PromptsDiffer(RuntimeError):
     """The policies' Controllers drew different prompts for one batch (their samplers diverged)."""
+
+
+class EpisodesOfPolicies(Protocol):
+    """What plays a batch's episodes with every policy acting in them."""
+
+    @property
+    def policies(self) -> list[str]: ...
+
+    def run_policies(self, prompts: list[Prompt], sampling: SamplingParams) -> PolicyRollouts:
+        """``sampling.n`` episodes of each prompt; each policy's rollouts, in prompt order."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -37,10 +53,10 @@ class SharedEpisodes:
     is kept until every policy has taken its own part (an async pipeline's policy asks for the next
     batch before the others have taken this one)."""
 
-    def __init__(self, agents: RecordedAgents) -> None:
+    def __init__(self, agents: EpisodesOfPolicies) -> None:
         """Takes over ``agents`` (closed by :meth:`close`)."""
         self.agents = agents
-        self.policies = list(agents.recorders)
+        self.policies = agents.policies
         self._batches: deque[_Batch] = deque()  # not yet taken by every policy, oldest first
         self._oldest = 0  # the number of the first batch kept
         self._taken = dict.fromkeys(self.policies, 0)  # batches each policy has taken
@@ -87,7 +103,7 @@ class PolicyEpisodes:
         self,
         name: str,
         shared: SharedEpisodes,
-        config: AgentConfig,
+        config: FunctionAgent | SeatedAgent,
         tokenizer: object,
         reward: RewardService,
         errors_log: Path | None = None,

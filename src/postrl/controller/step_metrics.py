@@ -134,6 +134,7 @@ def _episode_row(episode: Episode) -> dict[str, Any]:
         "env_s": round(episode.env_s, 3),
         "generate_s": round(episode.generate_s, 3),
         "part": episode.part,
+        **({"seat": episode.seat} if episode.seat is not None else {}),
         "info": info,
         "messages": episode.messages,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from postrl.config.agent import AgentConfig
+from postrl.config.agent import KIND_RUNS, AgentBase, EnvAgent, FunctionAgent
 from postrl.controller.env_episodes import EnvEpisodes
 from postrl.controller.function_episodes import AgentFunctionEpisodes
 from postrl.controller.source import BatchSource, SingleTurn
@@ -15,7 +15,7 @@ from postrl.workers.roles import RewardService, RolloutWorker
 
 
 def make_batch_source(
-    agent: AgentConfig | None,
+    agent: AgentBase | None,
     tokenizer: Any,
     rollout: RolloutWorker,
     reward: RewardService,
@@ -25,8 +25,10 @@ def make_batch_source(
     """``errors_log``: where a failed episode's traceback goes; ``model``: its name in errors."""
     if agent is None:
         return SingleTurn(rollout, reward, tokenizer)
-    if agent.function is None:
+    if isinstance(agent, EnvAgent):
         return EnvEpisodes(agent, tokenizer, rollout, reward, errors_log, model)
+    if not isinstance(agent, FunctionAgent):
+        raise TypeError(f"{KIND_RUNS[agent.kind]} is played by several policies (policies:), not by one run's engine")
     function = load_agent_function(agent.function)
     server = RecordingServer.of_engine(rollout, tokenizer, agent.tools_in_prompt)
     agents = RecordedAgents(server, function, agent.env_workers, agent.function_timeout_s)

@@ -1,5 +1,5 @@
 """``postrl train`` with ``policies:``: several trainable policies acting in the episodes of one
-agent function or seated environment.
+agent function or seated game.
 
 Each policy is a one-policy run of its own (its config from :meth:`RunConfig.policy_runs`): its
 trainer, rollout engines, buffer, weight version and Controller; what they share is the prompts,
@@ -23,22 +23,29 @@ from typing import Any
 
 import torch
 
+from postrl.config.agent import AgentBase, FunctionAgent, SeatedAgent
 from postrl.config.run import ConfigError, RunConfig
+from postrl.controller.batches import run_sampling
 from postrl.controller.components import Components
 from postrl.controller.controller import Controller
-from postrl.controller.policy_episodes import HeldOutEpisodes, PolicyEpisodes, SharedEpisodes
+from postrl.controller.env_episodes import episode_limits
+from postrl.controller.policy_episodes import EpisodesOfPolicies, HeldOutEpisodes, PolicyEpisodes, SharedEpisodes
 from postrl.data.prompt_source import prompt_source
 from postrl.models.loading import load_tokenizer
 from postrl.models.numerics import Numerics
 from postrl.reward.factory import make_reward_service
-from postrl.rollout.agentic.agent_function import AgentFunction, PolicyRollouts, RecordedAgents, load_agent_function
+from postrl.rollout.agentic.agent_function import PolicyRollouts, RecordedAgents, load_agent_function
 from postrl.rollout.agentic.env_lookup import seated_environment_factory
-from postrl.rollout.agentic.seats import SeatedEpisodes, SeatTurns
+from postrl.rollout.agentic.episode_ops import EpisodeSchedule
+from postrl.rollout.agentic.individual import Individual
+from postrl.rollout.agentic.lockstep import Lockstep
+from postrl.rollout.agentic.seated_games import SeatedGames, SeatPlayer
+from postrl.rollout.agentic.seats import check_seated_game
 from postrl.run.checkpoint import save_policies_checkpoint
 from postrl.run.lifecycle import resume_point
 from postrl.run.model_card import trained_how, write_model_card
 from postrl.run.place import RunPlace
-from postrl.run.policy_workers import place_policy
+from postrl.run.policy_workers import PolicyWorkers, place_policy
 from postrl.run.resolve import resolved_run
 from postrl.run.train_job import Observer, describe_accuracy, policy_lines
 from postrl.run.validation import Validator
@@ -109,38 +116,59 @@ def make_schedulers(config: RunConfig, runs: dict[str, RunConfig]) -> list[Sched
     return schedulers
 
 
-def episode_function(config: RunConfig, runs: dict[str, RunConfig]) -> AgentFunction:
-    """What plays an episode: the run's agent function, or one game of its seated environment, each
-    seat's turn by its policy at that policy's temperature."""
-    agent = config.agent
-    assert agent is not None
-    if agent.seats is None:
-        assert agent.function is not None
-        return load_agent_function(agent.function)
-    assert agent.env is not None
-    episodes = SeatedEpisodes(
-        seated_environment_factory(agent.env),
-        agent.env_options,
-        agent.seats,
-        SeatTurns(agent.max_turns, agent.max_tokens_per_turn, {n: r.rollout.temperature for n, r in runs.items()}),
-        agent.env,
-    )
+def check_episodes(agent: AgentBase) -> None:
+    """Before anything is placed: the agent function imports, or one game of the seated environment
+    is made and its seats are those of ``agent.seats`` (a ConfigError names what is wrong)."""
+    if not isinstance(agent, SeatedAgent):
+        return
     try:
-        episodes.check()
+        check_seated_game(seated_environment_factory(agent.env), agent.env_options, agent.seats, agent.env)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
-    return episodes
+
+
+def policies_episodes(
+    config: RunConfig, runs: dict[str, RunConfig], workers: dict[str, PolicyWorkers], tokenizers: dict[str, Any]
+) -> EpisodesOfPolicies:
+    """What plays the batches' episodes: the seated game at token level on each seat's policy's
+    engine (at its own sampling), or the agent function against a recording server whose calls
+    name their policy."""
+    agent = config.agent
+    if isinstance(agent, SeatedAgent):
+        players = {
+            name: SeatPlayer(w.rollout, tokenizers[name], run_sampling(runs[name].rollout))
+            for name, w in workers.items()
+        }
+        schedule: EpisodeSchedule = Lockstep()
+        if agent.scheduling == "individual":
+            joins = all(w.rollout.joins_calls for w in workers.values())
+            schedule = Individual(joins, agent.max_concurrent_episodes)
+        make_env = seated_environment_factory(agent.env)
+        limits = episode_limits(agent)
+        return SeatedGames(
+            make_env, agent.env_options, agent.env, agent.seats, players, limits, schedule, agent.on_prefix_break
+        )
+    assert isinstance(agent, FunctionAgent)  # policies: act in an agent function's or a seated game's episodes
+    served = {name: ServedPolicy(w.rollout, tokenizers[name]) for name, w in workers.items()}
+    server = RecordingServer(served, agent.tools_in_prompt)
+    try:
+        function = load_agent_function(agent.function)
+        return RecordedAgents(server, function, agent.env_workers, agent.function_timeout_s)
+    except BaseException:
+        server.close()
+        raise
 
 
 def build_policies(config: RunConfig, numerics: dict[str, Numerics]) -> Policies:
     """The parts of every policy, placed by the run's scheduler, and the episodes they share
     (``numerics``: each policy's, by name)."""
-    assert config.agent is not None  # policies: act in an agent function's or a seated environment's episodes
+    agent = config.agent
+    assert agent is not None  # policies: act in an agent function's or a seated game's episodes
     runs = {name: resolved_run(run) for name, run in config.policy_runs().items()}
     torch.manual_seed(config.seed)
     tokenizers = {name: load_tokenizer(run.model.path) for name, run in runs.items()}
     prompts = prompt_source(config.data, next(iter(tokenizers.values())))
-    function = episode_function(config, runs)
+    check_episodes(agent)
     schedulers = make_schedulers(config, runs)
     built: list[Any] = []
     try:
@@ -150,16 +178,13 @@ def build_policies(config: RunConfig, numerics: dict[str, Numerics]) -> Policies
             name: place_policy(scheduler, run, tokenizers[name], numerics[name], built)
             for scheduler, (name, run) in zip(schedulers, runs.items(), strict=True)
         }
-        served = {name: ServedPolicy(w.rollout, tokenizers[name]) for name, w in workers.items()}
-        server = RecordingServer(served, config.agent.tools_in_prompt)
-        built.append(server)
-        agents = RecordedAgents(server, function, config.agent.env_workers, config.agent.function_timeout_s)
-        shared = SharedEpisodes(agents)
-        built[-1] = shared  # it closes the server
+        shared = SharedEpisodes(policies_episodes(config, runs, workers, tokenizers))
+        built.append(shared)
         parts = {}
         for name, run in runs.items():
             w, tokenizer = workers[name], tokenizers[name]
-            source = PolicyEpisodes(name, shared, config.agent, tokenizer, reward, run.run_dir / "episode_errors.log")
+            assert isinstance(agent, FunctionAgent | SeatedAgent)
+            source = PolicyEpisodes(name, shared, agent, tokenizer, reward, run.run_dir / "episode_errors.log")
             parts[name] = Components(
                 run,
                 tokenizer,
@@ -238,8 +263,12 @@ class PoliciesJob:
     def startup_lines(self) -> list[str]:
         """The policies and how calls reach them, then each policy's own lines, named."""
         config = self.policies.config
-        seats = config.agent.seats if config.agent is not None else None
-        how = f"seats {seats}" if seats else "each call names its policy by model or base URL"
+        agent = config.agent
+        how = (
+            f"seats {agent.seats}"
+            if isinstance(agent, SeatedAgent)
+            else "each call names its policy by model or base URL"
+        )
         lines = [f"policies: {', '.join(self.names)} ({how})"]
         for name, parts in self.policies.parts.items():
             lines += [f"{name}: {line}" for line in policy_lines(parts, describe_accuracy(parts))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from postrl.config.agent import FunctionAgent
 from postrl.config.run import RunConfig
 from postrl.models.numerics import Numerics, resolve_numerics
 from postrl.types import StepMetrics
@@ -160,7 +161,7 @@ def run_watches(config: RunConfig, echo: Callable[[str], None], numerics: Numeri
     """The run's watches (``numerics``: the run's, default resolved for this machine)."""
     numerics = numerics or resolve_numerics(config)
     source = "the reward function" if config.scores_with_components else "the environment's rewards (agent.env)"
-    if config.agent is not None and config.agent.function is not None and not config.scores_with_components:
+    if isinstance(config.agent, FunctionAgent) and not config.scores_with_components:
         source = "the rewards your agent function returns (agent.function)"
     # a run that distils learns from its teachers whatever its rewards do
     no_signal = [NoSignalWatch(echo, source=source)] if config.algorithm.distill is None else []

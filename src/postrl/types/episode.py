@@ -54,6 +54,7 @@ class Episode:
     env_s: float = 0.0
     generate_s: float = 0.0
     saved: EpisodeState | None = None  # finish_reason "suspended": what the episode continues from
+    seat: str | None = None  # a seated game's: the seat whose turns this sample holds (agent.seats)
     # an agent.function episode a checkpoint suspended: its completed model calls, replayed when it re-runs
     calls: RecordedCalls | None = None
 

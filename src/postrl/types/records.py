@@ -28,6 +28,8 @@ class Prompt:
     # the random stream its samples are drawn from (postrl.rollout.streams), named by the run's
     # prompt draw from the seed and the prompt's place in the draw; None: the engine picks one
     stream: int | None = None
+    # which of the run's policies answers it (a seated game's acting seat's); None: the run's only one
+    policy: str | None = None
 
     @property
     def task_type(self) -> str | None:

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from postrl.config.imports import import_callable
-from postrl.rollout.agentic.episodes import failed_rollout
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.rollout.agentic.recorder import EpisodeRecorder, RecordedEpisode
+from postrl.rollout.agentic.trajectory import failed_rollout
 from postrl.types import Prompt, Rollout, SamplingParams
 from postrl.types.episode import Episode, RecordedCalls
 from postrl.types.progress import Phase, phase
@@ -99,6 +99,11 @@ class RecordedAgents:
     def episode_url(self, episode: str) -> str:
         """The OpenAI base URL that records into ``episode``."""
         return f"{self.endpoint.root}/episodes/{episode}/v1"
+
+    @property
+    def policies(self) -> list[str]:
+        """The policies whose calls it records, by name."""
+        return list(self.recorders)
 
     @property
     def several(self) -> bool:

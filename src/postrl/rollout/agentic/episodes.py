@@ -32,18 +32,14 @@ from postrl.rollout.agentic.episode_ops import EpisodeLimits, EpisodeSchedule, G
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.rollout.agentic.lockstep import Lockstep
 from postrl.rollout.agentic.tools import checked_tools
+from postrl.rollout.agentic.trajectory import PrefixPolicy, continue_context, episode_rollouts, record_turn
 from postrl.rollout.streams import derive
-from postrl.types import Prompt, Rollout, SamplingParams, compact_versions
-from postrl.types.episode import Episode, EpisodeState, TrajectorySample, Turn
+from postrl.types import Prompt, Rollout, SamplingParams
+from postrl.types.episode import Episode, EpisodeState, TrajectorySample
 from postrl.types.metric_names import AGENT
 
 log = logging.getLogger(__name__)
-PrefixPolicy = Literal["split", "keep_context"]
 _keys = itertools.count()
-
-
-class TrajectoryError(RuntimeError):
-    """The engine was given or returned tokens other than the trajectory's: never trained on."""
 
 
 def episode_jobs(prompts: list[Prompt], n: int) -> list[tuple[int, Prompt]]:
@@ -239,33 +235,13 @@ class EpisodeRunner:
         return Prompt(e.seen, e.sample.context, cache_key=e.key, stream=stream)
 
     @staticmethod
-    def check_trajectory(e: LiveEpisode, r: Rollout) -> None:
-        if r.prompt_ids != e.sample.context:
-            raise TrajectoryError(f"{e.key}: the engine generated from other tokens than the trajectory's")
-
-    @staticmethod
     def step_env(e: LiveEpisode) -> StepResult:
         """The episode's environment answering the model's last turn, checked."""
         assert e.env is not None
         return check_step_result(e.env.step(e.contents[-1]))
 
     def record_generation(self, e: LiveEpisode, r: Rollout) -> None:
-        self.check_trajectory(e, r)
-        own = r.logprob_versions or [r.weight_version] * len(r.response_ids)
-        cache = r.kv_versions or own
-        e.turns.append(Turn(len(e.sample.context), len(r.response_ids)))
-        e.sample.add(r.response_ids, r.logprobs, own, cache, generated=True)
-        content, seen = e.renderer.model_turn(r.response_ids, stopped=r.finish_reason == "stop")
-        e.seen += seen
-        e.contents.append(content)
-        if r.finish_reason == "length" and len(r.response_ids) < self.limits.max_tokens_per_turn:
-            e.finish = "max_context"
-        elif r.finish_reason == "length" and self.limits.end_on_turn_length:
-            e.finish = "length"
-        elif r.finish_reason == "suspended":
-            e.finish = "suspended"
-        else:
-            e.finish = "pending"  # the environment decides
+        record_turn(e, r, self.limits)
 
     def observe(self, e: LiveEpisode, outcome: Outcome[StepResult]) -> None:
         """The environment's answer to the model's last turn; a failure, a time-out or a malformed
@@ -290,75 +266,14 @@ class EpisodeRunner:
             e.finish = "max_turns"
             return
         e.finish = None
-        delta, full = e.renderer.delta(e.seen, e.messages)
-        if not delta.ok and self.on_prefix_break == "keep_context":
-            e.breaks += 1
-            delta = e.renderer.appended_delta(result.messages)
-            full = e.seen + (delta.text or "")
-        elif not delta.ok:
-            e.breaks += 1
-        if not delta.ok:  # split (or keep_context where even the appended rendering breaks)
-            e.done_samples.append(e.sample)
-            e.sample, e.seen = TrajectorySample(e.renderer.encode(full)), full
-            return
-        assert delta.ids is not None
-        last = e.sample.versions[-1]
-        n = len(delta.ids)
-        e.sample.add(delta.ids, [0.0] * n, [last] * n, [e.sample.cache_versions[-1]] * n, generated=False)
-        e.seen = full
-        turn.observation_tokens = n
+        continue_context(e, result.messages, self.on_prefix_break)
 
     def rollouts(self, e: LiveEpisode) -> list[Rollout]:
-        """The episode's training samples; an episode that failed before the model wrote anything
-        is one empty rollout, so its failure is counted and saved like any other."""
-        every = [*e.done_samples, e.sample]
-        samples = [s for s in every if any(s.mask)]
-        episode = Episode(
-            messages=e.messages,
-            turns=e.turns,
-            reward=sum(e.rewards) if e.rewards else None,
-            finish_reason=e.finish or "stop",
-            info=e.info,
-            prefix_breaks=e.breaks,
-            dropped={"no_model_tokens": len(every) - len(samples)} if len(every) > len(samples) else {},
-            env_s=e.env_s,
-            generate_s=e.generate_s,
-        )
-        if not samples and e.finish == "env_error":
-            return [failed_rollout(e.prompt_index, e.sample.prompt_ids, episode)]
-        return [sample_rollout(e.prompt_index, s, episode, part, e.renderer) for part, s in enumerate(samples)]
+        """The finished episode's training samples."""
+        return episode_rollouts(e)
 
     def close(self) -> None:
         """Nothing to free: the environments of a run are closed at its end."""
-
-
-def failed_rollout(prompt_index: int, prompt_ids: list[int], episode: Episode) -> Rollout:
-    """An episode that failed before the model's first token: no tokens to train on, but a row that
-    carries its failure to the reward, the failure rate and the samples file."""
-    return Rollout(prompt_index, list(prompt_ids), [], [], "", "env_error", 0, episode=episode)
-
-
-def sample_rollout(
-    prompt_index: int, s: TrajectorySample, episode: Episode, part: int, renderer: ChatRenderer
-) -> Rollout:
-    """A training sample as a Rollout: observation tokens after its last model turn are dropped
-    (they would train nothing)."""
-    end = max(i for i, m in enumerate(s.mask) if m) + 1
-    own, cache = s.versions[:end], s.cache_versions[:end]
-    oldest, versions, kv = compact_versions(own, cache, min(own))
-    return Rollout(
-        prompt_index=prompt_index,
-        prompt_ids=s.prompt_ids,
-        response_ids=s.response[:end],
-        logprobs=s.logprobs[:end],
-        text=renderer.decode(s.response[:end]),
-        finish_reason=episode.finish_reason,  # type: ignore[arg-type]
-        weight_version=oldest,
-        logprob_versions=versions,
-        kv_versions=kv,
-        loss_mask=s.mask[:end],
-        episode=replace(episode, part=part),
-    )
 
 
 def episode_metrics(rollouts: list[Rollout], prefix: str = AGENT) -> dict[str, float]:

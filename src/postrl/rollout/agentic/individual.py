@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from postrl.rollout.agentic.env import Environment
-from postrl.rollout.agentic.episode_ops import EpisodeOps, Generate, Job, LiveEpisode
+from postrl.rollout.agentic.episode_ops import EnvT, EpisodeOps, Generate, Job, LiveT, StepT
 from postrl.rollout.agentic.limited import Outcome, log_close_failures, run_limited
 from postrl.rollout.agentic.turn_batcher import TurnBatcher
 from postrl.types import Rollout, SamplingParams
@@ -66,7 +65,11 @@ class Individual:
         self.suspending.set()
 
     def run(
-        self, ops: EpisodeOps, jobs: list[Job], turn: SamplingParams, saved: list[EpisodeState] | None = None
+        self,
+        ops: EpisodeOps[LiveT, EnvT, StepT],
+        jobs: list[Job],
+        turn: SamplingParams,
+        saved: list[EpisodeState] | None = None,
     ) -> list[Rollout]:
         if not jobs:
             return []
@@ -111,7 +114,7 @@ def _in_thread(threads: int, run: Callable[..., list[Rollout]], *args: Any) -> l
 
 
 def _run_episode(
-    ops: EpisodeOps,
+    ops: EpisodeOps[LiveT, EnvT, StepT],
     generate: Generate,
     turn: SamplingParams,
     signals: _Signals,
@@ -124,7 +127,7 @@ def _run_episode(
         with signals.env_calls:
             return run_limited([call], ops.limits.env_timeout_s, 1, what)[0]
 
-    made: Environment | None
+    made: EnvT | None
     if saved is None:
         started = limited(partial(ops.reset_env, job[1]), "environment reset")
         made = started.value[0] if started.value is not None else None
@@ -155,7 +158,9 @@ def _run_episode(
             signals.close_failures.extend(ops.close_envs([made], 1.0 if sys.exc_info()[0] else None))
 
 
-def _one_turn(ops: EpisodeOps, generate: Generate, turn: SamplingParams, signals: _Signals, e: LiveEpisode) -> bool:
+def _one_turn(
+    ops: EpisodeOps[LiveT, EnvT, StepT], generate: Generate, turn: SamplingParams, signals: _Signals, e: LiveT
+) -> bool:
     """The episode's next model turn, generated and recorded (or its end, where its context is
     full); False when the engines suspended it (nothing recorded)."""
     budget = ops.budget(e)

@@ -15,7 +15,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from postrl.rollout.agentic.episode_ops import EpisodeOps, Job, LiveEpisode
+from postrl.rollout.agentic.episode_ops import EnvT, EpisodeOps, Job, LiveT, StepT
 from postrl.rollout.agentic.limited import log_close_failures, run_limited
 from postrl.types import Rollout, SamplingParams
 from postrl.types.episode import EpisodeState
@@ -24,7 +24,11 @@ from postrl.types.progress import phase
 
 class Lockstep:
     def run(
-        self, ops: EpisodeOps, jobs: list[Job], turn: SamplingParams, saved: list[EpisodeState] | None = None
+        self,
+        ops: EpisodeOps[LiveT, EnvT, StepT],
+        jobs: list[Job],
+        turn: SamplingParams,
+        saved: list[EpisodeState] | None = None,
     ) -> list[Rollout]:
         if saved is not None:
             raise ValueError("lockstep episodes are not suspended, so none are resumed (agent.scheduling=individual)")
@@ -47,11 +51,11 @@ class Lockstep:
         """Nothing to ask: a turn the engines cut ends its episode."""
 
     @staticmethod
-    def _turn(ops: EpisodeOps, running: list[LiveEpisode], sampling: SamplingParams) -> int:
+    def _turn(ops: EpisodeOps[LiveT, EnvT, StepT], running: list[LiveT], sampling: SamplingParams) -> int:
         """One model turn of every running episode (one batch per token budget), then every
         environment that has an answer to give; the tokens the turn generated."""
         generated = 0
-        by_budget: dict[int, list[LiveEpisode]] = {}
+        by_budget: dict[int, list[LiveT]] = {}
         for e in running:
             if budget := ops.budget(e):
                 by_budget.setdefault(budget, []).append(e)

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from postrl.rollout.agentic.chat import ChatRenderer
-from postrl.rollout.agentic.episodes import sample_rollout
 from postrl.rollout.agentic.history_match import continues, edits, without_reasoning
+from postrl.rollout.agentic.trajectory import sample_rollout
 from postrl.types import Rollout
 from postrl.types.episode import Episode, ModelCall, RecordedCalls, ToolCallRecord, TrajectorySample, Turn
 

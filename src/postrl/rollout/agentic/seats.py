@@ -2,12 +2,10 @@
 
 A seated environment (two players of a game, a proposer and a solver, a debater and a judge) says
 after every turn which seat acts next and what each seat now sees. ``agent.env`` names it and
-``agent.seats`` maps its seats to the run's ``policies``. :class:`SeatedEpisodes` plays one
-episode of it as an agent function: each seat's conversation is its own (its first messages, then
-its own turns and what the environment shows it), and each turn is a chat call to the seat's
-policy through the run's recording server, so each policy's samples are its own turns,
-token-exact, like any recorded agent's. An episode's reward for a policy is the sum of the rewards
-the environment gave its seat.
+``agent.seats`` maps its seats to the run's ``policies``; :mod:`.seated_games` plays its games.
+Each seat's conversation is its own (its first messages, then its own turns and what the
+environment shows it); a game's reward for a policy is the sum of the rewards the environment gave
+its seat.
 
 The protocol (:class:`SeatedEnvironment`): ``seats`` names the seats; ``reset(row)`` and
 ``step(seat, action)`` return a :class:`SeatStep`: the messages each seat is shown, the rewards
@@ -94,90 +92,26 @@ def _seats(names: list[str]) -> str:
     return f"seat {names[0]!r}" if len(names) == 1 else f"seats {names}"
 
 
-@dataclass(frozen=True)
-class SeatTurns:
-    """How a seated episode's turns are sampled: at most ``max_turns`` in all, each of at most
-    ``max_tokens``, at each policy's ``temperatures[policy]``."""
+def seats_of(env: Any, seating: dict[str, str], env_name: str) -> tuple[str, ...]:
+    """The seats of ``env`` when it is a seated environment whose seats are those ``seating``
+    maps; a TypeError or ValueError naming what is wrong otherwise."""
+    if not isinstance(env, SeatedEnvironment):
+        raise TypeError(
+            f"agent.env {env_name}: {type(env).__name__} is not a seated environment (seats, "
+            "reset(row) -> SeatStep, step(seat, action) -> SeatStep, close())"
+        )
+    seats = tuple(env.seats)
+    check_seating(seats, seating, env_name)
+    return seats
 
-    max_turns: int
-    max_tokens: int
-    temperatures: dict[str, float]
 
-
-class SeatedEpisodes:
-    """One episode of a seated environment, as an agent function ``(client, row) -> {policy:
-    reward}``: each turn a chat completion by the acting seat's policy (``model`` = its name) on
-    that seat's conversation. Only the policies whose seats acted are rewarded (a policy without a
-    turn has no sample)."""
-
-    def __init__(
-        self,
-        make_env: Callable[..., Any],
-        env_options: dict[str, Any],
-        seating: dict[str, str],
-        turns: SeatTurns,
-        env_name: str,
-    ) -> None:
-        self.make_env = make_env
-        self.env_options = env_options
-        self.seating = seating
-        self.turns = turns
-        self.env_name = env_name
-
-    def check(self) -> None:
-        """One environment made, checked (seated, its seats those of ``agent.seats``) and closed:
-        a run with a wrong seat stops before its first step, not at its first episodes."""
-        env = self.make_env(**self.env_options)
-        try:
-            self._seats_of(env)
-        finally:
-            env.close()
-
-    def __call__(self, client: Any, row: dict[str, Any]) -> dict[str, float]:
-        env = self.make_env(**self.env_options)
-        try:
-            seats = self._seats_of(env)
-            row = {k: v for k, v in row.items() if k != "policy_urls"}
-            return self._play(client, env, seats, row)
-        finally:
-            env.close()
-
-    def _seats_of(self, env: Any) -> tuple[str, ...]:
-        if not isinstance(env, SeatedEnvironment):
-            raise TypeError(
-                f"agent.env {self.env_name}: {type(env).__name__} is not a seated environment (seats, "
-                "reset(row) -> SeatStep, step(seat, action) -> SeatStep, close())"
-            )
-        seats = tuple(env.seats)
-        check_seating(seats, self.seating, self.env_name)
-        return seats
-
-    def _play(
-        self, client: Any, env: SeatedEnvironment, seats: tuple[str, ...], row: dict[str, Any]
-    ) -> dict[str, float]:
-        conversations: dict[str, list[dict[str, Any]]] = {seat: [] for seat in seats}
-        returns = dict.fromkeys(seats, 0.0)
-        acted: set[str] = set()
-        result = check_seat_step(env.reset(row), seats, "reset()")
-        for turn in range(self.turns.max_turns + 1):
-            for seat, messages in result.messages.items():
-                conversations[seat] += messages
-            for seat, reward in result.rewards.items():
-                returns[seat] += float(reward)
-            acting = result.next_seat
-            if result.done or acting is None or turn == self.turns.max_turns:
-                break
-            if not conversations[acting]:
-                raise EnvironmentOutputError(f"seat {acting!r} is to act but has been shown no message")
-            policy = self.seating[acting]
-            reply = client.chat.completions.create(
-                model=policy,
-                messages=conversations[acting],
-                temperature=self.turns.temperatures[policy],
-                max_tokens=self.turns.max_tokens,
-            )
-            text = reply.choices[0].message.content or ""
-            conversations[acting].append({"role": "assistant", "content": text})
-            acted.add(acting)
-            result = check_seat_step(env.step(acting, text), seats, f"step({acting!r})")
-        return {self.seating[seat]: returns[seat] for seat in seats if seat in acted}
+def check_seated_game(
+    make_env: Callable[..., Any], options: dict[str, Any], seating: dict[str, str], name: str
+) -> None:
+    """One environment made, checked (seated, its seats those of ``agent.seats``) and closed: a run
+    with a wrong seat stops before its first step, not at its first games."""
+    env = make_env(**options)
+    try:
+        seats_of(env, seating, name)
+    finally:
+        env.close()
