@@ -2,7 +2,7 @@
 unmodified agent frameworks (examples/agents/frameworks.py), on reasoning-gym tasks chosen by a rule.
 
 Parts:
-  warm start  the shipped adapter (src/postrl/tasks/tool_adapter, built by scripts/build_tool_adapter.py)
+  warm start  the shipped adapter (assets/tool_adapter, built by scripts/build_tool_adapter.py)
               merged into SmolLM2 (``postrl merge-lora smollm2-tools``): warm_start_minutes is 0
               (shipped); its build time is in build_info.json and reported beside it.
   history     each history edit frameworks make (postrl.rollout.agentic.history_match.EDITS),

@@ -1,4 +1,4 @@
-"""Build the shipped tool-calling warm start of SmolLM2-135M-Instruct: src/postrl/tasks/tool_adapter/.
+"""Build the shipped tool-calling warm start of SmolLM2-135M-Instruct: assets/tool_adapter/.
 
     .venv/bin/python scripts/build_tool_adapter.py            # ~6-8 min on 2 cores
 

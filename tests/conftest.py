@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from postrl.tasks.char_tokenizer import build_char_tokenizer
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the cores shared between the workers, not each taking them all
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +82,12 @@ def seqs(rollouts) -> list[tuple[int, list[int], str]]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA; without it they are skipped with the reason (never silently passed)."""
+    """Tests marked ``gpu`` need CUDA; without it they are skipped with the reason (never silently
+    passed). Tests marked ``serial`` (Ray clusters, looks at every process of the machine) all run
+    on one xdist worker, one after another."""
+    for item in items:
+        if "serial" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("serial"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")

@@ -20,7 +20,8 @@ import pytest
 
 from tests.test_ray import ray_processes
 
-pytestmark = pytest.mark.slow  # Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier
+# Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier; one xdist worker runs them all
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))

@@ -442,6 +442,7 @@ def test_an_episodes_tool_tokens_get_no_distillation_term_and_its_model_tokens_t
     assert step.batch.advantages[2, spans[2]].tolist() == [0.0, 0.0]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_under_ray_a_folder_teacher_is_an_actor_of_its_own(tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch):
     """Issue 59: the teachers are a role the scheduler places: under Ray a folder teacher computes in

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from postrl.models import invariant
+from postrl.models import invariant, invariant_attention
 from postrl.rollout.native.engine import NativeRolloutWorker
 from postrl.train.exact_forward import ExactForward, RoundedWeights, exact_layout
 from postrl.train.logprobs import plan_forward, token_logprobs
@@ -132,13 +132,13 @@ def test_attention_products_do_not_depend_on_their_rows_or_keys_count(head_dim):
     q, keys, probs, values = (
         torch.randn(30, 48, head_dim),
         torch.randn(30, 640, head_dim),
-        torch.rand(30, 48, invariant.KEY_BLOCK),
-        torch.randn(30, invariant.KEY_BLOCK, head_dim),
+        torch.rand(30, 48, invariant_attention.KEY_BLOCK),
+        torch.randn(30, invariant_attention.KEY_BLOCK, head_dim),
     )
     scores = torch.bmm(q, keys.transpose(1, 2))
     weighted = torch.bmm(probs, values)
-    for rows in (invariant.MIN_ITEM_ROWS, 8, 16, 33):
-        for n_keys in (invariant.KEY_BLOCK, 192, 640):
+    for rows in (invariant_attention.MIN_ITEM_ROWS, 8, 16, 33):
+        for n_keys in (invariant_attention.KEY_BLOCK, 192, 640):
             part = torch.bmm(q[:, :rows].contiguous(), keys[:, :n_keys].transpose(1, 2))
             assert torch.equal(part, scores[:, :rows, :n_keys]), (rows, n_keys)
         assert torch.equal(torch.bmm(probs[:, :rows].contiguous(), values), weighted[:, :rows])
@@ -154,10 +154,10 @@ def test_attention_of_a_query_is_the_same_alone_and_among_longer_sequences(dtype
     q = torch.randn(40, heads, d).to(dtype)
     seq, pos = torch.randint(0, 3, (40,)), torch.randint(0, 70, (40,))
     pos[0] = 150  # one query past the second block in the big call
-    together = invariant.attention(q, keys, values, invariant.query_items(seq, pos))
+    together = invariant_attention.attention(q, keys, values, invariant_attention.query_items(seq, pos))
     for t in (3, 17, 39):
-        items = invariant.query_items(seq[t : t + 1], pos[t : t + 1])
-        alone = invariant.attention(q[t : t + 1], keys[:, :, :70], values[:, :, :70], items)
+        items = invariant_attention.query_items(seq[t : t + 1], pos[t : t + 1])
+        alone = invariant_attention.attention(q[t : t + 1], keys[:, :, :70], values[:, :, :70], items)
         assert torch.equal(alone, together[t : t + 1])
     t = 5
     k = keys[seq[t], :, : pos[t] + 1].double().repeat_interleave(heads // kv, 0)
@@ -185,7 +185,7 @@ def test_sampled_groups_logprobs_equal_the_trainer_s_bit_for_bit(model, char_tok
     shared = "You are a careful calculator. Answer: "  # a prefix the engine prefills once for both prompts
     texts = ["12+7=", "what is 3*4?", "a", shared + "12+7=", shared + "9-4="]
     rollouts = engine.generate(_prompts(char_tokenizer, texts), SAMPLED, None)
-    assert max(len(r.response_ids) for r in rollouts) > invariant.KEY_BLOCK - 10
+    assert max(len(r.response_ids) for r in rollouts) > invariant_attention.KEY_BLOCK - 10
     trainer, reported = _trainer_logprobs(model, rollouts, dtype)
     assert trainer.numel() >= 200
     assert torch.equal(trainer, reported)
@@ -493,8 +493,8 @@ def test_the_exact_layer_is_written_once_for_the_engine_and_the_trainer():
     assert files_with("invariant.silu_mul(", "invariant.rotate(") == ["models/exact_layer.py"]
     assert "decoder_layer(" in inspect.getsource(exact_kernels.ExactKernels.forward)
     assert "decoder_layer(" in inspect.getsource(exact_forward.ExactForward._layer)
-    assert files_with("invariant.attention(") == ["rollout/native/exact_kernels.py", "train/exact_forward.py"]
-    assert inspect.getsource(exact_kernels).count("invariant.attention(") == 1
+    assert files_with("invariant_attention.attention(") == ["rollout/native/exact_kernels.py", "train/exact_forward.py"]
+    assert inspect.getsource(exact_kernels).count("invariant_attention.attention(") == 1
 
     def names(path: Path) -> list[str]:  # the code's names: no comments, no strings
         tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)

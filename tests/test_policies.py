@@ -272,6 +272,7 @@ def test_the_memory_plan_adds_up_the_policies_on_one_device():
     assert len(warned) == 1 and warned[0].startswith("warning: the run may not fit")
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_two_policies_under_ray_each_on_its_own_placement(tmp_path, arithmetic_jsonl):
     """scheduler: ray: each policy's trainer and engine are actors in its own placement groups on a

@@ -32,7 +32,8 @@ from postrl.types import (  # noqa: E402
 from tests.engine_hosts import SlowHost  # noqa: E402
 from tests.trained_samples import record_trained_samples  # noqa: E402
 
-pytestmark = pytest.mark.slow  # Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier
+# Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier; one xdist worker runs them all
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def ray_processes() -> list[str]:

@@ -24,7 +24,8 @@ from postrl.scheduling.ray_scheduler import RayScheduler  # noqa: E402
 from postrl.workers.handles import PlacementError  # noqa: E402
 from tests.test_ray import ray_config, ray_processes  # noqa: E402
 
-pytestmark = pytest.mark.slow  # Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier
+# Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier; one xdist worker runs them all
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 POSTRL = [sys.executable, "-m", "postrl.cli"]
 

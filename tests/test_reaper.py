@@ -13,6 +13,8 @@ import uuid
 
 import pytest
 
+pytestmark = pytest.mark.serial  # it looks at every process of the machine
+
 SLEEPER = "import sys, time; time.sleep(600)"
 
 

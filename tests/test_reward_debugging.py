@@ -222,6 +222,7 @@ def _sandbox_pids() -> list[int]:
     return found
 
 
+@pytest.mark.serial
 def test_a_killed_trainer_leaves_no_sandboxed_program_behind():
     assert _sandbox_pids() == []
     script = textwrap.dedent("""

@@ -334,3 +334,14 @@ def test_seated_games_repeat_for_a_seed_and_either_schedule_plays_the_same_games
     assert all(r["alice/agent/turns_mean"] == 2 and r["bob/agent/turns_mean"] == 1 for r in first)
     assert all(r["bob/reward/samples"] == 4 for r in first)
     assert any(r["alice/actor/grad_norm"] > 0 for r in first) and any(r["bob/actor/grad_norm"] > 0 for r in first)
+
+
+def test_a_seat_s_turn_samples_as_its_policy_does_and_held_out_games_are_greedy():
+    """Each policy's own temperature, top_p, top_k and stops (not the policy's that ran the batch);
+    the game's token budget; greedy stays greedy."""
+    own = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=5, max_tokens=99, stop=("X",), stop_token_ids=(5,))
+    player = SeatPlayer(None, None, own)
+    batch = SamplingParams(n=1, temperature=1.0, max_tokens=12, stop=("other's",), stop_token_ids=(9,))
+    turn = player.turn(batch, [3, 7])
+    assert turn == SamplingParams(1, 0.7, 0.9, 5, 12, ("X", "</tool_call>"), (3, 5, 7))
+    assert player.turn(replace(batch, temperature=0.0), [3]) == SamplingParams(1, 0.0, 0.9, 5, 12, turn.stop, (3, 5))

@@ -1,9 +1,10 @@
 """A LoRA adapter folder merged into its base model: a plain Hugging Face folder every postrl command,
 every engine and ``from_pretrained`` loads (``postrl merge-lora``).
 
-The package ships one adapter: ``smollm2-tools``, the tool-calling warm start of
+postrl's source tree ships one adapter: ``smollm2-tools``, the tool-calling warm start of
 SmolLM2-135M-Instruct (``scripts/build_tool_adapter.py`` rebuilds it), whose base is the SmolLM2
-folder ``postrl convert-gguf smollm2`` writes to the cache.
+folder ``postrl convert-gguf smollm2`` writes to the cache. Its weights are data, not code: they
+live in ``assets/tool_adapter/`` beside the package's sources, not inside the package.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from postrl.config.run import ConfigError
 
-TOOL_ADAPTER_DIR = Path(__file__).resolve().parent.parent / "tasks" / "tool_adapter"
+TOOL_ADAPTER_DIR = Path(__file__).resolve().parents[3] / "assets" / "tool_adapter"  # in a source checkout
 
 
 def _smollm2() -> str:
@@ -34,7 +35,10 @@ def adapter_folder(adapter: str) -> Path:
     if adapter in SHIPPED_ADAPTERS:
         folder, _, script = SHIPPED_ADAPTERS[adapter]
         if not (folder / "adapter_config.json").is_file():
-            raise ConfigError(f"the {adapter} adapter is missing from {folder}; rebuild it with {script}")
+            raise ConfigError(
+                f"the {adapter} adapter is missing from {folder}: it ships with postrl's source checkout "
+                f"(assets/tool_adapter/, an editable install as the README's setup makes); rebuild it with {script}"
+            )
         return folder
     folder = Path(adapter).expanduser()
     if not (folder / "adapter_config.json").is_file():

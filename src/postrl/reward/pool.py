@@ -34,8 +34,6 @@ import json
 import logging
 import os
 import selectors
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -49,9 +47,9 @@ from postrl.reward.pool_jobs import (
     PoolClosedError,
     PoolStats,
     Worker,
-    kill_worker,
     sibling_key,
 )
+from postrl.reward.pool_process import flush_worker, kill_worker, read_messages, spawn_worker
 from postrl.reward.worker_log import WorkerLog
 
 log = logging.getLogger(__name__)
@@ -164,23 +162,7 @@ class ScoringPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- processes ------------------------------------------------------------------------------
-    def _spawn(self) -> Worker:
-        # the worker sees the same import path as the driver, so 'my_pkg.rewards:score' resolves alike
-        path = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "POSTRL_POOL_PID": str(os.getpid())}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "postrl.reward.worker", *self.preload],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env=env,
-        )
-        for stream in (proc.stdout, proc.stdin, proc.stderr):
-            os.set_blocking(stream.fileno(), False)
-        return Worker(proc=proc, started=time.monotonic(), stderr=proc.stderr)
-
+    # -- the wake-up pipe ------------------------------------------------------------------------
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
@@ -240,7 +222,7 @@ class ScoringPool:
                     job.future.set_exception(PoolClosedError(reason))
 
     def _add_worker(self, selector: selectors.BaseSelector) -> None:
-        worker = self._spawn()
+        worker = spawn_worker(self.preload)
         self._workers.append(worker)
         selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
         selector.register(worker.stderr, selectors.EVENT_READ, ("stderr", worker))
@@ -340,20 +322,7 @@ class ScoringPool:
                 open_workers.remove(worker)
             worker.outgoing += (json.dumps({**job.payload, "id": job.id}) + "\n").encode()
         for worker in self._workers:
-            self._flush(worker)
-
-    @staticmethod
-    def _flush(worker: Worker) -> None:
-        """Write what the pipe takes without blocking (a stuck worker must not stall this thread)."""
-        while worker.outgoing:
-            try:
-                n = os.write(worker.proc.stdin.fileno(), worker.outgoing)
-            except BlockingIOError:
-                return
-            except (BrokenPipeError, OSError, ValueError):
-                worker.outgoing.clear()  # the worker died; _reap replaces it and re-queues its jobs
-                return
-            del worker.outgoing[:n]
+            flush_worker(worker)
 
     def _limit(self, worker: Worker) -> float:
         if not worker.ready:
@@ -378,24 +347,10 @@ class ScoringPool:
         return max(0.0, min(times)) + 0.001
 
     def _read(self, worker: Worker) -> None:
-        try:
-            chunk = os.read(worker.proc.stdout.fileno(), 1 << 16)
-        except (BlockingIOError, ValueError, OSError):
-            return
-        if not chunk:
-            return
-        worker.buffer += chunk
-        *lines, worker.buffer = worker.buffer.split(b"\n")
+        messages = read_messages(worker)
         done: list[tuple[Job, JobResult]] = []
         with self._lock:
-            for line in lines:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    log.warning("scoring process %d wrote a line that is not JSON: %r", worker.proc.pid, line[:200])
-                    continue
-                if not isinstance(msg, dict) or not ("ready" in msg or "id" in msg):
-                    continue
+            for msg in messages:
                 if "ready" in msg:
                     worker.ready = True
                     worker.started = time.monotonic()

@@ -4,8 +4,6 @@ worker process with the jobs it holds, and what a job's result is."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 from collections import Counter, deque
 from concurrent.futures import Future
@@ -87,18 +85,3 @@ class Worker:
 
 class PoolClosedError(RuntimeError):
     """Raised for jobs submitted to, or still queued in, a closed pool."""
-
-
-def kill_worker(worker: Worker) -> None:
-    """Kill a scoring process's whole process group and close its pipes."""
-    try:
-        os.killpg(worker.proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    worker.proc.wait()
-    for stream in (worker.proc.stdin, worker.proc.stdout, worker.proc.stderr):
-        if stream:
-            try:
-                stream.close()
-            except OSError:
-                pass

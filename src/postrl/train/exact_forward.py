@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from postrl.models import invariant
+from postrl.models import invariant, invariant_attention
 from postrl.models.exact_layer import LayerShape, LayerWeights, decoder_layer
 from postrl.train.chunked_head import KEPT_PROBS_ELEMENTS, HeadSaved, head_gradients, rows_per_chunk
 from postrl.train.lean_forward import shared_prompt_groups, supports_lean_forward
@@ -58,7 +58,7 @@ def exact_layout(input_ids: torch.Tensor, spans: list[tuple[int, int]], group_id
     response length)), rows of a ``group_ids`` entry sharing their prompt (checked)."""
     ids = input_ids.tolist()
     rows = len(ids)
-    width = -(-max(p + n for p, n in spans) // invariant.KEY_BLOCK) * invariant.KEY_BLOCK
+    width = -(-max(p + n for p, n in spans) // invariant_attention.KEY_BLOCK) * invariant_attention.KEY_BLOCK
     tokens: list[int] = []
     position: list[int] = []
     sequence: list[int] = []
@@ -192,7 +192,7 @@ class ExactForward:
         # rows gathered, then rounded: the rounded table's rows, without rounding the whole table
         x = F.embedding(layout.tokens, embed.weight, padding_idx=embed.padding_idx).to(dtype).float()
         cos, sin = self.rotary(layout.position)
-        items = invariant.query_items(layout.sequence, layout.position)
+        items = invariant_attention.query_items(layout.sequence, layout.position)
         use_checkpoint = bool(decoder.gradient_checkpointing) and torch.is_grad_enabled()
         for i, layer in enumerate(decoder.layers):
             if use_checkpoint:
@@ -202,11 +202,11 @@ class ExactForward:
         return invariant.rms_norm(x, decoder.norm.weight.to(dtype), self.eps)
 
     def _layer(
-        self, i: int, layer, x, cos, sin, layout: ExactLayout, items: invariant.QueryItems, dtype: torch.dtype
+        self, i: int, layer, x, cos, sin, layout: ExactLayout, items: invariant_attention.QueryItems, dtype: torch.dtype
     ) -> torch.Tensor:
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = _key_store(k.float(), layout.key_map), _key_store(v.float(), layout.key_map)
-            return invariant.attention(q, keys, values, items)
+            return invariant_attention.attention(q, keys, values, items)
 
         return decoder_layer(x, self._layer_weights(i, layer, dtype), self.shape, cos, sin, attend)
 

@@ -49,21 +49,19 @@ _keys = itertools.count()
 @dataclass(frozen=True)
 class SeatPlayer:
     """A policy that plays a seat: its engine and tokenizer, and how its turns sample (its rollout
-    section's temperature, top_p, top_k and stops; ``n`` and ``max_tokens`` are the game's)."""
+    section's temperature, top_p, top_k and stops; how many tokens a turn may have is the game's)."""
 
     engine: RolloutWorker
     tokenizer: Any
     sampling: SamplingParams
 
     def turn(self, sampling: SamplingParams, end_of_turn: list[int]) -> SamplingParams:
-        """One turn of this policy: ``sampling``'s length, its own randomness (greedy stays greedy)
-        and stops (``end_of_turn``: its template's)."""
+        """One turn of this policy: ``sampling``'s length (greedy when ``sampling`` is), this
+        policy's own randomness and stops, and ``end_of_turn`` (its template's)."""
         own = self.sampling
-        stops = set(sampling.stop_token_ids) | set(own.stop_token_ids) | set(end_of_turn)
-        turn = replace(sampling, stop=(*own.stop, *sampling.stop), stop_token_ids=tuple(sorted(stops)))
-        if sampling.temperature == 0:
-            return turn
-        return replace(turn, temperature=own.temperature, top_p=own.top_p, top_k=own.top_k)
+        stops = tuple(sorted(set(own.stop_token_ids) | set(end_of_turn)))
+        turn = replace(own, n=1, max_tokens=sampling.max_tokens, stop=(*own.stop, "</tool_call>"), stop_token_ids=stops)
+        return replace(turn, temperature=0.0) if sampling.temperature == 0 else turn
 
 
 @dataclass
@@ -126,8 +124,7 @@ class SeatedGames:
     def run_policies(self, prompts: list[Prompt], sampling: SamplingParams) -> PolicyRollouts:
         """``sampling.n`` games of each prompt; each policy's rollouts (its seat's samples), in
         prompt order."""
-        turn = replace(sampling, n=1, stop=(*sampling.stop, "</tool_call>"))
-        rollouts = self.schedule.run(self, episode_jobs(prompts, sampling.n), turn)
+        rollouts = self.schedule.run(self, episode_jobs(prompts, sampling.n), replace(sampling, n=1))
         out: PolicyRollouts = {name: [] for name in self.players}
         for r in rollouts:
             assert r.episode is not None and r.episode.seat is not None

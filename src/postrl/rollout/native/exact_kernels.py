@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from postrl.models import invariant
+from postrl.models import invariant, invariant_attention
 from postrl.models.exact_layer import LayerShape, LayerWeights, decoder_layer
 from postrl.rollout.native.kernels import LayerAttend, PrefillLayout
 from postrl.rollout.native.kv_cache import KVCache
@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 def exact_attention(cache: KVCache, sequence: torch.Tensor, position: torch.Tensor) -> LayerAttend:
     """Attention of token ``t`` over positions ``0 .. position[t]`` of cache slot ``sequence[t]``,
     through the batch-invariant kernel (the cache holds the pass's own K/V already)."""
-    items = invariant.query_items(sequence, position)
+    items = invariant_attention.query_items(sequence, position)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return invariant.attention(q, cache.k[layer], cache.v[layer], items)
+        return invariant_attention.attention(q, cache.k[layer], cache.v[layer], items)
 
     return attend
 
@@ -94,7 +94,7 @@ class ExactKernels:
 
     def cache_length(self, length: int) -> int:
         """Whole key blocks, so that the attention reads each block as a view."""
-        return -(-length // invariant.KEY_BLOCK) * invariant.KEY_BLOCK
+        return -(-length // invariant_attention.KEY_BLOCK) * invariant_attention.KEY_BLOCK
 
     def decode_attention(self, cache: KVCache, hi: int, attended: torch.Tensor) -> LayerAttend:
         return exact_attention(cache, torch.arange(hi, device=attended.device), attended)
