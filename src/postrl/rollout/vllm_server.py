@@ -29,6 +29,8 @@ on ``n``, ``max_tokens`` and prompts per request, ``/update_weights`` confined t
 ``--weights-dir``; a non-loopback ``--host`` without a token is refused.
 """
 
+from __future__ import annotations
+
 import argparse
 import importlib.util
 import os
@@ -36,9 +38,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:  # postrl is not installed where this runs: the module is loaded by path below
+    from postrl.rollout.vllm_engine_control import EngineControl
 
 
 def _load_sibling(name: str, relative: Path) -> Any:
@@ -53,7 +58,6 @@ def _load_sibling(name: str, relative: Path) -> Any:
 
 guard = _load_sibling("postrl_serve_guard", Path("workers") / "http_guard.py")
 engine_control = _load_sibling("postrl_vllm_engine_control", Path("rollout") / "vllm_engine_control.py")
-EngineControl = engine_control.EngineControl
 
 
 def generate_stepwise(control: EngineControl, prompts: list[list[int]], params: list[Any]) -> list[dict]:
@@ -156,7 +160,7 @@ def build_app(
     app.add_middleware(guard.BodyLimitMiddleware, limit=max_body_bytes)
     if token:
         app.add_middleware(guard.TokenMiddleware, token=token)
-    control = EngineControl(llm)  # the offline LLM is not re-entrant: one batch (or reload) at a time
+    control = engine_control.EngineControl(llm)  # the offline LLM is not re-entrant: one batch (or reload) at a time
 
     @app.get("/health")
     def health() -> dict:
