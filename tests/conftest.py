@@ -81,6 +81,11 @@ def seqs(rollouts) -> list[tuple[int, list[int], str]]:
     return [(r.prompt_index, r.response_ids, r.finish_reason) for r in rollouts]
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per core, at most 4 (each holds its own models and torch threads)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA; without it they are skipped with the reason (never silently
     passed). Tests marked ``serial`` (Ray clusters, looks at every process of the machine) all run

@@ -17,6 +17,8 @@ from postrl.train.worker import PolicyTrainer
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
 from tests.conftest import hf_greedy, make_tiny_model
 
+pytestmark = pytest.mark.serial  # one GPU: its tests one after another on one worker
+
 
 def test_a_missing_cuda_device_is_an_error_naming_the_field():
     wanted = "cuda:99" if torch.cuda.is_available() else "cuda"

@@ -272,6 +272,22 @@ def _learning(row: dict) -> dict:
     return {k: "nan" if v != v else v for k, v in row.items() if not any(part in k for part in clocked)}
 
 
+SAMPLED = ("/reward/", "/response/", "/agent/", "/accuracy")  # what the sampled tokens alone decide
+
+
+def assert_same_run(rows: list[dict], expected: list[dict]) -> None:
+    """The same games (every reward, length, turn: exactly) and the same learning, up to the last
+    bits a batch's make-up changes in the engine's float32 logprobs (lockstep batches every game's
+    turn together, individual scheduling as the turns come)."""
+    assert [sorted(r) for r in rows] == [sorted(r) for r in expected]
+    for row, want in zip(rows, expected, strict=True):
+        assert {k: v for k, v in row.items() if any(s in k for s in SAMPLED)} == {
+            k: v for k, v in want.items() if any(s in k for s in SAMPLED)
+        }
+        numbers = {k: v for k, v in want.items() if isinstance(v, float)}
+        assert {k: row[k] for k in numbers} == pytest.approx(numbers, rel=1e-4, abs=1e-6)
+
+
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory, char_tokenizer):
     """A tiny random Llama that takes a TicTacToe board's 1024 characters."""
@@ -313,7 +329,7 @@ def test_a_seated_textarena_run_repeats_its_metrics_for_a_seed_at_four_env_worke
         seated_metrics(tmp_path, long_context_model, "textarena:TicTacToe-v0", seats, "individual", run)
         for run in ("first", "second")
     )
-    assert first == second
+    assert_same_run(second, first)
     assert [r["alice/reward/samples"] for r in first] == [4, 4] and first[0]["alice/agent/turns_mean"] >= 1
     assert first[0]["alice/response/length_mean"] > 300  # the board, then its moves: a seat's whole game
 
@@ -330,7 +346,8 @@ def test_seated_games_repeat_for_a_seed_and_either_schedule_plays_the_same_games
         for scheduling, run in (("individual", 1), ("individual", 2), ("lockstep", 1))
     }
     first = runs["individual", 1]
-    assert runs["individual", 2] == first and runs["lockstep", 1] == first
+    assert_same_run(runs["individual", 2], first)
+    assert_same_run(runs["lockstep", 1], first)
     assert all(r["alice/agent/turns_mean"] == 2 and r["bob/agent/turns_mean"] == 1 for r in first)
     assert all(r["bob/reward/samples"] == 4 for r in first)
     assert any(r["alice/actor/grad_norm"] > 0 for r in first) and any(r["bob/actor/grad_norm"] > 0 for r in first)
