@@ -49,6 +49,28 @@ UNREAD: dict[str, dict[str, str]] = {
 }
 
 
+def reward_field() -> Any:
+    """``agent.reward`` of the kinds that may score a transcript (an environment's, a function's)."""
+    return Field(
+        "environment",
+        description="environment: an episode's reward is the sum of its environment's rewards (or what the agent "
+        "function returns); service: the reward components score the transcript (their columns get messages and "
+        "env_info).",
+    )
+
+
+def tools_in_prompt_field() -> Any:
+    """``agent.tools_in_prompt`` of the kinds whose model may be offered tools."""
+    return Field(
+        "template",
+        description="How the model learns of the environment's tools (or of the tools an agent.function's "
+        "requests offer): template passes them to the chat template (tools=; a run, or a request, whose template "
+        "drops them is refused), system writes them into a system message (with the <tool_call> format) for "
+        "templates that ignore tools=, as SmolLM2's does; none describes them nowhere (the model was trained on "
+        "them, or the environment's messages describe them).",
+    )
+
+
 class AgentBase(Section):
     """What every kind of agent run reads."""
 
@@ -149,19 +171,8 @@ class EnvAgent(EnvironmentEpisodes):
 
     kind: ClassVar[AgentKind] = "env"
 
-    reward: Literal["environment", "service"] = Field(
-        "environment",
-        description="environment: an episode's reward is the sum of its environment's rewards; service: the "
-        "reward components score the transcript (their columns get messages and env_info).",
-    )
-    tools_in_prompt: Literal["template", "system", "none"] = Field(
-        "template",
-        description="How the model learns of the environment's tools (or of the tools an agent.function's "
-        "requests offer): template passes them to the chat template (tools=; a run, or a request, whose template "
-        "drops them is refused), system writes them into a system message (with the <tool_call> format) for "
-        "templates that ignore tools=, as SmolLM2's does; none describes them nowhere (the model was trained on "
-        "them, or the environment's messages describe them).",
-    )
+    reward: Literal["environment", "service"] = reward_field()
+    tools_in_prompt: Literal["template", "system", "none"] = tools_in_prompt_field()
 
 
 class SeatedAgent(EnvironmentEpisodes):
@@ -204,19 +215,8 @@ class FunctionAgent(AgentBase):
         description="module:function of an agent written against the OpenAI API, called as "
         "function(client, row) -> reward with an openai.OpenAI client on a recording server over the run's engine.",
     )
-    reward: Literal["environment", "service"] = Field(
-        "environment",
-        description="environment: an episode's reward is the sum of its environment's rewards; service: the "
-        "reward components score the transcript (their columns get messages and env_info).",
-    )
-    tools_in_prompt: Literal["template", "system", "none"] = Field(
-        "template",
-        description="How the model learns of the environment's tools (or of the tools an agent.function's "
-        "requests offer): template passes them to the chat template (tools=; a run, or a request, whose template "
-        "drops them is refused), system writes them into a system message (with the <tool_call> format) for "
-        "templates that ignore tools=, as SmolLM2's does; none describes them nowhere (the model was trained on "
-        "them, or the environment's messages describe them).",
-    )
+    reward: Literal["environment", "service"] = reward_field()
+    tools_in_prompt: Literal["template", "system", "none"] = tools_in_prompt_field()
     function_timeout_s: float = Field(
         600.0,
         gt=0,
