@@ -11,7 +11,10 @@ from postrl.train.logprobs import token_logprobs
 from postrl.types import Experience, ExperienceBatch, Prompt, SamplingParams
 from tests.conftest import hf_greedy
 
-pytestmark = pytest.mark.skipif(vllm_python() is None, reason="no vLLM environment (run scripts/setup_vllm.sh)")
+pytestmark = [  # each test starts a vLLM server (tens of seconds): the full suite's, not the fast tier's
+    pytest.mark.skipif(vllm_python() is None, reason="no vLLM environment (run scripts/setup_vllm.sh)"),
+    pytest.mark.slow,
+]
 
 
 def tiny_llama(tokenizer, tied: bool = False):
