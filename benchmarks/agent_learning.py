@@ -73,23 +73,32 @@ CANDIDATES = [
 ]
 SUCCESS_RANGE, MIN_TOOL_SHARE = (0.1, 0.5), 0.5
 FRAMEWORKS = {"agents_sdk": "agents_sdk", "langgraph": "langgraph_react"}
-PROMPTS, G, LR, MICRO = 8, 4, 2e-5, 4
+LR, MICRO = 2e-5, 4
+BATCH, SMOKE_BATCH = (8, 4), (2, 2)  # prompts per step, samples per prompt (G)
 
 
-# what both kinds of run share: GRPO, its batch, no checkpoints, metrics to metrics.jsonl only. The
-# engine samples in float32, as the held-out evaluation does: a bf16 engine (what "auto" picks on a CPU
-# with AMX) carried 3-5% of a 1e-5 update (train/update_visible_bf16), so it kept sampling
-# from the warm start's weights and learned nothing in 9 steps.
-GRPO = {
-    "rollout": {"n": G, "temperature": 1.0, "dtype": "float32"},
-    "algorithm": {"kl_beta": 0.0},
-    "train": {"lr": LR, "mini_batch_size": PROMPTS * G, "micro_batch_size": MICRO, "precision": "bf16_autocast"},
-    "checkpoint": {"every_steps": 0},
-    "logging": {"eval_every": 0, "trackers": ["jsonl"], "console": False, "progress_bar": False},
-    # the plan's RAM check sees the machine's free memory at start: a part run beside another
-    # (--framework and --env in two processes) is warned, not refused
-    "plan": {"check": "warn"},
-}
+def grpo(batch: tuple[int, int]) -> dict:
+    """What both kinds of run share: GRPO, its batch, no checkpoints, metrics to metrics.jsonl only.
+    The engine samples in float32, as the held-out evaluation does: a bf16 engine (what "auto" picks on
+    a CPU with AMX) carried 3-5% of a 1e-5 update (train/update_visible_bf16), so it kept sampling
+    from the warm start's weights and learned nothing in 9 steps."""
+    prompts, g = batch
+    return {
+        "prompts_per_step": prompts,
+        "rollout": {"n": g, "temperature": 1.0, "dtype": "float32"},
+        "algorithm": {"kl_beta": 0.0},
+        "train": {
+            "lr": LR,
+            "mini_batch_size": prompts * g,
+            "micro_batch_size": min(MICRO, prompts * g),
+            "precision": "bf16_autocast",
+        },  # fmt: skip
+        "checkpoint": {"every_steps": 0},
+        "logging": {"eval_every": 0, "trackers": ["jsonl"], "console": False, "progress_bar": False},
+        # the plan's RAM check sees the machine's free memory at start: a part run beside another
+        # (--framework and --env in two processes) is warned, not refused
+        "plan": {"check": "warn"},
+    }
 
 
 def tool_model(cache: Path) -> Path:
@@ -186,13 +195,14 @@ def choose(model_dir: Path, framework: str, per_task: int, seed: int) -> tuple[l
     return [{"name": r["name"], "config": r["config"]} for r in rows if r["chosen"]], rows
 
 
-def run_config(model_dir: Path, out: Path, framework: str, tasks: list[dict], val_size: int, seed: int) -> dict:
+def run_config(
+    model_dir: Path, out: Path, framework: str, tasks: list[dict], val_size: int, seed: int, batch: tuple[int, int]
+) -> dict:
     return {
         "name": f"agent-{framework}",
         "output_dir": str(out),
         "seed": seed,
         "steps": 10_000,  # the time budget ends the run (a signal, as a user's ^C)
-        "prompts_per_step": PROMPTS,
         "import_paths": [str(ROOT / "examples" / "agents")],
         "model": {"path": str(model_dir)},
         "data": {"reasoning_gym": gym(tasks, val_size), "apply_chat_template": False},
@@ -200,9 +210,9 @@ def run_config(model_dir: Path, out: Path, framework: str, tasks: list[dict], va
             "function": f"frameworks:{FRAMEWORKS[framework]}",
             "tools_in_prompt": "system",
             "max_context": 1024,
-            "env_workers": PROMPTS * G,
+            "env_workers": batch[0] * batch[1],
         },  # fmt: skip
-        **GRPO,
+        **grpo(batch),
     }
 
 
@@ -233,13 +243,15 @@ def train_for(config, minutes: float, label: str) -> tuple[Path, int, float]:
     return final, int(state["steps"]), state["wall"] / 60
 
 
-def learn(model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_eval: int, seed: int) -> dict:
+def learn(
+    model_dir: Path, framework: str, tasks: list[dict], minutes: float, n_eval: int, seed: int, batch: tuple[int, int]
+) -> dict:
     from postrl.config.loading import build_config
 
     prompts = held_out_prompts(model_dir, tasks, n_eval)
     before = episodes(model_dir, framework, prompts, seed)
     out = Path(tempfile.mkdtemp(prefix=f"agent-learning-{framework}-"))
-    config = run_config(model_dir, out, framework, tasks, n_eval, seed)
+    config = run_config(model_dir, out, framework, tasks, n_eval, seed, batch)
     began = time.perf_counter()
     final, steps, minutes_run = train_for(build_config(config), minutes, framework)
     wall = time.perf_counter() - began
@@ -268,7 +280,7 @@ ENV = "textarena:GuessTheNumber-v0"
 ENV_TURNS, ENV_TOKENS = 10, 32
 
 
-def env_config(model_dir: Path, out: Path, train: Path, val: Path, seed: int) -> dict:
+def env_config(model_dir: Path, out: Path, train: Path, val: Path, seed: int, batch: tuple[int, int]) -> dict:
     """GRPO on a TextArena single-player game: each row a seed (its game), the held-out rows' seeds
     never played in training."""
     return {
@@ -276,7 +288,6 @@ def env_config(model_dir: Path, out: Path, train: Path, val: Path, seed: int) ->
         "output_dir": str(out),
         "seed": seed,
         "steps": 10_000,  # the time budget ends the run
-        "prompts_per_step": PROMPTS,
         "model": {"path": str(model_dir)},
         "data": {"train_files": [str(train)], "val_files": [str(val)]},
         "agent": {
@@ -285,13 +296,13 @@ def env_config(model_dir: Path, out: Path, train: Path, val: Path, seed: int) ->
             "max_tokens_per_turn": ENV_TOKENS,
             "max_context": 2048,
             "on_turn_length": "continue",
-            "env_workers": PROMPTS * G,
+            "env_workers": batch[0] * batch[1],
         },  # fmt: skip
-        **GRPO,
+        **grpo(batch),
     }
 
 
-def env_learning(model_dir: Path, minutes: float, n_eval: int, seed: int) -> dict:
+def env_learning(model_dir: Path, minutes: float, n_eval: int, seed: int, batch: tuple[int, int]) -> dict:
     """SmolLM2 on the game: held-out success (greedy, the run's own validation) before and after
     ``minutes`` of training."""
     from postrl.config.loading import build_config
@@ -306,7 +317,7 @@ def env_learning(model_dir: Path, minutes: float, n_eval: int, seed: int) -> dic
     rows = {"train": range(1, 5001), "val": range(100_001, 100_001 + n_eval)}  # disjoint seeds: other games
     for split, seeds in rows.items():
         (out / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": "play", "seed": s}) + "\n" for s in seeds))
-    config = resolved_run(build_config(env_config(model_dir, out, out / "train.jsonl", out / "val.jsonl", seed)))
+    config = resolved_run(build_config(env_config(model_dir, out, out / "train.jsonl", out / "val.jsonl", seed, batch)))
     tokenizer = load_tokenizer(str(model_dir))
     validator = Validator(config, load_validation_set(config, prompt_source(config.data, tokenizer), lambda _: None))
 
@@ -387,6 +398,7 @@ def main() -> None:
         skip(missing, args.json)
         return
 
+    batch = SMOKE_BATCH if args.smoke else BATCH  # smoke: one short step, the same code path
     info = json.loads((TOOL_ADAPTER_DIR / "build_info.json").read_text())
     model_dir = tool_model(args.cache)
     result: dict = {"warm_start_minutes": 0, "warm_start_build_minutes": info["build_minutes"],
@@ -395,7 +407,7 @@ def main() -> None:
         from postrl.models.gguf import smollm2_dir
 
         result["env"] = env_learning(args.model or smollm2_dir(), 0.2 if args.smoke else args.minutes,
-                                     4 if args.smoke else args.env_eval, args.seed)  # fmt: skip
+                                     4 if args.smoke else args.env_eval, args.seed, batch)  # fmt: skip
     chosen = args.framework or (["agents_sdk"] if args.smoke else sorted(FRAMEWORKS))  # smoke: one is enough
     for framework in [] if args.env else chosen:
         if args.smoke:
@@ -406,7 +418,7 @@ def main() -> None:
             result["frameworks"][framework] = {"candidates": table, "error": "no candidate met the rule"}
             continue
         minutes = 0.2 if args.smoke else args.minutes
-        got = learn(model_dir, framework, tasks, minutes, 4 if args.smoke else args.eval, args.seed)
+        got = learn(model_dir, framework, tasks, minutes, 4 if args.smoke else args.eval, args.seed, batch)
         result["frameworks"][framework] = {**got, "candidates": table}
     print(
         f"{'framework':12s}{'tasks':40s}{'before':>8s}{'after':>8s}{'calls/ep':>9s}{'mism':>6s}{'breaks':>7s}{'min':>7s}"

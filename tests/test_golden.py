@@ -61,10 +61,18 @@ def test_three_step_run_matches_golden_values(tmp_path, tiny_model_dir, arithmet
     check_golden("tiny_grpo", tmp_path / "runs" / "tiny", KEYS)
 
 
+WEIGHTS_REL = 1e-5
+"""The final-weight fingerprint's tolerance. Adam divides each gradient by its own running scale, so
+a gradient that differs in its last bits between CPUs' float32 kernels (AVX2 against AVX-512
+sums) moves a weight by a visible amount: 4.8e-6 of ppo_critic_gae's ``weighted`` on an AMD EPYC
+against goldens written on an Intel Xeon. Three steps move that fingerprint by 1.79, so 1e-5
+(8.5e-5 of it) still fails on a change of 1/20,000 of one run's training."""
+
+
 def check_golden(name: str, run: Path, keys: list[str], rel: float = 1e-6) -> list[dict]:
-    """The run's per-step ``keys`` and final-weight fingerprint against ``golden/NAME.json`` (``rel``,
-    and 1e-6 absolute); with ``POSTRL_UPDATE_GOLDEN=1`` they are written there first. Returns the
-    run's metric rows."""
+    """The run's per-step ``keys`` against ``golden/NAME.json`` (``rel``, and 1e-6 absolute) and its
+    final-weight fingerprint (``WEIGHTS_REL`` or ``rel``, whichever is looser); with
+    ``POSTRL_UPDATE_GOLDEN=1`` they are written there first. Returns the run's metric rows."""
     rows = read_metrics(run / "metrics.jsonl")
     got = {"steps": [{k: row[k] for k in keys} for row in rows], "weights": fingerprint(run / "final_model")}
     path = GOLDEN.parent / f"{name}.json"
@@ -76,5 +84,6 @@ def check_golden(name: str, run: Path, keys: list[str], rel: float = 1e-6) -> li
         for key in keys:
             assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-6), f"{name} step {step} {key}: {g[key]} != {w[key]}"
     for key, value in want["weights"].items():
-        assert got["weights"][key] == pytest.approx(value, rel=rel, abs=1e-6), f"{name} final weights {key}"
+        weights_rel = max(rel, WEIGHTS_REL)
+        assert got["weights"][key] == pytest.approx(value, rel=weights_rel, abs=1e-6), f"{name} final weights {key}"
     return rows
