@@ -499,7 +499,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:  # 2 RL steps, a few episodes
             args.cache, args.episodes, args.learn_steps, args.latency_episodes, args.async_steps = tmp, 4, 2, 4, 2
-            args.latency_repeats, args.framework_episodes = 1, 2
+            args.latency_repeats, args.framework_episodes, args.document_lines = 1, 2, 4
             args.override += ["prompts_per_step=2", "rollout.n=2", "data.val_size=4", "train.mini_batch_size=4",
                               "train.micro_batch_size=4"]  # fmt: skip
         if args.latency or args.frameworks:

@@ -101,10 +101,12 @@ def in_group(item: pytest.Item, group: str) -> None:
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA; without it they are skipped with the reason (never silently
     passed). Tests marked ``serial`` (Ray clusters, looks at every process of the machine) all run
-    on one xdist worker, one after another."""
+    on one xdist worker, one after another; so do those of one ``xdist_group``."""
     for item in items:
         if "serial" in item.keywords:
             in_group(item, "serial")
+        elif (group := item.get_closest_marker("xdist_group")) is not None:
+            in_group(item, group.kwargs.get("name", group.args[0] if group.args else "default"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")

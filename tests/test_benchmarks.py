@@ -3,8 +3,9 @@ that breaks one fails here. A benchmark that needs what this machine lacks (TRL,
 offline SmolLM2) says why and is reported as skipped, never as passed.
 
 The smoke runs go two at a time in the background from the first of these tests on (much of
-their time is waiting: time limits, servers and Ray starting), longest first; each test then
-takes its own run's result."""
+their time is waiting: time limits and servers starting), longest first; each test then takes its
+own run's result. They share one xdist worker (group ``smokes``); ray_scaling, which starts Ray
+clusters, runs on its own in the ``serial`` group with the other tests that start Ray."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ import pytest
 
 from tests.test_ray import ray_processes
 
-# Ray clusters, benchmark runs, whole CLI sessions: not in the fast tier; one xdist worker runs them all
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow  # benchmark runs and whole CLI sessions: not in the fast tier
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
-RUNS = [("ray_scaling", ())] + [(name, ()) for name in SCRIPTS if name != "ray_scaling"]
+RAY = ("ray_scaling", ())
+RUNS = [(name, ()) for name in SCRIPTS if name != RAY[0]]
 RUNS += [("fault_paths", ("--agent",)), ("algorithms", ("--dpo",)), ("distill", ("--demo",))]
 _runs: dict[tuple[str, tuple[str, ...]], Future] = {}
 
@@ -44,11 +45,14 @@ def run_smoke(name: str, extra: tuple[str, ...]) -> subprocess.CompletedProcess:
 
 
 def smoke(name: str, extra: tuple[str, ...]) -> dict:
-    if not _runs:
-        pool = ThreadPoolExecutor(2, thread_name_prefix="smoke")
-        _runs.update({run: pool.submit(run_smoke, *run) for run in RUNS})
-        pool.shutdown(wait=False)
-    done = _runs[(name, extra)].result()
+    if (name, extra) == RAY:
+        done = run_smoke(name, extra)
+    else:
+        if not _runs:
+            pool = ThreadPoolExecutor(2, thread_name_prefix="smoke")
+            _runs.update({run: pool.submit(run_smoke, *run) for run in RUNS})
+            pool.shutdown(wait=False)
+        done = _runs[(name, extra)].result()
     assert done.returncode == 0, f"{name} {extra} --smoke failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert isinstance(last, dict) and last, done.stdout[-2000:]
@@ -58,8 +62,11 @@ def smoke(name: str, extra: tuple[str, ...]) -> dict:
     return last
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "extra"), RUNS, ids=[f"{n}{''.join(e)}" for n, e in RUNS])
+CASES = [pytest.param(*RAY, marks=pytest.mark.serial, id=RAY[0])]  # Ray clusters: with the other Ray tests
+CASES += [pytest.param(n, e, marks=pytest.mark.xdist_group("smokes"), id=f"{n}{''.join(e)}") for n, e in RUNS]
+
+
+@pytest.mark.parametrize(("name", "extra"), CASES)
 def test_benchmark_runs_in_smoke_mode(name, extra):
     result = smoke(name, extra)
     if name == "fault_paths" and extra == ("--agent",):  # issue 31's numbers hold even at smoke size

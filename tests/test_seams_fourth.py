@@ -27,6 +27,7 @@ SET = {  # a value for each field a kind may not read
     "env_timeout_s": 5.0,
     "function_timeout_s": 30.0,
     "tools_in_prompt": "system",
+    "mcp_servers": [{"name": "calc", "command": ["calc-server"]}],
 }
 
 

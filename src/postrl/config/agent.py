@@ -38,9 +38,11 @@ UNREAD: dict[str, dict[str, str]] = {
         "scheduling": "your function's calls join the engine as they come",
         "max_concurrent_episodes": "agent.env_workers bounds the functions running at once",
         "env_timeout_s": "a whole episode is bounded by agent.function_timeout_s",
+        "mcp_servers": "your function's framework reaches MCP servers itself (its own MCP client)",
     },
     "seated": {
         "tools_in_prompt": "a seated environment offers no tools",
+        "mcp_servers": "a seated environment offers no tools",
         "function_timeout_s": "a game's reset and each of its steps are bounded by agent.env_timeout_s",
     },
     "env": {
@@ -69,6 +71,39 @@ def tools_in_prompt_field() -> Any:
         "templates that ignore tools=, as SmolLM2's does; none describes them nowhere (the model was trained on "
         "them, or the environment's messages describe them).",
     )
+
+
+class McpServer(Section):
+    """An MCP server whose tools the model may call (``agent.mcp_servers``): a stdio subprocess or a
+    streamable-HTTP endpoint (rollout/agentic/mcp_tools.py)."""
+
+    name: str = Field(..., min_length=1, description="What errors and the tool records call this server.")
+    command: list[str] | None = Field(
+        None, min_length=1, description="A stdio server: the program and its arguments, started by postrl."
+    )
+    url: str | None = Field(None, description="A streamable-HTTP server's endpoint (http://host:port/mcp).")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="A stdio server's environment variables (empty: MCP's default set)."
+    )
+    scope: Literal["run", "episode"] = Field(
+        "run",
+        description="run: one session for the whole run (one process of a stdio server); episode: a fresh session "
+        "(and process) for every episode, ended with it.",
+    )
+    call_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a tool call may take; past it the episode ends as unscorable."
+    )
+    start_timeout_s: float = Field(30.0, gt=0, description="Seconds the server may take to start and list its tools.")
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServer:
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"MCP server {self.name}: give exactly one of command (stdio) and url (streamable HTTP)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"MCP server {self.name}: url {self.url!r} is not an http(s) URL")
+        if self.url is not None and self.env:
+            raise ValueError(f"MCP server {self.name}: env is for a stdio server's process (command)")
+        return self
 
 
 class AgentBase(Section):
@@ -173,6 +208,20 @@ class EnvAgent(EnvironmentEpisodes):
 
     reward: Literal["environment", "service"] = reward_field()
     tools_in_prompt: Literal["template", "system", "none"] = tools_in_prompt_field()
+    mcp_servers: list[McpServer] = Field(
+        default_factory=list,
+        description="MCP servers whose tools join the environment's: listed and checked at start, rendered into the "
+        "prompt with the environment's, called through the MCP client; a turn that calls one is answered by the "
+        "servers (rollout/agentic/mcp_tools.py). Names must be unique.",
+    )
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _servers_named_once(cls, v: list[McpServer]) -> list[McpServer]:
+        names = [s.name for s in v]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"two MCP servers are named {twice[0]!r}")
+        return v
 
 
 class SeatedAgent(EnvironmentEpisodes):

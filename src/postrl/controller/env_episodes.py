@@ -19,6 +19,7 @@ from postrl.rollout.agentic.episodes import EpisodeRunner
 from postrl.rollout.agentic.individual import Individual
 from postrl.rollout.agentic.limited import call_limited, failure_info, run_limited
 from postrl.rollout.agentic.lockstep import Lockstep
+from postrl.rollout.agentic.mcp_tools import McpServerError, McpTools
 from postrl.rollout.agentic.template_check import check_template
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 from postrl.workers.roles import RewardService, RolloutWorker
@@ -35,6 +36,20 @@ def episode_limits(config: EnvironmentEpisodes) -> EpisodeLimits:
         config.env_timeout_s,
         config.env_workers,
     )
+
+
+def mcp_tools(config: EnvAgent) -> McpTools | None:
+    """The run's MCP servers started, their tools listed and checked (None: it names none); a
+    server that fails is a ConfigError naming it."""
+    if not config.mcp_servers:
+        return None
+    try:
+        tools = McpTools(config.mcp_servers)
+    except (McpServerError, ValueError) as exc:
+        raise ConfigError(f"agent.mcp_servers: {exc}") from None
+    names = ", ".join(f"{s.name} ({len([t for t in tools.server_of.values() if t is s])} tools)" for s in tools.servers)
+    log.info("agent: MCP servers %s", names)
+    return tools
 
 
 class EnvEpisodes:
@@ -57,9 +72,21 @@ class EnvEpisodes:
         self.scoring = EpisodeScoring(config.reward, reward, errors_log)
         self.limits = episode_limits(config)
         try:
-            self.make_env = environment_factory(config.env)
+            make_env = environment_factory(config.env)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        self.mcp = mcp_tools(config)
+        self.make_env = make_env if self.mcp is None else self.mcp.wrapping(make_env)
+        try:
+            self._check_tools(model)
+        except BaseException:
+            self.close()
+            raise
+        self._running: set[EpisodeRunner] = set()  # the runs in progress (suspend() reaches them)
+        self._lock = threading.Lock()
+
+    def _check_tools(self, model: str) -> None:
+        config, tokenizer = self.config, self.tokenizer
         tools = self._probe_tools()
         report = check_template(tokenizer, tools or None)
         if tools and not report.tools_rendered and config.tools_in_prompt == "template":
@@ -72,8 +99,6 @@ class EnvEpisodes:
             )
         summary = report.summary(config.on_prefix_break, bool(tools) and config.tools_in_prompt == "template")
         (log.info if report.append_only else log.warning)("agent: %s", summary)
-        self._running: set[EpisodeRunner] = set()  # the runs in progress (suspend() reaches them)
-        self._lock = threading.Lock()
 
     def _probe_tools(self) -> list[dict[str, Any]]:
         """The tool schemas of one environment made (and closed) before the run, within the time limit."""
@@ -124,8 +149,11 @@ class EnvEpisodes:
         return self.rollout.suspend() or bool(runners)
 
     def close(self) -> None:
-        """The environments of a run are closed at its end; the engine and the reward service with the
-        run's components."""
+        """The run's MCP sessions end here; its environments were closed with their episodes, the
+        engine and the reward service close with the run's components."""
+        if self.mcp is not None:
+            self.mcp.close()
+            self.mcp = None
 
     def _schedule(self) -> EpisodeSchedule:
         if self.config.scheduling == "lockstep":

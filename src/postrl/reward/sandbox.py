@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from postrl.workers.process import pdeathsig_prefix
+
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
 SCRUBBED_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -109,7 +111,7 @@ def probe_protections() -> Protections:
         # only a service started as root can run programs as another user (nobody); otherwise they run
         # as the service's own user and can read and write what it can: reported as missing
         "unprivileged_user": user is not None,
-        "dies_with_worker": SETPRIV,
+        "dies_with_worker": bool(pdeathsig_prefix()),
     }
     return Protections(tuple(working), user, active)
 
@@ -133,7 +135,7 @@ class Sandbox:
         fds = [str(result_fd)] + ([] if request_fd is None else [str(request_fd)])
         python = [sys.executable, "-I"] + ([] if self.limits.python_site else ["-S"]) + [str(HARNESS), *fds]
         # the jail dies with the scoring worker that started it, even when that worker is SIGKILLed
-        death = ["setpriv", "--pdeathsig", "KILL"] if SETPRIV else []
+        death = list(pdeathsig_prefix())
         flags = list(self.protections.namespaces)
         if not flags:
             return [*death, *python]
@@ -269,19 +271,6 @@ def _record_verdict(line: bytes, n_tests: int, verdicts: dict[int, tuple[bool, s
     index = int(parts[0])
     if 0 <= index < n_tests and index not in verdicts:
         verdicts[index] = (parts[1] == "1", parts[2] or None)
-
-
-def _setpriv_has_pdeathsig() -> bool:
-    path = shutil.which("setpriv")
-    if path is None:
-        return False
-    try:
-        return "--pdeathsig" in subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-SETPRIV = _setpriv_has_pdeathsig()
 
 
 def kill_group(proc: subprocess.Popen) -> None:

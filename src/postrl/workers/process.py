@@ -7,8 +7,11 @@ over a local pipe between processes of the same user: no trust boundary is cross
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing as mp
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from concurrent.futures import Future
@@ -16,6 +19,20 @@ from typing import Any
 
 from postrl.workers.errors import RemoteFailure
 from postrl.workers.handles import WorkerDiedError, WorkerTimeoutError, member_of, methods_of, submit
+
+
+@functools.cache
+def pdeathsig_prefix() -> tuple[str, ...]:
+    """The command prefix under which a program of someone else's dies with the thread that started
+    it, even one SIGKILLed (``setpriv --pdeathsig KILL``); empty where setpriv lacks the option."""
+    path = shutil.which("setpriv")
+    if path is None:
+        return ()
+    try:
+        usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return ("setpriv", "--pdeathsig", "KILL", "--") if "--pdeathsig" in usage else ()
 
 
 def _serve(conn: Any, side: Any, factory: Any, args: tuple, kwargs: dict) -> None:
