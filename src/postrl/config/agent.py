@@ -79,7 +79,10 @@ class McpServer(Section):
 
     name: str = Field(..., min_length=1, description="What errors and the tool records call this server.")
     command: list[str] | None = Field(
-        None, min_length=1, description="A stdio server: the program and its arguments, started by postrl."
+        None,
+        min_length=1,
+        description="A stdio server: the program and its arguments, started by postrl (python: the interpreter "
+        "that runs postrl, with its packages).",
     )
     url: str | None = Field(None, description="A streamable-HTTP server's endpoint (http://host:port/mcp).")
     env: dict[str, str] = Field(

@@ -132,6 +132,7 @@ def calculator_environment(**options: Any) -> ToolEnvironment:
 
 @register_environment("tools")
 def tools_environment(tools: list[str] | None = None, **options: Any) -> ToolEnvironment:
-    """Any built-in tools (``env_options: {tools: [python, shell]}``), the final answer in
+    """Any built-in tools (``env_options: {tools: [python, shell]}``; none given: the calculator;
+    ``[]``: none, for a run whose tools all come from ``agent.mcp_servers``), the final answer in
     ``<answer>`` tags checked against the row's ``answer``."""
-    return ToolEnvironment(list(tools or ["calculator"]), **options)
+    return ToolEnvironment(["calculator"] if tools is None else list(tools), **options)

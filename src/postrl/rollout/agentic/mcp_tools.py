@@ -79,7 +79,7 @@ class McpSession:
         self._session: Any = None
         self._stop: asyncio.Event | None = None
         self._listed: Future = Future()
-        if server.command is not None and shutil.which(server.command[0]) is None:
+        if server.command is not None and server.command[0] != "python" and shutil.which(server.command[0]) is None:
             raise McpServerError(f"{self.label}: did not start: no program {server.command[0]!r} (agent.mcp_servers)")
         self._held = loop.submit(self._hold())
         try:
@@ -167,7 +167,8 @@ def _transport(server: McpServer) -> Any:
     from mcp import StdioServerParameters
     from mcp.client.stdio import stdio_client
 
-    command = [*pdeathsig_prefix(), *(server.command or [])]
+    program, *args = server.command or [""]
+    command = [*pdeathsig_prefix(), sys.executable if program == "python" else program, *args]
     return stdio_client(StdioServerParameters(command=command[0], args=command[1:], env=server.env or None))
 
 

@@ -1,0 +1,187 @@
+"""The tools and environments users already have, measured: MCP servers as tool sources.
+
+mcp  overhead: the same calculator called 300 times through an MCP stdio server
+     (examples/agents/mcp_calculator.py, FastMCP, through the official client) and in-process
+     (postrl's ToolBox), in alternating blocks; the overhead is the difference of the medians.
+     learning: examples/agents/mcp_tools.yaml (the shipped agentic-demo warm start, GRPO on products,
+     its calculator served over MCP): held-out success (greedy, 100 problems never trained on) before
+     and after --steps steps; the MCP tool calls per training episode and the share of episodes
+     that call it (from the run's samples files); the server processes left after the run (0).
+
+Not measured yet: the verifiers and OpenEnv parts of issue 60.
+
+    python benchmarks/env_hubs.py [--steps 80] [--json] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from _smoke import add_smoke, skip
+
+from postrl.models.loading import AGENTIC_MODEL_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "agents" / "mcp_tools.yaml"
+SERVER = ROOT / "examples" / "agents" / "mcp_calculator.py"
+
+
+def server_processes() -> list[int]:
+    """Live processes running the example's MCP server."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(SERVER).encode() in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def overhead(calls: int, blocks: int = 6) -> dict:
+    from postrl.config.agent import McpServer
+    from postrl.rollout.agentic.builtin_tools import calculator
+    from postrl.rollout.agentic.mcp_tools import McpTools
+    from postrl.rollout.agentic.tools import ParsedCall, Tool, ToolBox
+
+    tools = McpTools([McpServer(name="calculator", command=["python", str(SERVER)])])
+    episode = tools.episode()
+    box = ToolBox([Tool.from_function(calculator)])
+    per_block = max(1, calls // blocks)
+    times: dict[str, list[float]] = {"mcp": [], "in_process": []}
+    try:
+        for block in range(blocks):
+            for kind in ("mcp", "in_process") if block % 2 == 0 else ("in_process", "mcp"):
+                for i in range(per_block):
+                    expression = f"{123 + i} * {45 + block}"
+                    began = time.perf_counter()
+                    if kind == "mcp":
+                        text, record = episode.call("calculator", {"expression": expression})
+                    else:
+                        text, record = box.call(ParsedCall("calculator", {"expression": expression}))
+                    times[kind].append(time.perf_counter() - began)
+                    assert record.error is None and text == str((123 + i) * (45 + block)), (kind, text)
+    finally:
+        box.close()
+        episode.close()
+        tools.close()
+    mcp_ms, local_ms = (1000 * statistics.median(times[k]) for k in ("mcp", "in_process"))
+    return {
+        "calls": len(times["mcp"]),
+        "mcp_ms_per_call": round(mcp_ms, 3),
+        "in_process_ms_per_call": round(local_ms, 3),
+        "overhead_ms_per_call": round(mcp_ms - local_ms, 3),
+    }
+
+
+def tool_use(run_dir: Path) -> dict:
+    """The training episodes' MCP tool calls, from the run's samples files."""
+    episodes = calls = calling = 0
+    for path in sorted((run_dir / "samples").glob("step_*.jsonl")):
+        for line in path.read_text().splitlines():
+            episode = json.loads(line).get("episode")
+            if episode is None:
+                continue
+            episodes += 1
+            calls += episode["tool_calls"]
+            calling += episode["tool_calls"] > 0
+    return {
+        "episodes": episodes,
+        "tool_calls": calls,
+        "calls_per_episode": round(calls / max(1, episodes), 3),
+        "episodes_calling_share": round(calling / max(1, episodes), 3),
+    }
+
+
+def learning(steps: int, seed: int, smoke: bool) -> dict:
+    from postrl.config.loading import build_config
+    from postrl.controller.env_episodes import EnvEpisodes
+    from postrl.data.prompt_source import prompt_source
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.run.resolve import resolved_run
+    from postrl.run.train_runner import train
+    from postrl.run.validation import Validator, load_validation_set
+
+    out = Path(tempfile.mkdtemp(prefix="env-hubs-"))
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["agent"]["mcp_servers"][0]["command"] = ["python", str(SERVER)]  # wherever this runs from
+    overrides = [f"model.path={AGENTIC_MODEL_DIR}", f"output_dir={out}", f"steps={steps}", f"seed={seed}"]
+    overrides += ["logging.samples_every=1", "checkpoint.every_steps=0"]  # every step's episodes, on disk
+    if smoke:
+        overrides += ["prompts_per_step=2", "rollout.n=2", "data.val_size=4", "train.mini_batch_size=4"]
+        overrides += ["train.micro_batch_size=4", "logging.eval_every=0"]
+    config = resolved_run(build_config(data, overrides))
+    tokenizer = load_tokenizer(str(AGENTIC_MODEL_DIR))
+    validator = Validator(config, load_validation_set(config, prompt_source(config.data, tokenizer)))
+
+    def held_out(path: str) -> dict[str, float]:
+        engine = NativeRolloutWorker.from_hf(load_causal_lm(path), tokenizer, torch.float32)
+        episodes = EnvEpisodes(config.agent, tokenizer, engine, None)  # type: ignore[arg-type] # the env scores
+        try:
+            return validator.run(episodes, None)
+        finally:
+            episodes.close()
+
+    before = held_out(str(AGENTIC_MODEL_DIR))
+    began = time.perf_counter()
+    train(config, overwrite=True)
+    wall = time.perf_counter() - began
+    after = held_out(str(config.run_dir / "final_model"))
+    left = server_processes()
+    return {
+        "success_before": before["val/accuracy"],
+        "success_after": after["val/accuracy"],
+        "held_out": config.data.val_size,
+        "steps": steps,
+        "minutes": round(wall / 60, 2),
+        **tool_use(config.run_dir),
+        "val_tool_calls_after": after.get("val/agent/tool_calls"),
+        "processes_left": len(left),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    add_smoke(parser)
+    args = parser.parse_args()
+    try:
+        import mcp  # noqa: F401
+    except ImportError:
+        skip("the mcp package is not installed (pip install -e '.[mcp]')", args.json)
+        return
+    if args.smoke:
+        args.steps, args.calls = 2, 12
+    result = {"mcp": {**overhead(args.calls), **learning(args.steps, args.seed, args.smoke)}}
+    m = result["mcp"]
+    print(f"{'mcp':28s} {'value':>12s}")
+    for key, value in m.items():
+        print(f"{key:28s} {value!s:>12s}")
+    print(
+        f"MCP calculator: {m['mcp_ms_per_call']:.2f} ms a call against {m['in_process_ms_per_call']:.3f} ms in-process; "
+        f"held-out success {m['success_before']:.3f} -> {m['success_after']:.3f} in {m['steps']} steps "
+        f"({m['minutes']:.1f} min), {m['episodes_calling_share']:.0%} of training episodes called it, "
+        f"{m['processes_left']} server processes left"
+    )
+    if args.json:
+        print(json.dumps(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
