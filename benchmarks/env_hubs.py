@@ -147,7 +147,7 @@ def learning(steps: int, seed: int, smoke: bool) -> dict:
         "steps": steps,
         "minutes": round(wall / 60, 2),
         **tool_use(config.run_dir),
-        "val_tool_calls_after": after.get("val/agent/tool_calls"),
+        "held_out_tool_calls_after": after.get("val/agent/tool_calls"),  # over all its episodes
         "processes_left": len(left),
     }
 

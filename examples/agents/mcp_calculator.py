@@ -9,7 +9,7 @@ from mcp.server.fastmcp import FastMCP
 
 from postrl.rollout.agentic.builtin_tools import calculator as evaluate
 
-server = FastMCP("calculator")
+server = FastMCP("calculator", log_level="WARNING")  # not a line per call on the run's stderr
 
 
 @server.tool()

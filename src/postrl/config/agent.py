@@ -149,7 +149,8 @@ class EnvironmentEpisodes(AgentBase):
     env: str = Field(
         ...,
         description="The environment: a registered name (calculator, tools), a library's environment "
-        "(textarena:Mastermind-v0, skyrl_gym:gsm8k_multi_turn, gem:game:Mastermind-v0-easy), module:Class of your own "
+        "(textarena:Mastermind-v0, skyrl_gym:gsm8k_multi_turn, gem:game:Mastermind-v0-easy), an OpenEnv server "
+        "(openenv:http://host:port), module:Class of your own "
         "package (reset(row) -> messages, step(action) -> StepResult, close(), tools), or the URL of postrl serve-env.",
     )
     env_options: dict[str, Any] = Field(
@@ -197,7 +198,7 @@ class EnvironmentEpisodes(AgentBase):
     def _env_exists(cls, v: str) -> str:
         """``module:Class`` is imported here; a registered name or a library's environment
         (``textarena:``, ``skyrl_gym:``, ``gem:``) is checked before the run starts."""
-        if v.partition(":")[0].replace("-", "_") in ("textarena", "skyrl_gym", "gem"):
+        if v.partition(":")[0].replace("-", "_") in ("textarena", "skyrl_gym", "gem", "openenv"):
             return v
         if ":" in v and not v.startswith(("http://", "https://")):
             import_callable(v, "agent.env")

@@ -11,7 +11,8 @@ from postrl.rollout.agentic.remote_env import RemoteEnvironment
 
 def environment_factory(spec: str) -> EnvironmentFactory:
     """A registered environment's name, ``library:env id`` of TextArena, skyrl-gym or GEM,
-    ``module:attribute`` of a user's package, or the URL of ``postrl serve-env``."""
+    ``openenv:URL`` of an OpenEnv server, ``module:attribute`` of a user's package, or the URL of
+    ``postrl serve-env``."""
     if spec in ENVIRONMENTS:
         return ENVIRONMENTS[spec]
     library = library_environment(spec)  # textarena:..., skyrl_gym:..., gem:...
@@ -19,11 +20,22 @@ def environment_factory(spec: str) -> EnvironmentFactory:
         return library
     if spec.startswith(("http://", "https://")):  # postrl serve-env
         return lambda **options: RemoteEnvironment(spec, **options)
+    if spec.startswith("openenv:"):
+        return openenv_factory(spec.removeprefix("openenv:"))
     if ":" not in spec:
         raise ValueError(
             f"agent.env: unknown environment '{spec}' (registered: {', '.join(sorted(ENVIRONMENTS))}; or module:Class)"
         )
     return import_callable(spec, "agent.env")
+
+
+def openenv_factory(url: str) -> EnvironmentFactory:
+    """``openenv:URL``: an OpenEnv server, one session of OpenEnv's own client per episode."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"agent.env: openenv:{url}: give the server's URL (openenv:http://host:port)")
+    from postrl.rollout.agentic.openenv_env import OpenEnvEnvironment
+
+    return lambda **options: OpenEnvEnvironment(url, **options)
 
 
 def seated_environment_factory(spec: str) -> EnvironmentFactory:

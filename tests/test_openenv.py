@@ -1,0 +1,155 @@
+"""OpenEnv servers as environments (``agent.env: openenv:URL``): a real server process written
+against openenv-core's server API (tests/openenv_server.py), driven through OpenEnv's own client."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("openenv.core", reason="openenv-core is in the test extras (pip install -e '.[test]')")
+
+from postrl.rollout.agentic.env_lookup import environment_factory  # noqa: E402
+from postrl.rollout.agentic.episode_ops import EpisodeLimits  # noqa: E402
+from postrl.rollout.agentic.openenv_env import OpenEnvEnvironment  # noqa: E402
+from tests.chat_templates import family_tokenizer  # noqa: E402
+from tests.test_agentic import run_script  # noqa: E402
+from tests.test_mcp_tools import free_port  # noqa: E402
+
+SERVER = Path(__file__).with_name("openenv_server.py")
+
+
+def start(kind: str = "game") -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), str(port), kind], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the OpenEnv test server did not start")
+
+
+@pytest.fixture(scope="module")
+def game():
+    proc, url = start()
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_an_episode_is_reset_and_stepped_through_openenv_s_client(game):
+    env = environment_factory(f"openenv:{game}")(reset_columns=["seed"])
+    try:
+        assert isinstance(env, OpenEnvEnvironment)
+        assert env.reset({"prompt": "", "seed": 17}) == [{"role": "user", "content": "Guess a digit from 0 to 9."}]
+        assert env.action_field == "guess"  # the one text field of the server's action schema
+        wrong = env.step("I guess 5")
+        assert wrong.messages == [{"role": "user", "content": "No: higher."}] and not wrong.done
+        assert wrong.reward == 0.0
+        right = env.step("7")
+        assert right.done and right.reward == 1.0 and right.messages == []
+    finally:
+        env.close()
+
+
+def test_episodes_on_an_openenv_server_are_the_engine_s_tokens_and_end_on_its_done(game):
+    tok = family_tokenizer("qwen2.5")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = [tok.encode(t, add_special_tokens=False) + [end] for t in ("5", "3")]
+    make = environment_factory(f"openenv:{game}")
+    rollouts = run_script(
+        tok, turns, env=lambda **_: make(reset_columns=["seed"]), n=2, row={"seed": 3}, limits=EpisodeLimits(5)
+    )
+    for r in rollouts:
+        assert r.finish_reason == "stop" and r.episode.reward == 1.0 and len(r.episode.turns) == 2
+        assert [m["content"] for m in r.episode.messages] == [
+            "Hi",
+            "Guess a digit from 0 to 9.",
+            "5",
+            "No: lower.",
+            "3",
+        ]
+        assert r.response_ids[: len(turns[0])] == turns[0] and r.response_ids[-len(turns[1]) :] == turns[1]
+        delta = r.response_ids[len(turns[0]) : -len(turns[1])]
+        assert tok.decode(delta) == "\n<|im_start|>user\nNo: lower.<|im_end|>\n<|im_start|>assistant\n"
+        assert r.loss_mask == [1] * len(turns[0]) + [0] * len(delta) + [1] * len(turns[1])
+
+
+def failed(url: str, env_timeout_s: float = 20.0) -> dict:
+    tok = family_tokenizer("qwen2.5")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = [tok.encode("5", add_special_tokens=False) + [end]]
+    make = environment_factory(f"openenv:{url}")
+    limits = EpisodeLimits(3, env_timeout_s=env_timeout_s)
+    (r,) = run_script(tok, turns, env=lambda **_: make(message_timeout_s=60), n=1, limits=limits)
+    assert r.finish_reason == "env_error", r.episode.info
+    return r.episode.info
+
+
+@pytest.mark.slow  # three servers started, one waited out
+def test_a_server_that_is_down_slow_or_malformed_fails_the_episode_with_its_reason():
+    down = failed(f"http://127.0.0.1:{free_port()}")  # nothing listens
+    assert down["env_failed_in"] in ("make", "reset") and "ConnectError" in down["env_reason"], down
+    slow, url = start("slow")
+    try:
+        began = time.monotonic()
+        info = failed(url, env_timeout_s=2)
+        assert time.monotonic() - began < 10
+        assert info["env_failed_in"] == "step" and "timed out after 2 s" in info["env_reason"], info
+    finally:
+        slow.kill()
+    blank, url = start("blank")
+    try:
+        info = failed(url)
+        assert info["env_reason"].endswith(f"OpenEnv server {url}: a reply without an observation to show"), info
+    finally:
+        blank.kill()
+
+
+def test_an_openenv_spec_that_is_not_a_url_is_refused():
+    with pytest.raises(ValueError, match=r"openenv:guess: give the server's URL \(openenv:http://host:port\)"):
+        environment_factory("openenv:guess")
+
+
+@pytest.mark.slow  # a whole run
+def test_postrl_train_on_an_openenv_server(game, tmp_path, tiny_model_dir):
+    from postrl.cli import main
+
+    rows = tmp_path / "seeds.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "Play.", "seed": s}) + "\n" for s in range(8)))
+    config = tmp_path / "openenv.yaml"
+    config.write_text(
+        textwrap.dedent(
+            f"""
+            model: {{path: {tiny_model_dir}}}
+            data: {{train_files: [{rows}]}}
+            output_dir: {tmp_path / "runs"}
+            name: guess
+            steps: 2
+            prompts_per_step: 2
+            rollout: {{n: 2, max_tokens: 4}}
+            train: {{mini_batch_size: 4, micro_batch_size: 4}}
+            agent:
+              env: openenv:{game}
+              env_options: {{reset_columns: [seed]}}
+              max_turns: 3
+              max_tokens_per_turn: 4
+              max_context: 128
+            """
+        )
+    )
+    assert main(["train", str(config)]) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "guess" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["agent/turns_mean"] >= 1 for m in metrics)
