@@ -13,6 +13,7 @@ from postrl.config.run import RunConfig
 from postrl.models.loading import load_causal_lm, load_tokenizer
 from postrl.rollout.agentic.agent_function import RecordedAgents
 from postrl.rollout.native import NativeRolloutWorker
+from postrl.run.plots import policy_prefixes
 from postrl.serve.recording_server import RecordingServer, ServedPolicy
 from postrl.types import Prompt, SamplingParams
 from tests import policy_agents
@@ -154,13 +155,16 @@ def test_postrl_train_steps_every_policy_on_its_own_samples(tmp_path, arithmetic
 
     policy_agents.CALLS.clear()
     assert main(train_args(tmp_path, arithmetic_jsonl, "steps=2", "checkpoint.every_steps=1")) == 0
-    err = capsys.readouterr().err  # one train() for any number of policies: every policy's start-up lines
+    said = capsys.readouterr()
+    err = said.err  # one train() for any number of policies: every policy's start-up lines
     for name in ("proposer", "solver"):
         assert f"{name}: workers: train 1 rank in this process" in err
         assert f"{name}: numerics: engine " in err and f"{name}: accuracy: " in err
     run = tmp_path / "runs" / "two"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    assert f"plot: {run / 'reward_accuracy.png'}" in said.out + err  # a line per policy
+    assert policy_prefixes(rows) == ["proposer/", "solver/"]
     for name in ("proposer", "solver"):
         assert all(r[f"{name}/reward/samples"] == 4 for r in rows)
         samples = [json.loads(line) for line in (run / "policies" / name / "samples" / "step_1.jsonl").open()]
