@@ -246,7 +246,6 @@ ONE_FUNCTION_MODULES = {
     "serve/run.py": "starting the server process",
     "train/sharding.py": "the ranks' token-balanced split",
     "reward/factory.py": "which Reward Service a reward section asks for",
-    "run/plots.py": "the run's plot",
     "run/plan/design_example.py": "the design's 70B example, shared by the tests and the benchmark",
     "algorithms/kl_control.py": "the adaptive KL controller's formula",
     "models/openmp_waits.py": "imported by postrl/__init__ before anything loads torch, so it imports nothing heavy",
