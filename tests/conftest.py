@@ -82,10 +82,9 @@ def seqs(rollouts) -> list[tuple[int, list[int], str]]:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto``: a worker per core and one more, at most 4 (each holds its own models and torch
-    threads). Much of the suite waits (servers and Ray starting, time limits): with a worker per
-    core, 1.38 of 2 cores were busy on average over the full suite."""
-    return max(1, min((os.cpu_count() or 1) + 1, 4))
+    """``-n auto``: a worker per core, at most 4 (each holds its own models and torch threads). One
+    more worker than cores was slower on 2 cores (17:39 against 16:46 for the full suite)."""
+    return max(1, min(os.cpu_count() or 1, 4))
 
 
 def in_group(item: pytest.Item, group: str) -> None:
