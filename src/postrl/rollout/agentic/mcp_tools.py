@@ -36,7 +36,7 @@ from typing import Any
 
 from postrl.config.agent import McpServer
 from postrl.rollout.agentic.env import Environment, EnvironmentFactory, StepResult
-from postrl.rollout.agentic.tools import Tool, ToolBox, parameters_error, parse_tool_calls
+from postrl.rollout.agentic.tools import Tool, argument_error, checked_tools, parameters_error, parse_tool_calls
 from postrl.types.episode import ToolCallRecord
 from postrl.workers.process import pdeathsig_prefix
 
@@ -224,6 +224,7 @@ class McpTools:
                     self.shared[server.name] = session
                 else:  # listed once; each episode starts its own
                     session.close()
+            self.validators = checked_tools(self.tools)  # each tool's argument check, made once
         except BaseException:
             self.close()
             raise
@@ -292,12 +293,11 @@ class McpEpisodeTools:
         self.tools = tools
         self.sessions = sessions
         self.own = own
-        self.box = ToolBox(tools.tools)  # the argument checks of postrl's own tools
 
     def call(self, name: str, arguments: dict[str, Any] | None) -> tuple[str, ToolCallRecord]:
         """The text the model reads and the call's record; McpServerError when the server failed."""
         record = ToolCallRecord(name, arguments)
-        if (mismatch := self.box.argument_error(name, arguments)) is not None:
+        if (mismatch := argument_error(self.tools.validators[name], arguments)) is not None:
             record.error = f"bad arguments for '{name}': {mismatch}"
             return f"error: {record.error}", record
         result = self.sessions[self.tools.server_of[name].name].call(name, arguments or {})
@@ -308,7 +308,6 @@ class McpEpisodeTools:
         return text, record
 
     def close(self) -> None:
-        self.box.close()
         for session in self.own.values():
             session.close()
 

@@ -170,18 +170,23 @@ class ToolBox:
         return result if isinstance(result, str) else json.dumps(result), record
 
     def argument_error(self, name: str, arguments: dict[str, Any] | None) -> str | None:
-        """Why ``arguments`` do not match the schema tool ``name`` advertises (None: they do):
-        checked by ``jsonschema``, so ``{"a": "2"}`` never reaches ``add(a: int)``."""
-        errors = sorted(self.validators[name].iter_errors(arguments or {}), key=lambda e: list(e.path))
-        if not errors:
-            return None
-        first = errors[0]
-        where = ".".join(str(p) for p in first.path)
-        return f"{where}: {first.message}" if where else first.message
+        """Why ``arguments`` do not match the schema tool ``name`` advertises (None: they do)."""
+        return argument_error(self.validators[name], arguments)
 
     def close(self) -> None:
         """Ends the tools' thread (one stuck in a call that timed out was abandoned)."""
         self.worker.close()
+
+
+def argument_error(validator: jsonschema.protocols.Validator, arguments: dict[str, Any] | None) -> str | None:
+    """Why ``arguments`` do not match a tool's schema (None: they do): checked by ``jsonschema``, so
+    ``{"a": "2"}`` never reaches ``add(a: int)``."""
+    errors = sorted(validator.iter_errors(arguments or {}), key=lambda e: list(e.path))
+    if not errors:
+        return None
+    first = errors[0]
+    where = ".".join(str(p) for p in first.path)
+    return f"{where}: {first.message}" if where else first.message
 
 
 def checked_tools(tools: list[Tool]) -> dict[str, jsonschema.protocols.Validator]:
