@@ -1,9 +1,10 @@
 """Multi-turn episodes (``agent:``): what plays them, their limits, and where rewards come from.
 
-``agent:`` is one of three kinds, told apart by their keys: an environment postrl drives
+``agent:`` is one of four kinds, told apart by their keys: an environment postrl drives
 (:class:`EnvAgent`, ``env``), an agent function written against the OpenAI API
-(:class:`FunctionAgent`, ``function``), or a seated game whose seats the run's policies play
-(:class:`SeatedAgent`, ``env`` with ``seats``). Each kind has only the fields it reads; one it does
+(:class:`FunctionAgent`, ``function``), a seated game whose seats the run's policies play
+(:class:`SeatedAgent`, ``env`` with ``seats``), or a verifiers environment that brings its own
+dataset, rollout logic and rubric (:class:`VerifiersAgent`, ``verifiers``). Each kind has only the fields it reads; one it does
 not read is refused by name, with the reason.
 """
 
@@ -16,15 +17,20 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from postrl.config.base import Section
 from postrl.config.imports import import_callable
 
-AgentKind = Literal["env", "function", "seated"]
+AgentKind = Literal["env", "function", "seated", "verifiers"]
 
 KIND_RUNS = {
     "env": "an agent.env run",
     "function": "an agent.function run",
     "seated": "a seated run (agent.env with agent.seats)",
+    "verifiers": "an agent.verifiers run",
 }
 
-_NOT_BOTH = "agent needs exactly one of env (an environment) and function (an OpenAI-API agent)"
+_NOT_BOTH = (
+    "agent needs exactly one of env (an environment), function (an OpenAI-API agent) and verifiers (a verifiers "
+    "environment)"
+)
+_ITS_OWN = "the verifiers environment's own rollout logic decides it"
 
 # what each kind never reads, and why: given, it is refused by name
 UNREAD: dict[str, dict[str, str]] = {
@@ -47,6 +53,20 @@ UNREAD: dict[str, dict[str, str]] = {
     },
     "env": {
         "function_timeout_s": "an environment's calls are bounded by agent.env_timeout_s",
+    },
+    "verifiers": {
+        "env": _NOT_BOTH,
+        "function": _NOT_BOTH,
+        "seats": "a verifiers environment is played by the run's one policy",
+        "env_options": "the environment is made with agent.verifiers_args",
+        "max_turns": _ITS_OWN + " (its max_turns: pass it in agent.verifiers_args)",
+        "max_tokens_per_turn": "each model call's max_tokens is rollout.max_tokens",
+        "on_turn_length": _ITS_OWN,
+        "scheduling": "the environment's calls join the engine as they come",
+        "max_concurrent_episodes": "agent.env_workers bounds the groups running at once",
+        "env_timeout_s": "a group of rollouts is bounded by agent.group_timeout_s",
+        "function_timeout_s": "a group of rollouts is bounded by agent.group_timeout_s",
+        "mcp_servers": "a verifiers environment brings its own tools (an MCPEnv its own servers)",
     },
 }
 
@@ -284,16 +304,76 @@ class FunctionAgent(AgentBase):
         return v
 
 
+class VerifiersAgent(AgentBase):
+    """A verifiers environment, unmodified (``agent.verifiers``): its dataset and eval split are the
+    run's prompts, its rollout logic plays each episode through an OpenAI client on the run's
+    recording server, its rubric scores each group (rollout/agentic/verifiers_env.py)."""
+
+    kind: ClassVar[AgentKind] = "verifiers"
+
+    verifiers: str = Field(
+        ...,
+        min_length=1,
+        description="The environment: an installed environment package by its id (verifiers' own loader, "
+        "vf.load_environment: my-env imports my_env), or module:function that returns a verifiers Environment.",
+    )
+    verifiers_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the environment's load_environment."
+    )
+    reward: Literal["environment"] = Field(
+        "environment",
+        description="environment (the only choice): an episode's reward is the environment's rubric's, its reward "
+        "functions' values its reward/<name> metrics.",
+    )
+    tools_in_prompt: Literal["template", "system", "none"] = tools_in_prompt_field()
+    group_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a prompt's group of rollout.n episodes and its rubric scoring may take in all; past it "
+        "the group's episodes are unscorable ('verifiers group timed out after N s') and abandoned.",
+    )
+
+    @field_validator("verifiers")
+    @classmethod
+    def _environment_exists(cls, v: str) -> str:
+        """``module:function`` is imported here, an id's package looked up (loading it runs its
+        dataset code: that waits for the run's start)."""
+        if ":" in v:
+            import_callable(v, "agent.verifiers")
+        elif (missing := missing_environment(v)) is not None:
+            raise ValueError(missing)
+        return v
+
+
+def missing_environment(spec: str) -> str | None:
+    """Why the environment id ``spec`` cannot be loaded (None: its package is installed). verifiers'
+    loader imports ``my-env`` and ``owner/my-env`` as module ``my_env``."""
+    import importlib.util
+
+    module = spec.replace("-", "_").split("/")[-1]
+    if importlib.util.find_spec(module) is None:
+        return (
+            f"agent.verifiers={spec!r}: no environment package '{module}' is installed (prime env install {spec}, or "
+            "pip install its package; or give module:load_environment)"
+        )
+    return None
+
+
 def _agent_kind(value: Any) -> str:
-    """The kind an ``agent:`` section is, by its keys: function, seats (with env), else env."""
+    """The kind an ``agent:`` section is, by its keys: function, verifiers, seats (with env), else env."""
     if isinstance(value, AgentBase):
         return value.kind
     if isinstance(value, dict) and value.get("function") is not None:
         return "function"
+    if isinstance(value, dict) and value.get("verifiers") is not None:
+        return "verifiers"
     return "seated" if isinstance(value, dict) and value.get("seats") is not None else "env"
 
 
 AgentConfig = Annotated[
-    Annotated[EnvAgent, Tag("env")] | Annotated[FunctionAgent, Tag("function")] | Annotated[SeatedAgent, Tag("seated")],
+    Annotated[EnvAgent, Tag("env")]
+    | Annotated[FunctionAgent, Tag("function")]
+    | Annotated[SeatedAgent, Tag("seated")]
+    | Annotated[VerifiersAgent, Tag("verifiers")],
     Discriminator(_agent_kind),
 ]

@@ -49,6 +49,11 @@ class DataConfig(Section):
         description="Procedural problems from reasoning-gym (postrl[gym]): tasks, weights, configs, sizes, "
         "seeds; replaces task and train_files, and its held-out problems are the validation set.",
     )
+    environment: bool = Field(
+        False,
+        description="The prompts are the agent's environment's own: an agent.verifiers environment's dataset, its "
+        "eval split held out (set by itself for such a run; replaces task, train_files and reasoning_gym).",
+    )
     eval_sets: list[EvalSetConfig] = Field(
         default_factory=list,
         description="Named held-out sets (files or reasoning-gym specs), validated every logging.eval_every "
@@ -85,6 +90,7 @@ class DataConfig(Section):
                 ("task", self.task is not None),
                 ("train_files", bool(self.train_files)),
                 ("reasoning_gym", self.reasoning_gym is not None),
+                ("environment", self.environment),
             )
             if set_
         ]

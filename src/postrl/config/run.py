@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from postrl.config.agent import AgentConfig, EnvAgent, FunctionAgent, SeatedAgent
+from postrl.config.agent import AgentConfig, EnvAgent, FunctionAgent, SeatedAgent, VerifiersAgent
 from postrl.config.algorithm import AlgorithmConfig  # noqa: F401 - the config's public names
 from postrl.config.base import DEVICE_PATTERN, Section
 from postrl.config.command import RunCommandConfig
@@ -221,6 +221,34 @@ class RunConfig(RunCommandConfig):
         if isinstance(data, dict) and isinstance(data.get("scheduler"), str):
             data = {**data, "scheduler": {"type": data["scheduler"]}}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verifiers_prompts_are_its_dataset(cls, data: Any) -> Any:
+        """An ``agent.verifiers`` run draws its prompts from the environment (``data.environment``)
+        unless ``data`` names another source, which :meth:`_environment_prompts_need_one` refuses."""
+        agent = data.get("agent") if isinstance(data, dict) else None
+        if not (isinstance(agent, VerifiersAgent) or (isinstance(agent, dict) and agent.get("verifiers") is not None)):
+            return data
+        given = data.get("data") or {}
+        if isinstance(given, dict) and not any(given.get(k) for k in ("task", "train_files", "reasoning_gym")):
+            data = {**data, "data": {**given, "environment": True}}
+        return data
+
+    @model_validator(mode="after")
+    def _environment_prompts_need_one(self) -> RunConfig:
+        if isinstance(self.agent, VerifiersAgent) and not self.data.environment:
+            d = self.data
+            source = "task" if d.task else "train_files" if d.train_files else "reasoning_gym"
+            raise ValueError(
+                f"agent.verifiers: the prompts are the environment's own dataset (its eval split held out): remove "
+                f"data.{source}"
+            )
+        if self.data.environment and not isinstance(self.agent, VerifiersAgent):
+            raise ValueError("data.environment: the prompts of an environment's own dataset need agent.verifiers")
+        if isinstance(self.agent, VerifiersAgent) and self.data.val_files:
+            raise ValueError("agent.verifiers: the held-out prompts are the environment's eval split: remove data.val_files")
+        return self
 
     @model_validator(mode="after")
     def _gym_rows_scored_by_their_scorer(self) -> RunConfig:

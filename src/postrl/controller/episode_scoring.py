@@ -67,8 +67,9 @@ def environment_rewards(rollouts: list[Rollout]) -> list[RewardResult]:
     for r in rollouts:
         failed = failed_result(r)
         reward = 0.0 if r.episode is None or r.episode.reward is None else r.episode.reward
+        measures = {} if r.episode is None else r.episode.metrics
         # an episode cut at a limit before any reward is worth 0
-        out.append(failed or RewardResult(reward, components={"environment": reward}))
+        out.append(failed or RewardResult(reward, components={**measures, "environment": reward}))
     return out
 
 

@@ -11,12 +11,19 @@ reasoning-gym curriculum, problems generated at each task's level). Training, va
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
+from postrl.config.agent import AgentBase, VerifiersAgent
 from postrl.config.data import DataConfig
 from postrl.config.reasoning_gym import EvalSetConfig
 from postrl.data.curriculum import LeveledDraw
-from postrl.data.dataset import DEFAULT_MAX_PROMPT_TOKENS, PromptDataset, build_prompts, load_prompt_dataset
+from postrl.data.dataset import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DatasetError,
+    PromptDataset,
+    build_prompts,
+    load_prompt_dataset,
+)
 from postrl.data.reasoning_gym import build_gym_prompts, gym_held_out
 from postrl.data.sampler import DatasetDraw, PromptDraw
 from postrl.tasks import task_rows
@@ -120,6 +127,34 @@ class GeneratedProblems(PromptSource):
         return LeveledDraw(gym, self.tokenizer, self.max_prompt_tokens, seed, self.data.shuffle)
 
 
+class EnvironmentRows(PromptSource):
+    """``data.environment``: an ``agent.verifiers`` environment's own dataset; its eval split is held
+    out (none when it has none: verifiers' fallback to the training rows is not taken)."""
+
+    def __init__(self, data: DataConfig, tokenizer: Any, agent: VerifiersAgent) -> None:
+        super().__init__(data, tokenizer)
+        self.agent = agent
+
+    def _rows(self, split: Literal["train", "eval"]) -> PromptDataset | None:
+        from postrl.rollout.agentic.verifiers_env import environment_rows, load_environment
+
+        rows = list(environment_rows(load_environment(self.agent), split))
+        return build_prompts(iter(rows), self.tokenizer, **self.options()) if rows else None
+
+    def _read_train(self) -> PromptDataset:
+        dataset = self._rows("train")
+        if dataset is None or not dataset.prompts:
+            raise DatasetError(f"agent.verifiers={self.agent.verifiers!r}: the environment's dataset has no usable rows")
+        return dataset
+
+    def _own(self, echo: Echo) -> PromptDataset | None:
+        return self._rows("eval")
+
+    @property
+    def held_out_name(self) -> str:
+        return f"{self.agent.verifiers} eval"
+
+
 class GivenPrompts(PromptSource):
     """Prompts already in hand (a test's, a benchmark's): trained on as given; ``data.val_files``
     or nothing held out."""
@@ -129,8 +164,13 @@ class GivenPrompts(PromptSource):
         self._train = dataset
 
 
-def prompt_source(data: DataConfig, tokenizer: Any) -> PromptSource:
-    """The source ``data:`` names (exactly one of task, train_files and reasoning_gym is set)."""
+def prompt_source(data: DataConfig, tokenizer: Any, agent: AgentBase | None = None) -> PromptSource:
+    """The source ``data:`` names (exactly one of task, train_files, reasoning_gym and environment
+    is set; ``agent``: the run's, whose environment's rows ``data.environment`` means)."""
+    if data.environment:
+        if not isinstance(agent, VerifiersAgent):
+            raise DatasetError("data.environment: the prompts of an environment's own dataset need agent.verifiers")
+        return EnvironmentRows(data, tokenizer, agent)
     if data.task is not None:
         return BuiltinTask(data, tokenizer)
     if data.reasoning_gym is not None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from postrl.config.agent import KIND_RUNS, AgentBase, EnvAgent, FunctionAgent
+from postrl.config.agent import KIND_RUNS, AgentBase, EnvAgent, FunctionAgent, VerifiersAgent
 from postrl.controller.env_episodes import EnvEpisodes
 from postrl.controller.function_episodes import AgentFunctionEpisodes
 from postrl.controller.source import BatchSource, SingleTurn
+from postrl.controller.verifiers_episodes import VerifiersEpisodes
 from postrl.rollout.agentic.agent_function import RecordedAgents, load_agent_function
+from postrl.rollout.agentic.verifiers_env import VerifiersGroups, load_environment
 from postrl.serve.recording_server import RecordingServer
 from postrl.workers.roles import RewardService, RolloutWorker
 
@@ -27,6 +29,11 @@ def make_batch_source(
         return SingleTurn(rollout, reward, tokenizer)
     if isinstance(agent, EnvAgent):
         return EnvEpisodes(agent, tokenizer, rollout, reward, errors_log, model)
+    if isinstance(agent, VerifiersAgent):
+        env = load_environment(agent)
+        server = RecordingServer.of_engine(rollout, tokenizer, agent.tools_in_prompt)
+        groups = VerifiersGroups(server, env, agent.env_workers, agent.group_timeout_s)
+        return VerifiersEpisodes(tokenizer, groups, reward, agent.on_prefix_break, errors_log)
     if not isinstance(agent, FunctionAgent):
         raise TypeError(f"{KIND_RUNS[agent.kind]} is played by several policies (policies:), not by one run's engine")
     function = load_agent_function(agent.function)

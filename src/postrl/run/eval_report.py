@@ -33,7 +33,7 @@ def eval_sets(
         return {task: build_prompts(iter(task_rows(task, "test")), tokenizer)}
     if run_config is None:
         raise ConfigError("postrl eval needs what to evaluate on: --task NAME, --data FILE, --run or --config")
-    source = prompt_source(run_config.data, tokenizer)
+    source = prompt_source(run_config.data, tokenizer, run_config.agent)
     if data:
         return {", ".join(Path(f).name for f in data): load_prompt_dataset(data, tokenizer, **source.options())}
     sets: dict[str, PromptDataset] = {}

@@ -308,7 +308,7 @@ def _eval_files(
 ) -> None:
     """``postrl eval --data``: the files' prompts answered greedily and scored by the run's reward
     components; one line with the accuracy, the mean reward and the unscorable count."""
-    options = prompt_source(run_config.data, tokenizer).options()
+    options = prompt_source(run_config.data, tokenizer, run_config.agent).options()
     dataset = load_prompt_dataset(data, tokenizer, **options)
     name = ", ".join(Path(f).name for f in data)
     result = evaluate_with_rewards(

@@ -167,7 +167,7 @@ def build_policies(config: RunConfig, numerics: dict[str, Numerics]) -> Policies
     runs = {name: resolved_run(run) for name, run in config.policy_runs().items()}
     torch.manual_seed(config.seed)
     tokenizers = {name: load_tokenizer(run.model.path) for name, run in runs.items()}
-    prompts = prompt_source(config.data, next(iter(tokenizers.values())))
+    prompts = prompt_source(config.data, next(iter(tokenizers.values())), config.agent)
     check_episodes(agent)
     schedulers = make_schedulers(config, runs)
     built: list[Any] = []

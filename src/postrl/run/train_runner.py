@@ -56,7 +56,7 @@ def build_components(config: RunConfig, numerics: Numerics | None = None) -> Com
     numerics = numerics or run_numerics(config)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
-    prompts = prompt_source(config.data, tokenizer)
+    prompts = prompt_source(config.data, tokenizer, config.agent)
     if config.scores_with_components:
         check_columns(config.reward, ((p.source, p.columns) for p in prompts.train().prompts))
     scheduler = make_scheduler(

@@ -53,6 +53,12 @@ def template_messages(req: ChatRequest) -> list[dict[str, Any]]:
         role = "system" if m.role == "developer" else m.role
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise bad_request(f"messages.{i}.content: a {m.role} message needs content", "messages")
+        if m.reasoning_content:
+            raise bad_request(
+                f"messages.{i}.reasoning_content: this server returns no separate reasoning (it stays in content), "
+                "so it takes none back",
+                "messages",
+            )
         if m.tool_calls and m.role != "assistant":
             raise bad_request(f"messages.{i}.tool_calls: only an assistant message has tool calls", "messages")
         message: dict[str, Any] = {"role": role, "content": message_text(m, i)}

@@ -92,6 +92,9 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     refusal: str | None = None
+    # an assistant turn's separate reasoning, as vLLM-style clients (verifiers') send it back: this
+    # server returns none (the model's reasoning stays in content), so only an empty one is accepted
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(BaseModel):

@@ -57,6 +57,9 @@ class Episode:
     seat: str | None = None  # a seated game's: the seat whose turns this sample holds (agent.seats)
     # an agent.function episode a checkpoint suspended: its completed model calls, replayed when it re-runs
     calls: RecordedCalls | None = None
+    # the environment's own per-episode measures (a verifiers rubric's functions' values), each a
+    # reward/<name> metric beside the reward (controller/episode_scoring.py)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def tool_calls(self) -> int:
