@@ -31,7 +31,7 @@ def make_batch_source(
         return EnvEpisodes(agent, tokenizer, rollout, reward, errors_log, model)
     if isinstance(agent, VerifiersAgent):
         env = load_environment(agent)
-        server = RecordingServer.of_engine(rollout, tokenizer, agent.tools_in_prompt)
+        server = RecordingServer.of_engine(rollout, tokenizer, agent.tools_in_prompt, agent.max_context)
         groups = VerifiersGroups(server, env, agent.env_workers, agent.group_timeout_s)
         return VerifiersEpisodes(tokenizer, groups, reward, agent.on_prefix_break, errors_log)
     if not isinstance(agent, FunctionAgent):

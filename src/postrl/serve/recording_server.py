@@ -38,17 +38,30 @@ class RecordingServer:
     """A :class:`~postrl.rollout.agentic.agent_function.RecordingEndpoint`, started: several policies
     by name (``RecordingServer(policies)``), or one policy's engine (:meth:`of_engine`)."""
 
-    def __init__(self, policies: Mapping[str, ServedPolicy], tools_in_prompt: ToolsInPrompt = "template") -> None:
-        self._start(policies, tools_in_prompt)
+    def __init__(
+        self,
+        policies: Mapping[str, ServedPolicy],
+        tools_in_prompt: ToolsInPrompt = "template",
+        max_context: int | None = None,
+    ) -> None:
+        """``max_context``: a call whose prompt and max_tokens pass it is refused (400,
+        ``context_length_exceeded``, as OpenAI's servers do); None: the engine's limits only."""
+        self._start(policies, tools_in_prompt, max_context)
 
     @classmethod
     def of_engine(
-        cls, engine: RolloutWorker, tokenizer: Any, tools_in_prompt: ToolsInPrompt = "template"
+        cls,
+        engine: RolloutWorker,
+        tokenizer: Any,
+        tools_in_prompt: ToolsInPrompt = "template",
+        max_context: int | None = None,
     ) -> RecordingServer:
         """One policy: calls that name no model (or any) go to ``engine``."""
-        return cls({MODEL_NAME: ServedPolicy(engine, tokenizer)}, tools_in_prompt)
+        return cls({MODEL_NAME: ServedPolicy(engine, tokenizer)}, tools_in_prompt, max_context)
 
-    def _start(self, policies: Mapping[str, ServedPolicy], tools_in_prompt: ToolsInPrompt) -> None:
+    def _start(
+        self, policies: Mapping[str, ServedPolicy], tools_in_prompt: ToolsInPrompt, max_context: int | None
+    ) -> None:
         import uvicorn
 
         limits = ServerLimits(max_prompts=1, max_n=16)
@@ -59,6 +72,7 @@ class RecordingServer:
                 self.batchers[name],
                 p.tokenizer,
                 name,
+                max_context=max_context,
                 limits=limits,
                 recorder=self._recorders[name],
                 tools_in_prompt=tools_in_prompt,

@@ -313,6 +313,8 @@ class EpisodeRecorder:
                 seen = self._seen_after(turn, rollout, reply)
                 ep.seen[index] = SampleHistory(seen, [*turn.sent, reply], [*turn.messages, reply], turn.tools)
                 ep.finish_reason = rollout.finish_reason
+            if replies and (not ep.messages or ep.messages[-1].get("role") != "assistant"):
+                ep.messages = [*ep.messages, replies[0]]  # the transcript ends with the model's last answer
 
     def release(self, turn: PendingTurn) -> None:
         """A turn that produced nothing (its generation failed): the sample is free again."""
