@@ -1,4 +1,5 @@
-"""The tools and environments users already have, measured: MCP servers as tool sources.
+"""The tools and environments users already have, measured: MCP servers as tool sources and a
+verifiers environment trained on unmodified.
 
 mcp  overhead: the same calculator called 300 times through an MCP stdio server
      (examples/agents/mcp_calculator.py, FastMCP, through the official client) and in-process
@@ -8,9 +9,15 @@ mcp  overhead: the same calculator called 300 times through an MCP stdio server
      and after --steps steps; the MCP tool calls per training episode and the share of episodes
      that call it (from the run's samples files); the server processes left after the run (0).
 
-Not measured yet: the verifiers and OpenEnv parts of issue 60.
+verifiers  examples/verifiers/arith_tools.py (a verifiers ToolEnv and its rubric) with SmolLM2-135M-
+     Instruct's shipped tool-calling warm start, tasks chosen by the RULE in _verifiers_learning.py;
+     held-out success on the environment's eval split before and after --minutes of GRPO through
+     agent.verifiers; retokenization mismatches (0) and rubric_equal (postrl's reward is verifiers'
+     own scoring of the same completion). Smoke without SmolLM2: the agentic-demo model, same path.
 
-    python benchmarks/env_hubs.py [--steps 80] [--json] [--smoke]
+Not measured yet: the OpenEnv part of issue 60.
+
+    python benchmarks/env_hubs.py [--part mcp|verifiers] [--steps 80] [--minutes 45] [--json] [--smoke]
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from _smoke import add_smoke, skip
+from _smoke import add_smoke
 
 from postrl.models.loading import AGENTIC_MODEL_DIR
 
@@ -152,32 +159,73 @@ def learning(steps: int, seed: int, smoke: bool) -> dict:
     }
 
 
+def mcp_part(args: argparse.Namespace) -> dict:
+    try:
+        import mcp  # noqa: F401
+    except ImportError:
+        return {"skipped": "the mcp package is not installed (pip install -e '.[mcp]')"}
+    return {**overhead(args.calls), **learning(args.steps, args.seed, args.smoke)}
+
+
+def verifiers_part(args: argparse.Namespace) -> dict:
+    try:
+        import verifiers  # noqa: F401
+    except ImportError:
+        return {"skipped": "verifiers is not installed (pip install -e '.[verifiers]')"}
+    from _verifiers_learning import choose, verifiers_learning
+    from agent_learning import BATCH, CANDIDATES, SMOKE_BATCH, tool_model
+    from agentic import smollm2_unavailable  # benchmarks/agentic.py
+
+    missing = smollm2_unavailable()
+    if missing and not args.smoke:
+        return {"skipped": missing}
+    if args.smoke:  # one short step on the first candidate; the agentic-demo model where SmolLM2 is missing
+        model_dir = AGENTIC_MODEL_DIR if missing else tool_model(args.cache)
+        return verifiers_learning(model_dir, CANDIDATES[:1], 0.2, 4, args.seed, SMOKE_BATCH)
+    model_dir = tool_model(args.cache)
+    tasks, table = choose(model_dir, args.choose, args.seed)
+    if not tasks:
+        return {"candidates": table, "error": "no candidate met the rule"}
+    return {**verifiers_learning(model_dir, tasks, args.minutes, args.eval, args.seed, BATCH), "candidates": table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--part", action="append", choices=["mcp", "verifiers"], help="default: all")
+    parser.add_argument("--steps", type=int, default=80, help="the MCP run's steps")
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--minutes", type=float, default=45.0, help="the verifiers run's training wall time")
+    parser.add_argument("--eval", type=int, default=64, help="the verifiers environment's held-out problems")
+    parser.add_argument("--choose", type=int, default=24, help="held-out problems per candidate for the rule")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "postrl-agent-learning")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     add_smoke(parser)
     args = parser.parse_args()
-    try:
-        import mcp  # noqa: F401
-    except ImportError:
-        skip("the mcp package is not installed (pip install -e '.[mcp]')", args.json)
-        return
     if args.smoke:
         args.steps, args.calls = 2, 12
-    result = {"mcp": {**overhead(args.calls), **learning(args.steps, args.seed, args.smoke)}}
-    m = result["mcp"]
-    print(f"{'mcp':28s} {'value':>12s}")
-    for key, value in m.items():
-        print(f"{key:28s} {value!s:>12s}")
-    print(
-        f"MCP calculator: {m['mcp_ms_per_call']:.2f} ms a call against {m['in_process_ms_per_call']:.3f} ms in-process; "
-        f"held-out success {m['success_before']:.3f} -> {m['success_after']:.3f} in {m['steps']} steps "
-        f"({m['minutes']:.1f} min), {m['episodes_calling_share']:.0%} of training episodes called it, "
-        f"{m['processes_left']} server processes left"
-    )
+    parts = {"mcp": mcp_part, "verifiers": verifiers_part}
+    result = {name: parts[name](args) for name in args.part or list(parts)}
+    for name, figures in result.items():
+        print(f"{name:28s} {'value':>12s}")
+        for key, value in figures.items():
+            if key != "candidates":
+                print(f"  {key:26s} {value!s:>12s}")
+    if "mcp" in result and "skipped" not in result["mcp"]:
+        m = result["mcp"]
+        print(
+            f"MCP calculator: {m['mcp_ms_per_call']:.2f} ms a call against {m['in_process_ms_per_call']:.3f} ms "
+            f"in-process; held-out success {m['success_before']:.3f} -> {m['success_after']:.3f} in {m['steps']} steps "
+            f"({m['minutes']:.1f} min), {m['episodes_calling_share']:.0%} of training episodes called it, "
+            f"{m['processes_left']} server processes left"
+        )
+    v = result.get("verifiers", {})
+    if "success_after" in v:
+        print(
+            f"verifiers {v['env']}: held-out success {v['success_before']:.3f} -> {v['success_after']:.3f} over "
+            f"{v['held_out']} problems, {v['steps']} steps ({v['minutes']:.1f} min), {v['retokenization_mismatches']} "
+            f"mismatches, rubric_equal {v['rubric_equal']}"
+        )
     if args.json:
         print(json.dumps(result))
     sys.stdout.flush()

@@ -57,6 +57,7 @@ def verifiers_rewards(row: dict, completions: list[list[dict]]) -> list[float]:
     """verifiers' own scoring of ``completions`` of ``row``: a fresh rubric's score_group over states
     made by verifiers from the row, each holding one completion."""
     from datasets import Dataset
+    from verifiers.utils.message_utils import normalize_messages
 
     env = vf.SingleTurnEnv(dataset=Dataset.from_list([row]), rubric=scoring_rubric())
     client = vf.OpenAIChatCompletionsClient(vf.ClientConfig(api_base_url="http://127.0.0.1:9/v1"))
@@ -64,7 +65,7 @@ def verifiers_rewards(row: dict, completions: list[list[dict]]) -> list[float]:
     async def score() -> list[float]:
         states = [await env.init_state(row, client, "m") for _ in completions]
         for state, completion in zip(states, completions, strict=True):
-            state["completion"] = vf.utils.message_utils.normalize_messages(completion, field_name="completion")
+            state["completion"] = normalize_messages(completion, field_name="completion")
         await env.rubric.score_group(states)
         return [state["reward"] for state in states]
 

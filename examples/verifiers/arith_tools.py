@@ -1,0 +1,93 @@
+"""A verifiers tool environment, written as one is for prime-rl and the Environments Hub: arithmetic
+problems from reasoning-gym (procedural, offline) that the model solves with add, subtract and
+multiply tools, scored by a rubric (the answer's last number equals the problem's).
+
+postrl trains on it unmodified (examples/verifiers/arith_tools.yaml):
+
+    agent:
+      verifiers: arith_tools:load_environment
+      verifiers_args: {eval_size: 64}
+
+The held-out split comes from other seeds, less any question the training split holds.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import verifiers as vf
+from datasets import Dataset
+
+SYSTEM = "Solve the arithmetic problem. Use the tools for every sum, difference and product; end with the number."
+TASKS = [{"name": "chain_sum", "config": {"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 2}}]
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first addend
+        b: the second addend
+    """
+    return a + b
+
+
+def subtract(a: int, b: int) -> int:
+    """Subtract b from a.
+
+    Args:
+        a: the number to subtract from
+        b: the number to subtract
+    """
+    return a - b
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def correct_answer(completion, answer) -> float:
+    """1 when the last number of the final message is the answer."""
+    numbers = re.findall(r"-?\d+", completion[-1]["content"] or "") if completion else []
+    return 1.0 if numbers and numbers[-1] == str(answer) else 0.0
+
+
+def problems(tasks: list[dict[str, Any]], size: int, seed: int) -> list[dict[str, Any]]:
+    """``size`` problems split over ``tasks`` (the first ones get the remainder), in task order."""
+    import reasoning_gym
+
+    rows = []
+    for i, task in enumerate(tasks):
+        count = size // len(tasks) + (i < size % len(tasks))
+        made = reasoning_gym.create_dataset(task["name"], seed=seed + 1000 * i, size=count, **task["config"])
+        rows += [{"question": p["question"], "answer": str(p["answer"]), "info": {"family": task["name"]}} for p in made]
+    return rows
+
+
+def load_environment(
+    tasks: list[dict[str, Any]] | None = None,
+    train_size: int = 2000,
+    eval_size: int = 64,
+    seed: int = 0,
+    max_turns: int = 4,
+) -> vf.Environment:
+    tasks = tasks or TASKS
+    train = problems(tasks, train_size, seed)
+    seen = {r["question"] for r in train}
+    held = [r for r in problems(tasks, eval_size * 2, seed + 500_000) if r["question"] not in seen][:eval_size]
+    rubric = vf.Rubric(funcs=[correct_answer])
+    return vf.ToolEnv(
+        dataset=Dataset.from_list(train),
+        eval_dataset=Dataset.from_list(held),
+        system_prompt=SYSTEM,
+        tools=[add, subtract, multiply],
+        max_turns=max_turns,
+        rubric=rubric,
+    )
