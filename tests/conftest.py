@@ -14,6 +14,14 @@ from postrl.tasks.char_tokenizer import build_char_tokenizer
 if os.environ.get("PYTEST_XDIST_WORKER"):  # the cores shared between the workers, not each taking them all
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
+# Every process a test process starts (a Ray instance's included) inherits this mark, so that a test
+# counts its own Ray processes and not another xdist worker's (tests/test_ray.py: ray_processes).
+TEST_PROCESS_MARK = "POSTRL_TEST_PROCESS"
+os.environ[TEST_PROCESS_MARK] = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}"
+# Ray's own files apart for each worker: ray.init() joins the cluster named in its temp folder's
+# ray_current_cluster (a test's ray.cluster_utils.Cluster writes one), which must be this worker's
+os.environ["RAY_TMPDIR"] = f"/tmp/postrl-ray-{os.environ[TEST_PROCESS_MARK]}"
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():

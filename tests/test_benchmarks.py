@@ -5,7 +5,7 @@ offline SmolLM2) says why and is reported as skipped, never as passed.
 The smoke runs go two at a time in the background from the first of these tests on (much of
 their time is waiting: time limits and servers starting), longest first; each test then takes its
 own run's result. They share one xdist worker (group ``smokes``); ray_scaling, which starts Ray
-clusters, runs on its own in the ``serial`` group with the other tests that start Ray."""
+clusters, runs on its own (group ``ray_bench``), beside the Ray tests."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def smoke(name: str, extra: tuple[str, ...]) -> dict:
     return last
 
 
-CASES = [pytest.param(*RAY, marks=pytest.mark.serial, id=RAY[0])]  # Ray clusters: with the other Ray tests
+# its own group: its Ray instance runs beside the Ray tests' (each counts only its own processes)
+CASES = [pytest.param(*RAY, marks=pytest.mark.xdist_group("ray_bench"), id=RAY[0])]
 CASES += [pytest.param(n, e, marks=pytest.mark.xdist_group("smokes"), id=f"{n}{''.join(e)}") for n, e in RUNS]
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from postrl.types import (  # noqa: E402
     SamplingParams,
     ScoreRequest,  # noqa: E402
 )
+from tests.conftest import TEST_PROCESS_MARK  # noqa: E402
 from tests.engine_hosts import SlowHost  # noqa: E402
 from tests.trained_samples import record_trained_samples  # noqa: E402
 
@@ -37,13 +39,26 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def ray_processes() -> list[str]:
-    """Running Ray processes (zombies already exited: they only wait to be reaped)."""
+    """Running Ray processes this test process started, itself or through its children (zombies
+    already exited: they only wait to be reaped). Each carries the test process's mark in its
+    environment (tests/conftest.py), as Ray's processes inherit the driver's: another xdist
+    worker's Ray instance is not counted."""
+    mark = f"{TEST_PROCESS_MARK}={os.environ[TEST_PROCESS_MARK]}".encode()
     out = subprocess.run(["ps", "-ww", "-eo", "stat=,pid=,args="], capture_output=True, text=True).stdout
     return [
         line
         for line in out.splitlines()
         if any(k in line for k in ("gcs_server", "raylet", "ray::")) and not line.startswith("Z")
+        if mark in environment(int(line.split()[1]))
     ]
+
+
+def environment(pid: int) -> list[bytes]:
+    """A process's environment entries (none where it is gone or not readable)."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
 
 
 def ray_config(tmp_path, model_dir, data, **scheduler):

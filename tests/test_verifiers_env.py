@@ -84,10 +84,16 @@ def test_a_group_is_token_exact_and_its_reward_is_verifiers_own_scoring(demo):
         alone = engine.generate([prompt], SamplingParams(n=1, temperature=0.0, max_tokens=12), None)[0]
         group = [r for r in out if r.prompt_index == prompts.index(prompt)]
         for r in group:  # the engine's own tokens: the template's prompt, the greedy answer
-            assert (r.prompt_ids, r.response_ids, r.loss_mask) == (ids, alone.response_ids, [1] * len(ids and r.response_ids))
+            assert (r.prompt_ids, r.response_ids, r.loss_mask) == (
+                ids,
+                alone.response_ids,
+                [1] * len(ids and r.response_ids),
+            )
             assert r.episode.prefix_breaks == 0 and r.episode.info["stop_condition"] == "max_turns_reached"
         completions = [r.episode.messages[len(chat) :] for r in group]
-        assert completions[0] == [{"role": "assistant", "content": tokenizer.decode(alone.response_ids, skip_special_tokens=True)}]
+        assert completions[0] == [
+            {"role": "assistant", "content": tokenizer.decode(alone.response_ids, skip_special_tokens=True)}
+        ]
         row = prompt.columns["verifiers_row"]
         assert [r.episode.reward for r in group] == pytest.approx(verifiers_rewards(row, completions), abs=1e-12)
         # every function's value is a metric; rank_in_group is a group function (ties ranked by position)
@@ -95,7 +101,9 @@ def test_a_group_is_token_exact_and_its_reward_is_verifiers_own_scoring(demo):
         assert {"reply_length", "has_digit", "num_turns"} <= set(group[0].episode.metrics)
     results = EpisodeScoring("environment", None).score(prompts, out)
     assert [res.reward for res in results] == [r.episode.reward for r in out]
-    assert results[1].components["rank_in_group"] == 0.5 and results[1].components["environment"] == out[1].episode.reward
+    assert (
+        results[1].components["rank_in_group"] == 0.5 and results[1].components["environment"] == out[1].episode.reward
+    )
 
 
 def test_a_multi_turn_game_trains_each_model_turn_once_between_the_environment_s_messages(demo):
@@ -155,7 +163,9 @@ def test_the_eval_split_is_held_out_and_an_environment_without_one_holds_out_not
 
 
 def test_bad_environments_are_refused_naming_them():
-    with pytest.raises(ValueError, match="agent.verifiers='no-such-env': no environment package 'no_such_env' is installed"):
+    with pytest.raises(
+        ValueError, match="agent.verifiers='no-such-env': no environment package 'no_such_env' is installed"
+    ):
         VerifiersAgent(verifiers="no-such-env")
     with pytest.raises(
         VerifiersLoadError,
@@ -166,9 +176,13 @@ def test_bad_environments_are_refused_naming_them():
         environment("load_not_an_env")
     with pytest.raises(ValueError, match="agent.max_turns is not read by an agent.verifiers run"):
         VerifiersAgent.model_validate({"verifiers": "tests.verifiers_envs:load_game", "max_turns": 3})
-    with pytest.raises(ValueError, match="agent.verifiers: the prompts are the environment's own dataset .* remove data.task"):
+    with pytest.raises(
+        ValueError, match="agent.verifiers: the prompts are the environment's own dataset .* remove data.task"
+    ):
         build_config({"agent": {"verifiers": "tests.verifiers_envs:load_game"}, "data": {"task": "arithmetic"}})
-    with pytest.raises(ValueError, match="data.environment: the prompts of an environment's own dataset need agent.verifiers"):
+    with pytest.raises(
+        ValueError, match="data.environment: the prompts of an environment's own dataset need agent.verifiers"
+    ):
         build_config({"data": {"environment": True}})
 
 

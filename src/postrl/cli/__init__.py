@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from postrl.reward.client import RewardServiceError
     from postrl.rollout.common import EngineUnhealthyError
     from postrl.rollout.pool import RolloutPoolError
-    from postrl.run.interrupt import RunInterrupted, leave_now_if_threads_hang
+    from postrl.run.interrupt import RunInterrupted, leave_now_if_connect_abandoned, leave_now_if_threads_hang
     from postrl.train.group import TrainWorkerDiedError
     from postrl.train.optimization import NonFiniteLossError
     from postrl.workers.handles import PlacementError
@@ -60,4 +60,5 @@ def main(argv: list[str] | None = None) -> int:
         WeightSyncError,
     ) as exc:
         print(f"postrl {args.command}: error: {exc}", file=sys.stderr)
+        leave_now_if_connect_abandoned(2)
         return 2

@@ -247,7 +247,9 @@ class RunConfig(RunCommandConfig):
         if self.data.environment and not isinstance(self.agent, VerifiersAgent):
             raise ValueError("data.environment: the prompts of an environment's own dataset need agent.verifiers")
         if isinstance(self.agent, VerifiersAgent) and self.data.val_files:
-            raise ValueError("agent.verifiers: the held-out prompts are the environment's eval split: remove data.val_files")
+            raise ValueError(
+                "agent.verifiers: the held-out prompts are the environment's eval split: remove data.val_files"
+            )
         return self
 
     @model_validator(mode="after")

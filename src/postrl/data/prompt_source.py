@@ -144,7 +144,9 @@ class EnvironmentRows(PromptSource):
     def _read_train(self) -> PromptDataset:
         dataset = self._rows("train")
         if dataset is None or not dataset.prompts:
-            raise DatasetError(f"agent.verifiers={self.agent.verifiers!r}: the environment's dataset has no usable rows")
+            raise DatasetError(
+                f"agent.verifiers={self.agent.verifiers!r}: the environment's dataset has no usable rows"
+            )
         return dataset
 
     def _own(self, echo: Echo) -> PromptDataset | None:

@@ -92,3 +92,15 @@ def leave_now_if_threads_hang(code: int, grace_s: float = 3.0) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def leave_now_if_connect_abandoned(code: int) -> None:
+    """A command that stops while a ``ray.init`` runs on past its time limit ends at once with
+    ``code``, its output flushed: finalizing the interpreter under Ray's connecting core aborts the
+    process (:func:`postrl.scheduling.ray_cluster.connect_abandoned`), losing the exit code."""
+    from postrl.scheduling.ray_cluster import connect_abandoned
+
+    if connect_abandoned():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -14,6 +14,16 @@ class ClusterUnreachableError(ConfigError):
     """The Ray cluster at ``scheduler.address`` could not be reached in ``scheduler.connect_timeout_s``."""
 
 
+CONNECT_THREAD = "ray-connect"
+
+
+def connect_abandoned() -> bool:
+    """Whether a ``ray.init`` is still running on a thread left behind at its time limit: Ray's C++
+    core then aborts the process (``std::bad_alloc``) when the interpreter finalizes under it, so a
+    process that stops now must leave without finalizing (``os._exit``)."""
+    return any(t.name == CONNECT_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 def connect_ray(address: str | None, timeout_s: float, options: dict[str, Any]) -> None:
     """``ray.init`` with a bounded wait. Ray itself retries an unreachable address without end, so a
     TCP probe comes first and the connection itself runs under a watchdog."""
@@ -38,7 +48,7 @@ def connect_ray(address: str | None, timeout_s: float, options: dict[str, Any]) 
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(exc)
 
-    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
+    thread = threading.Thread(target=init, name=CONNECT_THREAD, daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():

@@ -86,7 +86,9 @@ def _loaded(spec: str, args_json: str) -> Any:
             f"{where}: load_environment({_args(args)}) raised {type(cause).__name__}: {cause}"
         ) from exc
     if not isinstance(env, vf.Environment):
-        raise VerifiersLoadError(f"{where}: load_environment returned {type(env).__name__}, not a verifiers Environment")
+        raise VerifiersLoadError(
+            f"{where}: load_environment returned {type(env).__name__}, not a verifiers Environment"
+        )
     guard_rubric(env.rubric)
     return env
 
@@ -102,7 +104,9 @@ def environment_rows(env: Any, split: Literal["train", "eval"]) -> Iterator[tupl
     name = env.env_id or type(env).__name__
     for i, row in enumerate(dataset):
         if not isinstance(row.get("prompt"), list):
-            raise VerifiersLoadError(f"{name} {split} row {i}: its prompt is {type(row.get('prompt')).__name__}, not messages")
+            raise VerifiersLoadError(
+                f"{name} {split} row {i}: its prompt is {type(row.get('prompt')).__name__}, not messages"
+            )
         yield f"{name}:{split}[{i}]", {"messages": row["prompt"], ROW_COLUMN: row}
 
 
