@@ -13,11 +13,14 @@ verifiers  examples/verifiers/arith_tools.py (a verifiers ToolEnv and its rubric
      Instruct's shipped tool-calling warm start, tasks chosen by the RULE in _verifiers_learning.py;
      held-out success on the environment's eval split before and after --minutes of GRPO through
      agent.verifiers; retokenization mismatches (0) and rubric_equal (postrl's reward is verifiers'
-     own scoring of the same completion). Smoke without SmolLM2: the agentic-demo model, same path.
+     own scoring of the same completion). Skipped, saying why, where SmolLM2 is not installed.
 
-Not measured yet: the OpenEnv part of issue 60.
+openenv  examples/openenv/guess_server.py (a digit-guessing game written against openenv-core's server
+     API) served by postrl itself (agent.env: openenv:guess_server:app), played by the demo model
+     through OpenEnv's own client: 64 games x 4 episodes of up to 3 turns; episodes, the unscorable
+     ones (0 for a healthy server), episodes per minute, server processes left after the run (0).
 
-    python benchmarks/env_hubs.py [--part mcp|verifiers] [--steps 80] [--minutes 45] [--json] [--smoke]
+    python benchmarks/env_hubs.py [--part mcp|verifiers|openenv] [--steps 80] [--minutes 45] [--json] [--smoke]
 """
 
 from __future__ import annotations
@@ -43,17 +46,7 @@ SERVER = ROOT / "examples" / "agents" / "mcp_calculator.py"
 
 def server_processes() -> list[int]:
     """Live processes running the example's MCP server."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if str(SERVER).encode() in cmdline and state != "Z":
-                found.append(int(entry.name))
-    return found
+    return processes_with(str(SERVER))
 
 
 def overhead(calls: int, blocks: int = 6) -> dict:
@@ -177,21 +170,78 @@ def verifiers_part(args: argparse.Namespace) -> dict:
     from agentic import smollm2_unavailable  # benchmarks/agentic.py
 
     missing = smollm2_unavailable()
-    if missing and not args.smoke:
+    if missing:  # the repo's own models are char-level with 128 positions: the environment's prompts are longer
         return {"skipped": missing}
-    if args.smoke:  # one short step on the first candidate; the agentic-demo model where SmolLM2 is missing
-        model_dir = AGENTIC_MODEL_DIR if missing else tool_model(args.cache)
-        return verifiers_learning(model_dir, CANDIDATES[:1], 0.2, 4, args.seed, SMOKE_BATCH)
     model_dir = tool_model(args.cache)
+    if args.smoke:  # one short step on the first candidate
+        return verifiers_learning(model_dir, CANDIDATES[:1], 0.2, 4, args.seed, SMOKE_BATCH)
     tasks, table = choose(model_dir, args.choose, args.seed)
     if not tasks:
         return {"candidates": table, "error": "no candidate met the rule"}
     return {**verifiers_learning(model_dir, tasks, args.minutes, args.eval, args.seed, BATCH), "candidates": table}
 
 
+def openenv_part(args: argparse.Namespace) -> dict:
+    try:
+        import openenv.core  # noqa: F401
+    except ImportError:
+        return {"skipped": "openenv-core is not installed (pip install -e '.[openenv]')"}
+    from postrl.config.agent import EnvAgent
+    from postrl.controller.env_episodes import EnvEpisodes
+    from postrl.controller.episode_scoring import environment_rewards
+    from postrl.data.dataset import build_prompts
+    from postrl.models.loading import load_causal_lm, load_tokenizer
+    from postrl.rollout.native import NativeRolloutWorker
+    from postrl.types import SamplingParams
+
+    sys.path.insert(0, str(ROOT / "examples" / "openenv"))  # the app's module, as import_paths puts it
+    app = "guess_server:app"
+    agent = EnvAgent.model_validate(
+        {"env": f"openenv:{app}", "env_options": {"reset_columns": ["seed"]}, "max_turns": 3,
+         "max_tokens_per_turn": 8, "max_context": 128, "env_workers": 32}
+    )  # fmt: skip
+    tokenizer = load_tokenizer("demo")
+    games = 8 if args.smoke else 64
+    prompts = build_prompts(iter((f"seed {s}", {"prompt": "Play.", "seed": s}) for s in range(games)), tokenizer)
+    engine = NativeRolloutWorker.from_hf(load_causal_lm("demo"), tokenizer, torch.float32, seed=args.seed)
+    episodes = EnvEpisodes(agent, tokenizer, engine, None)  # type: ignore[arg-type] # the server scores
+    try:
+        began = time.perf_counter()
+        rollouts = episodes.generate(prompts.prompts, SamplingParams(n=4, temperature=1.0, max_tokens=8), None)
+        seconds = time.perf_counter() - began
+    finally:
+        episodes.close()
+    firsts = [r for r in rollouts if r.episode is not None and r.episode.part == 0]
+    rewards = environment_rewards(firsts)
+    return {
+        "env": f"openenv:{app} (served by postrl)",
+        "episodes": len(firsts),
+        "unscorable": sum(r.unscorable for r in rewards),
+        "won": sum(r.reward == 1.0 for r in rewards),
+        "turns_mean": round(sum(len(r.episode.turns) for r in firsts) / max(1, len(firsts)), 2),
+        "episodes_per_min": round(60 * len(firsts) / seconds, 1),
+        "processes_left": len(processes_with(f"uvicorn {app}")),
+    }
+
+
+def processes_with(text: str) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if text.encode() in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", action="append", choices=["mcp", "verifiers"], help="default: all")
+    parser.add_argument("--part", action="append", choices=["mcp", "verifiers", "openenv"], help="default: all")
     parser.add_argument("--steps", type=int, default=80, help="the MCP run's steps")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--minutes", type=float, default=45.0, help="the verifiers run's training wall time")
@@ -204,7 +254,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.calls = 2, 12
-    parts = {"mcp": mcp_part, "verifiers": verifiers_part}
+    parts = {"mcp": mcp_part, "verifiers": verifiers_part, "openenv": openenv_part}
     result = {name: parts[name](args) for name in args.part or list(parts)}
     for name, figures in result.items():
         print(f"{name:28s} {'value':>12s}")
@@ -225,6 +275,12 @@ def main() -> None:
             f"verifiers {v['env']}: held-out success {v['success_before']:.3f} -> {v['success_after']:.3f} over "
             f"{v['held_out']} problems, {v['steps']} steps ({v['minutes']:.1f} min), {v['retokenization_mismatches']} "
             f"mismatches, rubric_equal {v['rubric_equal']}"
+        )
+    o = result.get("openenv", {})
+    if "episodes" in o:
+        print(
+            f"OpenEnv {o['env']}: {o['episodes']} episodes, {o['unscorable']} unscorable, "
+            f"{o['episodes_per_min']} episodes/min, {o['processes_left']} server processes left"
         )
     if args.json:
         print(json.dumps(result))

@@ -1,5 +1,5 @@
 """OpenEnv servers as environments (``agent.env: openenv:URL``): a real server process written
-against openenv-core's server API (tests/openenv_server.py), driven through OpenEnv's own client."""
+against openenv-core's server API (examples/openenv/guess_server.py), driven through OpenEnv's own client."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.chat_templates import family_tokenizer  # noqa: E402
 from tests.test_agentic import run_script  # noqa: E402
 from tests.test_mcp_tools import free_port  # noqa: E402
 
-SERVER = Path(__file__).with_name("openenv_server.py")
+SERVER = Path(__file__).resolve().parents[1] / "examples" / "openenv" / "guess_server.py"
 
 
 def start(kind: str = "game") -> tuple[subprocess.Popen, str]:
@@ -153,3 +153,57 @@ def test_postrl_train_on_an_openenv_server(game, tmp_path, tiny_model_dir):
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "guess" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["agent/turns_mean"] >= 1 for m in metrics)
+
+
+def server_processes(app: str) -> list[str]:
+    """Live processes serving ``app`` (uvicorn's command line names it)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if f"uvicorn {app}" in line and not line.startswith("Z")]
+
+
+@pytest.mark.slow  # a whole run
+def test_postrl_serves_an_openenv_app_itself_and_stops_it_with_the_run(tmp_path, tiny_model_dir):
+    """``openenv:module:app``: postrl starts the server, plays its episodes, and nothing of it is left
+    after the run."""
+    from postrl.cli import main
+
+    rows = tmp_path / "seeds.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "Play.", "seed": s}) + "\n" for s in range(8)))
+    config = tmp_path / "local.yaml"
+    config.write_text(
+        textwrap.dedent(
+            f"""
+            model: {{path: {tiny_model_dir}}}
+            data: {{train_files: [{rows}]}}
+            output_dir: {tmp_path / "runs"}
+            name: local
+            import_paths: [{SERVER.parent}]
+            steps: 1
+            prompts_per_step: 2
+            rollout: {{n: 2, max_tokens: 4}}
+            train: {{mini_batch_size: 4, micro_batch_size: 4}}
+            agent:
+              env: openenv:guess_server:app
+              env_options: {{reset_columns: [seed]}}
+              max_turns: 3
+              max_tokens_per_turn: 4
+              max_context: 128
+            """
+        )
+    )
+    assert main(["train", str(config)]) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "local" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["agent/turns_mean"] >= 1 and metrics[0]["reward/unscorable"] == 0
+    assert server_processes("guess_server:app") == []
+
+
+def test_an_openenv_app_that_does_not_start_is_refused_naming_it():
+    from postrl.rollout.agentic.openenv_server import LocalOpenEnvServer, OpenEnvServerError
+
+    with pytest.raises(OpenEnvServerError) as got:
+        LocalOpenEnvServer("tests.no_such_server:app")
+    assert str(got.value).startswith(
+        "agent.env: openenv:tests.no_such_server:app: the server exited (1) before it answered"
+    )
+    assert 'Could not import module "tests.no_such_server"' in str(got.value)
+    assert server_processes("tests.no_such_server:app") == []

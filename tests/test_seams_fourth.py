@@ -14,9 +14,11 @@ from postrl.types import StepMetrics
 
 FUNCTION = {"function": "tests.policy_agents:propose_and_solve"}
 SEATED = {"env": "tests.seated_envs:Relay", "seats": {"writer": "alice", "reader": "bob"}}
-KINDS = {"function": FUNCTION, "seated": SEATED, "env": {"env": "calculator"}}
+VERIFIERS = {"verifiers": "tests.verifiers_envs:load_game"}
+KINDS = {"function": FUNCTION, "seated": SEATED, "env": {"env": "calculator"}, "verifiers": VERIFIERS}
 SET = {  # a value for each field a kind may not read
     "env": "calculator",
+    "function": FUNCTION["function"],
     "seats": {"writer": "alice"},
     "env_options": {"digits": 2},
     "max_turns": 4,  # its default elsewhere: refused all the same, it is not read

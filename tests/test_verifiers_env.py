@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,6 +132,41 @@ def test_a_tool_environment_calls_its_python_tool_and_the_result_is_in_context()
     inserted = tokenizer.decode([t for t, m in zip(r.response_ids, r.loss_mask, strict=True) if not m])
     assert "<tool_response>\n15\n</tool_response>" in inserted  # the tool's result, as the template renders it
     assert engine.prompts[1][: len(engine.prompts[0])] == engine.prompts[0]  # the second call extends the first
+
+
+def scripted(*texts: str) -> tuple:
+    tokenizer = family_tokenizer("qwen2.5")
+    engine = ScriptedEngine(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    engine.script = list(texts)
+    return engine, tokenizer
+
+
+def test_a_stateful_tool_environment_fills_the_hidden_argument_from_the_episode():
+    engine, tokenizer = scripted('<tool_call>\n{"name": "lookup", "arguments": {"key": "x"}}\n</tool_call>', "x is 42")
+    _, (r,) = play(engine, tokenizer, environment("load_stateful"), SamplingParams(n=1, max_tokens=400), rows=1)
+    assert "env_error" not in r.episode.info and r.episode.metrics["lookup_calls"] == 1.0
+    inserted = tokenizer.decode([t for t, m in zip(r.response_ids, r.loss_mask, strict=True) if not m])
+    assert "<tool_response>\n42\n</tool_response>" in inserted  # the table came from the row, not the model
+    assert '"table"' not in tokenizer.decode(engine.prompts[0])  # the hidden argument is not in the tool's schema
+
+
+def test_verifiers_own_mcp_environment_calls_its_mcp_server(tmp_path):
+    pytest.importorskip("mcp")
+    server = str(Path(__file__).with_name("mcp_servers.py"))
+    token = f"vf-mcp-{tmp_path.name}"
+    engine, tokenizer = scripted('<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 3}}\n</tool_call>', "15")
+    env = environment("load_mcp_env", server=server, token=token)
+    _, (r,) = play(engine, tokenizer, env, SamplingParams(n=1, max_tokens=400), rows=1)
+    assert "env_error" not in r.episode.info and r.episode.metrics["total_tool_calls"] == 1.0
+    inserted = tokenizer.decode([t for t, m in zip(r.response_ids, r.loss_mask, strict=True) if not m])
+    assert "<tool_response>\n15\n</tool_response>" in inserted  # the MCP server's answer
+
+
+def test_loading_an_environment_leaves_the_process_s_signal_handlers():
+    """A verifiers Environment installs SIGINT/SIGTERM handlers when it is made; the run's stay."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    environment("load_single_turn", size=3)
+    assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
 
 
 @pytest.mark.parametrize(

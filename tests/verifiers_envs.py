@@ -96,3 +96,39 @@ def load_broken(rows_file: str = "missing.jsonl") -> vf.Environment:
 
 def load_not_an_env() -> dict:
     return {"dataset": []}
+
+
+def lookup(key: str, table: dict) -> str:
+    """Look a key up in the episode's table.
+
+    Args:
+        key: the key to look up
+    """
+    return str(table.get(key, "missing"))
+
+
+class TableEnv(vf.StatefulToolEnv):
+    """A stateful tool environment: the tool's ``table`` argument is hidden from the model and filled
+    from the episode's row (its info) at each call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(tools=[], **kwargs)
+        self.add_tool(lookup, args_to_skip=["table"])
+
+    def update_tool_args(self, tool_name, tool_args, messages, state, **kwargs):
+        return {**tool_args, "table": state["info"]["table"]}
+
+
+def load_stateful(max_turns: int = 3) -> vf.Environment:
+    data = Dataset.from_list([{"question": "What is x?", "answer": "42", "info": {"table": {"x": 42}}}])
+    return TableEnv(dataset=data, max_turns=max_turns, rubric=scoring_rubric())
+
+
+def load_mcp_env(server: str, token: str) -> vf.Environment:
+    """verifiers' own MCPEnv over the tests' MCP stdio server (tests/mcp_servers.py calc: add, lookup)."""
+    import sys
+
+    from verifiers.envs.experimental.mcp_env import MCPEnv
+
+    config = {"name": "calc", "command": sys.executable, "args": [server, "calc", token]}
+    return MCPEnv(mcp_servers=[config], dataset=rows(QUESTIONS[:2]), max_turns=3, rubric=scoring_rubric())

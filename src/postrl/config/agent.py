@@ -170,7 +170,7 @@ class EnvironmentEpisodes(AgentBase):
         ...,
         description="The environment: a registered name (calculator, tools), a library's environment "
         "(textarena:Mastermind-v0, skyrl_gym:gsm8k_multi_turn, gem:game:Mastermind-v0-easy), an OpenEnv server "
-        "(openenv:http://host:port), module:Class of your own "
+        "(openenv:http://host:port, or openenv:module:app to have postrl serve it), module:Class of your own "
         "package (reset(row) -> messages, step(action) -> StepResult, close(), tools), or the URL of postrl serve-env.",
     )
     env_options: dict[str, Any] = Field(
@@ -360,13 +360,13 @@ def missing_environment(spec: str) -> str | None:
 
 
 def _agent_kind(value: Any) -> str:
-    """The kind an ``agent:`` section is, by its keys: function, verifiers, seats (with env), else env."""
+    """The kind an ``agent:`` section is, by its keys: verifiers, function, seats (with env), else env."""
     if isinstance(value, AgentBase):
         return value.kind
-    if isinstance(value, dict) and value.get("function") is not None:
-        return "function"
     if isinstance(value, dict) and value.get("verifiers") is not None:
         return "verifiers"
+    if isinstance(value, dict) and value.get("function") is not None:
+        return "function"
     return "seated" if isinstance(value, dict) and value.get("seats") is not None else "env"
 
 

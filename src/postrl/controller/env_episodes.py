@@ -20,6 +20,7 @@ from postrl.rollout.agentic.individual import Individual
 from postrl.rollout.agentic.limited import call_limited, failure_info, run_limited
 from postrl.rollout.agentic.lockstep import Lockstep
 from postrl.rollout.agentic.mcp_tools import McpServerError, McpTools
+from postrl.rollout.agentic.openenv_server import LocalOpenEnvServer, OpenEnvServerError, local_app
 from postrl.rollout.agentic.template_check import check_template
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 from postrl.workers.roles import RewardService, RolloutWorker
@@ -36,6 +37,18 @@ def episode_limits(config: EnvironmentEpisodes) -> EpisodeLimits:
         config.env_timeout_s,
         config.env_workers,
     )
+
+
+def local_openenv_server(spec: str) -> LocalOpenEnvServer | None:
+    """The OpenEnv server an ``openenv:module:app`` spec names, started (None: the spec names none);
+    one that does not start is a ConfigError naming the app."""
+    app = local_app(spec)
+    if app is None:
+        return None
+    try:
+        return LocalOpenEnvServer(app)
+    except OpenEnvServerError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def mcp_tools(config: EnvAgent) -> McpTools | None:
@@ -71,13 +84,15 @@ class EnvEpisodes:
         self.rollout = rollout
         self.scoring = EpisodeScoring(config.reward, reward, errors_log)
         self.limits = episode_limits(config)
+        self.mcp: McpTools | None = None
+        self.server = local_openenv_server(config.env)
         try:
-            make_env = environment_factory(config.env)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        self.mcp = mcp_tools(config)
-        self.make_env = make_env if self.mcp is None else self.mcp.wrapping(make_env)
-        try:
+            try:
+                make_env = environment_factory(config.env if self.server is None else f"openenv:{self.server.url}")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            self.mcp = mcp_tools(config)
+            self.make_env = make_env if self.mcp is None else self.mcp.wrapping(make_env)
             self._check_tools(model)
         except BaseException:
             self.close()
@@ -149,11 +164,14 @@ class EnvEpisodes:
         return self.rollout.suspend() or bool(runners)
 
     def close(self) -> None:
-        """The run's MCP sessions end here; its environments were closed with their episodes, the
-        engine and the reward service close with the run's components."""
+        """The run's MCP sessions and its OpenEnv server end here; its environments were closed with
+        their episodes, the engine and the reward service close with the run's components."""
         if self.mcp is not None:
             self.mcp.close()
             self.mcp = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
     def _schedule(self) -> EpisodeSchedule:
         if self.config.scheduling == "lockstep":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from postrl.config.agent import FunctionAgent, SeatedAgent
+from postrl.config.agent import FunctionAgent, SeatedAgent, VerifiersAgent
 from postrl.config.command import RunCommandConfig
 from postrl.config.data import NO_HELD_OUT
 from postrl.config.distill import is_url
@@ -265,8 +265,8 @@ def _run_loop(job: RunJob, config: RunConfig, resume_step: int | None, observers
 
 
 def agent_output(config: RunConfig) -> contextlib.AbstractContextManager:
-    """For a run whose agent function (or seated environment) runs in this process, its libraries' log records to the run
-    directory (:mod:`postrl.run.foreign_logs`); otherwise nothing."""
-    if isinstance(config.agent, FunctionAgent | SeatedAgent):
+    """For a run whose agent function (or seated environment, or verifiers environment) runs in this process, its
+    libraries' log records to the run directory (:mod:`postrl.run.foreign_logs`); otherwise nothing."""
+    if isinstance(config.agent, FunctionAgent | SeatedAgent | VerifiersAgent):
         return ForeignLogs(config.run_dir / AGENT_OUTPUT_LOG)
     return contextlib.nullcontext()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from postrl.config.agent import FunctionAgent
+from postrl.config.agent import FunctionAgent, VerifiersAgent
 from postrl.config.run import RunConfig
 from postrl.models.numerics import Numerics, resolve_numerics
 from postrl.types import StepMetrics
@@ -163,6 +163,8 @@ def run_watches(config: RunConfig, echo: Callable[[str], None], numerics: Numeri
     source = "the reward function" if config.scores_with_components else "the environment's rewards (agent.env)"
     if isinstance(config.agent, FunctionAgent) and not config.scores_with_components:
         source = "the rewards your agent function returns (agent.function)"
+    if isinstance(config.agent, VerifiersAgent):
+        source = "the verifiers environment's rubric (agent.verifiers)"
     # a run that distils learns from its teachers whatever its rewards do
     no_signal = [NoSignalWatch(echo, source=source)] if config.algorithm.distill is None else []
     return [

@@ -32,7 +32,10 @@ def environment_factory(spec: str) -> EnvironmentFactory:
 def openenv_factory(url: str) -> EnvironmentFactory:
     """``openenv:URL``: an OpenEnv server, one session of OpenEnv's own client per episode."""
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"agent.env: openenv:{url}: give the server's URL (openenv:http://host:port)")
+        raise ValueError(
+            f"agent.env: openenv:{url}: give the server's URL (openenv:http://host:port) or its app "
+            "(openenv:module:app, served by postrl)"
+        )
     from postrl.rollout.agentic.openenv_env import OpenEnvEnvironment
 
     return lambda **options: OpenEnvEnvironment(url, **options)

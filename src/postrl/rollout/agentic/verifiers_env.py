@@ -24,7 +24,10 @@ import asyncio
 import contextvars
 import functools
 import json
+import logging
 import math
+import signal
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from copy import deepcopy
@@ -51,11 +54,16 @@ class RubricFunctionError(RuntimeError):
     """A reward function of the environment's rubric raised or returned something other than a number."""
 
 
+@functools.cache
 def verifiers() -> Any:
+    """The ``verifiers`` package, its log records handed to the root logger (verifiers gives its
+    logger a stderr handler of its own at import): a run sends them to its agent output log."""
     try:
         import verifiers as vf
     except ImportError:
         raise VerifiersLoadError(VERIFIERS_EXTRA) from None
+    vf.setup_logging(None)  # no handler of its own
+    logging.getLogger("verifiers").propagate = True
     return vf
 
 
@@ -70,6 +78,7 @@ def _loaded(spec: str, args_json: str) -> Any:
     vf = verifiers()
     args = json.loads(args_json)
     where = f"agent.verifiers={spec!r}"
+    handlers = SavedSignalHandlers()
     try:
         if ":" in spec:
             env = import_callable(spec, "agent.verifiers")(**args)
@@ -85,6 +94,8 @@ def _loaded(spec: str, args_json: str) -> Any:
         raise VerifiersLoadError(
             f"{where}: load_environment({_args(args)}) raised {type(cause).__name__}: {cause}"
         ) from exc
+    finally:
+        handlers.restore()
     if not isinstance(env, vf.Environment):
         raise VerifiersLoadError(
             f"{where}: load_environment returned {type(env).__name__}, not a verifiers Environment"
@@ -108,6 +119,21 @@ def environment_rows(env: Any, split: Literal["train", "eval"]) -> Iterator[tupl
                 f"{name} {split} row {i}: its prompt is {type(row.get('prompt')).__name__}, not messages"
             )
         yield f"{name}:{split}[{i}]", {"messages": row["prompt"], ROW_COLUMN: row}
+
+
+class SavedSignalHandlers:
+    """The process's SIGINT and SIGTERM handlers, to put back: a verifiers Environment installs its
+    own when it is made (a Ctrl-C would tear the environment down and raise at once, a SIGTERM exit
+    with 143), which would take a run's stop-after-the-step away. verifiers' teardown still runs at
+    exit (it registers it with atexit)."""
+
+    def __init__(self) -> None:
+        on_main = threading.current_thread() is threading.main_thread()
+        self.saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+
+    def restore(self) -> None:
+        for number, handler in self.saved.items():
+            signal.signal(number, handler)
 
 
 def _args(args: dict[str, Any]) -> str:

@@ -1,5 +1,6 @@
-"""An OpenEnv environment server for the tests, written against ``openenv-core``'s server API:
-``python tests/openenv_server.py PORT [KIND]``.
+"""An OpenEnv environment server written against ``openenv-core``'s server API, as such servers are
+(the tests' and benchmarks/env_hubs.py's): ``python examples/openenv/guess_server.py PORT [KIND]``,
+or ``agent.env: openenv:guess_server:app`` with this folder on the import path (postrl serves it).
 
 The game: guess a digit. ``reset(seed)`` picks it (``seed % 10``); each step's action is
 ``{"guess": TEXT}``; the observation says higher, lower or correct; a correct guess ends the
@@ -19,7 +20,7 @@ from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
-KIND = sys.argv[2] if len(sys.argv) > 2 else "game"
+KIND = sys.argv[2] if len(sys.argv) > 2 and __name__ == "__main__" else "game"
 
 
 class GuessAction(Action):
