@@ -203,7 +203,7 @@ def test_an_openenv_app_that_does_not_start_is_refused_naming_it():
     with pytest.raises(OpenEnvServerError) as got:
         LocalOpenEnvServer("tests.no_such_server:app")
     assert str(got.value).startswith(
-        "agent.env: openenv:tests.no_such_server:app: the server exited (1) before it answered"
+        "agent.env: openenv:tests.no_such_server:app: the server exited (3) before it answered"
     )
     assert 'Could not import module "tests.no_such_server"' in str(got.value)
     assert server_processes("tests.no_such_server:app") == []
