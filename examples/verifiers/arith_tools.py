@@ -60,15 +60,19 @@ def correct_answer(completion, answer) -> float:
 
 
 def problems(tasks: list[dict[str, Any]], size: int, seed: int) -> list[dict[str, Any]]:
-    """``size`` problems split over ``tasks`` (the first ones get the remainder), in task order."""
+    """``size`` problems over ``tasks`` in turn (task 0, task 1, ..., task 0, ...): any first rows
+    hold every task."""
     import reasoning_gym
 
-    rows = []
-    for i, task in enumerate(tasks):
-        count = size // len(tasks) + (i < size % len(tasks))
-        made = reasoning_gym.create_dataset(task["name"], seed=seed + 1000 * i, size=count, **task["config"])
-        rows += [{"question": p["question"], "answer": str(p["answer"]), "info": {"family": task["name"]}} for p in made]
-    return rows
+    made = [
+        reasoning_gym.create_dataset(t["name"], seed=seed + 1000 * i, size=size // len(tasks) + 1, **t["config"])
+        for i, t in enumerate(tasks)
+    ]
+    return [
+        {"question": p["question"], "answer": str(p["answer"]), "info": {"family": tasks[k % len(tasks)]["name"]}}
+        for k in range(size)
+        for p in [made[k % len(tasks)][k // len(tasks)]]
+    ]
 
 
 def load_environment(
