@@ -207,3 +207,16 @@ def test_an_openenv_app_that_does_not_start_is_refused_naming_it():
     )
     assert 'Could not import module "tests.no_such_server"' in str(got.value)
     assert server_processes("tests.no_such_server:app") == []
+
+
+def test_a_session_past_the_server_s_capacity_fails_its_reset_saying_so(game):
+    """The server takes 16 sessions at once (max_concurrent_envs); the 17th is closed at its reset."""
+    envs = [environment_factory(f"openenv:{game}")(reset_columns=["seed"]) for _ in range(17)]
+    try:
+        for env in envs[:16]:
+            env.reset({"prompt": "", "seed": 1})
+        with pytest.raises(ConnectionError, match=r"closed the session at reset: a server at its max_concurrent_envs"):
+            envs[16].reset({"prompt": "", "seed": 1})
+    finally:
+        for env in envs:
+            env.close()

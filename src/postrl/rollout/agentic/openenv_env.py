@@ -93,7 +93,15 @@ class OpenEnvEnvironment:
         missing = [c for c in self.reset_columns if c not in row]
         if missing:
             raise ValueError(f"agent.env_options.reset_columns: the row has no column {missing[0]!r}")
-        result = self.client.reset(**{c: row[c] for c in self.reset_columns})
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            result = self.client.reset(**{c: row[c] for c in self.reset_columns})
+        except ConnectionClosed as exc:  # how an OpenEnv server at capacity ends a new session
+            raise ConnectionError(
+                f"OpenEnv server {self.url} closed the session at reset: a server at its max_concurrent_envs does "
+                "(run at most that many episodes at once: agent.env_workers, agent.max_concurrent_episodes)"
+            ) from exc
         messages = first_messages(row) if row.get("messages") or row.get("prompt") else []
         return [*messages, {"role": "user", "content": self.render(result.observation)}]
 
