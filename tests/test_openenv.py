@@ -122,8 +122,8 @@ def test_an_openenv_spec_that_is_not_a_url_is_refused():
         environment_factory("openenv:guess")
 
 
-@pytest.mark.slow  # a whole run
-def test_postrl_train_on_an_openenv_server(game, tmp_path, tiny_model_dir):
+def train_on(env: str, tmp_path: Path, model_dir: Path, steps: int) -> list[dict]:
+    """``postrl train`` of ``steps`` steps on the guessing game at ``env``: its metrics rows."""
     from postrl.cli import main
 
     rows = tmp_path / "seeds.jsonl"
@@ -132,16 +132,17 @@ def test_postrl_train_on_an_openenv_server(game, tmp_path, tiny_model_dir):
     config.write_text(
         textwrap.dedent(
             f"""
-            model: {{path: {tiny_model_dir}}}
+            model: {{path: {model_dir}}}
             data: {{train_files: [{rows}]}}
             output_dir: {tmp_path / "runs"}
             name: guess
-            steps: 2
+            import_paths: [{SERVER.parent}]
+            steps: {steps}
             prompts_per_step: 2
             rollout: {{n: 2, max_tokens: 4}}
             train: {{mini_batch_size: 4, micro_batch_size: 4}}
             agent:
-              env: openenv:{game}
+              env: {env}
               env_options: {{reset_columns: [seed]}}
               max_turns: 3
               max_tokens_per_turn: 4
@@ -150,7 +151,12 @@ def test_postrl_train_on_an_openenv_server(game, tmp_path, tiny_model_dir):
         )
     )
     assert main(["train", str(config)]) == 0
-    metrics = [json.loads(line) for line in (tmp_path / "runs" / "guess" / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "runs" / "guess" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow  # a whole run
+def test_postrl_train_on_an_openenv_server(game, tmp_path, tiny_model_dir):
+    metrics = train_on(f"openenv:{game}", tmp_path, tiny_model_dir, steps=2)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["agent/turns_mean"] >= 1 for m in metrics)
 
@@ -165,34 +171,7 @@ def server_processes(app: str) -> list[str]:
 def test_postrl_serves_an_openenv_app_itself_and_stops_it_with_the_run(tmp_path, tiny_model_dir):
     """``openenv:module:app``: postrl starts the server, plays its episodes, and nothing of it is left
     after the run."""
-    from postrl.cli import main
-
-    rows = tmp_path / "seeds.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": "Play.", "seed": s}) + "\n" for s in range(8)))
-    config = tmp_path / "local.yaml"
-    config.write_text(
-        textwrap.dedent(
-            f"""
-            model: {{path: {tiny_model_dir}}}
-            data: {{train_files: [{rows}]}}
-            output_dir: {tmp_path / "runs"}
-            name: local
-            import_paths: [{SERVER.parent}]
-            steps: 1
-            prompts_per_step: 2
-            rollout: {{n: 2, max_tokens: 4}}
-            train: {{mini_batch_size: 4, micro_batch_size: 4}}
-            agent:
-              env: openenv:guess_server:app
-              env_options: {{reset_columns: [seed]}}
-              max_turns: 3
-              max_tokens_per_turn: 4
-              max_context: 128
-            """
-        )
-    )
-    assert main(["train", str(config)]) == 0
-    metrics = [json.loads(line) for line in (tmp_path / "runs" / "local" / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_on("openenv:guess_server:app", tmp_path, tiny_model_dir, steps=1)
     assert metrics[0]["agent/turns_mean"] >= 1 and metrics[0]["reward/unscorable"] == 0
     assert server_processes("guess_server:app") == []
 
