@@ -243,3 +243,22 @@ def test_postrl_train_and_eval_run_a_verifiers_environment(tmp_path, capsys):
     assert main(["eval", "--run", str(tmp_path / "runs" / "vf"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["sets"]["tests.verifiers_envs:load_single_turn eval"]["prompts"] == 2
+
+
+def test_postrl_train_with_a_loader_that_raises_stops_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from postrl.cli import main
+    from postrl.run import train_runner
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was placed before the environment loaded")
+
+    monkeypatch.setattr(train_runner, "place_policy", no_model)
+    config = tmp_path / "broken.yaml"
+    config.write_text(
+        "agent: {verifiers: tests.verifiers_envs:load_broken, verifiers_args: {rows_file: r.jsonl}, max_context: 128}\n"
+    )
+    assert main(["train", str(config), f"output_dir={tmp_path}", "model.path=demo"]) == 2
+    assert (
+        "postrl train: error: agent.verifiers='tests.verifiers_envs:load_broken': "
+        "load_environment(rows_file='r.jsonl') raised FileNotFoundError: no rows at r.jsonl"
+    ) in capsys.readouterr().err

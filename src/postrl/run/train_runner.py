@@ -28,6 +28,7 @@ from postrl.models.loading import load_tokenizer
 from postrl.models.numerics import Numerics, resolve_numerics
 from postrl.reward.columns import check_columns
 from postrl.reward.factory import make_reward_service
+from postrl.rollout.agentic.verifiers_env import load_environment
 from postrl.run.batch_sources import make_batch_source
 from postrl.run.foreign_logs import AGENT_OUTPUT_LOG, ForeignLogs
 from postrl.run.lifecycle import RunSite, StepLoop, report_skipped, stderr_echo
@@ -57,6 +58,10 @@ def build_components(config: RunConfig, numerics: Numerics | None = None) -> Com
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     prompts = prompt_source(config.data, tokenizer, config.agent)
+    if isinstance(
+        config.agent, VerifiersAgent
+    ):  # loaded once, here: one that fails stops the run before the model loads
+        load_environment(config.agent)
     if config.scores_with_components:
         check_columns(config.reward, ((p.source, p.columns) for p in prompts.train().prompts))
     scheduler = make_scheduler(

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from postrl.config.agent import VerifiersAgent, missing_environment
 from postrl.config.imports import import_callable
+from postrl.config.run import ConfigError
 from postrl.rollout.agentic.agent_function import RecordingEndpoint
 from postrl.rollout.agentic.limited import Outcome, failure_info, run_limited
 from postrl.rollout.agentic.recorder import RecordedEpisode
@@ -46,7 +47,7 @@ VERIFIERS_EXTRA = "agent.verifiers needs verifiers: pip install 'postrl[verifier
 ROW_COLUMN = "verifiers_row"  # a prompt's column holding its dataset row, as the environment gave it
 
 
-class VerifiersLoadError(ValueError):
+class VerifiersLoadError(ConfigError):
     """The environment could not be loaded: not installed, its loader raised, or not an Environment."""
 
 
