@@ -17,8 +17,9 @@ verifiers  examples/verifiers/arith_tools.py (a verifiers ToolEnv and its rubric
 
 openenv  examples/openenv/guess_server.py (a digit-guessing game written against openenv-core's server
      API) served by postrl itself (agent.env: openenv:guess_server:app), played by the demo model
-     through OpenEnv's own client, 16 sessions at a time (the server's max_concurrent_envs): 64 games
-     x 4 episodes of up to 3 turns; episodes, the unscorable
+     through OpenEnv's own client, 16 episodes at a time (max_concurrent_episodes: the server's
+     max_concurrent_envs): 64 games x 4 episodes of up to 3 turns (the demo model's turns run to the
+     8-token limit, which ends an episode after one turn); episodes, the unscorable
      ones (0 for a healthy server), episodes per minute, server processes left after the run (0).
 
     python benchmarks/env_hubs.py [--part mcp|verifiers|openenv] [--steps 80] [--minutes 45] [--json] [--smoke]
@@ -199,7 +200,7 @@ def openenv_part(args: argparse.Namespace) -> dict:
     app = "guess_server:app"
     agent = EnvAgent.model_validate(
         {"env": f"openenv:{app}", "env_options": {"reset_columns": ["seed"]}, "max_turns": 3,
-         "max_tokens_per_turn": 8, "max_context": 128, "env_workers": 16}
+         "max_tokens_per_turn": 8, "max_context": 128, "max_concurrent_episodes": 16}
     )  # fmt: skip
     tokenizer = load_tokenizer("demo")
     games = 8 if args.smoke else 64

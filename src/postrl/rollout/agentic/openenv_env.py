@@ -100,7 +100,7 @@ class OpenEnvEnvironment:
         except ConnectionClosed as exc:  # how an OpenEnv server at capacity ends a new session
             raise ConnectionError(
                 f"OpenEnv server {self.url} closed the session at reset: a server at its max_concurrent_envs does "
-                "(run at most that many episodes at once: agent.env_workers, agent.max_concurrent_episodes)"
+                "(run at most that many episodes at once: agent.max_concurrent_episodes)"
             ) from exc
         messages = first_messages(row) if row.get("messages") or row.get("prompt") else []
         return [*messages, {"role": "user", "content": self.render(result.observation)}]
