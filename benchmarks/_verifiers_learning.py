@@ -145,7 +145,7 @@ def verifiers_learning(
     model_dir: Path, tasks: list[dict], minutes: float, n_eval: int, seed: int, batch: tuple[int, int]
 ) -> dict:
     """Held-out success on the environment's eval split before and after ``minutes`` of training."""
-    from agent_learning import train_for
+    from agent_learning import learning_figures, train_for
 
     from postrl.config.loading import build_config
 
@@ -161,17 +161,9 @@ def verifiers_learning(
     return {
         "env": f"{SPEC} ({', '.join(t['name'] for t in tasks)})",
         "tasks": tasks,
-        "success_before": round(before["success"], 4),
-        "success_after": round(after["success"], 4),
-        "per_task_before": before["per_task"],
-        "per_task_after": after["per_task"],
-        "tool_calls_per_episode_before": round(before["tool_calls_per_episode"], 3),
-        "tool_calls_per_episode": round(after["tool_calls_per_episode"], 3),
+        **learning_figures(before, after),
         "unscorable": before["unscorable"] + after["unscorable"],
-        "retokenization_mismatches": before["retokenization_mismatches"] + after["retokenization_mismatches"],
-        "prefix_breaks": before["prefix_breaks"] + after["prefix_breaks"],
         "rubric_equal": before["rubric_equal"] and after["rubric_equal"],
-        "held_out": after["episodes"],
         "steps": steps,
         "minutes": round(minutes_run, 2),
         "run_minutes": round(wall / 60, 2),

@@ -259,6 +259,19 @@ def learn(
     shutil.rmtree(out, ignore_errors=True)  # its checkpoint is 2.2 GB (float32 weights and AdamW state)
     return {
         "tasks": tasks,
+        **learning_figures(before, after),
+        "history_edits": before["history_edits"] + after["history_edits"],
+        "steps": steps,
+        "minutes": round(minutes_run, 2),
+        "run_minutes": round(wall / 60, 2),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def learning_figures(before: dict, after: dict) -> dict:
+    """The held-out figures of a tool-learning run, before and after training: success (overall and
+    per task), tool calls per episode, and the token-exactness counts of both evaluations."""
+    return {
         "success_before": round(before["success"], 4),
         "success_after": round(after["success"], 4),
         "per_task_before": before["per_task"],
@@ -267,12 +280,7 @@ def learn(
         "tool_calls_per_episode": round(after["tool_calls_per_episode"], 3),
         "retokenization_mismatches": before["retokenization_mismatches"] + after["retokenization_mismatches"],
         "prefix_breaks": before["prefix_breaks"] + after["prefix_breaks"],
-        "history_edits": before["history_edits"] + after["history_edits"],
         "held_out": after["episodes"],
-        "steps": steps,
-        "minutes": round(minutes_run, 2),
-        "run_minutes": round(wall / 60, 2),
-        "threads": torch.get_num_threads(),
     }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -279,3 +281,46 @@ def test_one_accuracy_rule_for_training_validation_and_eval():
     assert accuracy(results, "acc", 0.5) == 3 / 4
     assert accuracy(results, None, 1.0) is None
     assert accuracy([RewardResult(None, error="x")], "acc", 1.0) is None
+
+
+def sandbox_user_processes(uid: int) -> int:
+    return sum(1 for p in os.listdir("/proc") if p.isdigit() and _owner(p) == uid)
+
+
+def _owner(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="jails share one process limit only as the one user a root service drops to"
+)
+def test_cases_that_cannot_start_while_another_jail_holds_the_process_limit_make_the_sample_unscorable():
+    """RLIMIT_NPROC counts every process of the sandbox user: while a fork bomb in one jail holds
+    it, another jail's stdin/stdout cases cannot fork. That sample is unscorable (its verdicts say
+    nothing about its program), not scored 0; once the bomb's wall clock ends it, the same program
+    scores its fraction."""
+    from postrl.reward.code import code_reward
+    from postrl.reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailableError, probe_protections
+
+    uid = probe_protections().unprivileged_user[0]
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    bomb_jail = Sandbox(SandboxLimits(wall_s=3.0, cpu_s=3, processes=16))
+    with ThreadPoolExecutor(1) as pool:
+        bombing = pool.submit(bomb_jail.run, bomb, ["assert True"], "assert")
+        deadline = time.monotonic() + 20
+        while sandbox_user_processes(uid) < 16 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        program = "n = int(input())\nprint(n * 2)"
+        tests = json.dumps({"inputs": ["3\n", "10\n"], "outputs": ["6\n", "21\n"]})
+        sandbox = {"wall_s": 0.4, "processes": 16}
+        with pytest.raises(SandboxUnavailableError, match="process limit stayed reached"):
+            code_reward("", program, sandbox=sandbox, tests=tests)
+        assert bombing.result().timed_out
+    assert code_reward("", program, sandbox={"wall_s": 4.0, "processes": 16}, tests=tests) == (
+        0.5,
+        "test 1: wrong output",
+    )

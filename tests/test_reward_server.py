@@ -67,17 +67,29 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.fixture(scope="module")
-def code_server(tmp_path_factory):
+def serve_code(tmp_path_factory, processes: int = 64) -> tuple[subprocess.Popen, str]:
     tmp = tmp_path_factory.mktemp("reward_server")
+    sandbox = {"wall_s": 4.0, "cpu_s": 1, "memory_mb": 512, "processes": processes}
     config = {
-        "reward": {
-            "num_workers": 2,
-            "components": [{"name": "code", "type": "code", "sandbox": {"wall_s": 4.0, "cpu_s": 1, "memory_mb": 512}}],
-        },
+        "reward": {"num_workers": 2, "components": [{"name": "code", "type": "code", "sandbox": sandbox}]},
         "server": {"token_env": "POSTRL_TEST_TOKEN", "max_body_bytes": 65536, "max_batch": 64},
     }
-    proc, url = start_server(tmp, config, {"POSTRL_TEST_TOKEN": TOKEN, "POSTRL_TEST_SECRET": SECRET})
+    return start_server(tmp, config, {"POSTRL_TEST_TOKEN": TOKEN, "POSTRL_TEST_SECRET": SECRET})
+
+
+@pytest.fixture(scope="module")
+def code_server(tmp_path_factory):
+    proc, url = serve_code(tmp_path_factory)
+    yield proc, url
+    stop_server(proc)
+
+
+@pytest.fixture
+def attack_server(tmp_path_factory):
+    """The fork bomb's server: its jails may hold 8 processes of the sandbox user, which every jail
+    of the machine shares (RLIMIT_NPROC counts per user), so another worker's jails, allowed 64,
+    still start theirs while it runs."""
+    proc, url = serve_code(tmp_path_factory, processes=8)
     yield proc, url
     stop_server(proc)
 
@@ -114,12 +126,12 @@ def test_stdin_stdout_tests(code_server):
     tests = {"inputs": ["3\n", "10\n"], "outputs": ["6\n", "21\n"]}
     sample = {"prompt": "", "response": program, "columns": {"tests": json.dumps(tests)}}
     [result] = score(url, [sample]).json()["results"]
-    assert result["reward"] == 0.5 and "wrong output" in result["reasons"]["code"]
+    assert result["reward"] == 0.5 and "wrong output" in result["reasons"]["code"], result
 
 
 @pytest.mark.slow
-def test_adversarial_programs_are_contained(code_server, tmp_path):
-    proc, url = code_server
+def test_adversarial_programs_are_contained(attack_server, tmp_path):
+    proc, url = attack_server
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)

@@ -13,7 +13,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from postrl.reward.sandbox import Protections, Sandbox, SandboxLimits
+from postrl.reward.sandbox import Protections, Sandbox, SandboxLimits, SandboxUnavailableError
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -67,8 +67,10 @@ def code_reward(
 ) -> tuple[float, str | None]:
     """(fraction of tests passed, or 1/0 with code_score='all_or_nothing'; why tests failed).
 
-    A malformed tests column raises (the sample is unscorable, the error is kept); anything the
-    program does only fails tests, and the reason is reported with the score.
+    A malformed tests column raises (the sample is unscorable, the error is kept), as does a
+    sandbox that could not start the cases (another jail's fork bomb held the sandbox user's
+    process limit); anything the program does only fails tests, and the reason is reported with
+    the score.
     """
     if tests_column not in columns:
         raise KeyError(f"row has no '{tests_column}' column with tests for the code reward")
@@ -76,6 +78,8 @@ def code_reward(
     namespaces = tuple(protections["namespaces"]) if protections else None
     user = tuple(protections["user"]) if protections and protections.get("user") else None
     result = _sandbox(SandboxLimits(**(sandbox or {})), namespaces, user).run(extract_program(response), tests, mode)
+    if result.unavailable:
+        raise SandboxUnavailableError(f"code sandbox: {result.error}")
     failures = [f"test {i}: {err}" for i, (ok, err) in enumerate(zip(result.passed, result.errors)) if not ok]
     reason = result.error or ("; ".join(failures[:3]) if failures else None)
     if code_score == "all_or_nothing":

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from postrl.reward.sandbox_harness import EX_TEMPFAIL
 from postrl.workers.process import pdeathsig_prefix
 
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
@@ -36,6 +37,10 @@ SCRUBBED_ENV = {
     "HOME": "/tmp",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The sandbox could not run a program's cases at all: the sample is unscorable, not failed."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class SandboxResult:
     error: str | None = None  # a failure of the whole run (timeout, output cap, crash before tests)
     timed_out: bool = False
     output: str = ""  # the first bytes of stdout + stderr, for debugging
+    # io cases could not be run at all (the sandbox user's process limit, shared by every jail,
+    # held by another program throughout): the verdicts say nothing about this program
+    unavailable: bool = False
 
     @property
     def fraction(self) -> float:
@@ -156,7 +164,7 @@ class Sandbox:
         spec["program"], spec["tests"] = program, tests
         spec["case_timeout_s"] = max(0.1, limits.wall_s / max(1, len(tests))) if mode == "io" else limits.wall_s
         try:
-            return self._execute(spec, len(tests))
+            return self._execute(spec, len(tests), unavailable_status=EX_TEMPFAIL if mode == "io" else None)
         finally:
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -188,8 +196,10 @@ class Sandbox:
         }
         return spec, workdir
 
-    def _execute(self, spec: dict, n_tests: int) -> SandboxResult:
-        """The tests run in a fresh jailed interpreter: its verdicts, its output and why it ended."""
+    def _execute(self, spec: dict, n_tests: int, unavailable_status: int | None = None) -> SandboxResult:
+        """The tests run in a fresh jailed interpreter: its verdicts, its output and why it ended.
+        ``unavailable_status``: the harness's exit status for cases it could not start (io mode
+        only: there the program runs in a child and cannot choose the harness's status)."""
         result_r, result_w = os.pipe()
         proc = self._spawn(spec, result_w)
         try:
@@ -199,11 +209,17 @@ class Sandbox:
             assert proc.stdout is not None
             proc.stdout.close()
             os.close(result_r)
-        if error is None and len(verdicts) < n_tests:
+        unavailable = unavailable_status is not None and proc.returncode == unavailable_status
+        if unavailable:
+            error = (
+                "could not start its cases: the sandbox user's process limit stayed reached (another program held it)"
+            )
+        elif error is None and len(verdicts) < n_tests:
             error = _exit_reason(proc.returncode)
         passed = [verdicts.get(i, (False, None))[0] for i in range(n_tests)]
         errors = [verdicts[i][1] if i in verdicts else (error or "not run") for i in range(n_tests)]
-        return SandboxResult(passed, errors, error, timed_out, bytes(output[:2000]).decode("utf-8", "replace"))
+        text = bytes(output[:2000]).decode("utf-8", "replace")
+        return SandboxResult(passed, errors, error, timed_out, text, unavailable)
 
     def _spawn(self, spec: dict, result_w: int) -> subprocess.Popen:
         """The harness process, reading ``spec`` on stdin and writing verdicts to ``result_w``

@@ -26,6 +26,7 @@ import sys
 import time
 
 CHILD_OUTPUT_CAP = 1 << 20
+EX_TEMPFAIL = 75  # sandbox.py: io cases could not start (a fork refused until the case's deadline)
 
 
 SIGKILL = 9
@@ -229,19 +230,35 @@ def _normalise(text):
     return [line.rstrip() for line in text.strip().splitlines()]
 
 
+def _fork_within(deadline):
+    """``os.fork()``, tried again until ``deadline`` while the kernel refuses it (EAGAIN): the
+    process limit counts every process of the sandbox user, so another sample's program (a fork
+    bomb, until its wall-clock limit kills it) can hold it for a while. None: refused throughout."""
+    while True:
+        try:
+            return os.fork()
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+
 def run_io(spec, fd):
     for i, case in enumerate(spec["tests"]):
         stdin_path = "stdin_%d.txt" % i
         with open(stdin_path, "w") as f:
             f.write(case["input"])
+        deadline = time.monotonic() + spec["case_timeout_s"]
         r, w = os.pipe()
-        pid = os.fork()
+        pid = _fork_within(deadline)
+        if pid is None:  # not the program's doing: the parent makes the sample unscorable
+            _report(fd, i, False, "could not start the case: the sandbox user's process limit stayed reached")
+            os._exit(EX_TEMPFAIL)
         if pid == 0:
             os.close(r)
             _child(spec["program"], stdin_path, w, fd)
         os.close(w)
         out, error = bytearray(), None
-        deadline = time.monotonic() + spec["case_timeout_s"]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
