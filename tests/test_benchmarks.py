@@ -5,7 +5,7 @@ offline SmolLM2) says why and is reported as skipped, never as passed.
 The smoke runs go two at a time in the background from the first of these tests on (much of
 their time is waiting: time limits and servers starting), longest first; each test then takes its
 own run's result. They share one xdist worker (group ``smokes``); ray_scaling, which starts Ray
-clusters, runs on its own (group ``ray_bench``), beside the Ray tests."""
+clusters, runs with the Ray tests (``serial``)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ _runs: dict[tuple[str, tuple[str, ...]], Future] = {}
 
 
 def run_smoke(name: str, extra: tuple[str, ...]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    # one torch thread each: two smoke runs go at once beside the other xdist worker, and more
+    # threads than cores made each of them spin (a smoke checks that a script runs, not its speed)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--json", *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
@@ -62,8 +64,8 @@ def smoke(name: str, extra: tuple[str, ...]) -> dict:
     return last
 
 
-# its own group: its Ray instance runs beside the Ray tests' (each counts only its own processes)
-CASES = [pytest.param(*RAY, marks=pytest.mark.xdist_group("ray_bench"), id=RAY[0])]
+# with the Ray tests, one after another: one Ray instance of the suite at a time on the machine
+CASES = [pytest.param(*RAY, marks=pytest.mark.serial, id=RAY[0])]
 CASES += [pytest.param(n, e, marks=pytest.mark.xdist_group("smokes"), id=f"{n}{''.join(e)}") for n, e in RUNS]
 
 
