@@ -306,6 +306,38 @@ def test_a_failure_wholly_inside_a_library_names_its_innermost_frame(tmp_path, m
     assert reason == f"KeyError: 'k' ({library / '__init__.py'}:3)"
 
 
+def test_an_error_without_a_message_goes_on_with_the_reason_of_the_error_it_was_raised_from(tmp_path, monkeypatch):
+    """verifiers wraps the client's refusal in a bare ModelError: the reason carries the refusal's
+    message, which says what to change; an error with a message of its own keeps it alone."""
+    from postrl.rollout.agentic.limited import describe_failure
+
+    library = tmp_path / "site-packages" / "wrapping"
+    library.mkdir(parents=True)
+    (library / "__init__.py").write_text(
+        "class ModelError(Exception):\n    pass\n\n\n"
+        "def call(message):\n    try:\n        raise ValueError('400: set tools_in_prompt')\n"
+        "    except ValueError as e:\n        raise (ModelError(message) if message else ModelError()) from e\n"
+    )
+    agent = tmp_path / "wrapped_agent.py"
+    agent.write_text("import wrapping\n\n\ndef run(message):\n    return wrapping.call(message)\n")
+    monkeypatch.syspath_prepend(str(library.parent))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import wrapped_agent
+    import wrapping
+
+    reasons = []
+    for message in ("", "the model failed"):
+        try:
+            wrapped_agent.run(message)
+        except wrapping.ModelError as exc:
+            reasons.append(describe_failure(exc)[0])
+    lib = library / "__init__.py"
+    assert reasons == [
+        f"ModelError ({agent}:5) from ValueError: 400: set tools_in_prompt ({lib}:7)",
+        f"ModelError: the model failed ({agent}:5)",
+    ]
+
+
 def test_a_run_without_tools_is_not_told_that_the_template_drops_them(caplog):
     """SmolLM2's template drops tools=; an agent function run offers none at its start (a call with
     tools= is refused at that call, naming agent.tools_in_prompt), so its start says nothing of it."""

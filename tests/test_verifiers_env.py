@@ -262,3 +262,21 @@ def test_postrl_train_with_a_loader_that_raises_stops_before_the_model_loads(tmp
         "postrl train: error: agent.verifiers='tests.verifiers_envs:load_broken': "
         "load_environment(rows_file='r.jsonl') raised FileNotFoundError: no rows at r.jsonl"
     ) in capsys.readouterr().err
+
+
+def test_a_tool_environment_shown_through_a_template_that_drops_tools_is_refused_at_start(tmp_path, capsys):
+    """The demo model's template ignores tools=: with agent.tools_in_prompt: template the model
+    would never see the environment's tools, so the run stops before its first step, naming the
+    tools and the field to change (every episode failed at its first call before)."""
+    from postrl.cli import main
+
+    config = tmp_path / "tools.yaml"
+    config.write_text("agent: {verifiers: tests.verifiers_envs:load_tool_env, max_context: 128}\n")
+    assert main(["train", str(config), f"output_dir={tmp_path}", "model.path=demo", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "postrl train: error: agent.tools_in_prompt=template: the chat template of demo ignores tools=, so the model "
+        "would never see the tools of agent.verifiers=tests.verifiers_envs:load_tool_env (add); set "
+        "agent.tools_in_prompt: system"
+    ) in err, err
+    assert not any(p.read_text() for p in tmp_path.rglob("metrics.jsonl"))  # no step ran

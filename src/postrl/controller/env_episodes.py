@@ -21,7 +21,7 @@ from postrl.rollout.agentic.limited import call_limited, failure_info, run_limit
 from postrl.rollout.agentic.lockstep import Lockstep
 from postrl.rollout.agentic.mcp_tools import McpServerError, McpTools
 from postrl.rollout.agentic.openenv_server import LocalOpenEnvServer, OpenEnvServerError, local_app
-from postrl.rollout.agentic.template_check import check_template
+from postrl.rollout.agentic.template_check import check_template, refuse_dropped_tools
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 from postrl.workers.roles import RewardService, RolloutWorker
 
@@ -104,14 +104,7 @@ class EnvEpisodes:
         config, tokenizer = self.config, self.tokenizer
         tools = self._probe_tools()
         report = check_template(tokenizer, tools or None)
-        if tools and not report.tools_rendered and config.tools_in_prompt == "template":
-            names = ", ".join(t["function"]["name"] for t in tools)
-            raise ConfigError(
-                f"agent.tools_in_prompt=template: the chat template of {model} ignores tools=, so the model "
-                f"would never see the tools of agent.env={config.env} ({names}); set agent.tools_in_prompt: "
-                "system (postrl writes them into a system message), none (the model was trained on them) or use a "
-                "model whose template renders tools"
-            )
+        refuse_dropped_tools(report, tools, config.tools_in_prompt, model, f"agent.env={config.env}")
         summary = report.summary(config.on_prefix_break, bool(tools) and config.tools_in_prompt == "template")
         (log.info if report.append_only else log.warning)("agent: %s", summary)
 

@@ -8,10 +8,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from postrl.config.agent import VerifiersAgent
+from postrl.config.run import ConfigError
 from postrl.controller.episode_scoring import EpisodeScoring, trainable
 from postrl.controller.stages.base import Groups
-from postrl.rollout.agentic.template_check import check_template
-from postrl.rollout.agentic.verifiers_env import VerifiersGroups
+from postrl.rollout.agentic.template_check import check_template, refuse_dropped_tools
+from postrl.rollout.agentic.verifiers_env import VerifiersGroups, tool_schemas
 from postrl.types import Prompt, RewardResult, Rollout, SamplingParams
 from postrl.workers.roles import RewardService
 
@@ -26,14 +28,22 @@ class VerifiersEpisodes:
         tokenizer: Any,
         groups: VerifiersGroups,
         reward: RewardService,
-        on_prefix_break: str,
+        agent: VerifiersAgent,
         errors_log: Path | None = None,
+        model: str = "the model",
     ) -> None:
-        """Takes over ``groups`` (closed by :meth:`close`)."""
+        """Takes over ``groups`` (closed by :meth:`close`); ``model``: its name in errors. The
+        environment's tools shown through a template that drops them are refused."""
         self.groups = groups
         self.scoring = EpisodeScoring("environment", reward, errors_log)
-        report = check_template(tokenizer)
-        summary = report.summary(on_prefix_break, tools_shown=False)
+        tools = tool_schemas(groups.env)
+        report = check_template(tokenizer, tools or None)
+        try:
+            refuse_dropped_tools(report, tools, agent.tools_in_prompt, model, f"agent.verifiers={agent.verifiers}")
+        except ConfigError:
+            groups.close()
+            raise
+        summary = report.summary(agent.on_prefix_break, bool(tools) and agent.tools_in_prompt == "template")
         (log.info if report.append_only else log.warning)("agent: %s", summary)
 
     @property

@@ -33,7 +33,7 @@ def make_batch_source(
         env = load_environment(agent)
         server = RecordingServer.of_engine(rollout, tokenizer, agent.tools_in_prompt, agent.max_context)
         groups = VerifiersGroups(server, env, agent.env_workers, agent.group_timeout_s)
-        return VerifiersEpisodes(tokenizer, groups, reward, agent.on_prefix_break, errors_log)
+        return VerifiersEpisodes(tokenizer, groups, reward, agent, errors_log, model)
     if not isinstance(agent, FunctionAgent):
         raise TypeError(f"{KIND_RUNS[agent.kind]} is played by several policies (policies:), not by one run's engine")
     function = load_agent_function(agent.function)

@@ -166,14 +166,21 @@ def describe_failure(exc: BaseException) -> tuple[str, str]:
     """``(reason, traceback)``: the reason is one line, ``Type: message (file:line)`` with the
     innermost frame of the user's own code: outside postrl, Python's standard library and installed
     libraries (not ``contextlib.py`` nor ``openai/_base_client.py``, but the agent's line that called
-    them); a failure raised wholly inside libraries names the innermost library frame. The
+    them); a failure raised wholly inside libraries names the innermost library frame. An error
+    without a message that was raised from another (verifiers' ``ModelError`` from the client's
+    ``BadRequestError``) goes on with that one's reason, which says what went wrong. The
     traceback is the whole one."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     outside = [f for f in traceback.extract_tb(exc.__traceback__) if _not_ours_nor_python_s(f.filename)]
     frames = [f for f in outside if not _installed(f.filename)] or outside
     where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {message}{where}" if message else f"{type(exc).__name__}{where}", text
+    if message:
+        return f"{type(exc).__name__}: {message}{where}", text
+    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    if cause is not None:
+        return f"{type(exc).__name__}{where} from {describe_failure(cause)[0]}", text
+    return f"{type(exc).__name__}{where}", text
 
 
 def failure_info(exc: BaseException, stage: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from postrl.config.run import ConfigError
 from postrl.rollout.agentic.chat import ChatRenderer, first_difference
 
 Messages = list[dict[str, Any]]
@@ -104,6 +105,21 @@ class TemplateReport:
             "tools               rendered into the prompt"
             if self.tools_rendered
             else f"tools               {TOOLS_DROPPED}"
+        )
+
+
+def refuse_dropped_tools(
+    report: TemplateReport, tools: list[dict[str, Any]], tools_in_prompt: str, model: str, source: str
+) -> None:
+    """A ConfigError where ``source``'s tools would reach the model through the template's tools=
+    (``agent.tools_in_prompt: template``) and the template of ``model`` drops them."""
+    if tools and not report.tools_rendered and tools_in_prompt == "template":
+        names = ", ".join(t["function"]["name"] for t in tools)
+        raise ConfigError(
+            f"agent.tools_in_prompt=template: the chat template of {model} ignores tools=, so the model "
+            f"would never see the tools of {source} ({names}); set agent.tools_in_prompt: "
+            "system (postrl writes them into a system message), none (the model was trained on them) or use a "
+            "model whose template renders tools"
         )
 
 

@@ -74,6 +74,15 @@ def load_environment(agent: VerifiersAgent) -> Any:
     return _loaded(agent.verifiers, json.dumps(agent.verifiers_args, sort_keys=True, default=repr))
 
 
+def tool_schemas(env: Any) -> list[dict[str, Any]]:
+    """The OpenAI tool schemas of the tools ``env`` declares at load (a ToolEnv's, a
+    StatefulToolEnv's visible ones): none for an environment without tools."""
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in env.tool_defs or []
+    ]
+
+
 @functools.cache
 def _loaded(spec: str, args_json: str) -> Any:
     vf = verifiers()
