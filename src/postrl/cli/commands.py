@@ -142,7 +142,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_rollout(args: argparse.Namespace) -> int:
-    from postrl.config.run import RolloutConfig
+    from postrl.config.rollout import RolloutConfig
     from postrl.models.host_memory import keep_freed_memory
     from postrl.models.loading import load_causal_lm, load_tokenizer
     from postrl.rollout.agentic.recorder import EpisodeRecorder

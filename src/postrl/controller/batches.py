@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from postrl.config.run import RolloutConfig
+from postrl.config.rollout import RolloutConfig
 from postrl.controller.advantage import compute_advantage
 from postrl.controller.components import Components
 from postrl.controller.failures import check_failure_rate

@@ -16,7 +16,8 @@ from typing import Literal
 import torch
 
 from postrl.config.algorithm import ProximalSource
-from postrl.config.run import RunConfig, exact_dtype_message
+from postrl.config.rollout import exact_dtype_message
+from postrl.config.run import RunConfig
 from postrl.models.devices import bf16_is_fast, bf16_matmul_supported, resolve_device
 
 Dtype = Literal["float32", "bfloat16"]

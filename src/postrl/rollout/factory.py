@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from postrl.config.run import RolloutConfig, RunConfig
+from postrl.config.rollout import RolloutConfig
+from postrl.config.run import RunConfig
 from postrl.models import numerics
 from postrl.models.devices import bf16_is_fast, resolve_device
 from postrl.models.loading import context_length, load_causal_lm, resolve_model_path

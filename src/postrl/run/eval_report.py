@@ -11,7 +11,8 @@ from typing import Any
 
 from postrl.config.data import NO_HELD_OUT
 from postrl.config.reward import ACCURACY_KINDS
-from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
+from postrl.config.rollout import RolloutConfig
+from postrl.config.run import ConfigError, RewardConfig, RunConfig
 from postrl.controller.batches import greedy_sampling
 from postrl.controller.source import BatchSource
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from postrl.config.loading import load_config
-from postrl.config.run import ConfigError, RewardConfig, RolloutConfig, RunConfig
+from postrl.config.rollout import RolloutConfig
+from postrl.config.run import ConfigError, RewardConfig, RunConfig
 from postrl.controller.batches import greedy_sampling
 from postrl.data.dataset import PromptDataset, build_prompts, load_prompt_dataset
 from postrl.data.prompt_source import prompt_source

@@ -58,9 +58,8 @@ def build_components(config: RunConfig, numerics: Numerics | None = None) -> Com
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model.path)
     prompts = prompt_source(config.data, tokenizer, config.agent)
-    if isinstance(
-        config.agent, VerifiersAgent
-    ):  # loaded once, here: one that fails stops the run before the model loads
+    # a verifiers environment is loaded here, once: one that fails stops the run before the model loads
+    if isinstance(config.agent, VerifiersAgent):
         load_environment(config.agent)
     if config.scores_with_components:
         check_columns(config.reward, ((p.source, p.columns) for p in prompts.train().prompts))

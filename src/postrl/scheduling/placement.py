@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from postrl.config.run import RolloutConfig
+from postrl.config.rollout import RolloutConfig
 from postrl.config.scheduler import SchedulerConfig
 from postrl.rollout.pool import RolloutPool
 from postrl.rollout.weight_transport import BroadcastTransport, DirectTransport, FileTransport, WeightTransport
